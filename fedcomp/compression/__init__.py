@@ -1,0 +1,42 @@
+"""fedcomp.compression: codecs, the validated wire format and error feedback.
+
+Pure PyTorch/numpy; nothing here imports Flower.
+
+>>> import torch, fedcomp.compression as fc
+>>> c = fc.get_compressor("stc", density=0.01)
+>>> x = torch.randn(1000)
+>>> x_hat = fc.decompress(c.compress(x))
+>>> int((x_hat != 0).sum())
+10
+"""
+
+from . import dense, int8, qsgd, randomk, sign, stc, topk  # noqa: F401  (register codecs)
+from .base import (
+    CODECS,
+    Compressor,
+    available_compressors,
+    codec_name,
+    compression_error,
+    decompress,
+    get_compressor,
+)
+from .error_feedback import ErrorFeedback
+from .errors import PayloadError
+from .positions import information_bound_bits, rice_parameter
+from .wire import DEFAULT_MAX_NUMEL, parse_header
+
+__all__ = [
+    "CODECS",
+    "Compressor",
+    "DEFAULT_MAX_NUMEL",
+    "ErrorFeedback",
+    "PayloadError",
+    "available_compressors",
+    "codec_name",
+    "compression_error",
+    "decompress",
+    "get_compressor",
+    "information_bound_bits",
+    "parse_header",
+    "rice_parameter",
+]

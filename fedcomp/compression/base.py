@@ -1,0 +1,241 @@
+"""Compressor base class, codec registry, ``get_compressor`` and ``decompress``."""
+
+from __future__ import annotations
+
+from typing import Callable, ClassVar
+
+import numpy as np
+import torch
+
+from .errors import PayloadError
+from .wire import DEFAULT_MAX_NUMEL, DTYPE_CODES, Header, pack_header, parse_header
+
+#: name -> Compressor subclass
+CODECS: dict[str, type["Compressor"]] = {}
+#: codec id -> Compressor subclass (used by ``decompress``)
+_BY_ID: dict[int, type["Compressor"]] = {}
+
+
+def register(cls: type["Compressor"]) -> type["Compressor"]:
+    """Class decorator: add a codec to the registry under ``cls.name`` and ``cls.codec_id``.
+
+    Raises
+    ------
+    ValueError
+        If the name or id is already taken.
+    """
+    if cls.name in CODECS or cls.codec_id in _BY_ID:
+        raise ValueError(f"codec {cls.name!r} / id {cls.codec_id} registered twice")
+    CODECS[cls.name] = cls
+    _BY_ID[cls.codec_id] = cls
+    return cls
+
+
+def check_input(x: torch.Tensor) -> torch.Tensor:
+    """Validate an input tensor and return it flattened as float32 on its own device.
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        Any shape; dtype float16, bfloat16, float32 or float64; any device.
+
+    Returns
+    -------
+    torch.Tensor
+        1-D float32 view/copy, shape ``(x.numel(),)``, same device.
+
+    Raises
+    ------
+    TypeError
+        If ``x`` is not a tensor.
+    ValueError
+        If the dtype is unsupported or ``x`` holds NaN or Inf (checked before any selection).
+    """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in DTYPE_CODES:
+        raise ValueError(f"unsupported dtype {x.dtype}; expected float16, bfloat16, float32 or float64")
+    flat = x.detach().reshape(-1).to(torch.float32)
+    if flat.numel() and not bool(torch.isfinite(flat).all()):
+        bad = int((~torch.isfinite(flat)).sum())
+        raise ValueError(f"input holds {bad} non-finite value(s) (NaN or Inf); refusing to compress")
+    return flat
+
+
+class Compressor:
+    """Base class of every codec.
+
+    A subclass sets ``name`` and ``codec_id``, implements :meth:`_encode` (float32 1-D
+    tensor -> params bytes, body bytes) and the classmethod :meth:`_decode` (validated
+    header fields and body -> float32 numpy array of n elements), and is decorated with
+    :func:`register`. Codecs know nothing about Flower.
+    """
+
+    name: ClassVar[str] = ""
+    codec_id: ClassVar[int] = -1
+
+    def compress(self, x: torch.Tensor) -> bytes:
+        """Compress a tensor into a self-describing payload.
+
+        Parameters
+        ----------
+        x : torch.Tensor
+            Any shape, float16/bfloat16/float32/float64, CPU or CUDA. Arithmetic runs in
+            float32 on ``x.device``; only the final bytes move to the CPU.
+
+        Returns
+        -------
+        bytes
+            Header plus body; ``len(payload)`` is exactly what travels.
+
+        Raises
+        ------
+        ValueError
+            Unsupported dtype, or NaN/Inf in ``x``.
+        """
+        flat = check_input(x)
+        params, body = self._encode(flat)
+        return pack_header(self.codec_id, x.dtype, tuple(x.shape), params) + body
+
+    def _encode(self, flat: torch.Tensor) -> tuple[bytes, bytes]:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    @classmethod
+    def _decode(cls, header: Header, payload: memoryview) -> np.ndarray:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def config(self) -> dict[str, float | int | str]:
+        """Codec parameters as a flat dict (what ``get_compressor`` would take to rebuild it)."""
+        return {}
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.config().items())
+        return f"{type(self).__name__}({args})"
+
+
+def get_compressor(name: str, **params) -> Compressor:
+    """Build a registered codec by name.
+
+    Parameters
+    ----------
+    name : str
+        One of ``available_compressors()``: "none", "fp16", "bf16", "sign", "stc",
+        "topk", "randomk", "qsgd", "int8".
+    **params
+        Codec parameters (``density``, ``levels``, ``block_size``, ``seed``,
+        ``value_dtype``, ``rescale``); see each codec's docstring.
+
+    Returns
+    -------
+    Compressor
+
+    Raises
+    ------
+    ValueError
+        Unknown codec name, or a parameter out of its range.
+    TypeError
+        A parameter the codec does not take.
+    """
+    if name not in CODECS:
+        raise ValueError(f"unknown compressor {name!r}; choose one of {sorted(CODECS)}")
+    return CODECS[name](**params)
+
+
+def available_compressors() -> list[str]:
+    """Names accepted by :func:`get_compressor`, sorted."""
+    return sorted(CODECS)
+
+
+def codec_name(payload: bytes) -> str:
+    """Name of the codec that wrote ``payload`` (header only).
+
+    Raises
+    ------
+    PayloadError
+        Malformed header or unknown codec id.
+    """
+    header = parse_header(payload, max_numel=2**63)
+    if header.codec_id not in _BY_ID:
+        raise PayloadError(f"unknown codec id {header.codec_id}")
+    return _BY_ID[header.codec_id].name
+
+
+def decompress(
+    payload: bytes | bytearray | memoryview,
+    *,
+    max_numel: int = DEFAULT_MAX_NUMEL,
+    expected_shape: tuple[int, ...] | None = None,
+) -> torch.Tensor:
+    """Decode any fedcomp payload; needs nothing but the payload.
+
+    Parameters
+    ----------
+    payload : bytes-like
+        Bytes produced by ``Compressor.compress`` (possibly from an untrusted peer).
+    max_numel : int
+        Refuse payloads that claim more elements than this (decompression-bomb guard),
+        checked from the header before anything is allocated. Default 2**28.
+    expected_shape : tuple of int, optional
+        If given, the header's shape must equal it (checked before decoding the body).
+
+    Returns
+    -------
+    torch.Tensor
+        float32 CPU tensor of the original shape; always finite.
+
+    Raises
+    ------
+    PayloadError
+        Truncated, bad magic, unknown codec or version, too many elements, shape other
+        than ``expected_shape``, position out of range, non-finite scale or values,
+        trailing bytes. Nothing is pickled or ``torch.load``-ed.
+    """
+    header = parse_header(payload, max_numel=max_numel)
+    if expected_shape is not None and tuple(header.shape) != tuple(expected_shape):
+        raise PayloadError(f"payload shape {header.shape} does not match the expected {tuple(expected_shape)}")
+    cls = _BY_ID.get(header.codec_id)
+    if cls is None:
+        raise PayloadError(f"unknown codec id {header.codec_id}; known: { {c.codec_id: c.name for c in CODECS.values()} }")
+    flat = cls._decode(header, memoryview(payload).cast("B"))
+    if flat.shape != (header.numel,) or flat.dtype != np.float32:  # pragma: no cover - decoder invariant
+        raise PayloadError(f"{cls.name} decoder produced {flat.shape} {flat.dtype}")
+    if not np.isfinite(flat).all():
+        raise PayloadError(f"{cls.name} payload decodes to non-finite values")
+    return torch.from_numpy(flat).reshape(header.shape)
+
+
+def compression_error(x: torch.Tensor, x_hat: torch.Tensor) -> float:
+    """Relative L2 compression error ``||x - x_hat|| / ||x||`` (0.0 when x == 0 and x_hat == 0).
+
+    Parameters
+    ----------
+    x, x_hat : torch.Tensor
+        Same number of elements; compared in float64 on x's device.
+
+    Returns
+    -------
+    float
+        Dimensionless; ``inf`` if ``x`` is zero but ``x_hat`` is not.
+    """
+    a = x.detach().reshape(-1).to(torch.float64)
+    b = x_hat.detach().reshape(-1).to(device=a.device, dtype=torch.float64)
+    num = float(torch.linalg.vector_norm(a - b))
+    den = float(torch.linalg.vector_norm(a))
+    if den == 0.0:
+        return 0.0 if num == 0.0 else float("inf")
+    return num / den
+
+
+def check_range(name: str, value, lo, hi, *, lo_open: bool = False, integer: bool = False) -> None:
+    """Validate a codec parameter; raise ``ValueError`` naming it and its allowed range."""
+    if integer and (isinstance(value, bool) or not isinstance(value, (int, np.integer))):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if not integer and (isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer))):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    ok_lo = value > lo if lo_open else value >= lo
+    if not (ok_lo and value <= hi) or value != value:
+        lb = "(" if lo_open else "["
+        raise ValueError(f"{name} must be in {lb}{lo}, {hi}], got {value!r}")
+
+
+Decoder = Callable[[Header, memoryview], np.ndarray]

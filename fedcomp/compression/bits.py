@@ -1,0 +1,122 @@
+"""Vectorised bit packing with numpy (``np.packbits``/``np.unpackbits``, little bit order).
+
+Every function here works on whole arrays; there is no per-element Python loop.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .errors import PayloadError
+
+
+def nbytes_for_bits(nbits: int) -> int:
+    """Bytes needed for ``nbits`` bits (``ceil(nbits / 8)``)."""
+    return (nbits + 7) // 8
+
+
+def pack_bits(bits: np.ndarray) -> bytes:
+    """Pack a boolean/0-1 array into ``ceil(len/8)`` bytes, bit i of the stream at bit i%8 of byte i//8.
+
+    Parameters
+    ----------
+    bits : np.ndarray
+        1-D array of bool or uint8 in {0, 1}, length m.
+
+    Returns
+    -------
+    bytes
+        ``ceil(m / 8)`` bytes; padding bits in the last byte are zero.
+    """
+    return np.packbits(bits.astype(np.bool_, copy=False), bitorder="little").tobytes()
+
+
+def unpack_bits(buf: memoryview | bytes, count: int, what: str) -> np.ndarray:
+    """Inverse of :func:`pack_bits`.
+
+    Parameters
+    ----------
+    buf : bytes-like
+        Exactly ``ceil(count / 8)`` bytes.
+    count : int
+        Number of bits to return.
+    what : str
+        Field name for error messages.
+
+    Returns
+    -------
+    np.ndarray
+        uint8 array of 0/1, shape ``(count,)``.
+
+    Raises
+    ------
+    PayloadError
+        If the buffer length is wrong or a padding bit is set (non-canonical encoding).
+    """
+    raw = np.frombuffer(buf, dtype=np.uint8)
+    if raw.size != nbytes_for_bits(count):
+        raise PayloadError(f"{what}: expected {nbytes_for_bits(count)} bytes for {count} bits, got {raw.size}")
+    pad = raw.size * 8 - count
+    if pad and int(raw[-1]) >> (8 - pad):
+        raise PayloadError(f"{what}: padding bits after bit {count} are not zero")
+    return np.unpackbits(raw, count=count, bitorder="little")
+
+
+def pack_uint(values: np.ndarray, width: int) -> bytes:
+    """Pack unsigned integers at a fixed bit width.
+
+    Parameters
+    ----------
+    values : np.ndarray
+        1-D integer array, every entry in ``[0, 2**width)``; length m.
+    width : int
+        Bits per value, 0..64. Width 0 packs nothing.
+
+    Returns
+    -------
+    bytes
+        ``ceil(m * width / 8)`` bytes, value i occupying bits ``[i*width, (i+1)*width)``
+        least significant bit first.
+    """
+    if width == 0 or values.size == 0:
+        return b""
+    if width == 8:
+        return values.astype(np.uint8).tobytes()
+    v = values.astype(np.uint64, copy=False)
+    if width <= 8:
+        # (m, width) bit matrix from a uint8 view: cheaper than 64-bit shifts.
+        v8 = v.astype(np.uint8)
+        bits = np.unpackbits(v8[:, None], axis=1, count=width, bitorder="little")
+    else:
+        shifts = np.arange(width, dtype=np.uint64)
+        bits = ((v[:, None] >> shifts) & np.uint64(1)).astype(np.uint8)
+    return np.packbits(bits.ravel(), bitorder="little").tobytes()
+
+
+def unpack_uint(buf: memoryview | bytes, count: int, width: int, what: str) -> np.ndarray:
+    """Inverse of :func:`pack_uint`.
+
+    Returns
+    -------
+    np.ndarray
+        uint64 array, shape ``(count,)``.
+
+    Raises
+    ------
+    PayloadError
+        If the buffer has the wrong length or non-zero padding bits.
+    """
+    if width == 0 or count == 0:
+        if len(buf) != 0:
+            raise PayloadError(f"{what}: expected 0 bytes, got {len(buf)}")
+        return np.zeros(count, dtype=np.uint64)
+    if width == 8:
+        raw = np.frombuffer(buf, dtype=np.uint8)
+        if raw.size != count:
+            raise PayloadError(f"{what}: expected {count} bytes, got {raw.size}")
+        return raw.astype(np.uint64)
+    bits = unpack_bits(buf, count * width, what).reshape(count, width)
+    if width <= 8:
+        return np.packbits(bits, axis=1, bitorder="little")[:, 0].astype(np.uint64)
+    weights = np.left_shift(np.uint64(1), np.arange(width, dtype=np.uint64))
+    return (bits.astype(np.uint64) * weights).sum(axis=1, dtype=np.uint64)

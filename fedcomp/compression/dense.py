@@ -1,0 +1,92 @@
+"""Dense codecs: ``none`` (fp32, exact), ``fp16`` and ``bf16`` (casts).
+
+Sizes: 32, 16 and 16 bits per parameter plus the header. Arithmetic is float32; the
+cast happens last, so CPU tensors in float16 work. ``fp16`` saturates values beyond
+±65504 (the largest finite half) instead of sending Inf. bfloat16 (Kalamkar et al.,
+"A Study of BFLOAT16 for Deep Learning Training", 2019) keeps fp32's exponent range.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .base import Compressor, register
+from .wire import BodyReader, Header, unpack_params
+
+
+class _Cast(Compressor):
+    """Shared cast logic; subclasses set the wire dtype."""
+
+    wire_dtype: torch.dtype = torch.float32
+    itemsize = 4
+
+    def _encode(self, flat: torch.Tensor) -> tuple[bytes, bytes]:
+        return b"", self._to_wire(flat).cpu().numpy().tobytes()
+
+    def _to_wire(self, flat: torch.Tensor) -> torch.Tensor:
+        return flat
+
+    @classmethod
+    def _from_wire(cls, raw: memoryview, n: int) -> np.ndarray:
+        return np.frombuffer(raw, dtype=np.float32).copy()
+
+    @classmethod
+    def _decode(cls, header: Header, payload: memoryview) -> np.ndarray:
+        unpack_params("<", header.params, cls.name)
+        r = BodyReader(payload, header.body_offset, cls.name)
+        raw = r.take(header.numel * cls.itemsize, "values")
+        r.finish()
+        return cls._from_wire(raw, header.numel)
+
+
+@register
+class NoCompression(_Cast):
+    """``none``: float32 values as they are; exact. 32 bits/parameter + header.
+
+    Payload body: n little-endian float32. The reference point every ratio is taken
+    against (plain FedAvg, McMahan et al. 2017).
+    """
+
+    name = "none"
+    codec_id = 0
+
+
+@register
+class FP16(_Cast):
+    """``fp16``: IEEE half precision. 16 bits/parameter + header; |x| > 65504 saturates.
+
+    Relative error per entry <= 2**-11 for normal values (IEEE 754-2008 binary16).
+    """
+
+    name = "fp16"
+    codec_id = 1
+    itemsize = 2
+
+    def _to_wire(self, flat: torch.Tensor) -> torch.Tensor:
+        return flat.clamp(-65504.0, 65504.0).to(torch.float16)
+
+    @classmethod
+    def _from_wire(cls, raw: memoryview, n: int) -> np.ndarray:
+        return np.frombuffer(raw, dtype=np.float16).astype(np.float32)
+
+
+@register
+class BF16(_Cast):
+    """``bf16``: bfloat16 (8-bit exponent, 7-bit mantissa), round to nearest even.
+
+    16 bits/parameter + header; relative error per entry <= 2**-8. Sent as the upper 16
+    bits of each float32 (Kalamkar et al. 2019).
+    """
+
+    name = "bf16"
+    codec_id = 2
+    itemsize = 2
+
+    def _to_wire(self, flat: torch.Tensor) -> torch.Tensor:
+        return flat.to(torch.bfloat16).view(torch.int16)
+
+    @classmethod
+    def _from_wire(cls, raw: memoryview, n: int) -> np.ndarray:
+        hi = np.frombuffer(raw, dtype=np.uint16).astype(np.uint32) << np.uint32(16)
+        return hi.view(np.float32)
