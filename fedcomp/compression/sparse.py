@@ -7,7 +7,7 @@ import torch
 
 from .base import check_range
 from .errors import PayloadError
-from .positions import decode_positions, encode_positions, positions_nbytes
+from .positions import MAX_RICE_PARAMETER, decode_positions, encode_positions, positions_nbytes
 from .wire import BodyReader
 
 
@@ -33,5 +33,7 @@ def read_positions(r: BodyReader, codec: str, k: int, n: int, b: int, unary_bits
     """Read and validate the position block of a sparse payload (int64, shape (k,))."""
     if k > n:
         raise PayloadError(f"{codec}: k = {k} exceeds the tensor size {n}")
+    if b > MAX_RICE_PARAMETER:
+        raise PayloadError(f"{codec}: Rice parameter {b} exceeds {MAX_RICE_PARAMETER}")
     data = r.take(positions_nbytes(k, b, unary_bits), "positions")
     return decode_positions(data, k, n, b, unary_bits)

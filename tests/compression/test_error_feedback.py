@@ -1,0 +1,92 @@
+"""Error feedback: telescoping, state save/restore, fp16 residual, bad input keeps state."""
+
+import numpy as np
+import pytest
+import torch
+
+import fedcomp.compression as fc
+
+
+def seq(n_steps=20, n=500, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(n, generator=g) for _ in range(n_steps)]
+
+
+@pytest.mark.parametrize("name", fc.available_compressors())
+def test_telescoping_identity(name):
+    xs = seq()
+    ef = fc.ErrorFeedback(fc.get_compressor(name, **({"seed": 0} if name in ("qsgd", "int8", "randomk") else {})))
+    sent = torch.zeros(500, dtype=torch.float64)
+    for x in xs:
+        sent += fc.decompress(ef.compress(x)).double()
+    total = torch.stack(xs).double().sum(0)
+    assert torch.allclose(sent + ef.residual.double(), total, atol=1e-4)
+
+
+def test_first_call_residual_is_compression_loss():
+    x = torch.tensor([1.0, -4.0, 0.5, 2.0])
+    ef = fc.ErrorFeedback(fc.get_compressor("topk", density=0.5))
+    fc.decompress(ef.compress(x))
+    assert ef.residual.tolist() == [1.0, 0.0, 0.5, 0.0]
+    # second call: residual added before selection
+    out = fc.decompress(ef.compress(torch.zeros(4)))
+    assert out.tolist() == [1.0, 0.0, 0.5, 0.0]
+    assert ef.residual.tolist() == [0.0, 0.0, 0.0, 0.0]
+
+
+def test_stats_of_last_call():
+    ef = fc.ErrorFeedback(fc.get_compressor("topk", density=0.25))
+    ef.compress(torch.tensor([3.0, 4.0, 0.0, 0.0]))
+    assert ef.last_error == pytest.approx(0.6)
+    assert ef.residual_norm == pytest.approx(3.0)
+
+
+def test_save_and_restore_residual():
+    xs = seq(5)
+    a = fc.ErrorFeedback(fc.get_compressor("stc", density=0.05))
+    for x in xs[:3]:
+        a.compress(x)
+    saved = a.get_residual()
+    assert isinstance(saved, np.ndarray) and saved.dtype == np.float32
+    b = fc.ErrorFeedback(fc.get_compressor("stc", density=0.05))
+    b.set_residual(saved)
+    assert a.compress(xs[3]) == b.compress(xs[3])
+
+
+def test_fp16_residual_halves_memory_and_telescopes_to_fp16_precision():
+    xs = seq(10)
+    ef = fc.ErrorFeedback(fc.get_compressor("sign"), residual_dtype="fp16")
+    sent = torch.zeros(500, dtype=torch.float64)
+    for x in xs:
+        sent += fc.decompress(ef.compress(x)).double()
+    assert ef.residual.dtype == torch.float16
+    assert ef.residual.element_size() == 2
+    total = torch.stack(xs).double().sum(0)
+    assert torch.allclose(sent + ef.residual.double(), total, atol=10 * 2**-10 * float(total.abs().max()))
+
+
+def test_nan_input_leaves_residual_unchanged():
+    ef = fc.ErrorFeedback(fc.get_compressor("sign"))
+    ef.compress(torch.ones(4))
+    before = ef.residual.clone()
+    with pytest.raises(ValueError, match="non-finite"):
+        ef.compress(torch.tensor([1.0, float("nan"), 0.0, 0.0]))
+    assert torch.equal(ef.residual, before)
+
+
+def test_shape_change_rejected():
+    ef = fc.ErrorFeedback(fc.get_compressor("sign"))
+    ef.compress(torch.ones(4))
+    with pytest.raises(ValueError, match="differs"):
+        ef.compress(torch.ones(5))
+    ef.reset()
+    assert len(ef.compress(torch.ones(5))) > 0
+
+
+def test_bad_constructor_arguments():
+    with pytest.raises(TypeError):
+        fc.ErrorFeedback("sign")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="residual_dtype"):
+        fc.ErrorFeedback(fc.get_compressor("sign"), residual_dtype="int8")
+    with pytest.raises(ValueError, match="non-finite"):
+        fc.ErrorFeedback(fc.get_compressor("sign")).set_residual(np.array([np.inf], dtype=np.float32))
