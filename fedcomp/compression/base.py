@@ -56,7 +56,9 @@ def check_input(x: torch.Tensor) -> torch.Tensor:
     if x.dtype not in DTYPE_CODES:
         raise ValueError(f"unsupported dtype {x.dtype}; expected float16, bfloat16, float32 or float64")
     flat = x.detach().reshape(-1).to(torch.float32)
-    if flat.numel() and not bool(torch.isfinite(flat).all()):
+    # A finite sum proves every entry finite (NaN and +-Inf propagate); only a non-finite
+    # sum (possibly a mere overflow) needs the full elementwise check.
+    if flat.numel() and not bool(torch.isfinite(flat.sum())) and not bool(torch.isfinite(flat).all()):
         bad = int((~torch.isfinite(flat)).sum())
         raise ValueError(f"input holds {bad} non-finite value(s) (NaN or Inf); refusing to compress")
     return flat

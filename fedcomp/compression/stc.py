@@ -53,9 +53,8 @@ class STCCompressor(Compressor):
         k = k_for(self.density, n)
         if k == 0:
             return struct.pack(self._PARAMS, 0, 0, 0, 0.0), b""
-        mag = flat.abs()
-        idx = topk_indices(mag, k)
-        mu = float(mag[idx].mean(dtype=torch.float64))
+        idx = topk_indices(flat, k)
+        mu = float(flat[idx].abs().mean(dtype=torch.float64))
         b, unary_bits, pos = positions_to_bytes(idx, n)
         signs = (flat[idx] >= 0).cpu().numpy()
         return struct.pack(self._PARAMS, k, unary_bits, b, mu), pos + pack_bits(signs)

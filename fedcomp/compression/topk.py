@@ -61,7 +61,7 @@ class TopKCompressor(Compressor):
         k = k_for(self.density, n)
         if k == 0:
             return struct.pack(self._PARAMS, 0, 0, 0, code), b""
-        idx = topk_indices(flat.abs(), k)
+        idx = topk_indices(flat, k)
         vals = flat[idx]
         if np_dt is np.float16:
             vals = vals.clamp(-65504.0, 65504.0).to(torch.float16)
