@@ -1,0 +1,16 @@
+"""Names shared by the client mod and the server strategy (the Flower-level protocol).
+
+A compressed train reply carries one ArrayRecord whose keys are the model's parameter
+names and whose Arrays hold fedcomp payloads as raw bytes:
+``Array(dtype="bytes", shape=(len(payload),), stype=PAYLOAD_STYPE, data=payload)``, so
+``len(Array.data)`` is exactly the payload size in bytes.
+"""
+
+#: ``Array.stype`` of a fedcomp payload.
+PAYLOAD_STYPE = "fedcomp.payload.v1"
+#: ``Array.dtype`` of a fedcomp payload.
+PAYLOAD_DTYPE = "bytes"
+#: Key in ``context.state`` of the error-feedback residuals (an ArrayRecord, one per parameter).
+RESIDUAL_STATE_KEY = "fedcomp.residual"
+#: Key in ``context.state`` of the per-node bookkeeping (a MetricRecord).
+NODE_STATE_KEY = "fedcomp.node"

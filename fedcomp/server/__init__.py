@@ -1,0 +1,1 @@
+"""Server side: the ServerApp (``fedcomp.server.app:app``) and results files."""

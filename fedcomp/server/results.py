@@ -1,0 +1,87 @@
+"""Per-round results: the console table, ``metrics.json`` and ``plot.png`` (matplotlib)."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import pathlib
+from typing import Any
+
+MB = 1e6
+
+COLUMNS = [("round", "{:>5}"), ("accuracy", "{:>8.4f}"), ("loss", "{:>7.4f}"), ("upload-mb", "{:>10.4f}"),
+           ("cumulative-upload-mb", "{:>9.3f}"), ("compression-ratio", "{:>8.1f}")]
+HEADER = f"{'round':>5} {'accuracy':>8} {'loss':>7} {'MB up':>10} {'cum. MB':>9} {'ratio':>8}"
+
+
+def format_row(rec: dict[str, Any]) -> str:
+    """One table line for a round record (missing values print as '-')."""
+    out = []
+    for key, fmt in COLUMNS:
+        v = rec.get(key)
+        width = int(fmt[3:].split(".")[0].rstrip("fd")) if v is None else 0
+        out.append("-".rjust(width) if v is None else fmt.format(v))
+    return " ".join(out)
+
+
+def default_results_dir(compressor: str) -> pathlib.Path:
+    """``$FEDCOMP_RESULTS_ROOT`` or ``~/fedcomp-results``, then ``<UTC timestamp>-<compressor>``."""
+    root = pathlib.Path(os.environ.get("FEDCOMP_RESULTS_ROOT", pathlib.Path.home() / "fedcomp-results"))
+    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    return root / f"{stamp}-{compressor}"
+
+
+def resolve_results_dir(results_dir: str, compressor: str) -> pathlib.Path:
+    """Absolute results folder: ``results-dir`` if given (relative paths resolve against the
+    ServerApp's working directory, which under ``flwr run`` is the local SuperLink's), else
+    :func:`default_results_dir`. Created if missing; ``<root>/latest`` points at it when the
+    default is used."""
+    if results_dir:
+        path = pathlib.Path(results_dir).expanduser().resolve()
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+    path = default_results_dir(compressor).resolve()
+    path.mkdir(parents=True, exist_ok=True)
+    latest = path.parent / "latest"
+    try:
+        if latest.is_symlink() or latest.exists():
+            latest.unlink()
+        latest.symlink_to(path.name)
+    except OSError:
+        pass
+    return path
+
+
+def write_json(path: pathlib.Path, payload: dict[str, Any]) -> None:
+    """Write JSON atomically (temporary file, then rename)."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=1))
+    os.replace(tmp, path)
+
+
+def plot_rounds(rounds: list[dict[str, Any]], path: pathlib.Path, title: str) -> None:
+    """``plot.png``: accuracy vs cumulative uploaded MB (log x) and accuracy vs round."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    recs = [r for r in rounds if r.get("accuracy") is not None]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+    trained = [r for r in recs if r["round"] > 0 and r.get("cumulative-upload-mb", 0) > 0]
+    a1.plot([r["cumulative-upload-mb"] for r in trained], [r["accuracy"] for r in trained], marker=".")
+    a1.set_xscale("log")
+    a1.set_xlabel("cumulative upload (MB, log scale)")
+    a1.set_ylabel("test accuracy")
+    a1.grid(True, alpha=0.3)
+    a2.plot([r["round"] for r in recs], [r["accuracy"] for r in recs], marker=".")
+    a2.set_xlabel("round")
+    a2.set_ylabel("test accuracy")
+    a2.grid(True, alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    tmp = path.with_name(path.stem + ".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)

@@ -1,0 +1,60 @@
+"""Decoding one client's compressed reply into dense weights (Flower types in, numpy out)."""
+
+from __future__ import annotations
+
+import numpy as np
+from flwr.app import ArrayRecord
+
+from ..compression import PayloadError, codec_name, decompress
+from ..protocol import PAYLOAD_STYPE
+
+
+def decode_update(record: ArrayRecord, global_arrays: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], dict]:
+    """Rebuild a client's dense weights ``global + decoded delta`` from its payload record.
+
+    Parameters
+    ----------
+    record : ArrayRecord
+        The reply's ArrayRecord: one fedcomp payload per parameter name.
+    global_arrays : dict of str to np.ndarray
+        The global weights this client was sent (keys in model order).
+
+    Returns
+    -------
+    (weights, info)
+        Dense weights under the global keys, each of the global dtype and shape; and
+        ``{"upload-bytes": int, "codecs": {codec name: bytes}}`` measured from the payloads.
+
+    Raises
+    ------
+    PayloadError
+        A key missing or extra, an Array that is not a fedcomp payload (with a hint to add
+        ``compression_mod``), a payload larger in elements or of another shape than its
+        parameter, any malformed payload, or a non-finite result.
+    """
+    keys, expected = list(record.keys()), list(global_arrays)
+    if set(keys) != set(expected):
+        missing = sorted(set(expected) - set(keys))
+        extra = sorted(set(keys) - set(expected))
+        raise PayloadError(f"reply keys differ from the model's: missing {missing[:5]}, unexpected {extra[:5]}")
+    weights: dict[str, np.ndarray] = {}
+    codecs: dict[str, int] = {}
+    total = 0
+    for key in expected:
+        arr = record[key]
+        g = global_arrays[key]
+        if arr.stype != PAYLOAD_STYPE:
+            raise PayloadError(
+                f"'{key}' is a dense '{arr.stype}' array, not a fedcomp payload: add compression_mod as the FIRST "
+                "mod of the ClientApp (mods=[compression_mod, ...])"
+            )
+        data = arr.data
+        delta = decompress(data, max_numel=max(g.size, 1), expected_shape=tuple(g.shape))
+        w = g.astype(np.float32) + delta.numpy()
+        if not np.isfinite(w).all():
+            raise PayloadError(f"'{key}': global + update is not finite")
+        weights[key] = w.astype(g.dtype) if np.issubdtype(g.dtype, np.floating) else np.rint(w).astype(g.dtype)
+        name = codec_name(data)
+        codecs[name] = codecs.get(name, 0) + len(data)
+        total += len(data)
+    return weights, {"upload-bytes": total, "codecs": codecs}
