@@ -79,12 +79,14 @@ def main() -> None:
     ap.add_argument("--partitioner", choices=["dirichlet", "iid"], nargs="+", default=["dirichlet"])
     ap.add_argument("--cases", nargs="+", default=list(CASES), help=f"subset of {list(CASES)}")
     ap.add_argument("--set", nargs="*", default=[], help="extra run-config overrides key=value (numbers or strings)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (tiny model: 1 is fastest)")
     ap.add_argument("--quick", action="store_true", help="3 rounds, 1 seed, 3 codecs, 4 nodes (CI smoke test)")
     ap.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results" / "federated.json"))
     args = ap.parse_args()
     if args.quick:
         args.rounds, args.seeds, args.nodes, args.cases = 3, [42], 4, ["none", "sign+EF", "stc 0.01+EF"]
     logging.getLogger("flwr").setLevel(logging.WARNING)
+    torch.set_num_threads(args.threads)
     extra = {}
     for kv in args.set:
         k, v = kv.split("=", 1)

@@ -14,3 +14,6 @@ PAYLOAD_DTYPE = "bytes"
 RESIDUAL_STATE_KEY = "fedcomp.residual"
 #: Key in ``context.state`` of the per-node bookkeeping (a MetricRecord).
 NODE_STATE_KEY = "fedcomp.node"
+#: ArrayRecord key of a whole-model payload (selection scope "model"): the update of every
+#: parameter, flattened in the global model's key order and concatenated.
+MODEL_KEY = "fedcomp.model"

@@ -9,9 +9,9 @@ import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordDict
 
-from ..compression import ErrorFeedback
+from ..compression import ErrorFeedback, decompress
 from ..config import CODEC_DEFAULTS, CodecConfig
-from ..protocol import PAYLOAD_DTYPE, PAYLOAD_STYPE, RESIDUAL_STATE_KEY
+from ..protocol import MODEL_KEY, PAYLOAD_DTYPE, PAYLOAD_STYPE, RESIDUAL_STATE_KEY
 
 
 class CompositionError(RuntimeError):
@@ -63,7 +63,8 @@ def compress_update(
     Returns
     -------
     (payloads, new_residuals, stats)
-        Payload bytes per key; residual per key (empty without error feedback); and
+        Payload bytes per key (one per parameter, or one under ``MODEL_KEY`` holding the
+        flattened, concatenated update when ``codec.scope == "model"``); residual per key (empty without error feedback); and
         ``upload-bytes``, ``dense-bytes`` (4 bytes per parameter), ``compression-error``
         (||v - v_hat|| / ||v|| over the whole model, v = update + residual) and
         ``residual-norm`` (L2 over the model).
@@ -83,16 +84,19 @@ def compress_update(
             "the ClientApp must return the full model under the received names"
         )
     compressor = codec.build(seed=seed)
-    payloads: dict[str, bytes] = {}
-    new_res: dict[str, np.ndarray] = {}
-    sq_err = sq_norm = res_sq = 0.0
-    dense = 0
+    deltas: dict[str, torch.Tensor] = {}
     for key, g in received.items():
         t = trained[key]
         if t.shape != g.shape:
             raise CompositionError(f"'{key}': trained shape {t.shape} differs from received {g.shape}")
-        delta = torch.from_numpy(np.asarray(t, dtype=np.float32) - np.asarray(g, dtype=np.float32))
-        dense += 4 * delta.numel()
+        deltas[key] = torch.from_numpy(np.asarray(t, dtype=np.float32) - np.asarray(g, dtype=np.float32))
+    dense = sum(4 * d.numel() for d in deltas.values())
+    if codec.scope == "model":
+        deltas = {MODEL_KEY: torch.cat([d.reshape(-1) for d in deltas.values()])}
+    payloads: dict[str, bytes] = {}
+    new_res: dict[str, np.ndarray] = {}
+    sq_err = sq_norm = res_sq = 0.0
+    for key, delta in deltas.items():
         if codec.error_feedback:
             ef = ErrorFeedback(compressor, residual_dtype=codec.residual_dtype)
             prev = residuals.get(key)
@@ -104,8 +108,6 @@ def compress_update(
             sq_norm += ef.last_sq_norm
             res_sq += ef.residual_norm**2
         else:
-            from ..compression import decompress
-
             payloads[key] = compressor.compress(delta)
             d = delta.double()
             sq_err += float(((d - decompress(payloads[key]).double()) ** 2).sum())

@@ -32,7 +32,7 @@ class TrainConfig:
     local_epochs: int = 1
     batch_size: int = 32
     accumulation_steps: int = 1
-    lr: float = 0.05
+    lr: float = 0.1
     momentum: float = 0.9
 
 

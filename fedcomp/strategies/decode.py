@@ -6,7 +6,7 @@ import numpy as np
 from flwr.app import ArrayRecord
 
 from ..compression import PayloadError, codec_name, decompress
-from ..protocol import PAYLOAD_STYPE
+from ..protocol import MODEL_KEY, PAYLOAD_STYPE
 
 
 def decode_update(record: ArrayRecord, global_arrays: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], dict]:
@@ -33,28 +33,47 @@ def decode_update(record: ArrayRecord, global_arrays: dict[str, np.ndarray]) -> 
         parameter, any malformed payload, or a non-finite result.
     """
     keys, expected = list(record.keys()), list(global_arrays)
+    if keys == [MODEL_KEY]:
+        return _decode_model_payload(record[MODEL_KEY], global_arrays)
     if set(keys) != set(expected):
         missing = sorted(set(expected) - set(keys))
         extra = sorted(set(keys) - set(expected))
         raise PayloadError(f"reply keys differ from the model's: missing {missing[:5]}, unexpected {extra[:5]}")
     weights: dict[str, np.ndarray] = {}
     codecs: dict[str, int] = {}
-    total = 0
     for key in expected:
-        arr = record[key]
         g = global_arrays[key]
-        if arr.stype != PAYLOAD_STYPE:
-            raise PayloadError(
-                f"'{key}' is a dense '{arr.stype}' array, not a fedcomp payload: add compression_mod as the FIRST "
-                "mod of the ClientApp (mods=[compression_mod, ...])"
-            )
-        data = arr.data
+        data = _payload_bytes(record[key], key)
         delta = decompress(data, max_numel=max(g.size, 1), expected_shape=tuple(g.shape))
-        w = g.astype(np.float32) + delta.numpy()
-        if not np.isfinite(w).all():
-            raise PayloadError(f"'{key}': global + update is not finite")
-        weights[key] = w.astype(g.dtype) if np.issubdtype(g.dtype, np.floating) else np.rint(w).astype(g.dtype)
+        weights[key] = _apply(key, g, delta.numpy())
         name = codec_name(data)
         codecs[name] = codecs.get(name, 0) + len(data)
-        total += len(data)
-    return weights, {"upload-bytes": total, "codecs": codecs}
+    return weights, {"upload-bytes": sum(codecs.values()), "codecs": codecs}
+
+
+def _payload_bytes(arr, key: str) -> bytes:
+    if arr.stype != PAYLOAD_STYPE:
+        raise PayloadError(
+            f"'{key}' is a dense '{arr.stype}' array, not a fedcomp payload: add compression_mod as the FIRST "
+            "mod of the ClientApp (mods=[compression_mod, ...])"
+        )
+    return arr.data
+
+
+def _apply(key: str, g: np.ndarray, delta: np.ndarray) -> np.ndarray:
+    w = g.astype(np.float32) + delta.reshape(g.shape)
+    if not np.isfinite(w).all():
+        raise PayloadError(f"'{key}': global + update is not finite")
+    return w.astype(g.dtype) if np.issubdtype(g.dtype, np.floating) else np.rint(w).astype(g.dtype)
+
+
+def _decode_model_payload(arr, global_arrays: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], dict]:
+    """Split a whole-model payload (``MODEL_KEY``) back into parameters, in global key order."""
+    data = _payload_bytes(arr, MODEL_KEY)
+    total = sum(g.size for g in global_arrays.values())
+    flat = decompress(data, max_numel=max(total, 1), expected_shape=(total,)).numpy()
+    weights, off = {}, 0
+    for key, g in global_arrays.items():
+        weights[key] = _apply(key, g, flat[off : off + g.size])
+        off += g.size
+    return weights, {"upload-bytes": len(data), "codecs": {codec_name(data): len(data)}}

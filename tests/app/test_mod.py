@@ -8,7 +8,7 @@ from flwr.clientapp.mod import fixedclipping_mod
 
 import fedcomp.compression as fc
 from fedcomp.client import CompositionError, compression_mod
-from fedcomp.protocol import PAYLOAD_STYPE, RESIDUAL_STATE_KEY
+from fedcomp.protocol import MODEL_KEY, PAYLOAD_STYPE, RESIDUAL_STATE_KEY
 
 from .helpers import make_ctx, make_msg, reply_with, train_msg, weights
 
@@ -48,14 +48,14 @@ def test_metrics_count_real_payload_bytes():
 def test_residual_persists_in_context_state_and_is_used_next_round():
     g, t = weights(0), weights(1)
     ctx = make_ctx()
-    _, ctx = run_mod(g, t, {"compressor": "topk", "density": 0.1}, ctx)
+    _, ctx = run_mod(g, t, {"compressor": "topk", "density": 0.1, "selection": "tensor"}, ctx)
     res = {k: a.numpy() for k, a in ctx.state[RESIDUAL_STATE_KEY].items()}
     delta = {k: t[k] - g[k] for k in g}
     for k in g:
         sent = delta[k] - res[k]
         assert np.count_nonzero(sent) == max(round(0.1 * delta[k].size), 1)
     # next round with no change: exactly the residual's top entries go out
-    reply, ctx = run_mod(g, g, {"compressor": "topk", "density": 1.0}, ctx)
+    reply, ctx = run_mod(g, g, {"compressor": "topk", "density": 1.0, "selection": "tensor"}, ctx)
     out = fc.decompress(reply.content["arrays"]["w"].data).numpy()
     assert np.allclose(out, res["w"])
 
@@ -133,3 +133,22 @@ def test_int_buffers_round_trip():
     reply, _ = run_mod(g, t, {"compressor": "none"})
     assert float(fc.decompress(reply.content["arrays"]["n"].data)) == 4.0
     assert torch.equal(fc.decompress(reply.content["arrays"]["w"].data), torch.ones(3))
+
+
+def test_model_selection_sends_one_payload_with_k_over_the_whole_model():
+    g, t = weights(0), weights(1)
+    reply, ctx = run_mod(g, t, {"compressor": "topk", "density": 0.1})  # auto -> model for topk
+    rec = reply.content["arrays"]
+    assert list(rec.keys()) == [MODEL_KEY]
+    flat = fc.decompress(rec[MODEL_KEY].data).numpy()
+    delta = np.concatenate([(t[k] - g[k]).ravel() for k in g])
+    assert flat.shape == (210,) and np.count_nonzero(flat) == 21
+    keep = np.argsort(-np.abs(delta))[:21]
+    assert np.array_equal(flat[keep], delta[keep])
+    assert list(ctx.state[RESIDUAL_STATE_KEY].keys()) == [MODEL_KEY]
+
+
+def test_sign_defaults_to_one_scale_per_tensor():
+    g, t = weights(0), weights(1)
+    reply, _ = run_mod(g, t, {"compressor": "sign"})
+    assert list(reply.content["arrays"].keys()) == ["w", "b"]

@@ -7,7 +7,7 @@ from flwr.serverapp.strategy import DifferentialPrivacyServerSideFixedClipping, 
 
 import fedcomp.compression as fc
 from fedcomp.client import compression_mod
-from fedcomp.protocol import PAYLOAD_DTYPE, PAYLOAD_STYPE
+from fedcomp.protocol import MODEL_KEY, PAYLOAD_DTYPE, PAYLOAD_STYPE
 from fedcomp.simulation import InProcessGrid
 from fedcomp.strategies import CompressedStrategy
 
@@ -171,3 +171,27 @@ def test_wraps_flower_strategies_in_process(inner_name):
     assert moved > 0
     if inner_name == "dp":  # two rounds, each clipped mean update of norm <= 0.5
         assert moved <= 2 * 0.5 + 1e-5
+
+
+def test_model_scope_payload_is_split_back_into_parameters():
+    g, t = weights(0), weights(1)
+    s = CompressedStrategy(fedavg(), compressor="topk", density=1.0)
+    setup(s, g)
+    arrays, m = s.aggregate_train(1, [compressed_reply(g, t, 1, {"compressor": "topk", "density": 1.0})])
+    for k in g:
+        assert arrays[k].numpy().shape == g[k].shape
+        assert np.allclose(arrays[k].numpy(), t[k], atol=1e-6)
+    assert m["upload-bytes-topk"] == m["upload-bytes"]
+
+
+def test_model_scope_payload_of_wrong_length_is_rejected():
+    import torch
+
+    g, t = weights(0), weights(1)
+    s = CompressedStrategy(fedavg(), compressor="topk")
+    setup(s, g)
+    reply = compressed_reply(g, t, 1, {"compressor": "topk"})
+    data = fc.get_compressor("topk").compress(torch.ones(209))
+    reply.content["arrays"][MODEL_KEY] = Array(dtype=PAYLOAD_DTYPE, shape=(len(data),), stype=PAYLOAD_STYPE, data=data)
+    arrays, m = s.aggregate_train(1, [reply])
+    assert arrays is None and m["rejected-replies"] == 1
