@@ -1,0 +1,195 @@
+"""Local deployment launcher: a real ``flower-superlink`` and N ``flower-supernode`` processes on
+127.0.0.1, then ``flwr run <app> local-deployment --stream``; every process it started is stopped
+by PID afterwards, also when the run fails or is interrupted.
+
+Run: ``fedcomp-local-deployment --supernodes 3 --run-config "num-server-rounds=5"`` (or
+``python -m fedcomp.deploy``). The command lines come from :func:`superlink_command` and
+:func:`supernode_command`, which ``docker-compose.yml`` mirrors (a test keeps them equal).
+Flower 1.42: the SuperLink serves Fleet, Control and runtime APIs over HTTP on one port (8000);
+each SuperNode's ClientApp runtime API needs its own port (9094, 9095, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import pathlib
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+CONNECTION = "local-deployment"
+
+
+def superlink_command(host: str = "127.0.0.1", port: int = 8000, database: str = ":flwr-in-memory:",
+                      insecure: bool = True) -> list[str]:
+    """``flower-superlink`` arguments (runtime dependency installation off)."""
+    cmd = ["flower-superlink", "--host", host, "--port", str(port), "--database", database,
+           "--disable-runtime-dependency-installation"]
+    return cmd + (["--insecure"] if insecure else [])
+
+
+def supernode_command(index: int, num: int, superlink: str = "127.0.0.1:8000", base_port: int = 9094,
+                      host: str = "127.0.0.1", insecure: bool = True, extra_node_config: str = "") -> list[str]:
+    """``flower-supernode`` arguments for partition ``index`` of ``num`` (runtime port base_port+index)."""
+    node_config = f"partition-id={index} num-partitions={num}" + (f" {extra_node_config}" if extra_node_config else "")
+    cmd = ["flower-supernode", "--superlink", superlink, "--host", host, "--port", str(base_port + index),
+           "--node-config", node_config, "--max-retries", "10", "--max-wait-time", "60"]
+    return cmd + (["--insecure"] if insecure else [])
+
+
+def write_connection(flwr_home: pathlib.Path, address: str, insecure: bool = True) -> pathlib.Path:
+    """Write ``$FLWR_HOME/config.toml`` with the ``local-deployment`` connection as default."""
+    flwr_home.mkdir(parents=True, exist_ok=True)
+    path = flwr_home / "config.toml"
+    path.write_text(
+        f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\naddress = "{address}"\n'
+        f"insecure = {'true' if insecure else 'false'}\n"
+    )
+    return path
+
+
+def wait_for_port(host: str, port: int, proc: subprocess.Popen, timeout: float) -> None:
+    """Block until ``host:port`` accepts connections.
+
+    Raises
+    ------
+    RuntimeError
+        If ``proc`` exits first or ``timeout`` seconds pass.
+    """
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args[0]} exited with code {proc.returncode} before listening on {host}:{port}")
+        with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=0.5):
+            return
+        time.sleep(0.2)
+    raise RuntimeError(f"nothing listens on {host}:{port} after {timeout:.0f} s")
+
+
+class Processes:
+    """Processes started by the launcher; :meth:`stop_all` ends them by PID (TERM, then KILL)."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, cmd: list[str], env: dict, log: pathlib.Path) -> subprocess.Popen:
+        """Start ``cmd`` in its own process group with stdout/stderr to ``log``."""
+        fh = open(log, "wb")  # noqa: SIM115 - closed with the process
+        p = subprocess.Popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs.append(p)
+        return p
+
+    def stop(self, p: subprocess.Popen, grace: float = 10.0) -> None:
+        """Stop one process group: SIGTERM, wait ``grace`` seconds, then SIGKILL."""
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGTERM)
+            try:
+                p.wait(grace)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.wait(5)
+
+    def stop_all(self) -> None:
+        """Stop every process this object started, newest first."""
+        for p in reversed(self.procs):
+            self.stop(p)
+
+
+def _bin(name: str) -> str:
+    here = pathlib.Path(sys.executable).parent / name
+    return str(here) if here.exists() else (shutil.which(name) or name)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Start the topology, submit the run, wait for it, stop everything. Returns an exit code."""
+    work = pathlib.Path(args.workdir or tempfile.mkdtemp(prefix="fedcomp-deploy-")).resolve()
+    flwr_home = work / "flwr-home"
+    results = pathlib.Path(args.results_dir).resolve() if args.results_dir else work / "results"
+    address = f"127.0.0.1:{args.port}"
+    write_connection(flwr_home, address)
+    env = {**os.environ, "FLWR_HOME": str(flwr_home), "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+           "PATH": f"{pathlib.Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    procs = Processes()
+    interrupted = False
+
+    def on_signal(signum, frame):  # turn SIGTERM into the same clean-up as Ctrl-C
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGTERM, on_signal)
+    try:
+        link = procs.start([_bin(superlink_command()[0]), *superlink_command(port=args.port)[1:]], env,
+                           work / "superlink.log")
+        wait_for_port("127.0.0.1", args.port, link, timeout=60)
+        nodes = []
+        for i in range(args.supernodes):
+            cmd = supernode_command(i, args.supernodes, address, args.base_node_port)
+            nodes.append(procs.start([_bin(cmd[0]), *cmd[1:]], env, work / f"supernode-{i}.log"))
+        run_config = f"results-dir='{results}' " + args.run_config
+        cmd = [_bin("flwr"), "run", str(pathlib.Path(args.app).resolve()), CONNECTION, "--stream",
+               "--run-config", run_config]
+        print(f"fedcomp-deploy: SuperLink pid {link.pid}, SuperNodes {[n.pid for n in nodes]}, logs in {work}",
+              flush=True)
+        submit = subprocess.Popen(cmd, env=env, stdout=sys.stdout, stderr=sys.stderr)
+        killed = False
+        deadline = time.monotonic() + args.timeout
+        while submit.poll() is None:
+            if time.monotonic() > deadline:
+                print(f"fedcomp-deploy: run exceeded {args.timeout} s, stopping", flush=True)
+                submit.terminate()
+                break
+            if args.kill_supernode_after_round is not None and not killed:
+                done = _rounds_done(results / "metrics.json")
+                if done >= args.kill_supernode_after_round:
+                    print(f"fedcomp-deploy: killing SuperNode 0 (pid {nodes[0].pid}) after round {done}", flush=True)
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(nodes[0].pid, signal.SIGKILL)
+                    killed = True
+            time.sleep(0.5)
+        submit.wait(30)
+    except KeyboardInterrupt:
+        interrupted = True
+        print("fedcomp-deploy: interrupted, stopping all processes", flush=True)
+    finally:
+        procs.stop_all()
+        signal.signal(signal.SIGTERM, old)
+    ok = (results / "metrics.json").exists() and _rounds_done(results / "metrics.json") >= 1
+    print(f"fedcomp-deploy: {'finished' if ok else 'FAILED'}; results in {results}", flush=True)
+    return 130 if interrupted else (0 if ok else 1)
+
+
+def _rounds_done(path: pathlib.Path) -> int:
+    try:
+        return max((r["round"] for r in json.loads(path.read_text())["rounds"]), default=0)
+    except (OSError, ValueError, KeyError):
+        return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry point ``fedcomp-local-deployment``."""
+    ap = argparse.ArgumentParser(description="Run fedcomp on a local SuperLink + SuperNodes (real processes).")
+    ap.add_argument("--supernodes", type=int, default=2)
+    ap.add_argument("--app", default=".", help="Flower app directory (default: current directory)")
+    ap.add_argument("--run-config", default="", help='extra run config, e.g. "num-server-rounds=5 compressor=\'sign\'"')
+    ap.add_argument("--port", type=int, default=8000, help="SuperLink HTTP port")
+    ap.add_argument("--base-node-port", type=int, default=9094, help="first SuperNode runtime port")
+    ap.add_argument("--results-dir", default="", help="absolute results folder (default: <workdir>/results)")
+    ap.add_argument("--workdir", default="", help="FLWR_HOME, logs and results live here (default: a temp dir)")
+    ap.add_argument("--timeout", type=float, default=1800, help="seconds before the run is stopped")
+    ap.add_argument("--kill-supernode-after-round", type=int, default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.supernodes < 1:
+        ap.error("--supernodes must be >= 1")
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
