@@ -22,6 +22,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 CONNECTION = "local-deployment"
@@ -138,7 +139,10 @@ def run(args: argparse.Namespace) -> int:
                "--run-config", run_config]
         print(f"fedcomp-deploy: SuperLink pid {link.pid}, SuperNodes {[n.pid for n in nodes]}, logs in {work}",
               flush=True)
-        submit = subprocess.Popen(cmd, env=env, stdout=sys.stdout, stderr=sys.stderr)
+        submit = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                  errors="replace")
+        forward = threading.Thread(target=_forward, args=(submit.stdout,), daemon=True)
+        forward.start()
         killed = False
         deadline = time.monotonic() + args.timeout
         while submit.poll() is None:
@@ -155,6 +159,7 @@ def run(args: argparse.Namespace) -> int:
                     killed = True
             time.sleep(0.5)
         submit.wait(30)
+        forward.join(10)
     except KeyboardInterrupt:
         interrupted = True
         print("fedcomp-deploy: interrupted, stopping all processes", flush=True)
@@ -164,6 +169,12 @@ def run(args: argparse.Namespace) -> int:
     ok = (results / "metrics.json").exists() and _rounds_done(results / "metrics.json") >= 1
     print(f"fedcomp-deploy: {'finished' if ok else 'FAILED'}; results in {results}", flush=True)
     return 130 if interrupted else (0 if ok else 1)
+
+
+def _forward(stream) -> None:
+    """Copy the submitting ``flwr run``'s output to our stdout, line by line."""
+    for line in stream:
+        print(line, end="", flush=True)
 
 
 def _rounds_done(path: pathlib.Path) -> int:
