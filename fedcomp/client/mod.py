@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import time
 from typing import Any
 
 import numpy as np
@@ -121,6 +122,17 @@ def compress_update(
     return payloads, new_res, stats
 
 
+def _link_speeds(context: Context) -> dict[str, float]:
+    """``uplink-mbps``/``downlink-mbps`` of this node: node config, else run config, else 1 / 10."""
+    out = {}
+    for key, default in (("uplink-mbps", 1.0), ("downlink-mbps", 10.0)):
+        v = context.node_config.get(key, context.run_config.get(key, default))
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+            raise ValueError(f"node config '{key}' must be a number > 0 (megabits per second), got {v!r}")
+        out[key] = float(v)
+    return out
+
+
 def compression_mod(msg: Message, context: Context, call_next) -> Message:
     """Flower client mod: reply with compressed updates instead of dense weights.
 
@@ -132,7 +144,9 @@ def compression_mod(msg: Message, context: Context, call_next) -> Message:
     ``delta = returned - received`` (+ error-feedback residual, kept in
     ``context.state`` across rounds). Adds metrics ``upload-bytes`` (payload bytes),
     ``dense-bytes`` (fp32 cost), ``download-bytes`` (bytes of the received arrays),
-    ``compression-error`` and ``residual-norm`` to the reply's MetricRecord. Other
+    ``compression-error``, ``residual-norm``, ``residual-bytes`` (memory of the residual),
+    ``compress-seconds`` and the node's ``uplink-mbps``/``downlink-mbps`` (node config, else
+    run config; defaults 1 and 10) to the reply's MetricRecord. Other
     message types pass through untouched. Error replies pass through unchanged.
 
     Raises
@@ -163,7 +177,11 @@ def compression_mod(msg: Message, context: Context, call_next) -> Message:
     residuals: dict[str, np.ndarray] = {}
     if RESIDUAL_STATE_KEY in context.state:
         residuals = {k: a.numpy() for k, a in context.state[RESIDUAL_STATE_KEY].items()}
+    t0 = time.perf_counter()
     payloads, new_res, stats = compress_update(received, trained, codec, residuals, seed)
+    stats["compress-seconds"] = time.perf_counter() - t0
+    stats["residual-bytes"] = float(sum(r.nbytes for r in new_res.values()))
+    stats.update(_link_speeds(context))
     if codec.error_feedback:
         context.state[RESIDUAL_STATE_KEY] = ArrayRecord({k: Array(v) for k, v in new_res.items()})
 

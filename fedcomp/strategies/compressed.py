@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import statistics
+import time
 from logging import INFO, WARNING
 from typing import Iterable
 
@@ -15,6 +16,31 @@ from flwr.serverapp.strategy import Strategy
 from ..compression import PayloadError
 from ..config import CodecConfig
 from .decode import decode_update
+
+
+def _num(metrics: dict, key: str, default: float = 0.0) -> float:
+    """A client-reported metric as a finite float (untrusted: anything else becomes ``default``)."""
+    v = metrics.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not np.isfinite(v):
+        return default
+    return float(v)
+
+
+def client_seconds(c: dict, uplink_mbps: float | None = None, downlink_mbps: float | None = None) -> float:
+    """Simulated seconds of one client's round: compute + upload·8/uplink + download·8/downlink.
+
+    Parameters
+    ----------
+    c : dict
+        A ``client_history`` entry (``train-seconds``, ``compress-seconds``, ``upload-bytes``,
+        ``download-bytes``, ``uplink-mbps``, ``downlink-mbps``).
+    uplink_mbps, downlink_mbps : float, optional
+        Override the client's declared link speeds (megabits per second).
+    """
+    up = uplink_mbps or c["uplink-mbps"]
+    down = downlink_mbps or c["downlink-mbps"]
+    compute = c["train-seconds"] + c["compress-seconds"]
+    return compute + c["upload-bytes"] * 8 / (up * 1e6) + c["download-bytes"] * 8 / (down * 1e6)
 
 
 class CompressedStrategy(Strategy):
@@ -34,7 +60,11 @@ class CompressedStrategy(Strategy):
     3. Adds round metrics: ``upload-bytes`` (sum of payload bytes actually received),
        ``dense-bytes``, ``compression-ratio`` (dense / upload), ``compression-error`` and
        ``residual-norm`` (means over clients), ``download-bytes``, ``num-replies``,
-       ``rejected-replies``, ``failed-clients`` and ``upload-bytes-<codec>`` per codec.
+       ``rejected-replies``, ``failed-clients``, ``upload-bytes-<codec>`` per codec, and
+       ``round-seconds-simulated``: the slowest client's compute time + upload bytes·8 /
+       uplink + download bytes·8 / downlink, at the link speeds each client declared
+       (node config ``uplink-mbps``/``downlink-mbps``). Client-reported numbers are
+       untrusted: non-numbers and non-finite values count as 0.
 
     Parameters
     ----------
@@ -68,6 +98,8 @@ class CompressedStrategy(Strategy):
         self._sent: dict[int, dict[str, np.ndarray]] = {}
         #: Per-round metrics computed by this wrapper (round -> dict).
         self.history: dict[int, dict[str, float]] = {}
+        #: Per-round, per-client figures (round -> list of dicts with node, bytes, seconds, link speeds).
+        self.client_history: dict[int, list[dict]] = {}
 
     # -- delegation -------------------------------------------------------------------
     def summary(self) -> None:
@@ -117,6 +149,7 @@ class CompressedStrategy(Strategy):
             arrays, metrics = self.inner.aggregate_train(server_round, good)
         ours = self._round_metrics(stats, codec_bytes, len(good), rejected, failed)
         self.history[server_round] = ours
+        self.client_history[server_round] = stats
         merged = dict(metrics) if metrics is not None else {}
         merged.update(ours)
         return arrays, MetricRecord(merged)
@@ -126,17 +159,26 @@ class CompressedStrategy(Strategy):
         if len(recs) != 1:
             raise PayloadError(f"expected one ArrayRecord in the reply, found {len(recs)}")
         key, record = next(iter(recs.items()))
+        t0 = time.perf_counter()
         weights, info = decode_update(record, sent)
+        decode_s = time.perf_counter() - t0
         metric_recs = reply.content.metric_records
         m = dict(next(iter(metric_recs.values()))) if len(metric_recs) == 1 else {}
         for name, nbytes in info["codecs"].items():
             codec_bytes[name] = codec_bytes.get(name, 0) + nbytes
         stats.append({
+            "node": reply.metadata.src_node_id,
+            "decode-seconds": decode_s,
+            "train-seconds": _num(m, "train-seconds"),
+            "compress-seconds": _num(m, "compress-seconds"),
+            "uplink-mbps": _num(m, "uplink-mbps", 1.0) if _num(m, "uplink-mbps", 1.0) > 0 else 1.0,
+            "downlink-mbps": _num(m, "downlink-mbps", 10.0) if _num(m, "downlink-mbps", 10.0) > 0 else 10.0,
+            "residual-bytes": _num(m, "residual-bytes"),
             "upload-bytes": info["upload-bytes"],
             "dense-bytes": float(sum(4 * w.size for w in weights.values())),
-            "compression-error": float(m.get("compression-error", 0.0)),
-            "residual-norm": float(m.get("residual-norm", 0.0)),
-            "download-bytes": float(m.get("download-bytes", 0.0)),
+            "compression-error": _num(m, "compression-error"),
+            "residual-norm": _num(m, "residual-norm"),
+            "download-bytes": _num(m, "download-bytes"),
         })
         reply.content[key] = ArrayRecord({k: Array(np.ascontiguousarray(w)) for k, w in weights.items()})
         return reply
@@ -156,6 +198,13 @@ class CompressedStrategy(Strategy):
             "rejected-replies": rejected,
             "failed-clients": failed,
         }
+        if stats:
+            # Simulated wall-clock time of the round: the slowest client's compute + transfer time.
+            out["round-seconds-simulated"] = max(client_seconds(s) for s in stats)
+            out["train-seconds-max"] = max(s["train-seconds"] for s in stats)
+            out["compress-seconds"] = statistics.fmean(s["compress-seconds"] for s in stats)
+            out["decode-seconds"] = float(sum(s["decode-seconds"] for s in stats))
+            out["residual-bytes"] = max(s["residual-bytes"] for s in stats)
         for name, nbytes in sorted(codec_bytes.items()):
             out[f"upload-bytes-{name}"] = float(nbytes)
         return out

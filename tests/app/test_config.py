@@ -19,7 +19,7 @@ def test_pyproject_defaults_parse_and_hold_every_key():
     read_keys = {"num-server-rounds", "fraction-train", "min-train-nodes", "min-available-nodes", "strategy",
                  "server-lr", "lr", "momentum", "local-epochs", "batch-size", "accumulation-steps", "seed",
                  "dataset", "model", "partitioner", "dirichlet-alpha", "results-dir", "round-timeout",
-                 *CodecConfig().to_mapping()}
+                 "uplink-mbps", "downlink-mbps", *CodecConfig().to_mapping()}
     assert set(cfg) == read_keys
 
 

@@ -195,3 +195,33 @@ def test_model_scope_payload_of_wrong_length_is_rejected():
     reply.content["arrays"][MODEL_KEY] = Array(dtype=PAYLOAD_DTYPE, shape=(len(data),), stype=PAYLOAD_STYPE, data=data)
     arrays, m = s.aggregate_train(1, [reply])
     assert arrays is None and m["rejected-replies"] == 1
+
+
+def test_simulated_round_time_is_slowest_client_compute_plus_transfer():
+    g, t = weights(0), weights(1)
+    s = CompressedStrategy(fedavg(), compressor="none")
+    setup(s, g)
+    r1 = compressed_reply(g, t, 1)
+    r2 = compressed_reply(g, t, 2)
+    for r, secs, up in ((r1, 2.0, 1.0), (r2, 0.5, 0.1)):
+        m = dict(r.content["metrics"])
+        m.update({"train-seconds": secs, "compress-seconds": 0.0, "uplink-mbps": up, "downlink-mbps": 10.0})
+        r.content["metrics"] = MetricRecord(m)
+    up_bytes = sum(len(a.data) for a in r1.content["arrays"].values())
+    down = float(r1.content["metrics"]["download-bytes"])
+    _, m = s.aggregate_train(1, [r1, r2])
+    expect = max(2.0 + up_bytes * 8 / 1e6, 0.5 + up_bytes * 8 / 1e5) + down * 8 / 1e7
+    assert m["round-seconds-simulated"] == pytest.approx(expect)
+
+
+def test_hostile_client_metrics_do_not_break_the_round():
+    g, t = weights(0), weights(1)
+    s = CompressedStrategy(fedavg(), compressor="none")
+    setup(s, g)
+    r = compressed_reply(g, t, 1)
+    m = dict(r.content["metrics"])
+    m.update({"train-seconds": float("nan"), "uplink-mbps": -1.0, "compression-error": float("inf")})
+    r.content["metrics"] = MetricRecord(m)
+    arrays, out = s.aggregate_train(1, [r])
+    assert arrays is not None and out["compression-error"] == 0.0
+    assert 0 < out["round-seconds-simulated"] < 10  # bad speed replaced by the 1 Mbps default
