@@ -10,6 +10,7 @@ Prints a table and writes ``benchmarks/results/federated.json``.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 import pathlib
@@ -27,6 +28,7 @@ from fedcomp.models import build_model
 from fedcomp.server.app import _codec_kwargs, build_inner
 from fedcomp.simulation import InProcessGrid
 from fedcomp.strategies import CompressedStrategy
+from fedcomp.strategies.compressed import client_seconds
 
 CASES = {
     "none": {"compressor": "none"},
@@ -57,7 +59,8 @@ def run_one(run_config: dict, num_nodes: int) -> list[dict]:
     def evaluate_fn(rnd: int, arrays: ArrayRecord):
         model.load_state_dict(arrays.to_torch_state_dict())
         loss, acc = evaluate(model, test, torch.device("cpu"))
-        rounds.append({"round": rnd, "accuracy": acc, "loss": loss, **strategy.history.get(rnd, {})})
+        rounds.append({"round": rnd, "accuracy": acc, "loss": loss, **strategy.history.get(rnd, {}),
+                       "clients": strategy.client_history.get(rnd, [])})
         return None
 
     strategy.start(grid=grid, initial_arrays=ArrayRecord(build_model(cfg.model).state_dict()),
@@ -66,9 +69,66 @@ def run_one(run_config: dict, num_nodes: int) -> list[dict]:
     return rounds
 
 
+LINKS_MBPS = (1.0, 10.0, 100.0)
+DEFAULT_OUT = str(pathlib.Path(__file__).parent / "results" / "federated.json")
+
+
+def time_to_accuracy(rounds: list[dict], acc: float, uplink_mbps: float) -> float | None:
+    """Simulated seconds until test accuracy >= ``acc``: per round the slowest client's compute +
+    upload at ``uplink_mbps`` + download at 10x that (an asymmetric edge link)."""
+    total = 0.0
+    for r in rounds:
+        if r["round"] == 0:
+            continue
+        total += max((client_seconds(c, uplink_mbps, 10 * uplink_mbps) for c in r["clients"]), default=0.0)
+        if r["accuracy"] >= acc:
+            return total
+    return None
+
+
+def overhead_fraction(rounds: list[dict]) -> float:
+    """(client compression + server decoding time) / local training time, over all rounds."""
+    comp = sum(c["compress-seconds"] + c["decode-seconds"] for r in rounds for c in r["clients"])
+    train = sum(c["train-seconds"] for r in rounds for c in r["clients"])
+    return comp / train if train else 0.0
+
+
 def first_round_reaching(rounds: list[dict], acc: float) -> int | None:
     """First round whose test accuracy is >= ``acc`` (None if never)."""
     return next((r["round"] for r in rounds if r["round"] > 0 and r["accuracy"] >= acc), None)
+
+
+def _fmt_s(values: list) -> str:
+    ok = [v for v in values if v is not None]
+    return f"{statistics.fmean(ok):.0f}s" if len(ok) == len(values) else "never"
+
+
+def plot(results: list[dict], path: pathlib.Path) -> None:
+    """Accuracy against cumulative uploaded MB (log x) for every case (mean over seeds)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    parts = sorted({r["partitioner"] for r in results})
+    fig, axes = plt.subplots(1, len(parts), figsize=(7 * len(parts), 5), squeeze=False)
+    for ax, part in zip(axes[0], parts):
+        for r in (x for x in results if x["partitioner"] == part):
+            acc = [statistics.fmean(v) for v in zip(*r["curves"])][1:]
+            mb = [statistics.fmean(v) for v in zip(*r["cumulative_upload_mb"])][1:]
+            ax.plot(mb, acc, label=r["case"], linestyle="--" if "EF" not in r["case"] and r["case"] in
+                    ("sign", "topk 0.01", "stc 0.01", "stc 0.0025") else "-")
+        ax.set_xscale("log")
+        ax.set_xlabel("cumulative upload, all clients (MB, log scale)")
+        ax.set_ylabel("test accuracy")
+        ax.set_ylim(0, 1)
+        ax.grid(True, alpha=0.3)
+        ax.set_title(f"digits, {part} partition")
+        ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main() -> None:
@@ -81,10 +141,13 @@ def main() -> None:
     ap.add_argument("--set", nargs="*", default=[], help="extra run-config overrides key=value (numbers or strings)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (tiny model: 1 is fastest)")
     ap.add_argument("--quick", action="store_true", help="3 rounds, 1 seed, 3 codecs, 4 nodes (CI smoke test)")
-    ap.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results" / "federated.json"))
+    ap.add_argument("--figure", default="", help="also draw accuracy vs cumulative MB to this PNG")
+    ap.add_argument("--out", default=DEFAULT_OUT)
     args = ap.parse_args()
     if args.quick:
         args.rounds, args.seeds, args.nodes, args.cases = 3, [42], 4, ["none", "sign+EF", "stc 0.01+EF"]
+        if args.out == DEFAULT_OUT:
+            args.out = str(pathlib.Path(DEFAULT_OUT).with_name("federated-quick.json"))
     logging.getLogger("flwr").setLevel(logging.WARNING)
     torch.set_num_threads(args.threads)
     extra = {}
@@ -115,16 +178,26 @@ def main() -> None:
                 "rounds_to_95": [first_round_reaching(r, 0.95) for r in runs],
                 "upload_mb": up / 1e6, "bits_per_param_per_round": 8 * up / (n_params * per_round_clients),
                 "compression_ratio": dense / up if up else 0.0, "seconds_per_run": secs,
+                "time_to_90_s": {str(mb): [time_to_accuracy(r, 0.90, mb) for r in runs] for mb in LINKS_MBPS},
+                "overhead_fraction": statistics.fmean(overhead_fraction(r) for r in runs),
+                "residual_bytes_per_client": max(x.get("residual-bytes", 0.0) for r in runs for x in r),
                 "curves": [[x["accuracy"] for x in r] for r in runs],
+                "cumulative_upload_mb": [list(itertools.accumulate(x.get("upload-bytes", 0.0) / 1e6 for x in r))
+                                         for r in runs],
             }
             results.append(row)
             print(f"{part:<9} {name:<15} acc {final:.4f}  to90 {row['rounds_to_90']}  to95 {row['rounds_to_95']}  "
                   f"up {row['upload_mb']:9.4f} MB  {row['bits_per_param_per_round']:7.4f} bit/param  "
-                  f"ratio {row['compression_ratio']:8.1f}  {secs:5.1f} s", flush=True)
+                  f"ratio {row['compression_ratio']:8.1f}  t90@1/10/100Mbps "
+                  f"{[_fmt_s(row['time_to_90_s'][str(mb)]) for mb in LINKS_MBPS]}  "
+                  f"overhead {100 * row['overhead_fraction']:.1f}%  {secs:5.1f} s", flush=True)
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"nodes": args.nodes, "extra": extra, "results": results}, indent=1))
     print(f"wrote {out.resolve()}")
+    if args.figure:
+        plot(results, pathlib.Path(args.figure))
+        print(f"wrote {pathlib.Path(args.figure).resolve()}")
 
 
 if __name__ == "__main__":
