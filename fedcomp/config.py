@@ -7,7 +7,7 @@ turned into plain dataclasses. Errors name the key and its allowed range, e.g.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 from .compression import Compressor, available_compressors, get_compressor
@@ -22,10 +22,47 @@ CODEC_DEFAULTS: dict[str, Any] = {
     "error-feedback": True,
     "residual-dtype": "fp32",
     "selection": "auto",
+    "min-compress-numel": 0,
+    "small-tensor-compressor": "none",
+    "layer-codecs": "",
+    "warmup-rounds": 0,
+    "warmup-compressor": "none",
+    "density-schedule": "constant",
+    "density-start": 0.25,
+    "schedule-rounds": 10,
+    "target-error": 0.5,
+    "density-min": 0.001,
+    "density-max": 0.25,
 }
 
 #: Codecs that choose entries (their k is taken over the whole model with selection "auto").
 SPARSE_CODECS = ("stc", "topk", "randomk")
+DENSITY_SCHEDULES = ("constant", "exponential", "linear", "adaptive")
+
+
+def parse_layer_codecs(spec: str) -> list[tuple[str, str]]:
+    """Parse ``layer-codecs`` rules: ``"conv*=int8, fc2.*=sign"`` -> [("conv*", "int8"), ("fc2.*", "sign")].
+
+    Patterns are shell-style wildcards matched against full parameter names (``fnmatch``:
+    ``*`` any characters, ``?`` one, ``[ab]`` a set); the first matching rule wins.
+
+    Raises
+    ------
+    ValueError
+        A rule without "=", an empty pattern, or an unknown codec name (naming the rule).
+    """
+    rules = []
+    for raw in (r.strip() for r in spec.split(",")):
+        if not raw:
+            continue
+        pattern, sep, codec = (x.strip() for x in raw.partition("="))
+        if not sep or not pattern:
+            raise ValueError(f"run config 'layer-codecs': rule {raw!r} must look like 'pattern=codec'")
+        if codec not in available_compressors():
+            raise ValueError(f"run config 'layer-codecs': rule {raw!r} names unknown codec {codec!r}; "
+                             f"choose one of {available_compressors()}")
+        rules.append((pattern, codec))
+    return rules
 
 
 def _num(cfg: Mapping[str, Any], key: str, default, *, lo=None, hi=None, lo_open=False, hi_open=False,
@@ -71,14 +108,23 @@ def _bool(cfg: Mapping[str, Any], key: str, default: bool) -> bool:
 
 @dataclass(frozen=True)
 class CodecConfig:
-    """Which codec a client uses and how (keys: ``compressor``, ``density``, ``levels``,
-    ``block-size``, ``value-dtype``, ``error-feedback``, ``residual-dtype``, ``selection``).
+    """Which codec a client uses and how: the keys of :data:`CODEC_DEFAULTS`.
 
     ``selection`` is the scope a codec works on: "tensor" (one payload per parameter
     tensor) or "model" (the whole flattened update as one payload, so top-k/STC pick their
     k entries over the whole model). "auto" (default) is "model" for stc/topk/randomk and
     "tensor" for the rest: a study on the default data found whole-model selection more
     accurate and cheaper for top-k/STC, and one scale per tensor better for sign.
+
+    Per-layer policy: ``layer-codecs`` rules (first match wins) give some parameters their
+    own codec; parameters with fewer than ``min-compress-numel`` elements use
+    ``small-tensor-compressor`` ("none" or "fp16"); the rest use ``compressor``.
+    Schedules (applied by the server each round): ``warmup-rounds`` rounds with
+    ``warmup-compressor``, then ``density-schedule`` "constant", "exponential" or "linear"
+    from ``density-start`` to ``density`` over ``schedule-rounds`` rounds (DGC's warm-up,
+    Lin et al. ICLR 2018), or "adaptive": each client picks the smallest density in
+    [``density-min``, ``density-max``] whose relative compression error on its current
+    update is at most ``target-error``.
     """
 
     compressor: str = "stc"
@@ -89,6 +135,17 @@ class CodecConfig:
     error_feedback: bool = True
     residual_dtype: str = "fp32"
     selection: str = "auto"
+    min_compress_numel: int = 0
+    small_tensor_compressor: str = "none"
+    layer_codecs: str = ""
+    warmup_rounds: int = 0
+    warmup_compressor: str = "none"
+    density_schedule: str = "constant"
+    density_start: float = 0.25
+    schedule_rounds: int = 10
+    target_error: float = 0.5
+    density_min: float = 0.001
+    density_max: float = 0.25
 
     @property
     def scope(self) -> str:
@@ -96,6 +153,11 @@ class CodecConfig:
         if self.selection != "auto":
             return self.selection
         return "model" if self.compressor in SPARSE_CODECS else "tensor"
+
+    @property
+    def rules(self) -> list[tuple[str, str]]:
+        """Parsed ``layer-codecs`` rules."""
+        return parse_layer_codecs(self.layer_codecs)
 
     @classmethod
     def from_mapping(cls, cfg: Mapping[str, Any]) -> "CodecConfig":
@@ -107,8 +169,9 @@ class CodecConfig:
             A key with a wrong type or out of range, or an unknown codec name.
         """
         d = CODEC_DEFAULTS
-        return cls(
-            compressor=_str(cfg, "compressor", d["compressor"], available_compressors()),
+        codecs = available_compressors()
+        out = cls(
+            compressor=_str(cfg, "compressor", d["compressor"], codecs),
             density=_num(cfg, "density", d["density"], lo=0.0, hi=1.0, lo_open=True),
             levels=_num(cfg, "levels", d["levels"], lo=1, hi=2**16 - 1, integer=True),
             block_size=_num(cfg, "block-size", d["block-size"], lo=1, hi=2**31 - 1, integer=True),
@@ -116,37 +179,84 @@ class CodecConfig:
             error_feedback=_bool(cfg, "error-feedback", d["error-feedback"]),
             residual_dtype=_str(cfg, "residual-dtype", d["residual-dtype"], ("fp32", "fp16")),
             selection=_str(cfg, "selection", d["selection"], ("auto", "tensor", "model")),
+            min_compress_numel=_num(cfg, "min-compress-numel", d["min-compress-numel"], lo=0, integer=True),
+            small_tensor_compressor=_str(cfg, "small-tensor-compressor", d["small-tensor-compressor"],
+                                         ("none", "fp16", "bf16")),
+            layer_codecs=_str(cfg, "layer-codecs", d["layer-codecs"]),
+            warmup_rounds=_num(cfg, "warmup-rounds", d["warmup-rounds"], lo=0, integer=True),
+            warmup_compressor=_str(cfg, "warmup-compressor", d["warmup-compressor"], codecs),
+            density_schedule=_str(cfg, "density-schedule", d["density-schedule"], DENSITY_SCHEDULES),
+            density_start=_num(cfg, "density-start", d["density-start"], lo=0.0, hi=1.0, lo_open=True),
+            schedule_rounds=_num(cfg, "schedule-rounds", d["schedule-rounds"], lo=1, integer=True),
+            target_error=_num(cfg, "target-error", d["target-error"], lo=0.0, hi=1.0, lo_open=True),
+            density_min=_num(cfg, "density-min", d["density-min"], lo=0.0, hi=1.0, lo_open=True),
+            density_max=_num(cfg, "density-max", d["density-max"], lo=0.0, hi=1.0, lo_open=True),
         )
+        if out.density_min > out.density_max:
+            raise ValueError(f"run config 'density-min' ({out.density_min}) must not exceed 'density-max' "
+                             f"({out.density_max})")
+        out.rules  # noqa: B018 - validates layer-codecs
+        return out
 
     def to_mapping(self) -> dict[str, Any]:
         """The same keys as :meth:`from_mapping` reads (for a Flower ConfigRecord)."""
-        return {
-            "compressor": self.compressor, "density": self.density, "levels": self.levels,
-            "block-size": self.block_size, "value-dtype": self.value_dtype,
-            "error-feedback": self.error_feedback, "residual-dtype": self.residual_dtype,
-            "selection": self.selection,
-        }
+        return {k: getattr(self, k.replace("-", "_")) for k in CODEC_DEFAULTS}
 
-    def build(self, seed: int | None = None) -> Compressor:
-        """Instantiate the codec with the parameters it takes."""
+    def build(self, seed: int | None = None, compressor: str | None = None, density: float | None = None) -> Compressor:
+        """Instantiate the codec (or ``compressor``, e.g. a per-layer one) with the parameters it takes."""
+        name = compressor or self.compressor
         params: dict[str, Any] = {}
-        if self.compressor in ("stc", "topk", "randomk"):
-            params["density"] = self.density
-        if self.compressor == "topk":
+        if name in SPARSE_CODECS:
+            params["density"] = self.density if density is None else density
+        if name == "topk":
             params["value_dtype"] = self.value_dtype
-        if self.compressor == "qsgd":
+        if name == "qsgd":
             params["levels"] = self.levels
-        if self.compressor == "int8":
+        if name == "int8":
             params["block_size"] = self.block_size
-        if self.compressor in ("qsgd", "int8", "randomk"):
+        if name in ("qsgd", "int8", "randomk"):
             params["seed"] = seed
-        return get_compressor(self.compressor, **params)
+        return get_compressor(name, **params)
+
+    def for_round(self, server_round: int) -> "CodecConfig":
+        """The codec in force in ``server_round`` (1-based): warm-up codec, then the scheduled density."""
+        if server_round <= self.warmup_rounds:
+            return replace(self, compressor=self.warmup_compressor, density_schedule="constant")
+        return replace(self, density=self.scheduled_density(server_round))
+
+    def scheduled_density(self, server_round: int) -> float:
+        """Density of a "constant", "exponential" or "linear" schedule in ``server_round``.
+
+        Round t after warm-up (t = 0, 1, ...): exponential ``start * (end/start)**(t/(R-1))``,
+        linear ``start + (end - start) * t/(R-1)``, R = ``schedule-rounds``, then ``end`` =
+        ``density``. With R = 1 the schedule is just ``density``.
+        """
+        if self.density_schedule in ("constant", "adaptive"):
+            return self.density
+        t = server_round - self.warmup_rounds - 1
+        r = self.schedule_rounds
+        if r <= 1 or t >= r - 1:
+            return self.density
+        frac = t / (r - 1)
+        if self.density_schedule == "exponential":
+            return float(self.density_start * (self.density / self.density_start) ** frac)
+        return float(self.density_start + (self.density - self.density_start) * frac)
 
     def describe(self) -> str:
-        """Short label such as ``stc(density=0.01)+EF``."""
+        """Short label such as ``stc(density=0.01)+EF [model]``."""
         c = self.build(seed=0).config()
         inner = ", ".join(f"{k}={v}" for k, v in c.items())
-        return f"{self.compressor}({inner})" + ("+EF" if self.error_feedback else "") + f" [{self.scope}]"
+        extra = []
+        if self.warmup_rounds:
+            extra.append(f"warm-up {self.warmup_rounds} x {self.warmup_compressor}")
+        if self.density_schedule != "constant":
+            extra.append(f"density {self.density_schedule}")
+        if self.layer_codecs:
+            extra.append(f"layers {self.layer_codecs}")
+        if self.min_compress_numel:
+            extra.append(f"< {self.min_compress_numel} elements: {self.small_tensor_compressor}")
+        return (f"{self.compressor}({inner})" + ("+EF" if self.error_feedback else "") + f" [{self.scope}]"
+                + (f" ({'; '.join(extra)})" if extra else ""))
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import time
 from typing import Any
@@ -11,7 +12,7 @@ import torch
 from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordDict
 
 from ..compression import ErrorFeedback, decompress
-from ..config import CODEC_DEFAULTS, CodecConfig
+from ..config import CODEC_DEFAULTS, SPARSE_CODECS, CodecConfig
 from ..protocol import MODEL_KEY, PAYLOAD_DTYPE, PAYLOAD_STYPE, RESIDUAL_STATE_KEY
 
 
@@ -44,31 +45,81 @@ def _stream_seed(context: Context, msg: Message) -> int:
     return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little") >> 1
 
 
+def plan_units(shapes: dict[str, tuple[int, ...]], codec: CodecConfig) -> list[tuple[str, list[str], str]]:
+    """Group parameters into payloads: ``[(payload key, member parameter names, codec name), ...]``.
+
+    Per parameter, in order: the first ``layer-codecs`` rule whose pattern matches its name;
+    else ``small-tensor-compressor`` if it has fewer than ``min-compress-numel`` elements;
+    else the default ``compressor``. Default-codec parameters share one payload under
+    ``MODEL_KEY`` (their updates flattened and concatenated in model order) when the scope is
+    "model"; every other parameter gets its own payload under its own name.
+    """
+    rules = codec.rules
+    default: list[str] = []
+    units: list[tuple[str, list[str], str]] = []
+    for key, shape in shapes.items():
+        rule = next((c for pat, c in rules if fnmatch.fnmatchcase(key, pat)), None)
+        n = int(np.prod(shape)) if shape else 1
+        if rule is not None:
+            units.append((key, [key], rule))
+        elif n < codec.min_compress_numel:
+            units.append((key, [key], codec.small_tensor_compressor))
+        elif codec.scope == "model":
+            default.append(key)
+        else:
+            units.append((key, [key], codec.compressor))
+    if default:
+        units.append((MODEL_KEY, default, codec.compressor))
+    return units
+
+
+def adaptive_density(v: torch.Tensor, codec_name: str, target: float, lo: float, hi: float) -> float:
+    """Smallest density in [lo, hi] whose relative error on ``v`` is <= ``target`` (else ``hi``).
+
+    One sort of ``|v|`` and cumulative sums give every k's error at once: top-k leaves
+    ``||v||^2 - sum_{i<=k} v_(i)^2``; STC (all kept values -> ±mu) leaves
+    ``||v||^2 - (sum_{i<=k} |v|_(i))^2 / k``.
+    """
+    n = v.numel()
+    mag = torch.sort(v.detach().abs().reshape(-1).double(), descending=True).values
+    total = float((mag**2).sum())
+    if n == 0 or total == 0.0:
+        return lo
+    k = torch.arange(1, n + 1, dtype=torch.float64)
+    kept = torch.cumsum(mag, 0) ** 2 / k if codec_name == "stc" else torch.cumsum(mag**2, 0)
+    err = torch.sqrt(torch.clamp(total - kept, min=0.0) / total)
+    k_lo, k_hi = max(int(round(lo * n)), 1), max(int(round(hi * n)), 1)
+    ok = torch.nonzero(err[k_lo - 1 : k_hi] <= target)
+    return (k_lo + int(ok[0])) / n if len(ok) else hi
+
+
 def compress_update(
     received: dict[str, np.ndarray], trained: dict[str, np.ndarray], codec: CodecConfig,
     residuals: dict[str, np.ndarray], seed: int | None = None,
-) -> tuple[dict[str, bytes], dict[str, np.ndarray], dict[str, float]]:
-    """Compress ``trained - received`` per parameter, with error feedback.
+) -> tuple[dict[str, bytes], dict[str, np.ndarray], dict[str, Any]]:
+    """Compress ``trained - received``, parameter by parameter or as one model vector, with error feedback.
 
     Parameters
     ----------
     received, trained : dict of str to np.ndarray
         Global weights as received and the locally trained weights; same keys and shapes.
     codec : CodecConfig
-        Codec and error-feedback settings.
+        Codec, per-layer policy, adaptive density and error-feedback settings.
     residuals : dict of str to np.ndarray
-        Residuals from earlier rounds (may be empty); entries of another shape are ignored.
+        Residuals from earlier rounds, by payload key (may be empty); entries of another
+        shape are ignored (the residual restarts at 0).
     seed : int, optional
         Seed of stochastic codecs.
 
     Returns
     -------
     (payloads, new_residuals, stats)
-        Payload bytes per key (one per parameter, or one under ``MODEL_KEY`` holding the
-        flattened, concatenated update when ``codec.scope == "model"``); residual per key (empty without error feedback); and
-        ``upload-bytes``, ``dense-bytes`` (4 bytes per parameter), ``compression-error``
-        (||v - v_hat|| / ||v|| over the whole model, v = update + residual) and
-        ``residual-norm`` (L2 over the model).
+        Payload bytes per payload key (see :func:`plan_units`); residual per payload key
+        (empty without error feedback); and ``upload-bytes``, ``dense-bytes`` (4 bytes per
+        parameter), ``compression-error`` (||v - v_hat|| / ||v|| over the model, v = update +
+        residual), ``residual-norm``, ``density`` (of the default sparse codec, adaptive or
+        not; 0 for dense codecs) and per-parameter lists in model order
+        ``layer-update-norm`` (||update||) and ``layer-compression-error``.
 
     Raises
     ------
@@ -84,40 +135,62 @@ def compress_update(
             f"trained weights have other keys than the received global model (missing {missing}, extra {extra}); "
             "the ClientApp must return the full model under the received names"
         )
-    compressor = codec.build(seed=seed)
     deltas: dict[str, torch.Tensor] = {}
     for key, g in received.items():
         t = trained[key]
         if t.shape != g.shape:
             raise CompositionError(f"'{key}': trained shape {t.shape} differs from received {g.shape}")
         deltas[key] = torch.from_numpy(np.asarray(t, dtype=np.float32) - np.asarray(g, dtype=np.float32))
-    dense = sum(4 * d.numel() for d in deltas.values())
-    if codec.scope == "model":
-        deltas = {MODEL_KEY: torch.cat([d.reshape(-1) for d in deltas.values()])}
+    units = plan_units({k: tuple(d.shape) for k, d in deltas.items()}, codec)
+    # Validate every update before touching any residual ("loses nothing" on bad input).
+    for key, d in deltas.items():
+        if d.numel() and not bool(torch.isfinite(d).all()):
+            raise ValueError(f"update of '{key}' holds non-finite values (NaN or Inf); refusing to compress")
     payloads: dict[str, bytes] = {}
     new_res: dict[str, np.ndarray] = {}
-    sq_err = sq_norm = res_sq = 0.0
-    for key, delta in deltas.items():
+    layer_sq_err: dict[str, float] = {}
+    layer_sq_norm: dict[str, float] = {}
+    used_density = 0.0
+    for ukey, members, name in units:
+        x = torch.cat([deltas[k].reshape(-1) for k in members]) if ukey == MODEL_KEY else deltas[ukey]
+        prev = residuals.get(ukey) if codec.error_feedback else None
+        if prev is not None and tuple(prev.shape) != tuple(x.shape):
+            prev = None
+        v = x.float() if prev is None else x.float() + torch.as_tensor(prev).float()
+        density = None
+        if name == codec.compressor and name in SPARSE_CODECS:
+            density = codec.density
+            if codec.density_schedule == "adaptive":
+                density = adaptive_density(v, name, codec.target_error, codec.density_min, codec.density_max)
+            used_density = density
+        compressor = codec.build(seed=seed, compressor=name, density=density)
         if codec.error_feedback:
             ef = ErrorFeedback(compressor, residual_dtype=codec.residual_dtype)
-            prev = residuals.get(key)
-            if prev is not None and tuple(prev.shape) == tuple(delta.shape):
-                ef.set_residual(prev)
-            payloads[key] = ef.compress(delta)
-            new_res[key] = ef.get_residual()
-            sq_err += ef.last_sq_error
-            sq_norm += ef.last_sq_norm
-            res_sq += ef.residual_norm**2
+            ef.set_residual(prev)
+            payloads[ukey] = ef.compress(x)
+            new_res[ukey] = ef.get_residual()
+            err = ef.residual.reshape(-1).float()
         else:
-            payloads[key] = compressor.compress(delta)
-            d = delta.double()
-            sq_err += float(((d - decompress(payloads[key]).double()) ** 2).sum())
-            sq_norm += float((d**2).sum())
-    stats = {
+            payloads[ukey] = compressor.compress(x)
+            err = (v - decompress(payloads[ukey], max_numel=max(v.numel(), 1))).reshape(-1)
+        off = 0
+        vflat = v.reshape(-1).double()
+        for k in members:
+            n = deltas[k].numel()
+            layer_sq_err[k] = float((err[off : off + n].double() ** 2).sum())
+            layer_sq_norm[k] = float((vflat[off : off + n] ** 2).sum())
+            off += n
+    sq_err, sq_norm = sum(layer_sq_err.values()), sum(layer_sq_norm.values())
+    res_sq = sum(float((r.astype(np.float64) ** 2).sum()) for r in new_res.values())
+    stats: dict[str, Any] = {
         "upload-bytes": float(sum(len(p) for p in payloads.values())),
-        "dense-bytes": float(dense),
+        "dense-bytes": float(sum(4 * d.numel() for d in deltas.values())),
         "compression-error": (sq_err / sq_norm) ** 0.5 if sq_norm > 0 else 0.0,
         "residual-norm": res_sq**0.5,
+        "density": float(used_density),
+        "layer-update-norm": [float(torch.linalg.vector_norm(deltas[k].double())) for k in deltas],
+        "layer-compression-error": [(layer_sq_err[k] / layer_sq_norm[k]) ** 0.5 if layer_sq_norm[k] > 0 else 0.0
+                                    for k in deltas],
     }
     return payloads, new_res, stats
 

@@ -81,7 +81,7 @@ def main(grid: Grid, context: Context) -> None:
     cfg = AppConfig.from_run_config(context.run_config)
     torch.manual_seed(cfg.seed)
     out_dir = resolve_results_dir(cfg.results_dir, cfg.codec.compressor)
-    strategy = CompressedStrategy(build_inner(cfg), **_codec_kwargs(cfg))
+    strategy = CompressedStrategy.from_codec_config(build_inner(cfg), cfg.codec)
     recorder = RoundRecorder(cfg, strategy, out_dir, dict(context.run_config))
     model = build_model(cfg.model, tuple(recorder.test.tensors[0].shape[1:]))
     train_config = ConfigRecord({"seed": cfg.seed})
@@ -94,9 +94,3 @@ def main(grid: Grid, context: Context) -> None:
     log(INFO, "fedcomp  final accuracy %.4f after %d rounds, %.3f MB uploaded in total",
         last["accuracy"], last["round"], recorder.cum_mb)
     log(INFO, "fedcomp  results written to %s (metrics.json, plot.png)", out_dir)
-
-
-def _codec_kwargs(cfg: AppConfig) -> dict:
-    c = cfg.codec
-    return dict(compressor=c.compressor, error_feedback=c.error_feedback, density=c.density, levels=c.levels,
-                block_size=c.block_size, value_dtype=c.value_dtype, residual_dtype=c.residual_dtype)

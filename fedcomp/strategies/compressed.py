@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 import statistics
 import time
 from logging import INFO, WARNING
@@ -41,6 +42,20 @@ def client_seconds(c: dict, uplink_mbps: float | None = None, downlink_mbps: flo
     down = downlink_mbps or c["downlink-mbps"]
     compute = c["train-seconds"] + c["compress-seconds"]
     return compute + c["upload-bytes"] * 8 / (up * 1e6) + c["download-bytes"] * 8 / (down * 1e6)
+
+
+def _check_rules_match(codec: CodecConfig, keys: list[str]) -> None:
+    """Every ``layer-codecs`` pattern must match at least one parameter name.
+
+    Raises
+    ------
+    ValueError
+        Naming the rule that matches nothing, and the model's parameter names.
+    """
+    for pattern, name in codec.rules:
+        if not any(fnmatch.fnmatchcase(k, pattern) for k in keys):
+            raise ValueError(f"run config 'layer-codecs': rule '{pattern}={name}' matches no parameter; "
+                             f"parameters are {keys}")
 
 
 class CompressedStrategy(Strategy):
@@ -98,8 +113,18 @@ class CompressedStrategy(Strategy):
         self._sent: dict[int, dict[str, np.ndarray]] = {}
         #: Per-round metrics computed by this wrapper (round -> dict).
         self.history: dict[int, dict[str, float]] = {}
+        #: Per-round, per-layer means over clients: {name: {"update-norm", "compression-error"}}.
+        self.layer_history: dict[int, dict[str, dict[str, float]]] = {}
+        self._layer_stats: list[dict] = []
+        self._round_codec = self.codec
         #: Per-round, per-client figures (round -> list of dicts with node, bytes, seconds, link speeds).
         self.client_history: dict[int, list[dict]] = {}
+
+    @classmethod
+    def from_codec_config(cls, inner: Strategy, codec: CodecConfig) -> "CompressedStrategy":
+        """Build from a parsed :class:`fedcomp.config.CodecConfig` (e.g. from the run config)."""
+        params = {k.replace("-", "_"): v for k, v in codec.to_mapping().items()}
+        return cls(inner, **params)
 
     # -- delegation -------------------------------------------------------------------
     def summary(self) -> None:
@@ -109,8 +134,13 @@ class CompressedStrategy(Strategy):
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
         """Add the codec to ``config``, remember ``arrays``, and delegate."""
-        for k, v in self.codec.to_mapping().items():
+        codec = self.codec.for_round(server_round)
+        if server_round == 1:
+            _check_rules_match(codec, list(arrays.keys()))
+        for k, v in codec.to_mapping().items():
             config[k] = v
+        self.history.setdefault(server_round, {})
+        self._round_codec = codec
         self._sent = {server_round: {k: a.numpy().copy() for k, a in arrays.items()}}
         return self.inner.configure_train(server_round, arrays, config, grid)
 
@@ -131,6 +161,7 @@ class CompressedStrategy(Strategy):
             raise RuntimeError(f"aggregate_train for round {server_round} without configure_train")
         good: list[Message] = []
         stats: list[dict] = []
+        self._layer_stats: list[dict] = []
         codec_bytes: dict[str, int] = {}
         rejected = failed = 0
         for reply in replies:
@@ -150,6 +181,7 @@ class CompressedStrategy(Strategy):
         ours = self._round_metrics(stats, codec_bytes, len(good), rejected, failed)
         self.history[server_round] = ours
         self.client_history[server_round] = stats
+        self.layer_history[server_round] = self._layers_mean(list(sent))
         merged = dict(metrics) if metrics is not None else {}
         merged.update(ours)
         return arrays, MetricRecord(merged)
@@ -163,7 +195,14 @@ class CompressedStrategy(Strategy):
         weights, info = decode_update(record, sent)
         decode_s = time.perf_counter() - t0
         metric_recs = reply.content.metric_records
-        m = dict(next(iter(metric_recs.values()))) if len(metric_recs) == 1 else {}
+        m = {}
+        if len(metric_recs) == 1:
+            mkey, mrec = next(iter(metric_recs.items()))
+            m = dict(mrec)
+            # per-layer lists are ours: keep them out of the inner strategy's averaging
+            layers = {k: m.pop(k) for k in ("layer-update-norm", "layer-compression-error") if k in m}
+            reply.content[mkey] = MetricRecord(m)
+            self._layer_stats.append(layers)
         for name, nbytes in info["codecs"].items():
             codec_bytes[name] = codec_bytes.get(name, 0) + nbytes
         stats.append({
@@ -179,9 +218,21 @@ class CompressedStrategy(Strategy):
             "compression-error": _num(m, "compression-error"),
             "residual-norm": _num(m, "residual-norm"),
             "download-bytes": _num(m, "download-bytes"),
+            "density": _num(m, "density"),
         })
         reply.content[key] = ArrayRecord({k: Array(np.ascontiguousarray(w)) for k, w in weights.items()})
         return reply
+
+    def _layers_mean(self, keys: list[str]) -> dict[str, dict[str, float]]:
+        out: dict[str, dict[str, float]] = {}
+        for metric, name in (("layer-update-norm", "update-norm"), ("layer-compression-error", "compression-error")):
+            rows = [s[metric] for s in self._layer_stats if isinstance(s.get(metric), list) and len(s[metric]) == len(keys)]
+            if not rows:
+                continue
+            means = np.mean(np.nan_to_num(np.asarray(rows, dtype=np.float64), nan=0.0, posinf=0.0), axis=0)
+            for k, v in zip(keys, means):
+                out.setdefault(k, {})[name] = float(v)
+        return out
 
     @staticmethod
     def _round_metrics(stats: list[dict], codec_bytes: dict, n_good: int, rejected: int, failed: int) -> dict:
@@ -197,6 +248,7 @@ class CompressedStrategy(Strategy):
             "num-replies": n_good,
             "rejected-replies": rejected,
             "failed-clients": failed,
+            "density": statistics.fmean(s["density"] for s in stats) if stats else 0.0,
         }
         if stats:
             # Simulated wall-clock time of the round: the slowest client's compute + transfer time.

@@ -15,7 +15,9 @@ def decode_update(record: ArrayRecord, global_arrays: dict[str, np.ndarray]) -> 
     Parameters
     ----------
     record : ArrayRecord
-        The reply's ArrayRecord: one fedcomp payload per parameter name.
+        The reply's ArrayRecord: fedcomp payloads under parameter names, plus optionally one
+        under ``MODEL_KEY`` holding the flattened update of every parameter not sent on its
+        own, concatenated in the global model's key order.
     global_arrays : dict of str to np.ndarray
         The global weights this client was sent (keys in model order).
 
@@ -33,22 +35,35 @@ def decode_update(record: ArrayRecord, global_arrays: dict[str, np.ndarray]) -> 
         parameter, any malformed payload, or a non-finite result.
     """
     keys, expected = list(record.keys()), list(global_arrays)
-    if keys == [MODEL_KEY]:
-        return _decode_model_payload(record[MODEL_KEY], global_arrays)
-    if set(keys) != set(expected):
-        missing = sorted(set(expected) - set(keys))
-        extra = sorted(set(keys) - set(expected))
-        raise PayloadError(f"reply keys differ from the model's: missing {missing[:5]}, unexpected {extra[:5]}")
+    individual = [k for k in keys if k != MODEL_KEY]
+    unknown = sorted(set(individual) - set(expected))
+    covered = [k for k in expected if k not in set(individual)] if MODEL_KEY in keys else []
+    missing = sorted(set(expected) - set(individual) - set(covered))
+    if unknown or missing:
+        raise PayloadError(f"reply keys differ from the model's: missing {missing[:5]}, unexpected {unknown[:5]}")
+    if MODEL_KEY in keys and not covered:
+        raise PayloadError(f"reply has a '{MODEL_KEY}' payload but every parameter was also sent on its own")
     weights: dict[str, np.ndarray] = {}
     codecs: dict[str, int] = {}
-    for key in expected:
+    for key in individual:
         g = global_arrays[key]
         data = _payload_bytes(record[key], key)
         delta = decompress(data, max_numel=max(g.size, 1), expected_shape=tuple(g.shape))
         weights[key] = _apply(key, g, delta.numpy())
         name = codec_name(data)
         codecs[name] = codecs.get(name, 0) + len(data)
-    return weights, {"upload-bytes": sum(codecs.values()), "codecs": codecs}
+    if covered:
+        data = _payload_bytes(record[MODEL_KEY], MODEL_KEY)
+        total = sum(global_arrays[k].size for k in covered)
+        flat = decompress(data, max_numel=max(total, 1), expected_shape=(total,)).numpy()
+        off = 0
+        for key in covered:
+            g = global_arrays[key]
+            weights[key] = _apply(key, g, flat[off : off + g.size])
+            off += g.size
+        name = codec_name(data)
+        codecs[name] = codecs.get(name, 0) + len(data)
+    return {k: weights[k] for k in expected}, {"upload-bytes": sum(codecs.values()), "codecs": codecs}
 
 
 def _payload_bytes(arr, key: str) -> bytes:
@@ -65,15 +80,3 @@ def _apply(key: str, g: np.ndarray, delta: np.ndarray) -> np.ndarray:
     if not np.isfinite(w).all():
         raise PayloadError(f"'{key}': global + update is not finite")
     return w.astype(g.dtype) if np.issubdtype(g.dtype, np.floating) else np.rint(w).astype(g.dtype)
-
-
-def _decode_model_payload(arr, global_arrays: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], dict]:
-    """Split a whole-model payload (``MODEL_KEY``) back into parameters, in global key order."""
-    data = _payload_bytes(arr, MODEL_KEY)
-    total = sum(g.size for g in global_arrays.values())
-    flat = decompress(data, max_numel=max(total, 1), expected_shape=(total,)).numpy()
-    weights, off = {}, 0
-    for key, g in global_arrays.items():
-        weights[key] = _apply(key, g, flat[off : off + g.size])
-        off += g.size
-    return weights, {"upload-bytes": len(data), "codecs": {codec_name(data): len(data)}}

@@ -1,0 +1,1 @@
+"""existingapp: an ordinary Flower Message-API app (PyTorch, sklearn digits)."""
