@@ -66,43 +66,43 @@ def parse_layer_codecs(spec: str) -> list[tuple[str, str]]:
 
 
 def _num(cfg: Mapping[str, Any], key: str, default, *, lo=None, hi=None, lo_open=False, hi_open=False,
-         integer=False):
+         integer=False, src: str = "run config"):
     value = cfg.get(key, default)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"run config '{key}' must be a number, got {value!r}")
+        raise ValueError(f"{src} '{key}' must be a number, got {value!r}")
     if integer:
         if isinstance(value, float) and not value.is_integer():
-            raise ValueError(f"run config '{key}' must be an integer, got {value!r}")
+            raise ValueError(f"{src} '{key}' must be an integer, got {value!r}")
         value = int(value)
     else:
         value = float(value)
     if value != value:
-        raise ValueError(f"run config '{key}' must be a number, got NaN")
+        raise ValueError(f"{src} '{key}' must be a number, got NaN")
     bad_lo = lo is not None and (value <= lo if lo_open else value < lo)
     bad_hi = hi is not None and (value >= hi if hi_open else value > hi)
     if bad_lo or bad_hi:
         left = "(" if lo_open else "["
         right = ")" if hi_open else "]"
         raise ValueError(
-            f"run config '{key}' must be in {left}{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}{right}, "
+            f"{src} '{key}' must be in {left}{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}{right}, "
             f"got {value!r}"
         )
     return value
 
 
-def _str(cfg: Mapping[str, Any], key: str, default: str, choices=None) -> str:
+def _str(cfg: Mapping[str, Any], key: str, default: str, choices=None, src: str = "run config") -> str:
     value = cfg.get(key, default)
     if not isinstance(value, str):
-        raise ValueError(f"run config '{key}' must be a string, got {value!r}")
+        raise ValueError(f"{src} '{key}' must be a string, got {value!r}")
     if choices is not None and value not in choices:
-        raise ValueError(f"run config '{key}' must be one of {sorted(choices)}, got {value!r}")
+        raise ValueError(f"{src} '{key}' must be one of {sorted(choices)}, got {value!r}")
     return value
 
 
-def _bool(cfg: Mapping[str, Any], key: str, default: bool) -> bool:
+def _bool(cfg: Mapping[str, Any], key: str, default: bool, src: str = "run config") -> bool:
     value = cfg.get(key, default)
     if not isinstance(value, bool):
-        raise ValueError(f"run config '{key}' must be true or false, got {value!r}")
+        raise ValueError(f"{src} '{key}' must be true or false, got {value!r}")
     return value
 
 
@@ -160,8 +160,8 @@ class CodecConfig:
         return parse_layer_codecs(self.layer_codecs)
 
     @classmethod
-    def from_mapping(cls, cfg: Mapping[str, Any]) -> "CodecConfig":
-        """Parse and validate the codec keys of a run/train/node config.
+    def from_mapping(cls, cfg: Mapping[str, Any], source: str = "run config") -> "CodecConfig":
+        """Parse and validate the codec keys of a run/train/node config (``source`` names it in errors).
 
         Raises
         ------
@@ -171,29 +171,29 @@ class CodecConfig:
         d = CODEC_DEFAULTS
         codecs = available_compressors()
         out = cls(
-            compressor=_str(cfg, "compressor", d["compressor"], codecs),
-            density=_num(cfg, "density", d["density"], lo=0.0, hi=1.0, lo_open=True),
-            levels=_num(cfg, "levels", d["levels"], lo=1, hi=2**16 - 1, integer=True),
-            block_size=_num(cfg, "block-size", d["block-size"], lo=1, hi=2**31 - 1, integer=True),
-            value_dtype=_str(cfg, "value-dtype", d["value-dtype"], ("fp32", "fp16")),
-            error_feedback=_bool(cfg, "error-feedback", d["error-feedback"]),
-            residual_dtype=_str(cfg, "residual-dtype", d["residual-dtype"], ("fp32", "fp16")),
-            selection=_str(cfg, "selection", d["selection"], ("auto", "tensor", "model")),
-            min_compress_numel=_num(cfg, "min-compress-numel", d["min-compress-numel"], lo=0, integer=True),
+            compressor=_str(cfg, "compressor", d["compressor"], codecs, src=source),
+            density=_num(cfg, "density", d["density"], lo=0.0, hi=1.0, lo_open=True, src=source),
+            levels=_num(cfg, "levels", d["levels"], lo=1, hi=2**16 - 1, integer=True, src=source),
+            block_size=_num(cfg, "block-size", d["block-size"], lo=1, hi=2**31 - 1, integer=True, src=source),
+            value_dtype=_str(cfg, "value-dtype", d["value-dtype"], ("fp32", "fp16"), src=source),
+            error_feedback=_bool(cfg, "error-feedback", d["error-feedback"], src=source),
+            residual_dtype=_str(cfg, "residual-dtype", d["residual-dtype"], ("fp32", "fp16"), src=source),
+            selection=_str(cfg, "selection", d["selection"], ("auto", "tensor", "model"), src=source),
+            min_compress_numel=_num(cfg, "min-compress-numel", d["min-compress-numel"], lo=0, integer=True, src=source),
             small_tensor_compressor=_str(cfg, "small-tensor-compressor", d["small-tensor-compressor"],
-                                         ("none", "fp16", "bf16")),
-            layer_codecs=_str(cfg, "layer-codecs", d["layer-codecs"]),
-            warmup_rounds=_num(cfg, "warmup-rounds", d["warmup-rounds"], lo=0, integer=True),
-            warmup_compressor=_str(cfg, "warmup-compressor", d["warmup-compressor"], codecs),
-            density_schedule=_str(cfg, "density-schedule", d["density-schedule"], DENSITY_SCHEDULES),
-            density_start=_num(cfg, "density-start", d["density-start"], lo=0.0, hi=1.0, lo_open=True),
-            schedule_rounds=_num(cfg, "schedule-rounds", d["schedule-rounds"], lo=1, integer=True),
-            target_error=_num(cfg, "target-error", d["target-error"], lo=0.0, hi=1.0, lo_open=True),
-            density_min=_num(cfg, "density-min", d["density-min"], lo=0.0, hi=1.0, lo_open=True),
-            density_max=_num(cfg, "density-max", d["density-max"], lo=0.0, hi=1.0, lo_open=True),
+                                         ("none", "fp16", "bf16"), src=source),
+            layer_codecs=_str(cfg, "layer-codecs", d["layer-codecs"], src=source),
+            warmup_rounds=_num(cfg, "warmup-rounds", d["warmup-rounds"], lo=0, integer=True, src=source),
+            warmup_compressor=_str(cfg, "warmup-compressor", d["warmup-compressor"], codecs, src=source),
+            density_schedule=_str(cfg, "density-schedule", d["density-schedule"], DENSITY_SCHEDULES, src=source),
+            density_start=_num(cfg, "density-start", d["density-start"], lo=0.0, hi=1.0, lo_open=True, src=source),
+            schedule_rounds=_num(cfg, "schedule-rounds", d["schedule-rounds"], lo=1, integer=True, src=source),
+            target_error=_num(cfg, "target-error", d["target-error"], lo=0.0, hi=1.0, lo_open=True, src=source),
+            density_min=_num(cfg, "density-min", d["density-min"], lo=0.0, hi=1.0, lo_open=True, src=source),
+            density_max=_num(cfg, "density-max", d["density-max"], lo=0.0, hi=1.0, lo_open=True, src=source),
         )
         if out.density_min > out.density_max:
-            raise ValueError(f"run config 'density-min' ({out.density_min}) must not exceed 'density-max' "
+            raise ValueError(f"{source} 'density-min' ({out.density_min}) must not exceed 'density-max' "
                              f"({out.density_max})")
         out.rules  # noqa: B018 - validates layer-codecs
         return out

@@ -94,7 +94,7 @@ class CompressedNumPyClient(NumPyClient):
         self.calls = 0
         #: Error-feedback residual per array index ("0", "1", ... or the whole-model key).
         self.residuals: dict[str, np.ndarray] = {}
-        #: Statistics of the last ``fit`` (upload-bytes, dense-bytes, compression-error, residual-norm).
+        #: Statistics of the last ``fit`` as ``compress_update`` returned them.
         self.last_stats: dict[str, float] = {}
 
     # -- delegation -------------------------------------------------------------------
@@ -144,8 +144,10 @@ class CompressedNumPyClient(NumPyClient):
         -------
         (payloads, num_examples, metrics)
             Payloads as 1-D ``uint8`` arrays; the wrapped client's ``num_examples``; its
-            metrics plus ``upload-bytes`` (payload bytes), ``dense-bytes`` (fp32 cost),
-            ``compression-error`` and ``residual-norm``.
+            metrics plus the scalar statistics of
+            :func:`fedcomp.client.compress_update`: ``upload-bytes`` (payload bytes),
+            ``dense-bytes`` (fp32 cost), ``compression-error``, ``residual-norm``, ...
+            (all of them, lists included, are in :attr:`last_stats`).
         """
         codec = self.codec(config)
         received = {str(i): np.asarray(p) for i, p in enumerate(parameters)}
@@ -160,7 +162,9 @@ class CompressedNumPyClient(NumPyClient):
         self._store_residuals(new_res if codec.error_feedback else {})
         self.last_stats = stats
         out = [np.frombuffer(p, dtype=np.uint8).copy() for p in payloads.values()]
-        return out, num_examples, {**dict(metrics or {}), **stats}
+        # legacy metrics are scalars only (Flower's compat layer rejects lists, e.g. per-layer stats)
+        scalars = {k: v for k, v in stats.items() if isinstance(v, (bool, int, float, str, bytes))}
+        return out, num_examples, {**dict(metrics or {}), **scalars}
 
     # -- state ---------------------------------------------------------------------------
     def _next_seed(self) -> int | None:

@@ -34,7 +34,7 @@ def _codec_config(msg: Message, context: Context) -> CodecConfig:
         _, cfg = _only_record(msg.content, "config")
         merged.update({k: v for k, v in cfg.items() if k in CODEC_DEFAULTS})
     merged.update({k: v for k, v in context.node_config.items() if k in CODEC_DEFAULTS})
-    return CodecConfig.from_mapping(merged)
+    return CodecConfig.from_mapping(merged, source="train/node config")
 
 
 def _stream_seed(context: Context, msg: Message) -> int:

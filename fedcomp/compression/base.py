@@ -60,6 +60,8 @@ def check_input(x: torch.Tensor) -> torch.Tensor:
     # sum (possibly a mere overflow) needs the full elementwise check.
     if flat.numel() and not bool(torch.isfinite(flat.sum())) and not bool(torch.isfinite(flat).all()):
         bad = int((~torch.isfinite(flat)).sum())
+        if x.dtype == torch.float64 and bool(torch.isfinite(x).all()):
+            raise ValueError(f"input holds {bad} float64 value(s) beyond the float32 range; refusing to compress")
         raise ValueError(f"input holds {bad} non-finite value(s) (NaN or Inf); refusing to compress")
     return flat
 
@@ -192,13 +194,16 @@ def decompress(
         than ``expected_shape``, position out of range, non-finite scale or values,
         trailing bytes. Nothing is pickled or ``torch.load``-ed.
     """
+    if isinstance(payload, memoryview) and not payload.c_contiguous:
+        payload = payload.tobytes()
     header = parse_header(payload, max_numel=max_numel)
     if expected_shape is not None and tuple(header.shape) != tuple(expected_shape):
         raise PayloadError(f"payload shape {header.shape} does not match the expected {tuple(expected_shape)}")
     cls = _BY_ID.get(header.codec_id)
     if cls is None:
         raise PayloadError(f"unknown codec id {header.codec_id}; known: { {c.codec_id: c.name for c in CODECS.values()} }")
-    flat = cls._decode(header, memoryview(payload).cast("B"))
+    with np.errstate(over="ignore", invalid="ignore"):  # overflow shows up as non-finite output, checked below
+        flat = cls._decode(header, memoryview(payload).cast("B"))
     if flat.shape != (header.numel,) or flat.dtype != np.float32:  # pragma: no cover - decoder invariant
         raise PayloadError(f"{cls.name} decoder produced {flat.shape} {flat.dtype}")
     if not np.isfinite(flat).all():

@@ -99,7 +99,7 @@ def unpack_uint(buf: memoryview | bytes, count: int, width: int, what: str) -> n
     Returns
     -------
     np.ndarray
-        uint64 array, shape ``(count,)``.
+        Shape ``(count,)``: uint8 for ``width <= 8``, else uint64.
 
     Raises
     ------
@@ -114,9 +114,9 @@ def unpack_uint(buf: memoryview | bytes, count: int, width: int, what: str) -> n
         raw = np.frombuffer(buf, dtype=np.uint8)
         if raw.size != count:
             raise PayloadError(f"{what}: expected {count} bytes, got {raw.size}")
-        return raw.astype(np.uint64)
+        return raw
     bits = unpack_bits(buf, count * width, what).reshape(count, width)
-    if width <= 8:
-        return np.packbits(bits, axis=1, bitorder="little")[:, 0].astype(np.uint64)
+    if width <= 8:  # uint8 result: 1 byte per value instead of 8
+        return np.packbits(bits, axis=1, bitorder="little")[:, 0]
     weights = np.left_shift(np.uint64(1), np.arange(width, dtype=np.uint64))
     return (bits.astype(np.uint64) * weights).sum(axis=1, dtype=np.uint64)

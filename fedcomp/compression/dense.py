@@ -75,8 +75,8 @@ class FP16(_Cast):
 class BF16(_Cast):
     """``bf16``: bfloat16 (8-bit exponent, 7-bit mantissa), round to nearest even.
 
-    16 bits/parameter + header; relative error per entry <= 2**-8. Sent as the upper 16
-    bits of each float32 (Kalamkar et al. 2019).
+    16 bits/parameter + header; relative error per entry <= 2**-8; saturates at the largest
+    finite bfloat16 (~3.39e38). Sent as the upper 16 bits of each float32 (Kalamkar et al. 2019).
     """
 
     name = "bf16"
@@ -84,7 +84,8 @@ class BF16(_Cast):
     itemsize = 2
 
     def _to_wire(self, flat: torch.Tensor) -> torch.Tensor:
-        return flat.to(torch.bfloat16).view(torch.int16)
+        big = float(torch.finfo(torch.bfloat16).max)
+        return flat.clamp(-big, big).to(torch.bfloat16).view(torch.int16)
 
     @classmethod
     def _from_wire(cls, raw: memoryview, n: int) -> np.ndarray:

@@ -28,7 +28,8 @@ class ErrorFeedback:
     compressor : Compressor
         Any codec from :func:`fedcomp.compression.get_compressor`.
     residual_dtype : {"fp32", "fp16"}
-        Storage of the residual; "fp16" halves its memory (4 -> 2 bytes/parameter).
+        Storage of the residual; "fp16" halves its memory (4 -> 2 bytes/parameter) and
+        saturates entries beyond ±65504.
 
     Attributes
     ----------
@@ -76,12 +77,16 @@ class ErrorFeedback:
             if self.residual.shape != v.shape:
                 raise ValueError(f"input shape {tuple(v.shape)} differs from the residual's {tuple(self.residual.shape)}")
             v = v + self.residual.to(device=v.device, dtype=torch.float32)
+            if not bool(torch.isfinite(v.sum())) and not bool(torch.isfinite(v).all()):
+                raise ValueError("input + residual overflows float32; residual left unchanged")
         payload = self.compressor.compress(v)
         v_hat = decompress(payload, max_numel=max(v.numel(), 1)).to(v.device)
         err = v - v_hat
         self.last_sq_error = float(torch.sum(err.double() ** 2))
         self.last_sq_norm = float(torch.sum(v.double() ** 2))
         self.last_error = (self.last_sq_error / self.last_sq_norm) ** 0.5 if self.last_sq_norm else 0.0
+        if self.residual_dtype == "fp16":  # saturate: an Inf residual would poison every later round
+            err = err.clamp(-65504.0, 65504.0)
         self.residual = err.to(_RESIDUAL_DTYPES[self.residual_dtype])
         return payload
 

@@ -57,7 +57,8 @@ class Int8Compressor(Compressor):
         n, bs = flat.numel(), self.block_size
         nb = -(-n // bs)
         padded = torch.nn.functional.pad(flat, (0, nb * bs - n)).view(nb, bs)
-        scale = padded.abs().amax(dim=1) / 127.0
+        # keep 127 * scale finite, so that decoding never overflows
+        scale = torch.clamp(padded.abs().amax(dim=1) / 127.0, max=float(np.finfo(np.float32).max) / 127.0 * (1 - 2**-20))
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))
         q = self._rounder.round(padded / safe[:, None]).clamp_(-127, 127)
         q = q.reshape(-1)[:n].to(torch.int8)
@@ -78,5 +79,20 @@ class Int8Compressor(Compressor):
             raise PayloadError("int8: a block scale is negative or not finite")
         if (q == -128).any():
             raise PayloadError("int8: value -128 outside [-127, 127]")
-        # Index by block (not np.repeat) so a huge declared block size allocates nothing extra.
-        return q.astype(np.float32) * scale[np.arange(n, dtype=np.int64) // bs]
+        return block_scale(q, scale, bs)
+
+
+def block_scale(values: np.ndarray, scale: np.ndarray, block: int) -> np.ndarray:
+    """``values[i] * scale[i // block]`` as float32, shape ``(n,)``, without an n-sized index.
+
+    Full blocks are scaled as an ``(nb, block)`` view, the short tail block on its own, so the
+    only n-sized allocation is the float32 output (a huge declared block allocates nothing).
+    """
+    n = values.size
+    out = values.astype(np.float32)
+    full = n // block if block <= n else 0
+    if full:
+        out[: full * block].reshape(full, block)[...] *= scale[:full, None]
+    if full * block < n:
+        out[full * block :] *= scale[full]
+    return out

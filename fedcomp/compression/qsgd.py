@@ -14,6 +14,7 @@ import torch
 from .base import Compressor, check_range, register
 from .bits import nbytes_for_bits, pack_bits, pack_uint, unpack_bits, unpack_uint
 from .errors import PayloadError
+from .int8 import block_scale
 from .stochastic import StochasticRounder
 from .wire import BodyReader, Header, unpack_params
 
@@ -99,6 +100,6 @@ class QSGDCompressor(Compressor):
             raise PayloadError("qsgd: a bucket norm is negative or not finite")
         if n and int(lv.max()) > s:
             raise PayloadError(f"qsgd: a level exceeds s = {s}")
-        step = (norms / np.float32(s)).astype(np.float32)[np.arange(n, dtype=np.int64) // bs]
-        mag = lv.astype(np.float32) * step
-        return np.where(neg.astype(bool), -mag, mag).astype(np.float32)
+        mag = block_scale(lv, (norms / np.float32(s)).astype(np.float32), bs)
+        np.negative(mag, out=mag, where=neg.astype(bool))
+        return mag

@@ -18,6 +18,7 @@ from .bits import nbytes_for_bits, unpack_bits
 from .errors import PayloadError
 from .wire import BodyReader, Header, unpack_params
 
+_FP32_MAX = float(np.finfo(np.float32).max)
 _BYTE_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
 
 
@@ -52,6 +53,8 @@ class SignCompressor(Compressor):
     def _encode(self, flat: torch.Tensor) -> tuple[bytes, bytes]:
         n = flat.numel()
         scale = float(torch.linalg.vector_norm(flat, ord=1)) / n if n else 0.0
+        if not np.isfinite(scale):  # the fp32 sum overflowed: redo it in float64
+            scale = min(float(torch.linalg.vector_norm(flat.double(), ord=1)) / n, _FP32_MAX)
         return struct.pack(self._PARAMS, scale), _pack_on_device(flat >= 0)
 
     @classmethod

@@ -155,6 +155,8 @@ def parse_header(payload: bytes | bytearray | memoryview, max_numel: int = DEFAU
         raise PayloadError(f"truncated: header with {ndim} dims needs {need} bytes, payload has {len(mv)}")
     shape = struct.unpack_from(f"<{ndim}Q", mv, off)
     off += 8 * ndim
+    if any(d > max(max_numel, 1) for d in shape):
+        raise PayloadError(f"payload claims a dimension of {max(shape)} elements, above the limit of {max_numel}")
     numel = 1
     for d in shape:  # loop over <= 32 dims, with an early exit: no overflowing product
         numel *= d

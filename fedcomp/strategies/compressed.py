@@ -5,7 +5,7 @@ from __future__ import annotations
 import fnmatch
 import statistics
 import time
-from logging import INFO, WARNING
+from logging import ERROR, INFO, WARNING
 from typing import Iterable
 
 import numpy as np
@@ -90,6 +90,10 @@ class CompressedStrategy(Strategy):
         Codec name (see :func:`fedcomp.compression.available_compressors`). Default "stc".
     error_feedback : bool
         Clients keep a residual (Karimireddy et al. 2019). Default True.
+    max_num_examples : int
+        Largest ``num-examples`` (the inner strategy's weighting key) a reply may claim;
+        replies with a non-integer, non-finite, < 1 or larger weight are rejected, so that
+        one client cannot dictate or poison the weighted mean. Default 10**9.
     **params
         Codec parameters by their Python or run-config names: ``density``, ``levels``,
         ``block_size``, ``value_dtype``, ``residual_dtype``.
@@ -100,7 +104,8 @@ class CompressedStrategy(Strategy):
         Unknown codec or a parameter out of range (at construction).
     """
 
-    def __init__(self, inner: Strategy, compressor: str = "stc", error_feedback: bool = True, **params) -> None:
+    def __init__(self, inner: Strategy, compressor: str = "stc", error_feedback: bool = True,
+                 max_num_examples: int = 10**9, **params) -> None:
         if not isinstance(inner, Strategy):
             raise TypeError(f"inner must be a flwr.serverapp.strategy.Strategy, got {type(inner).__name__}")
         mapping = {k.replace("_", "-"): v for k, v in params.items()}
@@ -110,6 +115,8 @@ class CompressedStrategy(Strategy):
             raise TypeError(f"unknown codec parameter(s) {sorted(unknown)}")
         self.inner = inner
         self.codec = CodecConfig.from_mapping(mapping)
+        self.max_num_examples = int(max_num_examples)
+        self._arr_key = "arrays"
         self._sent: dict[int, dict[str, np.ndarray]] = {}
         #: Per-round metrics computed by this wrapper (round -> dict).
         self.history: dict[int, dict[str, float]] = {}
@@ -172,12 +179,17 @@ class CompressedStrategy(Strategy):
                 continue
             try:
                 good.append(self._decode_reply(reply, sent, stats, codec_bytes))
-            except (PayloadError, ValueError, TypeError, KeyError) as exc:
+            except (PayloadError, ValueError, TypeError, KeyError, OverflowError) as exc:
                 rejected += 1
                 log(WARNING, "round %s: rejected reply from node %s: %s", server_round, node, exc)
         arrays, metrics = (None, None)
+        self._common_metric_keys(good)
         if good:
             arrays, metrics = self.inner.aggregate_train(server_round, good)
+        if arrays is not None and not all(np.isfinite(a.numpy()).all() for a in arrays.values()):
+            log(ERROR, "round %s: the aggregated model is not finite; keeping the previous global model",
+                server_round)
+            arrays = None
         ours = self._round_metrics(stats, codec_bytes, len(good), rejected, failed)
         self.history[server_round] = ours
         self.client_history[server_round] = stats
@@ -186,23 +198,38 @@ class CompressedStrategy(Strategy):
         merged.update(ours)
         return arrays, MetricRecord(merged)
 
+    def _inner_attr(self, name: str, default):
+        """An attribute of the innermost strategy (walking Flower's wrappers' ``.strategy``)."""
+        obj = self.inner
+        for _ in range(8):
+            if hasattr(obj, name):
+                return getattr(obj, name)
+            obj = getattr(obj, "strategy", getattr(obj, "inner", None))
+            if obj is None:
+                break
+        return default
+
     def _decode_reply(self, reply: Message, sent: dict, stats: list, codec_bytes: dict) -> Message:
         recs = reply.content.array_records
         if len(recs) != 1:
             raise PayloadError(f"expected one ArrayRecord in the reply, found {len(recs)}")
-        key, record = next(iter(recs.items()))
+        mrecs = reply.content.metric_records
+        if len(mrecs) != 1:
+            raise PayloadError(f"expected one MetricRecord in the reply, found {len(mrecs)}")
+        m = dict(next(iter(mrecs.values())))
+        wkey = self._inner_attr("weighted_by_key", "num-examples")
+        n = m.get(wkey)
+        if (isinstance(n, bool) or not isinstance(n, (int, float)) or not np.isfinite(n) or n < 1
+                or n != int(n) or n > self.max_num_examples):
+            raise PayloadError(f"'{wkey}' must be an integer in [1, {self.max_num_examples}], got {n!r}")
         t0 = time.perf_counter()
-        weights, info = decode_update(record, sent)
+        weights, info = decode_update(next(iter(recs.values())), sent)
         decode_s = time.perf_counter() - t0
-        metric_recs = reply.content.metric_records
-        m = {}
-        if len(metric_recs) == 1:
-            mkey, mrec = next(iter(metric_recs.items()))
-            m = dict(mrec)
-            # per-layer lists are ours: keep them out of the inner strategy's averaging
-            layers = {k: m.pop(k) for k in ("layer-update-norm", "layer-compression-error") if k in m}
-            reply.content[mkey] = MetricRecord(m)
-            self._layer_stats.append(layers)
+        layers = {k: m.pop(k) for k in ("layer-update-norm", "layer-compression-error") if k in m}
+        # Keep only finite scalar metrics: the inner strategy averages them, metrics.json stores them.
+        m = {k: v for k, v in m.items()
+             if isinstance(v, (int, float)) and not isinstance(v, bool) and np.isfinite(v)}
+        self._layer_stats.append(layers)
         for name, nbytes in info["codecs"].items():
             codec_bytes[name] = codec_bytes.get(name, 0) + nbytes
         stats.append({
@@ -220,8 +247,24 @@ class CompressedStrategy(Strategy):
             "download-bytes": _num(m, "download-bytes"),
             "density": _num(m, "density"),
         })
-        reply.content[key] = ArrayRecord({k: Array(np.ascontiguousarray(w)) for k, w in weights.items()})
+        # An ordinary reply, in the layout the inner strategy sent: one ArrayRecord, one MetricRecord.
+        for key in list(reply.content.keys()):
+            del reply.content[key]
+        reply.content[self._arr_key] = ArrayRecord({k: Array(np.ascontiguousarray(w)) for k, w in weights.items()})
+        reply.content["metrics"] = MetricRecord(m)
         return reply
+
+    @staticmethod
+    def _common_metric_keys(replies: list[Message]) -> None:
+        """Trim every reply's MetricRecord to the keys all replies share (Flower's FedAvg requires
+        identical keys; an honest client adding a metric of its own must not abort the round)."""
+        if not replies:
+            return
+        common = set.intersection(*(set(r.content["metrics"].keys()) for r in replies))
+        for r in replies:
+            m = r.content["metrics"]
+            if set(m.keys()) != common:
+                r.content["metrics"] = MetricRecord({k: v for k, v in m.items() if k in common})
 
     def _layers_mean(self, keys: list[str]) -> dict[str, dict[str, float]]:
         out: dict[str, dict[str, float]] = {}

@@ -1,5 +1,8 @@
 """ServerApp of the example: FedAvg for ``num-server-rounds`` rounds."""
 
+import json
+from pathlib import Path
+
 from flwr.app import ArrayRecord, ConfigRecord, Context
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg
@@ -37,3 +40,6 @@ def main(grid: Grid, context: Context) -> None:
     last = max(result.evaluate_metrics_clientapp, default=None)
     acc = result.evaluate_metrics_clientapp[last]["eval-acc"] if last is not None else float("nan")
     print(f"existingapp: finished {cfg['num-server-rounds']} rounds, client eval-acc {acc:.4f}")
+    if cfg.get("results-file"):  # optional: the per-round metrics as JSON (an absolute path)
+        rounds = {r: dict(m) for r, m in result.train_metrics_clientapp.items()}
+        Path(str(cfg["results-file"])).write_text(json.dumps({"train": rounds, "eval-acc": acc}))

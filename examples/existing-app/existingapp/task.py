@@ -1,4 +1,4 @@
-"""Model, data and the train/test loops of the example app (nothing Flower- or fedcomp-specific)."""
+"""Model, data and the train/test loops of the example app (plain PyTorch, no Flower)."""
 
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def train(net: Net, data, epochs: int, lr: float, batch_size: int = 32, seed: in
             loss = nn.functional.cross_entropy(net(x[idx]), y[idx])
             loss.backward()
             opt.step()
-            loss_sum += float(loss) * len(idx)
+            loss_sum += loss.item() * len(idx)
             n += len(idx)
     return loss_sum / max(n, 1)
 
