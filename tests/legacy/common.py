@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import numpy as np
 from flwr.client import NumPyClient
-from flwr.common import Code, DisconnectRes, EvaluateRes, GetParametersRes, GetPropertiesRes, Status, ndarrays_to_parameters
+from flwr.common import (
+    Code,
+    DisconnectRes,
+    EvaluateRes,
+    GetParametersRes,
+    GetPropertiesRes,
+    Status,
+    ndarrays_to_parameters,
+)
 from flwr.server.client_proxy import ClientProxy
 
 SIZES = (10, 20, 30)  # examples per client: unequal, so weighting matters

@@ -88,7 +88,7 @@ class RecordingFedAvg(FedAvg):
 
 
 def fedavg_kw():
-    return dict(fraction_evaluate=1.0, min_available_nodes=N, min_train_nodes=N, min_evaluate_nodes=N)
+    return {"fraction_evaluate": 1.0, "min_available_nodes": N, "min_train_nodes": N, "min_evaluate_nodes": N}
 
 
 def run(strategy, app, rounds=2):

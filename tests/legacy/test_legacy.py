@@ -14,8 +14,7 @@ import numpy as np
 import pytest
 import torch
 from flwr.app import Context, RecordDict
-from flwr.client import NumPyClient
-from flwr.common import FitIns, ndarrays_to_parameters, parameters_to_ndarrays
+from flwr.common import ndarrays_to_parameters, parameters_to_ndarrays
 from flwr.server import SimpleClientManager
 from flwr.server.strategy import FedAdam, FedAvg, FedProx
 
@@ -30,8 +29,8 @@ N = 3
 
 
 def make_inner(name: str):
-    common = dict(fraction_fit=1.0, fraction_evaluate=0.0, min_fit_clients=N, min_available_clients=N,
-                  initial_parameters=ndarrays_to_parameters(init_weights()))
+    common = {"fraction_fit": 1.0, "fraction_evaluate": 0.0, "min_fit_clients": N, "min_available_clients": N,
+              "initial_parameters": ndarrays_to_parameters(init_weights())}
     return {
         "fedavg": lambda: FedAvg(**common),
         "fedprox": lambda: FedProx(**common, proximal_mu=0.1),
@@ -160,7 +159,7 @@ def test_error_feedback_residual_telescopes_and_survives_in_context_state():
     delta_sum = [np.zeros_like(a) for a in g]
     for _ in range(2):  # a new wrapper per round, as client_fn(context) does
         client = CompressedNumPyClient(inner, state=state)
-        payloads, n, metrics = client.fit(g, config)
+        payloads, n, _ = client.fit(g, config)
         assert all(p.dtype == np.uint8 and p.ndim == 1 for p in payloads) and n == 10
         trained, _, _ = inner.fit(g, config)
         for i, p in enumerate(payloads):
@@ -283,3 +282,58 @@ def test_legacy_serverapp_and_clientapp_in_process(client_side):
         assert 0 < s.history[rnd]["upload-bytes-sign"] < s.history[rnd]["dense-bytes"]
     state_key = LEGACY_RESIDUAL_STATE_KEY if client_side == "numpy-client" else "fedcomp.residual"
     assert all(state_key in ctx.state for ctx in grid.contexts.values())
+
+
+# -- the deprecated Ray path: flwr.simulation.start_simulation ----------------------------------
+
+START_SIMULATION = """
+import json, sys
+from flwr.common import ndarrays_to_parameters
+from flwr.server import ServerConfig
+from flwr.server.strategy import FedAvg
+from flwr.simulation import start_simulation
+from fedcomp.client.legacy import CompressedNumPyClient
+from fedcomp.strategies.legacy import LegacyCompressedStrategy
+from tests.legacy.common import LinRegClient, init_weights
+
+inner = FedAvg(min_fit_clients=2, min_available_clients=2, fraction_evaluate=0.0,
+               initial_parameters=ndarrays_to_parameters(init_weights()))
+s = LegacyCompressedStrategy(inner, compressor="sign")
+
+def client_fn(context):
+    pid = int(context.node_config["partition-id"])
+    return CompressedNumPyClient(LinRegClient(pid), state=context.state).to_client()
+
+start_simulation(client_fn=client_fn, num_clients=2, config=ServerConfig(num_rounds=2), strategy=s,
+                 client_resources={"num_cpus": 1},
+                 ray_init_args={"num_cpus": 2, "include_dashboard": False, "log_to_driver": False})
+print("HISTORY " + json.dumps(s.history))
+"""
+
+
+def test_deprecated_start_simulation_still_runs_the_legacy_pair():
+    """Flower 1.42 keeps ``flwr.simulation.start_simulation`` (deprecated since 1.13, Ray); about 20 s.
+    Run in a child process of its own session so that Ray's processes end with it."""
+    import json
+    import os
+    import pathlib
+    import signal
+    import subprocess
+    import sys
+
+    pytest.importorskip("ray")
+    repo = pathlib.Path(__file__).resolve().parents[2]
+    proc = subprocess.Popen([sys.executable, "-c", START_SIMULATION], cwd=repo, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=150)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # our own child's process group only
+        out, _ = proc.communicate()
+        pytest.fail("start_simulation did not finish in 150 s:\n" + out[-3000:])
+    line = [ln for ln in out.splitlines() if ln.startswith("HISTORY ")]
+    assert line, out[-3000:]
+    history = json.loads(line[0][len("HISTORY "):])
+    assert sorted(history) == ["1", "2"]
+    assert all(h["num-replies"] == 2 and h["upload-bytes-sign"] > 0 for h in history.values())
+    assert "start_simulation() is deprecated" in out
