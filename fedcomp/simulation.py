@@ -70,7 +70,11 @@ class InProcessGrid(Grid):
     # -- Grid interface -----------------------------------------------------------------
     @property
     def run(self):
-        """Run information (unused by fedcomp)."""
+        """Run information: what ``set_run`` stored, else an object with ``run_id = 1``."""
+        if self._run is None:
+            import types
+
+            return types.SimpleNamespace(run_id=1)
         return self._run
 
     def set_run(self, run_id: int) -> None:

@@ -13,6 +13,7 @@ from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordD
 
 from ..compression import ErrorFeedback, decompress
 from ..config import CODEC_DEFAULTS, SPARSE_CODECS, CodecConfig
+from ..privacy import LocalDP, clip_and_noise
 from ..protocol import MODEL_KEY, PAYLOAD_DTYPE, PAYLOAD_STYPE, RESIDUAL_STATE_KEY
 
 
@@ -95,7 +96,7 @@ def adaptive_density(v: torch.Tensor, codec_name: str, target: float, lo: float,
 
 def compress_update(
     received: dict[str, np.ndarray], trained: dict[str, np.ndarray], codec: CodecConfig,
-    residuals: dict[str, np.ndarray], seed: int | None = None,
+    residuals: dict[str, np.ndarray], seed: int | None = None, local_dp: LocalDP | None = None,
 ) -> tuple[dict[str, bytes], dict[str, np.ndarray], dict[str, Any]]:
     """Compress ``trained - received``, parameter by parameter or as one model vector, with error feedback.
 
@@ -109,7 +110,11 @@ def compress_update(
         Residuals from earlier rounds, by payload key (may be empty); entries of another
         shape are ignored (the residual restarts at 0).
     seed : int, optional
-        Seed of stochastic codecs.
+        Seed of stochastic codecs and of local-DP noise.
+    local_dp : LocalDP, optional
+        Clip the whole update and add Gaussian noise first, before error feedback and
+        compression (so every selection is made on the noisy update, and the residual is
+        kept of the noisy vector).
 
     Returns
     -------
@@ -146,6 +151,14 @@ def compress_update(
     for key, d in deltas.items():
         if d.numel() and not bool(torch.isfinite(d).all()):
             raise ValueError(f"update of '{key}' holds non-finite values (NaN or Inf); refusing to compress")
+    if local_dp is not None:
+        gen = torch.Generator().manual_seed(seed if seed is not None else 0)
+        flat = clip_and_noise(torch.cat([d.reshape(-1) for d in deltas.values()]), local_dp.clipping_norm,
+                              local_dp.noise_multiplier, gen)
+        off = 0
+        for key, d in deltas.items():
+            deltas[key] = flat[off : off + d.numel()].reshape(d.shape)
+            off += d.numel()
     payloads: dict[str, bytes] = {}
     new_res: dict[str, np.ndarray] = {}
     layer_sq_err: dict[str, float] = {}
@@ -193,6 +206,33 @@ def compress_update(
                                     for k in deltas],
     }
     return payloads, new_res, stats
+
+
+def _check_client_clipping(msg: Message, received: dict, trained: dict) -> None:
+    """If the server asked for client-side clipping (Flower's ``clipping_norm``), the update that
+    reaches this mod must already be clipped; otherwise Flower's clipping mod sits outside ours."""
+    if not msg.content.config_records or list(trained) != list(received):
+        return
+    _, cfg = _only_record(msg.content, "config")
+    clip = cfg.get("clipping_norm")
+    if isinstance(clip, bool) or not isinstance(clip, (int, float)):
+        return
+    norm = float(np.sqrt(sum(((np.asarray(trained[k], np.float64) - received[k]) ** 2).sum() for k in received)))
+    if norm > clip * (1 + 1e-4):
+        raise CompositionError(
+            f"the server asked for client-side clipping (clipping_norm={clip}) but the update reaching compression_mod "
+            f"has norm {norm:.4g}: Flower's clipping mod must run INSIDE compression_mod, on the train handler: "
+            "ClientApp(mods=[compression_mod]) and @app.train(mods=[fixedclipping_mod])")
+
+
+def _local_dp(msg: Message) -> LocalDP | None:
+    """Local update DP requested by the server in the train config (None if absent)."""
+    if not msg.content.config_records:
+        return None
+    _, cfg = _only_record(msg.content, "config")
+    if "local-dp-clipping-norm" not in cfg:
+        return None
+    return LocalDP(cfg["local-dp-clipping-norm"], cfg.get("local-dp-noise-multiplier", 0.0))
 
 
 def _link_speeds(context: Context) -> dict[str, float]:
@@ -246,12 +286,13 @@ def compression_mod(msg: Message, context: Context, call_next) -> Message:
     if any(a.stype == PAYLOAD_STYPE for a in trained_rec.values()):
         raise CompositionError("reply is already compressed: add compression_mod only once, as the first mod")
     trained = {k: a.numpy() for k, a in trained_rec.items()}
+    _check_client_clipping(msg, received, trained)
 
     residuals: dict[str, np.ndarray] = {}
     if RESIDUAL_STATE_KEY in context.state:
         residuals = {k: a.numpy() for k, a in context.state[RESIDUAL_STATE_KEY].items()}
     t0 = time.perf_counter()
-    payloads, new_res, stats = compress_update(received, trained, codec, residuals, seed)
+    payloads, new_res, stats = compress_update(received, trained, codec, residuals, seed, _local_dp(msg))
     stats["compress-seconds"] = time.perf_counter() - t0
     stats["residual-bytes"] = float(sum(r.nbytes for r in new_res.values()))
     stats.update(_link_speeds(context))

@@ -55,6 +55,7 @@ class Int8Compressor(Compressor):
 
     def _encode(self, flat: torch.Tensor) -> tuple[bytes, bytes]:
         n, bs = flat.numel(), self.block_size
+        bs = min(bs, max(n, 1))  # a block larger than the tensor is one block: pad no further than n
         nb = -(-n // bs)
         padded = torch.nn.functional.pad(flat, (0, nb * bs - n)).view(nb, bs)
         # keep 127 * scale finite, so that decoding never overflows
@@ -62,7 +63,7 @@ class Int8Compressor(Compressor):
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))
         q = self._rounder.round(padded / safe[:, None]).clamp_(-127, 127)
         q = q.reshape(-1)[:n].to(torch.int8)
-        return struct.pack(self._PARAMS, bs), scale.cpu().numpy().tobytes() + q.cpu().numpy().tobytes()
+        return struct.pack(self._PARAMS, self.block_size), scale.cpu().numpy().tobytes() + q.cpu().numpy().tobytes()
 
     @classmethod
     def _decode(cls, header: Header, payload: memoryview) -> np.ndarray:

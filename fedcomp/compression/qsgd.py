@@ -69,6 +69,7 @@ class QSGDCompressor(Compressor):
 
     def _encode(self, flat: torch.Tensor) -> tuple[bytes, bytes]:
         s, n, bs = self.levels, flat.numel(), self.bucket_size
+        bs = min(bs, max(n, 1))  # a block larger than the tensor is one block: pad no further than n
         nb = -(-n // bs)
         padded = torch.nn.functional.pad(flat, (0, nb * bs - n)).view(nb, bs)
         norms = torch.linalg.vector_norm(padded.double(), dim=1).to(torch.float32)
@@ -79,7 +80,7 @@ class QSGDCompressor(Compressor):
         lv = lv.reshape(-1)[:n].to(torch.int32).cpu().numpy()
         signs = (flat < 0).cpu().numpy()
         body = norms.cpu().numpy().tobytes() + pack_bits(signs) + pack_uint(lv, self.width(s))
-        return struct.pack(self._PARAMS, s, bs), body
+        return struct.pack(self._PARAMS, s, self.bucket_size), body
 
     @classmethod
     def _decode(cls, header: Header, payload: memoryview) -> np.ndarray:

@@ -16,6 +16,7 @@ from flwr.serverapp.strategy import Strategy
 
 from ..compression import PayloadError
 from ..config import CodecConfig
+from ..privacy import ClientLevelDP, LocalDP
 from .decode import decode_update
 
 
@@ -42,6 +43,17 @@ def client_seconds(c: dict, uplink_mbps: float | None = None, downlink_mbps: flo
     down = downlink_mbps or c["downlink-mbps"]
     compute = c["train-seconds"] + c["compress-seconds"]
     return compute + c["upload-bytes"] * 8 / (up * 1e6) + c["download-bytes"] * 8 / (down * 1e6)
+
+
+def _wraps(strategy, prefix: str) -> bool:
+    """Whether ``strategy`` or a strategy it wraps (``.strategy``/``.inner``) has a class name starting with ``prefix``."""
+    for _ in range(8):
+        if strategy is None:
+            return False
+        if type(strategy).__name__.startswith(prefix):
+            return True
+        strategy = getattr(strategy, "strategy", getattr(strategy, "inner", None))
+    return False
 
 
 def _check_rules_match(codec: CodecConfig, keys: list[str]) -> None:
@@ -94,6 +106,14 @@ class CompressedStrategy(Strategy):
         Largest ``num-examples`` (the inner strategy's weighting key) a reply may claim;
         replies with a non-integer, non-finite, < 1 or larger weight are rejected, so that
         one client cannot dictate or poison the weighted mean. Default 10**9.
+    client_dp : ClientLevelDP, optional
+        Client-level DP-FedAvg on the decoded updates (clip each, sum / clients sampled, Gaussian
+        noise); replaces the inner strategy's averaging and reports ``epsilon`` per round.
+    local_dp : LocalDP, optional
+        Ask clients to clip and noise their update before compression (sent in the train config).
+    max_epsilon : float, optional
+        Stop sending rounds before one would push any client's epsilon (client-level, or the
+        ``epsilon`` clients report with DP-SGD) past this value.
     **params
         Codec parameters by their Python or run-config names: ``density``, ``levels``,
         ``block_size``, ``value_dtype``, ``residual_dtype``.
@@ -105,7 +125,8 @@ class CompressedStrategy(Strategy):
     """
 
     def __init__(self, inner: Strategy, compressor: str = "stc", error_feedback: bool = True,
-                 max_num_examples: int = 10**9, **params) -> None:
+                 max_num_examples: int = 10**9, client_dp: ClientLevelDP | None = None,
+                 local_dp: LocalDP | None = None, max_epsilon: float | None = None, **params) -> None:
         if not isinstance(inner, Strategy):
             raise TypeError(f"inner must be a flwr.serverapp.strategy.Strategy, got {type(inner).__name__}")
         mapping = {k.replace("_", "-"): v for k, v in params.items()}
@@ -115,8 +136,20 @@ class CompressedStrategy(Strategy):
             raise TypeError(f"unknown codec parameter(s) {sorted(unknown)}")
         self.inner = inner
         self.codec = CodecConfig.from_mapping(mapping)
+        if self.codec.error_feedback and _wraps(inner, "DifferentialPrivacyClientSide"):
+            raise ValueError(
+                "error feedback with Flower's client-side clipping breaks the DP guarantee: the residual makes the sent "
+                "update's norm exceed clipping_norm from round 2 on, while the server's noise assumes it does not. Use "
+                "error_feedback=False, or server-side clipping of the decoded update "
+                "(DifferentialPrivacyServerSideFixedClipping inside CompressedStrategy, or client_dp=ClientLevelDP(...))")
         self.max_num_examples = int(max_num_examples)
         self._arr_key = "arrays"
+        self.client_dp = client_dp
+        self.local_dp = local_dp
+        self.max_epsilon = max_epsilon
+        self.stopped_reason = ""
+        self._eps_trace: list[float] = []
+        self._sampled = 0
         self._sent: dict[int, dict[str, np.ndarray]] = {}
         #: Per-round metrics computed by this wrapper (round -> dict).
         self.history: dict[int, dict[str, float]] = {}
@@ -140,16 +173,47 @@ class CompressedStrategy(Strategy):
         self.inner.summary()
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
-        """Add the codec to ``config``, remember ``arrays``, and delegate."""
+        """Add the codec in force (and local-DP settings) to ``config``, remember ``arrays``, delegate.
+
+        Sends nothing (an empty round) once the privacy budget ``max_epsilon`` would be exceeded.
+        """
         codec = self.codec.for_round(server_round)
         if server_round == 1:
             _check_rules_match(codec, list(arrays.keys()))
+        self.history.setdefault(server_round, {})
+        if self._budget_exhausted(server_round):
+            return []
         for k, v in codec.to_mapping().items():
             config[k] = v
-        self.history.setdefault(server_round, {})
+        if self.local_dp is not None:
+            config["local-dp-clipping-norm"] = self.local_dp.clipping_norm
+            config["local-dp-noise-multiplier"] = self.local_dp.noise_multiplier
         self._round_codec = codec
         self._sent = {server_round: {k: a.numpy().copy() for k, a in arrays.items()}}
-        return self.inner.configure_train(server_round, arrays, config, grid)
+        msgs = list(self.inner.configure_train(server_round, arrays, config, grid))
+        self._sampled = len(msgs)
+        if msgs and len(msgs[0].content.array_records) == 1:
+            self._arr_key = next(iter(msgs[0].content.array_records))
+        return msgs
+
+    def _budget_exhausted(self, server_round: int) -> bool:
+        """True if the next round would push some client past ``max_epsilon`` (logged once)."""
+        if self.max_epsilon is None or self.stopped_reason:
+            return bool(self.stopped_reason)
+        if self.client_dp is not None:
+            nxt = self.client_dp.epsilon(self.client_dp.rounds + 1)
+        elif len(self._eps_trace) >= 1:
+            last = self._eps_trace[-1]
+            step = last - (self._eps_trace[-2] if len(self._eps_trace) >= 2 else 0.0)
+            nxt = last + step
+        else:
+            return False
+        if nxt > self.max_epsilon:
+            self.stopped_reason = (f"privacy budget: round {server_round} would raise epsilon to about {nxt:.3g} > "
+                                   f"max-epsilon {self.max_epsilon}; no further rounds are run")
+            log(WARNING, "%s", self.stopped_reason)
+            return True
+        return False
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
         """Delegate unchanged (evaluation messages carry dense global weights)."""
@@ -169,13 +233,18 @@ class CompressedStrategy(Strategy):
         good: list[Message] = []
         stats: list[dict] = []
         self._layer_stats: list[dict] = []
+        self._updates: list[np.ndarray] = []
         codec_bytes: dict[str, int] = {}
         rejected = failed = 0
         for reply in replies:
             node = reply.metadata.src_node_id
             if reply.has_error():
                 failed += 1
-                log(WARNING, "round %s: client (node %s) failed: %s", server_round, node, reply.error.reason)
+                reason = reply.error.reason or ""
+                if "fedcomp.payload" in reason or "clipping_mod expects the keys" in reason:
+                    reason += (" (hint: compression_mod must be the first mod of the ClientApp, Flower's DP mods go "
+                               "in @app.train(mods=[...]), and the server strategy must be wrapped in CompressedStrategy)")
+                log(WARNING, "round %s: client (node %s) failed: %s", server_round, node, reason)
                 continue
             try:
                 good.append(self._decode_reply(reply, sent, stats, codec_bytes))
@@ -184,13 +253,31 @@ class CompressedStrategy(Strategy):
                 log(WARNING, "round %s: rejected reply from node %s: %s", server_round, node, exc)
         arrays, metrics = (None, None)
         self._common_metric_keys(good)
-        if good:
+        dp_info: dict[str, float] = {}
+        if good and self.client_dp is not None:
+            agg, dp_info = self.client_dp.aggregate(self._updates, max(self._sampled, len(good)))
+            arrays, off = ArrayRecord(), 0
+            for k, g in sent.items():
+                w = g.astype(np.float32) + agg[off : off + g.size].reshape(g.shape)
+                arrays[k] = Array(np.ascontiguousarray(w.astype(g.dtype) if np.issubdtype(g.dtype, np.floating)
+                                                       else np.rint(w).astype(g.dtype)))
+                off += g.size
+        elif good:
             arrays, metrics = self.inner.aggregate_train(server_round, good)
         if arrays is not None and not all(np.isfinite(a.numpy()).all() for a in arrays.values()):
             log(ERROR, "round %s: the aggregated model is not finite; keeping the previous global model",
                 server_round)
             arrays = None
         ours = self._round_metrics(stats, codec_bytes, len(good), rejected, failed)
+        ours.update(dp_info)
+        reported = [s["epsilon"] for s in stats if s["epsilon"] is not None]
+        if reported:
+            ours["epsilon-max"] = max(reported)
+            ours["epsilon-median"] = float(statistics.median(reported))
+        if "epsilon" in dp_info:
+            self._eps_trace.append(dp_info["epsilon"])
+        elif reported:
+            self._eps_trace.append(max(reported))
         self.history[server_round] = ours
         self.client_history[server_round] = stats
         self.layer_history[server_round] = self._layers_mean(list(sent))
@@ -226,6 +313,11 @@ class CompressedStrategy(Strategy):
         weights, info = decode_update(next(iter(recs.values())), sent)
         decode_s = time.perf_counter() - t0
         layers = {k: m.pop(k) for k in ("layer-update-norm", "layer-compression-error") if k in m}
+        eps = m.get("epsilon")
+        eps = float(eps) if isinstance(eps, (int, float)) and not isinstance(eps, bool) and eps == eps else None
+        if self.client_dp is not None:
+            self._updates.append(np.concatenate([(weights[k].astype(np.float32) - sent[k].astype(np.float32)).ravel()
+                                                 for k in sent]))
         # Keep only finite scalar metrics: the inner strategy averages them, metrics.json stores them.
         m = {k: v for k, v in m.items()
              if isinstance(v, (int, float)) and not isinstance(v, bool) and np.isfinite(v)}
@@ -246,6 +338,7 @@ class CompressedStrategy(Strategy):
             "residual-norm": _num(m, "residual-norm"),
             "download-bytes": _num(m, "download-bytes"),
             "density": _num(m, "density"),
+            "epsilon": eps,
         })
         # An ordinary reply, in the layout the inner strategy sent: one ArrayRecord, one MetricRecord.
         for key in list(reply.content.keys()):
