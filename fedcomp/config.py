@@ -37,6 +37,9 @@ CODEC_DEFAULTS: dict[str, Any] = {
 
 #: Codecs that choose entries (their k is taken over the whole model with selection "auto").
 SPARSE_CODECS = ("stc", "topk", "randomk")
+#: ``dp`` modes: none; sample-level DP-SGD on clients (Opacus); client-level DP-FedAvg on the
+#: server; local clip + noise of each update on the client before compression.
+DP_MODES = ("none", "dp-sgd", "client-level", "local")
 DENSITY_SCHEDULES = ("constant", "exponential", "linear", "adaptive")
 
 
@@ -281,6 +284,11 @@ class AppConfig:
     dirichlet_alpha: float = 0.5
     results_dir: str = ""
     round_timeout: float = 600.0
+    dp: str = "none"
+    clipping_norm: float = 1.0
+    noise_multiplier: float = 1.0
+    target_delta: float = 1e-5
+    max_epsilon: float = 0.0
     codec: CodecConfig = field(default_factory=CodecConfig)
 
     @classmethod
@@ -311,5 +319,10 @@ class AppConfig:
             dirichlet_alpha=_num(cfg, "dirichlet-alpha", 0.5, lo=0.0, lo_open=True),
             results_dir=_str(cfg, "results-dir", ""),
             round_timeout=_num(cfg, "round-timeout", 600.0, lo=0.0, lo_open=True),
+            dp=_str(cfg, "dp", "none", DP_MODES),
+            clipping_norm=_num(cfg, "clipping-norm", 1.0, lo=0.0, lo_open=True),
+            noise_multiplier=_num(cfg, "noise-multiplier", 1.0, lo=0.0),
+            target_delta=_num(cfg, "target-delta", 1e-5, lo=0.0, hi=1.0, lo_open=True, hi_open=True),
+            max_epsilon=_num(cfg, "max-epsilon", 0.0, lo=0.0),
             codec=CodecConfig.from_mapping(cfg),
         )

@@ -13,7 +13,11 @@ from flwr.clientapp import ClientApp
 from ..config import AppConfig
 from ..data import DataConfig, load_partition
 from ..models import build_model
+from .dp_sgd import DPSGDConfig, train_dp_sgd
 from .mod import compression_mod
+
+#: Key in ``context.state`` of the DP-SGD accountant's history (a MetricRecord of float lists).
+DP_ACCOUNTANT_KEY = "fedcomp.dp-accountant"
 from .training import TrainConfig, evaluate, pick_device, train
 
 app = ClientApp(mods=[compression_mod])
@@ -43,7 +47,9 @@ def train_handler(msg: Message, context: Context) -> Message:
     """Load the global weights, train ``local-epochs`` on the local partition, return weights.
 
     Reply: ArrayRecord ``arrays`` (the trained state dict, original names) and MetricRecord
-    ``metrics`` with ``num-examples``, ``train-loss`` and ``train-seconds``.
+    ``metrics`` with ``num-examples``, ``train-loss`` and ``train-seconds``; with
+    ``dp = "dp-sgd"`` training runs under Opacus and ``epsilon`` (cumulative, at
+    ``target-delta``; inf without noise) is added.
     """
     import time
 
@@ -51,9 +57,19 @@ def train_handler(msg: Message, context: Context) -> Message:
     model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
     rnd = int(msg.content["config"].get("server-round", 0)) if "config" in msg.content else 0
     tcfg = TrainConfig(cfg.local_epochs, cfg.batch_size, cfg.accumulation_steps, cfg.lr, cfg.momentum)
+    seed = cfg.seed * 100_003 + rnd * 1009 + pid
     t0 = time.perf_counter()
-    loss, n = train(model, data, tcfg, device, seed=cfg.seed * 100_003 + rnd * 1009 + pid)
-    metrics = {"num-examples": n, "train-loss": float(loss), "train-seconds": time.perf_counter() - t0}
+    extra = {}
+    if cfg.dp == "dp-sgd":
+        # One accountant per client for the whole run: its history lives in context.state.
+        dp_cfg = DPSGDConfig.from_mapping(context.run_config)
+        prev = dict(context.state[DP_ACCOUNTANT_KEY]) if DP_ACCOUNTANT_KEY in context.state else None
+        loss, n, eps, state = train_dp_sgd(model, data, tcfg, dp_cfg, device, seed=seed, accountant_state=prev)
+        context.state[DP_ACCOUNTANT_KEY] = MetricRecord(state)
+        extra["epsilon"] = float(eps)
+    else:
+        loss, n = train(model, data, tcfg, device, seed=seed)
+    metrics = {"num-examples": n, "train-loss": float(loss), "train-seconds": time.perf_counter() - t0, **extra}
     content = RecordDict({"arrays": ArrayRecord(model.cpu().state_dict()), "metrics": MetricRecord(metrics)})
     return Message(content=content, reply_to=msg)
 

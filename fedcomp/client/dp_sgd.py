@@ -193,6 +193,8 @@ class DPSGDConfig:
         if not isinstance(accountant, str):
             raise ValueError(f"run config 'accountant' must be a string, got {accountant!r}")
         target = cfg.get("target-epsilon")
+        if target == 0:  # the app's run config uses 0 for "not set" (every key needs a default)
+            target = None
         rounds = cfg.get("num-server-rounds", _DEFAULTS["num-server-rounds"])
         if isinstance(rounds, float) and rounds.is_integer():
             rounds = int(rounds)

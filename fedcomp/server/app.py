@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from logging import INFO
 
@@ -11,12 +12,14 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAdam, FedAvg, Strategy
 
+from ..client.dp_sgd import DPSGDConfig
 from ..client.training import evaluate
 from ..config import AppConfig
 from ..data import DataConfig, load_test_set
 from ..models import build_model
+from ..privacy import NO_AMPLIFICATION, ClientLevelDP, LocalDP
 from ..strategies import CompressedStrategy
-from .results import HEADER, MB, format_row, plot_rounds, resolve_results_dir, write_json
+from .results import DP_HEADER, HEADER, MB, format_row, plot_rounds, resolve_results_dir, write_json
 
 app = ServerApp()
 
@@ -35,6 +38,24 @@ def build_inner(cfg: AppConfig) -> Strategy:
     return FedAvg(**common)
 
 
+def privacy_options(cfg: AppConfig, context: Context | None = None) -> dict:
+    """``CompressedStrategy`` keyword arguments for run config ``dp`` (validated at start-up).
+
+    Raises
+    ------
+    ValueError
+        A DP key out of range, or (dp-sgd) an infeasible ``target-epsilon`` / ``secure-rng``.
+    """
+    opts: dict = {"max_epsilon": cfg.max_epsilon or None}
+    if cfg.dp == "client-level":
+        opts["client_dp"] = ClientLevelDP(cfg.clipping_norm, cfg.noise_multiplier, cfg.target_delta, seed=cfg.seed)
+    elif cfg.dp == "local":
+        opts["local_dp"] = LocalDP(cfg.clipping_norm, cfg.noise_multiplier)
+    elif cfg.dp == "dp-sgd" and context is not None:
+        DPSGDConfig.from_mapping(context.run_config)  # fail fast on the server, before any round
+    return opts
+
+
 class RoundRecorder:
     """Collects one record per round, prints the table line, rewrites ``metrics.json``."""
 
@@ -47,6 +68,9 @@ class RoundRecorder:
         self.test = test
         self.model = build_model(cfg.model, tuple(test.tensors[0].shape[1:]))
         self.t0 = time.perf_counter()
+        self.privacy = privacy_statement(cfg)
+        self.local_rounds = 0
+        self.last_eps = 0.0
 
     def __call__(self, server_round: int, arrays: ArrayRecord) -> MetricRecord:
         """Flower ``evaluate_fn``: evaluate the global model on the held-out test split."""
@@ -60,10 +84,19 @@ class RoundRecorder:
                 "upload-mb": h["upload-bytes"] / MB, "cumulative-upload-mb": self.cum_mb,
                 "download-mb": h["download-bytes"] / MB, **h,
             })
+            if self.cfg.dp == "local" and h.get("num-replies"):
+                self.local_rounds += 1
+                rec["epsilon"] = self.strategy.local_dp.epsilon(self.local_rounds, self.cfg.target_delta)
+            now = _epsilon_now(rec)
+            if self.cfg.dp != "none" and now is not None:
+                rec["epsilon-round"] = math.inf if math.isinf(now) else now - self.last_eps
+                self.last_eps = now
+            rec["layers"] = self.strategy.layer_history.get(server_round, {})
         rec["elapsed-seconds"] = time.perf_counter() - self.t0
+        dp = self.cfg.dp != "none"
         if server_round == 0:
-            log(INFO, "fedcomp  %s", HEADER)
-        log(INFO, "fedcomp  %s", format_row(rec))
+            log(INFO, "fedcomp  %s", HEADER + (DP_HEADER if dp else ""))
+        log(INFO, "fedcomp  %s", format_row(rec, dp))
         self.rounds.append(rec)
         self.save()
         return MetricRecord({"accuracy": acc, "loss": loss})
@@ -71,8 +104,31 @@ class RoundRecorder:
     def save(self) -> None:
         """Write ``metrics.json`` (atomically)."""
         write_json(self.out_dir / "metrics.json", {
-            "codec": self.strategy.codec.describe(), "run-config": self.run_config, "rounds": self.rounds,
+            "codec": self.strategy.codec.describe(), "run-config": self.run_config, "privacy": self.privacy,
+            "stopped": self.strategy.stopped_reason or None, "rounds": self.rounds,
         })
+
+
+def _epsilon_now(rec: dict) -> float | None:
+    """Cumulative epsilon of a round record: client-level/local ``epsilon``, else DP-SGD's max."""
+    for key in ("epsilon", "epsilon-max"):
+        if rec.get(key) is not None:
+            return float(rec[key])
+    return None
+
+
+def privacy_statement(cfg: AppConfig) -> dict | None:
+    """What the run's DP mode does and does not guarantee (written into metrics.json)."""
+    if cfg.dp == "none":
+        return None
+    level = {"dp-sgd": "sample-level (one training example), on each client, Opacus DP-SGD",
+             "client-level": "client-level (a client's whole update), DP-FedAvg on the server",
+             "local": "client-level, local: each client clips and noises its own update before compressing"}[cfg.dp]
+    return {"mode": cfg.dp, "level": level, "delta": cfg.target_delta, "accountant": "rdp",
+            "assumption": NO_AMPLIFICATION if cfg.dp != "dp-sgd" else
+            "Poisson sampling of examples within each client at rate logical-batch / N; one accountant per client "
+            "for the whole run; epsilon-max / epsilon-median over the clients that replied",
+            "max-epsilon": cfg.max_epsilon or None}
 
 
 @app.main()
@@ -81,7 +137,7 @@ def main(grid: Grid, context: Context) -> None:
     cfg = AppConfig.from_run_config(context.run_config)
     torch.manual_seed(cfg.seed)
     out_dir = resolve_results_dir(cfg.results_dir, cfg.codec.compressor)
-    strategy = CompressedStrategy.from_codec_config(build_inner(cfg), cfg.codec)
+    strategy = CompressedStrategy.from_codec_config(build_inner(cfg), cfg.codec, **privacy_options(cfg, context))
     recorder = RoundRecorder(cfg, strategy, out_dir, dict(context.run_config))
     model = build_model(cfg.model, tuple(recorder.test.tensors[0].shape[1:]))
     train_config = ConfigRecord({"seed": cfg.seed})
@@ -93,4 +149,6 @@ def main(grid: Grid, context: Context) -> None:
     last = recorder.rounds[-1]
     log(INFO, "fedcomp  final accuracy %.4f after %d rounds, %.3f MB uploaded in total",
         last["accuracy"], last["round"], recorder.cum_mb)
+    if strategy.stopped_reason:
+        log(INFO, "fedcomp  stopped early: %s", strategy.stopped_reason)
     log(INFO, "fedcomp  results written to %s (metrics.json, plot.png)", out_dir)

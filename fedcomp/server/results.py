@@ -14,16 +14,24 @@ MB = 1e6
 COLUMNS = [("round", "{:>5}"), ("accuracy", "{:>8.4f}"), ("loss", "{:>7.4f}"), ("upload-mb", "{:>10.4f}"),
            ("cumulative-upload-mb", "{:>9.3f}"), ("compression-ratio", "{:>8.1f}")]
 HEADER = f"{'round':>5} {'accuracy':>8} {'loss':>7} {'MB up':>10} {'cum. MB':>9} {'ratio':>8}"
+DP_HEADER = f" {'epsilon':>8} {'eps/rnd':>8}"
 
 
-def format_row(rec: dict[str, Any]) -> str:
-    """One table line for a round record (missing values print as '-')."""
+def format_row(rec: dict[str, Any], dp: bool = False) -> str:
+    """One table line for a round record (missing values print as '-'; with ``dp`` the cumulative
+    epsilon and this round's increase are appended, "inf" meaning no privacy)."""
     out = []
+    if dp:
+        eps = rec.get("epsilon", rec.get("epsilon-max"))
+        step = rec.get("epsilon-round")
+        tail = f" {'-' if eps is None else f'{eps:8.3f}':>8} {'-' if step is None else f'{step:8.3f}':>8}"
+    else:
+        tail = ""
     for key, fmt in COLUMNS:
         v = rec.get(key)
         width = int(fmt[3:].split(".")[0].rstrip("fd")) if v is None else 0
         out.append("-".rjust(width) if v is None else fmt.format(v))
-    return " ".join(out)
+    return " ".join(out) + tail
 
 
 def default_results_dir(compressor: str) -> pathlib.Path:

@@ -161,10 +161,11 @@ class CompressedStrategy(Strategy):
         self.client_history: dict[int, list[dict]] = {}
 
     @classmethod
-    def from_codec_config(cls, inner: Strategy, codec: CodecConfig) -> "CompressedStrategy":
-        """Build from a parsed :class:`fedcomp.config.CodecConfig` (e.g. from the run config)."""
+    def from_codec_config(cls, inner: Strategy, codec: CodecConfig, **options) -> "CompressedStrategy":
+        """Build from a parsed :class:`fedcomp.config.CodecConfig` (e.g. from the run config);
+        ``options`` are the other constructor arguments (``client_dp``, ``max_epsilon``, ...)."""
         params = {k.replace("-", "_"): v for k, v in codec.to_mapping().items()}
-        return cls(inner, **params)
+        return cls(inner, **params, **options)
 
     # -- delegation -------------------------------------------------------------------
     def summary(self) -> None:
@@ -181,7 +182,9 @@ class CompressedStrategy(Strategy):
         if server_round == 1:
             _check_rules_match(codec, list(arrays.keys()))
         self.history.setdefault(server_round, {})
+        self._sent = {server_round: {k: a.numpy().copy() for k, a in arrays.items()}}
         if self._budget_exhausted(server_round):
+            self._sampled = 0
             return []
         for k, v in codec.to_mapping().items():
             config[k] = v
@@ -189,7 +192,6 @@ class CompressedStrategy(Strategy):
             config["local-dp-clipping-norm"] = self.local_dp.clipping_norm
             config["local-dp-noise-multiplier"] = self.local_dp.noise_multiplier
         self._round_codec = codec
-        self._sent = {server_round: {k: a.numpy().copy() for k, a in arrays.items()}}
         msgs = list(self.inner.configure_train(server_round, arrays, config, grid))
         self._sampled = len(msgs)
         if msgs and len(msgs[0].content.array_records) == 1:

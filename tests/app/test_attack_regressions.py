@@ -10,9 +10,9 @@ from flwr.app import ConfigRecord, MetricRecord
 from flwr.serverapp.strategy import FedAvg
 
 import fedcomp.compression as fc
+from fedcomp.compression.wire import pack_header
 from fedcomp.config import AppConfig
 from fedcomp.strategies import CompressedStrategy
-from fedcomp.compression.wire import pack_header
 
 from .helpers import weights
 from .test_strategy import compressed_reply, fedavg, setup
@@ -59,10 +59,11 @@ def test_non_finite_client_metrics_are_dropped_and_results_are_strict_json(tmp_p
 
 
 def test_selection_from_run_config_reaches_the_clients():
+    from flwr.app import ArrayRecord
+
     from fedcomp.client.app import app as client_app
     from fedcomp.models import build_model
     from fedcomp.simulation import InProcessGrid
-    from flwr.app import ArrayRecord
 
     cfg = AppConfig.from_run_config({"compressor": "topk", "selection": "tensor"})
     s = CompressedStrategy.from_codec_config(FedAvg(min_available_nodes=2), cfg.codec)

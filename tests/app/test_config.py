@@ -1,9 +1,9 @@
 """Run-config validation names the key and the allowed range; defaults match pyproject."""
 
 import pathlib
-import tomllib
 
 import pytest
+import tomllib
 
 from fedcomp.config import AppConfig, CodecConfig
 
@@ -19,7 +19,9 @@ def test_pyproject_defaults_parse_and_hold_every_key():
     read_keys = {"num-server-rounds", "fraction-train", "min-train-nodes", "min-available-nodes", "strategy",
                  "server-lr", "lr", "momentum", "local-epochs", "batch-size", "accumulation-steps", "seed",
                  "dataset", "model", "partitioner", "dirichlet-alpha", "results-dir", "round-timeout",
-                 "uplink-mbps", "downlink-mbps", *CodecConfig().to_mapping()}
+                 "uplink-mbps", "downlink-mbps", "dp", "clipping-norm", "noise-multiplier", "max-grad-norm",
+                 "target-delta", "target-epsilon", "accountant", "secure-rng", "max-epsilon",
+                 *CodecConfig().to_mapping()}
     assert set(cfg) == read_keys
 
 

@@ -11,7 +11,6 @@ pin down what happens today.
 from __future__ import annotations
 
 import dataclasses
-
 import logging
 
 import numpy as np
