@@ -284,6 +284,7 @@ class AppConfig:
     dirichlet_alpha: float = 0.5
     results_dir: str = ""
     round_timeout: float = 600.0
+    resume: bool = False
     dp: str = "none"
     clipping_norm: float = 1.0
     noise_multiplier: float = 1.0
@@ -319,6 +320,7 @@ class AppConfig:
             dirichlet_alpha=_num(cfg, "dirichlet-alpha", 0.5, lo=0.0, lo_open=True),
             results_dir=_str(cfg, "results-dir", ""),
             round_timeout=_num(cfg, "round-timeout", 600.0, lo=0.0, lo_open=True),
+            resume=_bool(cfg, "resume", False),
             dp=_str(cfg, "dp", "none", DP_MODES),
             clipping_norm=_num(cfg, "clipping-norm", 1.0, lo=0.0, lo_open=True),
             noise_multiplier=_num(cfg, "noise-multiplier", 1.0, lo=0.0),

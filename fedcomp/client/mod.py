@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import fnmatch
 import hashlib
+import os
+import pathlib
 import time
 from typing import Any
 
@@ -225,6 +227,40 @@ def _check_client_clipping(msg: Message, received: dict, trained: dict) -> None:
             "ClientApp(mods=[compression_mod]) and @app.train(mods=[fixedclipping_mod])")
 
 
+def _state_file(context: Context) -> pathlib.Path | None:
+    """``<state-dir>/residual-<partition-id or node id>.npz`` if node config ``state-dir`` (or run
+    config ``client-state-dir``) names a folder, else None."""
+    folder = context.node_config.get("state-dir") or context.run_config.get("client-state-dir") or ""
+    if not isinstance(folder, str) or not folder:
+        return None
+    who = context.node_config.get("partition-id", context.node_id)
+    return pathlib.Path(folder).expanduser() / f"residual-{who}.npz"
+
+
+def save_residuals(path: pathlib.Path, residuals: dict[str, np.ndarray], server_round: int) -> None:
+    """Persist error-feedback residuals (node-local file, atomic: temporary file then rename).
+
+    Plain ``.npz`` of numeric arrays plus the round they were computed in; read back with
+    ``allow_pickle=False``.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp.npz")
+    np.savez(tmp, __round__=np.array(server_round, dtype=np.int64), **{f"r/{k}": v for k, v in residuals.items()})
+    os.replace(tmp, path)
+
+
+def load_residuals(path: pathlib.Path, before_round: int) -> dict[str, np.ndarray]:
+    """Residuals saved by :func:`save_residuals` in a round before ``before_round`` ({} if none,
+    unreadable, or from a later round, e.g. after the server resumed from an older checkpoint)."""
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            saved_round = int(z["__round__"])
+            res = {k[2:]: z[k] for k in z.files if k.startswith("r/")}
+    except (OSError, ValueError, KeyError):
+        return {}
+    return res if saved_round < before_round or before_round == 0 else {}
+
+
 def _local_dp(msg: Message) -> LocalDP | None:
     """Local update DP requested by the server in the train config (None if absent)."""
     if not msg.content.config_records:
@@ -289,8 +325,13 @@ def compression_mod(msg: Message, context: Context, call_next) -> Message:
     _check_client_clipping(msg, received, trained)
 
     residuals: dict[str, np.ndarray] = {}
+    state_file = _state_file(context)
+    rnd = int(msg.content[next(iter(msg.content.config_records))].get("server-round", 0)) \
+        if msg.content.config_records else 0
     if RESIDUAL_STATE_KEY in context.state:
         residuals = {k: a.numpy() for k, a in context.state[RESIDUAL_STATE_KEY].items()}
+    elif state_file is not None:
+        residuals = load_residuals(state_file, before_round=rnd)
     t0 = time.perf_counter()
     payloads, new_res, stats = compress_update(received, trained, codec, residuals, seed, _local_dp(msg))
     stats["compress-seconds"] = time.perf_counter() - t0
@@ -298,6 +339,8 @@ def compression_mod(msg: Message, context: Context, call_next) -> Message:
     stats.update(_link_speeds(context))
     if codec.error_feedback:
         context.state[RESIDUAL_STATE_KEY] = ArrayRecord({k: Array(v) for k, v in new_res.items()})
+        if state_file is not None:
+            save_residuals(state_file, new_res, rnd)
 
     reply.content[arr_key] = ArrayRecord(
         {k: Array(dtype=PAYLOAD_DTYPE, shape=(len(p),), stype=PAYLOAD_STYPE, data=p) for k, p in payloads.items()}

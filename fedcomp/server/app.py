@@ -6,8 +6,9 @@ import math
 import time
 from logging import INFO
 
+import numpy as np
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, MetricRecord
 from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAdam, FedAvg, Strategy
@@ -19,6 +20,8 @@ from ..data import DataConfig, load_test_set
 from ..models import build_model
 from ..privacy import NO_AMPLIFICATION, ClientLevelDP, LocalDP
 from ..strategies import CompressedStrategy
+from ..strategies.offset import RoundOffset
+from . import checkpoint
 from .results import DP_HEADER, HEADER, MB, format_row, plot_rounds, resolve_results_dir, write_json
 
 app = ServerApp()
@@ -99,7 +102,19 @@ class RoundRecorder:
         log(INFO, "fedcomp  %s", format_row(rec, dp))
         self.rounds.append(rec)
         self.save()
+        if server_round > 0:
+            checkpoint.save(self.out_dir, server_round, {k: a.numpy() for k, a in arrays.items()}, self.strategy,
+                            self.rounds, {"cum-mb": self.cum_mb, "local-rounds": self.local_rounds,
+                                          "last-eps": self.last_eps})
         return MetricRecord({"accuracy": acc, "loss": loss})
+
+    def restore(self, meta: dict) -> None:
+        """Continue from a checkpoint's metrics (resume)."""
+        self.rounds = list(meta["rounds"])
+        extra = meta.get("extra", {})
+        self.cum_mb = float(extra.get("cum-mb", 0.0))
+        self.local_rounds = int(extra.get("local-rounds", 0))
+        self.last_eps = float(extra.get("last-eps") or 0.0)
 
     def save(self) -> None:
         """Write ``metrics.json`` (atomically)."""
@@ -141,10 +156,23 @@ def main(grid: Grid, context: Context) -> None:
     recorder = RoundRecorder(cfg, strategy, out_dir, dict(context.run_config))
     model = build_model(cfg.model, tuple(recorder.test.tensors[0].shape[1:]))
     train_config = ConfigRecord({"seed": cfg.seed})
-    strategy.start(
-        grid=grid, initial_arrays=ArrayRecord(model.state_dict()), num_rounds=cfg.num_server_rounds,
-        timeout=cfg.round_timeout, train_config=train_config, evaluate_fn=recorder,
-    )
+    initial, offset = ArrayRecord(model.state_dict()), 0
+    if cfg.resume:
+        if not cfg.results_dir:
+            raise ValueError("run config 'resume' = true needs 'results-dir' set to the folder of the run to resume")
+        offset, weights, meta = checkpoint.load(out_dir, strategy)
+        initial = ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in weights.items()})
+        recorder.restore(meta)
+        log(INFO, "fedcomp  resuming %s after round %d", out_dir, offset)
+    remaining = cfg.num_server_rounds - offset
+    if remaining > 0:
+        runner = RoundOffset(strategy, offset) if offset else strategy
+
+        def evaluate_fn(rnd: int, arrays: ArrayRecord):
+            return None if (offset and rnd == 0) else recorder(rnd + offset, arrays)
+
+        runner.start(grid=grid, initial_arrays=initial, num_rounds=remaining, timeout=cfg.round_timeout,
+                     train_config=train_config, evaluate_fn=evaluate_fn)
     plot_rounds(recorder.rounds, out_dir / "plot.png", f"fedcomp: {strategy.codec.describe()}")
     last = recorder.rounds[-1]
     log(INFO, "fedcomp  final accuracy %.4f after %d rounds, %.3f MB uploaded in total",

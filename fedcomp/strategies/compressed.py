@@ -254,6 +254,10 @@ class CompressedStrategy(Strategy):
                 rejected += 1
                 log(WARNING, "round %s: rejected reply from node %s: %s", server_round, node, exc)
         arrays, metrics = (None, None)
+        # A fixed order (by node id): float sums, and so runs, do not depend on sampling order.
+        order = sorted(range(len(good)), key=lambda i: good[i].metadata.src_node_id)
+        good = [good[i] for i in order]
+        self._updates = [self._updates[i] for i in order] if self._updates else self._updates
         self._common_metric_keys(good)
         dp_info: dict[str, float] = {}
         if good and self.client_dp is not None:

@@ -1,0 +1,103 @@
+"""Server checkpoints: written after every round, atomically (temporary file, then rename), in a
+plain ``.npz`` of numeric arrays plus a JSON file; read back with ``allow_pickle=False``.
+
+What is saved: the global weights, the round number, the inner strategy's optimizer state where
+it has one (FedOpt/FedAdam ``m_t``/``v_t``), the client-level DP accountant (rounds counted and
+the epsilon trace), and the metrics of every round so far.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+from typing import Any
+
+import numpy as np
+
+WEIGHTS = "checkpoint.npz"
+META = "checkpoint.json"
+_OPT_STATE = ("m_t", "v_t")
+
+
+def _innermost(strategy: Any) -> Any:
+    obj = strategy
+    for _ in range(8):
+        nxt = getattr(obj, "inner", getattr(obj, "strategy", None))
+        if nxt is None:
+            return obj
+        obj = nxt
+    return obj
+
+
+def save(out_dir: pathlib.Path, server_round: int, weights: dict[str, np.ndarray], strategy: Any,
+         rounds: list[dict], extra: dict | None = None) -> None:
+    """Write ``checkpoint.npz`` and ``checkpoint.json`` for ``server_round`` (both atomically).
+
+    Parameters
+    ----------
+    out_dir : pathlib.Path
+        The run's results folder.
+    server_round : int
+        Last completed round.
+    weights : dict of str to np.ndarray
+        Global weights after that round (model key order is kept in the JSON).
+    strategy : CompressedStrategy
+        Its inner strategy's ``m_t``/``v_t`` and its ``client_dp`` accountant are saved.
+    rounds : list of dict
+        The metrics records so far (as in metrics.json).
+    extra : dict, optional
+        More JSON-serialisable state (e.g. cumulative MB).
+    """
+    arrays = {f"w/{k}": np.ascontiguousarray(v) for k, v in weights.items()}
+    inner = _innermost(strategy)
+    for attr in _OPT_STATE:
+        state = getattr(inner, attr, None)
+        if isinstance(state, dict):
+            arrays.update({f"{attr}/{k}": np.ascontiguousarray(v) for k, v in state.items()})
+    meta = {
+        "round": server_round, "keys": list(weights), "rounds": rounds, "extra": extra or {},
+        "client-dp-rounds": getattr(getattr(strategy, "client_dp", None), "rounds", None),
+        "eps-trace": list(getattr(strategy, "_eps_trace", [])),
+    }
+    tmp = out_dir / (WEIGHTS + ".tmp.npz")
+    np.savez(tmp, **arrays)
+    os.replace(tmp, out_dir / WEIGHTS)
+    tmpj = out_dir / (META + ".tmp")
+    from .results import _finite_or_none
+
+    tmpj.write_text(json.dumps(_finite_or_none(meta), allow_nan=False))
+    os.replace(tmpj, out_dir / META)
+
+
+def load(out_dir: pathlib.Path, strategy: Any) -> tuple[int, dict[str, np.ndarray], dict]:
+    """Read a checkpoint and restore the strategy's state.
+
+    Returns
+    -------
+    (round, weights, meta)
+        The last completed round, the global weights (model key order), and the JSON metadata.
+
+    Raises
+    ------
+    FileNotFoundError
+        No checkpoint in ``out_dir``.
+    ValueError
+        A checkpoint whose arrays and metadata disagree.
+    """
+    meta = json.loads((out_dir / META).read_text())
+    with np.load(out_dir / WEIGHTS, allow_pickle=False) as z:
+        data = {k: z[k] for k in z.files}
+    try:
+        weights = {k: data[f"w/{k}"] for k in meta["keys"]}
+    except KeyError as exc:
+        raise ValueError(f"checkpoint in {out_dir} lacks weights for {exc}") from None
+    inner = _innermost(strategy)
+    for attr in _OPT_STATE:
+        state = {k.split("/", 1)[1]: v for k, v in data.items() if k.startswith(attr + "/")}
+        if state and hasattr(inner, attr):
+            setattr(inner, attr, state)
+    if meta.get("client-dp-rounds") is not None and getattr(strategy, "client_dp", None) is not None:
+        strategy.client_dp.rounds = int(meta["client-dp-rounds"])
+    strategy._eps_trace = [float(e) if e is not None else float("inf") for e in meta.get("eps-trace", [])]
+    return int(meta["round"]), weights, meta
