@@ -43,7 +43,22 @@ CASES = {
     "stc 0.01": {"compressor": "stc", "density": 0.01, "error-feedback": False},
     "stc 0.0025+EF": {"compressor": "stc", "density": 0.0025},
     "stc 0.0025": {"compressor": "stc", "density": 0.0025, "error-feedback": False},
+    # remedies for stc at 1/400, one at a time and together
+    "stc 0.0025+EF sched": {"compressor": "stc", "density": 0.0025, "density-schedule": "exponential",
+                            "density-start": 0.25, "schedule-rounds": 10},
+    "stc 0.0025+EF warm": {"compressor": "stc", "density": 0.0025, "warmup-rounds": 2, "warmup-compressor": "int8",
+                           "density-schedule": "exponential", "density-start": 0.25, "schedule-rounds": 10},
+    "stc 0.0025+EF avgm": {"compressor": "stc", "density": 0.0025, "strategy": "fedavgm", "server-lr": 1.0,
+                           "server-momentum": 0.5},
+    "stc 0.0025+EF sched+avgm": {"compressor": "stc", "density": 0.0025, "density-schedule": "exponential",
+                                 "density-start": 0.25, "schedule-rounds": 10, "strategy": "fedavgm",
+                                 "server-lr": 1.0, "server-momentum": 0.5},
+    "stc 0.0025+EF tensor": {"compressor": "stc", "density": 0.0025, "selection": "tensor"},
+    "sign+EF model-scale": {"compressor": "sign", "selection": "model"},
+    "stc 0.01+EF down-stc": {"compressor": "stc", "density": 0.01, "downstream": "stc"},
+    "stc 0.01+EF down-fp16": {"compressor": "stc", "density": 0.01, "downstream": "fp16"},
 }
+DEFAULT_CASES = list(CASES)[:12]
 
 
 def run_one(run_config: dict, num_nodes: int) -> list[dict]:
@@ -51,7 +66,7 @@ def run_one(run_config: dict, num_nodes: int) -> list[dict]:
     cfg = AppConfig.from_run_config(run_config)
     torch.manual_seed(cfg.seed)
     grid = InProcessGrid(client_app, num_nodes, run_config)
-    strategy = CompressedStrategy.from_codec_config(build_inner(cfg), cfg.codec)
+    strategy = CompressedStrategy.from_codec_config(build_inner(cfg), cfg.codec, downstream=cfg.downstream)
     test = load_test_set(DataConfig(cfg.dataset, cfg.partitioner, cfg.dirichlet_alpha, cfg.seed))
     model = build_model(cfg.model)
     rounds: list[dict] = []
@@ -112,12 +127,13 @@ def plot(results: list[dict], path: pathlib.Path) -> None:
 
     parts = sorted({r["partitioner"] for r in results})
     fig, axes = plt.subplots(1, len(parts), figsize=(7 * len(parts), 5), squeeze=False)
+    cmap = plt.get_cmap("tab20")
     for ax, part in zip(axes[0], parts):
-        for r in (x for x in results if x["partitioner"] == part):
+        for i, r in enumerate(x for x in results if x["partitioner"] == part):
             acc = [statistics.fmean(v) for v in zip(*r["curves"])][1:]
             mb = [statistics.fmean(v) for v in zip(*r["cumulative_upload_mb"])][1:]
-            ax.plot(mb, acc, label=r["case"], linestyle="--" if "EF" not in r["case"] and r["case"] in
-                    ("sign", "topk 0.01", "stc 0.01", "stc 0.0025") else "-")
+            ax.plot(mb, acc, label=r["case"], color=cmap(i % 20),
+                    linestyle="--" if r.get("error-feedback") is False else "-")
         ax.set_xscale("log")
         ax.set_xlabel("cumulative upload, all clients (MB, log scale)")
         ax.set_ylabel("test accuracy")
@@ -137,7 +153,8 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[42, 43])
     ap.add_argument("--nodes", type=int, default=10)
     ap.add_argument("--partitioner", choices=["dirichlet", "iid"], nargs="+", default=["dirichlet"])
-    ap.add_argument("--cases", nargs="+", default=list(CASES), help=f"subset of {list(CASES)}")
+    ap.add_argument("--cases", nargs="+", default=DEFAULT_CASES, help=f"subset of {list(CASES)}")
+    ap.add_argument("--plot-only", default="", help="redraw --figure from this results JSON and exit")
     ap.add_argument("--set", nargs="*", default=[], help="extra run-config overrides key=value (numbers or strings)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (tiny model: 1 is fastest)")
     ap.add_argument("--quick", action="store_true", help="3 rounds, 1 seed, 3 codecs, 4 nodes (CI smoke test)")
@@ -148,6 +165,9 @@ def main() -> None:
         args.rounds, args.seeds, args.nodes, args.cases = 3, [42], 4, ["none", "sign+EF", "stc 0.01+EF"]
         if args.out == DEFAULT_OUT:
             args.out = str(pathlib.Path(DEFAULT_OUT).with_name("federated-quick.json"))
+    if args.plot_only:
+        plot(json.loads(pathlib.Path(args.plot_only).read_text())["results"], pathlib.Path(args.figure))
+        return
     logging.getLogger("flwr").setLevel(logging.WARNING)
     torch.set_num_threads(args.threads)
     extra = {}
@@ -169,6 +189,7 @@ def main() -> None:
             final = statistics.fmean(r[-1]["accuracy"] for r in runs)
             up = statistics.fmean(sum(x.get("upload-bytes", 0.0) for x in r) for r in runs)
             dense = statistics.fmean(sum(x.get("dense-bytes", 0.0) for x in r) for r in runs)
+            down = statistics.fmean(sum(x.get("download-bytes", 0.0) for x in r) for r in runs)
             n_params = sum(p.numel() for p in build_model().parameters())
             per_round_clients = args.rounds * args.nodes
             row = {
@@ -176,7 +197,7 @@ def main() -> None:
                 "final_accuracy": final, "final_accuracy_per_seed": [r[-1]["accuracy"] for r in runs],
                 "rounds_to_90": [first_round_reaching(r, 0.90) for r in runs],
                 "rounds_to_95": [first_round_reaching(r, 0.95) for r in runs],
-                "upload_mb": up / 1e6, "bits_per_param_per_round": 8 * up / (n_params * per_round_clients),
+                "upload_mb": up / 1e6, "download_mb": down / 1e6, "bits_per_param_per_round": 8 * up / (n_params * per_round_clients),
                 "compression_ratio": dense / up if up else 0.0, "seconds_per_run": secs,
                 "time_to_90_s": {str(mb): [time_to_accuracy(r, 0.90, mb) for r in runs] for mb in LINKS_MBPS},
                 "overhead_fraction": statistics.fmean(overhead_fraction(r) for r in runs),
@@ -188,7 +209,7 @@ def main() -> None:
             results.append(row)
             print(f"{part:<9} {name:<15} acc {final:.4f}  to90 {row['rounds_to_90']}  to95 {row['rounds_to_95']}  "
                   f"up {row['upload_mb']:9.4f} MB  {row['bits_per_param_per_round']:7.4f} bit/param  "
-                  f"ratio {row['compression_ratio']:8.1f}  t90@1/10/100Mbps "
+                  f"ratio {row['compression_ratio']:8.1f}  down {row['download_mb']:8.3f} MB  t90@1/10/100Mbps "
                   f"{[_fmt_s(row['time_to_90_s'][str(mb)]) for mb in LINKS_MBPS]}  "
                   f"overhead {100 * row['overhead_fraction']:.1f}%  {secs:5.1f} s", flush=True)
     out = pathlib.Path(args.out)

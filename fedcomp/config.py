@@ -272,6 +272,7 @@ class AppConfig:
     min_available_nodes: int = 2
     strategy: str = "fedavg"
     server_lr: float = 0.1
+    server_momentum: float = 0.9
     lr: float = 0.1
     momentum: float = 0.9
     local_epochs: int = 1
@@ -285,6 +286,7 @@ class AppConfig:
     results_dir: str = ""
     round_timeout: float = 600.0
     resume: bool = False
+    downstream: str = "none"
     dp: str = "none"
     clipping_norm: float = 1.0
     noise_multiplier: float = 1.0
@@ -306,7 +308,8 @@ class AppConfig:
             fraction_train=_num(cfg, "fraction-train", 1.0, lo=0.0, hi=1.0, lo_open=True),
             min_train_nodes=_num(cfg, "min-train-nodes", 2, lo=1, integer=True),
             min_available_nodes=_num(cfg, "min-available-nodes", 2, lo=1, integer=True),
-            strategy=_str(cfg, "strategy", "fedavg", ("fedavg", "fedadam")),
+            strategy=_str(cfg, "strategy", "fedavg", ("fedavg", "fedadam", "fedavgm")),
+            server_momentum=_num(cfg, "server-momentum", 0.9, lo=0.0, hi=1.0, hi_open=True),
             server_lr=_num(cfg, "server-lr", 0.1, lo=0.0, lo_open=True),
             lr=_num(cfg, "lr", 0.1, lo=0.0, lo_open=True),
             momentum=_num(cfg, "momentum", 0.9, lo=0.0, hi=1.0, hi_open=True),
@@ -321,6 +324,7 @@ class AppConfig:
             results_dir=_str(cfg, "results-dir", ""),
             round_timeout=_num(cfg, "round-timeout", 600.0, lo=0.0, lo_open=True),
             resume=_bool(cfg, "resume", False),
+            downstream=_str(cfg, "downstream", "none", ("none", *available_compressors())),
             dp=_str(cfg, "dp", "none", DP_MODES),
             clipping_norm=_num(cfg, "clipping-norm", 1.0, lo=0.0, lo_open=True),
             noise_multiplier=_num(cfg, "noise-multiplier", 1.0, lo=0.0),

@@ -17,3 +17,6 @@ NODE_STATE_KEY = "fedcomp.node"
 #: ArrayRecord key of a whole-model payload (selection scope "model"): the update of every
 #: parameter, flattened in the global model's key order and concatenated.
 MODEL_KEY = "fedcomp.model"
+#: Keys in ``context.state`` of the client's model copy (downstream compression) and its version.
+MODEL_STATE_KEY = "fedcomp.model"
+MODEL_META_KEY = "fedcomp.model-version"

@@ -16,7 +16,7 @@ from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordD
 from ..compression import ErrorFeedback, decompress
 from ..config import CODEC_DEFAULTS, SPARSE_CODECS, CodecConfig
 from ..privacy import LocalDP, clip_and_noise
-from ..protocol import MODEL_KEY, PAYLOAD_DTYPE, PAYLOAD_STYPE, RESIDUAL_STATE_KEY
+from ..protocol import MODEL_KEY, MODEL_META_KEY, MODEL_STATE_KEY, PAYLOAD_DTYPE, PAYLOAD_STYPE, RESIDUAL_STATE_KEY
 
 
 class CompositionError(RuntimeError):
@@ -210,6 +210,42 @@ def compress_update(
     return payloads, new_res, stats
 
 
+def _rebuild_downstream(msg: Message, context: Context, arr_key: str, rec: ArrayRecord) -> ArrayRecord:
+    """Server-to-client compression: rebuild the model from a payload and the kept copy, and keep
+    the model copy (with its version) in ``context.state`` whenever the server versions the model.
+
+    Raises
+    ------
+    CompositionError
+        A payload arrives but this node holds no model copy, or a copy of another version.
+    """
+    from ..strategies.downstream import BASE_VERSION, MODEL_VERSION
+
+    _, cfg = _only_record(msg.content, "config") if msg.content.config_records else (None, {})
+    if MODEL_VERSION not in cfg:
+        return rec
+    if MODEL_KEY in rec:
+        if MODEL_STATE_KEY not in context.state:
+            raise CompositionError("received a compressed model but this node keeps no model copy (new node?)")
+        held = int(context.state[MODEL_META_KEY]["version"])
+        if held != cfg.get(BASE_VERSION):
+            raise CompositionError(f"this node holds model version {held}, the payload applies to {cfg.get(BASE_VERSION)}")
+        base = context.state[MODEL_STATE_KEY]
+        flat = np.concatenate([a.numpy().astype(np.float32).ravel() for a in base.values()])
+        flat = flat + decompress(rec[MODEL_KEY].data, max_numel=max(flat.size, 1),
+                                 expected_shape=(flat.size,)).numpy()
+        out, off = ArrayRecord(), 0
+        for k, a in base.items():
+            n = int(np.prod(a.shape)) if a.shape else 1
+            out[k] = Array(np.ascontiguousarray(flat[off : off + n].reshape(a.shape)))
+            off += n
+        rec = out
+        msg.content[arr_key] = rec
+    context.state[MODEL_STATE_KEY] = ArrayRecord({k: Array(a.numpy().copy()) for k, a in rec.items()})
+    context.state[MODEL_META_KEY] = MetricRecord({"version": int(cfg[MODEL_VERSION])})
+    return rec
+
+
 def _check_client_clipping(msg: Message, received: dict, trained: dict) -> None:
     """If the server asked for client-side clipping (Flower's ``clipping_norm``), the update that
     reaches this mod must already be clipped; otherwise Flower's clipping mod sits outside ours."""
@@ -310,9 +346,10 @@ def compression_mod(msg: Message, context: Context, call_next) -> Message:
     if msg.metadata.message_type.split(".")[0] != "train":
         return call_next(msg, context)
     codec = _codec_config(msg, context)
-    _, received_rec = _only_record(msg.content, "array")
-    received = {k: a.numpy() for k, a in received_rec.items()}
+    arr_key_in, received_rec = _only_record(msg.content, "array")
     download = sum(len(a.data) for a in received_rec.values())
+    received_rec = _rebuild_downstream(msg, context, arr_key_in, received_rec)
+    received = {k: a.numpy() for k, a in received_rec.items()}
     seed = _stream_seed(context, msg)
 
     reply = call_next(msg, context)

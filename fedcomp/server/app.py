@@ -11,7 +11,7 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, MetricRecord
 from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
-from flwr.serverapp.strategy import FedAdam, FedAvg, Strategy
+from flwr.serverapp.strategy import FedAdam, FedAvg, FedAvgM, Strategy
 
 from ..client.dp_sgd import DPSGDConfig
 from ..client.training import evaluate
@@ -28,7 +28,8 @@ app = ServerApp()
 
 
 def build_inner(cfg: AppConfig) -> Strategy:
-    """The inner Flower strategy named by run config ``strategy`` ("fedavg" or "fedadam").
+    """The inner Flower strategy named by run config ``strategy``: "fedavg", "fedadam" (eta =
+    ``server-lr``) or "fedavgm" (server learning rate ``server-lr``, momentum ``server-momentum``).
 
     Clients are evaluated centrally only (``fraction_evaluate = 0``).
     """
@@ -38,6 +39,8 @@ def build_inner(cfg: AppConfig) -> Strategy:
     )
     if cfg.strategy == "fedadam":
         return FedAdam(**common, eta=cfg.server_lr, eta_l=cfg.lr)
+    if cfg.strategy == "fedavgm":
+        return FedAvgM(**common, server_learning_rate=cfg.server_lr, server_momentum=cfg.server_momentum)
     return FedAvg(**common)
 
 
@@ -49,7 +52,7 @@ def privacy_options(cfg: AppConfig, context: Context | None = None) -> dict:
     ValueError
         A DP key out of range, or (dp-sgd) an infeasible ``target-epsilon`` / ``secure-rng``.
     """
-    opts: dict = {"max_epsilon": cfg.max_epsilon or None}
+    opts: dict = {"max_epsilon": cfg.max_epsilon or None, "downstream": cfg.downstream}
     if cfg.dp == "client-level":
         opts["client_dp"] = ClientLevelDP(cfg.clipping_norm, cfg.noise_multiplier, cfg.target_delta, seed=cfg.seed)
     elif cfg.dp == "local":

@@ -14,10 +14,11 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
-from ..compression import PayloadError
+from ..compression import PayloadError, available_compressors
 from ..config import CodecConfig
 from ..privacy import ClientLevelDP, LocalDP
 from .decode import decode_update
+from .downstream import Downstream
 
 
 def _num(metrics: dict, key: str, default: float = 0.0) -> float:
@@ -114,6 +115,11 @@ class CompressedStrategy(Strategy):
     max_epsilon : float, optional
         Stop sending rounds before one would push any client's epsilon (client-level, or the
         ``epsilon`` clients report with DP-SGD) past this value.
+    downstream : str, optional
+        Compress the server-to-client direction too with this codec ("fp16", "stc", ...; None
+        or "none": dense). Clients that hold the previous broadcast get ``C(global - broadcast)``
+        (server-side error feedback); new or lagging clients get the broadcast model dense.
+        Needs ``compression_mod`` on the clients (it rebuilds and keeps the model copy).
     **params
         Codec parameters by their Python or run-config names: ``density``, ``levels``,
         ``block_size``, ``value_dtype``, ``residual_dtype``.
@@ -126,7 +132,8 @@ class CompressedStrategy(Strategy):
 
     def __init__(self, inner: Strategy, compressor: str = "stc", error_feedback: bool = True,
                  max_num_examples: int = 10**9, client_dp: ClientLevelDP | None = None,
-                 local_dp: LocalDP | None = None, max_epsilon: float | None = None, **params) -> None:
+                 local_dp: LocalDP | None = None, max_epsilon: float | None = None, downstream: str | None = None,
+                 **params) -> None:
         if not isinstance(inner, Strategy):
             raise TypeError(f"inner must be a flwr.serverapp.strategy.Strategy, got {type(inner).__name__}")
         mapping = {k.replace("_", "-"): v for k, v in params.items()}
@@ -144,6 +151,9 @@ class CompressedStrategy(Strategy):
                 "(DifferentialPrivacyServerSideFixedClipping inside CompressedStrategy, or client_dp=ClientLevelDP(...))")
         self.max_num_examples = int(max_num_examples)
         self._arr_key = "arrays"
+        if downstream not in (None, "none") and downstream not in available_compressors():
+            raise ValueError(f"downstream must be 'none' or one of {available_compressors()}, got {downstream!r}")
+        self.downstream = None if downstream in (None, "none") else Downstream(self.codec, downstream)
         self.client_dp = client_dp
         self.local_dp = local_dp
         self.max_epsilon = max_epsilon
@@ -193,6 +203,8 @@ class CompressedStrategy(Strategy):
             config["local-dp-noise-multiplier"] = self.local_dp.noise_multiplier
         self._round_codec = codec
         msgs = list(self.inner.configure_train(server_round, arrays, config, grid))
+        if self.downstream is not None and msgs:
+            self.downstream.prepare(server_round, arrays, msgs)
         self._sampled = len(msgs)
         if msgs and len(msgs[0].content.array_records) == 1:
             self._arr_key = next(iter(msgs[0].content.array_records))
@@ -250,6 +262,9 @@ class CompressedStrategy(Strategy):
                 continue
             try:
                 good.append(self._decode_reply(reply, sent, stats, codec_bytes))
+                if self.downstream is not None:
+                    self.downstream.received(node)
+                    stats[-1]["download-bytes"] = float(self.downstream.sent_bytes.get(node, 0))
             except (PayloadError, ValueError, TypeError, KeyError, OverflowError) as exc:
                 rejected += 1
                 log(WARNING, "round %s: rejected reply from node %s: %s", server_round, node, exc)
