@@ -53,12 +53,17 @@ CASES = {
     "stc 0.0025+EF sched+avgm": {"compressor": "stc", "density": 0.0025, "density-schedule": "exponential",
                                  "density-start": 0.25, "schedule-rounds": 10, "strategy": "fedavgm",
                                  "server-lr": 1.0, "server-momentum": 0.5},
+    "stc 0.0025+EF sched5+avgm": {"compressor": "stc", "density": 0.0025, "density-schedule": "exponential",
+                                  "density-start": 0.05, "schedule-rounds": 5, "strategy": "fedavgm",
+                                  "server-lr": 1.0, "server-momentum": 0.5},
     "stc 0.0025+EF tensor": {"compressor": "stc", "density": 0.0025, "selection": "tensor"},
     "sign+EF model-scale": {"compressor": "sign", "selection": "model"},
     "stc 0.01+EF down-stc": {"compressor": "stc", "density": 0.01, "downstream": "stc"},
     "stc 0.01+EF down-fp16": {"compressor": "stc", "density": 0.01, "downstream": "fp16"},
 }
-DEFAULT_CASES = list(CASES)[:12]
+BASE_CASES = list(CASES)[:12]
+#: remedies, scope and downstream rows: run on the first partitioner only
+EXTRA_CASES = list(CASES)[12:]
 
 
 def run_one(run_config: dict, num_nodes: int) -> list[dict]:
@@ -113,6 +118,22 @@ def first_round_reaching(rounds: list[dict], acc: float) -> int | None:
     return next((r["round"] for r in rounds if r["round"] > 0 and r["accuracy"] >= acc), None)
 
 
+def markdown(results: list[dict]) -> str:
+    """The README's results table (one row per partition and case)."""
+    lines = ["| partition | codec | final acc. (mean) | rounds to 90 % | rounds to 95 % | upload MB | download MB | "
+             "bit/param/round | ratio vs fp32 | time to 90 % at 1 / 10 / 100 Mbps |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        t90 = " / ".join(_fmt_s(r["time_to_90_s"][str(mb)]) for mb in LINKS_MBPS)
+        lines.append(
+            f"| {r['partitioner']} | {r['case']} | {100 * r['final_accuracy']:.1f} % | "
+            f"{', '.join('-' if v is None else str(v) for v in r['rounds_to_90'])} | "
+            f"{', '.join('-' if v is None else str(v) for v in r['rounds_to_95'])} | {r['upload_mb']:.3f} | "
+            f"{r.get('download_mb', 0.0):.2f} | {r['bits_per_param_per_round']:.4f} | {r['compression_ratio']:.0f}x | "
+            f"{t90} |")
+    return "\n".join(lines)
+
+
 def _fmt_s(values: list) -> str:
     ok = [v for v in values if v is not None]
     return f"{statistics.fmean(ok):.0f}s" if len(ok) == len(values) else "never"
@@ -153,8 +174,10 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[42, 43])
     ap.add_argument("--nodes", type=int, default=10)
     ap.add_argument("--partitioner", choices=["dirichlet", "iid"], nargs="+", default=["dirichlet"])
-    ap.add_argument("--cases", nargs="+", default=DEFAULT_CASES, help=f"subset of {list(CASES)}")
-    ap.add_argument("--plot-only", default="", help="redraw --figure from this results JSON and exit")
+    ap.add_argument("--cases", nargs="+", default=None,
+                    help=f"subset of {list(CASES)} (default: the first 12 on every partitioner, the rest on the first)")
+    ap.add_argument("--merge", nargs="+", default=[], help="merge these results JSONs into --out (no runs)")
+    ap.add_argument("--plot-only", default="", help="print the table (and redraw --figure) from this JSON; no runs")
     ap.add_argument("--set", nargs="*", default=[], help="extra run-config overrides key=value (numbers or strings)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (tiny model: 1 is fastest)")
     ap.add_argument("--quick", action="store_true", help="3 rounds, 1 seed, 3 codecs, 4 nodes (CI smoke test)")
@@ -165,8 +188,15 @@ def main() -> None:
         args.rounds, args.seeds, args.nodes, args.cases = 3, [42], 4, ["none", "sign+EF", "stc 0.01+EF"]
         if args.out == DEFAULT_OUT:
             args.out = str(pathlib.Path(DEFAULT_OUT).with_name("federated-quick.json"))
+    if args.merge:
+        res = [r for f in args.merge for r in json.loads(pathlib.Path(f).read_text())["results"]]
+        pathlib.Path(args.out).write_text(json.dumps({"nodes": args.nodes, "results": res}, indent=1))
+        args.plot_only = args.out
     if args.plot_only:
-        plot(json.loads(pathlib.Path(args.plot_only).read_text())["results"], pathlib.Path(args.figure))
+        res = json.loads(pathlib.Path(args.plot_only).read_text())["results"]
+        if args.figure:
+            plot(res, pathlib.Path(args.figure))
+        print(markdown(res))
         return
     logging.getLogger("flwr").setLevel(logging.WARNING)
     torch.set_num_threads(args.threads)
@@ -178,8 +208,9 @@ def main() -> None:
         except json.JSONDecodeError:
             extra[k] = v
     results = []
-    for part in args.partitioner:
-        for name in args.cases:
+    for pi, part in enumerate(args.partitioner):
+        cases = args.cases or (BASE_CASES + EXTRA_CASES if pi == 0 else BASE_CASES)
+        for name in cases:
             runs = []
             t0 = time.perf_counter()
             for seed in args.seeds:
@@ -216,6 +247,7 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"nodes": args.nodes, "extra": extra, "results": results}, indent=1))
     print(f"wrote {out.resolve()}")
+    print(markdown(results))
     if args.figure:
         plot(results, pathlib.Path(args.figure))
         print(f"wrote {pathlib.Path(args.figure).resolve()}")
