@@ -201,6 +201,25 @@ class CodecConfig:
         out.rules  # noqa: B018 - validates layer-codecs
         return out
 
+    @classmethod
+    def from_kwargs(cls, compressor: str, error_feedback: bool, **params) -> "CodecConfig":
+        """Build from Python keyword arguments (``density=...``, ``block_size=...``), as the strategy
+        wrappers take them.
+
+        Raises
+        ------
+        TypeError
+            A parameter that is not a codec key.
+        ValueError
+            A value out of range (see :meth:`from_mapping`).
+        """
+        mapping = {k.replace("_", "-"): v for k, v in params.items()}
+        mapping.update({"compressor": compressor, "error-feedback": error_feedback})
+        unknown = set(mapping) - set(CODEC_DEFAULTS)
+        if unknown:
+            raise TypeError(f"unknown codec parameter(s) {sorted(unknown)}")
+        return cls.from_mapping(mapping)
+
     def to_mapping(self) -> dict[str, Any]:
         """The same keys as :meth:`from_mapping` reads (for a Flower ConfigRecord)."""
         return {k: getattr(self, k.replace("-", "_")) for k in CODEC_DEFAULTS}

@@ -15,10 +15,10 @@ from ..data import DataConfig, load_partition
 from ..models import build_model
 from .dp_sgd import DPSGDConfig, train_dp_sgd
 from .mod import compression_mod
+from .training import TrainConfig, evaluate, pick_device, train
 
 #: Key in ``context.state`` of the DP-SGD accountant's history (a MetricRecord of float lists).
 DP_ACCOUNTANT_KEY = "fedcomp.dp-accountant"
-from .training import TrainConfig, evaluate, pick_device, train
 
 app = ClientApp(mods=[compression_mod])
 

@@ -95,7 +95,7 @@ def train(
 @torch.no_grad()
 def evaluate(model: nn.Module, data: Dataset, device: torch.device, batch_size: int = 512) -> tuple[float, float]:
     """Mean cross-entropy loss and accuracy (fraction in [0, 1]) of ``model`` on ``data``."""
-    model.to(device).eval()
+    model.to(device).train(False)  # evaluation mode
     loss_fn = nn.CrossEntropyLoss(reduction="sum")
     total, correct, n = 0.0, 0, 0
     for x, y in DataLoader(data, batch_size=batch_size):

@@ -136,13 +136,8 @@ class CompressedStrategy(Strategy):
                  **params) -> None:
         if not isinstance(inner, Strategy):
             raise TypeError(f"inner must be a flwr.serverapp.strategy.Strategy, got {type(inner).__name__}")
-        mapping = {k.replace("_", "-"): v for k, v in params.items()}
-        mapping.update({"compressor": compressor, "error-feedback": error_feedback})
-        unknown = set(mapping) - set(CodecConfig().to_mapping())
-        if unknown:
-            raise TypeError(f"unknown codec parameter(s) {sorted(unknown)}")
         self.inner = inner
-        self.codec = CodecConfig.from_mapping(mapping)
+        self.codec = CodecConfig.from_kwargs(compressor, error_feedback, **params)
         if self.codec.error_feedback and _wraps(inner, "DifferentialPrivacyClientSide"):
             raise ValueError(
                 "error feedback with Flower's client-side clipping breaks the DP guarantee: the residual makes the sent "

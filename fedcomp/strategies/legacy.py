@@ -214,13 +214,8 @@ class LegacyCompressedStrategy(Strategy):
             hint = " (use fedcomp.strategies.CompressedStrategy for flwr.serverapp strategies)"
             raise TypeError(f"strategy must be a flwr.server.strategy.Strategy, got {type(strategy).__name__}{hint}")
         super().__init__()
-        mapping = {k.replace("_", "-"): v for k, v in params.items()}
-        mapping.update({"compressor": compressor, "error-feedback": error_feedback})
-        unknown = set(mapping) - set(CodecConfig().to_mapping())
-        if unknown:
-            raise TypeError(f"unknown codec parameter(s) {sorted(unknown)}")
         self.strategy = strategy
-        self.codec = CodecConfig.from_mapping(mapping)
+        self.codec = CodecConfig.from_kwargs(compressor, error_feedback, **params)
         self.max_num_examples = int(max_num_examples)
         self._sent: dict[int, dict[str, list[np.ndarray]]] = {}
         #: Per-round metrics computed by this wrapper (round -> dict).

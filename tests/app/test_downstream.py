@@ -56,14 +56,12 @@ def test_download_bytes_are_measured_and_training_works():
 
 
 def test_payload_for_a_node_without_a_copy_is_a_clear_client_error():
-    from flwr.app import Array
+    from flwr.app import Array, RecordDict
 
     from fedcomp.client import CompositionError, compression_mod
     from fedcomp.protocol import MODEL_KEY
 
     from .helpers import make_ctx, make_msg
-
-    from flwr.app import RecordDict
 
     msg = make_msg(RecordDict({"arrays": ArrayRecord({MODEL_KEY: Array(dtype="bytes", shape=(4,),
                                                                        stype="fedcomp.payload.v1", data=b"FCMP")}),
