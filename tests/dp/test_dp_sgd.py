@@ -247,7 +247,7 @@ def test_from_mapping_reads_kebab_case_keys():
     ({"max-grad-norm": -1.0}, "max-grad-norm"),
     ({"noise-multiplier": -0.1}, "noise-multiplier"),
     ({"noise-multiplier": "1.0"}, "noise-multiplier"),
-    ({"target-epsilon": 0.0}, "target-epsilon"),
+    ({"target-epsilon": -1.0}, "target-epsilon"),  # 0 means "not set" (the run config needs a default)
     ({"target-epsilon": 0.01}, "target-epsilon"),  # below what any noise reaches with RDP at 1e-5
     ({"target-epsilon": 1.0, "num-server-rounds": 0}, "num-server-rounds"),
     ({"accountant": "gdp"}, "accountant"),
@@ -289,3 +289,7 @@ def test_calibrated_sigma_spends_target_with_prv():
                                        accountant="prv")
     acc = restore_accountant("prv", {"noise-multiplier": [sigma], "sample-rate": [1.0], "steps": [4.0]})
     assert 0.97 * 4.0 <= epsilon_spent(acc, 1e-5) <= 4.0
+
+
+def test_target_epsilon_zero_means_not_set():
+    assert DPSGDConfig.from_mapping({"target-epsilon": 0.0}).target_epsilon is None
