@@ -25,7 +25,7 @@ from fedcomp.client.training import evaluate
 from fedcomp.config import AppConfig
 from fedcomp.data import DataConfig, load_test_set
 from fedcomp.models import build_model
-from fedcomp.server.app import build_inner
+from fedcomp.server.app import build_inner, privacy_options
 from fedcomp.simulation import InProcessGrid
 from fedcomp.strategies import CompressedStrategy
 from fedcomp.strategies.compressed import client_seconds
@@ -71,7 +71,7 @@ def run_one(run_config: dict, num_nodes: int) -> list[dict]:
     cfg = AppConfig.from_run_config(run_config)
     torch.manual_seed(cfg.seed)
     grid = InProcessGrid(client_app, num_nodes, run_config)
-    strategy = CompressedStrategy.from_codec_config(build_inner(cfg), cfg.codec, downstream=cfg.downstream)
+    strategy = CompressedStrategy.from_codec_config(build_inner(cfg), cfg.codec, **privacy_options(cfg))
     test = load_test_set(DataConfig(cfg.dataset, cfg.partitioner, cfg.dirichlet_alpha, cfg.seed))
     model = build_model(cfg.model)
     rounds: list[dict] = []
