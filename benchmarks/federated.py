@@ -148,12 +148,12 @@ def plot(results: list[dict], path: pathlib.Path) -> None:
 
     parts = sorted({r["partitioner"] for r in results})
     fig, axes = plt.subplots(1, len(parts), figsize=(7 * len(parts), 5), squeeze=False)
-    cmap = plt.get_cmap("tab20")
+    colors = list(plt.get_cmap("tab20").colors) + list(plt.get_cmap("tab20b").colors)
     for ax, part in zip(axes[0], parts):
         for i, r in enumerate(x for x in results if x["partitioner"] == part):
             acc = [statistics.fmean(v) for v in zip(*r["curves"])][1:]
             mb = [statistics.fmean(v) for v in zip(*r["cumulative_upload_mb"])][1:]
-            ax.plot(mb, acc, label=r["case"], color=cmap(i % 20),
+            ax.plot(mb, acc, label=r["case"], color=colors[i % len(colors)],
                     linestyle="--" if r.get("error-feedback") is False else "-")
         ax.set_xscale("log")
         ax.set_xlabel("cumulative upload, all clients (MB, log scale)")
