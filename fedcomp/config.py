@@ -305,6 +305,9 @@ class AppConfig:
     results_dir: str = ""
     round_timeout: float = 600.0
     resume: bool = False
+    uplink_mbps: float = 1.0
+    downlink_mbps: float = 10.0
+    client_state_dir: str = ""
     downstream: str = "none"
     dp: str = "none"
     clipping_norm: float = 1.0
@@ -343,7 +346,10 @@ class AppConfig:
             results_dir=_str(cfg, "results-dir", ""),
             round_timeout=_num(cfg, "round-timeout", 600.0, lo=0.0, lo_open=True),
             resume=_bool(cfg, "resume", False),
-            downstream=_str(cfg, "downstream", "none", ("none", *available_compressors())),
+            uplink_mbps=_num(cfg, "uplink-mbps", 1.0, lo=0.0, lo_open=True),
+            downlink_mbps=_num(cfg, "downlink-mbps", 10.0, lo=0.0, lo_open=True),
+            client_state_dir=_str(cfg, "client-state-dir", ""),
+            downstream=_str(cfg, "downstream", "none", tuple(available_compressors())),
             dp=_str(cfg, "dp", "none", DP_MODES),
             clipping_norm=_num(cfg, "clipping-norm", 1.0, lo=0.0, lo_open=True),
             noise_multiplier=_num(cfg, "noise-multiplier", 1.0, lo=0.0),

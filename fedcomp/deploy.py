@@ -56,6 +56,16 @@ def write_connection(flwr_home: pathlib.Path, address: str, insecure: bool = Tru
     return path
 
 
+def port_is_free(host: str, port: int) -> bool:
+    """True if nothing listens on ``host:port`` and we may bind it."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
 def wait_for_port(host: str, port: int, proc: subprocess.Popen, timeout: float) -> None:
     """Block until ``host:port`` accepts connections.
 
@@ -125,6 +135,14 @@ def run(args: argparse.Namespace) -> int:
     def on_signal(signum, frame):  # turn SIGTERM into the same clean-up as Ctrl-C
         raise KeyboardInterrupt
 
+    for port in [args.port, *range(args.base_node_port, args.base_node_port + args.supernodes)]:
+        if not port_is_free("127.0.0.1", port):
+            print(f"fedcomp-deploy: port {port} on 127.0.0.1 is in use (another SuperLink/SuperNode?); "
+                  "choose others with --port / --base-node-port", flush=True)
+            return 2
+    if not pathlib.Path(args.app, "pyproject.toml").is_file():
+        print(f"fedcomp-deploy: {pathlib.Path(args.app).resolve()} is not a Flower app (no pyproject.toml)", flush=True)
+        return 2
     old = signal.signal(signal.SIGTERM, on_signal)
     try:
         link = procs.start([_bin(superlink_command()[0]), *superlink_command(port=args.port)[1:]], env,
@@ -134,7 +152,12 @@ def run(args: argparse.Namespace) -> int:
         for i in range(args.supernodes):
             cmd = supernode_command(i, args.supernodes, address, args.base_node_port)
             nodes.append(procs.start([_bin(cmd[0]), *cmd[1:]], env, work / f"supernode-{i}.log"))
-        run_config = f"results-dir='{results}' " + args.run_config
+        if link.poll() is not None:
+            raise RuntimeError(f"the SuperLink exited (code {link.returncode}); see {work / 'superlink.log'}")
+        nodes_cfg = "".join(f"{k}={v} " for k, v in (("min-available-nodes", args.supernodes),
+                                                      ("min-train-nodes", min(args.supernodes, 2)))
+                            if k not in args.run_config)
+        run_config = f"results-dir='{results}' " + nodes_cfg + args.run_config
         cmd = [_bin("flwr"), "run", str(pathlib.Path(args.app).resolve()), CONNECTION, "--stream",
                "--run-config", run_config]
         print(f"fedcomp-deploy: SuperLink pid {link.pid}, SuperNodes {[n.pid for n in nodes]}, logs in {work}",

@@ -160,11 +160,14 @@ class LocalDP:
 
     clipping_norm: float
     noise_multiplier: float
+    target_delta: float = 1e-5
 
     def __post_init__(self) -> None:
         _check("clipping-norm", self.clipping_norm, 0.0, True)
         _check("noise-multiplier", self.noise_multiplier, 0.0, False)
+        _check("target-delta", self.target_delta, 0.0, True, 1.0, True)
 
-    def epsilon(self, rounds: int, target_delta: float) -> float:
+    def epsilon(self, rounds: int, target_delta: float | None = None) -> float:
         """Per-client epsilon of ``rounds`` noisy releases (RDP, q = 1), inf without noise."""
-        return ClientLevelDP(self.clipping_norm, self.noise_multiplier, target_delta).epsilon(rounds)
+        delta = self.target_delta if target_delta is None else target_delta
+        return ClientLevelDP(self.clipping_norm, self.noise_multiplier, delta).epsilon(rounds)

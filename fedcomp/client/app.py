@@ -13,7 +13,7 @@ from flwr.clientapp import ClientApp
 from ..config import AppConfig
 from ..data import DataConfig, load_partition
 from ..models import build_model
-from .dp_sgd import DPSGDConfig, train_dp_sgd
+from .dp_sgd import DPSGDConfig, projected_epsilon, train_dp_sgd
 from .mod import compression_mod
 from .training import TrainConfig, evaluate, pick_device, train
 
@@ -64,9 +64,13 @@ def train_handler(msg: Message, context: Context) -> Message:
         # One accountant per client for the whole run: its history lives in context.state.
         dp_cfg = DPSGDConfig.from_mapping(context.run_config)
         prev = dict(context.state[DP_ACCOUNTANT_KEY]) if DP_ACCOUNTANT_KEY in context.state else None
+        if cfg.max_epsilon and projected_epsilon(dp_cfg, tcfg, len(data), prev) > cfg.max_epsilon:
+            raise ValueError(f"privacy budget: this round would raise this client's epsilon past max-epsilon "
+                             f"{cfg.max_epsilon}; the client does not train")
         loss, n, eps, state = train_dp_sgd(model, data, tcfg, dp_cfg, device, seed=seed, accountant_state=prev)
         context.state[DP_ACCOUNTANT_KEY] = MetricRecord(state)
         extra["epsilon"] = float(eps)
+        extra["epsilon-next"] = float(projected_epsilon(dp_cfg, tcfg, len(data), state))
     else:
         loss, n = train(model, data, tcfg, device, seed=seed)
     metrics = {"num-examples": n, "train-loss": float(loss), "train-seconds": time.perf_counter() - t0, **extra}

@@ -760,3 +760,21 @@ def train_dp_sgd(
     _copy_back(trained, _plain_module(model))
     eps = epsilon_spent(private.accountant, dp_cfg.target_delta)
     return DPTrainResult(float(loss), len(dataset), eps, accountant_state_of(private.accountant))
+
+
+def projected_epsilon(dp_cfg: DPSGDConfig, train_cfg: TrainConfig, num_examples: int,
+                      accountant_state: Mapping[str, Any] | None) -> float:
+    """Epsilon this client would have after one more round (at ``target_delta``), without training.
+
+    Adds this round's steps (``local_epochs * steps_per_epoch`` at this client's sample rate and
+    noise multiplier) to a copy of the restored accountant; used to refuse a round that would
+    exceed a privacy budget before any data is touched.
+    """
+    acc = restore_accountant(dp_cfg.accountant, accountant_state)
+    sigma = resolve_noise_multiplier(dp_cfg, train_cfg, num_examples)
+    q = sample_rate(num_examples, logical_batch_size(train_cfg))
+    steps = int(train_cfg.local_epochs) * steps_per_epoch(num_examples, logical_batch_size(train_cfg))
+    if sigma == 0:
+        return math.inf
+    acc.history.append((sigma, q, steps))
+    return epsilon_spent(acc, dp_cfg.target_delta)

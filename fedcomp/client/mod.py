@@ -7,11 +7,13 @@ import hashlib
 import os
 import pathlib
 import time
+from logging import WARNING
 from typing import Any
 
 import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.common.logger import log
 
 from ..compression import ErrorFeedback, decompress
 from ..config import CODEC_DEFAULTS, SPARSE_CODECS, CodecConfig
@@ -224,6 +226,10 @@ def _rebuild_downstream(msg: Message, context: Context, arr_key: str, rec: Array
     _, cfg = _only_record(msg.content, "config") if msg.content.config_records else (None, {})
     if MODEL_VERSION not in cfg:
         return rec
+    for key in (MODEL_VERSION, BASE_VERSION):
+        v = cfg.get(key, 0)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise CompositionError(f"train config '{key}' must be an integer >= 0, got {v!r}")
     if MODEL_KEY in rec:
         if MODEL_STATE_KEY not in context.state:
             raise CompositionError("received a compressed model but this node keeps no model copy (new node?)")
@@ -288,11 +294,16 @@ def save_residuals(path: pathlib.Path, residuals: dict[str, np.ndarray], server_
 def load_residuals(path: pathlib.Path, before_round: int) -> dict[str, np.ndarray]:
     """Residuals saved by :func:`save_residuals` in a round before ``before_round`` ({} if none,
     unreadable, or from a later round, e.g. after the server resumed from an older checkpoint)."""
+    if not path.exists():
+        return {}
     try:
         with np.load(path, allow_pickle=False) as z:
-            saved_round = int(z["__round__"])
+            saved_round = int(z["__round__"].reshape(()))
             res = {k[2:]: z[k] for k in z.files if k.startswith("r/")}
-    except (OSError, ValueError, KeyError):
+        if not all(np.issubdtype(v.dtype, np.floating) and np.isfinite(v).all() for v in res.values()):
+            raise ValueError("non-finite or non-float residual")
+    except Exception as exc:  # noqa: BLE001 - a bad local file must not stop the node: start from zero
+        log(WARNING, "fedcomp: ignoring unreadable residual file %s (%s: %s)", path, type(exc).__name__, exc)
         return {}
     return res if saved_round < before_round or before_round == 0 else {}
 
@@ -377,7 +388,10 @@ def compression_mod(msg: Message, context: Context, call_next) -> Message:
     if codec.error_feedback:
         context.state[RESIDUAL_STATE_KEY] = ArrayRecord({k: Array(v) for k, v in new_res.items()})
         if state_file is not None:
-            save_residuals(state_file, new_res, rnd)
+            try:
+                save_residuals(state_file, new_res, rnd)
+            except OSError as exc:  # the in-memory residual stays consistent with what is sent
+                log(WARNING, "fedcomp: cannot persist the residual to %s (%s)", state_file, exc)
 
     reply.content[arr_key] = ArrayRecord(
         {k: Array(dtype=PAYLOAD_DTYPE, shape=(len(p),), stype=PAYLOAD_STYPE, data=p) for k, p in payloads.items()}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import time
-from logging import INFO
+from logging import INFO, WARNING
 
 import numpy as np
 import torch
@@ -56,9 +56,11 @@ def privacy_options(cfg: AppConfig, context: Context | None = None) -> dict:
     if cfg.dp == "client-level":
         opts["client_dp"] = ClientLevelDP(cfg.clipping_norm, cfg.noise_multiplier, cfg.target_delta, seed=cfg.seed)
     elif cfg.dp == "local":
-        opts["local_dp"] = LocalDP(cfg.clipping_norm, cfg.noise_multiplier)
-    elif cfg.dp == "dp-sgd" and context is not None:
-        DPSGDConfig.from_mapping(context.run_config)  # fail fast on the server, before any round
+        opts["local_dp"] = LocalDP(cfg.clipping_norm, cfg.noise_multiplier, cfg.target_delta)
+    if context is not None:  # DP-SGD keys are validated whatever the mode (a typo should not wait)
+        DPSGDConfig.from_mapping(context.run_config)
+    if cfg.max_epsilon and cfg.dp == "none":
+        log(WARNING, "fedcomp  max-epsilon = %s has no effect with dp = 'none'", cfg.max_epsilon)
     return opts
 
 
@@ -90,9 +92,6 @@ class RoundRecorder:
                 "upload-mb": h["upload-bytes"] / MB, "cumulative-upload-mb": self.cum_mb,
                 "download-mb": h["download-bytes"] / MB, **h,
             })
-            if self.cfg.dp == "local" and h.get("num-replies"):
-                self.local_rounds += 1
-                rec["epsilon"] = self.strategy.local_dp.epsilon(self.local_rounds, self.cfg.target_delta)
             now = _epsilon_now(rec)
             if self.cfg.dp != "none" and now is not None:
                 rec["epsilon-round"] = math.inf if math.isinf(now) else now - self.last_eps
@@ -163,12 +162,16 @@ def main(grid: Grid, context: Context) -> None:
     if cfg.resume:
         if not cfg.results_dir:
             raise ValueError("run config 'resume' = true needs 'results-dir' set to the folder of the run to resume")
-        offset, weights, meta = checkpoint.load(out_dir, strategy)
+        offset, weights, meta = checkpoint.load(out_dir, strategy,
+                                                {k: tuple(v.shape) for k, v in model.state_dict().items()})
         initial = ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in weights.items()})
         recorder.restore(meta)
         log(INFO, "fedcomp  resuming %s after round %d", out_dir, offset)
     remaining = cfg.num_server_rounds - offset
-    if remaining > 0:
+    if remaining <= 0:
+        log(WARNING, "fedcomp  nothing to do: the checkpoint is at round %d and num-server-rounds = %d",
+            offset, cfg.num_server_rounds)
+    else:
         runner = RoundOffset(strategy, offset) if offset else strategy
 
         def evaluate_fn(rnd: int, arrays: ArrayRecord):

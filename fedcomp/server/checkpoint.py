@@ -59,6 +59,7 @@ def save(out_dir: pathlib.Path, server_round: int, weights: dict[str, np.ndarray
         "round": server_round, "keys": list(weights), "rounds": rounds, "extra": extra or {},
         "client-dp-rounds": getattr(getattr(strategy, "client_dp", None), "rounds", None),
         "eps-trace": list(getattr(strategy, "_eps_trace", [])),
+        "local-dp-rounds": getattr(strategy, "_local_rounds", 0),
     }
     tmp = out_dir / (WEIGHTS + ".tmp.npz")
     np.savez(tmp, **arrays)
@@ -70,7 +71,8 @@ def save(out_dir: pathlib.Path, server_round: int, weights: dict[str, np.ndarray
     os.replace(tmpj, out_dir / META)
 
 
-def load(out_dir: pathlib.Path, strategy: Any) -> tuple[int, dict[str, np.ndarray], dict]:
+def load(out_dir: pathlib.Path, strategy: Any,
+         model_shapes: dict[str, tuple] | None = None) -> tuple[int, dict[str, np.ndarray], dict]:
     """Read a checkpoint and restore the strategy's state.
 
     Returns
@@ -83,21 +85,45 @@ def load(out_dir: pathlib.Path, strategy: Any) -> tuple[int, dict[str, np.ndarra
     FileNotFoundError
         No checkpoint in ``out_dir``.
     ValueError
-        A checkpoint whose arrays and metadata disagree.
+        An unreadable checkpoint, one that does not fit ``model_shapes``, non-finite weights, or
+        optimizer state the inner strategy does not have (naming the file and the problem).
     """
-    meta = json.loads((out_dir / META).read_text())
-    with np.load(out_dir / WEIGHTS, allow_pickle=False) as z:
-        data = {k: z[k] for k in z.files}
+    try:
+        meta = json.loads((out_dir / META).read_text())
+        with np.load(out_dir / WEIGHTS, allow_pickle=False) as z:
+            data = {k: z[k] for k in z.files}
+    except FileNotFoundError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any parse problem is a bad checkpoint
+        raise ValueError(f"checkpoint in {out_dir} is unreadable ({type(exc).__name__}: {exc})") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("round"), int) or isinstance(meta.get("round"), bool) \
+            or meta["round"] < 0 or not isinstance(meta.get("keys"), list) or not isinstance(meta.get("rounds"), list):
+        raise ValueError(f"{out_dir / META} is not a fedcomp checkpoint (needs an integer 'round', 'keys', 'rounds')")
     try:
         weights = {k: data[f"w/{k}"] for k in meta["keys"]}
-    except KeyError as exc:
+    except (KeyError, TypeError) as exc:
         raise ValueError(f"checkpoint in {out_dir} lacks weights for {exc}") from None
+    if model_shapes is not None:
+        want = {k: tuple(v) for k, v in model_shapes.items()}
+        got = {k: tuple(v.shape) for k, v in weights.items()}
+        if want != got:
+            raise ValueError(f"checkpoint in {out_dir} does not fit the model: checkpoint {got}, model {want}")
+    for k, v in weights.items():
+        if not np.issubdtype(v.dtype, np.number) or not np.isfinite(v).all():
+            raise ValueError(f"checkpoint in {out_dir}: weights of '{k}' are not finite numbers")
     inner = _innermost(strategy)
     for attr in _OPT_STATE:
         state = {k.split("/", 1)[1]: v for k, v in data.items() if k.startswith(attr + "/")}
-        if state and hasattr(inner, attr):
-            setattr(inner, attr, state)
+        if not state:
+            continue
+        if not hasattr(inner, attr):
+            raise ValueError(f"checkpoint in {out_dir} holds optimizer state '{attr}' that the inner strategy "
+                             f"{type(inner).__name__} does not have: resume with the same 'strategy'")
+        if {k: v.shape for k, v in state.items()} != {k: v.shape for k, v in weights.items()}:
+            raise ValueError(f"checkpoint in {out_dir}: optimizer state '{attr}' does not match the weights")
+        setattr(inner, attr, state)
     if meta.get("client-dp-rounds") is not None and getattr(strategy, "client_dp", None) is not None:
         strategy.client_dp.rounds = int(meta["client-dp-rounds"])
     strategy._eps_trace = [float(e) if e is not None else float("inf") for e in meta.get("eps-trace", [])]
+    strategy._local_rounds = int(meta.get("local-dp-rounds") or 0)
     return int(meta["round"]), weights, meta

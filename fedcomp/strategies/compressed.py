@@ -29,6 +29,13 @@ def _num(metrics: dict, key: str, default: float = 0.0) -> float:
     return float(v)
 
 
+def _epsilon(v) -> float | None:
+    """A client-reported epsilon: a number >= 0 (inf allowed: no privacy), else None (ignored)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or v < 0:
+        return None
+    return float(v)
+
+
 def client_seconds(c: dict, uplink_mbps: float | None = None, downlink_mbps: float | None = None) -> float:
     """Simulated seconds of one client's round: compute + upload·8/uplink + download·8/downlink.
 
@@ -154,6 +161,8 @@ class CompressedStrategy(Strategy):
         self.max_epsilon = max_epsilon
         self.stopped_reason = ""
         self._eps_trace: list[float] = []
+        self._eps_next = 0.0
+        self._local_rounds = 0
         self._sampled = 0
         self._sent: dict[int, dict[str, np.ndarray]] = {}
         #: Per-round metrics computed by this wrapper (round -> dict).
@@ -211,6 +220,10 @@ class CompressedStrategy(Strategy):
             return bool(self.stopped_reason)
         if self.client_dp is not None:
             nxt = self.client_dp.epsilon(self.client_dp.rounds + 1)
+        elif self.local_dp is not None:
+            nxt = self.local_dp.epsilon(self._local_rounds + 1)
+        elif self._eps_next:
+            nxt = self._eps_next
         elif len(self._eps_trace) >= 1:
             last = self._eps_trace[-1]
             step = last - (self._eps_trace[-2] if len(self._eps_trace) >= 2 else 0.0)
@@ -290,10 +303,17 @@ class CompressedStrategy(Strategy):
         if reported:
             ours["epsilon-max"] = max(reported)
             ours["epsilon-median"] = float(statistics.median(reported))
+        if self.local_dp is not None and good:
+            self._local_rounds += 1
+            dp_info["epsilon"] = self.local_dp.epsilon(self._local_rounds)
+            ours["epsilon"] = dp_info["epsilon"]
         if "epsilon" in dp_info:
             self._eps_trace.append(dp_info["epsilon"])
         elif reported:
             self._eps_trace.append(max(reported))
+        nexts = [s["epsilon-next"] for s in stats if s["epsilon-next"] is not None]
+        if nexts:
+            self._eps_next = max(nexts)
         self.history[server_round] = ours
         self.client_history[server_round] = stats
         self.layer_history[server_round] = self._layers_mean(list(sent))
@@ -329,8 +349,7 @@ class CompressedStrategy(Strategy):
         weights, info = decode_update(next(iter(recs.values())), sent)
         decode_s = time.perf_counter() - t0
         layers = {k: m.pop(k) for k in ("layer-update-norm", "layer-compression-error") if k in m}
-        eps = m.get("epsilon")
-        eps = float(eps) if isinstance(eps, (int, float)) and not isinstance(eps, bool) and eps == eps else None
+        eps, eps_next = (_epsilon(m.get(k)) for k in ("epsilon", "epsilon-next"))
         if self.client_dp is not None:
             self._updates.append(np.concatenate([(weights[k].astype(np.float32) - sent[k].astype(np.float32)).ravel()
                                                  for k in sent]))
@@ -355,6 +374,7 @@ class CompressedStrategy(Strategy):
             "download-bytes": _num(m, "download-bytes"),
             "density": _num(m, "density"),
             "epsilon": eps,
+            "epsilon-next": eps_next,
         })
         # An ordinary reply, in the layout the inner strategy sent: one ArrayRecord, one MetricRecord.
         for key in list(reply.content.keys()):

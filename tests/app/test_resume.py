@@ -54,3 +54,34 @@ def test_checkpoint_files_are_written_atomically_and_without_pickle(tmp_path):
     with np.load(tmp_path / "checkpoint.npz", allow_pickle=False) as z:
         assert all(z[k].dtype != object for k in z.files)
     assert checkpoint.META == "checkpoint.json"
+
+
+def test_bad_checkpoints_are_refused_with_the_file_named(tmp_path):
+    run({"num-server-rounds": 1, "results-dir": str(tmp_path), "compressor": "sign"})
+    meta = json.loads((tmp_path / "checkpoint.json").read_text())
+    (tmp_path / "checkpoint.json").write_text("{")
+    with pytest.raises(ValueError, match="unreadable"):
+        run({"num-server-rounds": 2, "results-dir": str(tmp_path), "resume": True})
+    (tmp_path / "checkpoint.json").write_text(json.dumps({**meta, "round": 1.7}))
+    with pytest.raises(ValueError, match="integer 'round'"):
+        run({"num-server-rounds": 2, "results-dir": str(tmp_path), "resume": True})
+    (tmp_path / "checkpoint.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="does not fit the model"):
+        run({"num-server-rounds": 2, "results-dir": str(tmp_path), "resume": True, "model": "mlp"})
+    with np.load(tmp_path / "checkpoint.npz") as z:
+        arrays = {k: z[k].copy() for k in z.files}
+    first = next(iter(arrays))
+    arrays[first].flat[0] = np.nan
+    np.savez(tmp_path / "checkpoint.npz", **arrays)
+    with pytest.raises(ValueError, match="not finite"):
+        run({"num-server-rounds": 2, "results-dir": str(tmp_path), "resume": True})
+
+
+def test_corrupt_client_residual_file_is_ignored_not_fatal(tmp_path):
+    from fedcomp.client.mod import load_residuals
+
+    bad = tmp_path / "residual-0.npz"
+    bad.write_bytes(b"not a zip")
+    assert load_residuals(bad, before_round=3) == {}
+    np.savez(bad, __round__=np.array(1), **{"r/x": np.array([np.nan], np.float32)})
+    assert load_residuals(bad, before_round=3) == {}

@@ -104,3 +104,16 @@ def test_wrong_address_fails_fast_with_a_clear_message(tmp_path):
     assert time.monotonic() - t0 < 60
     assert out.returncode != 0
     assert "unavailable" in (out.stdout + out.stderr)
+
+
+def test_launcher_refuses_a_port_in_use_and_a_missing_app(tmp_path, capsys):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        busy = s.getsockname()[1]
+        assert deploy_main(["--app", str(REPO), "--port", str(busy), "--workdir", str(tmp_path)]) == 2
+        assert f"port {busy} on 127.0.0.1 is in use" in capsys.readouterr().out
+    assert deploy_main(["--app", str(tmp_path), "--port", "18499", "--workdir", str(tmp_path)]) == 2
+    assert "is not a Flower app" in capsys.readouterr().out

@@ -185,3 +185,32 @@ def test_serverapp_reports_epsilon_per_round_in_metrics_json(tmp_path, mode):
     assert eps == pytest.approx(expect)
     assert data["rounds"][2]["epsilon-round"] == pytest.approx(expect[1] - expect[0])
     assert (tmp_path / "plot.png").exists()
+
+
+def test_local_dp_respects_max_epsilon():
+    dp = LocalDP(clipping_norm=1.0, noise_multiplier=2.0)
+    budget = (dp.epsilon(2) + dp.epsilon(3)) / 2
+    s = CompressedStrategy(FedAvg(min_available_nodes=2, fraction_evaluate=0.0), compressor="sign",
+                           local_dp=dp, max_epsilon=budget)
+    _run(s, rounds=4, nodes=2)
+    assert [s.history[r].get("num-replies", 0) for r in (1, 2, 3, 4)] == [2, 2, 0, 0]
+    assert s.history[2]["epsilon"] == pytest.approx(dp.epsilon(2)) and "would raise epsilon" in s.stopped_reason
+
+
+def test_dp_sgd_client_refuses_a_round_past_the_budget():
+    from fedcomp.config import AppConfig
+    from fedcomp.server.app import build_inner, privacy_options
+
+    rc = {"dp": "dp-sgd", "noise-multiplier": 1.0, "num-server-rounds": 3, "max-epsilon": 0.5}
+    cfg = AppConfig.from_run_config(rc)
+    s = CompressedStrategy.from_codec_config(build_inner(cfg), cfg.codec, **privacy_options(cfg))
+    _run(s, rounds=2, nodes=2, run_config=rc)
+    # the first round alone would exceed 0.5: every client refuses before touching its data
+    assert s.history[1]["failed-clients"] == 2 and s.history[1]["num-replies"] == 0
+
+
+def test_untrusted_epsilon_reports_are_sanitised():
+    from fedcomp.strategies.compressed import _epsilon
+
+    assert [_epsilon(v) for v in (-1.0, float("nan"), "3", True, 2.5, math.inf)] == [None, None, None, None, 2.5,
+                                                                                      math.inf]
