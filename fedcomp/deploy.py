@@ -59,6 +59,8 @@ def write_connection(flwr_home: pathlib.Path, address: str, insecure: bool = Tru
 def port_is_free(host: str, port: int) -> bool:
     """True if nothing listens on ``host:port`` and we may bind it."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        # SO_REUSEADDR: a port in TIME_WAIT after a finished run is free; a listener still blocks bind
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError:

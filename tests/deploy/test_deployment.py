@@ -59,8 +59,11 @@ def test_dockerfile_runs_as_non_root():
     assert "\nUSER app" in text and "torch==2.13.0" in text
 
 
+_PORTS = iter(range(0, 400, 100))
+
+
 def _run_launcher(tmp_path, capsys, *extra):
-    port = 18000 + (os.getpid() % 500)
+    port = 18000 + (os.getpid() % 100) + next(_PORTS)  # a fresh port block per launcher test
     code = deploy_main(["--app", str(REPO), "--port", str(port), "--base-node-port", str(port + 1094),
                         "--workdir", str(tmp_path), "--timeout", "400", *extra])
     out = capsys.readouterr().out
