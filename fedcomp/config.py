@@ -305,6 +305,7 @@ class AppConfig:
     results_dir: str = ""
     round_timeout: float = 600.0
     resume: bool = False
+    client_sampling: str = "fraction"
     uplink_mbps: float = 1.0
     downlink_mbps: float = 10.0
     client_state_dir: str = ""
@@ -346,6 +347,7 @@ class AppConfig:
             results_dir=_str(cfg, "results-dir", ""),
             round_timeout=_num(cfg, "round-timeout", 600.0, lo=0.0, lo_open=True),
             resume=_bool(cfg, "resume", False),
+            client_sampling=_str(cfg, "client-sampling", "fraction", ("fraction", "poisson")),
             uplink_mbps=_num(cfg, "uplink-mbps", 1.0, lo=0.0, lo_open=True),
             downlink_mbps=_num(cfg, "downlink-mbps", 10.0, lo=0.0, lo_open=True),
             client_state_dir=_str(cfg, "client-state-dir", ""),

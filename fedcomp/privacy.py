@@ -9,6 +9,7 @@ through Opacus' ``RDPAccountant``).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -58,6 +59,18 @@ def clip_and_noise(update: torch.Tensor, clipping_norm: float, noise_multiplier:
     return u
 
 
+@functools.lru_cache(maxsize=64)
+def _rdp_per_round(sample_rate: float, noise_multiplier: float) -> tuple[tuple[float, ...], np.ndarray]:
+    """Rényi DP of one (sampled) Gaussian-mechanism round at Opacus' default orders (cached:
+    composition over rounds is a multiplication)."""
+    from opacus.accountants import RDPAccountant
+    from opacus.accountants.analysis.rdp import compute_rdp
+
+    orders = tuple(RDPAccountant.DEFAULT_ALPHAS)
+    return orders, np.asarray(compute_rdp(q=sample_rate, noise_multiplier=noise_multiplier, steps=1,
+                                          orders=list(orders)))
+
+
 @dataclass
 class ClientLevelDP:
     """DP-FedAvg on decoded updates: clip each client's update to ``clipping_norm``, sum, divide
@@ -66,8 +79,8 @@ class ClientLevelDP:
     update: with error feedback, ``||scale * sign||`` = scale·sqrt(n) can exceed any clip the
     client applied before compressing.
 
-    Accounting: Rényi DP (Opacus ``RDPAccountant``), one Gaussian-mechanism step per round at
-    sample rate 1 (see :data:`NO_AMPLIFICATION`); epsilon at ``target_delta``.
+    Accounting: Rényi DP (Opacus ``RDPAccountant``), one sampled Gaussian-mechanism step per round
+    at ``sample_rate`` (1 by default, see :data:`NO_AMPLIFICATION`); epsilon at ``target_delta``.
 
     Parameters
     ----------
@@ -79,6 +92,11 @@ class ClientLevelDP:
         delta in (0, 1).
     seed : int, optional
         Seed of the server's noise.
+    sample_rate : float
+        q in (0, 1]: 1 (default) claims no amplification; q < 1 is valid only when the strategy
+        Poisson-samples each client of a fixed population with probability q
+        (``client-sampling = "poisson"``), and then ``clients`` passed to :meth:`aggregate` is the
+        expected number q·N (McMahan et al. 2018).
 
     Raises
     ------
@@ -90,12 +108,14 @@ class ClientLevelDP:
     noise_multiplier: float
     target_delta: float = 1e-5
     seed: int | None = None
+    sample_rate: float = 1.0
     rounds: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
         _check("clipping-norm", self.clipping_norm, 0.0, True)
         _check("noise-multiplier", self.noise_multiplier, 0.0, False)
         _check("target-delta", self.target_delta, 0.0, True, 1.0, True)
+        _check("fraction-train", self.sample_rate, 0.0, True, 1.0, False)
         self._gen = torch.Generator()
         if self.seed is None:
             self._gen.seed()
@@ -139,11 +159,11 @@ class ClientLevelDP:
             return 0.0
         if self.noise_multiplier == 0:
             return math.inf
-        from opacus.accountants import RDPAccountant
+        from opacus.accountants.analysis.rdp import get_privacy_spent
 
-        acc = RDPAccountant()
-        acc.history = [(self.noise_multiplier, 1.0, rounds)]
-        return float(acc.get_epsilon(delta=self.target_delta))
+        orders, per_round = _rdp_per_round(self.sample_rate, self.noise_multiplier)
+        eps, _ = get_privacy_spent(orders=list(orders), rdp=per_round * rounds, delta=self.target_delta)
+        return float(eps)
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ def build_inner(cfg: AppConfig) -> Strategy:
     Clients are evaluated centrally only (``fraction_evaluate = 0``).
     """
     common = dict(
-        fraction_train=cfg.fraction_train, fraction_evaluate=0.0, min_train_nodes=cfg.min_train_nodes,
+        fraction_train=1.0 if cfg.client_sampling == "poisson" else cfg.fraction_train, fraction_evaluate=0.0, min_train_nodes=cfg.min_train_nodes,
         min_evaluate_nodes=0, min_available_nodes=cfg.min_available_nodes,
     )
     if cfg.strategy == "fedadam":
@@ -53,8 +53,13 @@ def privacy_options(cfg: AppConfig, context: Context | None = None) -> dict:
         A DP key out of range, or (dp-sgd) an infeasible ``target-epsilon`` / ``secure-rng``.
     """
     opts: dict = {"max_epsilon": cfg.max_epsilon or None, "downstream": cfg.downstream}
+    q = None
+    if cfg.client_sampling == "poisson":
+        q = cfg.fraction_train
+        opts.update(client_sampling=q, seed=cfg.seed)
     if cfg.dp == "client-level":
-        opts["client_dp"] = ClientLevelDP(cfg.clipping_norm, cfg.noise_multiplier, cfg.target_delta, seed=cfg.seed)
+        opts["client_dp"] = ClientLevelDP(cfg.clipping_norm, cfg.noise_multiplier, cfg.target_delta, seed=cfg.seed,
+                                          sample_rate=q or 1.0)
     elif cfg.dp == "local":
         opts["local_dp"] = LocalDP(cfg.clipping_norm, cfg.noise_multiplier, cfg.target_delta)
     if context is not None:  # DP-SGD keys are validated whatever the mode (a typo should not wait)
@@ -142,7 +147,10 @@ def privacy_statement(cfg: AppConfig) -> dict | None:
              "client-level": "client-level (a client's whole update), DP-FedAvg on the server",
              "local": "client-level, local: each client clips and noises its own update before compressing"}[cfg.dp]
     return {"mode": cfg.dp, "level": level, "delta": cfg.target_delta, "accountant": "rdp",
-            "assumption": NO_AMPLIFICATION if cfg.dp != "dp-sgd" else
+            "assumption": (NO_AMPLIFICATION if cfg.client_sampling != "poisson" or cfg.dp != "client-level" else
+                           f"clients Poisson-sampled by the server with probability q = {cfg.fraction_train} per round "
+                           "from the fixed population of connected nodes: amplification by sampling applies")
+            if cfg.dp != "dp-sgd" else
             "Poisson sampling of examples within each client at rate logical-batch / N; one accountant per client "
             "for the whole run; epsilon-max / epsilon-median over the clients that replied",
             "max-epsilon": cfg.max_epsilon or None}

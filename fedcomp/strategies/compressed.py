@@ -127,6 +127,12 @@ class CompressedStrategy(Strategy):
         or "none": dense). Clients that hold the previous broadcast get ``C(global - broadcast)``
         (server-side error feedback); new or lagging clients get the broadcast model dense.
         Needs ``compression_mod`` on the clients (it rebuilds and keeps the model copy).
+    client_sampling : float, optional
+        Poisson client sampling: the inner strategy should select every node (fraction 1.0);
+        each is then kept independently with this probability q, per round. Needed for
+        privacy amplification by sampling in client-level DP (``ClientLevelDP(sample_rate=q)``).
+    seed : int, optional
+        Seed of the Poisson sampling.
     **params
         Codec parameters by their Python or run-config names: ``density``, ``levels``,
         ``block_size``, ``value_dtype``, ``residual_dtype``.
@@ -140,7 +146,7 @@ class CompressedStrategy(Strategy):
     def __init__(self, inner: Strategy, compressor: str = "stc", error_feedback: bool = True,
                  max_num_examples: int = 10**9, client_dp: ClientLevelDP | None = None,
                  local_dp: LocalDP | None = None, max_epsilon: float | None = None, downstream: str | None = None,
-                 **params) -> None:
+                 client_sampling: float | None = None, seed: int | None = None, **params) -> None:
         if not isinstance(inner, Strategy):
             raise TypeError(f"inner must be a flwr.serverapp.strategy.Strategy, got {type(inner).__name__}")
         self.inner = inner
@@ -156,6 +162,10 @@ class CompressedStrategy(Strategy):
         if downstream not in (None, "none") and downstream not in available_compressors():
             raise ValueError(f"downstream must be 'none' or one of {available_compressors()}, got {downstream!r}")
         self.downstream = None if downstream in (None, "none") else Downstream(self.codec, downstream)
+        if client_sampling is not None and not 0.0 < client_sampling <= 1.0:
+            raise ValueError(f"client_sampling (Poisson rate) must be in (0, 1], got {client_sampling!r}")
+        self.poisson_rate = client_sampling
+        self._rng = np.random.default_rng(seed)
         self.client_dp = client_dp
         self.local_dp = local_dp
         self.max_epsilon = max_epsilon
@@ -207,9 +217,15 @@ class CompressedStrategy(Strategy):
             config["local-dp-noise-multiplier"] = self.local_dp.noise_multiplier
         self._round_codec = codec
         msgs = list(self.inner.configure_train(server_round, arrays, config, grid))
+        self._sampled = len(msgs)
+        if self.poisson_rate is not None:
+            # Poisson sampling from the population of connected nodes: each independently with
+            # probability q; the divisor of client-level DP is the expected count q * N.
+            keep = self._rng.random(len(msgs)) < self.poisson_rate
+            self._sampled = self.poisson_rate * len(msgs)
+            msgs = [m for m, k in zip(msgs, keep, strict=True) if k]
         if self.downstream is not None and msgs:
             self.downstream.prepare(server_round, arrays, msgs)
-        self._sampled = len(msgs)
         if msgs and len(msgs[0].content.array_records) == 1:
             self._arr_key = next(iter(msgs[0].content.array_records))
         return msgs
@@ -284,7 +300,7 @@ class CompressedStrategy(Strategy):
         self._common_metric_keys(good)
         dp_info: dict[str, float] = {}
         if good and self.client_dp is not None:
-            agg, dp_info = self.client_dp.aggregate(self._updates, max(self._sampled, len(good)))
+            agg, dp_info = self.client_dp.aggregate(self._updates, max(self._sampled, 1e-12))
             arrays, off = ArrayRecord(), 0
             for k, g in sent.items():
                 w = g.astype(np.float32) + agg[off : off + g.size].reshape(g.shape)

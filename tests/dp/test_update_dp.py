@@ -214,3 +214,24 @@ def test_untrusted_epsilon_reports_are_sanitised():
 
     assert [_epsilon(v) for v in (-1.0, float("nan"), "3", True, 2.5, math.inf)] == [None, None, None, None, 2.5,
                                                                                       math.inf]
+
+
+def test_poisson_client_sampling_amplifies_client_level_privacy():
+    q = 0.5
+    dp = ClientLevelDP(clipping_norm=1.0, noise_multiplier=1.0, sample_rate=q, seed=0)
+    assert dp.epsilon(10) < ClientLevelDP(1.0, 1.0).epsilon(10)
+    s = CompressedStrategy(FedAvg(min_available_nodes=4, min_train_nodes=1, fraction_evaluate=0.0),
+                           compressor="sign", client_dp=dp, client_sampling=q, seed=3)
+    counts = []
+    orig = s.configure_train
+
+    def spy(rnd, arrays, config, grid):
+        msgs = orig(rnd, arrays, config, grid)
+        counts.append((len(msgs), s._sampled))
+        return msgs
+
+    s.configure_train = spy
+    _run(s, rounds=6, nodes=4)
+    assert all(expected == 2.0 for _, expected in counts)  # divisor: the expected count q * N
+    assert len({n for n, _ in counts}) > 1  # the sampled count really varies round to round
+    assert s.history[6]["epsilon"] == pytest.approx(dp.epsilon(dp.rounds))
