@@ -224,6 +224,19 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.supernodes < 1:
         ap.error("--supernodes must be >= 1")
+    ports = [args.port, *range(args.base_node_port, args.base_node_port + args.supernodes)]
+    if not all(1 <= p <= 65535 for p in ports):
+        ap.error("ports must be in 1..65535")
+    if len(set(ports)) != len(ports):
+        ap.error(f"--port {args.port} collides with the SuperNode ports {ports[1:]}")
+    if "results-dir" in args.run_config:
+        ap.error("set the results folder with --results-dir, not in --run-config")
+    if "'" in (args.results_dir + args.workdir):
+        ap.error("--results-dir/--workdir must not contain an apostrophe")
+    for key in ("min-available-nodes", "min-train-nodes"):
+        for tok in args.run_config.split():
+            if tok.startswith(key + "=") and tok.split("=", 1)[1].isdigit() and int(tok.split("=", 1)[1]) > args.supernodes:
+                ap.error(f"{tok} exceeds --supernodes {args.supernodes}: the run would wait forever")
     return run(args)
 
 

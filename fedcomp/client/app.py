@@ -6,6 +6,10 @@ handler (``@app.train(mods=[fixedclipping_mod])``) sees dense weights.
 
 from __future__ import annotations
 
+import json
+import os
+import pathlib
+
 import torch
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
@@ -14,7 +18,7 @@ from ..config import AppConfig
 from ..data import DataConfig, load_partition
 from ..models import build_model
 from .dp_sgd import DPSGDConfig, projected_epsilon, train_dp_sgd
-from .mod import compression_mod
+from .mod import _state_file, compression_mod
 from .training import TrainConfig, evaluate, pick_device, train
 
 #: Key in ``context.state`` of the DP-SGD accountant's history (a MetricRecord of float lists).
@@ -42,6 +46,34 @@ def _setup(context: Context):
     return cfg, device, data, model, pid
 
 
+def _accountant_file(context: Context) -> pathlib.Path | None:
+    """``<state dir>/accountant-<partition>.json`` next to the residual file, if a state dir is set."""
+    residual = _state_file(context)
+    return None if residual is None else residual.with_name(residual.name.replace("residual-", "accountant-")
+                                                                          .replace(".npz", ".json"))
+
+
+def _load_accountant(path: pathlib.Path) -> dict:
+    """A persisted DP-SGD accountant history; an unreadable one stops training (epsilon must never
+    silently restart from zero).
+
+    Raises
+    ------
+    ValueError
+        The file is not a JSON object of equal-length number lists.
+    """
+    try:
+        state = json.loads(path.read_text())
+        lists = [state[k] for k in ("noise-multiplier", "sample-rate", "steps")]
+        ok = all(isinstance(v, list) and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v)
+                 for v in lists) and len({len(v) for v in lists}) == 1
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        raise ValueError(f"privacy accountant file {path} is unreadable ({exc}); refusing to train") from None
+    if not ok:
+        raise ValueError(f"privacy accountant file {path} is malformed; refusing to train")
+    return state
+
+
 @app.train()
 def train_handler(msg: Message, context: Context) -> Message:
     """Load the global weights, train ``local-epochs`` on the local partition, return weights.
@@ -63,12 +95,20 @@ def train_handler(msg: Message, context: Context) -> Message:
     if cfg.dp == "dp-sgd":
         # One accountant per client for the whole run: its history lives in context.state.
         dp_cfg = DPSGDConfig.from_mapping(context.run_config)
+        acc_file = _accountant_file(context)
         prev = dict(context.state[DP_ACCOUNTANT_KEY]) if DP_ACCOUNTANT_KEY in context.state else None
+        if prev is None and acc_file is not None and acc_file.exists():
+            prev = _load_accountant(acc_file)
         if cfg.max_epsilon and projected_epsilon(dp_cfg, tcfg, len(data), prev) > cfg.max_epsilon:
             raise ValueError(f"privacy budget: this round would raise this client's epsilon past max-epsilon "
                              f"{cfg.max_epsilon}; the client does not train")
         loss, n, eps, state = train_dp_sgd(model, data, tcfg, dp_cfg, device, seed=seed, accountant_state=prev)
         context.state[DP_ACCOUNTANT_KEY] = MetricRecord(state)
+        if acc_file is not None:
+            acc_file.parent.mkdir(parents=True, exist_ok=True)
+            tmp = acc_file.with_name(acc_file.name + ".tmp")
+            tmp.write_text(json.dumps(state))
+            os.replace(tmp, acc_file)
         extra["epsilon"] = float(eps)
         extra["epsilon-next"] = float(projected_epsilon(dp_cfg, tcfg, len(data), state))
     else:

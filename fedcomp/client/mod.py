@@ -172,6 +172,8 @@ def compress_update(
         x = torch.cat([deltas[k].reshape(-1) for k in members]) if ukey == MODEL_KEY else deltas[ukey]
         prev = residuals.get(ukey) if codec.error_feedback else None
         if prev is not None and tuple(prev.shape) != tuple(x.shape):
+            log(WARNING, "fedcomp: residual for '%s' has shape %s, the update %s: starting from zero", ukey,
+                tuple(prev.shape), tuple(x.shape))
             prev = None
         v = x.float() if prev is None else x.float() + torch.as_tensor(prev).float()
         density = None

@@ -112,7 +112,7 @@ class RoundRecorder:
         if server_round > 0:
             checkpoint.save(self.out_dir, server_round, {k: a.numpy() for k, a in arrays.items()}, self.strategy,
                             self.rounds, {"cum-mb": self.cum_mb, "local-rounds": self.local_rounds,
-                                          "last-eps": self.last_eps})
+                                          "last-eps": self.last_eps, "privacy-settings": privacy_settings(self.cfg)})
         return MetricRecord({"accuracy": acc, "loss": loss})
 
     def restore(self, meta: dict) -> None:
@@ -129,6 +129,13 @@ class RoundRecorder:
             "codec": self.strategy.codec.describe(), "run-config": self.run_config, "privacy": self.privacy,
             "stopped": self.strategy.stopped_reason or None, "rounds": self.rounds,
         })
+
+
+def privacy_settings(cfg: AppConfig) -> dict:
+    """The run-config values a resumed run must keep for its epsilon to stay valid."""
+    return {"dp": cfg.dp, "clipping-norm": cfg.clipping_norm, "noise-multiplier": cfg.noise_multiplier,
+            "target-delta": cfg.target_delta, "client-sampling": cfg.client_sampling,
+            "fraction-train": cfg.fraction_train}
 
 
 def _epsilon_now(rec: dict) -> float | None:
@@ -170,8 +177,15 @@ def main(grid: Grid, context: Context) -> None:
     if cfg.resume:
         if not cfg.results_dir:
             raise ValueError("run config 'resume' = true needs 'results-dir' set to the folder of the run to resume")
+        if cfg.dp == "dp-sgd" and not cfg.client_state_dir:
+            raise ValueError("run config 'resume' with dp = 'dp-sgd' needs 'client-state-dir': clients keep their "
+                             "privacy accountants there, otherwise epsilon would restart from zero")
         offset, weights, meta = checkpoint.load(out_dir, strategy,
                                                 {k: tuple(v.shape) for k, v in model.state_dict().items()})
+        saved = meta.get("extra", {}).get("privacy-settings")
+        if saved is not None and saved != privacy_settings(cfg):
+            raise ValueError(f"run config 'resume': the privacy settings differ from the checkpoint's ({saved} vs "
+                             f"{privacy_settings(cfg)}); epsilon cannot be accounted across a change")
         initial = ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in weights.items()})
         recorder.restore(meta)
         log(INFO, "fedcomp  resuming %s after round %d", out_dir, offset)

@@ -55,6 +55,9 @@ def save(out_dir: pathlib.Path, server_round: int, weights: dict[str, np.ndarray
         state = getattr(inner, attr, None)
         if isinstance(state, dict):
             arrays.update({f"{attr}/{k}": np.ascontiguousarray(v) for k, v in state.items()})
+    momentum = getattr(inner, "momentum_vector", None)  # FedAvgM: a list in model order
+    if isinstance(momentum, list):
+        arrays.update({f"momentum/{i}": np.ascontiguousarray(v) for i, v in enumerate(momentum)})
     meta = {
         "round": server_round, "keys": list(weights), "rounds": rounds, "extra": extra or {},
         "client-dp-rounds": getattr(getattr(strategy, "client_dp", None), "rounds", None),
@@ -69,6 +72,30 @@ def save(out_dir: pathlib.Path, server_round: int, weights: dict[str, np.ndarray
 
     tmpj.write_text(json.dumps(_finite_or_none(meta), allow_nan=False))
     os.replace(tmpj, out_dir / META)
+
+
+def _check_meta(meta: dict, out_dir: pathlib.Path) -> None:
+    """Types and ranges of the JSON fields (a hand-edited file must not bypass a privacy budget)."""
+    def nonneg_int(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+    problems = []
+    if not all(isinstance(r, dict) and nonneg_int(r.get("round")) for r in meta["rounds"]):
+        problems.append("'rounds' must be a list of round records")
+    elif meta["rounds"] and meta["rounds"][-1]["round"] != meta["round"]:
+        problems.append("'round' disagrees with the last round record")
+    if not isinstance(meta.get("extra", {}), dict):
+        problems.append("'extra' must be an object")
+    for key in ("client-dp-rounds", "local-dp-rounds"):
+        meta.setdefault(key, 0 if key == "local-dp-rounds" else None)
+        if meta[key] is not None and not nonneg_int(meta[key]):
+            problems.append(f"'{key}' must be an integer >= 0")
+    meta.setdefault("eps-trace", [])
+    if not isinstance(meta["eps-trace"], list) or not all(
+            e is None or (isinstance(e, (int, float)) and not isinstance(e, bool) and e >= 0) for e in meta["eps-trace"]):
+        problems.append("'eps-trace' must be a list of epsilons >= 0")
+    if problems:
+        raise ValueError(f"{out_dir / META}: " + "; ".join(problems))
 
 
 def load(out_dir: pathlib.Path, strategy: Any,
@@ -103,6 +130,7 @@ def load(out_dir: pathlib.Path, strategy: Any,
         weights = {k: data[f"w/{k}"] for k in meta["keys"]}
     except (KeyError, TypeError) as exc:
         raise ValueError(f"checkpoint in {out_dir} lacks weights for {exc}") from None
+    _check_meta(meta, out_dir)
     if model_shapes is not None:
         want = {k: tuple(v) for k, v in model_shapes.items()}
         got = {k: tuple(v.shape) for k, v in weights.items()}
@@ -124,6 +152,11 @@ def load(out_dir: pathlib.Path, strategy: Any,
         setattr(inner, attr, state)
     if meta.get("client-dp-rounds") is not None and getattr(strategy, "client_dp", None) is not None:
         strategy.client_dp.rounds = int(meta["client-dp-rounds"])
-    strategy._eps_trace = [float(e) if e is not None else float("inf") for e in meta.get("eps-trace", [])]
-    strategy._local_rounds = int(meta.get("local-dp-rounds") or 0)
+    momentum = [data[f"momentum/{i}"] for i in range(len(weights)) if f"momentum/{i}" in data]
+    if momentum:
+        if not hasattr(inner, "momentum_vector") or len(momentum) != len(weights):
+            raise ValueError(f"checkpoint in {out_dir} holds FedAvgM momentum: resume with strategy = 'fedavgm'")
+        inner.momentum_vector = momentum
+    strategy._eps_trace = [float(e) if e is not None else float("inf") for e in meta["eps-trace"]]
+    strategy._local_rounds = meta["local-dp-rounds"]
     return int(meta["round"]), weights, meta

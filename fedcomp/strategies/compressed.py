@@ -292,6 +292,11 @@ class CompressedStrategy(Strategy):
             except (PayloadError, ValueError, TypeError, KeyError, OverflowError) as exc:
                 rejected += 1
                 log(WARNING, "round %s: rejected reply from node %s: %s", server_round, node, exc)
+        budget = [r for r in replies if r.has_error() and "privacy budget" in (r.error.reason or "")]
+        if replies and len(budget) == len(replies) and not self.stopped_reason:
+            self.stopped_reason = (f"privacy budget: every client refused round {server_round} (max-epsilon reached); "
+                                   "no further rounds are run")
+            log(WARNING, "%s", self.stopped_reason)
         arrays, metrics = (None, None)
         # A fixed order (by node id): float sums, and so runs, do not depend on sampling order.
         order = sorted(range(len(good)), key=lambda i: good[i].metadata.src_node_id)

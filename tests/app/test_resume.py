@@ -18,7 +18,7 @@ def run(rc, nodes=3):
     main(InProcessGrid(client_app, nodes, rc), ctx)  # a fresh grid: fresh SuperNodes, empty context.state
 
 
-@pytest.mark.parametrize("strategy", ["fedavg", "fedadam"])
+@pytest.mark.parametrize("strategy", ["fedavg", "fedadam", "fedavgm"])
 def test_resumed_run_equals_uninterrupted_run(tmp_path, strategy):
     base = {"compressor": "stc", "density": 0.05, "seed": 5, "strategy": strategy, "server-lr": 0.01}
     full, part = tmp_path / "full", tmp_path / "part"
@@ -85,3 +85,27 @@ def test_corrupt_client_residual_file_is_ignored_not_fatal(tmp_path):
     assert load_residuals(bad, before_round=3) == {}
     np.savez(bad, __round__=np.array(1), **{"r/x": np.array([np.nan], np.float32)})
     assert load_residuals(bad, before_round=3) == {}
+
+
+def test_resume_keeps_privacy_accounting_honest(tmp_path):
+    d = tmp_path / "cl"
+    run({"num-server-rounds": 1, "results-dir": str(d), "dp": "client-level", "compressor": "sign"})
+    with pytest.raises(ValueError, match="privacy settings differ"):
+        run({"num-server-rounds": 2, "results-dir": str(d), "dp": "client-level", "noise-multiplier": 5.0,
+             "resume": True, "compressor": "sign"})
+    meta = json.loads((d / "checkpoint.json").read_text())
+    (d / "checkpoint.json").write_text(json.dumps({**meta, "client-dp-rounds": -50}))
+    with pytest.raises(ValueError, match="client-dp-rounds"):
+        run({"num-server-rounds": 2, "results-dir": str(d), "dp": "client-level", "resume": True,
+             "compressor": "sign"})
+    with pytest.raises(ValueError, match="needs 'client-state-dir'"):
+        run({"num-server-rounds": 2, "results-dir": str(d), "dp": "dp-sgd", "resume": True})
+
+
+def test_dp_sgd_accountants_survive_a_resume_through_the_state_dir(tmp_path):
+    base = {"dp": "dp-sgd", "compressor": "sign", "client-state-dir": str(tmp_path / "s")}
+    run({**base, "num-server-rounds": 2, "results-dir": str(tmp_path / "r")}, nodes=2)
+    run({**base, "num-server-rounds": 3, "results-dir": str(tmp_path / "r"), "resume": True}, nodes=2)
+    eps = [r["epsilon-max"] for r in json.loads((tmp_path / "r" / "metrics.json").read_text())["rounds"][1:]]
+    assert eps[0] < eps[1] < eps[2]  # round 3 continues from round 2's accountant, not from zero
+    assert sorted(p.name for p in (tmp_path / "s").iterdir())[:2] == ["accountant-0.json", "accountant-1.json"]

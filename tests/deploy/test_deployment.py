@@ -120,3 +120,15 @@ def test_launcher_refuses_a_port_in_use_and_a_missing_app(tmp_path, capsys):
         assert f"port {busy} on 127.0.0.1 is in use" in capsys.readouterr().out
     assert deploy_main(["--app", str(tmp_path), "--port", "18499", "--workdir", str(tmp_path)]) == 2
     assert "is not a Flower app" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["--port", "70000"], "1..65535"), (["--port", "18000", "--base-node-port", "17999", "--supernodes", "2"],
+                                        "collides"),
+    (["--run-config", "results-dir='/x'"], "--results-dir"), (["--workdir", "/tmp/it's"], "apostrophe"),
+    (["--supernodes", "2", "--run-config", "min-available-nodes=5"], "exceeds --supernodes"),
+])
+def test_launcher_argument_errors(argv, msg, capsys):
+    with pytest.raises(SystemExit):
+        deploy_main(["--app", str(REPO), *argv])
+    assert msg in capsys.readouterr().err

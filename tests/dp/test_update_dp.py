@@ -207,6 +207,7 @@ def test_dp_sgd_client_refuses_a_round_past_the_budget():
     _run(s, rounds=2, nodes=2, run_config=rc)
     # the first round alone would exceed 0.5: every client refuses before touching its data
     assert s.history[1]["failed-clients"] == 2 and s.history[1]["num-replies"] == 0
+    assert "every client refused round 1" in s.stopped_reason
 
 
 def test_untrusted_epsilon_reports_are_sanitised():
