@@ -324,7 +324,7 @@ class CompressedStrategy(Strategy):
         if reported:
             ours["epsilon-max"] = max(reported)
             ours["epsilon-median"] = float(statistics.median(reported))
-        if self.local_dp is not None and good:
+        if self.local_dp is not None and replies:  # counted once noisy updates may have left the clients
             self._local_rounds += 1
             dp_info["epsilon"] = self.local_dp.epsilon(self._local_rounds)
             ours["epsilon"] = dp_info["epsilon"]
