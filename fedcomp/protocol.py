@@ -20,3 +20,18 @@ MODEL_KEY = "fedcomp.model"
 #: Keys in ``context.state`` of the client's model copy (downstream compression) and its version.
 MODEL_STATE_KEY = "fedcomp.model"
 MODEL_META_KEY = "fedcomp.model-version"
+
+
+def server_round(msg) -> int:
+    """The ``server-round`` a Flower strategy put in the message's ConfigRecord (0 if absent).
+
+    Parameters
+    ----------
+    msg : flwr.app.Message
+        A message with content.
+    """
+    recs = msg.content.config_records
+    if not recs:
+        return 0
+    value = next(iter(recs.values())).get("server-round", 0)
+    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0

@@ -16,6 +16,8 @@ from typing import Callable, Iterable
 from flwr.app import Context, Error, Message, RecordDict
 from flwr.serverapp import Grid
 
+from .protocol import server_round
+
 #: Flower's error code for "ClientApp raised an exception".
 CLIENT_APP_RAISED_EXCEPTION = 2
 
@@ -108,7 +110,7 @@ class InProcessGrid(Grid):
             msg.metadata.__dict__["_message_id"] = f"msg-{next(self._ids)}"
             nid = msg.metadata.dst_node_id
             ctx = self.contexts[nid]
-            rnd = int(msg.content["config"].get("server-round", 0)) if "config" in msg.content else 0
+            rnd = server_round(msg)
             reason = self.fault(rnd, ctx.node_config["partition-id"]) if self.fault else None
             t0 = time.perf_counter()
             if reason is not None:

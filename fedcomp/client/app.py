@@ -17,6 +17,7 @@ from flwr.clientapp import ClientApp
 from ..config import AppConfig
 from ..data import DataConfig, load_partition
 from ..models import build_model
+from ..protocol import server_round
 from .dp_sgd import DPSGDConfig, projected_epsilon, train_dp_sgd
 from .mod import _state_file, compression_mod
 from .training import TrainConfig, evaluate, pick_device, train
@@ -87,7 +88,7 @@ def train_handler(msg: Message, context: Context) -> Message:
 
     cfg, device, data, model, pid = _setup(context)
     model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
-    rnd = int(msg.content["config"].get("server-round", 0)) if "config" in msg.content else 0
+    rnd = server_round(msg)
     tcfg = TrainConfig(cfg.local_epochs, cfg.batch_size, cfg.accumulation_steps, cfg.lr, cfg.momentum)
     seed = cfg.seed * 100_003 + rnd * 1009 + pid
     t0 = time.perf_counter()

@@ -18,7 +18,15 @@ from flwr.common.logger import log
 from ..compression import ErrorFeedback, decompress
 from ..config import CODEC_DEFAULTS, SPARSE_CODECS, CodecConfig
 from ..privacy import LocalDP, clip_and_noise
-from ..protocol import MODEL_KEY, MODEL_META_KEY, MODEL_STATE_KEY, PAYLOAD_DTYPE, PAYLOAD_STYPE, RESIDUAL_STATE_KEY
+from ..protocol import (
+    MODEL_KEY,
+    MODEL_META_KEY,
+    MODEL_STATE_KEY,
+    PAYLOAD_DTYPE,
+    PAYLOAD_STYPE,
+    RESIDUAL_STATE_KEY,
+    server_round,
+)
 
 
 class CompositionError(RuntimeError):
@@ -44,9 +52,8 @@ def _codec_config(msg: Message, context: Context) -> CodecConfig:
 
 def _stream_seed(context: Context, msg: Message) -> int:
     """Seed of stochastic codecs: a hash of run seed, partition (or node id) and round."""
-    cfg = dict(msg.content.config_records[next(iter(msg.content.config_records))]) if msg.content.config_records else {}
     node = context.node_config.get("partition-id", context.node_id)
-    key = f"{context.run_config.get('seed', 0)}:{node}:{cfg.get('server-round', 0)}"
+    key = f"{context.run_config.get('seed', 0)}:{node}:{server_round(msg)}"
     return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little") >> 1
 
 
@@ -376,8 +383,7 @@ def compression_mod(msg: Message, context: Context, call_next) -> Message:
 
     residuals: dict[str, np.ndarray] = {}
     state_file = _state_file(context)
-    rnd = int(msg.content[next(iter(msg.content.config_records))].get("server-round", 0)) \
-        if msg.content.config_records else 0
+    rnd = server_round(msg)
     if RESIDUAL_STATE_KEY in context.state:
         residuals = {k: a.numpy() for k, a in context.state[RESIDUAL_STATE_KEY].items()}
     elif state_file is not None:
