@@ -7,6 +7,7 @@ turned into plain dataclasses. Errors name the key and its allowed range, e.g.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
@@ -79,8 +80,8 @@ def _num(cfg: Mapping[str, Any], key: str, default, *, lo=None, hi=None, lo_open
         value = int(value)
     else:
         value = float(value)
-    if value != value:
-        raise ValueError(f"{src} '{key}' must be a number, got NaN")
+    if not math.isfinite(value):  # inf rates freeze or break a run far from here (issue 14)
+        raise ValueError(f"{src} '{key}' must be a finite number, got {value!r}")
     bad_lo = lo is not None and (value <= lo if lo_open else value < lo)
     bad_hi = hi is not None and (value >= hi if hi_open else value > hi)
     if bad_lo or bad_hi:
