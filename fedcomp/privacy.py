@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -69,6 +70,38 @@ def _rdp_per_round(sample_rate: float, noise_multiplier: float) -> tuple[tuple[f
     orders = tuple(RDPAccountant.DEFAULT_ALPHAS)
     return orders, np.asarray(compute_rdp(q=sample_rate, noise_multiplier=noise_multiplier, steps=1,
                                           orders=list(orders)))
+
+
+def epsilon_from_rdp(orders, rdp, delta: float) -> float:
+    """Convert Rényi DP curves to epsilon at ``delta``, never below 0.
+
+    Opacus' conversion (Balle et al., "Hypothesis Testing Interpretations and Rényi
+    Differential Privacy", AISTATS 2020, Thm. 21) is valid for every delta in (0, 1) but can
+    return a negative value once delta is large (0.9 at z = 10: -2.29). (epsilon, delta)-DP
+    with epsilon < 0 implies (0, delta)-DP, so 0 is the tightest non-negative statement it
+    supports, and ``max(0, ·)`` keeps it valid, finite and non-decreasing over rounds (the
+    RDP of every order only grows with composition).
+
+    Parameters
+    ----------
+    orders : sequence of float
+        Rényi orders alpha > 1.
+    rdp : sequence of float
+        RDP epsilon at each order (same length).
+    delta : float
+        In (0, 1).
+
+    Returns
+    -------
+    float
+        epsilon >= 0 (``inf`` when every order is infinite).
+    """
+    from opacus.accountants.analysis.rdp import get_privacy_spent
+
+    with warnings.catch_warnings():  # "optimal order is the largest alpha": the bound still holds
+        warnings.simplefilter("ignore", UserWarning)
+        eps, _ = get_privacy_spent(orders=list(orders), rdp=rdp, delta=delta)
+    return max(0.0, float(eps))
 
 
 @dataclass
@@ -159,11 +192,8 @@ class ClientLevelDP:
             return 0.0
         if self.noise_multiplier == 0:
             return math.inf
-        from opacus.accountants.analysis.rdp import get_privacy_spent
-
         orders, per_round = _rdp_per_round(self.sample_rate, self.noise_multiplier)
-        eps, _ = get_privacy_spent(orders=list(orders), rdp=per_round * rounds, delta=self.target_delta)
-        return float(eps)
+        return epsilon_from_rdp(orders, per_round * rounds, self.target_delta)
 
 
 @dataclass(frozen=True)

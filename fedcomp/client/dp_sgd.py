@@ -48,6 +48,7 @@ from opacus.validators import ModuleValidator
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, default_collate
 
+from ..privacy import epsilon_from_rdp
 from .training import TrainConfig
 
 #: Accountants this module accepts (run config ``accountant``).
@@ -395,7 +396,8 @@ def epsilon_spent(accountant: IAccountant, delta: float) -> float:
 
     0.0 for an empty history; ``float('inf')`` ("no privacy") as soon as any step used
     noise multiplier 0; otherwise the accountant's bound (RDP: Mironov 2017 with Opacus'
-    conversion; PRV: the upper bound of Gopi et al. 2021).
+    conversion; PRV: the upper bound of Gopi et al. 2021), floored at 0 as explained in
+    :func:`fedcomp.privacy.epsilon_from_rdp` (finite, >= 0, non-decreasing over rounds).
     """
     if not accountant.history:
         return 0.0
@@ -405,11 +407,11 @@ def epsilon_spent(accountant: IAccountant, delta: float) -> float:
         # Same arithmetic as RDPAccountant.get_epsilon, with the per-step RDP curve cached:
         # it depends only on (q, sigma), which stay fixed over a run, and costs ~0.3 s.
         rdp = sum(t * _rdp_one_step(q, sigma) for sigma, q, t in accountant.history)
-        eps, _ = rdp_analysis.get_privacy_spent(orders=RDPAccountant.DEFAULT_ALPHAS, rdp=rdp, delta=delta)
-        return float(eps)
+        return epsilon_from_rdp(RDPAccountant.DEFAULT_ALPHAS, rdp, delta)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-        return float(accountant.get_epsilon(delta=delta))
+        # PRV's numerical bound also dips below 0 at large delta; (eps < 0, delta) implies (0, delta)
+        return max(0.0, float(accountant.get_epsilon(delta=delta)))
 
 
 @lru_cache(maxsize=256)
