@@ -9,17 +9,26 @@ rounds in seconds and can inject faults. Each node keeps its own ``Context`` (an
 
 from __future__ import annotations
 
+import copy
 import itertools
 import time
 from typing import Callable, Iterable
 
 from flwr.app import Context, Error, Message, RecordDict
+from flwr.common.serde import recorddict_from_proto, recorddict_to_proto
 from flwr.serverapp import Grid
 
 from .protocol import server_round
 
 #: Flower's error code for "ClientApp raised an exception".
 CLIENT_APP_RAISED_EXCEPTION = 2
+
+
+def own_copy(content: RecordDict) -> RecordDict:
+    """A deep copy of ``content`` made the way the real transport makes one: serialised to
+    Flower's protobuf and parsed back, so no two messages (or a message and its sender) share
+    a record, and content the transport could not carry fails here too."""
+    return recorddict_from_proto(recorddict_to_proto(content))
 
 
 def _ensure_task_identity() -> None:
@@ -103,7 +112,10 @@ class InProcessGrid(Grid):
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
         """Call the ClientApp for every message in turn and return the replies.
 
-        An exception in the ClientApp becomes an error reply (code 2), as in Flower.
+        Each message is delivered as its own copy of the content (:func:`own_copy`), and each
+        reply comes back as a copy, as over the real transport: a handler that edits its
+        incoming records changes nothing another node or the server sees. An exception in the
+        ClientApp becomes an error reply (code 2), as in Flower.
         """
         replies = []
         for msg in messages:
@@ -116,8 +128,12 @@ class InProcessGrid(Grid):
             if reason is not None:
                 replies.append(Message(Error(code=CLIENT_APP_RAISED_EXCEPTION, reason=reason), reply_to=msg))
                 continue
+            # Strategies may put one RecordDict in every message of a round: each node gets its own.
+            delivered = Message(content=own_copy(msg.content), metadata=copy.deepcopy(msg.metadata))
             try:
-                reply = self.client_app(msg, ctx)
+                reply = self.client_app(delivered, ctx)
+                if not reply.has_error():  # the server gets a copy too, not the node's own object
+                    reply = Message(content=own_copy(reply.content), metadata=reply.metadata)
             except Exception as exc:  # noqa: BLE001 - mirrors Flower turning exceptions into error replies
                 reply = Message(Error(code=CLIENT_APP_RAISED_EXCEPTION, reason=f"{type(exc).__name__}: {exc}"),
                                 reply_to=msg)

@@ -32,3 +32,37 @@ def test_non_finite_float_values_are_refused_at_start_up_naming_the_key(key, val
 def test_large_finite_rates_are_still_accepted(key):
     cfg = AppConfig.from_run_config({key: 1e30})
     assert getattr(cfg, key.replace("-", "_")) == 1e30
+
+
+def test_in_process_grid_gives_each_message_its_own_records():
+    # Issue 14 item 9: a handler that edits its incoming record must change nothing another client
+    # (or the server) sees; before, clients started from models summing to [0, 10, 20, 30].
+    import numpy as np
+    from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+    from flwr.clientapp import ClientApp
+
+    from fedcomp.simulation import InProcessGrid
+
+    app = ClientApp()
+    seen = []
+
+    @app.train()
+    def train(msg, ctx):
+        arrays, cfg = msg.content["arrays"], msg.content["config"]
+        w = arrays["w"].numpy()
+        seen.append((float(w.sum()), cfg.get("edited")))
+        arrays["w"] = Array(w + 10.0)  # the hostile/buggy part: edit the incoming record in place
+        cfg["edited"] = True
+        msg.content["extra"] = ConfigRecord({"x": 1})
+        return Message(RecordDict({"arrays": arrays, "metrics": MetricRecord({"num-examples": 1})}), reply_to=msg)
+
+    grid = InProcessGrid(app, 4, {})
+    shared = RecordDict({"arrays": ArrayRecord({"w": Array(np.zeros(3, np.float32))}),
+                         "config": ConfigRecord({"server-round": 1})})
+    msgs = [grid.create_message(shared, "train", nid, "1") for nid in grid.get_node_ids()]
+    replies = list(grid.send_and_receive(msgs))
+    assert seen == [(0.0, None)] * 4
+    assert float(shared["arrays"]["w"].numpy().sum()) == 0.0 and "edited" not in shared["config"]
+    assert set(shared.keys()) == {"arrays", "config"}
+    assert [float(r.content["arrays"]["w"].numpy().sum()) for r in replies] == [30.0] * 4
+    assert all(r.metadata.reply_to_message_id == m.metadata.message_id for r, m in zip(replies, msgs))
