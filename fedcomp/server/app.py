@@ -112,7 +112,8 @@ class RoundRecorder:
         if server_round > 0:
             checkpoint.save(self.out_dir, server_round, {k: a.numpy() for k, a in arrays.items()}, self.strategy,
                             self.rounds, {"cum-mb": self.cum_mb, "local-rounds": self.local_rounds,
-                                          "last-eps": self.last_eps, "privacy-settings": privacy_settings(self.cfg)})
+                                          "last-eps": self.last_eps, "privacy-settings": privacy_settings(self.cfg),
+                                          "codec-settings": self.cfg.codec.to_mapping()})
         return MetricRecord({"accuracy": acc, "loss": loss})
 
     def restore(self, meta: dict) -> None:
@@ -136,6 +137,31 @@ def privacy_settings(cfg: AppConfig) -> dict:
     return {"dp": cfg.dp, "clipping-norm": cfg.clipping_norm, "noise-multiplier": cfg.noise_multiplier,
             "target-delta": cfg.target_delta, "client-sampling": cfg.client_sampling,
             "fraction-train": cfg.fraction_train}
+
+
+def check_same_codec(saved: dict | None, cfg: AppConfig) -> None:
+    """Refuse a resume whose codec keys differ from the checkpoint's, naming each one.
+
+    Refused rather than allowed with a warning: the clients' saved error-feedback residuals are
+    what *that* codec (and selection scope) failed to send, so another codec drops or misreads
+    them, and ``metrics.json`` records one codec for all its rounds. A run that should change
+    codec starts as a new run in a new ``results-dir``.
+
+    Raises
+    ------
+    ValueError
+        Naming every codec key whose value differs, with both values.
+    """
+    if saved is None:
+        return
+    now = cfg.codec.to_mapping()
+    diff = [f"'{k}' = {now.get(k)!r} (checkpoint: {saved.get(k)!r})" for k in sorted(set(now) | set(saved))
+            if now.get(k) != saved.get(k)]
+    if diff:
+        raise ValueError("run config 'resume': the codec settings differ from the checkpoint's: " + ", ".join(diff)
+                         + ". The clients' error-feedback residuals and the codec recorded for past rounds belong "
+                         "to the checkpoint's codec: resume with the same settings, or start a new run (another "
+                         "'results-dir') to change the codec")
 
 
 def _epsilon_now(rec: dict) -> float | None:
@@ -186,7 +212,8 @@ def main(grid: Grid, context: Context) -> None:
         if saved is not None and saved != privacy_settings(cfg):
             raise ValueError(f"run config 'resume': the privacy settings differ from the checkpoint's ({saved} vs "
                              f"{privacy_settings(cfg)}); epsilon cannot be accounted across a change")
-        initial = ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in weights.items()})
+        check_same_codec(meta.get("extra", {}).get("codec-settings"), cfg)
+        initial = ArrayRecord({k: Array(np.array(v, copy=True, order="C")) for k, v in weights.items()})
         recorder.restore(meta)
         log(INFO, "fedcomp  resuming %s after round %d", out_dir, offset)
     remaining = cfg.num_server_rounds - offset

@@ -1,13 +1,21 @@
-"""Server checkpoints: written after every round, atomically (temporary file, then rename), in a
-plain ``.npz`` of numeric arrays plus a JSON file; read back with ``allow_pickle=False``.
+"""Server checkpoints: written after every round as one atomic unit, read back with
+``allow_pickle=False``.
 
-What is saved: the global weights, the round number, the inner strategy's optimizer state where
-it has one (FedOpt/FedAdam ``m_t``/``v_t``), the client-level DP accountant (rounds counted and
-the epsilon trace), and the metrics of every round so far.
+The unit is a pair: ``checkpoint.npz`` (plain numeric arrays) is written first (temporary file,
+fsync, rename), then the manifest ``checkpoint.json``, written last the same way, names the round
+and the sha256 of the ``.npz`` it belongs to. A crash between the two renames leaves a new
+``.npz`` next to the old manifest; :func:`load` sees the checksum disagree and refuses the pair
+(it would otherwise re-run a round on weights that already include it).
+
+What is saved: the global weights (every array with its exact shape and dtype: 0-d, integer,
+bool, fp16 and zero-element arrays included), the round number, the inner strategy's optimizer
+state where it has one (FedOpt/FedAdam ``m_t``/``v_t``, FedAvgM's momentum), the client-level DP
+accountant (rounds counted and the epsilon trace), and the metrics of every round so far.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pathlib
@@ -18,6 +26,35 @@ import numpy as np
 WEIGHTS = "checkpoint.npz"
 META = "checkpoint.json"
 _OPT_STATE = ("m_t", "v_t")
+#: Manifest key holding the sha256 (hex) of the weights file it belongs to.
+CHECKSUM = "weights-sha256"
+#: Array in the weights file that repeats the round, so a torn pair can be named precisely.
+_ROUND = "__round__"
+
+
+def _exact_copy(v) -> np.ndarray:
+    """C-contiguous copy with shape and dtype kept (``np.ascontiguousarray`` turns 0-d into (1,))."""
+    return np.array(v, copy=True, order="C")
+
+
+def _sha256(path: pathlib.Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _replace_durably(tmp: pathlib.Path, final: pathlib.Path) -> None:
+    """fsync ``tmp``, rename it over ``final``, fsync the folder (the rename survives a power cut)."""
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, final)
+    try:
+        fd = os.open(final.parent, os.O_RDONLY)
+    except OSError:  # pragma: no cover - folders cannot be opened on some platforms
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _innermost(strategy: Any) -> Any:
@@ -32,7 +69,7 @@ def _innermost(strategy: Any) -> Any:
 
 def save(out_dir: pathlib.Path, server_round: int, weights: dict[str, np.ndarray], strategy: Any,
          rounds: list[dict], extra: dict | None = None) -> None:
-    """Write ``checkpoint.npz`` and ``checkpoint.json`` for ``server_round`` (both atomically).
+    """Write ``checkpoint.npz``, then its manifest ``checkpoint.json``, for ``server_round``.
 
     Parameters
     ----------
@@ -49,29 +86,55 @@ def save(out_dir: pathlib.Path, server_round: int, weights: dict[str, np.ndarray
     extra : dict, optional
         More JSON-serialisable state (e.g. cumulative MB).
     """
-    arrays = {f"w/{k}": np.ascontiguousarray(v) for k, v in weights.items()}
+    arrays = {f"w/{k}": _exact_copy(v) for k, v in weights.items()}
     inner = _innermost(strategy)
     for attr in _OPT_STATE:
         state = getattr(inner, attr, None)
         if isinstance(state, dict):
-            arrays.update({f"{attr}/{k}": np.ascontiguousarray(v) for k, v in state.items()})
+            arrays.update({f"{attr}/{k}": _exact_copy(v) for k, v in state.items()})
     momentum = getattr(inner, "momentum_vector", None)  # FedAvgM: a list in model order
     if isinstance(momentum, list):
-        arrays.update({f"momentum/{i}": np.ascontiguousarray(v) for i, v in enumerate(momentum)})
+        arrays.update({f"momentum/{i}": _exact_copy(v) for i, v in enumerate(momentum)})
+    arrays[_ROUND] = np.array(server_round, dtype=np.int64)
+    tmp = out_dir / (WEIGHTS + ".tmp.npz")
+    np.savez(tmp, **arrays)
+    digest = _sha256(tmp)
     meta = {
-        "round": server_round, "keys": list(weights), "rounds": rounds, "extra": extra or {},
+        "round": server_round, "keys": list(weights), CHECKSUM: digest, "rounds": rounds, "extra": extra or {},
         "client-dp-rounds": getattr(getattr(strategy, "client_dp", None), "rounds", None),
         "eps-trace": list(getattr(strategy, "_eps_trace", [])),
         "local-dp-rounds": getattr(strategy, "_local_rounds", 0),
     }
-    tmp = out_dir / (WEIGHTS + ".tmp.npz")
-    np.savez(tmp, **arrays)
-    os.replace(tmp, out_dir / WEIGHTS)
+    _replace_durably(tmp, out_dir / WEIGHTS)
     tmpj = out_dir / (META + ".tmp")
     from .results import _finite_or_none
 
     tmpj.write_text(json.dumps(_finite_or_none(meta), allow_nan=False))
-    os.replace(tmpj, out_dir / META)
+    _replace_durably(tmpj, out_dir / META)  # the manifest last: it commits the pair
+
+
+def _check_pair(meta: dict, digest: str, data: dict, out_dir: pathlib.Path) -> None:
+    """Refuse a weights file that is not the one the manifest was written for (a torn pair)."""
+    want = meta.get(CHECKSUM)
+    if not isinstance(want, str):
+        raise ValueError(f"{out_dir / META} has no '{CHECKSUM}' (a checkpoint written before checkpoints were one "
+                         f"atomic unit): whether {WEIGHTS} belongs to it cannot be checked, so it is not resumed")
+    if want != digest:
+        r = data.get(_ROUND)
+        held = f"round {int(r)}" if isinstance(r, np.ndarray) and r.shape == () and r.dtype == np.int64 else "another round"
+        raise ValueError(
+            f"torn checkpoint in {out_dir}: {WEIGHTS} holds {held} (sha256 {digest[:12]}...) but {META} was written "
+            f"for round {meta['round']} (sha256 {want[:12]}...); the server stopped between writing the two files. "
+            f"Resuming would re-run a round on weights that may already include it: start a new run or restore "
+            f"both files from a backup")
+
+
+def _check_array(v: np.ndarray, what: str) -> None:
+    """Plain numeric or bool array, finite where it is floating point (ints and bools have no NaN)."""
+    if v.dtype == np.bool_ or np.issubdtype(v.dtype, np.integer):
+        return
+    if not np.issubdtype(v.dtype, np.inexact) or not np.isfinite(v).all():
+        raise ValueError(f"{what} are not finite numbers (dtype {v.dtype})")
 
 
 def _check_meta(meta: dict, out_dir: pathlib.Path) -> None:
@@ -105,18 +168,21 @@ def load(out_dir: pathlib.Path, strategy: Any,
     Returns
     -------
     (round, weights, meta)
-        The last completed round, the global weights (model key order), and the JSON metadata.
+        The last completed round, the global weights (model key order, each array with the
+        shape and dtype it was saved with), and the JSON metadata.
 
     Raises
     ------
     FileNotFoundError
         No checkpoint in ``out_dir``.
     ValueError
-        An unreadable checkpoint, one that does not fit ``model_shapes``, non-finite weights, or
-        optimizer state the inner strategy does not have (naming the file and the problem).
+        An unreadable checkpoint, a torn pair (the weights file's sha256 is not the manifest's),
+        one that does not fit ``model_shapes``, non-finite weights, or optimizer state the
+        inner strategy does not have (naming the file and the problem).
     """
     try:
         meta = json.loads((out_dir / META).read_text())
+        digest = _sha256(out_dir / WEIGHTS)
         with np.load(out_dir / WEIGHTS, allow_pickle=False) as z:
             data = {k: z[k] for k in z.files}
     except FileNotFoundError:
@@ -126,6 +192,7 @@ def load(out_dir: pathlib.Path, strategy: Any,
     if not isinstance(meta, dict) or not isinstance(meta.get("round"), int) or isinstance(meta.get("round"), bool) \
             or meta["round"] < 0 or not isinstance(meta.get("keys"), list) or not isinstance(meta.get("rounds"), list):
         raise ValueError(f"{out_dir / META} is not a fedcomp checkpoint (needs an integer 'round', 'keys', 'rounds')")
+    _check_pair(meta, digest, data, out_dir)
     try:
         weights = {k: data[f"w/{k}"] for k in meta["keys"]}
     except (KeyError, TypeError) as exc:
@@ -137,8 +204,7 @@ def load(out_dir: pathlib.Path, strategy: Any,
         if want != got:
             raise ValueError(f"checkpoint in {out_dir} does not fit the model: checkpoint {got}, model {want}")
     for k, v in weights.items():
-        if not np.issubdtype(v.dtype, np.number) or not np.isfinite(v).all():
-            raise ValueError(f"checkpoint in {out_dir}: weights of '{k}' are not finite numbers")
+        _check_array(v, f"checkpoint in {out_dir}: weights of '{k}'")
     inner = _innermost(strategy)
     for attr in _OPT_STATE:
         state = {k.split("/", 1)[1]: v for k, v in data.items() if k.startswith(attr + "/")}

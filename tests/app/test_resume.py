@@ -73,6 +73,8 @@ def test_bad_checkpoints_are_refused_with_the_file_named(tmp_path):
     first = next(iter(arrays))
     arrays[first].flat[0] = np.nan
     np.savez(tmp_path / "checkpoint.npz", **arrays)
+    (tmp_path / "checkpoint.json").write_text(json.dumps({**meta, checkpoint.CHECKSUM: checkpoint._sha256(
+        tmp_path / "checkpoint.npz")}))  # a consistent pair whose weights are not finite
     with pytest.raises(ValueError, match="not finite"):
         run({"num-server-rounds": 2, "results-dir": str(tmp_path), "resume": True})
 
