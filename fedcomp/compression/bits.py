@@ -93,13 +93,57 @@ def pack_uint(values: np.ndarray, width: int) -> bytes:
     return np.packbits(bits.ravel(), bitorder="little").tobytes()
 
 
-def unpack_uint(buf: memoryview | bytes, count: int, width: int, what: str) -> np.ndarray:
-    """Inverse of :func:`pack_uint`.
+#: Values unpacked per step by :func:`unpack_uint` (a multiple of 8, so chunks start on a byte):
+#: bounds its temporaries to ``64 * UNPACK_CHUNK`` bytes whatever the count.
+UNPACK_CHUNK = 1 << 14
+
+
+def uint_dtype(width: int) -> np.dtype:
+    """Smallest unsigned dtype holding ``width``-bit values (uint8, uint16, uint32 or uint64)."""
+    for dt in (np.uint8, np.uint16, np.uint32):
+        if width <= 8 * np.dtype(dt).itemsize:
+            return np.dtype(dt)
+    return np.dtype(np.uint64)
+
+
+def unpack_uint_range(raw: np.ndarray, first: int, count: int, width: int) -> np.ndarray:
+    """Values ``first .. first + count - 1`` of a :func:`pack_uint` stream (no length checks).
+
+    Parameters
+    ----------
+    raw : np.ndarray
+        uint8, the whole packed stream.
+    first, count : int
+        Index of the first value and number of values; the caller has checked that the stream
+        holds them.
+    width : int
+        Bits per value, 1..64.
 
     Returns
     -------
     np.ndarray
-        Shape ``(count,)``: uint8 for ``width <= 8``, else uint64.
+        Shape ``(count,)``, dtype :func:`uint_dtype` of ``width``. Temporaries: ``count * width``
+        bytes of bits, plus ``count * 8 * itemsize`` for widths above 8.
+    """
+    lo, hi = first * width, (first + count) * width
+    bits = np.unpackbits(raw[lo // 8 : nbytes_for_bits(hi)], bitorder="little")
+    bits = bits[lo % 8 : lo % 8 + count * width].reshape(count, width)
+    dt = uint_dtype(width)
+    if dt.itemsize > 1:  # pad each row to the dtype's bits, then read the packed bytes as one integer
+        padded = np.zeros((count, 8 * dt.itemsize), dtype=np.uint8)
+        padded[:, :width] = bits
+        bits = padded
+    return np.packbits(bits, axis=1, bitorder="little").view(dt.newbyteorder("<")).reshape(count).astype(dt, copy=False)
+
+
+def unpack_uint(buf: memoryview | bytes, count: int, width: int, what: str) -> np.ndarray:
+    """Inverse of :func:`pack_uint`, in chunks of :data:`UNPACK_CHUNK` values.
+
+    Returns
+    -------
+    np.ndarray
+        Shape ``(count,)``, dtype :func:`uint_dtype` of ``width`` (uint8 up to 8 bits, uint16 up
+        to 16, ...; uint64 for width 0). Peak memory: the result plus a bounded chunk.
 
     Raises
     ------
@@ -110,13 +154,19 @@ def unpack_uint(buf: memoryview | bytes, count: int, width: int, what: str) -> n
         if len(buf) != 0:
             raise PayloadError(f"{what}: expected 0 bytes, got {len(buf)}")
         return np.zeros(count, dtype=np.uint64)
+    raw = np.frombuffer(buf, dtype=np.uint8)
     if width == 8:
-        raw = np.frombuffer(buf, dtype=np.uint8)
         if raw.size != count:
             raise PayloadError(f"{what}: expected {count} bytes, got {raw.size}")
         return raw
-    bits = unpack_bits(buf, count * width, what).reshape(count, width)
-    if width <= 8:  # uint8 result: 1 byte per value instead of 8
-        return np.packbits(bits, axis=1, bitorder="little")[:, 0]
-    weights = np.left_shift(np.uint64(1), np.arange(width, dtype=np.uint64))
-    return (bits.astype(np.uint64) * weights).sum(axis=1, dtype=np.uint64)
+    nbits = count * width
+    if raw.size != nbytes_for_bits(nbits):
+        raise PayloadError(f"{what}: expected {nbytes_for_bits(nbits)} bytes for {nbits} bits, got {raw.size}")
+    pad = raw.size * 8 - nbits
+    if pad and int(raw[-1]) >> (8 - pad):
+        raise PayloadError(f"{what}: padding bits after bit {nbits} are not zero")
+    out = np.empty(count, dtype=uint_dtype(width))
+    for first in range(0, count, UNPACK_CHUNK):
+        m = min(UNPACK_CHUNK, count - first)
+        out[first : first + m] = unpack_uint_range(raw, first, m, width)
+    return out

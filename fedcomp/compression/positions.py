@@ -17,6 +17,13 @@ Stream layout: the k unary quotients (q zeros then a one) form one bit stream an
 k b-bit remainders a second, fixed-width stream. The code length is that of the
 classic interleaved Rice code, but both directions vectorise with numpy: the
 terminators are ``np.flatnonzero`` of the unary stream.
+
+Decoding is bounded before anything is expanded: the quotients sum to at most
+``(n - k) >> b`` (the gaps sum to at most n - k), so a valid unary stream has at most
+``k + ((n - k) >> b)`` bits, and a header claiming more is refused from its fields alone
+(:func:`check_stream`). The stream is then decoded in chunks of :data:`CHUNK_BITS` bits
+(:func:`iter_positions`), so a decoder scatters positions chunk by chunk and never holds
+the k int64 positions at once.
 """
 
 from __future__ import annotations
@@ -25,12 +32,16 @@ import math
 
 import numpy as np
 
-from .bits import nbytes_for_bits, pack_bits, pack_uint, unpack_bits, unpack_uint
+from collections.abc import Iterator
+
+from .bits import nbytes_for_bits, pack_bits, pack_uint, unpack_uint_range
 from .errors import PayloadError
 
 _PHI = (1.0 + math.sqrt(5.0)) / 2.0
 #: Largest Rice parameter a payload may declare (positions are < 2**62).
 MAX_RICE_PARAMETER = 62
+#: Unary-stream bits decoded per step (at most this many positions per chunk).
+CHUNK_BITS = 1 << 15
 
 
 def rice_parameter(k: int, n: int) -> int:
@@ -100,17 +111,115 @@ def positions_nbytes(k: int, b: int, unary_bits: int) -> int:
     return nbytes_for_bits(unary_bits) + nbytes_for_bits(k * b)
 
 
-def decode_positions(data: memoryview | bytes, k: int, n: int, b: int, unary_bits: int) -> np.ndarray:
-    """Decode and validate positions written by :func:`encode_positions`.
+def check_stream(k: int, n: int, b: int, unary_bits: int) -> None:
+    """Validate a position block's header fields before any byte of it is read.
+
+    Parameters
+    ----------
+    k, n : int
+        Declared count and index-space size.
+    b, unary_bits : int
+        Rice parameter and declared unary stream length.
+
+    Raises
+    ------
+    PayloadError
+        ``k > n``, ``b`` above :data:`MAX_RICE_PARAMETER`, a non-empty stream for k = 0, or a
+        unary length outside ``[k, k + ((n - k) >> b)]`` (the most a valid stream can need).
+    """
+    if k > n:
+        raise PayloadError(f"positions: k = {k} exceeds the tensor size {n}")
+    if b > MAX_RICE_PARAMETER:
+        raise PayloadError(f"Rice parameter {b} exceeds {MAX_RICE_PARAMETER}")
+    if k == 0:
+        if unary_bits != 0:
+            raise PayloadError("positions: k = 0 but the position stream is not empty")
+        return
+    if unary_bits < k:
+        raise PayloadError(f"positions: unary stream of {unary_bits} bits cannot hold {k} quotients")
+    most = k + ((n - k) >> b)
+    if unary_bits > most:
+        raise PayloadError(f"positions: unary stream of {unary_bits} bits exceeds the {most} bits that {k} positions "
+                           f"in [0, {n}) need at most with Rice parameter {b} (k + ((n - k) >> b))")
+
+
+def iter_positions(data: memoryview | bytes, k: int, n: int, b: int, unary_bits: int) -> Iterator[tuple[int, np.ndarray]]:
+    """Decode and validate positions written by :func:`encode_positions`, chunk by chunk.
+
+    Header fields and byte counts are checked when this is called; the chunks are checked as
+    they are produced, so a malformed stream raises from the iteration (the caller discards
+    what it built).
 
     Parameters
     ----------
     data : bytes-like
         Exactly ``positions_nbytes(k, b, unary_bits)`` bytes.
     k, n : int
-        Declared count and index-space size (already checked ``0 <= k <= n``).
+        Declared count and index-space size.
     b, unary_bits : int
         Rice parameter and unary stream length from the payload's parameters.
+
+    Returns
+    -------
+    iterator of (first, positions)
+        ``positions``: int64, strictly increasing, in ``[0, n)``, at most :data:`CHUNK_BITS`
+        of them; ``first``: the index of its first entry among the k. Together: k positions.
+
+    Raises
+    ------
+    PayloadError
+        The header bounds of :func:`check_stream`, a wrong byte count, padding bits set, a
+        wrong number of terminators, a gap past n or a position out of range.
+    """
+    check_stream(k, n, b, unary_bits)
+    ub = nbytes_for_bits(unary_bits)
+    rb = nbytes_for_bits(k * b)
+    raw = np.frombuffer(data, dtype=np.uint8)
+    if raw.size != ub + rb:
+        raise PayloadError("positions: byte length does not match the declared stream lengths")
+    for what, end, nbits in (("unary stream", ub, unary_bits), ("remainders", ub + rb, k * b)):
+        pad = nbytes_for_bits(nbits) * 8 - nbits
+        if pad and int(raw[end - 1]) >> (8 - pad):
+            raise PayloadError(f"positions ({what}): padding bits after bit {nbits} are not zero")
+    return _chunks(raw[:ub], raw[ub:], k, n, b, unary_bits)
+
+
+def _chunks(unary: np.ndarray, rem: np.ndarray, k: int, n: int, b: int, unary_bits: int):
+    done, last_term, last_pos = 0, -1, -1
+    step = CHUNK_BITS // 8
+    for start in range(0, unary.size, step):
+        t = np.flatnonzero(np.unpackbits(unary[start : start + step], bitorder="little"))
+        if t.size == 0:
+            continue
+        if done + t.size > k:
+            raise PayloadError(f"positions: unary stream holds more than the declared {k} codes")
+        t += 8 * start
+        q = np.diff(t, prepend=np.int64(last_term)) - 1
+        last_term = int(t[-1])
+        # q <= unary_bits, so q << b overflows int64 only if the gap could not be < n anyway.
+        if (int(q.max()) << b) >= n:
+            raise PayloadError(f"positions: a gap exceeds the tensor size {n}")
+        gaps = np.left_shift(q, b, out=q)
+        if b:
+            gaps |= unpack_uint_range(rem, done, t.size, b).astype(np.int64)
+        gaps += 1
+        pos = np.cumsum(gaps, out=gaps)
+        pos += last_pos
+        # Each step adds at most n + 2**b <= 2**63, so an int64 wrap shows as a decrease.
+        if int(pos[0]) <= last_pos or int(pos[-1]) >= n or (pos.size > 1 and bool(np.any(np.diff(pos) <= 0))):
+            raise PayloadError(f"positions: position out of range [0, {n})")
+        yield done, pos
+        done += pos.size
+        last_pos = int(pos[-1])
+    if done != k or last_term != unary_bits - 1:
+        raise PayloadError(
+            f"positions: unary stream holds {done} codes ending at bit {last_term + 1}, "
+            f"expected {k} ending at {unary_bits}"
+        )
+
+
+def decode_positions(data: memoryview | bytes, k: int, n: int, b: int, unary_bits: int) -> np.ndarray:
+    """All k positions at once (:func:`iter_positions`, concatenated).
 
     Returns
     -------
@@ -120,35 +229,7 @@ def decode_positions(data: memoryview | bytes, k: int, n: int, b: int, unary_bit
     Raises
     ------
     PayloadError
-        Wrong byte count, wrong number of terminators, padding bits set, or a position
-        out of range.
+        As :func:`iter_positions`.
     """
-    if b > MAX_RICE_PARAMETER:
-        raise PayloadError(f"Rice parameter {b} exceeds {MAX_RICE_PARAMETER}")
-    if k == 0:
-        if unary_bits != 0 or len(data) != 0:
-            raise PayloadError("positions: k = 0 but the position stream is not empty")
-        return np.zeros(0, dtype=np.int64)
-    if unary_bits < k:
-        raise PayloadError(f"positions: unary stream of {unary_bits} bits cannot hold {k} quotients")
-    ub = nbytes_for_bits(unary_bits)
-    if len(data) != ub + nbytes_for_bits(k * b):
-        raise PayloadError("positions: byte length does not match the declared stream lengths")
-    stream = unpack_bits(data[:ub], unary_bits, "positions (unary stream)")
-    terminators = np.flatnonzero(stream)
-    if terminators.size != k or int(terminators[-1]) != unary_bits - 1:
-        raise PayloadError(
-            f"positions: unary stream holds {terminators.size} codes ending at bit "
-            f"{int(terminators[-1]) + 1 if terminators.size else 0}, expected {k} ending at {unary_bits}"
-        )
-    q = np.diff(terminators, prepend=np.int64(-1)) - 1
-    # q <= unary_bits, so q << b overflows int64 only if the gap could not be < n anyway.
-    if (int(q.max()) << b) >= n:
-        raise PayloadError(f"positions: a gap exceeds the tensor size {n}")
-    r = unpack_uint(data[ub:], k, b, "positions (remainders)").astype(np.int64)
-    gaps = (q.astype(np.int64) << b) | r
-    pos = np.cumsum(gaps + 1) - 1
-    # Each step adds at most n + 2**b <= 2**63, so an int64 wrap shows as a decrease.
-    if int(pos[0]) < 0 or int(pos[-1]) >= n or (k > 1 and bool(np.any(np.diff(pos) <= 0))):
-        raise PayloadError(f"positions: position out of range [0, {n})")
-    return pos
+    parts = [pos for _, pos in iter_positions(data, k, n, b, unary_bits)]
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)

@@ -19,27 +19,54 @@ from .sparse import check_density, k_for
 from .wire import BodyReader, Header, unpack_params
 
 
-def random_positions(seed: int, n: int, k: int) -> np.ndarray:
-    """The k distinct positions in ``[0, n)`` that ``seed`` names, sorted ascending (int64).
+#: Random keys / draws generated per step (bounds the temporaries of :func:`random_mask`).
+_STEP = 1 << 16
 
-    Uses only the raw output of numpy's PCG64 bit generator (``random_raw``), whose
-    stream numpy keeps stable across releases, so client and server agree even with
-    different numpy versions. Dense selections (k > n/4) rank n random keys; sparse ones
-    draw raw values modulo n, keeping first occurrences, until k distinct remain.
+
+def random_mask(seed: int, n: int, k: int) -> np.ndarray:
+    """Boolean mask, shape ``(n,)``, of the k distinct positions in ``[0, n)`` that ``seed`` names.
+
+    Uses only the raw output of numpy's PCG64 bit generator (``random_raw``), whose stream
+    numpy keeps stable across releases, so client and server agree even with different numpy
+    versions. Dense selections (k > n/4) keep the k smallest of n random 64-bit keys (a tie at
+    the k-th key, probability about n**2 / 2**65, goes to the lower positions); sparse ones keep
+    the first k distinct values of the raw stream modulo n. Both read the stream in steps of
+    :data:`_STEP`, so the peak memory is the n-byte mask plus, for dense selections, the n
+    keys once (8n bytes, before the mask exists), never an n-sized index array.
     """
+    mask = np.zeros(n, dtype=np.bool_)
     if k >= n:
-        return np.arange(n, dtype=np.int64)
-    bitgen = np.random.PCG64(seed)
+        mask[:] = True
+        return mask
     if 4 * k > n:
-        keys = bitgen.random_raw(n)
-        return np.sort(np.argpartition(keys, k - 1)[:k]).astype(np.int64)
-    chosen = np.zeros(0, dtype=np.int64)
-    while chosen.size < k:
-        draw = (bitgen.random_raw(2 * (k - chosen.size) + 16) % np.uint64(n)).astype(np.int64)
-        merged = np.concatenate([chosen, draw])
-        _, first = np.unique(merged, return_index=True)
-        chosen = merged[np.sort(first)][:k]
-    return np.sort(chosen)
+        keys = np.random.PCG64(seed).random_raw(n)
+        keys.partition(k - 1)  # in place: keys[:k-1] <= keys[k-1] <= keys[k:]
+        thr = keys[k - 1]
+        ties = k - int(np.count_nonzero(keys[:k] < thr))
+        del keys
+        bitgen = np.random.PCG64(seed)  # the same stream again, step by step
+        for start in range(0, n, _STEP):
+            chunk = bitgen.random_raw(min(_STEP, n - start))
+            mask[start : start + chunk.size] = chunk < thr
+            if ties:
+                eq = np.flatnonzero(chunk == thr)[:ties]
+                mask[start + eq] = True
+                ties -= eq.size
+        return mask
+    bitgen, count = np.random.PCG64(seed), 0
+    while count < k:
+        draw = bitgen.random_raw(min(2 * (k - count) + 16, _STEP)) % np.uint64(n)
+        values, first = np.unique(draw, return_index=True)
+        fresh = values[np.argsort(first)]  # distinct values of this step, in stream order
+        fresh = fresh[~mask[fresh]][: k - count]
+        mask[fresh] = True
+        count += fresh.size
+    return mask
+
+
+def random_positions(seed: int, n: int, k: int) -> np.ndarray:
+    """The k positions of :func:`random_mask`, sorted ascending (int64, shape ``(k,)``)."""
+    return np.flatnonzero(random_mask(seed, n, k)).astype(np.int64, copy=False)
 
 
 @register
@@ -99,6 +126,11 @@ class RandomKCompressor(Compressor):
         r = BodyReader(payload, header.body_offset, cls.name)
         vals = np.frombuffer(r.take(4 * k, "values"), dtype=np.float32)
         r.finish()
+        mask = random_mask(seed, n, k) if k else np.zeros(n, dtype=np.bool_)
         out = np.zeros(n, dtype=np.float32)
-        out[random_positions(seed, n, k)] = vals * np.float32(factor)
+        done, f = 0, np.float32(factor)
+        for start in range(0, n, _STEP):  # scatter step by step: no k-sized index array
+            idx = np.flatnonzero(mask[start : start + _STEP])
+            out[start + idx] = vals[done : done + idx.size] * f
+            done += idx.size
         return out

@@ -7,7 +7,7 @@ import torch
 
 from .base import check_range
 from .errors import PayloadError
-from .positions import MAX_RICE_PARAMETER, decode_positions, encode_positions, positions_nbytes
+from .positions import check_stream, encode_positions, iter_positions, positions_nbytes
 from .wire import BodyReader
 
 
@@ -29,11 +29,32 @@ def positions_to_bytes(idx: torch.Tensor, n: int) -> tuple[int, int, bytes]:
     return encode_positions(idx.cpu().numpy(), n)
 
 
-def read_positions(r: BodyReader, codec: str, k: int, n: int, b: int, unary_bits: int) -> np.ndarray:
-    """Read and validate the position block of a sparse payload (int64, shape (k,))."""
-    if k > n:
-        raise PayloadError(f"{codec}: k = {k} exceeds the tensor size {n}")
-    if b > MAX_RICE_PARAMETER:
-        raise PayloadError(f"{codec}: Rice parameter {b} exceeds {MAX_RICE_PARAMETER}")
+def read_positions(r: BodyReader, codec: str, k: int, n: int, b: int, unary_bits: int):
+    """Check a sparse payload's position header, take its position block from ``r``, and return
+    the chunks of :func:`~fedcomp.compression.positions.iter_positions` (``(first, int64
+    positions)`` pairs; the stream is validated as they are produced).
+
+    Raises
+    ------
+    PayloadError
+        From the header fields alone (``k > n``, Rice parameter, a unary stream longer than
+        ``k + ((n - k) >> b)`` bits), before any byte is read; or a truncated block.
+    """
+    try:
+        check_stream(k, n, b, unary_bits)
+    except PayloadError as exc:
+        raise PayloadError(f"{codec}: {exc}") from None
     data = r.take(positions_nbytes(k, b, unary_bits), "positions")
-    return decode_positions(data, k, n, b, unary_bits)
+    return iter_positions(data, k, n, b, unary_bits)
+
+
+def scatter(n: int, chunks, values) -> np.ndarray:
+    """Dense float32 ``(n,)`` array, zero except ``out[pos] = values(first, len(pos))`` per chunk.
+
+    ``values(first, m)`` returns the m float values of kept entries ``first .. first + m - 1``;
+    peak memory is the output plus one chunk.
+    """
+    out = np.zeros(n, dtype=np.float32)
+    for first, pos in chunks:
+        out[pos] = values(first, pos.size)
+    return out

@@ -15,7 +15,7 @@ from .base import Compressor, register
 from .bits import nbytes_for_bits, pack_bits, unpack_bits
 from .errors import PayloadError
 from .selection import topk_indices
-from .sparse import check_density, k_for, positions_to_bytes, read_positions
+from .sparse import check_density, k_for, positions_to_bytes, read_positions, scatter
 from .wire import BodyReader, Header, unpack_params
 
 
@@ -66,10 +66,8 @@ class STCCompressor(Compressor):
             raise PayloadError(f"stc: mu {mu} is not a finite non-negative number")
         n = header.numel
         r = BodyReader(payload, header.body_offset, cls.name)
-        pos = read_positions(r, cls.name, k, n, b, unary_bits)
+        chunks = read_positions(r, cls.name, k, n, b, unary_bits)
         signs = unpack_bits(r.take(nbytes_for_bits(k), "sign bits"), k, "stc sign bits")
         r.finish()
-        out = np.zeros(n, dtype=np.float32)
-        m = np.float32(mu)
-        out[pos] = np.array([-m, m], dtype=np.float32)[signs]
-        return out
+        table = np.array([-mu, mu], dtype=np.float32)
+        return scatter(n, chunks, lambda first, m: table[signs[first : first + m]])

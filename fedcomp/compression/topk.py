@@ -15,7 +15,7 @@ import torch
 from .base import Compressor, register
 from .errors import PayloadError
 from .selection import topk_indices
-from .sparse import check_density, k_for, positions_to_bytes, read_positions
+from .sparse import check_density, k_for, positions_to_bytes, read_positions, scatter
 from .wire import BodyReader, Header, unpack_params
 
 _VALUE_DTYPES = {"fp32": (0, np.float32, 4), "fp16": (1, np.float16, 2)}
@@ -76,9 +76,7 @@ class TopKCompressor(Compressor):
         _, np_dt, size = _BY_CODE[code]
         n = header.numel
         r = BodyReader(payload, header.body_offset, cls.name)
-        pos = read_positions(r, cls.name, k, n, b, unary_bits)
+        chunks = read_positions(r, cls.name, k, n, b, unary_bits)
         vals = np.frombuffer(r.take(k * size, "values"), dtype=np_dt)
         r.finish()
-        out = np.zeros(n, dtype=np.float32)
-        out[pos] = vals
-        return out
+        return scatter(n, chunks, lambda first, m: vals[first : first + m])
