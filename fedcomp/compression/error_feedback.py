@@ -37,6 +37,11 @@ class ErrorFeedback:
         Current residual, shape of the last input, on its device; None before the first call.
     last_error : float
         Relative L2 compression error ``||v - v_hat|| / ||v||`` of the last call (v = x + e).
+    last_saturated : int
+        Residual entries the last call clamped to ±65504 (``residual_dtype="fp16"``; else 0).
+    last_saturated_mass : float
+        L1 mass the clamp dropped in the last call, ``sum(|e| - 65504)`` over those entries, as
+        a fraction of ``||v||_1`` (0.0 when nothing saturated): lost for good, not sent later.
     """
 
     def __init__(self, compressor: Compressor, residual_dtype: str = "fp32") -> None:
@@ -50,6 +55,7 @@ class ErrorFeedback:
         self.last_error = 0.0
         self.last_sq_error = 0.0
         self.last_sq_norm = 0.0
+        self.last_saturated, self.last_saturated_mass = 0, 0.0
 
     def compress(self, x: torch.Tensor) -> bytes:
         """Compress ``x`` plus the residual and update the residual.
@@ -86,6 +92,10 @@ class ErrorFeedback:
         self.last_sq_norm = float(torch.sum(v.double() ** 2))
         self.last_error = (self.last_sq_error / self.last_sq_norm) ** 0.5 if self.last_sq_norm else 0.0
         if self.residual_dtype == "fp16":  # saturate: an Inf residual would poison every later round
+            over = (err.abs() - 65504.0).clamp_(min=0.0)
+            self.last_saturated = int(torch.count_nonzero(over))
+            self.last_saturated_mass = (float(over.sum(dtype=torch.float64)) / float(v.abs().sum(dtype=torch.float64))
+                                        if self.last_saturated else 0.0)
             err = err.clamp(-65504.0, 65504.0)
         self.residual = err.to(_RESIDUAL_DTYPES[self.residual_dtype])
         return payload

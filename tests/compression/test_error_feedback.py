@@ -90,3 +90,24 @@ def test_bad_constructor_arguments():
         fc.ErrorFeedback(fc.get_compressor("sign"), residual_dtype="int8")
     with pytest.raises(ValueError, match="non-finite"):
         fc.ErrorFeedback(fc.get_compressor("sign")).set_residual(np.array([np.inf], dtype=np.float32))
+
+
+def test_fp16_residual_saturation_is_counted_with_the_mass_it_loses():
+    # Issue 14 item 8: an fp16 residual clamps at 65504, which used to lose update mass silently.
+    x = torch.full((100,), 2e4)
+    e = torch.zeros(100)
+    e[:50] = 6e4  # exact in fp16
+    e[0] = 6.5e4  # x + e = 8.5e4 there: the one entry top-k (k = 1) sends
+    ef = fc.ErrorFeedback(fc.get_compressor("topk", density=0.01), residual_dtype="fp16")
+    ef.set_residual(e)
+    ef.compress(x)
+    assert ef.last_saturated == 49  # entries 1..49 hold 8e4 > 65504
+    v1 = (2e4 + 65024) + 49 * 8e4 + 50 * 2e4  # 6.5e4 is stored as 65024 in fp16
+    assert ef.last_saturated_mass == pytest.approx(49 * (8e4 - 65504) / v1, rel=1e-6)
+    assert float(ef.residual[1]) == 65504.0
+    ef.compress(torch.zeros(100))  # nothing new above the ceiling: 0 again (per call, not cumulative)
+    assert (ef.last_saturated, ef.last_saturated_mass) == (0, 0.0)
+    fp32 = fc.ErrorFeedback(fc.get_compressor("topk", density=0.01))
+    fp32.set_residual(e)
+    fp32.compress(x)
+    assert (fp32.last_saturated, fp32.last_saturated_mass) == (0, 0.0)
