@@ -29,10 +29,9 @@ the k int64 positions at once.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import numpy as np
-
-from collections.abc import Iterator
 
 from .bits import nbytes_for_bits, pack_bits, pack_uint, unpack_uint_range
 from .errors import PayloadError
@@ -143,7 +142,8 @@ def check_stream(k: int, n: int, b: int, unary_bits: int) -> None:
                            f"in [0, {n}) need at most with Rice parameter {b} (k + ((n - k) >> b))")
 
 
-def iter_positions(data: memoryview | bytes, k: int, n: int, b: int, unary_bits: int) -> Iterator[tuple[int, np.ndarray]]:
+def iter_positions(data: memoryview | bytes, k: int, n: int, b: int,
+                   unary_bits: int) -> Iterator[tuple[int, np.ndarray]]:
     """Decode and validate positions written by :func:`encode_positions`, chunk by chunk.
 
     Header fields and byte counts are checked when this is called; the chunks are checked as

@@ -9,15 +9,15 @@ Konečný et al., "Federated Learning: Strategies for Improving Communication Ef
 from __future__ import annotations
 
 import struct
+from collections.abc import Iterator
 
 import numpy as np
 import torch
 
 from .base import Compressor, check_range, register
 from .errors import PayloadError
-from .sparse import check_density, k_for
+from .sparse import ChunkedSparseDecoding, check_density, k_for
 from .wire import BodyReader, Header, unpack_params
-
 
 #: Random keys / draws generated per step (bounds the temporaries of :func:`random_mask`).
 _STEP = 1 << 16
@@ -64,13 +64,22 @@ def random_mask(seed: int, n: int, k: int) -> np.ndarray:
     return mask
 
 
+def _mask_chunks(mask: np.ndarray, vals: np.ndarray, factor: np.float32) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """(positions, values * factor) of the kept entries, :data:`_STEP` positions of the mask at a time."""
+    done = 0
+    for start in range(0, mask.size, _STEP):
+        idx = np.flatnonzero(mask[start : start + _STEP])
+        yield start + idx, vals[done : done + idx.size] * factor
+        done += idx.size
+
+
 def random_positions(seed: int, n: int, k: int) -> np.ndarray:
     """The k positions of :func:`random_mask`, sorted ascending (int64, shape ``(k,)``)."""
     return np.flatnonzero(random_mask(seed, n, k)).astype(np.int64, copy=False)
 
 
 @register
-class RandomKCompressor(Compressor):
+class RandomKCompressor(ChunkedSparseDecoding, Compressor):
     """Rand-k: keep k = clamp(round(density * n), 1, n) uniformly random entries.
 
     Body: k fp32 values; the positions come from the 64-bit seed in the parameters, so
@@ -116,7 +125,8 @@ class RandomKCompressor(Compressor):
         return struct.pack(self._PARAMS, k, seed, factor), vals.tobytes()
 
     @classmethod
-    def _decode(cls, header: Header, payload: memoryview) -> np.ndarray:
+    def _decode_chunks(cls, header: Header,
+                       payload: memoryview) -> tuple[int, Iterator[tuple[np.ndarray, np.ndarray]]]:
         k, seed, factor = unpack_params(cls._PARAMS, header.params, cls.name)
         n = header.numel
         if k > n:
@@ -126,11 +136,4 @@ class RandomKCompressor(Compressor):
         r = BodyReader(payload, header.body_offset, cls.name)
         vals = np.frombuffer(r.take(4 * k, "values"), dtype=np.float32)
         r.finish()
-        mask = random_mask(seed, n, k) if k else np.zeros(n, dtype=np.bool_)
-        out = np.zeros(n, dtype=np.float32)
-        done, f = 0, np.float32(factor)
-        for start in range(0, n, _STEP):  # scatter step by step: no k-sized index array
-            idx = np.flatnonzero(mask[start : start + _STEP])
-            out[start + idx] = vals[done : done + idx.size] * f
-            done += idx.size
-        return out
+        return k, _mask_chunks(random_mask(seed, n, k) if k else np.zeros(n, dtype=np.bool_), vals, np.float32(factor))

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .base import check_range
+from .base import SparseDecoding, check_range
 from .errors import PayloadError
 from .positions import check_stream, encode_positions, iter_positions, positions_nbytes
-from .wire import BodyReader
+from .wire import BodyReader, Header
 
 
 def k_for(density: float, n: int) -> int:
@@ -48,13 +48,31 @@ def read_positions(r: BodyReader, codec: str, k: int, n: int, b: int, unary_bits
     return iter_positions(data, k, n, b, unary_bits)
 
 
-def scatter(n: int, chunks, values) -> np.ndarray:
-    """Dense float32 ``(n,)`` array, zero except ``out[pos] = values(first, len(pos))`` per chunk.
-
-    ``values(first, m)`` returns the m float values of kept entries ``first .. first + m - 1``;
-    peak memory is the output plus one chunk.
+class ChunkedSparseDecoding(SparseDecoding):
+    """Mixin of the sparse codecs: ``_decode_chunks(header, payload)`` returns ``(k, chunks)``,
+    ``chunks`` an iterator of ``(positions, values)`` pieces (int64 strictly increasing, float32)
+    in position order, validated as they are produced. The dense decode scatters them piece by
+    piece (peak: the float32 output plus one piece, never the k int64 positions at once); the
+    sparse decode fills ``(positions, values)`` arrays of exactly k entries.
     """
-    out = np.zeros(n, dtype=np.float32)
-    for first, pos in chunks:
-        out[pos] = values(first, pos.size)
-    return out
+
+    @classmethod
+    def _decode(cls, header: Header, payload: memoryview) -> np.ndarray:
+        _, chunks = cls._decode_chunks(header, payload)
+        out = np.zeros(header.numel, dtype=np.float32)
+        for pos, vals in chunks:
+            out[pos] = vals
+        return out
+
+    @classmethod
+    def _decode_sparse(cls, header: Header, payload: memoryview) -> tuple[np.ndarray, np.ndarray]:
+        k, chunks = cls._decode_chunks(header, payload)
+        pos, vals, done = np.empty(k, dtype=np.int64), np.empty(k, dtype=np.float32), 0
+        for p, v in chunks:
+            if done + p.size > k:
+                raise PayloadError(f"{cls.name}: more than the declared k = {k} entries")
+            pos[done : done + p.size], vals[done : done + p.size] = p, v
+            done += p.size
+        if done != k:
+            raise PayloadError(f"{cls.name}: {done} entries decoded, the header declares k = {k}")
+        return pos, vals

@@ -7,6 +7,7 @@ Federated Learning from Non-IID Data", IEEE TNNLS 2019, Algorithm 1.
 from __future__ import annotations
 
 import struct
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -15,12 +16,12 @@ from .base import Compressor, register
 from .bits import nbytes_for_bits, pack_bits, unpack_bits
 from .errors import PayloadError
 from .selection import topk_indices
-from .sparse import check_density, k_for, positions_to_bytes, read_positions, scatter
+from .sparse import ChunkedSparseDecoding, check_density, k_for, positions_to_bytes, read_positions
 from .wire import BodyReader, Header, unpack_params
 
 
 @register
-class STCCompressor(Compressor):
+class STCCompressor(ChunkedSparseDecoding, Compressor):
     """Sparse ternary: top-k by magnitude, every kept value becomes ``±mu``.
 
     ``k = clamp(round(density * n), 1, n)``; ``mu = mean |kept values|`` (fp32). Body:
@@ -60,7 +61,8 @@ class STCCompressor(Compressor):
         return struct.pack(self._PARAMS, k, unary_bits, b, mu), pos + pack_bits(signs)
 
     @classmethod
-    def _decode(cls, header: Header, payload: memoryview) -> np.ndarray:
+    def _decode_chunks(cls, header: Header,
+                       payload: memoryview) -> tuple[int, Iterator[tuple[np.ndarray, np.ndarray]]]:
         k, unary_bits, b, mu = unpack_params(cls._PARAMS, header.params, cls.name)
         if not np.isfinite(mu) or mu < 0:
             raise PayloadError(f"stc: mu {mu} is not a finite non-negative number")
@@ -70,4 +72,4 @@ class STCCompressor(Compressor):
         signs = unpack_bits(r.take(nbytes_for_bits(k), "sign bits"), k, "stc sign bits")
         r.finish()
         table = np.array([-mu, mu], dtype=np.float32)
-        return scatter(n, chunks, lambda first, m: table[signs[first : first + m]])
+        return k, ((pos, table[signs[first : first + pos.size]]) for first, pos in chunks)

@@ -8,6 +8,7 @@ EMNLP 2017; Stich, Cordonnier, Jaggi, "Sparsified SGD with Memory", NeurIPS 2018
 from __future__ import annotations
 
 import struct
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -15,7 +16,7 @@ import torch
 from .base import Compressor, register
 from .errors import PayloadError
 from .selection import topk_indices
-from .sparse import check_density, k_for, positions_to_bytes, read_positions, scatter
+from .sparse import ChunkedSparseDecoding, check_density, k_for, positions_to_bytes, read_positions
 from .wire import BodyReader, Header, unpack_params
 
 _VALUE_DTYPES = {"fp32": (0, np.float32, 4), "fp16": (1, np.float16, 2)}
@@ -23,7 +24,7 @@ _BY_CODE = {code: (name, dt, size) for name, (code, dt, size) in _VALUE_DTYPES.i
 
 
 @register
-class TopKCompressor(Compressor):
+class TopKCompressor(ChunkedSparseDecoding, Compressor):
     """Keep the k largest magnitudes with their values; zeros elsewhere.
 
     ``k = clamp(round(density * n), 1, n)``. Body: Golomb-Rice-coded positions (index
@@ -69,7 +70,8 @@ class TopKCompressor(Compressor):
         return struct.pack(self._PARAMS, k, unary_bits, b, code), pos + vals.cpu().numpy().tobytes()
 
     @classmethod
-    def _decode(cls, header: Header, payload: memoryview) -> np.ndarray:
+    def _decode_chunks(cls, header: Header,
+                       payload: memoryview) -> tuple[int, Iterator[tuple[np.ndarray, np.ndarray]]]:
         k, unary_bits, b, code = unpack_params(cls._PARAMS, header.params, cls.name)
         if code not in _BY_CODE:
             raise PayloadError(f"topk: unknown value dtype code {code}")
@@ -79,4 +81,4 @@ class TopKCompressor(Compressor):
         chunks = read_positions(r, cls.name, k, n, b, unary_bits)
         vals = np.frombuffer(r.take(k * size, "values"), dtype=np_dt)
         r.finish()
-        return scatter(n, chunks, lambda first, m: vals[first : first + m])
+        return k, ((pos, vals[first : first + pos.size]) for first, pos in chunks)

@@ -121,3 +121,15 @@ def test_randomk_positions_are_unchanged(seed, n, k, digest):
     p = random_positions(seed, n, k)
     assert p.size == k and p.dtype == np.int64
     assert hashlib.sha256(p.tobytes()).hexdigest()[:16] == digest
+
+
+@pytest.mark.parametrize("name", ["topk", "stc", "randomk"])
+@pytest.mark.parametrize("density", [0.01, 0.3, 1.0])
+def test_sparse_decode_peaks_at_most_4x_its_output(update, name, density):
+    from fedcomp.compression.base import decompress_sparse
+
+    payload = fc.get_compressor(name, density=density).compress(update)
+    (pos, vals), peak = _peak(lambda: decompress_sparse(payload))
+    dense = fc.decompress(payload).numpy()
+    assert np.array_equal(np.flatnonzero(dense), pos[vals != 0]) and np.array_equal(dense[pos], vals)
+    assert peak <= 4 * (pos.nbytes + vals.nbytes) + 4 * N // 4  # the k entries, plus randomk's n-byte mask

@@ -1,6 +1,7 @@
 """Issue 14 item 3: every accepted target-delta gives a finite epsilon >= 0 that never decreases
 over rounds, for client-level DP, local DP and DP-SGD (both accountants)."""
 
+import itertools
 import math
 
 import pytest
@@ -15,7 +16,7 @@ ROUNDS = (1, 2, 5, 20, 100, 1000)
 
 def _check_trace(eps: list[float]) -> None:
     assert all(math.isfinite(e) and e >= 0.0 for e in eps), eps
-    assert all(b >= a for a, b in zip(eps, eps[1:])), eps
+    assert all(b >= a for a, b in itertools.pairwise(eps)), eps
 
 
 @pytest.mark.parametrize("delta", DELTAS)
