@@ -132,4 +132,6 @@ def test_sparse_decode_peaks_at_most_4x_its_output(update, name, density):
     (pos, vals), peak = _peak(lambda: decompress_sparse(payload))
     dense = fc.decompress(payload).numpy()
     assert np.array_equal(np.flatnonzero(dense), pos[vals != 0]) and np.array_equal(dense[pos], vals)
-    assert peak <= 4 * (pos.nbytes + vals.nbytes) + 4 * N // 4  # the k entries, plus randomk's n-byte mask
+    # 4x the k entries; randomk also holds its n-byte position mask and one step (2**16) of draws.
+    extra = N + 2**21 if name == "randomk" else 0
+    assert peak <= 4 * (pos.nbytes + vals.nbytes) + extra
