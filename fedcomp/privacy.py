@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
+import secrets
 import warnings
 from dataclasses import dataclass, field
 
@@ -124,7 +125,9 @@ class ClientLevelDP:
     target_delta : float
         delta in (0, 1).
     seed : int, optional
-        Seed of the server's noise.
+        For unit tests only: reproducible noise. None (default, and what the ServerApp uses)
+        seeds the noise from the OS CSPRNG (``secrets``): anyone who knows the run config
+        (every client does) could otherwise regenerate the noise and subtract it from the model.
     sample_rate : float
         q in (0, 1]: 1 (default) claims no amplification; q < 1 is valid only when the strategy
         Poisson-samples each client of a fixed population with probability q
@@ -151,7 +154,7 @@ class ClientLevelDP:
         _check("fraction-train", self.sample_rate, 0.0, True, 1.0, False)
         self._gen = torch.Generator()
         if self.seed is None:
-            self._gen.seed()
+            self._gen.manual_seed(secrets.randbits(63))
         else:
             self._gen.manual_seed(int(self.seed))
 

@@ -58,7 +58,7 @@ def privacy_options(cfg: AppConfig, context: Context | None = None) -> dict:
         q = cfg.fraction_train
         opts.update(client_sampling=q, seed=cfg.seed)
     if cfg.dp == "client-level":
-        opts["client_dp"] = ClientLevelDP(cfg.clipping_norm, cfg.noise_multiplier, cfg.target_delta, seed=cfg.seed,
+        opts["client_dp"] = ClientLevelDP(cfg.clipping_norm, cfg.noise_multiplier, cfg.target_delta,  # CSPRNG noise
                                           sample_rate=q or 1.0)
     elif cfg.dp == "local":
         opts["local_dp"] = LocalDP(cfg.clipping_norm, cfg.noise_multiplier, cfg.target_delta)

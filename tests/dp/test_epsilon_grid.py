@@ -58,3 +58,21 @@ def test_dp_sgd_epsilon_at_small_delta_is_unchanged():
     ref = RDPAccountant()
     ref.history = [(1.0, 0.1, 100)]
     assert epsilon_spent(acc, 1e-5) == pytest.approx(ref.get_epsilon(1e-5))
+
+
+def test_server_noise_cannot_be_regenerated_from_the_run_config():
+    # Client-level DP noise seeded from the run seed (known to every client) could be subtracted
+    # from the released model; the ServerApp's noise comes from the OS CSPRNG instead.
+    import numpy as np
+
+    from fedcomp.config import AppConfig
+    from fedcomp.server.app import privacy_options
+
+    cfg = AppConfig.from_run_config({"dp": "client-level", "seed": 5, "noise-multiplier": 1.0})
+    zeros = [np.zeros(1000, np.float32)]
+    a, _ = privacy_options(cfg)["client_dp"].aggregate(zeros, clients=1)
+    b, _ = privacy_options(cfg)["client_dp"].aggregate(zeros, clients=1)
+    assert not np.allclose(a, b)
+    assert float(np.std(a)) == pytest.approx(1.0, rel=0.15)  # still N(0, (z C)^2): z = C = 1
+    seeded = ClientLevelDP(1.0, 1.0, seed=5)  # tests may still pin it explicitly
+    assert np.array_equal(seeded.aggregate(zeros, 1)[0], ClientLevelDP(1.0, 1.0, seed=5).aggregate(zeros, 1)[0])
