@@ -7,12 +7,45 @@ Cordonnier, Jaggi, "Sparsified SGD with Memory", NeurIPS 2018; Karimireddy et al
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import torch
 
 from .base import Compressor, check_input, decompress
 
 _RESIDUAL_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
+#: Clients already warned about fp16 residual saturation (one warning each per process).
+_SATURATION_WARNED: set = set()
+
+
+def warn_saturation_once(client, saturated: float, lost_fraction: float) -> bool:
+    """Log one warning per ``client`` the first time its fp16 residual saturates.
+
+    Parameters
+    ----------
+    client : hashable
+        Who compressed (a node id).
+    saturated : float
+        Residual entries clamped to ±65504 this round (:attr:`ErrorFeedback.last_saturated`,
+        summed over payloads).
+    lost_fraction : float
+        Largest share of a payload's L1 update mass the clamp dropped
+        (:attr:`ErrorFeedback.last_saturated_mass`).
+
+    Returns
+    -------
+    bool
+        Whether a warning was logged (on Flower's ``flwr`` logger, like the rest of fedcomp).
+    """
+    if not saturated or client in _SATURATION_WARNED:
+        return False
+    _SATURATION_WARNED.add(client)
+    logging.getLogger("flwr").warning(
+        "fedcomp: client %s: the fp16 error-feedback residual saturated %d entries at +-65504, losing %.1f %% of "
+        "the update mass for good (reported each round as 'residual-saturated'; warned once): use "
+        "residual-dtype = \"fp32\" or smaller updates", client, int(saturated), 100.0 * lost_fraction)
+    return True
 
 
 class ErrorFeedback:

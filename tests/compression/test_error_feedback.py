@@ -111,3 +111,17 @@ def test_fp16_residual_saturation_is_counted_with_the_mass_it_loses():
     fp32.set_residual(e)
     fp32.compress(x)
     assert (fp32.last_saturated, fp32.last_saturated_mass) == (0, 0.0)
+
+
+def test_saturation_warning_is_logged_once_per_client(caplog):
+    import logging
+
+    from fedcomp.compression.error_feedback import warn_saturation_once
+
+    with caplog.at_level(logging.WARNING, logger="flwr"):
+        assert not warn_saturation_once("node-a", 0, 0.0)  # nothing saturated: silent
+        assert warn_saturation_once("node-a", 970, 0.435)
+        assert not warn_saturation_once("node-a", 990, 0.5)  # once per client
+        assert warn_saturation_once("node-b", 3, 0.001)
+    msgs = [r.getMessage() for r in caplog.records if "saturated" in r.getMessage()]
+    assert len(msgs) == 2 and "970 entries" in msgs[0] and "43.5 %" in msgs[0] and "node-b" in msgs[1]
