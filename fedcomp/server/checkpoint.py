@@ -23,6 +23,8 @@ from typing import Any
 
 import numpy as np
 
+from ..statedict import copy_array
+
 WEIGHTS = "checkpoint.npz"
 META = "checkpoint.json"
 _OPT_STATE = ("m_t", "v_t")
@@ -30,11 +32,6 @@ _OPT_STATE = ("m_t", "v_t")
 CHECKSUM = "weights-sha256"
 #: Array in the weights file that repeats the round, so a torn pair can be named precisely.
 _ROUND = "__round__"
-
-
-def _exact_copy(v) -> np.ndarray:
-    """C-contiguous copy with shape and dtype kept (``np.ascontiguousarray`` turns 0-d into (1,))."""
-    return np.array(v, copy=True, order="C")
 
 
 def _sha256(path: pathlib.Path) -> str:
@@ -86,15 +83,15 @@ def save(out_dir: pathlib.Path, server_round: int, weights: dict[str, np.ndarray
     extra : dict, optional
         More JSON-serialisable state (e.g. cumulative MB).
     """
-    arrays = {f"w/{k}": _exact_copy(v) for k, v in weights.items()}
+    arrays = {f"w/{k}": copy_array(v) for k, v in weights.items()}
     inner = _innermost(strategy)
     for attr in _OPT_STATE:
         state = getattr(inner, attr, None)
         if isinstance(state, dict):
-            arrays.update({f"{attr}/{k}": _exact_copy(v) for k, v in state.items()})
+            arrays.update({f"{attr}/{k}": copy_array(v) for k, v in state.items()})
     momentum = getattr(inner, "momentum_vector", None)  # FedAvgM: a list in model order
     if isinstance(momentum, list):
-        arrays.update({f"momentum/{i}": _exact_copy(v) for i, v in enumerate(momentum)})
+        arrays.update({f"momentum/{i}": copy_array(v) for i, v in enumerate(momentum)})
     arrays[_ROUND] = np.array(server_round, dtype=np.int64)
     tmp = out_dir / (WEIGHTS + ".tmp.npz")
     np.savez(tmp, **arrays)

@@ -92,8 +92,8 @@ def test_bad_constructor_arguments():
         fc.ErrorFeedback(fc.get_compressor("sign")).set_residual(np.array([np.inf], dtype=np.float32))
 
 
-def test_fp16_residual_saturation_is_counted_with_the_mass_it_loses():
-    # Issue 14 item 8: an fp16 residual clamps at 65504, which used to lose update mass silently.
+def test_fp16_residual_saturation_is_counted_with_what_it_loses():
+    # Issue 14 item 8: an fp16 residual clamps at 65504, which used to lose part of the update silently.
     x = torch.full((100,), 2e4)
     e = torch.zeros(100)
     e[:50] = 6e4  # exact in fp16
@@ -102,15 +102,15 @@ def test_fp16_residual_saturation_is_counted_with_the_mass_it_loses():
     ef.set_residual(e)
     ef.compress(x)
     assert ef.last_saturated == 49  # entries 1..49 hold 8e4 > 65504
-    v1 = (2e4 + 64992) + 49 * 8e4 + 50 * 2e4  # 6.5e4 is stored as 64992 in fp16
-    assert ef.last_saturated_mass == pytest.approx(49 * (8e4 - 65504) / v1, rel=1e-6)
+    v1 = (2e4 + 64992) ** 2 + 49 * 8e4**2 + 50 * 2e4**2  # ||x + e||^2; 6.5e4 is stored as 64992 in fp16
+    assert ef.last_saturated_loss == pytest.approx((49 * (8e4 - 65504) ** 2 / v1) ** 0.5, rel=1e-6)
     assert float(ef.residual[1]) == 65504.0
     ef.compress(torch.zeros(100))  # nothing new above the ceiling: 0 again (per call, not cumulative)
-    assert (ef.last_saturated, ef.last_saturated_mass) == (0, 0.0)
+    assert (ef.last_saturated, ef.last_saturated_loss) == (0, 0.0)
     fp32 = fc.ErrorFeedback(fc.get_compressor("topk", density=0.01))
     fp32.set_residual(e)
     fp32.compress(x)
-    assert (fp32.last_saturated, fp32.last_saturated_mass) == (0, 0.0)
+    assert (fp32.last_saturated, fp32.last_saturated_loss) == (0, 0.0)
 
 
 def test_saturation_warning_is_logged_once_per_client(caplog):
