@@ -14,6 +14,7 @@ from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordD
 from flwr.common.logger import log
 
 from ..compression import PayloadError, decode_exact, decompress
+from ..compression.error_feedback import warn_saturation_once
 from ..config import CODEC_DEFAULTS, CodecConfig
 from ..privacy import LocalDP
 from ..protocol import (
@@ -256,6 +257,7 @@ def compression_mod(msg: Message, context: Context, call_next) -> Message:
     t0 = time.perf_counter()
     payloads, new_res, stats = compress_update(received, trained, codec, residuals, seed, local_dp, dtypes)
     stats["compress-seconds"] = time.perf_counter() - t0
+    warn_saturation_once(context.node_id, stats["residual-saturated"], stats["residual-saturated-loss"])
     stats["residual-bytes"] = float(sum(r.nbytes for r in new_res.values()))
     stats.update(_link_speeds(context))
     if codec.error_feedback:

@@ -160,9 +160,10 @@ def compress_update(
         ``upload-bytes``, ``dense-bytes`` (4 bytes per float parameter plus the integer tensors'
         own bytes), ``compression-error`` (||v - v_hat|| / ||v|| over the float model, v = update
         + residual), ``residual-norm``, ``density`` (of the default sparse codec, adaptive or
-        not; 0 for dense codecs) and per-parameter lists in model order (float tensors)
-        ``layer-update-norm`` (||update||) and ``layer-compression-error``. Norms are float32
-        reductions.
+        not; 0 for dense codecs), ``residual-saturated`` (fp16 residual entries clamped at
+        ±65504) and ``residual-saturated-loss`` (the largest relative L2 a payload lost so), and
+        per-parameter lists in model order (float tensors) ``layer-update-norm`` (||update||) and
+        ``layer-compression-error``. Norms are float32 reductions.
 
     Raises
     ------
@@ -206,7 +207,7 @@ def compress_update(
     new_res: dict[str, np.ndarray] = {}
     layer_sq_err: dict[str, float] = {}
     layer_sq_norm: dict[str, float] = {}
-    used_density = 0.0
+    used_density, saturated, lost = 0.0, 0, 0.0
     for ukey, members, name in units:
         x = buffers.pop(ukey)
         prev = residuals.get(ukey) if codec.error_feedback else None
@@ -229,6 +230,7 @@ def compress_update(
             payloads[ukey] = ef.compress(x, inplace=True, segments=seg_sizes)
             new_res[ukey] = ef.get_residual(copy=False)
             norms, errs = ef.last_segment_sq_norms, ef.last_segment_sq_errors
+            saturated, lost = saturated + ef.last_saturated, max(lost, ef.last_saturated_loss)
         else:
             payloads[ukey] = compressor.compress(x)
             flat = x.reshape(-1)
@@ -254,6 +256,7 @@ def compress_update(
         "compression-error": (sq_err / sq_norm) ** 0.5 if sq_norm > 0 else 0.0,
         "residual-norm": res_sq**0.5,
         "density": float(used_density),
+        "residual-saturated": float(saturated), "residual-saturated-loss": lost,  # fp16 residual clamp
         "layer-update-norm": [update_sq[k] ** 0.5 for k in float_keys],
         "layer-compression-error": [(layer_sq_err[k] / layer_sq_norm[k]) ** 0.5 if layer_sq_norm[k] > 0 else 0.0
                                     for k in float_keys],

@@ -496,6 +496,7 @@ class CompressedStrategy(Strategy):
             "uplink-mbps": _num(m, "uplink-mbps", 1.0) if _num(m, "uplink-mbps", 1.0) > 0 else 1.0,
             "downlink-mbps": _num(m, "downlink-mbps", 10.0) if _num(m, "downlink-mbps", 10.0) > 0 else 10.0,
             "residual-bytes": _num(m, "residual-bytes"),
+            "residual-saturated": _num(m, "residual-saturated"),
             "upload-bytes": float(update.upload_bytes),
             "dense-bytes": float(model.dense_bytes),
             "compression-error": _num(m, "compression-error"),
@@ -533,6 +534,7 @@ class CompressedStrategy(Strategy):
             "rejected-replies": rejected,
             "failed-clients": failed,
             "density": statistics.fmean(s["density"] for s in stats) if stats else 0.0,
+            "residual-saturated": float(sum(s["residual-saturated"] for s in stats)),  # fp16 residual clamps
         }
         if stats:
             # Simulated wall-clock time of the round: the slowest client's compute + transfer time.

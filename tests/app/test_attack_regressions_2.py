@@ -169,3 +169,47 @@ def test_resume_with_another_codec_is_refused_naming_the_setting(tmp_path):
     run({**base, "num-server-rounds": 2, "resume": True})
     rounds = json.loads((tmp_path / "metrics.json").read_text())["rounds"]
     assert [r["round"] for r in rounds] == [0, 1, 2]
+
+
+# -- Item 8: fp16 residual saturation reaches the client metrics, metrics.json and the log -----------
+
+def test_fp16_residual_saturation_is_reported_and_warned_once_per_client(caplog):
+    import logging
+
+    import numpy as np
+    from flwr.serverapp.strategy import FedAvg
+
+    from fedcomp.client import compression_mod
+    from fedcomp.strategies import CompressedStrategy
+
+    from .helpers import make_ctx, reply_with, train_msg
+
+    g = {"w": np.zeros(1000, np.float32)}
+    t = {"w": np.full(1000, 2e4, np.float32)}  # an update of 2e4 per entry, every round
+    codec = {"compressor": "topk", "density": 0.01, "residual-dtype": "fp16"}
+    ctx = make_ctx(node_id=4242)
+    got = []
+    with caplog.at_level(logging.WARNING, logger="flwr"):
+        for _ in range(5):
+            reply = compression_mod(train_msg(g, codec, dst=4242), ctx, lambda m, c: reply_with(m, t))
+            got.append(reply.content["metrics"]["residual-saturated"])
+    # Top-k sends 10 entries a round; the other residuals grow by 2e4 a round and pass 65504 in
+    # round 4 (8e4): 970 entries hold 8e4 there, 10 of them are sent, 960 saturate.
+    assert got[:3] == [0.0, 0.0, 0.0] and got[3] == 960.0 and got[4] > 0
+    warned = [r for r in caplog.records if "saturated" in r.getMessage() and "4242" in r.getMessage()]
+    assert len(warned) == 1 and "960 entries" in warned[0].getMessage()
+    loss = (960 * (8e4 - 65504) ** 2 / (970 * 8e4**2 + 10 * (6e4**2 + 4e4**2 + 2e4**2))) ** 0.5
+    assert f"{100 * loss:.1f} %" in warned[0].getMessage()
+
+    # ... and the server sums it per round (the value metrics.json records).
+    s = CompressedStrategy(FedAvg(fraction_evaluate=0.0, min_available_nodes=1, min_train_nodes=1),
+                           compressor="topk", density=0.01)
+    s._sent = {1: {"w": g["w"].copy()}}
+    replies = []
+    for node in (1, 2):
+        c = make_ctx(node_id=node)
+        c.state = ctx.state  # the saturated residual of round 4
+        replies.append(compression_mod(train_msg(g, codec, dst=node), c, lambda m, c_: reply_with(m, t)))
+    _, metrics = s.aggregate_train(1, replies)
+    assert metrics["residual-saturated"] == sum(r.content["metrics"]["residual-saturated"] for r in replies) > 0
+    assert s.history[1]["residual-saturated"] == metrics["residual-saturated"]
