@@ -264,7 +264,7 @@ class FlatModel:
         return out
 
     def record(self, flat_update: np.ndarray | None = None, exact: Mapping[str, np.ndarray] | None = None,
-               check: bool = True) -> ArrayRecord:
+               check: bool = True, portable: bool = False) -> ArrayRecord:
         """Dense weights ``global + flat_update`` in every tensor's own dtype and shape.
 
         Parameters
@@ -275,6 +275,9 @@ class FlatModel:
             Replacement values of exact tensors (default: the global ones).
         check : bool
             Refuse non-finite results after the cast (naming the key).
+        portable : bool
+            Give bf16 tensors as float32 numpy Arrays (for Flower strategies, which call
+            ``Array.numpy()``); the caller casts back.
 
         Raises
         ------
@@ -290,7 +293,7 @@ class FlatModel:
                     o = self.offsets[k]
                     w = (w + flat_update[o: o + spec.numel].reshape(spec.shape)).astype(np.float32)
                 w = cast_checked(k, w, spec.dtype) if check else w
-                out[k] = numpy_to_array(w, spec.dtype)
+                out[k] = numpy_to_array(w, "float32" if portable and spec.dtype == BF16 else spec.dtype)
             else:
                 v = self.exact[k] if exact is None or k not in exact else exact[k]
                 out[k] = Array(copy_array(v))

@@ -388,7 +388,7 @@ class CompressedStrategy(Strategy):
                 total = running.total
                 # One pre-aggregated reply (a good reply's Message, its content replaced) with the total weight.
                 carrier = self._carrier
-                carrier.content = RecordDict({self._arr_key: model.record(mean, votes.result(), check=False),
+                carrier.content = RecordDict({self._arr_key: model.record(mean, votes.result(), check=False, portable=True),
                                               "metrics": self._mean_metrics(metric_contents, wkey, total)})
                 del mean
                 dense = [carrier]
@@ -423,7 +423,8 @@ class CompressedStrategy(Strategy):
         need every client's weights."""
         for key in list(reply.content.keys()):
             del reply.content[key]
-        reply.content[self._arr_key] = model.record(update.to_flat(model.num_float), update.exact, check=False)
+        reply.content[self._arr_key] = model.record(update.to_flat(model.num_float), update.exact, check=False,
+                                                    portable=True)
         reply.content["metrics"] = MetricRecord(metrics)
         return reply
 
