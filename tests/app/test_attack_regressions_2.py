@@ -213,3 +213,36 @@ def test_fp16_residual_saturation_is_reported_and_warned_once_per_client(caplog)
     _, metrics = s.aggregate_train(1, replies)
     assert metrics["residual-saturated"] == sum(r.content["metrics"]["residual-saturated"] for r in replies) > 0
     assert s.history[1]["residual-saturated"] == metrics["residual-saturated"]
+
+
+def test_a_batchnorm_model_resumes_with_its_integer_buffers(tmp_path):
+    # 0-d int64 num_batches_tracked through checkpoint and resume (before: saved as shape (1,) and
+    # refused on resume as "does not fit the model"). Bit-exact resume is test_resume's (cnn).
+    import json
+
+    import numpy as np
+    from flwr.app import Context, RecordDict
+
+    from fedcomp.client.app import app as client_app
+    from fedcomp.server import checkpoint
+    from fedcomp.server.app import main
+    from fedcomp.simulation import InProcessGrid
+
+    def run(rc):
+        main(InProcessGrid(client_app, 2, rc), Context(run_id=1, node_id=1, node_config={}, state=RecordDict(),
+                                                       run_config=rc))
+
+    def counters():
+        with np.load(tmp_path / checkpoint.WEIGHTS) as z:
+            out = {k: z[k] for k in z.files if k.endswith("num_batches_tracked")}
+        assert out and all(v.shape == () and v.dtype == np.int64 for v in out.values())
+        return out
+
+    base = {"model": "resnet", "compressor": "topk", "density": 0.1, "seed": 3, "batch-size": 64,
+            "results-dir": str(tmp_path), "client-state-dir": str(tmp_path / "s")}
+    run({**base, "num-server-rounds": 1})
+    first = counters()
+    run({**base, "num-server-rounds": 2, "resume": True})
+    assert [r["round"] for r in json.loads((tmp_path / "metrics.json").read_text())["rounds"]] == [0, 1, 2]
+    second = counters()
+    assert all(int(second[k]) > int(first[k]) > 0 for k in first)  # counted on from the checkpoint's value
