@@ -197,8 +197,8 @@ def _link_speeds(context: Context) -> dict[str, float]:
     out = {}
     for key, default in (("uplink-mbps", 1.0), ("downlink-mbps", 10.0)):
         v = context.node_config.get(key, context.run_config.get(key, default))
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-            raise ValueError(f"node config '{key}' must be a number > 0 (megabits per second), got {v!r}")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf"):
+            raise ValueError(f"node config '{key}' must be a finite number > 0 (megabits per second), got {v!r}")
         out[key] = float(v)
     return out
 

@@ -246,3 +246,18 @@ def test_a_batchnorm_model_resumes_with_its_integer_buffers(tmp_path):
     assert [r["round"] for r in json.loads((tmp_path / "metrics.json").read_text())["rounds"]] == [0, 1, 2]
     second = counters()
     assert all(int(second[k]) > int(first[k]) > 0 for k in first)  # counted on from the checkpoint's value
+
+
+@pytest.mark.parametrize("value", [math.inf, math.nan, 0.0])
+def test_a_node_config_link_speed_must_be_finite(value):
+    # Item 10, per node: uplink-mbps = inf made the simulated upload time 0 instead of an error.
+    import numpy as np
+
+    from fedcomp.client import compression_mod
+
+    from .helpers import make_ctx, reply_with, train_msg
+
+    g = {"w": np.zeros(10, np.float32)}
+    with pytest.raises(ValueError, match="node config 'uplink-mbps' must be a finite number > 0"):
+        compression_mod(train_msg(g, {"compressor": "none"}), make_ctx(node_config={"uplink-mbps": value}),
+                        lambda m, c: reply_with(m, g))
