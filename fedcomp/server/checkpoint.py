@@ -118,7 +118,8 @@ def _check_pair(meta: dict, digest: str, data: dict, out_dir: pathlib.Path) -> N
                          f"atomic unit): whether {WEIGHTS} belongs to it cannot be checked, so it is not resumed")
     if want != digest:
         r = data.get(_ROUND)
-        held = f"round {int(r)}" if isinstance(r, np.ndarray) and r.shape == () and r.dtype == np.int64 else "another round"
+        ok = isinstance(r, np.ndarray) and r.shape == () and r.dtype == np.int64
+        held = f"round {int(r)}" if ok else "another round"
         raise ValueError(
             f"torn checkpoint in {out_dir}: {WEIGHTS} holds {held} (sha256 {digest[:12]}...) but {META} was written "
             f"for round {meta['round']} (sha256 {want[:12]}...); the server stopped between writing the two files. "
