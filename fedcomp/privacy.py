@@ -32,6 +32,15 @@ def _check(name: str, value: float, lo: float, lo_open: bool, hi: float = math.i
     return float(value)
 
 
+def secure_generator(device: torch.device | str = "cpu") -> torch.Generator:
+    """A torch Generator seeded from the OS CSPRNG (``secrets``): nothing in the run or node
+    config (run seed, partition, round) can reproduce its draws. For privacy noise only, on the
+    client (local DP) and the server (client-level DP) alike."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(secrets.randbits(63))
+    return gen
+
+
 def clip_and_noise(update: torch.Tensor, clipping_norm: float, noise_multiplier: float,
                    generator: torch.Generator | None = None) -> torch.Tensor:
     """Clip a flat update to L2 norm ``clipping_norm``, then add N(0, (noise_multiplier·clipping_norm)²).
@@ -152,11 +161,10 @@ class ClientLevelDP:
         _check("noise-multiplier", self.noise_multiplier, 0.0, False)
         _check("target-delta", self.target_delta, 0.0, True, 1.0, True)
         _check("fraction-train", self.sample_rate, 0.0, True, 1.0, False)
-        self._gen = torch.Generator()
         if self.seed is None:
-            self._gen.manual_seed(secrets.randbits(63))
+            self._gen = secure_generator()
         else:
-            self._gen.manual_seed(int(self.seed))
+            self._gen = torch.Generator().manual_seed(int(self.seed))
 
     def clip_factor(self, norm: float) -> float:
         """``min(1, C / norm)``: the factor that clips an update of L2 norm ``norm`` to ``clipping_norm``."""

@@ -9,7 +9,6 @@ exactly (:mod:`fedcomp.compression.exact`), except under local DP, where they ar
 from __future__ import annotations
 
 import fnmatch
-import secrets
 from logging import WARNING
 from typing import Any
 
@@ -19,7 +18,7 @@ from flwr.common.logger import log
 
 from ..compression import ErrorFeedback, decompress, decompress_sparse, encode_exact
 from ..config import SPARSE_CODECS, CodecConfig
-from ..privacy import LocalDP
+from ..privacy import LocalDP, secure_generator
 from ..protocol import MODEL_KEY
 from ..statedict import is_float_dtype
 
@@ -83,14 +82,6 @@ def adaptive_density(v: torch.Tensor, codec_name: str, target: float, lo: float,
     k_lo, k_hi = max(int(round(lo * n)), 1), max(int(round(hi * n)), 1)
     ok = torch.nonzero(err[k_lo - 1 : k_hi] <= target)
     return (k_lo + int(ok[0])) / n if len(ok) else hi
-
-
-def secure_generator(device: torch.device | str = "cpu") -> torch.Generator:
-    """A torch Generator seeded from the OS CSPRNG (``secrets``): nothing the server knows
-    (run seed, partition, round) can reproduce its draws. Used for privacy noise only."""
-    gen = torch.Generator(device=device)
-    gen.manual_seed(secrets.randbits(63))
-    return gen
 
 
 def _check_pair(received: dict, trained: dict, dtypes: dict) -> dict[str, np.ndarray]:
