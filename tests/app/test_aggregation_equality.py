@@ -45,6 +45,9 @@ def _lockstep(run_config: dict, nodes: int = 2) -> tuple[list[float], Compressed
     cfg = AppConfig.from_run_config(run_config)
     torch.manual_seed(cfg.seed)
     streaming, dense = _strategy(cfg, "auto"), _strategy(cfg, "dense")
+    for s in (streaming, dense):  # the ServerApp's DP noise comes from the OS CSPRNG: pin it for the twins
+        if s.client_dp is not None:
+            s.client_dp._gen = torch.Generator().manual_seed(cfg.seed)
     diffs: list[float] = []
     orig = streaming.aggregate_train
 
