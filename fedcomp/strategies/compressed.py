@@ -17,8 +17,8 @@ from flwr.serverapp.strategy import Strategy
 from ..compression import PayloadError, available_compressors
 from ..config import CodecConfig
 from ..privacy import ClientLevelDP, LocalDP
-from ..statedict import FlatModel, array_to_numpy, cast_checked, copy_array, numpy_to_array
-from .aggregate import ExactVotes, RunningSum, dense_memory_note, streams
+from ..statedict import BF16, FlatModel, array_to_numpy, cast_checked, copy_array, numpy_to_array
+from .aggregate import ExactVotes, RunningSum, dense_memory_note, identity_on_one_reply, streams
 from .decode import DecodedUpdate, decode_reply
 from .downstream import Downstream
 
@@ -78,6 +78,11 @@ def _check_rules_match(codec: CodecConfig, keys: list[str]) -> None:
         if not any(fnmatch.fnmatchcase(k, pattern) for k in keys):
             raise ValueError(f"run config 'layer-codecs': rule '{pattern}={name}' matches no parameter; "
                              f"parameters are {keys}")
+
+
+def _as_weight(total: float) -> int | float:
+    """A total weight as Flower's metrics take it (an int when it is one)."""
+    return int(total) if float(total).is_integer() else float(total)
 
 
 def _common_metric_keys(contents: list[RecordDict]) -> None:
@@ -380,19 +385,28 @@ class CompressedStrategy(Strategy):
         dp_info: dict[str, float] = {}
         if self.client_dp is not None:
             # Integer/bool tensors keep the global value: an exact aggregate would be released un-noised.
-            agg, dp_info = self.client_dp.finish(running.acc, norms, max(self._sampled, 1e-12))
+            agg, dp_info = self.client_dp.finish(running.flat(), norms, max(self._sampled, 1e-12))
             arrays, metrics = model.record(agg, check=False), None
         else:
-            if running.count:
-                mean = running.mean()
-                total = running.total
-                # One pre-aggregated reply (a good reply's Message, its content replaced) with the total weight.
-                carrier = self._carrier
-                carrier.content = RecordDict({self._arr_key: model.record(mean, votes.result(), check=False, portable=True),
-                                              "metrics": self._mean_metrics(metric_contents, wkey, total)})
-                del mean
-                dense = [carrier]
-            arrays, metrics = self.inner.aggregate_train(server_round, dense)
+            if running.count and identity_on_one_reply(self.inner):
+                # FedAvg of one reply is that reply (weight factor w / w = 1.0 exactly): no copies to hand over.
+                arrays = running.mean_record(votes.result(), portable=True)
+                metrics = self._mean_metrics(metric_contents, wkey)
+            else:
+                if running.count:
+                    # One pre-aggregated reply (a good reply's Message, its content replaced) with the total weight.
+                    carrier = self._carrier
+                    mean_metrics = self._mean_metrics(metric_contents, wkey)
+                    carrier.content = RecordDict({
+                        self._arr_key: running.mean_record(votes.result(), portable=True),
+                        "metrics": MetricRecord({**dict(mean_metrics), wkey: _as_weight(running.total)})})
+                    dense = [carrier]
+                arrays, metrics = self.inner.aggregate_train(server_round, dense)
+                if running.count and metrics is not None and wkey in mean_metrics:
+                    metrics[wkey] = mean_metrics[wkey]  # what the inner strategy reports over every reply
+                for reply in dense:  # drop the dense copies now (memory)
+                    reply.content = RecordDict()
+                del dense
         if arrays is None:
             return None, metrics, dp_info
         exact = votes.result()
@@ -401,7 +415,14 @@ class CompressedStrategy(Strategy):
             for k in model.keys:
                 spec = model.specs[k]
                 if spec.is_float:
-                    w = np.asarray(array_to_numpy(arrays[k]), dtype=np.float32).reshape(spec.shape)
+                    a = arrays[k]
+                    w = array_to_numpy(a)
+                    if spec.dtype != BF16 and w.dtype == np.dtype(spec.dtype) and w.shape == spec.shape:
+                        if w.size and not np.isfinite(w).all():  # already in the model's dtype: check, keep
+                            raise ValueError(f"'{k}': aggregate is not finite in the model's dtype {spec.dtype}")
+                        out[k] = a
+                        continue
+                    w = np.asarray(w, dtype=np.float32).reshape(spec.shape)
                     out[k] = numpy_to_array(cast_checked(k, w, spec.dtype), spec.dtype)
                 else:
                     out[k] = Array(copy_array(model.exact[k] if self.client_dp is not None else exact[k]))
@@ -411,12 +432,11 @@ class CompressedStrategy(Strategy):
             return None, metrics, dp_info
         return out, metrics, dp_info
 
-    def _mean_metrics(self, metric_contents: list[RecordDict], wkey: str, total: float) -> MetricRecord:
-        """What the inner strategy's metric aggregation gives over every reply, plus the total weight."""
+    def _mean_metrics(self, metric_contents: list[RecordDict], wkey: str) -> MetricRecord:
+        """What the inner strategy's metric aggregation gives over every reply (its
+        ``train_metrics_aggr_fn``, Flower's weighted mean by default)."""
         fn = self._inner_attr("train_metrics_aggr_fn", None)
-        agg = dict(fn(metric_contents, wkey)) if callable(fn) else {}
-        agg[wkey] = int(total) if float(total).is_integer() else total
-        return MetricRecord(agg)
+        return MetricRecord(dict(fn(metric_contents, wkey))) if callable(fn) else MetricRecord({})
 
     def _dense_reply(self, reply: Message, model: FlatModel, update, metrics: dict) -> Message:
         """An ordinary reply (dense weights of every tensor in its dtype) for inner strategies that
