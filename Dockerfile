@@ -1,13 +1,38 @@
-# fedcomp app image: Flower SuperLink / SuperNode / CLI with the app's dependencies installed.
-# CPU build of torch (the PyPI default on x86_64 Linux is a multi-GB CUDA build).
-FROM python:3.11-slim
+# fedcomp image: flower-superlink, flower-supernode and the flwr CLI with the app installed.
+# CPU torch, no Ray (Flower's simulation extra is left out: nothing here runs the simulation
+# engine), no compilers or pip caches in the final stage, non-root user `app` (uid 1000).
+#
+#   docker compose build                                   # torch from the PyTorch CPU index
+#   pip download --no-deps torch==2.13.0 -d wheels/        # or from a local wheel folder
+#   docker compose build --build-arg TORCH_WHEELS=wheels/
+FROM python:3.11-slim AS build
+ARG TORCH_WHEELS=""
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN python3 -m venv /opt/fedcomp
+# TORCH_WHEELS empty: only pyproject.toml lands in /tmp/wheels and torch comes from the index.
+COPY pyproject.toml ${TORCH_WHEELS} /tmp/wheels/
+RUN set -e; wheel=$(ls /tmp/wheels/torch-2.13.0*.whl 2>/dev/null | head -n 1); \
+    if [ -n "$wheel" ]; then /opt/fedcomp/bin/pip install "$wheel"; \
+    else /opt/fedcomp/bin/pip install torch==2.13.0 --index-url "$TORCH_INDEX_URL"; fi
+COPY scripts/image_requirements.py /tmp/
+RUN python3 /tmp/image_requirements.py /tmp/wheels/pyproject.toml > /tmp/requirements.txt \
+    && /opt/fedcomp/bin/pip install -r /tmp/requirements.txt
+COPY pyproject.toml README.md /src/
+COPY fedcomp /src/fedcomp
+RUN /opt/fedcomp/bin/pip install --no-deps /src
 
-ENV PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1 FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1
-RUN useradd --create-home --uid 1000 app
+FROM python:3.11-slim
+ENV PATH=/opt/fedcomp/bin:$PATH PYTHONUNBUFFERED=1 FLWR_HOME=/home/app/.flwr \
+    FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1 MPLCONFIGDIR=/tmp/matplotlib
+RUN useradd --create-home --uid 1000 app && mkdir -p /results /home/app/.flwr \
+    && chown app:app /results /home/app/.flwr
+COPY --from=build /opt/fedcomp /opt/fedcomp
+COPY scripts/docker-entrypoint.sh /usr/local/bin/fedcomp-entrypoint
+# the Flower app that `flwr run .` submits (the `submit` service)
 WORKDIR /app
-RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
 COPY pyproject.toml README.md ./
 COPY fedcomp ./fedcomp
-RUN pip install . && mkdir -p /results /home/app/.flwr && chown -R app:app /app /results /home/app
 USER app
-ENV FLWR_HOME=/home/app/.flwr
+ENTRYPOINT ["fedcomp-entrypoint"]
+CMD ["flower-supernode", "--help"]
