@@ -21,6 +21,11 @@ RUN python3 /tmp/image_requirements.py /tmp/wheels/pyproject.toml > /tmp/require
 COPY pyproject.toml README.md /src/
 COPY fedcomp /src/fedcomp
 RUN /opt/fedcomp/bin/pip install --no-deps /src
+# Not needed at run time (~360 MB): C++ headers and test binaries of torch, the packages' own test
+# suites, and uv (Flower's runtime dependency installer; installation is disabled in this image).
+RUN cd /opt/fedcomp/lib/python3.11/site-packages && rm -rf torch/include torch/test \
+    && find . -depth -type d -name tests -exec rm -rf {} + \
+    && rm -f /opt/fedcomp/bin/uv /opt/fedcomp/bin/uvx
 
 FROM python:3.11-slim
 ENV PATH=/opt/fedcomp/bin:$PATH PYTHONUNBUFFERED=1 FLWR_HOME=/home/app/.flwr \

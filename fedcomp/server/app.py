@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import math
+import os
+import pathlib
+import tempfile
 import time
-from logging import INFO, WARNING
+import traceback
+from logging import DEBUG, INFO, WARNING
 
 import numpy as np
 import torch
@@ -13,7 +18,6 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAdam, FedAvg, FedAvgM, Strategy
 
-from ..client.dp_sgd import DPSGDConfig
 from ..client.training import evaluate
 from ..config import AppConfig
 from ..data import DataConfig, load_test_set
@@ -25,6 +29,59 @@ from . import checkpoint
 from .results import DP_HEADER, HEADER, MB, format_row, plot_rounds, resolve_results_dir, write_json
 
 app = ServerApp()
+
+
+class RunConfigError(ValueError):
+    """A run-config value (or the results folder it names) the ServerApp refuses at start-up.
+
+    Flower logs a failed ServerApp with a long traceback; for this error
+    :class:`OneLineRunConfigError` prints one line naming the key instead (traceback at DEBUG).
+    """
+
+
+class OneLineRunConfigError(logging.Filter):
+    """Filter on Flower's logger: a record carrying a :class:`RunConfigError` becomes one ERROR
+    line with the message; the traceback is logged at DEBUG."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        """Rewrite the record in place; always keep it."""
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, RunConfigError):
+            trace = "".join(traceback.format_exception(*record.exc_info))
+            record.msg, record.args = "fedcomp  %s (the run stopped; `flwr run` still exits 0)", (exc,)
+            record.exc_info, record.exc_text = None, None
+            logging.getLogger(record.name).debug("fedcomp  traceback of the run-config error:\n%s", trace)
+        return True
+
+
+def _one_line_config_errors() -> None:
+    flwr_logger = logging.getLogger("flwr")
+    if not any(isinstance(f, OneLineRunConfigError) for f in flwr_logger.filters):
+        flwr_logger.addFilter(OneLineRunConfigError())
+
+
+def writable_results_dir(results_dir: str, compressor: str) -> pathlib.Path:
+    """:func:`resolve_results_dir`, then a probe write: the folder must be writable now, not at
+    the end of round 0.
+
+    Raises
+    ------
+    RunConfigError
+        The folder cannot be created or written (message: path, uid, owner uid, remedy).
+    """
+    out_dir = None
+    try:
+        out_dir = resolve_results_dir(results_dir, compressor)
+        with tempfile.TemporaryFile(dir=out_dir):
+            pass
+    except OSError as err:
+        path = out_dir or pathlib.Path(err.filename or results_dir)
+        owner = f"owner uid {path.stat().st_uid}" if path.exists() else "missing"
+        raise RunConfigError(
+            f"run config 'results-dir': the results folder {path} is not writable by uid {os.getuid()} "
+            f"({owner}): {err.strerror}. Give that uid write access (Docker: see the README's Docker "
+            "section) or choose another results-dir") from err
+    return out_dir
 
 
 def build_inner(cfg: AppConfig) -> Strategy:
@@ -62,7 +119,10 @@ def privacy_options(cfg: AppConfig, context: Context | None = None) -> dict:
                                           sample_rate=q or 1.0)
     elif cfg.dp == "local":
         opts["local_dp"] = LocalDP(cfg.clipping_norm, cfg.noise_multiplier, cfg.target_delta)
-    if context is not None:  # DP-SGD keys are validated whatever the mode (a typo should not wait)
+    if context is not None and cfg.dp == "dp-sgd":
+        # imported here: Opacus calls logging.basicConfig at import (every log line would print twice)
+        from ..client.dp_sgd import DPSGDConfig
+
         DPSGDConfig.from_mapping(context.run_config)
     if cfg.max_epsilon and cfg.dp == "none":
         log(WARNING, "fedcomp  max-epsilon = %s has no effect with dp = 'none'", cfg.max_epsilon)
@@ -166,10 +226,15 @@ def privacy_statement(cfg: AppConfig) -> dict | None:
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     """Run the federation described by the run config and write ``metrics.json`` and ``plot.png``."""
-    cfg = AppConfig.from_run_config(context.run_config)
+    _one_line_config_errors()
+    try:
+        cfg = AppConfig.from_run_config(context.run_config)
+        options = privacy_options(cfg, context)
+    except ValueError as err:
+        raise RunConfigError(str(err)) from err
     torch.manual_seed(cfg.seed)
-    out_dir = resolve_results_dir(cfg.results_dir, cfg.codec.compressor)
-    strategy = CompressedStrategy.from_codec_config(build_inner(cfg), cfg.codec, **privacy_options(cfg, context))
+    out_dir = writable_results_dir(cfg.results_dir, cfg.codec.compressor)
+    strategy = CompressedStrategy.from_codec_config(build_inner(cfg), cfg.codec, **options)
     recorder = RoundRecorder(cfg, strategy, out_dir, dict(context.run_config))
     model = build_model(cfg.model, tuple(recorder.test.tensors[0].shape[1:]))
     train_config = ConfigRecord({"seed": cfg.seed})
