@@ -341,7 +341,7 @@ class AppConfig:
             accumulation_steps=_num(cfg, "accumulation-steps", 1, lo=1, integer=True),
             seed=_num(cfg, "seed", 42, lo=0, hi=2**31 - 1, integer=True),
             dataset=_str(cfg, "dataset", "digits"),
-            model=_str(cfg, "model", "cnn", ("cnn", "mlp")),
+            model=_str(cfg, "model", "cnn", ("cnn", "mlp", "resnet")),
             partitioner=_str(cfg, "partitioner", "dirichlet", ("iid", "dirichlet")),
             dirichlet_alpha=_num(cfg, "dirichlet-alpha", 0.5, lo=0.0, lo_open=True),
             results_dir=_str(cfg, "results-dir", ""),

@@ -10,9 +10,18 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .base import Compressor, check_input, decompress
+from .base import Compressor, check_input, decompress, decompress_sparse
 
 _RESIDUAL_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
+
+
+def _segment_sq_norms(flat: torch.Tensor, sizes: list[int]) -> list[float]:
+    """Squared L2 norms of consecutive segments of a float32 vector (fp32 reduction, float results)."""
+    out, off = [], 0
+    for n in sizes:
+        out.append(float(torch.linalg.vector_norm(flat[off: off + n])) ** 2 if n else 0.0)
+        off += n
+    return out
 
 
 class ErrorFeedback:
@@ -50,8 +59,10 @@ class ErrorFeedback:
         self.last_error = 0.0
         self.last_sq_error = 0.0
         self.last_sq_norm = 0.0
+        self.last_segment_sq_norms: list[float] = []
+        self.last_segment_sq_errors: list[float] = []
 
-    def compress(self, x: torch.Tensor) -> bytes:
+    def compress(self, x: torch.Tensor, *, inplace: bool = False, segments: list[int] | None = None) -> bytes:
         """Compress ``x`` plus the residual and update the residual.
 
         Parameters
@@ -59,6 +70,14 @@ class ErrorFeedback:
         x : torch.Tensor
             Any shape and supported float dtype; CPU or CUDA. Must keep the same shape
             across calls (call :meth:`reset` to change it).
+        inplace : bool
+            Allow overwriting a float32 ``x``: it becomes ``v = x + e`` and then the new
+            residual, so the call needs no model-sized copy of its own. Default False.
+        segments : list of int, optional
+            Sizes of consecutive segments of the flattened ``x`` (summing to ``x.numel()``);
+            their squared norms of ``v`` and of the error are then kept in
+            :attr:`last_segment_sq_norms` / :attr:`last_segment_sq_errors` (per-layer
+            monitoring without another pass by the caller).
 
         Returns
         -------
@@ -72,22 +91,35 @@ class ErrorFeedback:
             left unchanged.
         """
         check_input(x)
-        v = x.detach().to(torch.float32)
+        if self.residual is not None and self.residual.shape != x.shape:
+            raise ValueError(f"input shape {tuple(x.shape)} differs from the residual's {tuple(self.residual.shape)}")
+        v = x.detach()
+        if v.dtype != torch.float32 or not inplace:
+            v = v.to(torch.float32, copy=True)
         if self.residual is not None:
-            if self.residual.shape != v.shape:
-                raise ValueError(f"input shape {tuple(v.shape)} differs from the residual's {tuple(self.residual.shape)}")
-            v = v + self.residual.to(device=v.device, dtype=torch.float32)
+            v += self.residual.to(device=v.device, dtype=torch.float32)
             if not bool(torch.isfinite(v.sum())) and not bool(torch.isfinite(v).all()):
+                if self.residual is not None and inplace and x.dtype == torch.float32:
+                    v -= self.residual.to(device=v.device, dtype=torch.float32)  # give x back as it was
                 raise ValueError("input + residual overflows float32; residual left unchanged")
+        flat = v.reshape(-1)
+        sizes = [flat.numel()] if segments is None else list(segments)
+        norms = _segment_sq_norms(flat, sizes)
         payload = self.compressor.compress(v)
-        v_hat = decompress(payload, max_numel=max(v.numel(), 1)).to(v.device)
-        err = v - v_hat
-        self.last_sq_error = float(torch.sum(err.double() ** 2))
-        self.last_sq_norm = float(torch.sum(v.double() ** 2))
+        # The error v - v_hat, in place in v: O(k) for sparse payloads, one decode otherwise.
+        sparse = decompress_sparse(payload, max_numel=max(v.numel(), 1))
+        if sparse is not None:
+            pos, vals = sparse
+            flat[torch.from_numpy(pos).to(v.device)] -= torch.from_numpy(vals).to(v.device)
+        else:
+            v -= decompress(payload, max_numel=max(v.numel(), 1)).to(v.device)
+        errors = _segment_sq_norms(flat, sizes)
+        self.last_sq_error, self.last_sq_norm = float(sum(errors)), float(sum(norms))
+        self.last_segment_sq_norms, self.last_segment_sq_errors = norms, errors
         self.last_error = (self.last_sq_error / self.last_sq_norm) ** 0.5 if self.last_sq_norm else 0.0
         if self.residual_dtype == "fp16":  # saturate: an Inf residual would poison every later round
-            err = err.clamp(-65504.0, 65504.0)
-        self.residual = err.to(_RESIDUAL_DTYPES[self.residual_dtype])
+            v = v.clamp_(-65504.0, 65504.0)
+        self.residual = v.to(_RESIDUAL_DTYPES[self.residual_dtype])
         return payload
 
     @property
@@ -95,9 +127,15 @@ class ErrorFeedback:
         """L2 norm of the residual (0.0 before the first call)."""
         return 0.0 if self.residual is None else float(torch.linalg.vector_norm(self.residual.double()))
 
-    def get_residual(self) -> np.ndarray | None:
-        """The residual as a numpy array (its storage dtype, CPU), or None; for saving."""
-        return None if self.residual is None else self.residual.detach().cpu().numpy().copy()
+    def get_residual(self, copy: bool = True) -> np.ndarray | None:
+        """The residual as a numpy array (its storage dtype, CPU), or None; for saving.
+
+        ``copy=False`` returns a view of a CPU residual (valid until the next :meth:`compress`).
+        """
+        if self.residual is None:
+            return None
+        out = self.residual.detach().cpu().numpy()
+        return out.copy() if copy else out
 
     def set_residual(self, residual: np.ndarray | torch.Tensor | None) -> None:
         """Restore a residual saved with :meth:`get_residual` (or any array of the input shape).
