@@ -94,7 +94,9 @@ def test_toml_blocks_parse(line, code):
     tomllib.loads(code)
 
 
-def test_readme_names_no_kill_by_name():
-    """Stopping a SuperLink by name would stop other users' SuperLinks too."""
+def test_readme_never_kills_by_name():
+    """Stopping a SuperLink by name would stop other users' SuperLinks too: no command in the
+    README does it (in a block or inline)."""
     text = (REPO / "README.md").read_text()
-    assert "pkill" not in text and "killall" not in text
+    code = [c for _, c, _, _ in BLOCKS] + re.findall(r"`([^`\n]+)`", text)
+    assert not [c for c in code if re.search(r"\b(pkill|killall)\b\s+-", c)]

@@ -58,11 +58,21 @@ def test_tls_override_only_swaps_insecure_for_certificates():
     assert not any("ca.key" in v for s in svc.values() for v in s.get("volumes", []))
 
 
-@pytest.mark.skipif(shutil.which("docker-compose") is None, reason="docker-compose (Debian package) not installed")
+def _has_compose_v2() -> bool:
+    return shutil.which("docker") is not None and subprocess.run(
+        ["docker", "compose", "version"], capture_output=True).returncode == 0
+
+
+@pytest.mark.parametrize("tool", [
+    pytest.param(["docker-compose"], id="v1", marks=pytest.mark.skipif(
+        shutil.which("docker-compose") is None, reason="docker-compose v1 (Debian package) not installed")),
+    pytest.param(["docker", "compose"], id="v2", marks=pytest.mark.skipif(
+        not _has_compose_v2(), reason="the docker compose v2 plugin is not installed")),
+])
 @pytest.mark.parametrize("files", [["docker-compose.yml"], ["docker-compose.yml", "docker-compose.tls.yml"]])
-def test_compose_files_validate(files):
+def test_compose_files_validate(tool, files):
     args = [a for f in files for a in ("-f", f)]
-    out = subprocess.run(["docker-compose", *args, "config", "-q"], cwd=REPO, capture_output=True, text=True)
+    out = subprocess.run([*tool, *args, "config", "-q"], cwd=REPO, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
 
 
