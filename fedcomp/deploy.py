@@ -181,12 +181,11 @@ def run(args: argparse.Namespace) -> int:
             if done > reported:
                 reported = done
                 print(f"fedcomp-deploy: round {done} done, {time.monotonic() - t0:.0f} s elapsed", flush=True)
-            if args.kill_supernode_after_round is not None and not killed:
-                if done >= args.kill_supernode_after_round:
-                    print(f"fedcomp-deploy: killing SuperNode 0 (pid {nodes[0].pid}) after round {done}", flush=True)
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(nodes[0].pid, signal.SIGKILL)
-                    killed = True
+            if args.kill_supernode_after_round is not None and not killed and done >= args.kill_supernode_after_round:
+                print(f"fedcomp-deploy: killing SuperNode 0 (pid {nodes[0].pid}) after round {done}", flush=True)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(nodes[0].pid, signal.SIGKILL)
+                killed = True
             time.sleep(0.5)
         submit.wait(30)
         forward.join(10)

@@ -7,6 +7,7 @@ Usage: ``python3 scripts/image_requirements.py pyproject.toml > requirements.txt
 
 import re
 import sys
+
 import tomllib
 
 

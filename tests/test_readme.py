@@ -24,7 +24,7 @@ tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 RUN_MARK = "<!-- readme-test: run -->"
 FENCE = re.compile(r"^(?P<indent>[ \t]*)```(?P<lang>[\w+-]*)[^\n]*\n(?P<body>.*?)^(?P=indent)```[ \t]*$",
-                   re.S | re.M)
+                   re.DOTALL | re.MULTILINE)
 
 
 def readme_blocks(text: str) -> list[tuple[str, str, int, bool]]:

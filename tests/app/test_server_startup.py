@@ -15,7 +15,7 @@ import tempfile
 import pytest
 from flwr.common.logger import log
 
-from fedcomp.server.app import OneLineRunConfigError, RunConfigError, writable_results_dir
+from fedcomp.server.startup import OneLineRunConfigError, RunConfigError, writable_results_dir
 
 
 def test_importing_the_apps_loads_no_opacus_and_no_dp_sgd_module():
