@@ -10,17 +10,14 @@ ARG TORCH_WHEELS=""
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN python3 -m venv /opt/fedcomp
-# TORCH_WHEELS empty: only pyproject.toml lands in /tmp/wheels and torch comes from the index.
-COPY pyproject.toml ${TORCH_WHEELS} /tmp/wheels/
+# TORCH_WHEELS empty: only the script lands in /tmp/wheels and torch comes from the index.
+COPY scripts/image_requirements.py ${TORCH_WHEELS} /tmp/wheels/
 RUN set -e; wheel=$(ls /tmp/wheels/torch-2.13.0*.whl 2>/dev/null | head -n 1); \
     if [ -n "$wheel" ]; then /opt/fedcomp/bin/pip install "$wheel"; \
     else /opt/fedcomp/bin/pip install torch==2.13.0 --index-url "$TORCH_INDEX_URL"; fi
-COPY scripts/image_requirements.py /tmp/
-RUN python3 /tmp/image_requirements.py /tmp/wheels/pyproject.toml > /tmp/requirements.txt \
+COPY pyproject.toml /tmp/
+RUN python3 /tmp/wheels/image_requirements.py /tmp/pyproject.toml > /tmp/requirements.txt \
     && /opt/fedcomp/bin/pip install -r /tmp/requirements.txt
-COPY pyproject.toml README.md /src/
-COPY fedcomp /src/fedcomp
-RUN /opt/fedcomp/bin/pip install --no-deps /src
 # Not needed at run time (~360 MB): C++ headers and test binaries of torch, the packages' own test
 # suites, and uv (Flower's runtime dependency installer; installation is disabled in this image).
 RUN cd /opt/fedcomp/lib/python3.11/site-packages && rm -rf torch/include torch/test \
@@ -29,15 +26,18 @@ RUN cd /opt/fedcomp/lib/python3.11/site-packages && rm -rf torch/include torch/t
 
 FROM python:3.11-slim
 ENV PATH=/opt/fedcomp/bin:$PATH PYTHONUNBUFFERED=1 FLWR_HOME=/home/app/.flwr \
-    FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1 MPLCONFIGDIR=/tmp/matplotlib
+    FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1 MPLCONFIGDIR=/tmp/matplotlib \
+    PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN useradd --create-home --uid 1000 app && mkdir -p /results /home/app/.flwr \
     && chown app:app /results /home/app/.flwr
 COPY --from=build /opt/fedcomp /opt/fedcomp
 COPY scripts/docker-entrypoint.sh /usr/local/bin/fedcomp-entrypoint
-# the Flower app that `flwr run .` submits (the `submit` service)
+# the app: installed (a small layer, so code changes rebuild only this) and, in /app, the Flower
+# app directory that `flwr run .` submits (the `submit` service)
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY fedcomp ./fedcomp
+RUN pip install --no-deps . && rm -rf build
 USER app
 ENTRYPOINT ["fedcomp-entrypoint"]
 CMD ["flower-supernode", "--help"]

@@ -26,6 +26,8 @@ if [ "$(id -u)" = 0 ]; then
     mkdir -p "$FLWR_HOME"
     if [ -f /home/app/.flwr/config.toml ]; then cp /home/app/.flwr/config.toml "$FLWR_HOME/"; fi
     chown -R "$uid:$gid" "$HOME"
+  else
+    export HOME=/home/app   # `user: root` made it /root
   fi
   if [ -d /secrets ]; then
     mkdir -p /run/fedcomp && cp -R /secrets/. /run/fedcomp/

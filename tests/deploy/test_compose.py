@@ -21,7 +21,7 @@ import sys
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-ROUNDS = 3
+ROUNDS = 2  # STC at density 0.01 (the default codec): 3 clients get from ~15 % to ~35 % in 2 rounds
 pytestmark = [pytest.mark.docker, pytest.mark.timeout(1800)]
 
 #: what the build context and the compose files need (copied into a private project folder)
@@ -90,7 +90,7 @@ def project(engine, tmp_path_factory):
                         str(root / "wheels")], check=True, timeout=900)
     image = f"fedcomp-test:{os.getpid()}"
     env = {**os.environ, "FEDCOMP_IMAGE": image, "TORCH_WHEELS": "wheels/", "FEDCOMP_PORT": str(_free_port()),
-           "FEDCOMP_RUN_CONFIG": f"num-server-rounds={ROUNDS} compressor='sign'",
+           "FEDCOMP_RUN_CONFIG": f"num-server-rounds={ROUNDS}",
            "COMPOSE_PROJECT_NAME": f"fedcomp-test-{os.getpid()}"}
     # the one build of this module (the plain test's `up --build` finds it cached; TLS reuses it)
     out = subprocess.run(["docker", "compose", "build"], cwd=root, env=env, capture_output=True, text=True,
@@ -125,8 +125,8 @@ def _check_results(results: pathlib.Path, log: str, owner: int) -> list[dict]:
     assert rounds[-1]["accuracy"] > rounds[0]["accuracy"] + 0.1, [r["accuracy"] for r in rounds]
     for r in rounds[1:]:
         assert r["num-replies"] == 3
-        # sign: 1 bit per parameter plus a small header per tensor, against 32 bits dense
-        assert 0 < r["upload-bytes"] == r["upload-bytes-sign"] < r["dense-bytes"] / 25
+        # STC at density 0.01: ~0.1 bit per parameter against 32 bits dense (ratio ~300)
+        assert 0 < r["upload-bytes"] == r["upload-bytes-stc"] < r["dense-bytes"] / 200
     assert (results / "plot.png").stat().st_size > 1000
     # written by the uid that owns ./results, never by root
     assert metrics.stat().st_uid == owner and (results / "plot.png").stat().st_uid == owner
@@ -167,3 +167,4 @@ def test_submit_exits_nonzero_when_the_run_fails(project):
     log = out.stdout + out.stderr
     assert out.returncode == 1, log[-4000:]
     assert "run config 'density' must be in (0" in log and "submit: the run FAILED" in log
+    assert "Traceback" not in log  # one line naming the key, the traceback only at DEBUG

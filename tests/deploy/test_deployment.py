@@ -147,6 +147,16 @@ def test_launcher_two_supernodes_two_rounds(tmp_path, capsys):
     assert subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True).stdout == b""
 
 
+def test_bad_run_config_fails_at_once_with_one_line(tmp_path, capsys):
+    t0 = time.monotonic()
+    code, out = _run_launcher(tmp_path, capsys, "--supernodes", "1", "--run-config", "density=2.0")
+    assert code == 1  # no results: the launcher says FAILED although `flwr run` exited 0
+    lines = [ln for ln in out.splitlines() if "run config 'density'" in ln]
+    assert len(lines) == 1 and "must be in (0.0, 1.0], got 2.0" in lines[0], out[-3000:]
+    assert "Traceback" not in out and "fedcomp-deploy: FAILED" in out
+    assert time.monotonic() - t0 < 120
+
+
 def test_killed_supernode_does_not_stop_the_run(tmp_path, capsys):
     code, out = _run_launcher(tmp_path, capsys, "--supernodes", "3", "--kill-supernode-after-round", "1",
                               "--run-config", "num-server-rounds=2 compressor='sign' round-timeout=45.0")
