@@ -168,3 +168,18 @@ def test_submit_exits_nonzero_when_the_run_fails(project):
     assert out.returncode == 1, log[-4000:]
     assert "run config 'density' must be in (0" in log and "submit: the run FAILED" in log
     assert "Traceback" not in log  # one line naming the key, the traceback only at DEBUG
+
+
+def test_plain_docker_run_refuses_an_unwritable_results_folder(project, tmp_path):
+    """Started as the image's user (no `user: root`), the entrypoint checks ./results and says why."""
+    _, env = project
+    folder = tmp_path / "not-yours"
+    folder.mkdir()
+    folder.chmod(0o755)
+    owner = folder.stat().st_uid
+    if owner == 1000:
+        pytest.skip("the folder belongs to uid 1000, the image's user")
+    out = subprocess.run(["docker", "run", "--rm", "-v", f"{folder}:/results", env["FEDCOMP_IMAGE"], "true"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 73, out.stdout + out.stderr
+    assert f"the results folder /results is not writable by uid 1000 (owner uid {owner})" in out.stderr
