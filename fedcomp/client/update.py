@@ -28,12 +28,20 @@ class CompositionError(RuntimeError):
     """The ClientApp's reply cannot be compressed as it stands (wrong mod order, missing keys)."""
 
 
+def is_batchnorm_stat(key: str) -> bool:
+    """True for BatchNorm's float statistics in a state_dict: ``<module>.running_mean`` /
+    ``<module>.running_var`` (the names ``torch.nn.modules.batchnorm`` registers)."""
+    return key.rsplit(".", 1)[-1] in ("running_mean", "running_var")
+
+
 def plan_units(shapes: dict[str, tuple[int, ...]], codec: CodecConfig) -> list[tuple[str, list[str], str]]:
     """Group float parameters into payloads: ``[(payload key, member parameter names, codec name), ...]``.
 
     Per parameter, in order: the first ``layer-codecs`` rule whose pattern matches its name;
     else ``small-tensor-compressor`` if it has fewer than ``min-compress-numel`` elements;
-    else the default ``compressor``. Default-codec parameters share one payload under
+    else the default ``compressor``. BatchNorm statistics (:func:`is_batchnorm_stat`) go to
+    ``small-tensor-compressor`` while ``batchnorm-stats = "small"`` (a lossy codec can make a
+    running variance negative). Default-codec parameters share one payload under
     ``MODEL_KEY`` (their updates flattened and concatenated in model order) when the scope is
     "model"; every other parameter gets its own payload under its own name. Pass float tensors
     only: integer and bool tensors never join a codec's payload.
@@ -46,7 +54,7 @@ def plan_units(shapes: dict[str, tuple[int, ...]], codec: CodecConfig) -> list[t
         n = int(np.prod(shape)) if shape else 1
         if rule is not None:
             units.append((key, [key], rule))
-        elif n < codec.min_compress_numel:
+        elif n < codec.min_compress_numel or (codec.batchnorm_stats == "small" and is_batchnorm_stat(key)):
             units.append((key, [key], codec.small_tensor_compressor))
         elif codec.scope == "model":
             default.append(key)
