@@ -3,6 +3,7 @@
 import json
 import os
 import pathlib
+import re
 import shutil
 import signal
 import subprocess
@@ -75,6 +76,10 @@ def test_flwr_run_local_simulation(tmp_path):
         assert 3 * n_params / 8 < r["upload-bytes"] < 3 * (n_params / 8 + 8 * 60)
     assert (results / "plot.png").stat().st_size > 1000
     assert "fedcomp  results written to" in log
+    # each round line once, no DEBUG lines (Opacus' logging.basicConfig at import doubled every line)
+    for rnd in (0, 1, 2):
+        assert len(re.findall(rf"fedcomp +{rnd} +\d\.\d{{4}} ", log)) == 1, log[-3000:]
+    assert "DEBUG" not in log
 
 
 @pytest.mark.skipif(shutil.which("pgrep") is None, reason="needs pgrep to stop the local SuperLink")
