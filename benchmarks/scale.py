@@ -143,7 +143,7 @@ for _ in range(spec["repeats"]):
 med = statistics.median
 print(json.dumps({"seconds": med(times), "codec_seconds": med(codec_times), "sum_seconds": med(sum_times),
                   "ratio_to_codec": med(times) / med(codec_times),
-                  "peak_extra_x_model_beyond_residual": max(growth - resid, 0) / model_bytes}))
+                  "peak_growth_x_model": growth / model_bytes, "residual_x_model": resid / model_bytes}))
 """
 
 
@@ -232,8 +232,8 @@ def client_rows(width: int, codecs: list[str], repeats: int) -> list[dict]:
         r = _child(CLIENT_CHILD, {"width": width, "codec": CODECS[name], "repeats": repeats})
         rows.append({"codec": name, **r})
         print(f"client {name:5s} compress_update {r['seconds']:.3f} s = {r['ratio_to_codec']:.2f}x codec "
-              f"({r['codec_seconds']:.3f} s), torch.sum {r['sum_seconds'] * 1e3:.1f} ms, peak extra "
-              f"{r['peak_extra_x_model_beyond_residual']:.2f}x model beyond the residual", flush=True)
+              f"({r['codec_seconds']:.3f} s), torch.sum {r['sum_seconds'] * 1e3:.1f} ms, peak RSS growth "
+              f"{r['peak_growth_x_model']:.2f}x model (the new residual is {r['residual_x_model']:.2f}x)", flush=True)
     return rows
 
 
@@ -245,6 +245,7 @@ def cross_device(nodes: int = 100, rounds: int = 5) -> dict:
 
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="fedcomp-scale-"))
     env = {**os.environ, "FLWR_HOME": str(tmp / "flwr"), "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+           "PATH": f"{pathlib.Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
            "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": "39491", "FLWR_LOCAL_CONTROL_API_PORT": "39493"}
     flwr = shutil.which("flwr", path=str(pathlib.Path(sys.executable).parent)) or "flwr"
     cmd = [flwr, "run", str(REPO), "--stream", "--federation-config",
@@ -278,11 +279,18 @@ def main() -> None:
     ap.add_argument("--codecs", default="stc,topk,sign,int8")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--flwr", action="store_true", help="also run the 100-SuperNode flwr run simulation")
+    ap.add_argument("--only-flwr", action="store_true", help="only the flwr run simulation (merged into --out)")
     ap.add_argument("--out", default=str(DEFAULT_OUT))
     args = ap.parse_args()
     width, clients, repeats = (8, [4, 12], 1) if args.smoke else (64, [int(c) for c in args.clients.split(",")],
                                                                  args.repeats)
     codecs = args.codecs.split(",")
+    if args.only_flwr:
+        result = json.loads(pathlib.Path(args.out).read_text()) if pathlib.Path(args.out).exists() else {}
+        result["cross_device"] = cross_device()
+        print("cross-device:", result["cross_device"], flush=True)
+        pathlib.Path(args.out).write_text(json.dumps(result, indent=1))
+        return
     result = {"width": width, "server": server_rows(width, clients, codecs, repeats, dense_max=32),
               "client": client_rows(width, codecs, max(repeats, 3))}
     if args.flwr:
