@@ -21,38 +21,7 @@ from ..statedict import BF16, FlatModel, array_to_numpy, cast_checked, copy_arra
 from .aggregate import ExactVotes, RunningSum, dense_memory_note, identity_on_one_reply, streams
 from .decode import DecodedUpdate, decode_reply
 from .downstream import Downstream
-
-
-def _num(metrics: dict, key: str, default: float = 0.0) -> float:
-    """A client-reported metric as a finite float (untrusted: anything else becomes ``default``)."""
-    v = metrics.get(key, default)
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not np.isfinite(v):
-        return default
-    return float(v)
-
-
-def _epsilon(v) -> float | None:
-    """A client-reported epsilon: a number >= 0 (inf allowed: no privacy), else None (ignored)."""
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or v < 0:
-        return None
-    return float(v)
-
-
-def client_seconds(c: dict, uplink_mbps: float | None = None, downlink_mbps: float | None = None) -> float:
-    """Simulated seconds of one client's round: compute + upload·8/uplink + download·8/downlink.
-
-    Parameters
-    ----------
-    c : dict
-        A ``client_history`` entry (``train-seconds``, ``compress-seconds``, ``upload-bytes``,
-        ``download-bytes``, ``uplink-mbps``, ``downlink-mbps``).
-    uplink_mbps, downlink_mbps : float, optional
-        Override the client's declared link speeds (megabits per second).
-    """
-    up = uplink_mbps or c["uplink-mbps"]
-    down = downlink_mbps or c["downlink-mbps"]
-    compute = c["train-seconds"] + c["compress-seconds"]
-    return compute + c["upload-bytes"] * 8 / (up * 1e6) + c["download-bytes"] * 8 / (down * 1e6)
+from .round_metrics import _epsilon, _num, client_seconds, common_metric_keys, layers_mean, round_metrics  # noqa: F401
 
 
 def _wraps(strategy, prefix: str) -> bool:
@@ -83,18 +52,6 @@ def _check_rules_match(codec: CodecConfig, keys: list[str]) -> None:
 def _as_weight(total: float) -> int | float:
     """A total weight as Flower's metrics take it (an int when it is one)."""
     return int(total) if float(total).is_integer() else float(total)
-
-
-def _common_metric_keys(contents: list[RecordDict]) -> None:
-    """Trim every reply's MetricRecord to the keys all replies share (Flower's FedAvg requires
-    identical keys; an honest client adding a metric of its own must not abort the round)."""
-    if not contents:
-        return
-    common = set.intersection(*(set(c["metrics"].keys()) for c in contents))
-    for c in contents:
-        m = c["metrics"]
-        if set(m.keys()) != common:
-            c["metrics"] = MetricRecord({k: v for k, v in m.items() if k in common})
 
 
 class CompressedStrategy(Strategy):
@@ -361,15 +318,15 @@ class CompressedStrategy(Strategy):
             self.stopped_reason = (f"privacy budget: every client refused round {server_round} (max-epsilon reached); "
                                    "no further rounds are run")
             log(WARNING, "%s", self.stopped_reason)
-        _common_metric_keys(metric_contents)
+        common_metric_keys(metric_contents)
         arrays, agg_metrics, dp_info = self._hand_over(server_round, model, running, votes, dense, metric_contents,
                                                        norms, wkey)
-        ours = self._round_metrics(stats, codec_bytes, len(metric_contents), rejected, failed)
+        ours = round_metrics(stats, codec_bytes, len(metric_contents), rejected, failed)
         ours.update(dp_info)
         self._account_epsilon(server_round, replies, stats, ours, dp_info)
         self.history[server_round] = ours
         self.client_history[server_round] = stats
-        self.layer_history[server_round] = self._layers_mean(model.float_keys)
+        self.layer_history[server_round] = layers_mean(self._layer_stats, model.float_keys)
         merged = dict(agg_metrics) if agg_metrics is not None else {}
         merged.update(ours)
         return arrays, MetricRecord(merged)
@@ -528,40 +485,3 @@ class CompressedStrategy(Strategy):
         }
         return update, m, stat, layers
 
-    def _layers_mean(self, keys: list[str]) -> dict[str, dict[str, float]]:
-        out: dict[str, dict[str, float]] = {}
-        for metric, name in (("layer-update-norm", "update-norm"), ("layer-compression-error", "compression-error")):
-            rows = [s[metric] for s in self._layer_stats if isinstance(s.get(metric), list) and len(s[metric]) == len(keys)]
-            if not rows:
-                continue
-            means = np.mean(np.nan_to_num(np.asarray(rows, dtype=np.float64), nan=0.0, posinf=0.0), axis=0)
-            for k, v in zip(keys, means):
-                out.setdefault(k, {})[name] = float(v)
-        return out
-
-    @staticmethod
-    def _round_metrics(stats: list[dict], codec_bytes: dict, n_good: int, rejected: int, failed: int) -> dict:
-        up = float(sum(s["upload-bytes"] for s in stats))
-        dense = float(sum(s["dense-bytes"] for s in stats))
-        out = {
-            "upload-bytes": up,
-            "dense-bytes": dense,
-            "download-bytes": float(sum(s["download-bytes"] for s in stats)),
-            "compression-ratio": dense / up if up else 0.0,
-            "compression-error": statistics.fmean(s["compression-error"] for s in stats) if stats else 0.0,
-            "residual-norm": statistics.fmean(s["residual-norm"] for s in stats) if stats else 0.0,
-            "num-replies": n_good,
-            "rejected-replies": rejected,
-            "failed-clients": failed,
-            "density": statistics.fmean(s["density"] for s in stats) if stats else 0.0,
-        }
-        if stats:
-            # Simulated wall-clock time of the round: the slowest client's compute + transfer time.
-            out["round-seconds-simulated"] = max(client_seconds(s) for s in stats)
-            out["train-seconds-max"] = max(s["train-seconds"] for s in stats)
-            out["compress-seconds"] = statistics.fmean(s["compress-seconds"] for s in stats)
-            out["decode-seconds"] = float(sum(s["decode-seconds"] for s in stats))
-            out["residual-bytes"] = max(s["residual-bytes"] for s in stats)
-        for name, nbytes in sorted(codec_bytes.items()):
-            out[f"upload-bytes-{name}"] = float(nbytes)
-        return out
