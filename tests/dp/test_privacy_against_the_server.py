@@ -13,7 +13,7 @@ from fedcomp.client import compression_mod
 from fedcomp.strategies import CompressedStrategy
 from tests.app.helpers import make_ctx, reply_with, train_msg, weights
 
-logging.getLogger("flwr").setLevel(logging.ERROR)
+logging.getLogger("flwr").setLevel(logging.WARNING)
 FLOOR = {"dp": "local", "noise-multiplier": 1.0, "clipping-norm": 1.0}
 
 
