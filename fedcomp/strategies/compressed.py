@@ -63,11 +63,18 @@ class CompressedStrategy(Strategy):
        ``block-size``, ``value-dtype``, ``error-feedback``, ``residual-dtype``) to the train
        ConfigRecord and remembers the global weights sent in that round.
     2. ``aggregate_train``: decodes every reply produced by
-       :func:`fedcomp.client.compression_mod` (validated: shape, size, finiteness),
-       rebuilds dense weights = sent global + decoded delta under the original keys, and
-       hands ordinary replies to ``inner``. A reply that fails to decode is logged with
-       its node id and reason and dropped (``rejected-replies``); error replies are
-       counted (``failed-clients``). The global model never sees either.
+       :func:`fedcomp.client.compression_mod` (validated: keys, shape, size, dtype,
+       finiteness after the cast to the model's dtype) in node-id order and folds it into one
+       running sum (:mod:`fedcomp.strategies.aggregate`; sparse payloads by scatter-add of
+       their k entries) when ``inner`` aggregates by a weighted mean (FedAvg, FedProx,
+       FedAvgM, FedAdam, FedYogi, FedAdagrad) or with ``client_dp``; ``inner`` then gets one
+       pre-aggregated reply with the total weight, which gives it the same result. Other
+       inner strategies get every reply as dense weights (the log says once what that
+       costs). Integer/bool tensors are aggregated by :func:`fedcomp.statedict.integer_mean`
+       / :func:`~fedcomp.statedict.bool_majority` whatever ``inner`` does, and every tensor
+       comes back in its own dtype and shape. A reply that fails to decode is logged with
+       its node id and reason and dropped before it touches the sum (``rejected-replies``);
+       error replies are counted (``failed-clients``). The global model never sees either.
     3. Adds round metrics: ``upload-bytes`` (sum of payload bytes actually received),
        ``dense-bytes``, ``compression-ratio`` (dense / upload), ``compression-error`` and
        ``residual-norm`` (means over clients), ``download-bytes``, ``num-replies``,
