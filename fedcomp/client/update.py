@@ -225,7 +225,7 @@ def compress_update(
         seg_sizes = [sizes[k] for k in members]
         if codec.error_feedback:
             ef = ErrorFeedback(compressor, residual_dtype=codec.residual_dtype)
-            ef.set_residual(prev)
+            ef.set_residual(prev, copy=False)
             payloads[ukey] = ef.compress(x, inplace=True, segments=seg_sizes)
             new_res[ukey] = ef.get_residual(copy=False)
             norms, errs = ef.last_segment_sq_norms, ef.last_segment_sq_errors

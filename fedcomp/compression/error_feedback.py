@@ -187,8 +187,11 @@ class ErrorFeedback:
         out = self.residual.detach().cpu().numpy()
         return out.copy() if copy else out
 
-    def set_residual(self, residual: np.ndarray | torch.Tensor | None) -> None:
+    def set_residual(self, residual: np.ndarray | torch.Tensor | None, copy: bool = True) -> None:
         """Restore a residual saved with :meth:`get_residual` (or any array of the input shape).
+
+        ``copy=False`` keeps a reference when the dtype already matches (the next :meth:`compress`
+        only reads it, then replaces it), saving a model-sized copy.
 
         Raises
         ------
@@ -199,9 +202,9 @@ class ErrorFeedback:
             self.residual = None
             return
         t = torch.as_tensor(residual).detach().to(_RESIDUAL_DTYPES[self.residual_dtype])
-        if t.numel() and not bool(torch.isfinite(t).all()):
+        if t.numel() and not bool(torch.isfinite(t.sum())) and not bool(torch.isfinite(t).all()):
             raise ValueError("residual holds non-finite values")
-        self.residual = t.clone()
+        self.residual = t.clone() if copy else t
 
     def reset(self) -> None:
         """Forget the residual."""
