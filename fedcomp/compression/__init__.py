@@ -10,7 +10,7 @@ Pure PyTorch/numpy; nothing here imports Flower.
 10
 """
 
-from . import dense, int8, qsgd, randomk, sign, stc, topk  # noqa: F401  (register codecs)
+from . import dense, eden, int8, powersgd, qsgd, randomk, sign, stc, topk  # noqa: F401  (register codecs)
 from .base import (
     CODECS,
     Compressor,
@@ -20,7 +20,7 @@ from .base import (
     decompress,
     get_compressor,
 )
-from .error_feedback import ErrorFeedback
+from .error_feedback import ErrorFeedback, flatten_states, unflatten_states
 from .errors import PayloadError
 from .positions import information_bound_bits, rice_parameter
 from .wire import DEFAULT_MAX_NUMEL, parse_header
@@ -35,8 +35,10 @@ __all__ = [
     "codec_name",
     "compression_error",
     "decompress",
+    "flatten_states",
     "get_compressor",
     "information_bound_bits",
     "parse_header",
     "rice_parameter",
+    "unflatten_states",
 ]

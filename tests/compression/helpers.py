@@ -1,0 +1,29 @@
+"""Shared checks for the codec tests: decode peak memory, and 'only PayloadError' decoding."""
+
+import tracemalloc
+
+import torch
+
+import fedcomp.compression as fc
+
+
+def decode_peak_ratio(payload: bytes, numel: int) -> float:
+    """Peak bytes allocated while decoding ``payload`` (numpy/Python, via tracemalloc) over the
+    float32 output's bytes. The payload itself was allocated before tracing started."""
+    tracemalloc.start()
+    try:
+        out = fc.decompress(payload, max_numel=numel)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert out.numel() == numel
+    return peak / (4 * numel)
+
+
+def decodes_or_payload_error(data: bytes) -> None:
+    """``decompress`` either returns a finite float32 tensor or raises PayloadError, nothing else."""
+    try:
+        out = fc.decompress(data, max_numel=1 << 20)
+    except fc.PayloadError:
+        return
+    assert out.dtype == torch.float32 and bool(torch.isfinite(out).all())
