@@ -18,8 +18,10 @@ from .base import (
     codec_name,
     compression_error,
     decompress,
+    decompress_sparse,
     get_compressor,
 )
+from .exact import EXACT_NAME, decode_exact, encode_exact, is_exact_dtype
 from .error_feedback import ErrorFeedback, flatten_states, unflatten_states
 from .errors import PayloadError
 from .positions import information_bound_bits, rice_parameter
@@ -29,13 +31,18 @@ __all__ = [
     "CODECS",
     "Compressor",
     "DEFAULT_MAX_NUMEL",
+    "EXACT_NAME",
     "ErrorFeedback",
     "PayloadError",
     "available_compressors",
     "codec_name",
     "compression_error",
+    "decode_exact",
     "decompress",
+    "decompress_sparse",
+    "encode_exact",
     "flatten_states",
+    "is_exact_dtype",
     "get_compressor",
     "information_bound_bits",
     "parse_header",

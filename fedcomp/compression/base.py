@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from .errors import PayloadError
+from .exact import EXACT_CODEC_ID, EXACT_NAME
 from .wire import DEFAULT_MAX_NUMEL, DTYPE_CODES, Header, pack_header, parse_header
 
 #: name -> Compressor subclass
@@ -171,6 +172,8 @@ def codec_name(payload: bytes) -> str:
         Malformed header or unknown codec id.
     """
     header = parse_header(payload, max_numel=2**63)
+    if header.codec_id == EXACT_CODEC_ID:
+        return EXACT_NAME
     if header.codec_id not in _BY_ID:
         raise PayloadError(f"unknown codec id {header.codec_id}")
     return _BY_ID[header.codec_id].name
@@ -212,6 +215,8 @@ def decompress(
     if expected_shape is not None and tuple(header.shape) != tuple(expected_shape):
         raise PayloadError(f"payload shape {header.shape} does not match the expected {tuple(expected_shape)}")
     cls = _BY_ID.get(header.codec_id)
+    if header.codec_id == EXACT_CODEC_ID:
+        raise PayloadError("an exact payload holds an integer/bool tensor: decode it with decode_exact, not decompress")
     if cls is None:
         raise PayloadError(f"unknown codec id {header.codec_id}; known: { {c.codec_id: c.name for c in CODECS.values()} }")
     with np.errstate(over="ignore", invalid="ignore"):  # overflow shows up as non-finite output, checked below
@@ -221,6 +226,68 @@ def decompress(
     if not np.isfinite(flat).all():
         raise PayloadError(f"{cls.name} payload decodes to non-finite values")
     return torch.from_numpy(flat).reshape(header.shape)
+
+
+def decompress_sparse(
+    payload: bytes | bytearray | memoryview,
+    *,
+    max_numel: int = DEFAULT_MAX_NUMEL,
+    expected_shape: tuple[int, ...] | None = None,
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """Decode a sparse payload (stc, topk, randomk) to its kept entries, without a dense output.
+
+    Validation is :func:`decompress`'s. Used by the server to fold a sparse update into a
+    running sum in O(k) (scatter-add of the kept entries).
+
+    Parameters
+    ----------
+    payload : bytes-like
+        Possibly untrusted bytes.
+    max_numel, expected_shape
+        As in :func:`decompress`.
+
+    Returns
+    -------
+    (positions, values) or None
+        ``positions``: int64, shape ``(k,)``, strictly increasing, each in ``[0, numel)`` of the
+        flattened tensor; ``values``: float32, shape ``(k,)``, finite. None if the payload's codec
+        is dense (sign, qsgd, int8, fp16, ...): decode it with :func:`decompress`.
+
+    Raises
+    ------
+    PayloadError
+        As :func:`decompress`.
+    """
+    if isinstance(payload, memoryview) and not payload.c_contiguous:
+        payload = payload.tobytes()
+    header = parse_header(payload, max_numel=max_numel)
+    if expected_shape is not None and tuple(header.shape) != tuple(expected_shape):
+        raise PayloadError(f"payload shape {header.shape} does not match the expected {tuple(expected_shape)}")
+    cls = _BY_ID.get(header.codec_id)
+    if cls is None or not hasattr(cls, "_decode_sparse"):
+        return None
+    with np.errstate(over="ignore", invalid="ignore"):
+        pos, vals = cls._decode_sparse(header, memoryview(payload).cast("B"))
+    pos = np.asarray(pos, dtype=np.int64)
+    vals = np.asarray(vals, dtype=np.float32)
+    if pos.shape != vals.shape or pos.ndim != 1:  # pragma: no cover - decoder invariant
+        raise PayloadError(f"{cls.name} decoder produced {pos.shape} positions for {vals.shape} values")
+    if len(pos) and (pos[0] < 0 or pos[-1] >= header.numel or (len(pos) > 1 and not bool((np.diff(pos) > 0).all()))):
+        raise PayloadError(f"{cls.name} positions are not strictly increasing within [0, {header.numel})")
+    if not np.isfinite(vals).all():
+        raise PayloadError(f"{cls.name} payload decodes to non-finite values")
+    return pos, vals
+
+
+class SparseDecoding:
+    """Mixin of sparse codecs: ``_decode`` scatters what ``_decode_sparse`` returns."""
+
+    @classmethod
+    def _decode(cls, header: Header, payload: memoryview) -> np.ndarray:
+        pos, vals = cls._decode_sparse(header, payload)
+        out = np.zeros(header.numel, dtype=np.float32)
+        out[pos] = vals
+        return out
 
 
 def compression_error(x: torch.Tensor, x_hat: torch.Tensor) -> float:

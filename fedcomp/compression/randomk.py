@@ -13,7 +13,7 @@ import struct
 import numpy as np
 import torch
 
-from .base import Compressor, check_range, register
+from .base import Compressor, SparseDecoding, check_range, register
 from .errors import PayloadError
 from .sparse import check_density, k_for
 from .wire import BodyReader, Header, unpack_params
@@ -43,7 +43,7 @@ def random_positions(seed: int, n: int, k: int) -> np.ndarray:
 
 
 @register
-class RandomKCompressor(Compressor):
+class RandomKCompressor(SparseDecoding, Compressor):
     """Rand-k: keep k = clamp(round(density * n), 1, n) uniformly random entries.
 
     Body: k fp32 values; the positions come from the 64-bit seed in the parameters, so
@@ -89,7 +89,7 @@ class RandomKCompressor(Compressor):
         return struct.pack(self._PARAMS, k, seed, factor), vals.tobytes()
 
     @classmethod
-    def _decode(cls, header: Header, payload: memoryview) -> np.ndarray:
+    def _decode_sparse(cls, header: Header, payload: memoryview) -> tuple[np.ndarray, np.ndarray]:
         k, seed, factor = unpack_params(cls._PARAMS, header.params, cls.name)
         n = header.numel
         if k > n:
@@ -99,6 +99,4 @@ class RandomKCompressor(Compressor):
         r = BodyReader(payload, header.body_offset, cls.name)
         vals = np.frombuffer(r.take(4 * k, "values"), dtype=np.float32)
         r.finish()
-        out = np.zeros(n, dtype=np.float32)
-        out[random_positions(seed, n, k)] = vals * np.float32(factor)
-        return out
+        return random_positions(seed, n, k), vals * np.float32(factor)

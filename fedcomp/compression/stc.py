@@ -11,7 +11,7 @@ import struct
 import numpy as np
 import torch
 
-from .base import Compressor, register
+from .base import Compressor, SparseDecoding, register
 from .bits import nbytes_for_bits, pack_bits, unpack_bits
 from .errors import PayloadError
 from .selection import topk_indices
@@ -20,7 +20,7 @@ from .wire import BodyReader, Header, unpack_params
 
 
 @register
-class STCCompressor(Compressor):
+class STCCompressor(SparseDecoding, Compressor):
     """Sparse ternary: top-k by magnitude, every kept value becomes ``±mu``.
 
     ``k = clamp(round(density * n), 1, n)``; ``mu = mean |kept values|`` (fp32). Body:
@@ -60,7 +60,7 @@ class STCCompressor(Compressor):
         return struct.pack(self._PARAMS, k, unary_bits, b, mu), pos + pack_bits(signs)
 
     @classmethod
-    def _decode(cls, header: Header, payload: memoryview) -> np.ndarray:
+    def _decode_sparse(cls, header: Header, payload: memoryview) -> tuple[np.ndarray, np.ndarray]:
         k, unary_bits, b, mu = unpack_params(cls._PARAMS, header.params, cls.name)
         if not np.isfinite(mu) or mu < 0:
             raise PayloadError(f"stc: mu {mu} is not a finite non-negative number")
@@ -69,7 +69,5 @@ class STCCompressor(Compressor):
         pos = read_positions(r, cls.name, k, n, b, unary_bits)
         signs = unpack_bits(r.take(nbytes_for_bits(k), "sign bits"), k, "stc sign bits")
         r.finish()
-        out = np.zeros(n, dtype=np.float32)
         m = np.float32(mu)
-        out[pos] = np.array([-m, m], dtype=np.float32)[signs]
-        return out
+        return pos, np.array([-m, m], dtype=np.float32)[signs]

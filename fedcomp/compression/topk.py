@@ -12,7 +12,7 @@ import struct
 import numpy as np
 import torch
 
-from .base import Compressor, register
+from .base import Compressor, SparseDecoding, register
 from .errors import PayloadError
 from .selection import topk_indices
 from .sparse import check_density, k_for, positions_to_bytes, read_positions
@@ -23,7 +23,7 @@ _BY_CODE = {code: (name, dt, size) for name, (code, dt, size) in _VALUE_DTYPES.i
 
 
 @register
-class TopKCompressor(Compressor):
+class TopKCompressor(SparseDecoding, Compressor):
     """Keep the k largest magnitudes with their values; zeros elsewhere.
 
     ``k = clamp(round(density * n), 1, n)``. Body: Golomb-Rice-coded positions (index
@@ -69,7 +69,7 @@ class TopKCompressor(Compressor):
         return struct.pack(self._PARAMS, k, unary_bits, b, code), pos + vals.cpu().numpy().tobytes()
 
     @classmethod
-    def _decode(cls, header: Header, payload: memoryview) -> np.ndarray:
+    def _decode_sparse(cls, header: Header, payload: memoryview) -> tuple[np.ndarray, np.ndarray]:
         k, unary_bits, b, code = unpack_params(cls._PARAMS, header.params, cls.name)
         if code not in _BY_CODE:
             raise PayloadError(f"topk: unknown value dtype code {code}")
@@ -77,8 +77,6 @@ class TopKCompressor(Compressor):
         n = header.numel
         r = BodyReader(payload, header.body_offset, cls.name)
         pos = read_positions(r, cls.name, k, n, b, unary_bits)
-        vals = np.frombuffer(r.take(k * size, "values"), dtype=np_dt)
+        vals = np.frombuffer(r.take(k * size, "values"), dtype=np_dt).astype(np.float32)
         r.finish()
-        out = np.zeros(n, dtype=np.float32)
-        out[pos] = vals
-        return out
+        return pos, vals

@@ -6,7 +6,8 @@ Layout (all integers little-endian)::
     0       4           magic b"FCMP"
     4       1           format version (currently 1)
     5       1           codec id (see ``fedcomp.compression.registry``)
-    6       1           dtype code of the original tensor (0 fp32, 1 fp16, 2 bf16, 3 fp64)
+    6       1           dtype code of the original tensor (0 fp32, 1 fp16, 2 bf16, 3 fp64; exact
+                        payloads of integer/bool tensors: 16.. int8..int64, uint8..uint64, bool)
     7       1           ndim (0..MAX_NDIM)
     8       8*ndim      shape, one uint64 per dimension
     ...     2           params_len (uint16)
@@ -23,6 +24,7 @@ import math
 import struct
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .errors import PayloadError
@@ -43,6 +45,12 @@ DTYPE_CODES: dict[torch.dtype, int] = {
     torch.float64: 3,
 }
 CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
+#: numpy dtypes of exact payloads (integer and bool tensors, see ``fedcomp.compression.exact``).
+EXACT_DTYPE_CODES: dict[np.dtype, int] = {
+    np.dtype(t): 16 + i for i, t in enumerate(
+        (np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64, np.bool_))
+}
+CODE_EXACT_DTYPES = {v: k for k, v in EXACT_DTYPE_CODES.items()}
 
 
 @dataclass(frozen=True)
@@ -61,6 +69,8 @@ class Header:
         Raw codec parameters; the codec's decoder unpacks and validates them.
     body_offset : int
         Byte offset of the body inside the payload.
+    exact_dtype : numpy dtype or None
+        The integer/bool dtype of an exact payload (then ``dtype`` is float32, unused); None otherwise.
     """
 
     codec_id: int
@@ -68,6 +78,7 @@ class Header:
     shape: tuple[int, ...]
     params: bytes
     body_offset: int
+    exact_dtype: np.dtype | None = None
 
     @property
     def numel(self) -> int:
@@ -115,6 +126,22 @@ def pack_header(codec_id: int, dtype: torch.dtype, shape: tuple[int, ...], param
     )
 
 
+def pack_exact_header(codec_id: int, dtype: np.dtype, shape: tuple[int, ...]) -> bytes:
+    """Serialise the header of an exact (integer/bool) payload; as :func:`pack_header`, no params.
+
+    Raises
+    ------
+    ValueError
+        A dtype outside :data:`EXACT_DTYPE_CODES` or too many dimensions.
+    """
+    if np.dtype(dtype) not in EXACT_DTYPE_CODES:
+        raise ValueError(f"unsupported exact dtype {dtype}; expected one of {list(EXACT_DTYPE_CODES)}")
+    if len(shape) > MAX_NDIM:
+        raise ValueError(f"tensor has {len(shape)} dimensions; at most {MAX_NDIM} are supported")
+    return b"".join((_FIXED.pack(MAGIC, FORMAT_VERSION, codec_id, EXACT_DTYPE_CODES[np.dtype(dtype)], len(shape)),
+                     struct.pack(f"<{len(shape)}Q", *shape), struct.pack("<H", 0)))
+
+
 def parse_header(payload: bytes | bytearray | memoryview, max_numel: int = DEFAULT_MAX_NUMEL) -> Header:
     """Parse and validate a payload header without touching the body.
 
@@ -145,7 +172,7 @@ def parse_header(payload: bytes | bytearray | memoryview, max_numel: int = DEFAU
         raise PayloadError(f"bad magic {bytes(magic)!r} (expected {MAGIC!r}): not a fedcomp payload")
     if version != FORMAT_VERSION:
         raise PayloadError(f"unsupported format version {version} (this decoder reads {FORMAT_VERSION})")
-    if dtype_code not in CODE_DTYPES:
+    if dtype_code not in CODE_DTYPES and dtype_code not in CODE_EXACT_DTYPES:
         raise PayloadError(f"unknown dtype code {dtype_code}")
     if ndim > MAX_NDIM:
         raise PayloadError(f"ndim {ndim} exceeds the maximum of {MAX_NDIM}")
@@ -155,7 +182,7 @@ def parse_header(payload: bytes | bytearray | memoryview, max_numel: int = DEFAU
         raise PayloadError(f"truncated: header with {ndim} dims needs {need} bytes, payload has {len(mv)}")
     shape = struct.unpack_from(f"<{ndim}Q", mv, off)
     off += 8 * ndim
-    if any(d > max(max_numel, 1) for d in shape):
+    if 0 not in shape and any(d > max(max_numel, 1) for d in shape):  # a zero dimension allocates nothing
         raise PayloadError(f"payload claims a dimension of {max(shape)} elements, above the limit of {max_numel}")
     numel = 1
     for d in shape:  # loop over <= 32 dims, with an early exit: no overflowing product
@@ -170,7 +197,8 @@ def parse_header(payload: bytes | bytearray | memoryview, max_numel: int = DEFAU
     if len(mv) < off + plen:
         raise PayloadError(f"truncated: codec parameters need {plen} bytes, {len(mv) - off} left")
     params = bytes(mv[off : off + plen])
-    return Header(int(codec_id), CODE_DTYPES[dtype_code], tuple(int(d) for d in shape), params, off + plen)
+    return Header(int(codec_id), CODE_DTYPES.get(dtype_code, torch.float32), tuple(int(d) for d in shape), params,
+                  off + plen, CODE_EXACT_DTYPES.get(dtype_code))
 
 
 class BodyReader:
