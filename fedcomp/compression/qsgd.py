@@ -27,31 +27,35 @@ MAX_BUCKET = 2**31 - 1
 SPACINGS = ("uniform", "exponential")
 
 
-def exponential_position(r: torch.Tensor, s: int) -> torch.Tensor:
-    """Fractional level index of ``r`` in [0, 1] on the levels ``0, 2**(1-s), ..., 1/2, 1``.
+def exponential_position(r: torch.Tensor, s: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lower level index and rounding probability of ``r`` in [0, 1] on the levels
+    ``0, 2**(1-s), ..., 1/2, 1``.
 
-    Level j (j = 1..s) is ``2**(j-s)``, level 0 is 0. Returns ``j + p`` where
-    ``l_j <= r < l_{j+1}`` and ``p = (r - l_j) / (l_{j+1} - l_j)``, so that stochastic
-    rounding ``floor(j + p + U[0,1))`` picks the upper level with probability p and the
-    expected level value is r (unbiased). Exact: ``frexp`` gives ``r = m * 2**e``, m in
-    [1/2, 1), hence ``j = e - 1 + s`` and ``p = 2m - 1`` without a division.
+    Level j (j = 1..s) is ``2**(j-s)``, level 0 is 0. Returns ``(j, p)`` with
+    ``l_j <= r < l_{j+1}`` and ``p = (r - l_j) / (l_{j+1} - l_j)``: rounding up with
+    probability p makes the expected level value r (unbiased). Both are exact, read from the
+    float32 bits: ``r = (1 + f) * 2**e`` gives ``j = e + s`` and ``p = f`` above the first
+    non-zero level, and ``p = r * 2**(s-1)`` below it.
 
     Parameters
     ----------
     r : torch.Tensor
         float32, entries in [0, 1] (``|x_i| / ||x_B||``).
     s : int
-        Number of non-zero levels, 1..126.
+        Number of non-zero levels, 1..126 (so every level is a normal float32).
 
     Returns
     -------
-    torch.Tensor
-        float32, same shape, in [0, s].
+    (torch.Tensor, torch.Tensor)
+        int32 j in [0, s] and float32 p in [0, 1), both of r's shape.
     """
-    m, e = torch.frexp(r)
-    lo = e - 1  # floor(log2 r) for r > 0 (frexp(0) = (0, 0): r = 0 takes the second branch)
-    upper = (lo + s).to(torch.float32) + (2 * m - 1)
-    return torch.where((lo >= 1 - s) & (r > 0), upper, r * float(2.0 ** (s - 1)))
+    bits = r.contiguous().view(torch.int32)
+    e = (bits >> 23) - 127  # unbiased exponent; -127 for 0 and subnormals (below every level)
+    upper = e >= 1 - s
+    frac = (bits & 0x7FFFFF).to(torch.float32) * 2.0**-23
+    j = torch.where(upper, e + s, torch.zeros((), dtype=torch.int32, device=r.device))
+    p = torch.where(upper, frac, r * float(2.0 ** (s - 1)))
+    return j, p
 
 
 def exponential_levels(s: int) -> np.ndarray:
@@ -134,12 +138,12 @@ class QSGDCompressor(Compressor):
             raise ValueError("qsgd: a bucket's L2 norm overflows float32")
         safe = torch.where(norms > 0, norms, torch.ones_like(norms))
         if self.spacing == "exponential":
-            pos = exponential_position((padded.abs() / safe[:, None]).clamp_(max=1.0), s)
+            j, p = exponential_position((padded.abs() / safe[:, None]).clamp_(max=1.0), s)
+            lv = (self._rounder.round(p) + j).clamp_(0, s)
             params = struct.pack(self._PARAMS_SPACED, s, self.bucket_size, 1)
         else:
-            pos = padded.abs() * (s / safe[:, None])
+            lv = self._rounder.round(padded.abs() * (s / safe[:, None])).clamp_(0, s)
             params = struct.pack(self._PARAMS, s, self.bucket_size)
-        lv = self._rounder.round(pos).clamp_(0, s)
         lv = lv.reshape(-1)[:n].to(torch.int32).cpu().numpy()
         signs = (flat < 0).cpu().numpy()
         body = norms.cpu().numpy().tobytes() + pack_bits(signs) + pack_uint(lv, self.width(s))

@@ -20,8 +20,14 @@ def randn(*shape, seed=0):
 def test_levels_and_fractional_positions():
     np.testing.assert_array_equal(exponential_levels(3), np.array([0, 0.25, 0.5, 1], dtype=np.float32))
     r = torch.tensor([0.0, 0.1, 0.25, 0.375, 0.5, 0.75, 1.0])
-    assert exponential_position(r, 3).tolist() == pytest.approx([0.0, 0.4, 1.0, 1.5, 2.0, 2.5, 3.0])
-    assert exponential_position(r, 1).tolist() == pytest.approx(r.tolist())  # s = 1: levels {0, 1}
+    j, p = exponential_position(r, 3)
+    assert j.tolist() == [0, 0, 1, 1, 2, 2, 3]
+    assert p.tolist() == pytest.approx([0.0, 0.4, 0.0, 0.5, 0.0, 0.5, 0.0])
+    j, p = exponential_position(r, 1)  # s = 1: levels {0, 1}
+    assert j.tolist() == [0, 0, 0, 0, 0, 0, 1] and p[:6].tolist() == pytest.approx(r[:6].tolist())
+    tiny = torch.tensor([1e-45, 2.0**-125, 2.0**-126])  # a subnormal, the lowest two levels of s = 126
+    j, p = exponential_position(tiny, 126)
+    assert j.tolist() == [0, 1, 0] and p.tolist() == pytest.approx([float(tiny[0]) * 2.0**125, 0.0, 0.5])
 
 
 def test_decoded_values_are_adjacent_levels_times_the_bucket_norm():
