@@ -411,6 +411,9 @@ class AppConfig:
             local_clip_norm=_num(cfg, "local-clip-norm", 0.0, lo=0.0),
             codec=CodecConfig.from_mapping(cfg),
         )
+        if out.downstream in TENSOR_ONLY_CODECS:
+            raise ValueError(f"run config 'downstream' cannot be {out.downstream!r}: the server sends the model "
+                             "change as one flat vector, which has no matrix to approximate")
         if out.local_clip_norm > 0 and out.dp == "dp-sgd":
             raise ValueError("run config 'local-clip-norm' must be 0 with dp = 'dp-sgd' (DP-SGD clips every "
                              "per-sample gradient to 'max-grad-norm' instead)")

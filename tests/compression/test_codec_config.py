@@ -37,6 +37,12 @@ def test_local_clip_norm_validation():
         AppConfig.from_run_config({"local-clip-norm": 1.0, "dp": "dp-sgd"})
 
 
+def test_downstream_codecs():
+    with pytest.raises(ValueError, match="'downstream' cannot be 'powersgd'"):
+        AppConfig.from_run_config({"downstream": "powersgd"})
+    assert AppConfig.from_run_config({"downstream": "eden"}).downstream == "eden"
+
+
 def test_build_passes_the_options():
     c = CodecConfig.from_mapping({"compressor": "powersgd", "rank": 2, "value-dtype": "fp16",
                                   "small-tensor-compressor": "fp16"})
