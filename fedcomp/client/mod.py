@@ -15,7 +15,7 @@ import torch
 from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.common.logger import log
 
-from ..compression import ErrorFeedback, decompress
+from ..compression import ErrorFeedback, decompress, flatten_states, unflatten_states
 from ..config import CODEC_DEFAULTS, SPARSE_CODECS, CodecConfig
 from ..privacy import LocalDP, clip_and_noise
 from ..protocol import (
@@ -171,13 +171,14 @@ def compress_update(
             deltas[key] = flat[off : off + d.numel()].reshape(d.shape)
             off += d.numel()
     payloads: dict[str, bytes] = {}
-    new_res: dict[str, np.ndarray] = {}
+    states = unflatten_states(residuals)  # residual (+ momentum, codec memory) per payload key
+    new_states: dict[str, dict[str, np.ndarray]] = {}
     layer_sq_err: dict[str, float] = {}
     layer_sq_norm: dict[str, float] = {}
     used_density = 0.0
     for ukey, members, name in units:
         x = torch.cat([deltas[k].reshape(-1) for k in members]) if ukey == MODEL_KEY else deltas[ukey]
-        prev = residuals.get(ukey) if codec.error_feedback else None
+        prev = states.get(ukey, {}).get("residual") if codec.error_feedback else None
         if prev is not None and tuple(prev.shape) != tuple(x.shape):
             log(WARNING, "fedcomp: residual for '%s' has shape %s, the update %s: starting from zero", ukey,
                 tuple(prev.shape), tuple(x.shape))
@@ -191,10 +192,12 @@ def compress_update(
             used_density = density
         compressor = codec.build(seed=seed, compressor=name, density=density)
         if codec.error_feedback:
-            ef = ErrorFeedback(compressor, residual_dtype=codec.residual_dtype)
-            ef.set_residual(prev)
+            ef = ErrorFeedback(compressor, residual_dtype=codec.residual_dtype, momentum=codec.momentum_correction)
+            for name in ef.set_state(states.get(ukey, {}), shape=tuple(x.shape)):
+                if name != "residual":  # the residual's mismatch was logged above
+                    log(WARNING, "fedcomp: saved %s for '%s' has another shape: starting from zero", name, ukey)
             payloads[ukey] = ef.compress(x)
-            new_res[ukey] = ef.get_residual()
+            new_states[ukey] = ef.get_state()
             err = ef.residual.reshape(-1).float()
         else:
             payloads[ukey] = compressor.compress(x)
@@ -207,7 +210,8 @@ def compress_update(
             layer_sq_norm[k] = float((vflat[off : off + n] ** 2).sum())
             off += n
     sq_err, sq_norm = sum(layer_sq_err.values()), sum(layer_sq_norm.values())
-    res_sq = sum(float((r.astype(np.float64) ** 2).sum()) for r in new_res.values())
+    res_sq = sum(float((st["residual"].astype(np.float64) ** 2).sum()) for st in new_states.values())
+    new_res = flatten_states(new_states)
     stats: dict[str, Any] = {
         "upload-bytes": float(sum(len(p) for p in payloads.values())),
         "dense-bytes": float(sum(4 * d.numel() for d in deltas.values())),
