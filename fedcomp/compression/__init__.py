@@ -21,17 +21,17 @@ from .base import (
     decompress_sparse,
     get_compressor,
 )
-from .exact import EXACT_NAME, decode_exact, encode_exact, is_exact_dtype
 from .error_feedback import ErrorFeedback, flatten_states, unflatten_states
 from .errors import PayloadError
+from .exact import EXACT_NAME, decode_exact, encode_exact, is_exact_dtype
 from .positions import information_bound_bits, rice_parameter
 from .wire import DEFAULT_MAX_NUMEL, parse_header
 
 __all__ = [
     "CODECS",
-    "Compressor",
     "DEFAULT_MAX_NUMEL",
     "EXACT_NAME",
+    "Compressor",
     "ErrorFeedback",
     "PayloadError",
     "available_compressors",
@@ -42,9 +42,9 @@ __all__ = [
     "decompress_sparse",
     "encode_exact",
     "flatten_states",
-    "is_exact_dtype",
     "get_compressor",
     "information_bound_bits",
+    "is_exact_dtype",
     "parse_header",
     "rice_parameter",
     "unflatten_states",

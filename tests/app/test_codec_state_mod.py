@@ -86,7 +86,7 @@ def test_federation_in_process(codec):
     from fedcomp.client.app import app as client_app
     from fedcomp.models import build_model
 
-    common = dict(fraction_evaluate=0.0, min_available_nodes=2, min_train_nodes=2)
+    common = {"fraction_evaluate": 0.0, "min_available_nodes": 2, "min_train_nodes": 2}
     grid = InProcessGrid(client_app, 2, {"num-server-rounds": 2})
     s = CompressedStrategy(FedAvg(**common), **{k.replace("-", "_"): v for k, v in codec.items()})
     start = ArrayRecord(build_model().state_dict())

@@ -27,3 +27,16 @@ def decodes_or_payload_error(data: bytes) -> None:
     except fc.PayloadError:
         return
     assert out.dtype == torch.float32 and bool(torch.isfinite(out).all())
+
+
+def flip_and_cut(p: bytes, data) -> bytes:
+    """A payload with 1-4 random bit flips, then (half of the time) truncated; ``data`` is
+    hypothesis's ``st.data()``."""
+    from hypothesis import strategies as st
+
+    b = bytearray(p)
+    for _ in range(data.draw(st.integers(1, 4))):
+        i = data.draw(st.integers(0, len(b) - 1))
+        b[i] ^= 1 << data.draw(st.integers(0, 7))
+    cut = data.draw(st.integers(0, len(b)))
+    return bytes(b[:cut]) if data.draw(st.booleans()) else bytes(b)

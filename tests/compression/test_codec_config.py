@@ -3,7 +3,6 @@
 import pytest
 import torch
 
-import fedcomp.compression as fc
 from fedcomp.client.training import TrainConfig, train
 from fedcomp.config import AppConfig, CodecConfig
 

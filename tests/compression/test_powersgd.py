@@ -12,7 +12,7 @@ import fedcomp.compression as fc
 from fedcomp.compression.powersgd import low_rank_pays, matrix_shape, orthogonalize
 from fedcomp.compression.wire import pack_header, parse_header
 
-from .helpers import decode_peak_ratio, decodes_or_payload_error
+from .helpers import decode_peak_ratio, decodes_or_payload_error, flip_and_cut
 
 
 def randn(*shape, seed=0):
@@ -217,12 +217,7 @@ VALID = [good(), good((12, 9), 2, "fp16"), good((8, 2, 3, 3), 1)]
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.sampled_from(VALID), st.data())
 def test_fuzz_bitflips_and_truncations(p, data):
-    b = bytearray(p)
-    for _ in range(data.draw(st.integers(1, 4))):
-        i = data.draw(st.integers(0, len(b) - 1))
-        b[i] ^= 1 << data.draw(st.integers(0, 7))
-    cut = data.draw(st.integers(0, len(b)))
-    decodes_or_payload_error(bytes(b[:cut]) if data.draw(st.booleans()) else bytes(b))
+    decodes_or_payload_error(flip_and_cut(p, data))
 
 
 @settings(max_examples=200, deadline=None)
