@@ -122,6 +122,10 @@ class ClientLevelDP:
         else:
             self._gen.manual_seed(int(self.seed))
 
+    def clip_factor(self, norm: float) -> float:
+        """``min(1, C / norm)``: the factor that clips an update of L2 norm ``norm`` to ``clipping_norm``."""
+        return min(1.0, self.clipping_norm / norm) if norm > 0 else 1.0
+
     def aggregate(self, updates: list[np.ndarray], clients: int) -> tuple[np.ndarray, dict[str, float]]:
         """Clip, sum, divide by ``clients``, add noise; count one round in the accountant.
 
@@ -135,21 +139,40 @@ class ClientLevelDP:
         Returns
         -------
         (aggregate, info)
-            float32 flat aggregate update; ``clipped-fraction`` (share of updates that were
-            clipped), ``max-update-norm`` (before clipping), ``epsilon`` (cumulative).
+            As :meth:`finish`.
         """
         norms = [float(np.linalg.norm(u.astype(np.float64))) for u in updates]
         total = np.zeros_like(updates[0], dtype=np.float64)
         for u, n in zip(updates, norms):
-            total += u.astype(np.float64) * (min(1.0, self.clipping_norm / n) if n > 0 else 1.0)
-        agg = total / clients
+            total += u.astype(np.float64) * self.clip_factor(n)
+        return self.finish(total, norms, clients)
+
+    def finish(self, clipped_sum: np.ndarray, norms: list[float], clients: float) -> tuple[np.ndarray, dict[str, float]]:
+        """Divide the sum of clipped updates by ``clients``, add the noise; count one round.
+
+        Parameters
+        ----------
+        clipped_sum : np.ndarray
+            float64, flat: ``sum_i clip_factor(||u_i||) * u_i`` (folded reply by reply by the server).
+        norms : list of float
+            The updates' L2 norms before clipping (for the reported statistics).
+        clients : float
+            Clients sampled this round (the divisor; q*N under Poisson sampling).
+
+        Returns
+        -------
+        (aggregate, info)
+            float32 flat aggregate update; ``clipped-fraction`` (share of updates that were
+            clipped), ``max-update-norm`` (before clipping), ``epsilon`` (cumulative).
+        """
+        agg = clipped_sum / clients
         if self.noise_multiplier > 0:
             std = self.noise_multiplier * self.clipping_norm / clients
             agg = agg + torch.randn(agg.shape, generator=self._gen, dtype=torch.float64).numpy() * std
         self.rounds += 1
         return agg.astype(np.float32), {
-            "clipped-fraction": float(np.mean([n > self.clipping_norm for n in norms])),
-            "max-update-norm": max(norms),
+            "clipped-fraction": float(np.mean([n > self.clipping_norm for n in norms])) if norms else 0.0,
+            "max-update-norm": max(norms) if norms else 0.0,
             "epsilon": self.epsilon(self.rounds),
         }
 

@@ -496,6 +496,10 @@ def dp_compatible_copy(model: nn.Module) -> tuple[nn.Module, bool]:
     _strip_opacus(work, plain)
     _disable_inplace(work)
     replaced = False
+    batchnorm = [e for e in ModuleValidator.validate(work, strict=False) if "BatchNorm" in str(e)]
+    if batchnorm:  # fix() would train GroupNorm but evaluate BatchNorm with running statistics never updated
+        raise ValueError(f"DP-SGD cannot train this model as it is: {batchnorm[0]} (choose a model without "
+                         "BatchNorm, e.g. model = 'cnn', or another dp mode)")
     if not ModuleValidator.is_valid(work):
         work = ModuleValidator.fix(work).train()
         replaced = True

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import fnmatch
 import hashlib
 import os
 import pathlib
@@ -11,13 +10,12 @@ from logging import WARNING
 from typing import Any
 
 import numpy as np
-import torch
 from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.common.logger import log
 
-from ..compression import ErrorFeedback, decompress, flatten_states, unflatten_states
-from ..config import CODEC_DEFAULTS, SPARSE_CODECS, CodecConfig
-from ..privacy import LocalDP, clip_and_noise
+from ..compression import PayloadError, decode_exact, decompress
+from ..config import CODEC_DEFAULTS, CodecConfig
+from ..privacy import LocalDP
 from ..protocol import (
     MODEL_KEY,
     MODEL_META_KEY,
@@ -27,10 +25,8 @@ from ..protocol import (
     RESIDUAL_STATE_KEY,
     server_round,
 )
-
-
-class CompositionError(RuntimeError):
-    """The ClientApp's reply cannot be compressed as it stands (wrong mod order, missing keys)."""
+from ..statedict import FlatModel, numpy_dict
+from .update import CompositionError, adaptive_density, compress_update, plan_units  # noqa: F401 (re-exported)
 
 
 def _only_record(content: RecordDict, kind: str) -> tuple[str, Any]:
@@ -57,182 +53,20 @@ def _stream_seed(context: Context, msg: Message) -> int:
     return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little") >> 1
 
 
-def plan_units(shapes: dict[str, tuple[int, ...]], codec: CodecConfig) -> list[tuple[str, list[str], str]]:
-    """Group parameters into payloads: ``[(payload key, member parameter names, codec name), ...]``.
-
-    Per parameter, in order: the first ``layer-codecs`` rule whose pattern matches its name;
-    else ``small-tensor-compressor`` if it has fewer than ``min-compress-numel`` elements;
-    else the default ``compressor``. Default-codec parameters share one payload under
-    ``MODEL_KEY`` (their updates flattened and concatenated in model order) when the scope is
-    "model"; every other parameter gets its own payload under its own name.
-    """
-    rules = codec.rules
-    default: list[str] = []
-    units: list[tuple[str, list[str], str]] = []
-    for key, shape in shapes.items():
-        rule = next((c for pat, c in rules if fnmatch.fnmatchcase(key, pat)), None)
-        n = int(np.prod(shape)) if shape else 1
-        if rule is not None:
-            units.append((key, [key], rule))
-        elif n < codec.min_compress_numel:
-            units.append((key, [key], codec.small_tensor_compressor))
-        elif codec.scope == "model":
-            default.append(key)
-        else:
-            units.append((key, [key], codec.compressor))
-    if default:
-        units.append((MODEL_KEY, default, codec.compressor))
-    return units
-
-
-def adaptive_density(v: torch.Tensor, codec_name: str, target: float, lo: float, hi: float) -> float:
-    """Smallest density in [lo, hi] whose relative error on ``v`` is <= ``target`` (else ``hi``).
-
-    One sort of ``|v|`` and cumulative sums give every k's error at once: top-k leaves
-    ``||v||^2 - sum_{i<=k} v_(i)^2``; STC (all kept values -> ±mu) leaves
-    ``||v||^2 - (sum_{i<=k} |v|_(i))^2 / k``.
-    """
-    n = v.numel()
-    mag = torch.sort(v.detach().abs().reshape(-1).double(), descending=True).values
-    total = float((mag**2).sum())
-    if n == 0 or total == 0.0:
-        return lo
-    k = torch.arange(1, n + 1, dtype=torch.float64)
-    kept = torch.cumsum(mag, 0) ** 2 / k if codec_name == "stc" else torch.cumsum(mag**2, 0)
-    err = torch.sqrt(torch.clamp(total - kept, min=0.0) / total)
-    k_lo, k_hi = max(int(round(lo * n)), 1), max(int(round(hi * n)), 1)
-    ok = torch.nonzero(err[k_lo - 1 : k_hi] <= target)
-    return (k_lo + int(ok[0])) / n if len(ok) else hi
-
-
-def compress_update(
-    received: dict[str, np.ndarray], trained: dict[str, np.ndarray], codec: CodecConfig,
-    residuals: dict[str, np.ndarray], seed: int | None = None, local_dp: LocalDP | None = None,
-) -> tuple[dict[str, bytes], dict[str, np.ndarray], dict[str, Any]]:
-    """Compress ``trained - received``, parameter by parameter or as one model vector, with error feedback.
-
-    Parameters
-    ----------
-    received, trained : dict of str to np.ndarray
-        Global weights as received and the locally trained weights; same keys and shapes.
-    codec : CodecConfig
-        Codec, per-layer policy, adaptive density and error-feedback settings.
-    residuals : dict of str to np.ndarray
-        Residuals from earlier rounds, by payload key (may be empty); entries of another
-        shape are ignored (the residual restarts at 0).
-    seed : int, optional
-        Seed of stochastic codecs and of local-DP noise.
-    local_dp : LocalDP, optional
-        Clip the whole update and add Gaussian noise first, before error feedback and
-        compression (so every selection is made on the noisy update, and the residual is
-        kept of the noisy vector).
-
-    Returns
-    -------
-    (payloads, new_residuals, stats)
-        Payload bytes per payload key (see :func:`plan_units`); residual per payload key
-        (empty without error feedback); and ``upload-bytes``, ``dense-bytes`` (4 bytes per
-        parameter), ``compression-error`` (||v - v_hat|| / ||v|| over the model, v = update +
-        residual), ``residual-norm``, ``density`` (of the default sparse codec, adaptive or
-        not; 0 for dense codecs) and per-parameter lists in model order
-        ``layer-update-norm`` (||update||) and ``layer-compression-error``.
-
-    Raises
-    ------
-    CompositionError
-        Keys or shapes differ between ``received`` and ``trained``.
-    ValueError
-        The update holds NaN/Inf (residuals are then left unchanged).
-    """
-    if list(received) != list(trained):
-        missing = sorted(set(received) - set(trained))
-        extra = sorted(set(trained) - set(received))
-        raise CompositionError(
-            f"trained weights have other keys than the received global model (missing {missing}, extra {extra}); "
-            "the ClientApp must return the full model under the received names"
-        )
-    deltas: dict[str, torch.Tensor] = {}
-    for key, g in received.items():
-        t = trained[key]
-        if t.shape != g.shape:
-            raise CompositionError(f"'{key}': trained shape {t.shape} differs from received {g.shape}")
-        deltas[key] = torch.from_numpy(np.asarray(t, dtype=np.float32) - np.asarray(g, dtype=np.float32))
-    units = plan_units({k: tuple(d.shape) for k, d in deltas.items()}, codec)
-    # Validate every update before touching any residual ("loses nothing" on bad input).
-    for key, d in deltas.items():
-        if d.numel() and not bool(torch.isfinite(d).all()):
-            raise ValueError(f"update of '{key}' holds non-finite values (NaN or Inf); refusing to compress")
-    if local_dp is not None:
-        gen = torch.Generator().manual_seed(seed if seed is not None else 0)
-        flat = clip_and_noise(torch.cat([d.reshape(-1) for d in deltas.values()]), local_dp.clipping_norm,
-                              local_dp.noise_multiplier, gen)
-        off = 0
-        for key, d in deltas.items():
-            deltas[key] = flat[off : off + d.numel()].reshape(d.shape)
-            off += d.numel()
-    payloads: dict[str, bytes] = {}
-    states = unflatten_states(residuals)  # residual (+ momentum, codec memory) per payload key
-    new_states: dict[str, dict[str, np.ndarray]] = {}
-    layer_sq_err: dict[str, float] = {}
-    layer_sq_norm: dict[str, float] = {}
-    used_density = 0.0
-    for ukey, members, name in units:
-        x = torch.cat([deltas[k].reshape(-1) for k in members]) if ukey == MODEL_KEY else deltas[ukey]
-        prev = states.get(ukey, {}).get("residual") if codec.error_feedback else None
-        if prev is not None and tuple(prev.shape) != tuple(x.shape):
-            log(WARNING, "fedcomp: residual for '%s' has shape %s, the update %s: starting from zero", ukey,
-                tuple(prev.shape), tuple(x.shape))
-            prev = None
-        v = x.float() if prev is None else x.float() + torch.as_tensor(prev).float()
-        density = None
-        if name == codec.compressor and name in SPARSE_CODECS:
-            density = codec.density
-            if codec.density_schedule == "adaptive":
-                density = adaptive_density(v, name, codec.target_error, codec.density_min, codec.density_max)
-            used_density = density
-        compressor = codec.build(seed=seed, compressor=name, density=density)
-        if codec.error_feedback:
-            ef = ErrorFeedback(compressor, residual_dtype=codec.residual_dtype, momentum=codec.momentum_correction)
-            for name in ef.set_state(states.get(ukey, {}), shape=tuple(x.shape)):
-                if name != "residual":  # the residual's mismatch was logged above
-                    log(WARNING, "fedcomp: saved %s for '%s' has another shape: starting from zero", name, ukey)
-            payloads[ukey] = ef.compress(x)
-            new_states[ukey] = ef.get_state()
-            err = ef.residual.reshape(-1).float()
-        else:
-            payloads[ukey] = compressor.compress(x)
-            err = (v - decompress(payloads[ukey], max_numel=max(v.numel(), 1))).reshape(-1)
-        off = 0
-        vflat = v.reshape(-1).double()
-        for k in members:
-            n = deltas[k].numel()
-            layer_sq_err[k] = float((err[off : off + n].double() ** 2).sum())
-            layer_sq_norm[k] = float((vflat[off : off + n] ** 2).sum())
-            off += n
-    sq_err, sq_norm = sum(layer_sq_err.values()), sum(layer_sq_norm.values())
-    res_sq = sum(float((st["residual"].astype(np.float64) ** 2).sum()) for st in new_states.values())
-    new_res = flatten_states(new_states)
-    stats: dict[str, Any] = {
-        "upload-bytes": float(sum(len(p) for p in payloads.values())),
-        "dense-bytes": float(sum(4 * d.numel() for d in deltas.values())),
-        "compression-error": (sq_err / sq_norm) ** 0.5 if sq_norm > 0 else 0.0,
-        "residual-norm": res_sq**0.5,
-        "density": float(used_density),
-        "layer-update-norm": [float(torch.linalg.vector_norm(deltas[k].double())) for k in deltas],
-        "layer-compression-error": [(layer_sq_err[k] / layer_sq_norm[k]) ** 0.5 if layer_sq_norm[k] > 0 else 0.0
-                                    for k in deltas],
-    }
-    return payloads, new_res, stats
-
-
 def _rebuild_downstream(msg: Message, context: Context, arr_key: str, rec: ArrayRecord) -> ArrayRecord:
     """Server-to-client compression: rebuild the model from a payload and the kept copy, and keep
     the model copy (with its version) in ``context.state`` whenever the server versions the model.
+
+    A payload record holds ``MODEL_KEY`` (the compressed change of every float tensor, flattened in
+    model order) and, under their own names, exact payloads of the integer/bool tensors that changed;
+    the others keep the held copy's values.
 
     Raises
     ------
     CompositionError
         A payload arrives but this node holds no model copy, or a copy of another version.
+    PayloadError
+        A malformed payload, or an exact payload for an unknown key or of another dtype/shape.
     """
     from ..strategies.downstream import BASE_VERSION, MODEL_VERSION
 
@@ -249,18 +83,18 @@ def _rebuild_downstream(msg: Message, context: Context, arr_key: str, rec: Array
         held = int(context.state[MODEL_META_KEY]["version"])
         if held != cfg.get(BASE_VERSION):
             raise CompositionError(f"this node holds model version {held}, the payload applies to {cfg.get(BASE_VERSION)}")
-        base = context.state[MODEL_STATE_KEY]
-        flat = np.concatenate([a.numpy().astype(np.float32).ravel() for a in base.values()])
-        flat = flat + decompress(rec[MODEL_KEY].data, max_numel=max(flat.size, 1),
-                                 expected_shape=(flat.size,)).numpy()
-        out, off = ArrayRecord(), 0
-        for k, a in base.items():
-            n = int(np.prod(a.shape)) if a.shape else 1
-            out[k] = Array(np.ascontiguousarray(flat[off : off + n].reshape(a.shape)))
-            off += n
-        rec = out
+        base = FlatModel.from_record(context.state[MODEL_STATE_KEY])
+        extra = sorted(set(rec.keys()) - {MODEL_KEY} - set(base.exact_keys))
+        if extra:
+            raise PayloadError(f"downstream payload carries unknown or float keys {extra[:5]}")
+        update = decompress(rec[MODEL_KEY].data, max_numel=max(base.num_float, 1),
+                            expected_shape=(base.num_float,)).numpy()
+        exact = {k: decode_exact(rec[k].data, base.specs[k].shape, base.specs[k].dtype)
+                 for k in base.exact_keys if k in rec}
+        rec = base.record(update, exact)
         msg.content[arr_key] = rec
-    context.state[MODEL_STATE_KEY] = ArrayRecord({k: Array(a.numpy().copy()) for k, a in rec.items()})
+    context.state[MODEL_STATE_KEY] = ArrayRecord({k: Array(dtype=a.dtype, shape=tuple(a.shape), stype=a.stype,
+                                                           data=bytes(a.data)) for k, a in rec.items()})
     context.state[MODEL_META_KEY] = MetricRecord({"version": int(cfg[MODEL_VERSION])})
     return rec
 
@@ -274,7 +108,8 @@ def _check_client_clipping(msg: Message, received: dict, trained: dict) -> None:
     clip = cfg.get("clipping_norm")
     if isinstance(clip, bool) or not isinstance(clip, (int, float)):
         return
-    norm = float(np.sqrt(sum(((np.asarray(trained[k], np.float64) - received[k]) ** 2).sum() for k in received)))
+    norm = float(np.sqrt(sum(((np.asarray(trained[k], np.float64) - received[k]) ** 2).sum() for k in received
+                             if np.asarray(received[k]).dtype.kind == "f")))  # float tensors: the update
     if norm > clip * (1 + 1e-4):
         raise CompositionError(
             f"the server asked for client-side clipping (clipping_norm={clip}) but the update reaching compression_mod "
@@ -321,14 +156,39 @@ def load_residuals(path: pathlib.Path, before_round: int) -> dict[str, np.ndarra
     return res if saved_round < before_round or before_round == 0 else {}
 
 
-def _local_dp(msg: Message) -> LocalDP | None:
-    """Local update DP requested by the server in the train config (None if absent)."""
-    if not msg.content.config_records:
-        return None
-    _, cfg = _only_record(msg.content, "config")
-    if "local-dp-clipping-norm" not in cfg:
-        return None
-    return LocalDP(cfg["local-dp-clipping-norm"], cfg.get("local-dp-noise-multiplier", 0.0))
+def _own_local_dp(context: Context) -> LocalDP | None:
+    """This client's own local-DP floor: node config ``dp = "local"`` (with its ``noise-multiplier``
+    and ``clipping-norm``), else the run config's; None if neither asks for local DP."""
+    for cfg in (context.node_config, context.run_config):
+        if cfg.get("dp") == "local":
+            return LocalDP(cfg.get("clipping-norm", 1.0), cfg.get("noise-multiplier", 1.0))
+        if "dp" in cfg:
+            return None
+    return None
+
+
+def _local_dp(msg: Message, context: Context) -> LocalDP | None:
+    """Local update DP for this round: the server's request (train config), checked against this
+    client's own floor (:func:`_own_local_dp`).
+
+    The privacy of a Gaussian release depends on the noise multiplier alone, so the server may pick
+    the clipping norm, but never a noise multiplier below the client's own.
+
+    Raises
+    ------
+    ValueError
+        The client's own config asks for local DP and the server's train message asks for none or
+        for a smaller noise multiplier: the client refuses to train (Flower sends an error reply).
+    """
+    cfg = _only_record(msg.content, "config")[1] if msg.content.config_records else {}
+    server = (LocalDP(cfg["local-dp-clipping-norm"], cfg.get("local-dp-noise-multiplier", 0.0))
+              if "local-dp-clipping-norm" in cfg else None)
+    own = _own_local_dp(context)
+    if own is not None and (server is None or server.noise_multiplier < own.noise_multiplier):
+        asked = "no local DP" if server is None else f"noise multiplier {server.noise_multiplier}"
+        raise ValueError(f"privacy floor: this client's config sets dp = 'local' with noise multiplier "
+                         f"{own.noise_multiplier}, the server asked for {asked}; the client does not train")
+    return server
 
 
 def _link_speeds(context: Context) -> dict[str, float]:
@@ -373,8 +233,9 @@ def compression_mod(msg: Message, context: Context, call_next) -> Message:
     arr_key_in, received_rec = _only_record(msg.content, "array")
     download = sum(len(a.data) for a in received_rec.values())
     received_rec = _rebuild_downstream(msg, context, arr_key_in, received_rec)
-    received = {k: a.numpy() for k, a in received_rec.items()}
+    received, dtypes = numpy_dict(received_rec)
     seed = _stream_seed(context, msg)
+    local_dp = _local_dp(msg, context)  # refuses before training if the server asks below this client's floor
 
     reply = call_next(msg, context)
     if reply.has_error():
@@ -382,7 +243,7 @@ def compression_mod(msg: Message, context: Context, call_next) -> Message:
     arr_key, trained_rec = _only_record(reply.content, "array")
     if any(a.stype == PAYLOAD_STYPE for a in trained_rec.values()):
         raise CompositionError("reply is already compressed: add compression_mod only once, as the first mod")
-    trained = {k: a.numpy() for k, a in trained_rec.items()}
+    trained = numpy_dict(trained_rec)[0]
     _check_client_clipping(msg, received, trained)
 
     residuals: dict[str, np.ndarray] = {}
@@ -393,7 +254,7 @@ def compression_mod(msg: Message, context: Context, call_next) -> Message:
     elif state_file is not None:
         residuals = load_residuals(state_file, before_round=rnd)
     t0 = time.perf_counter()
-    payloads, new_res, stats = compress_update(received, trained, codec, residuals, seed, _local_dp(msg))
+    payloads, new_res, stats = compress_update(received, trained, codec, residuals, seed, local_dp, dtypes)
     stats["compress-seconds"] = time.perf_counter() - t0
     stats["residual-bytes"] = float(sum(r.nbytes for r in new_res.values()))
     stats.update(_link_speeds(context))

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Callable, ClassVar
+from collections.abc import Callable
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -12,12 +13,12 @@ from .exact import EXACT_CODEC_ID, EXACT_NAME
 from .wire import DEFAULT_MAX_NUMEL, DTYPE_CODES, Header, pack_header, parse_header
 
 #: name -> Compressor subclass
-CODECS: dict[str, type["Compressor"]] = {}
+CODECS: dict[str, type[Compressor]] = {}
 #: codec id -> Compressor subclass (used by ``decompress``)
-_BY_ID: dict[int, type["Compressor"]] = {}
+_BY_ID: dict[int, type[Compressor]] = {}
 
 
-def register(cls: type["Compressor"]) -> type["Compressor"]:
+def register(cls: type[Compressor]) -> type[Compressor]:
     """Class decorator: add a codec to the registry under ``cls.name`` and ``cls.codec_id``.
 
     Raises

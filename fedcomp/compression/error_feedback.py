@@ -15,13 +15,22 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from .base import Compressor, check_input, check_range, decompress
+from .base import Compressor, check_input, check_range, decompress, decompress_sparse
 
 _RESIDUAL_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 #: Keys of :meth:`ErrorFeedback.get_state` besides the codec's own ("<codec name>/<key>").
 RESIDUAL, MOMENTUM = "residual", "momentum"
 #: Separator between a payload key and a state entry name in :func:`flatten_states`.
 STATE_SEP = "#"
+
+
+def _segment_sq_norms(flat: torch.Tensor, sizes: list[int]) -> list[float]:
+    """Squared L2 norms of consecutive segments of a float32 vector (fp32 reduction, float results)."""
+    out, off = [], 0
+    for n in sizes:
+        out.append(float(torch.linalg.vector_norm(flat[off: off + n])) ** 2 if n else 0.0)
+        off += n
+    return out
 
 
 class ErrorFeedback:
@@ -80,8 +89,10 @@ class ErrorFeedback:
         self.last_error = 0.0
         self.last_sq_error = 0.0
         self.last_sq_norm = 0.0
+        self.last_segment_sq_norms: list[float] = []
+        self.last_segment_sq_errors: list[float] = []
 
-    def compress(self, x: torch.Tensor) -> bytes:
+    def compress(self, x: torch.Tensor, *, inplace: bool = False, segments: list[int] | None = None) -> bytes:
         """Compress ``x`` plus the residual and update the residual.
 
         Parameters
@@ -89,6 +100,15 @@ class ErrorFeedback:
         x : torch.Tensor
             Any shape and supported float dtype; CPU or CUDA. Must keep the same shape
             across calls (call :meth:`reset` to change it).
+        inplace : bool
+            Allow overwriting a float32 ``x``: it becomes ``v = x + e`` and then the new
+            residual, so the call needs no model-sized copy of its own (not once a momentum
+            buffer exists: momentum correction keeps ``x`` untouched). Default False.
+        segments : list of int, optional
+            Sizes of consecutive segments of the flattened ``x`` (summing to ``x.numel()``);
+            their squared norms of ``v`` and of the error are then kept in
+            :attr:`last_segment_sq_norms` / :attr:`last_segment_sq_errors` (per-layer
+            monitoring without another pass by the caller).
 
         Returns
         -------
@@ -102,32 +122,50 @@ class ErrorFeedback:
             buffer's); the state is left unchanged.
         """
         check_input(x)
-        v = x.detach().to(torch.float32)
-        if self.momentum > 0 and self.momentum_buffer is not None:
-            if self.momentum_buffer.shape != v.shape:
-                raise ValueError(f"input shape {tuple(v.shape)} differs from the momentum buffer's "
-                                 f"{tuple(self.momentum_buffer.shape)}")
-            v = self.momentum * self.momentum_buffer.to(device=v.device, dtype=torch.float32) + v
-        u = v
+        if self.residual is not None and self.residual.shape != x.shape:
+            raise ValueError(f"input shape {tuple(x.shape)} differs from the residual's {tuple(self.residual.shape)}")
+        mom = self.momentum_buffer if self.momentum > 0 else None
+        if mom is not None and mom.shape != x.shape:
+            raise ValueError(f"input shape {tuple(x.shape)} differs from the momentum buffer's {tuple(mom.shape)}")
+        v = x.detach()
+        shared = v.dtype == torch.float32 and inplace and mom is None  # v is x itself
+        if not shared:
+            v = v.to(torch.float32, copy=True)
+        if mom is not None:  # DGC: u <- beta * u + x
+            v.add_(mom.to(device=v.device, dtype=torch.float32), alpha=self.momentum)
+        u = v.clone() if self.momentum > 0 else None
         if self.residual is not None:
-            if self.residual.shape != v.shape:
-                raise ValueError(f"input shape {tuple(v.shape)} differs from the residual's {tuple(self.residual.shape)}")
-            v = v + self.residual.to(device=v.device, dtype=torch.float32)
+            v += self.residual.to(device=v.device, dtype=torch.float32)
             if not bool(torch.isfinite(v.sum())) and not bool(torch.isfinite(v).all()):
+                if shared:
+                    v -= self.residual.to(device=v.device, dtype=torch.float32)  # give x back as it was
                 raise ValueError("input + residual overflows float32; residual left unchanged")
+        flat = v.reshape(-1)
+        sizes = [flat.numel()] if segments is None else list(segments)
+        norms = _segment_sq_norms(flat, sizes)
         payload = self.compressor.compress(v)
-        v_hat = decompress(payload, max_numel=max(v.numel(), 1)).to(v.device)
-        err = v - v_hat
-        self.last_sq_error = float(torch.sum(err.double() ** 2))
-        self.last_sq_norm = float(torch.sum(v.double() ** 2))
+        # The error v - v_hat, in place in v: O(k) for sparse payloads, one decode otherwise.
+        sparse = decompress_sparse(payload, max_numel=max(v.numel(), 1))
+        if sparse is not None:
+            pos, vals = (torch.from_numpy(a).to(v.device) for a in sparse)
+            flat[pos] -= vals
+            sent = pos[vals != 0]
+        else:
+            v_hat = decompress(payload, max_numel=max(v.numel(), 1)).to(v.device)
+            v -= v_hat
+            sent = torch.nonzero(v_hat.reshape(-1)).reshape(-1) if u is not None else None
+            del v_hat
+        errors = _segment_sq_norms(flat, sizes)
+        self.last_sq_error, self.last_sq_norm = float(sum(errors)), float(sum(norms))
+        self.last_segment_sq_norms, self.last_segment_sq_errors = norms, errors
         self.last_error = (self.last_sq_error / self.last_sq_norm) ** 0.5 if self.last_sq_norm else 0.0
         store = _RESIDUAL_DTYPES[self.residual_dtype]
         if self.residual_dtype == "fp16":  # saturate: an Inf residual would poison every later round
-            err = err.clamp(-65504.0, 65504.0)
-        if self.momentum > 0:  # momentum factor masking: forget u where entries were sent
-            masked = torch.where(v_hat != 0, torch.zeros((), device=u.device), u)
-            self.momentum_buffer = (masked.clamp(-65504.0, 65504.0) if store == torch.float16 else masked).to(store)
-        self.residual = err.to(store)
+            v = v.clamp_(-65504.0, 65504.0)
+        if u is not None:  # momentum factor masking: forget u where entries were sent
+            u.view(-1)[sent] = 0.0
+            self.momentum_buffer = (u.clamp_(-65504.0, 65504.0) if store == torch.float16 else u).to(store)
+        self.residual = v.to(store)
         return payload
 
     @property
@@ -135,9 +173,15 @@ class ErrorFeedback:
         """L2 norm of the residual (0.0 before the first call)."""
         return 0.0 if self.residual is None else float(torch.linalg.vector_norm(self.residual.double()))
 
-    def get_residual(self) -> np.ndarray | None:
-        """The residual as a numpy array (its storage dtype, CPU), or None; for saving."""
-        return None if self.residual is None else self.residual.detach().cpu().numpy().copy()
+    def get_residual(self, copy: bool = True) -> np.ndarray | None:
+        """The residual as a numpy array (its storage dtype, CPU), or None; for saving.
+
+        ``copy=False`` returns a view of a CPU residual (valid until the next :meth:`compress`).
+        """
+        if self.residual is None:
+            return None
+        out = self.residual.detach().cpu().numpy()
+        return out.copy() if copy else out
 
     def set_residual(self, residual: np.ndarray | torch.Tensor | None) -> None:
         """Restore a residual saved with :meth:`get_residual` (or any array of the input shape).
@@ -155,8 +199,10 @@ class ErrorFeedback:
             raise ValueError("residual holds non-finite values")
         self.residual = t.clone()
 
-    def get_state(self) -> dict[str, np.ndarray]:
+    def get_state(self, copy: bool = True) -> dict[str, np.ndarray]:
         """The whole client-side state as numpy arrays (storage dtype, CPU), for saving.
+
+        ``copy=False`` returns views of CPU buffers (valid until the next :meth:`compress`).
 
         Returns
         -------
@@ -167,9 +213,10 @@ class ErrorFeedback:
         """
         out: dict[str, np.ndarray] = {}
         if self.residual is not None:
-            out[RESIDUAL] = self.get_residual()
+            out[RESIDUAL] = self.get_residual(copy=copy)
         if self.momentum_buffer is not None:
-            out[MOMENTUM] = self.momentum_buffer.detach().cpu().numpy().copy()
+            mom = self.momentum_buffer.detach().cpu().numpy()
+            out[MOMENTUM] = mom.copy() if copy else mom
         out.update({f"{self.compressor.name}/{k}": v for k, v in self.compressor.get_state().items()})
         return out
 

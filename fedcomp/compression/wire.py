@@ -182,8 +182,11 @@ def parse_header(payload: bytes | bytearray | memoryview, max_numel: int = DEFAU
         raise PayloadError(f"truncated: header with {ndim} dims needs {need} bytes, payload has {len(mv)}")
     shape = struct.unpack_from(f"<{ndim}Q", mv, off)
     off += 8 * ndim
-    if 0 not in shape and any(d > max(max_numel, 1) for d in shape):  # a zero dimension allocates nothing
-        raise PayloadError(f"payload claims a dimension of {max(shape)} elements, above the limit of {max_numel}")
+    # A zero-element shape such as (0, 5) allocates nothing: its other dimensions may exceed max_numel
+    # (up to DEFAULT_MAX_NUMEL), never 2**63.
+    dim_limit = max(max_numel, 1) if 0 not in shape else max(max_numel, DEFAULT_MAX_NUMEL)
+    if any(d > dim_limit for d in shape):
+        raise PayloadError(f"payload claims a dimension of {max(shape)} elements, above the limit of {dim_limit}")
     numel = 1
     for d in shape:  # loop over <= 32 dims, with an early exit: no overflowing product
         numel *= d

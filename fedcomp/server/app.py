@@ -19,6 +19,7 @@ from ..config import AppConfig
 from ..data import DataConfig, load_test_set
 from ..models import build_model
 from ..privacy import NO_AMPLIFICATION, ClientLevelDP, LocalDP
+from ..statedict import copy_array
 from ..strategies import CompressedStrategy
 from ..strategies.offset import RoundOffset
 from . import checkpoint
@@ -186,7 +187,7 @@ def main(grid: Grid, context: Context) -> None:
         if saved is not None and saved != privacy_settings(cfg):
             raise ValueError(f"run config 'resume': the privacy settings differ from the checkpoint's ({saved} vs "
                              f"{privacy_settings(cfg)}); epsilon cannot be accounted across a change")
-        initial = ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in weights.items()})
+        initial = ArrayRecord({k: Array(copy_array(v)) for k, v in weights.items()})
         recorder.restore(meta)
         log(INFO, "fedcomp  resuming %s after round %d", out_dir, offset)
     remaining = cfg.num_server_rounds - offset

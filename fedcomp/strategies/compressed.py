@@ -9,7 +9,7 @@ from logging import ERROR, INFO, WARNING
 from typing import Iterable
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
@@ -17,7 +17,9 @@ from flwr.serverapp.strategy import Strategy
 from ..compression import PayloadError, available_compressors
 from ..config import CodecConfig
 from ..privacy import ClientLevelDP, LocalDP
-from .decode import decode_update
+from ..statedict import FlatModel, array_to_numpy, cast_checked, copy_array, numpy_to_array
+from .aggregate import ExactVotes, RunningSum, dense_memory_note, streams
+from .decode import DecodedUpdate, decode_reply
 from .downstream import Downstream
 
 
@@ -78,6 +80,18 @@ def _check_rules_match(codec: CodecConfig, keys: list[str]) -> None:
                              f"parameters are {keys}")
 
 
+def _common_metric_keys(contents: list[RecordDict]) -> None:
+    """Trim every reply's MetricRecord to the keys all replies share (Flower's FedAvg requires
+    identical keys; an honest client adding a metric of its own must not abort the round)."""
+    if not contents:
+        return
+    common = set.intersection(*(set(c["metrics"].keys()) for c in contents))
+    for c in contents:
+        m = c["metrics"]
+        if set(m.keys()) != common:
+            c["metrics"] = MetricRecord({k: v for k, v in m.items() if k in common})
+
+
 class CompressedStrategy(Strategy):
     """Wrap any Message-API strategy so that clients send compressed updates.
 
@@ -133,6 +147,11 @@ class CompressedStrategy(Strategy):
         privacy amplification by sampling in client-level DP (``ClientLevelDP(sample_rate=q)``).
     seed : int, optional
         Seed of the Poisson sampling.
+    aggregation : {"auto", "dense"}
+        "auto" (default): for Flower's weighted-mean strategies (FedAvg, FedAvgM, FedAdam, FedYogi,
+        FedAdagrad, FedProx) and client-level DP, fold every decoded reply into one running sum
+        (server memory O(model) for any number of clients; sparse payloads in O(k)); every other
+        inner strategy gets each client's dense weights. "dense": always the latter (for checks).
     **params
         Codec parameters by their Python or run-config names: ``density``, ``levels``,
         ``block_size``, ``value_dtype``, ``residual_dtype``.
@@ -146,7 +165,10 @@ class CompressedStrategy(Strategy):
     def __init__(self, inner: Strategy, compressor: str = "stc", error_feedback: bool = True,
                  max_num_examples: int = 10**9, client_dp: ClientLevelDP | None = None,
                  local_dp: LocalDP | None = None, max_epsilon: float | None = None, downstream: str | None = None,
-                 client_sampling: float | None = None, seed: int | None = None, **params) -> None:
+                 client_sampling: float | None = None, seed: int | None = None, aggregation: str = "auto",
+                 **params) -> None:
+        if aggregation not in ("auto", "dense"):
+            raise ValueError(f"aggregation must be 'auto' or 'dense', got {aggregation!r}")
         if not isinstance(inner, Strategy):
             raise TypeError(f"inner must be a flwr.serverapp.strategy.Strategy, got {type(inner).__name__}")
         self.inner = inner
@@ -172,6 +194,9 @@ class CompressedStrategy(Strategy):
         self.stopped_reason = ""
         self._eps_trace: list[float] = []
         self._eps_next = 0.0
+        self._eps_floor_trace: list[float] = []
+        self.aggregation = aggregation
+        self._dense_noted = False
         self._local_rounds = 0
         self._sampled = 0
         self._sent: dict[int, dict[str, np.ndarray]] = {}
@@ -206,7 +231,7 @@ class CompressedStrategy(Strategy):
         if server_round == 1:
             _check_rules_match(codec, list(arrays.keys()))
         self.history.setdefault(server_round, {})
-        self._sent = {server_round: {k: a.numpy().copy() for k, a in arrays.items()}}
+        self._sent = {server_round: FlatModel.from_record(arrays)}
         if self._budget_exhausted(server_round):
             self._sampled = 0
             return []
@@ -240,9 +265,9 @@ class CompressedStrategy(Strategy):
             nxt = self.local_dp.epsilon(self._local_rounds + 1)
         elif self._eps_next:
             nxt = self._eps_next
-        elif len(self._eps_trace) >= 1:
-            last = self._eps_trace[-1]
-            step = last - (self._eps_trace[-2] if len(self._eps_trace) >= 2 else 0.0)
+        elif len(self._eps_floor_trace) >= 1:  # the lowest report: one client cannot stop everyone
+            last = self._eps_floor_trace[-1]
+            step = last - (self._eps_floor_trace[-2] if len(self._eps_floor_trace) >= 2 else 0.0)
             nxt = last + step
         else:
             return False
@@ -263,17 +288,33 @@ class CompressedStrategy(Strategy):
 
     # -- the one concern ---------------------------------------------------------------
     def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Decode, validate and rebuild every reply, then let ``inner`` aggregate the dense ones."""
-        replies = list(replies)
-        sent = self._sent.get(server_round)
-        if sent is None:
+        """Decode and validate every reply, fold it into the aggregate, hand the result to ``inner``.
+
+        Orchestration only: decode -> validate (:func:`decode_reply`) -> fold (:mod:`.aggregate`:
+        one running sum for weighted-mean strategies and client-level DP; every reply dense for
+        the others) -> hand over -> restore dtypes and the integer/bool rule.
+        """
+        model = self._sent.get(server_round)
+        if model is None:
             raise RuntimeError(f"aggregate_train for round {server_round} without configure_train")
-        good: list[Message] = []
+        if isinstance(model, dict):  # tests and callers that set the sent weights by hand
+            model = FlatModel(model, {k: str(np.asarray(v).dtype) for k, v in model.items()})
+        # A fixed order (by node id): float sums, and so runs, do not depend on arrival order.
+        replies = sorted(replies, key=lambda r: r.metadata.src_node_id)
+        streaming = self.client_dp is not None or (self.aggregation == "auto" and streams(self.inner))
+        if not streaming and not self._dense_noted:
+            log(INFO, "%s", dense_memory_note(self.inner, len(replies), model))
+            self._dense_noted = True
+        running = RunningSum(model)
+        votes = ExactVotes(model)
+        dense: list[Message] = []
+        metric_contents: list[RecordDict] = []
+        norms: list[float] = []
         stats: list[dict] = []
-        self._layer_stats: list[dict] = []
-        self._updates: list[np.ndarray] = []
+        self._layer_stats = []
         codec_bytes: dict[str, int] = {}
         rejected = failed = 0
+        wkey = self._inner_attr("weighted_by_key", "num-examples")
         for reply in replies:
             node = reply.metadata.src_node_id
             if reply.has_error():
@@ -284,42 +325,111 @@ class CompressedStrategy(Strategy):
                                "in @app.train(mods=[...]), and the server strategy must be wrapped in CompressedStrategy)")
                 log(WARNING, "round %s: client (node %s) failed: %s", server_round, node, reason)
                 continue
-            try:
-                good.append(self._decode_reply(reply, sent, stats, codec_bytes))
-                if self.downstream is not None:
-                    self.downstream.received(node)
-                    stats[-1]["download-bytes"] = float(self.downstream.sent_bytes.get(node, 0))
+            try:  # everything is validated before anything is folded in
+                update, metrics, stat, layers = self._decode_reply(reply, model, wkey)
             except (PayloadError, ValueError, TypeError, KeyError, OverflowError) as exc:
                 rejected += 1
                 log(WARNING, "round %s: rejected reply from node %s: %s", server_round, node, exc)
+                continue
+            weight = float(metrics[wkey])
+            if self.client_dp is not None:  # clip each decoded update, sum unweighted
+                norm = update.sq_norm() ** 0.5
+                norms.append(norm)
+                running.add(update, self.client_dp.clip_factor(norm), 1.0)
+            elif streaming:
+                running.add(update, weight)
+                votes.add(update.exact, weight)
+                self._carrier = reply
+            else:
+                votes.add(update.exact, weight)
+                dense.append(self._dense_reply(reply, model, update, metrics))
+            metric_contents.append(RecordDict({"metrics": MetricRecord(metrics)}))
+            for name, nbytes in update.codecs.items():
+                codec_bytes[name] = codec_bytes.get(name, 0) + nbytes
+            if self.downstream is not None:
+                self.downstream.received(node)
+                stat["download-bytes"] = float(self.downstream.sent_bytes.get(node, 0))
+            stats.append(stat)
+            self._layer_stats.append(layers)
         budget = [r for r in replies if r.has_error() and "privacy budget" in (r.error.reason or "")]
         if replies and len(budget) == len(replies) and not self.stopped_reason:
             self.stopped_reason = (f"privacy budget: every client refused round {server_round} (max-epsilon reached); "
                                    "no further rounds are run")
             log(WARNING, "%s", self.stopped_reason)
-        arrays, metrics = (None, None)
-        # A fixed order (by node id): float sums, and so runs, do not depend on sampling order.
-        order = sorted(range(len(good)), key=lambda i: good[i].metadata.src_node_id)
-        good = [good[i] for i in order]
-        self._updates = [self._updates[i] for i in order] if self._updates else self._updates
-        self._common_metric_keys(good)
-        dp_info: dict[str, float] = {}
-        if good and self.client_dp is not None:
-            agg, dp_info = self.client_dp.aggregate(self._updates, max(self._sampled, 1e-12))
-            arrays, off = ArrayRecord(), 0
-            for k, g in sent.items():
-                w = g.astype(np.float32) + agg[off : off + g.size].reshape(g.shape)
-                arrays[k] = Array(np.ascontiguousarray(w.astype(g.dtype) if np.issubdtype(g.dtype, np.floating)
-                                                       else np.rint(w).astype(g.dtype)))
-                off += g.size
-        elif good:
-            arrays, metrics = self.inner.aggregate_train(server_round, good)
-        if arrays is not None and not all(np.isfinite(a.numpy()).all() for a in arrays.values()):
-            log(ERROR, "round %s: the aggregated model is not finite; keeping the previous global model",
-                server_round)
-            arrays = None
-        ours = self._round_metrics(stats, codec_bytes, len(good), rejected, failed)
+        _common_metric_keys(metric_contents)
+        arrays, agg_metrics, dp_info = self._hand_over(server_round, model, running, votes, dense, metric_contents,
+                                                       norms, wkey)
+        ours = self._round_metrics(stats, codec_bytes, len(metric_contents), rejected, failed)
         ours.update(dp_info)
+        self._account_epsilon(server_round, replies, stats, ours, dp_info)
+        self.history[server_round] = ours
+        self.client_history[server_round] = stats
+        self.layer_history[server_round] = self._layers_mean(model.float_keys)
+        merged = dict(agg_metrics) if agg_metrics is not None else {}
+        merged.update(ours)
+        return arrays, MetricRecord(merged)
+
+    def _hand_over(self, server_round: int, model: FlatModel, running: RunningSum, votes: ExactVotes,
+                   dense: list[Message], metric_contents: list[RecordDict], norms: list[float],
+                   wkey: str) -> tuple[ArrayRecord | None, MetricRecord | None, dict]:
+        """The aggregate in the model's dtypes: client-level DP's noisy mean, the inner strategy's
+        result on one pre-aggregated reply (streaming) or on every dense reply; integer/bool
+        tensors by fedcomp's rule. A result that is not finite in the model's dtypes is dropped."""
+        if not metric_contents:
+            return None, None, {}
+        dp_info: dict[str, float] = {}
+        if self.client_dp is not None:
+            # Integer/bool tensors keep the global value: an exact aggregate would be released un-noised.
+            agg, dp_info = self.client_dp.finish(running.acc, norms, max(self._sampled, 1e-12))
+            arrays, metrics = model.record(agg, check=False), None
+        else:
+            if running.count:
+                mean = running.mean()
+                total = running.total
+                # One pre-aggregated reply (a good reply's Message, its content replaced) with the total weight.
+                carrier = self._carrier
+                carrier.content = RecordDict({self._arr_key: model.record(mean, votes.result(), check=False, portable=True),
+                                              "metrics": self._mean_metrics(metric_contents, wkey, total)})
+                del mean
+                dense = [carrier]
+            arrays, metrics = self.inner.aggregate_train(server_round, dense)
+        if arrays is None:
+            return None, metrics, dp_info
+        exact = votes.result()
+        try:
+            out = ArrayRecord()
+            for k in model.keys:
+                spec = model.specs[k]
+                if spec.is_float:
+                    w = np.asarray(array_to_numpy(arrays[k]), dtype=np.float32).reshape(spec.shape)
+                    out[k] = numpy_to_array(cast_checked(k, w, spec.dtype), spec.dtype)
+                else:
+                    out[k] = Array(copy_array(model.exact[k] if self.client_dp is not None else exact[k]))
+        except ValueError as exc:
+            log(ERROR, "round %s: the aggregated model is not finite (%s); keeping the previous global model",
+                server_round, exc)
+            return None, metrics, dp_info
+        return out, metrics, dp_info
+
+    def _mean_metrics(self, metric_contents: list[RecordDict], wkey: str, total: float) -> MetricRecord:
+        """What the inner strategy's metric aggregation gives over every reply, plus the total weight."""
+        fn = self._inner_attr("train_metrics_aggr_fn", None)
+        agg = dict(fn(metric_contents, wkey)) if callable(fn) else {}
+        agg[wkey] = int(total) if float(total).is_integer() else total
+        return MetricRecord(agg)
+
+    def _dense_reply(self, reply: Message, model: FlatModel, update, metrics: dict) -> Message:
+        """An ordinary reply (dense weights of every tensor in its dtype) for inner strategies that
+        need every client's weights."""
+        for key in list(reply.content.keys()):
+            del reply.content[key]
+        reply.content[self._arr_key] = model.record(update.to_flat(model.num_float), update.exact, check=False,
+                                                    portable=True)
+        reply.content["metrics"] = MetricRecord(metrics)
+        return reply
+
+    def _account_epsilon(self, server_round: int, replies: list, stats: list[dict], ours: dict, dp_info: dict) -> None:
+        """Epsilon bookkeeping of the round: reported (DP-SGD) or computed (client-level, local)."""
         reported = [s["epsilon"] for s in stats if s["epsilon"] is not None]
         if reported:
             ours["epsilon-max"] = max(reported)
@@ -332,15 +442,17 @@ class CompressedStrategy(Strategy):
             self._eps_trace.append(dp_info["epsilon"])
         elif reported:
             self._eps_trace.append(max(reported))
-        nexts = [s["epsilon-next"] for s in stats if s["epsilon-next"] is not None]
+            self._eps_floor_trace.append(min(reported))
+        nexts = {s["node"]: s["epsilon-next"] for s in stats if s["epsilon-next"] is not None}
         if nexts:
-            self._eps_next = max(nexts)
-        self.history[server_round] = ours
-        self.client_history[server_round] = stats
-        self.layer_history[server_round] = self._layers_mean(list(sent))
-        merged = dict(metrics) if metrics is not None else {}
-        merged.update(ours)
-        return arrays, MetricRecord(merged)
+            # Unverifiable reports: the federation stops only when even the lowest projection exceeds the
+            # budget. A client whose own projection exceeds it refuses the next round itself (logged here).
+            self._eps_next = min(nexts.values())
+            if self.max_epsilon is not None:
+                for node, e in sorted(nexts.items()):
+                    if e > self.max_epsilon:
+                        log(WARNING, "round %s: node %s reports a projected epsilon of %.3g > max-epsilon %s; it "
+                            "will refuse further rounds, the others go on", server_round, node, e, self.max_epsilon)
 
     def _inner_attr(self, name: str, default):
         """An attribute of the innermost strategy (walking Flower's wrappers' ``.strategy``)."""
@@ -353,7 +465,11 @@ class CompressedStrategy(Strategy):
                 break
         return default
 
-    def _decode_reply(self, reply: Message, sent: dict, stats: list, codec_bytes: dict) -> Message:
+    def _decode_reply(self, reply: Message, model: FlatModel, wkey: str) -> tuple[DecodedUpdate, dict, dict, dict]:
+        """Decode one reply and read its metrics; raises before anything is folded.
+
+        Returns ``(update, metrics kept for the inner strategy, per-client stats, per-layer stats)``.
+        """
         recs = reply.content.array_records
         if len(recs) != 1:
             raise PayloadError(f"expected one ArrayRecord in the reply, found {len(recs)}")
@@ -361,26 +477,19 @@ class CompressedStrategy(Strategy):
         if len(mrecs) != 1:
             raise PayloadError(f"expected one MetricRecord in the reply, found {len(mrecs)}")
         m = dict(next(iter(mrecs.values())))
-        wkey = self._inner_attr("weighted_by_key", "num-examples")
         n = m.get(wkey)
         if (isinstance(n, bool) or not isinstance(n, (int, float)) or not np.isfinite(n) or n < 1
                 or n != int(n) or n > self.max_num_examples):
             raise PayloadError(f"'{wkey}' must be an integer in [1, {self.max_num_examples}], got {n!r}")
         t0 = time.perf_counter()
-        weights, info = decode_update(next(iter(recs.values())), sent)
+        update = decode_reply(next(iter(recs.values())), model)
         decode_s = time.perf_counter() - t0
         layers = {k: m.pop(k) for k in ("layer-update-norm", "layer-compression-error") if k in m}
         eps, eps_next = (_epsilon(m.get(k)) for k in ("epsilon", "epsilon-next"))
-        if self.client_dp is not None:
-            self._updates.append(np.concatenate([(weights[k].astype(np.float32) - sent[k].astype(np.float32)).ravel()
-                                                 for k in sent]))
         # Keep only finite scalar metrics: the inner strategy averages them, metrics.json stores them.
         m = {k: v for k, v in m.items()
              if isinstance(v, (int, float)) and not isinstance(v, bool) and np.isfinite(v)}
-        self._layer_stats.append(layers)
-        for name, nbytes in info["codecs"].items():
-            codec_bytes[name] = codec_bytes.get(name, 0) + nbytes
-        stats.append({
+        stat = {
             "node": reply.metadata.src_node_id,
             "decode-seconds": decode_s,
             "train-seconds": _num(m, "train-seconds"),
@@ -388,33 +497,16 @@ class CompressedStrategy(Strategy):
             "uplink-mbps": _num(m, "uplink-mbps", 1.0) if _num(m, "uplink-mbps", 1.0) > 0 else 1.0,
             "downlink-mbps": _num(m, "downlink-mbps", 10.0) if _num(m, "downlink-mbps", 10.0) > 0 else 10.0,
             "residual-bytes": _num(m, "residual-bytes"),
-            "upload-bytes": info["upload-bytes"],
-            "dense-bytes": float(sum(4 * w.size for w in weights.values())),
+            "upload-bytes": float(update.upload_bytes),
+            "dense-bytes": float(model.dense_bytes),
             "compression-error": _num(m, "compression-error"),
             "residual-norm": _num(m, "residual-norm"),
             "download-bytes": _num(m, "download-bytes"),
             "density": _num(m, "density"),
             "epsilon": eps,
             "epsilon-next": eps_next,
-        })
-        # An ordinary reply, in the layout the inner strategy sent: one ArrayRecord, one MetricRecord.
-        for key in list(reply.content.keys()):
-            del reply.content[key]
-        reply.content[self._arr_key] = ArrayRecord({k: Array(np.ascontiguousarray(w)) for k, w in weights.items()})
-        reply.content["metrics"] = MetricRecord(m)
-        return reply
-
-    @staticmethod
-    def _common_metric_keys(replies: list[Message]) -> None:
-        """Trim every reply's MetricRecord to the keys all replies share (Flower's FedAvg requires
-        identical keys; an honest client adding a metric of its own must not abort the round)."""
-        if not replies:
-            return
-        common = set.intersection(*(set(r.content["metrics"].keys()) for r in replies))
-        for r in replies:
-            m = r.content["metrics"]
-            if set(m.keys()) != common:
-                r.content["metrics"] = MetricRecord({k: v for k, v in m.items() if k in common})
+        }
+        return update, m, stat, layers
 
     def _layers_mean(self, keys: list[str]) -> dict[str, dict[str, float]]:
         out: dict[str, dict[str, float]] = {}

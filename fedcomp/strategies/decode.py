@@ -1,69 +1,62 @@
-"""Decoding one client's compressed reply into dense weights (Flower types in, numpy out)."""
+"""Decoding one client's compressed reply (Flower types in, numpy out), validated before anything is folded.
+
+A reply's ArrayRecord holds fedcomp payloads: one per float tensor sent on its own, optionally one
+under ``MODEL_KEY`` for every other float tensor (flattened and concatenated in model order), and
+exact payloads of the integer/bool tensors (absent under local DP). :func:`decode_reply` turns it
+into a :class:`DecodedUpdate` over the global model's flat float vector: sparse parts as
+``(flat positions, values)`` (O(k), never densified), dense parts as float32 segments.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import numpy as np
 from flwr.app import ArrayRecord
 
-from ..compression import PayloadError, codec_name, decompress
+from ..compression import PayloadError, codec_name, decode_exact, decompress, decompress_sparse
 from ..protocol import MODEL_KEY, PAYLOAD_STYPE
+from ..statedict import FlatModel
 
 
-def decode_update(record: ArrayRecord, global_arrays: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], dict]:
-    """Rebuild a client's dense weights ``global + decoded delta`` from its payload record.
+@dataclass
+class DecodedUpdate:
+    """One client's decoded update.
 
-    Parameters
+    Attributes
     ----------
-    record : ArrayRecord
-        The reply's ArrayRecord: fedcomp payloads under parameter names, plus optionally one
-        under ``MODEL_KEY`` holding the flattened update of every parameter not sent on its
-        own, concatenated in the global model's key order.
-    global_arrays : dict of str to np.ndarray
-        The global weights this client was sent (keys in model order).
-
-    Returns
-    -------
-    (weights, info)
-        Dense weights under the global keys, each of the global dtype and shape; and
-        ``{"upload-bytes": int, "codecs": {codec name: bytes}}`` measured from the payloads.
-
-    Raises
-    ------
-    PayloadError
-        A key missing or extra, an Array that is not a fedcomp payload (with a hint to add
-        ``compression_mod``), a payload larger in elements or of another shape than its
-        parameter, any malformed payload, or a non-finite result.
+    sparse : list of (np.ndarray, np.ndarray)
+        ``(positions, values)``: int64 positions into the global flat float vector (unique within a
+        part; parts cover disjoint tensors) and their float32 values.
+    dense : list of (int, np.ndarray)
+        ``(flat start, values)``: float32 segments of the update.
+    exact : dict of str to np.ndarray
+        Integer/bool tensors' new values, in the model's dtype and shape (only those sent).
+    upload_bytes : int
+        Payload bytes of the reply.
+    codecs : dict of str to int
+        Payload bytes per codec name.
     """
-    keys, expected = list(record.keys()), list(global_arrays)
-    individual = [k for k in keys if k != MODEL_KEY]
-    unknown = sorted(set(individual) - set(expected))
-    covered = [k for k in expected if k not in set(individual)] if MODEL_KEY in keys else []
-    missing = sorted(set(expected) - set(individual) - set(covered))
-    if unknown or missing:
-        raise PayloadError(f"reply keys differ from the model's: missing {missing[:5]}, unexpected {unknown[:5]}")
-    if MODEL_KEY in keys and not covered:
-        raise PayloadError(f"reply has a '{MODEL_KEY}' payload but every parameter was also sent on its own")
-    weights: dict[str, np.ndarray] = {}
-    codecs: dict[str, int] = {}
-    for key in individual:
-        g = global_arrays[key]
-        data = _payload_bytes(record[key], key)
-        delta = decompress(data, max_numel=max(g.size, 1), expected_shape=tuple(g.shape))
-        weights[key] = _apply(key, g, delta.numpy())
-        name = codec_name(data)
-        codecs[name] = codecs.get(name, 0) + len(data)
-    if covered:
-        data = _payload_bytes(record[MODEL_KEY], MODEL_KEY)
-        total = sum(global_arrays[k].size for k in covered)
-        flat = decompress(data, max_numel=max(total, 1), expected_shape=(total,)).numpy()
-        off = 0
-        for key in covered:
-            g = global_arrays[key]
-            weights[key] = _apply(key, g, flat[off : off + g.size])
-            off += g.size
-        name = codec_name(data)
-        codecs[name] = codecs.get(name, 0) + len(data)
-    return {k: weights[k] for k in expected}, {"upload-bytes": sum(codecs.values()), "codecs": codecs}
+
+    sparse: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
+    dense: list[tuple[int, np.ndarray]] = field(default_factory=list)
+    exact: dict[str, np.ndarray] = field(default_factory=dict)
+    upload_bytes: int = 0
+    codecs: dict[str, int] = field(default_factory=dict)
+
+    def sq_norm(self) -> float:
+        """Squared L2 norm of the float update (float64 accumulation; integer tensors excluded)."""
+        total = sum(float(np.dot(v.astype(np.float64), v.astype(np.float64))) for _, v in self.sparse)
+        return total + sum(float(np.dot(v, v.astype(np.float64))) for _, v in self.dense)
+
+    def to_flat(self, num_float: int) -> np.ndarray:
+        """The float update as one dense float32 vector of ``num_float`` entries (dense path only)."""
+        out = np.zeros(num_float, dtype=np.float32)
+        for pos, vals in self.sparse:
+            out[pos] = vals
+        for start, vals in self.dense:
+            out[start: start + vals.size] = vals
+        return out
 
 
 def _payload_bytes(arr, key: str) -> bytes:
@@ -75,8 +68,128 @@ def _payload_bytes(arr, key: str) -> bytes:
     return arr.data
 
 
-def _apply(key: str, g: np.ndarray, delta: np.ndarray) -> np.ndarray:
-    w = g.astype(np.float32) + delta.reshape(g.shape)
-    if not np.isfinite(w).all():
-        raise PayloadError(f"'{key}': global + update is not finite")
-    return w.astype(g.dtype) if np.issubdtype(g.dtype, np.floating) else np.rint(w).astype(g.dtype)
+def _check_finite(model: FlatModel, flat_pos: np.ndarray | None, start: int, vals: np.ndarray) -> None:
+    """Global + update must be finite in each tensor's dtype at the entries the update touches
+    (sparse: ``flat_pos``; dense: the segment from ``start``)."""
+    if flat_pos is not None:
+        g, limit = model.flat[flat_pos], model.limits_at(flat_pos)
+    else:
+        g, limit = model.flat[start: start + vals.size], model.limits_at(np.array([start]))
+    with np.errstate(over="ignore", invalid="ignore"):
+        bad = ~(np.abs(g + vals) <= limit)
+    if bool(bad.any()):
+        first = int(np.argmax(bad))
+        key = model.key_at(int(flat_pos[first]) if flat_pos is not None else start)
+        raise PayloadError(f"'{key}': global + update is not finite in the model's dtype {model.specs[key].dtype}")
+
+
+def decode_reply(record: ArrayRecord, model: FlatModel) -> DecodedUpdate:
+    """Decode and validate a client's payload record against the global model it was sent.
+
+    Parameters
+    ----------
+    record : ArrayRecord
+        The reply's ArrayRecord (keys in any order).
+    model : FlatModel
+        The global model sent this round.
+
+    Returns
+    -------
+    DecodedUpdate
+
+    Raises
+    ------
+    PayloadError
+        A float tensor missing or covered twice, an unknown key, an Array that is not a fedcomp
+        payload (with a hint to add ``compression_mod``), a payload larger in elements or of another
+        shape than its tensor, an exact payload for a float tensor or a codec payload for an integer
+        one, any malformed payload, or a result that is not finite in the tensor's dtype.
+    """
+    keys = list(record.keys())
+    known = set(model.keys)
+    unknown = sorted(k for k in keys if k != MODEL_KEY and k not in known)
+    individual = [k for k in model.float_keys if k in record]
+    covered = [k for k in model.float_keys if k not in record] if MODEL_KEY in record else []
+    missing = sorted(set(model.float_keys) - set(individual) - set(covered))
+    if unknown or missing:
+        raise PayloadError(f"reply keys differ from the model's: missing {missing[:5]}, unexpected {unknown[:5]}")
+    if MODEL_KEY in record and not covered:
+        raise PayloadError(f"reply has a '{MODEL_KEY}' payload but every float tensor was also sent on its own")
+    out = DecodedUpdate()
+
+    def count(data: bytes) -> None:
+        name = codec_name(data)
+        out.codecs[name] = out.codecs.get(name, 0) + len(data)
+
+    for key in individual:
+        spec, data = model.specs[key], _payload_bytes(record[key], key)
+        start = model.offsets[key]
+        _decode_unit(model, data, spec.shape, [(0, start, spec.numel)], out)
+        count(data)
+    if covered:
+        data = _payload_bytes(record[MODEL_KEY], MODEL_KEY)
+        total = sum(model.specs[k].numel for k in covered)
+        _decode_unit(model, data, (total,), model.segments(covered), out)
+        count(data)
+    for key in model.exact_keys:
+        if key in record:
+            data = _payload_bytes(record[key], key)
+            out.exact[key] = decode_exact(data, model.specs[key].shape, model.specs[key].dtype)
+            count(data)
+    out.upload_bytes = sum(out.codecs.values())
+    return out
+
+
+def _decode_unit(model: FlatModel, data: bytes, shape: tuple, segments: list[tuple[int, int, int]],
+                 out: DecodedUpdate) -> None:
+    """Decode one payload covering ``segments`` (local start, flat start, length) of the flat vector."""
+    numel = sum(n for _, _, n in segments)
+    sparse = decompress_sparse(data, max_numel=max(numel, 1), expected_shape=shape)
+    if sparse is not None:
+        pos, vals = sparse
+        local = np.array([s[0] for s in segments], dtype=np.int64)
+        shift = np.array([s[1] - s[0] for s in segments], dtype=np.int64)
+        if len(segments) == 1 or bool((shift == shift[0]).all()):
+            flat_pos = pos + shift[0]
+        else:
+            flat_pos = pos + shift[np.searchsorted(local, pos, side="right") - 1]
+        _check_finite(model, flat_pos, 0, vals)
+        out.sparse.append((flat_pos, vals))
+        return
+    flat = decompress(data, max_numel=max(numel, 1), expected_shape=shape).numpy().reshape(-1)
+    for local, start, n in segments:
+        seg = flat[local: local + n]
+        _check_finite(model, None, start, seg)
+        out.dense.append((start, seg))
+
+
+def decode_update(record: ArrayRecord, global_arrays: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], dict]:
+    """Dense weights ``global + decoded delta`` of one reply (the legacy strategy's path).
+
+    Parameters
+    ----------
+    record : ArrayRecord
+        The reply's payload record.
+    global_arrays : dict of str to np.ndarray
+        The global weights this client was sent (keys in model order).
+
+    Returns
+    -------
+    (weights, info)
+        Dense weights under the global keys, each of the global dtype and shape (integer/bool
+        tensors: the client's exact values, or the global ones if it sent none); and
+        ``{"upload-bytes": int, "codecs": {codec name: bytes}}`` measured from the payloads.
+
+    Raises
+    ------
+    PayloadError
+        As :func:`decode_reply`.
+    """
+    model = FlatModel(global_arrays, {k: str(np.asarray(v).dtype) for k, v in global_arrays.items()})
+    upd = decode_reply(record, model)
+    rec = model.record(upd.to_flat(model.num_float), upd.exact)
+    weights = {k: rec[k].numpy() for k in model.keys}
+    return weights, {"upload-bytes": upd.upload_bytes, "codecs": upd.codecs}
+
+
+__all__ = ["DecodedUpdate", "decode_reply", "decode_update"]

@@ -16,9 +16,10 @@ import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
 
-from ..compression import decompress
+from ..compression import decompress, encode_exact
 from ..config import CodecConfig
 from ..protocol import MODEL_KEY, PAYLOAD_DTYPE, PAYLOAD_STYPE
+from ..statedict import FlatModel
 
 #: Train-config keys: the version a client will hold after this message, and (payload messages
 #: only) the version the payload applies to.
@@ -28,6 +29,9 @@ BASE_VERSION = "fedcomp-base-version"
 
 class Downstream:
     """Per-run state of downstream compression (one broadcast model for all clients).
+
+    Float tensors are broadcast as ``C(G - B)`` over their flattened concatenation (model order);
+    integer/bool tensors travel exactly (:mod:`fedcomp.compression.exact`) in every payload message.
 
     Parameters
     ----------
@@ -41,47 +45,42 @@ class Downstream:
 
     def __init__(self, codec: CodecConfig, compressor: str, seed: int = 0) -> None:
         self.codec, self.compressor, self.seed = codec, compressor, seed
-        self.keys: list[str] = []
-        self.shapes: dict[str, tuple] = {}
-        self.dtypes: dict[str, np.dtype] = {}
-        self.broadcast: np.ndarray | None = None  # B, flat float32
+        self.model: FlatModel | None = None  # B: flat float32 + exact tensors
         self.version = 0
         self.node_version: dict[int, int] = {}
         #: version -> flat B (kept for tests and audits of what each version was; last 2 only)
         self.history: dict[int, np.ndarray] = {}
         self.sent_bytes: dict[int, int] = {}
 
-    def _flat(self, arrays: ArrayRecord) -> np.ndarray:
-        return np.concatenate([arrays[k].numpy().astype(np.float32).ravel() for k in self.keys])
-
-    def _dense_record(self) -> ArrayRecord:
-        out, off = ArrayRecord(), 0
-        for k in self.keys:
-            n = int(np.prod(self.shapes[k])) if self.shapes[k] else 1
-            out[k] = Array(np.ascontiguousarray(self.broadcast[off : off + n].reshape(self.shapes[k])))
-            off += n
-        return out
+    @property
+    def broadcast(self) -> np.ndarray | None:
+        """B's float tensors, flat float32 (None before the first round)."""
+        return None if self.model is None else self.model.flat
 
     def prepare(self, server_round: int, arrays: ArrayRecord, messages: list[Message]) -> list[Message]:
         """Advance B to this round's global model and rewrite each message's arrays and config.
 
+        Every message gets its own RecordDict and ArrayRecord (as the real transport gives each
+        node its own copy), so a handler that edits its input affects no other client.
+
         Returns the messages (modified in place): payload or dense arrays per destination node,
         and a per-message ConfigRecord with the version keys.
         """
-        if self.broadcast is None:
-            self.keys = list(arrays.keys())
-            self.shapes = {k: tuple(arrays[k].shape) for k in self.keys}
-            self.broadcast = self._flat(arrays).copy()
-            payload = None
+        target = FlatModel.from_record(arrays)
+        payload = None
+        if self.model is None:
+            self.model = target
         else:
-            target = self._flat(arrays)
             comp = self.codec.build(seed=self.seed + server_round, compressor=self.compressor)
-            payload = comp.compress(torch.from_numpy(target - self.broadcast))
-            self.broadcast = self.broadcast + decompress(payload, max_numel=max(target.size, 1)).numpy()
+            payload = comp.compress(torch.from_numpy(target.flat - self.model.flat))
+            self.model.flat += decompress(payload, max_numel=max(target.num_float, 1),
+                                          expected_shape=(target.num_float,)).numpy()
+            self.model.exact = target.exact
         self.version += 1
-        self.history = {self.version: self.broadcast.copy(), **{v: b for v, b in self.history.items()
-                                                                if v == self.version - 1}}
+        self.history = {self.version: self.model.flat.copy(), **{v: b for v, b in self.history.items()
+                                                                  if v == self.version - 1}}
         dense = None
+        exact = {k: encode_exact(v) for k, v in self.model.exact.items()}
         self.sent_bytes = {}
         for msg in messages:
             # Flower's strategies may share one RecordDict between messages: give each its own.
@@ -92,14 +91,15 @@ class Downstream:
             cfg = dict(msg.content[cfg_key]) if cfg_key in msg.content else {}
             cfg[MODEL_VERSION] = self.version
             if payload is not None and self.node_version.get(node) == self.version - 1:
-                msg.content[arr_key] = ArrayRecord({MODEL_KEY: Array(dtype=PAYLOAD_DTYPE, shape=(len(payload),),
-                                                                     stype=PAYLOAD_STYPE, data=payload)})
+                rec = ArrayRecord({MODEL_KEY: _payload_array(payload)})
+                for k, p in exact.items():
+                    rec[k] = _payload_array(p)
+                msg.content[arr_key] = rec
                 cfg[BASE_VERSION] = self.version - 1
-                self.sent_bytes[node] = len(payload)
             else:
-                dense = dense or self._dense_record()
-                msg.content[arr_key] = dense
-                self.sent_bytes[node] = sum(len(a.data) for a in dense.values())
+                dense = dense or self.model.record(check=False)
+                msg.content[arr_key] = ArrayRecord(dict(dense.items()))
+            self.sent_bytes[node] = sum(len(a.data) for a in msg.content[arr_key].values())
             msg.content[cfg_key] = ConfigRecord(cfg)
         return messages
 
@@ -109,4 +109,8 @@ class Downstream:
 
     def base_record(self) -> dict[str, np.ndarray]:
         """B as dense arrays (what clients train from this round)."""
-        return {k: a.numpy() for k, a in self._dense_record().items()}
+        return {k: a.numpy() for k, a in self.model.record(check=False).items()}
+
+
+def _payload_array(payload: bytes) -> Array:
+    return Array(dtype=PAYLOAD_DTYPE, shape=(len(payload),), stype=PAYLOAD_STYPE, data=payload)

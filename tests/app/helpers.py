@@ -35,7 +35,7 @@ def train_msg(global_w: dict, config: dict | None = None, dst: int = 7) -> Messa
 def _arr(v):
     from flwr.app import Array
 
-    return Array(np.ascontiguousarray(v))
+    return Array(np.array(v, copy=True, order="C"))
 
 
 def reply_with(msg: Message, new_w: dict, n: int = 10, extra_metrics=None) -> Message:

@@ -36,10 +36,10 @@ def test_momentum_correction_equals_dgc_for_topk():
     xs = seq()
     ef = fc.ErrorFeedback(fc.get_compressor("topk", density=0.05), momentum=0.9)
     sends, u, v = dgc_reference(xs, 0.9, 20)
-    for x, ref in zip(xs, sends):
-        torch.testing.assert_close(fc.decompress(ef.compress(x)), ref, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(ef.momentum_buffer, u, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(ef.residual, v, rtol=1e-6, atol=1e-6)
+    for x, ref in zip(xs, sends):  # equal to fp32 rounding (beta * u + x may be one fused multiply-add)
+        torch.testing.assert_close(fc.decompress(ef.compress(x)), ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ef.momentum_buffer, u, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ef.residual, v, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("name", ["stc", "randomk", "topk"])
@@ -124,9 +124,13 @@ def test_set_state_drops_entries_of_another_shape_and_rejects_non_finite():
 def test_momentum_shape_change_is_refused_and_state_kept():
     ef = fc.ErrorFeedback(fc.get_compressor("topk", density=0.5), momentum=0.9)
     ef.compress(torch.ones(4))
-    with pytest.raises(ValueError, match="momentum buffer"):
+    with pytest.raises(ValueError, match="differs from the residual's"):
         ef.compress(torch.ones(5))
     assert tuple(ef.momentum_buffer.shape) == (4,)
+    ef.set_state({"momentum": np.ones(5, np.float32)})
+    with pytest.raises(ValueError, match="momentum buffer"):
+        ef.compress(torch.ones(4))
+    assert tuple(ef.momentum_buffer.shape) == (5,)
     ef.reset()
     assert ef.get_state() == {}
 

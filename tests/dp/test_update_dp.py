@@ -27,13 +27,29 @@ def test_local_dp_noise_comes_before_selection_and_error_feedback():
     codec = CodecConfig(compressor="topk", density=0.01)
     dp = LocalDP(clipping_norm=0.05, noise_multiplier=2.0)
     payloads, res, _ = compress_update(g, t, codec, {}, seed=7, local_dp=dp)
-    noisy = clip_and_noise(torch.from_numpy(t["w"]), 0.05, 2.0, torch.Generator().manual_seed(7))
+    sent = fc.decompress(payloads[MODEL_KEY])
+    noisy = sent + torch.from_numpy(res[MODEL_KEY])  # v = clipped update + noise (what EF saw)
     # the payload is exactly top-k of the noisy update: positions chosen after the noise
     assert payloads[MODEL_KEY] == fc.get_compressor("topk", density=0.01).compress(noisy)
-    sent = fc.decompress(payloads[MODEL_KEY])
-    assert torch.allclose(torch.from_numpy(res[MODEL_KEY]), noisy - sent)  # residual of the noisy vector
+    clipped = clip_and_noise(torch.from_numpy(t["w"]), 0.05, 0.0)
+    noise = noisy - clipped
+    assert float(noise.std()) == pytest.approx(2.0 * 0.05, rel=0.1)
     clean_top = set(torch.topk(torch.from_numpy(t["w"]).abs(), 10).indices.tolist())
     assert set(torch.nonzero(sent).squeeze(1).tolist()) != clean_top
+
+
+def test_local_dp_noise_cannot_be_regenerated_from_the_seeds_the_server_knows():
+    """Regression (issue 14.1): the noise seed was a hash of run seed, partition and round."""
+    g = {"w": np.zeros(500, np.float32)}
+    t = {"w": np.full(500, 0.001, np.float32)}
+    codec = CodecConfig(compressor="none", error_feedback=False)
+    dp = LocalDP(clipping_norm=1.0, noise_multiplier=1.0)
+    a = fc.decompress(compress_update(g, t, codec, {}, seed=7, local_dp=dp)[0]["w"])
+    b = fc.decompress(compress_update(g, t, codec, {}, seed=7, local_dp=dp)[0]["w"])
+    assert not torch.equal(a, b)  # same seed, same round: different noise (OS CSPRNG)
+    for guess in (7, 0, 42):  # what the old code (or a server guessing seeds) would draw
+        regenerated = clip_and_noise(torch.from_numpy(t["w"]), 1.0, 1.0, torch.Generator().manual_seed(guess))
+        assert float((a - regenerated).abs().max()) > 0.1
 
 
 def test_clip_and_noise_clips_to_the_norm():

@@ -1,0 +1,279 @@
+"""From trained weights to payloads: ``delta = trained - received`` -> (local DP) -> error feedback -> encode.
+
+Flower-free apart from the names of the protocol; used by ``compression_mod`` and the legacy
+``CompressedNumPyClient``. Float tensors become updates compressed by the codec (one payload per
+tensor, or one for the whole model with selection "model"); integer and bool tensors travel
+exactly (:mod:`fedcomp.compression.exact`), except under local DP, where they are not sent at all.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import secrets
+from logging import WARNING
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.common.logger import log
+
+from ..compression import ErrorFeedback, decompress, decompress_sparse, encode_exact, flatten_states, unflatten_states
+from ..config import SPARSE_CODECS, CodecConfig
+from ..privacy import LocalDP
+from ..protocol import MODEL_KEY
+from ..statedict import is_float_dtype
+
+
+class CompositionError(RuntimeError):
+    """The ClientApp's reply cannot be compressed as it stands (wrong mod order, missing keys)."""
+
+
+def is_batchnorm_stat(key: str) -> bool:
+    """True for BatchNorm's float statistics in a state_dict: ``<module>.running_mean`` /
+    ``<module>.running_var`` (the names ``torch.nn.modules.batchnorm`` registers)."""
+    return key.rsplit(".", 1)[-1] in ("running_mean", "running_var")
+
+
+def plan_units(shapes: dict[str, tuple[int, ...]], codec: CodecConfig) -> list[tuple[str, list[str], str]]:
+    """Group float parameters into payloads: ``[(payload key, member parameter names, codec name), ...]``.
+
+    Per parameter, in order: the first ``layer-codecs`` rule whose pattern matches its name;
+    else ``small-tensor-compressor`` if it has fewer than ``min-compress-numel`` elements;
+    else the default ``compressor``. BatchNorm statistics (:func:`is_batchnorm_stat`) go to
+    ``small-tensor-compressor`` while ``batchnorm-stats = "small"`` (a lossy codec can make a
+    running variance negative). Default-codec parameters share one payload under
+    ``MODEL_KEY`` (their updates flattened and concatenated in model order) when the scope is
+    "model"; every other parameter gets its own payload under its own name. Pass float tensors
+    only: integer and bool tensors never join a codec's payload.
+    """
+    rules = codec.rules
+    default: list[str] = []
+    units: list[tuple[str, list[str], str]] = []
+    for key, shape in shapes.items():
+        rule = next((c for pat, c in rules if fnmatch.fnmatchcase(key, pat)), None)
+        n = int(np.prod(shape)) if shape else 1
+        if rule is not None:
+            units.append((key, [key], rule))
+        elif n < codec.min_compress_numel or (codec.batchnorm_stats == "small" and is_batchnorm_stat(key)):
+            units.append((key, [key], codec.small_tensor_compressor))
+        elif codec.scope == "model":
+            default.append(key)
+        else:
+            units.append((key, [key], codec.compressor))
+    if default:
+        units.append((MODEL_KEY, default, codec.compressor))
+    return units
+
+
+def adaptive_density(v: torch.Tensor, codec_name: str, target: float, lo: float, hi: float) -> float:
+    """Smallest density in [lo, hi] whose relative error on ``v`` is <= ``target`` (else ``hi``).
+
+    One sort of ``|v|`` and cumulative sums give every k's error at once: top-k leaves
+    ``||v||^2 - sum_{i<=k} v_(i)^2``; STC (all kept values -> ±mu) leaves
+    ``||v||^2 - (sum_{i<=k} |v|_(i))^2 / k``.
+    """
+    n = v.numel()
+    mag = torch.sort(v.detach().abs().reshape(-1).double(), descending=True).values
+    total = float((mag**2).sum())
+    if n == 0 or total == 0.0:
+        return lo
+    k = torch.arange(1, n + 1, dtype=torch.float64)
+    kept = torch.cumsum(mag, 0) ** 2 / k if codec_name == "stc" else torch.cumsum(mag**2, 0)
+    err = torch.sqrt(torch.clamp(total - kept, min=0.0) / total)
+    k_lo, k_hi = max(int(round(lo * n)), 1), max(int(round(hi * n)), 1)
+    ok = torch.nonzero(err[k_lo - 1 : k_hi] <= target)
+    return (k_lo + int(ok[0])) / n if len(ok) else hi
+
+
+def secure_generator(device: torch.device | str = "cpu") -> torch.Generator:
+    """A torch Generator seeded from the OS CSPRNG (``secrets``): nothing the server knows
+    (run seed, partition, round) can reproduce its draws. Used for privacy noise only."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(secrets.randbits(63))
+    return gen
+
+
+def _check_pair(received: dict, trained: dict, dtypes: dict) -> dict[str, np.ndarray]:
+    """``trained`` in ``received``'s key order, after checking keys, shapes and dtype kinds.
+
+    Raises
+    ------
+    CompositionError
+        Other keys, another shape, or a float tensor returned for an integer one (or vice versa).
+    """
+    if set(received) != set(trained):
+        missing = sorted(set(received) - set(trained))
+        extra = sorted(set(trained) - set(received))
+        raise CompositionError(
+            f"trained weights have other keys than the received global model (missing {missing}, extra {extra}); "
+            "the ClientApp must return the full model under the received names"
+        )
+    ordered = {k: trained[k] for k in received}  # the same keys in another order are fine
+    for key, g in received.items():
+        t = ordered[key]
+        if tuple(np.shape(t)) != tuple(np.shape(g)):
+            raise CompositionError(f"'{key}': trained shape {tuple(np.shape(t))} differs from received "
+                                   f"{tuple(np.shape(g))}")
+        if is_float_dtype(dtypes[key]) != (np.asarray(t).dtype.kind == "f"):
+            raise CompositionError(f"'{key}': received a {dtypes[key]} tensor but the app returned {np.asarray(t).dtype}")
+    return ordered
+
+
+def _privatize(buffers: list[torch.Tensor], local_dp: LocalDP, generator: torch.Generator) -> None:
+    """Local DP in place over the concatenation of ``buffers`` (the whole float update): clip to
+    ``clipping_norm`` in L2, add N(0, (noise_multiplier * clipping_norm)^2) per entry."""
+    norm = sum(float(torch.linalg.vector_norm(b.double())) ** 2 for b in buffers) ** 0.5
+    factor = min(1.0, local_dp.clipping_norm / norm) if norm > 0 else 1.0
+    std = local_dp.noise_multiplier * local_dp.clipping_norm
+    for b in buffers:
+        if factor < 1.0:
+            b.mul_(factor)
+        if std > 0:
+            b.add_(torch.randn(b.shape, generator=generator, dtype=torch.float32).mul_(std))
+
+
+def compress_update(
+    received: dict[str, np.ndarray], trained: dict[str, np.ndarray], codec: CodecConfig,
+    residuals: dict[str, np.ndarray], seed: int | None = None, local_dp: LocalDP | None = None,
+    dtypes: dict[str, str] | None = None,
+) -> tuple[dict[str, bytes], dict[str, np.ndarray], dict[str, Any]]:
+    """Compress ``trained - received`` with error feedback: float tensors per parameter or as one
+    model vector, integer/bool tensors exactly.
+
+    Parameters
+    ----------
+    received, trained : dict of str to np.ndarray
+        Global weights as received and the locally trained weights; the same keys (``trained``
+        may list them in another order) and shapes. bf16 tensors as float32 values.
+    codec : CodecConfig
+        Codec, per-layer policy, adaptive density and error-feedback settings.
+    residuals : dict of str to np.ndarray
+        Client state from earlier rounds as :func:`fedcomp.compression.flatten_states` lays it
+        out (may be empty): the residual under its payload key, DGC's momentum and codec memory
+        such as PowerSGD's Q under ``"<payload key>#<entry>"``; entries of another shape are
+        ignored (they restart at 0).
+    seed : int, optional
+        Seed of stochastic codecs (qsgd, int8, randomk). Never used for privacy noise.
+    local_dp : LocalDP, optional
+        Clip the whole float update and add Gaussian noise drawn from the OS CSPRNG first, before
+        error feedback and compression (so every selection is made on the noisy update, and the
+        residual is kept of the noisy vector). Integer and bool tensors are then not sent at all
+        (an exact counter such as ``num_batches_tracked`` would reveal the number of local batches).
+    dtypes : dict of str to str, optional
+        The model's dtype names (``"bfloat16"`` for bf16); default: ``received``'s numpy dtypes.
+
+    Returns
+    -------
+    (payloads, new_residuals, stats)
+        Payload bytes per payload key (see :func:`plan_units`; integer/bool tensors under their
+        own names); residual per payload key (empty without error feedback); and
+        ``upload-bytes``, ``dense-bytes`` (4 bytes per float parameter plus the integer tensors'
+        own bytes), ``compression-error`` (||v - v_hat|| / ||v|| over the float model, v = update
+        + residual), ``residual-norm``, ``density`` (of the default sparse codec, adaptive or
+        not; 0 for dense codecs) and per-parameter lists in model order (float tensors)
+        ``layer-update-norm`` (||update||) and ``layer-compression-error``. Norms are float32
+        reductions.
+
+    Raises
+    ------
+    CompositionError
+        Keys, shapes or dtype kinds differ between ``received`` and ``trained``.
+    ValueError
+        The update holds NaN/Inf (residuals are then left unchanged).
+    """
+    dtypes = dtypes or {k: str(np.asarray(v).dtype) for k, v in received.items()}
+    trained = _check_pair(received, trained, dtypes)
+    float_keys = [k for k in received if is_float_dtype(dtypes[k])]
+    exact_keys = [k for k in received if k not in set(float_keys)]
+    sizes = {k: int(np.prod(np.shape(received[k]))) if np.shape(received[k]) else 1 for k in float_keys}
+    units = plan_units({k: tuple(np.shape(received[k])) for k in float_keys}, codec)
+
+    # The update, written once into one float32 buffer per payload (no per-key copies, no concat).
+    buffers: dict[str, torch.Tensor] = {}
+    for ukey, members, _ in units:
+        buf = np.empty(sum(sizes[k] for k in members), dtype=np.float32)
+        off = 0
+        for k in members:
+            seg = buf[off: off + sizes[k]]
+            np.subtract(np.asarray(trained[k]).reshape(-1), np.asarray(received[k]).reshape(-1), out=seg,
+                        dtype=np.float32, casting="unsafe")
+            off += sizes[k]
+        t = torch.from_numpy(buf)
+        # One finiteness check of the update (a finite sum proves every entry finite), before any residual moves.
+        if t.numel() and not bool(torch.isfinite(t.sum())) and not bool(torch.isfinite(t).all()):
+            bad = next(k for k in members if not np.isfinite(np.asarray(trained[k], np.float64)
+                                                             - np.asarray(received[k], np.float64)).all())
+            raise ValueError(f"update of '{bad}' holds non-finite values (NaN or Inf); refusing to compress")
+        buffers[ukey] = t.reshape(np.shape(received[ukey])) if ukey != MODEL_KEY else t
+    if local_dp is not None:
+        _privatize(list(buffers.values()), local_dp, secure_generator())
+    update_sq: dict[str, float] = {}  # of what is sent: under local DP, of the noisy update
+    for ukey, members, _ in units:
+        for k, s in zip(members, torch.split(buffers[ukey].reshape(-1), [sizes[k] for k in members])):
+            update_sq[k] = float(torch.linalg.vector_norm(s)) ** 2 if s.numel() else 0.0
+
+    payloads: dict[str, bytes] = {}
+    states = unflatten_states(residuals)  # residual (+ DGC momentum, codec memory) per payload key
+    new_states: dict[str, dict[str, np.ndarray]] = {}
+    layer_sq_err: dict[str, float] = {}
+    layer_sq_norm: dict[str, float] = {}
+    used_density = 0.0
+    for ukey, members, name in units:
+        x = buffers.pop(ukey)
+        prev = states.get(ukey, {}).get("residual") if codec.error_feedback else None
+        if prev is not None and tuple(prev.shape) != tuple(x.shape):
+            log(WARNING, "fedcomp: residual for '%s' has shape %s, the update %s: starting from zero", ukey,
+                tuple(prev.shape), tuple(x.shape))
+            prev = None
+        density = None
+        if name == codec.compressor and name in SPARSE_CODECS:
+            density = codec.density
+            if codec.density_schedule == "adaptive":
+                v = x if prev is None else x + torch.as_tensor(prev).float()
+                density = adaptive_density(v, name, codec.target_error, codec.density_min, codec.density_max)
+            used_density = density
+        compressor = codec.build(seed=seed, compressor=name, density=density)
+        seg_sizes = [sizes[k] for k in members]
+        if codec.error_feedback:
+            ef = ErrorFeedback(compressor, residual_dtype=codec.residual_dtype, momentum=codec.momentum_correction)
+            for entry in ef.set_state(states.get(ukey, {}), shape=tuple(x.shape)):
+                if entry != "residual":  # the residual's mismatch was logged above
+                    log(WARNING, "fedcomp: saved %s for '%s' has another shape: starting from zero", entry, ukey)
+            payloads[ukey] = ef.compress(x, inplace=True, segments=seg_sizes)
+            new_states[ukey] = ef.get_state(copy=False)
+            norms, errs = ef.last_segment_sq_norms, ef.last_segment_sq_errors
+        else:
+            payloads[ukey] = compressor.compress(x)
+            flat = x.reshape(-1)
+            norms = [float(torch.linalg.vector_norm(s)) ** 2 for s in torch.split(flat, seg_sizes)]
+            sparse = decompress_sparse(payloads[ukey], max_numel=max(x.numel(), 1))
+            if sparse is not None:
+                flat[torch.from_numpy(sparse[0])] -= torch.from_numpy(sparse[1])
+            else:
+                flat -= decompress(payloads[ukey], max_numel=max(x.numel(), 1)).reshape(-1)
+            errs = [float(torch.linalg.vector_norm(s)) ** 2 for s in torch.split(flat, seg_sizes)]
+        for k, n2, e2 in zip(members, norms, errs):
+            layer_sq_norm[k], layer_sq_err[k] = n2, e2
+    exact_bytes = 0
+    for k in exact_keys:
+        exact_bytes += np.asarray(received[k]).nbytes
+        if local_dp is None:
+            payloads[k] = encode_exact(np.asarray(trained[k]).astype(np.asarray(received[k]).dtype, copy=False))
+    sq_err, sq_norm = sum(layer_sq_err.values()), sum(layer_sq_norm.values())
+    res_sq = sum(float(torch.linalg.vector_norm(torch.from_numpy(st["residual"]).float())) ** 2
+                 for st in new_states.values())
+    new_res = flatten_states(new_states)
+    stats: dict[str, Any] = {
+        "upload-bytes": float(sum(len(p) for p in payloads.values())),
+        "dense-bytes": float(4 * sum(sizes.values()) + exact_bytes),
+        "compression-error": (sq_err / sq_norm) ** 0.5 if sq_norm > 0 else 0.0,
+        "residual-norm": res_sq**0.5,
+        "density": float(used_density),
+        "layer-update-norm": [update_sq[k] ** 0.5 for k in float_keys],
+        "layer-compression-error": [(layer_sq_err[k] / layer_sq_norm[k]) ** 0.5 if layer_sq_norm[k] > 0 else 0.0
+                                    for k in float_keys],
+    }
+    return payloads, new_res, stats
+
+
+__all__ = ["CompositionError", "adaptive_density", "compress_update", "plan_units", "secure_generator"]

@@ -1,0 +1,305 @@
+"""One home for state_dict handling: which tensors are float updates, which travel exactly, how an
+update is applied per dtype, and copies that keep every shape (0-d and zero-element included).
+
+Used by the client mod, the legacy client, decoding, aggregation, downstream compression and
+checkpoints alike. The rules (stated in the README, "Use with your existing Flower app"):
+
+- **Float tensors** (fp16, bf16, fp32, fp64 parameters and buffers such as BatchNorm's running
+  mean/var) are updates like any other: ``delta = trained - received`` in float32, compressed by
+  the codec. Applying an update happens in float32 and the result is cast back to the tensor's
+  own dtype; it must be finite *after* that cast (an fp16 update that overflows 65504 is refused).
+- **Integer and bool tensors** (BatchNorm's int64 ``num_batches_tracked``, masks, counters) never
+  go through a float codec: clients send their value exactly (:mod:`fedcomp.compression.exact`)
+  and the server aggregates them by :func:`integer_mean` (weighted mean of the clients' values,
+  rounded half to even, clamped to the dtype's range) or :func:`bool_majority` (weighted
+  majority; a tie keeps the global value). They never enter a float codec's whole-model vector
+  nor a clipping norm.
+- **bfloat16**: numpy has no bfloat16 and Flower's ``ArrayRecord(state_dict)`` refuses it, so
+  :func:`to_record` carries bf16 tensors as raw 16-bit patterns (``stype = BF16_STYPE``) and
+  :func:`to_state_dict` restores them; in numpy they are float32 values (exactly representable).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from flwr.app import Array, ArrayRecord
+
+#: ``Array.stype`` of a bfloat16 tensor carried as raw little-endian 16-bit patterns.
+BF16_STYPE = "fedcomp.bfloat16"
+BF16 = "bfloat16"
+_FLOAT_NAMES = ("float16", "float32", "float64", BF16)
+
+
+def copy_array(a) -> np.ndarray:
+    """A C-contiguous copy that keeps the shape exactly (``np.ascontiguousarray`` turns 0-d into ``(1,)``)."""
+    return np.array(a, copy=True, order="C")
+
+
+def is_float_dtype(dtype: str | np.dtype) -> bool:
+    """True for float16/bfloat16/float32/float64 (updates), False for integer and bool (sent exactly).
+
+    Raises
+    ------
+    TypeError
+        Complex, string, object or any other dtype a model tensor cannot usefully have here.
+    """
+    name = str(dtype)
+    if name in _FLOAT_NAMES:
+        return True
+    dt = np.dtype(name)
+    if dt.kind in "iub":
+        return False
+    raise TypeError(f"unsupported tensor dtype {name}: fedcomp handles float, integer and bool tensors")
+
+
+def array_to_numpy(arr: Array) -> np.ndarray:
+    """The values of a Flower ``Array`` as numpy (bf16 -> float32 values, exactly).
+
+    Raises
+    ------
+    TypeError
+        An Array that is neither numpy-serialised nor a bf16 pattern (e.g. a fedcomp payload).
+    """
+    if arr.stype == BF16_STYPE:
+        n = int(np.prod(arr.shape)) if arr.shape else 1
+        bits = np.frombuffer(arr.data, dtype="<u2")
+        if bits.size != n:
+            raise ValueError(f"bfloat16 array claims shape {tuple(arr.shape)} but holds {bits.size} values")
+        return (bits.astype(np.uint32) << 16).view(np.float32).reshape(tuple(arr.shape))
+    return arr.numpy()
+
+
+def numpy_to_array(values: np.ndarray, dtype: str) -> Array:
+    """A Flower ``Array`` of ``values`` in ``dtype`` (``"bfloat16"``: rounded to bf16, carried as bits)."""
+    if dtype == BF16:
+        t = torch.from_numpy(np.asarray(values, dtype=np.float32).copy()).to(torch.bfloat16)
+        bits = t.view(torch.int16).numpy().astype("<i2")
+        return Array(dtype=BF16, shape=tuple(int(d) for d in values.shape), stype=BF16_STYPE, data=bits.tobytes())
+    return Array(copy_array(np.asarray(values).astype(dtype, copy=False)))
+
+
+def to_record(state_dict: Mapping[str, torch.Tensor]) -> ArrayRecord:
+    """``ArrayRecord`` of a model's ``state_dict()``, bf16 tensors included (Flower's own refuses them).
+
+    Parameters
+    ----------
+    state_dict : mapping of str to torch.Tensor
+        Any dtypes and shapes (0-d, zero-element); tensors on any device (copied to CPU).
+    """
+    out = ArrayRecord()
+    for k, t in state_dict.items():
+        t = t.detach().cpu()
+        out[k] = numpy_to_array(t.float().numpy(), BF16) if t.dtype == torch.bfloat16 else Array(copy_array(t.numpy()))
+    return out
+
+
+def to_state_dict(record: ArrayRecord) -> dict[str, torch.Tensor]:
+    """Torch tensors of an ArrayRecord written by :func:`to_record` or Flower (bf16 restored)."""
+    out = {}
+    for k, a in record.items():
+        v = torch.from_numpy(copy_array(array_to_numpy(a)))
+        out[k] = v.to(torch.bfloat16) if a.stype == BF16_STYPE else v
+    return out
+
+
+def numpy_dict(record: ArrayRecord) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """Values (bf16 as float32) and dtype names of every Array of ``record``, in its key order."""
+    return ({k: array_to_numpy(a) for k, a in record.items()},
+            {k: (BF16 if a.stype == BF16_STYPE else str(a.numpy().dtype) if not a.dtype else a.dtype)
+             for k, a in record.items()})
+
+
+def dtype_limit(dtype: str) -> float:
+    """Largest finite magnitude of a float dtype (fp16 65504, bf16 ~3.39e38, fp32 ~3.40e38)."""
+    if dtype == BF16:
+        return float(torch.finfo(torch.bfloat16).max)
+    return float(np.finfo(np.dtype(dtype)).max)
+
+
+def cast_checked(key: str, w: np.ndarray, dtype: str) -> np.ndarray:
+    """Cast float32 weights ``w`` to the tensor's ``dtype`` (bf16: rounded, kept as float32 values).
+
+    Raises
+    ------
+    ValueError
+        The result is not finite in ``dtype`` (NaN, Inf, or beyond its range, e.g. > 65504 in fp16).
+    """
+    if dtype == BF16:
+        out = torch.from_numpy(np.asarray(w, dtype=np.float32)).to(torch.bfloat16).float().numpy()
+    else:
+        with np.errstate(over="ignore", invalid="ignore"):
+            out = np.asarray(w).astype(dtype)
+    if out.size and not np.isfinite(out).all():
+        raise ValueError(f"'{key}': global + update is not finite in the model's dtype {dtype}")
+    return out
+
+
+def integer_mean(global_value: np.ndarray, weighted_delta_sum: np.ndarray, total_weight: float) -> np.ndarray:
+    """The integer rule: ``global + rint(sum_i w_i (v_i - global) / sum_i w_i)``, clamped to the dtype.
+
+    Parameters
+    ----------
+    global_value : np.ndarray
+        The global integer tensor (any integer dtype, any shape).
+    weighted_delta_sum : np.ndarray
+        float64, same shape: ``sum_i w_i * (v_i - global)`` over the clients aggregated.
+    total_weight : float
+        ``sum_i w_i`` > 0.
+
+    Returns
+    -------
+    np.ndarray
+        Same dtype and shape as ``global_value``. Rounding is half to even (``np.rint``); exact for
+        values below 2**53 in magnitude (float64 arithmetic).
+    """
+    info = np.iinfo(global_value.dtype)
+    mean = global_value.astype(np.float64) + np.rint(weighted_delta_sum / total_weight)
+    return copy_array(np.clip(mean, info.min, info.max).astype(global_value.dtype))
+
+
+def bool_majority(global_value: np.ndarray, weight_true: np.ndarray, total_weight: float) -> np.ndarray:
+    """The bool rule: True where the clients voting True hold more than half the weight, False where
+    less than half; a tie keeps ``global_value``. Shapes and the bool dtype are kept."""
+    out = np.where(2 * weight_true > total_weight, True, np.where(2 * weight_true < total_weight, False, global_value))
+    return copy_array(out.astype(np.bool_))
+
+
+@dataclass(frozen=True)
+class Spec:
+    """Shape and dtype name (numpy name or ``"bfloat16"``) of one model tensor."""
+
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def numel(self) -> int:
+        """Number of elements (1 for a 0-d tensor, 0 for a zero-element one)."""
+        return int(np.prod(self.shape)) if self.shape else 1
+
+    @property
+    def is_float(self) -> bool:
+        """Whether the tensor carries a float update (else it travels exactly)."""
+        return is_float_dtype(self.dtype)
+
+
+class FlatModel:
+    """A model's tensors split into one flat float32 vector of every float tensor (model order) and
+    the exact (integer/bool) tensors; per-key float views share the flat vector's memory.
+
+    This is how the server holds the global model it sent in a round and how aggregation addresses
+    float entries: a whole-model payload (selection "model") covers the float tensors not sent on
+    their own, concatenated in model order, which :meth:`segments` maps to flat offsets.
+
+    Parameters
+    ----------
+    values : dict of str to np.ndarray
+        The model in key order (bf16 tensors as float32 values).
+    dtypes : dict of str to str
+        Each tensor's dtype name (``"bfloat16"`` for bf16).
+    """
+
+    def __init__(self, values: Mapping[str, np.ndarray], dtypes: Mapping[str, str]) -> None:
+        self.keys = list(values)
+        self.specs = {k: Spec(tuple(int(d) for d in np.shape(values[k])), str(dtypes[k])) for k in self.keys}
+        self.float_keys = [k for k in self.keys if self.specs[k].is_float]
+        self.exact_keys = [k for k in self.keys if not self.specs[k].is_float]
+        self.offsets: dict[str, int] = {}
+        off = 0
+        for k in self.float_keys:
+            self.offsets[k] = off
+            off += self.specs[k].numel
+        self.num_float = off
+        self.flat = np.empty(off, dtype=np.float32)
+        for k in self.float_keys:
+            self.flat[self.offsets[k]: self.offsets[k] + self.specs[k].numel] = np.asarray(values[k]).reshape(-1)
+        self.exact = {k: copy_array(values[k]) for k in self.exact_keys}
+        self._starts = np.array([self.offsets[k] for k in self.float_keys], dtype=np.int64)
+        self._limits = np.array([dtype_limit(self.specs[k].dtype) for k in self.float_keys], dtype=np.float64)
+        self._uniform = float(self._limits[0]) if len(self._limits) and (self._limits == self._limits[0]).all() else None
+        self.dense_bytes = 4 * self.num_float + sum(v.nbytes for v in self.exact.values())
+
+    def key_at(self, flat_index: int) -> str:
+        """The float tensor holding entry ``flat_index`` of :attr:`flat`."""
+        return self.float_keys[int(np.searchsorted(self._starts, flat_index, side="right")) - 1]
+
+    def limits_at(self, flat_positions: np.ndarray) -> float | np.ndarray:
+        """Largest finite magnitude of the dtype at each flat position (a scalar if all dtypes agree)."""
+        if self._uniform is not None:
+            return self._uniform
+        return self._limits[np.searchsorted(self._starts, flat_positions, side="right") - 1]
+
+    @classmethod
+    def from_record(cls, record: ArrayRecord) -> FlatModel:
+        """From an ArrayRecord of dense weights (Flower's or :func:`to_record`'s)."""
+        values, dtypes = numpy_dict(record)
+        return cls(values, dtypes)
+
+    def float_view(self, key: str) -> np.ndarray:
+        """The float32 values of float tensor ``key``, shaped (a view into :attr:`flat`)."""
+        o = self.offsets[key]
+        return self.flat[o: o + self.specs[key].numel].reshape(self.specs[key].shape)
+
+    def value(self, key: str) -> np.ndarray:
+        """Tensor ``key`` as numpy: float32 values (a view) for float tensors, the exact array otherwise."""
+        return self.float_view(key) if key in self.offsets else self.exact[key]
+
+    def __getitem__(self, key: str) -> np.ndarray:
+        return self.value(key)
+
+    def items(self):
+        """``(key, value)`` pairs in model order (float tensors as float32 views)."""
+        return ((k, self.value(k)) for k in self.keys)
+
+    def segments(self, members: list[str]) -> list[tuple[int, int, int]]:
+        """``[(local start, flat start, length), ...]`` of a unit concatenating ``members`` (float keys)."""
+        out, local = [], 0
+        for k in members:
+            n = self.specs[k].numel
+            out.append((local, self.offsets[k], n))
+            local += n
+        return out
+
+    def record(self, flat_update: np.ndarray | None = None, exact: Mapping[str, np.ndarray] | None = None,
+               check: bool = True, portable: bool = False) -> ArrayRecord:
+        """Dense weights ``global + flat_update`` in every tensor's own dtype and shape.
+
+        Parameters
+        ----------
+        flat_update : np.ndarray, optional
+            float32 or float64, shape ``(num_float,)``; None: the global values.
+        exact : dict, optional
+            Replacement values of exact tensors (default: the global ones).
+        check : bool
+            Refuse non-finite results after the cast (naming the key).
+        portable : bool
+            Give bf16 tensors as float32 numpy Arrays (for Flower strategies, which call
+            ``Array.numpy()``); the caller casts back.
+
+        Raises
+        ------
+        ValueError
+            A float tensor that is not finite after the cast to its dtype.
+        """
+        out = ArrayRecord()
+        for k in self.keys:
+            spec = self.specs[k]
+            if spec.is_float:
+                w = self.float_view(k)
+                if flat_update is not None:
+                    o = self.offsets[k]
+                    w = (w + flat_update[o: o + spec.numel].reshape(spec.shape)).astype(np.float32)
+                w = cast_checked(k, w, spec.dtype) if check else w
+                out[k] = numpy_to_array(w, "float32" if portable and spec.dtype == BF16 else spec.dtype)
+            else:
+                v = self.exact[k] if exact is None or k not in exact else exact[k]
+                out[k] = Array(copy_array(v))
+        return out
+
+
+__all__ = ["BF16", "BF16_STYPE", "FlatModel", "Spec", "array_to_numpy", "bool_majority", "cast_checked",
+           "copy_array", "dtype_limit", "integer_mean", "is_float_dtype", "numpy_dict", "numpy_to_array",
+           "to_record", "to_state_dict"]

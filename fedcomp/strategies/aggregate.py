@@ -1,0 +1,128 @@
+"""Aggregation of decoded updates in O(model) memory, whatever the number of clients.
+
+- :class:`RunningSum` folds each decoded reply into one float64 accumulator over the global
+  model's flat float vector as soon as it is decoded: sparse parts by scatter-add of their k
+  entries (O(k) per client), dense parts segment by segment, in chunks. Nothing per client stays.
+- :class:`ExactVotes` does the same for integer/bool tensors by the rules of
+  :func:`fedcomp.statedict.integer_mean` and :func:`fedcomp.statedict.bool_majority`.
+- :func:`streams` says which inner strategies aggregate by a weighted mean of the clients'
+  weights (Flower's FedAvg family), so that one pre-aggregated reply gives them the same result;
+  every other strategy gets every client's dense weights (:func:`dense_memory_note` says what
+  that costs).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from flwr.serverapp.strategy import FedAdagrad, FedAdam, FedAvg, FedAvgM, FedProx, FedYogi
+
+from ..statedict import FlatModel, bool_majority, integer_mean
+from .decode import DecodedUpdate
+
+#: Entries per chunk of a dense fold (bounds the temporary of ``weight * values`` to 8 MB).
+CHUNK = 1 << 20
+
+# Strategies whose aggregate_train is FedAvg's weighted mean of the clients' arrays, optionally
+# followed by a server optimizer step on that mean (FedAvgM momentum, FedOpt's Adam/Yogi/Adagrad);
+# FedProx only changes the clients' objective. Checked in flwr 1.42's sources: each of these
+# classes' aggregate_train calls FedAvg.aggregate_train on all replies first.
+_WEIGHTED_MEAN = (FedAvg, FedAvgM, FedAdam, FedYogi, FedAdagrad, FedProx)
+
+
+def streams(inner: Any) -> bool:
+    """True if ``inner`` aggregates by a weighted mean of the replies' arrays (then one pre-aggregated
+    reply with the total weight gives it the same result).
+
+    Exactly the Flower classes in ``_WEIGHTED_MEAN``, or a subclass that overrides neither
+    ``aggregate_train`` nor ``train_metrics_aggr_fn`` semantics: a user subclass with its own
+    ``aggregate_train`` (robust aggregation, say) or any other strategy (FedMedian, FedTrimmedAvg,
+    Krum, Bulyan, Flower's DP wrappers, ...) gets every reply dense.
+    """
+    cls = type(inner)
+    if cls in _WEIGHTED_MEAN:
+        return True
+    base = next((b for b in cls.__mro__ if b in _WEIGHTED_MEAN), None)
+    return base is not None and cls.aggregate_train is base.aggregate_train
+
+
+def dense_memory_note(inner: Any, clients: int, model: FlatModel) -> str:
+    """The log line of the dense path: why, and what it costs (clients x model bytes)."""
+    need = clients * model.dense_bytes
+    return (f"fedcomp: {type(inner).__name__} needs every client's weights at once (not a weighted mean): "
+            f"decoding {clients} replies dense holds about {need / 2**20:.1f} MiB "
+            f"({clients} x {model.dense_bytes / 2**20:.2f} MiB model)")
+
+
+class RunningSum:
+    """``sum_i factor_i * delta_i`` over the float entries, in float64, folded reply by reply.
+
+    Parameters
+    ----------
+    model : FlatModel
+        The global model of the round (its flat float layout).
+    """
+
+    def __init__(self, model: FlatModel) -> None:
+        self.model = model
+        self.acc = np.zeros(model.num_float, dtype=np.float64)
+        self.total = 0.0
+        self.count = 0
+
+    def add(self, update: DecodedUpdate, factor: float, weight: float | None = None) -> None:
+        """Fold ``factor * update`` in; ``weight`` (default ``factor``) is added to :attr:`total`."""
+        for pos, vals in update.sparse:
+            self.acc[pos] += factor * vals.astype(np.float64)
+        for start, vals in update.dense:
+            for i in range(0, vals.size, CHUNK):
+                part = vals[i: i + CHUNK]
+                self.acc[start + i: start + i + part.size] += factor * part.astype(np.float64)
+        self.total += factor if weight is None else weight
+        self.count += 1
+
+    def mean(self) -> np.ndarray:
+        """The weighted mean update ``acc / total`` as float32 (frees the accumulator)."""
+        out = (self.acc / self.total).astype(np.float32) if self.total > 0 else np.zeros(self.model.num_float, np.float32)
+        self.acc = np.zeros(0)
+        return out
+
+
+class ExactVotes:
+    """Integer/bool tensors of the replies, aggregated by the documented rules.
+
+    Integers: ``sum_i w_i (v_i - global)`` in float64, then :func:`integer_mean`. Bools: the weight
+    voting True, then :func:`bool_majority`. A client that did not send a tensor (local DP) does
+    not vote on it; a tensor nobody sent keeps the global value.
+    """
+
+    def __init__(self, model: FlatModel) -> None:
+        self.model = model
+        self.sums = {k: np.zeros(model.specs[k].shape, np.float64) for k in model.exact_keys}
+        self.weights = dict.fromkeys(model.exact_keys, 0.0)
+
+    def add(self, exact: dict[str, np.ndarray], weight: float) -> None:
+        """Count one client's exact tensors with weight ``weight`` (> 0)."""
+        for k, v in exact.items():
+            g = self.model.exact[k]
+            if g.dtype == np.bool_:
+                self.sums[k] += weight * v
+            else:
+                self.sums[k] += weight * (v.astype(np.float64) - g.astype(np.float64))
+            self.weights[k] += weight
+
+    def result(self) -> dict[str, np.ndarray]:
+        """Every exact tensor's aggregate, in its own dtype and shape."""
+        out = {}
+        for k, g in self.model.exact.items():
+            w = self.weights[k]
+            if w <= 0:
+                out[k] = g.copy()
+            elif g.dtype == np.bool_:
+                out[k] = bool_majority(g, self.sums[k], w)
+            else:
+                out[k] = integer_mean(g, self.sums[k], w)
+        return out
+
+
+__all__ = ["CHUNK", "ExactVotes", "RunningSum", "dense_memory_note", "streams"]
