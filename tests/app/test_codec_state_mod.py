@@ -97,3 +97,25 @@ def test_federation_in_process(codec):
     out = {k: res.arrays[k].numpy() for k in init}
     assert all(np.isfinite(v).all() for v in out.values())
     assert sum(float(((out[k] - init[k]) ** 2).sum()) for k in init) > 0
+
+
+@pytest.mark.parametrize("codec", ["powersgd", "eden"])
+def test_zoo_models_round_trip(codec):
+    """BatchNorm/LayerNorm/GroupNorm, 0-d and empty parameters, integer buffers, fp16/bf16 models
+    (the zoo of tests/app/test_zoo.py) through mod and strategy with the new codecs."""
+    from tests.app.test_zoo import ZOO, _expected_exact, _round, _zoo
+
+    from fedcomp.statedict import to_state_dict
+
+    for name in ZOO:
+        model = _zoo()[name]
+        sd, arrays, metrics = _round(model, codec, "tensor")
+        assert arrays is not None and metrics["rejected-replies"] == 0, name
+        out = to_state_dict(arrays)
+        for k, t in sd.items():
+            assert out[k].dtype == t.dtype and tuple(out[k].shape) == tuple(t.shape), (name, k)
+            if t.is_floating_point():
+                assert bool(torch.isfinite(out[k].float()).all()), (name, k)
+        for k, want in _expected_exact(sd).items():
+            assert out[k].tolist() == want, (name, k)
+        model.load_state_dict(out)
