@@ -68,6 +68,8 @@ CASES = {
     "qsgd s7 exp": {"compressor": "qsgd", "levels": 7, "spacing": "exponential"},
     "stc 0.0025+EF mc": {"compressor": "stc", "density": 0.0025, "momentum-correction": 0.5},
     "stc 0.0025+EF mc0.9": {"compressor": "stc", "density": 0.0025, "momentum-correction": 0.9},
+    "stc 0.0025+EF mc+clip": {"compressor": "stc", "density": 0.0025, "momentum-correction": 0.5,
+                              "local-clip-norm": 2.0},
     "stc 0.0025+EF dgc": {"compressor": "stc", "density": 0.0025, "momentum-correction": 0.5, "local-clip-norm": 2.0,
                           "density-schedule": "exponential", "density-start": 0.25, "schedule-rounds": 10},
 }
