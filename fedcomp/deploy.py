@@ -169,19 +169,23 @@ def run(args: argparse.Namespace) -> int:
         forward = threading.Thread(target=_forward, args=(submit.stdout,), daemon=True)
         forward.start()
         killed = False
-        deadline = time.monotonic() + args.timeout
+        t0 = time.monotonic()
+        deadline = t0 + args.timeout
+        reported = -1
         while submit.poll() is None:
             if time.monotonic() > deadline:
                 print(f"fedcomp-deploy: run exceeded {args.timeout} s, stopping", flush=True)
                 submit.terminate()
                 break
-            if args.kill_supernode_after_round is not None and not killed:
-                done = _rounds_done(results / "metrics.json")
-                if done >= args.kill_supernode_after_round:
-                    print(f"fedcomp-deploy: killing SuperNode 0 (pid {nodes[0].pid}) after round {done}", flush=True)
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(nodes[0].pid, signal.SIGKILL)
-                    killed = True
+            done = _rounds_done(results / "metrics.json", default=-1)
+            if done > reported:
+                reported = done
+                print(f"fedcomp-deploy: round {done} done, {time.monotonic() - t0:.0f} s elapsed", flush=True)
+            if args.kill_supernode_after_round is not None and not killed and done >= args.kill_supernode_after_round:
+                print(f"fedcomp-deploy: killing SuperNode 0 (pid {nodes[0].pid}) after round {done}", flush=True)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(nodes[0].pid, signal.SIGKILL)
+                killed = True
             time.sleep(0.5)
         submit.wait(30)
         forward.join(10)
@@ -202,11 +206,11 @@ def _forward(stream) -> None:
         print(line, end="", flush=True)
 
 
-def _rounds_done(path: pathlib.Path) -> int:
+def _rounds_done(path: pathlib.Path, default: int = 0) -> int:
     try:
-        return max((r["round"] for r in json.loads(path.read_text())["rounds"]), default=0)
+        return max((r["round"] for r in json.loads(path.read_text())["rounds"]), default=default)
     except (OSError, ValueError, KeyError):
-        return 0
+        return default
 
 
 def main(argv: list[str] | None = None) -> int:

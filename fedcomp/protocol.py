@@ -20,6 +20,10 @@ MODEL_KEY = "fedcomp.model"
 #: Keys in ``context.state`` of the client's model copy (downstream compression) and its version.
 MODEL_STATE_KEY = "fedcomp.model"
 MODEL_META_KEY = "fedcomp.model-version"
+#: Train-config keys of downstream compression: the model version a client will hold after this
+#: message, and (payload messages only) the version the payload applies to.
+MODEL_VERSION = "fedcomp-model-version"
+BASE_VERSION = "fedcomp-base-version"
 
 
 def server_round(msg) -> int:

@@ -263,14 +263,34 @@ class FlatModel:
             local += n
         return out
 
+    def _apply(self, key: str, update, scale: float, chunk: int = 1 << 18) -> np.ndarray:
+        """float32 ``global + scale * update`` of one tensor, computed in chunks (temporaries stay
+        small). ``update``: the flat vector, or a dict of per-tensor flat arrays (an entry is
+        dropped once used, so a per-tensor accumulator shrinks as the record grows)."""
+        spec, o = self.specs[key], self.offsets[key]
+        if isinstance(update, dict):
+            src, base = update.pop(key), 0
+        else:
+            src, base = update, o
+        out = np.empty(spec.numel, dtype=np.float32)
+        g = self.flat[o: o + spec.numel]
+        for i in range(0, spec.numel, chunk):
+            part = src[base + i: base + min(i + chunk, spec.numel)]
+            out[i: i + part.size] = g[i: i + part.size] + (part * scale if scale != 1.0 else part)
+        return out.reshape(spec.shape)
+
     def record(self, flat_update: np.ndarray | None = None, exact: Mapping[str, np.ndarray] | None = None,
-               check: bool = True, portable: bool = False) -> ArrayRecord:
+               check: bool = True, portable: bool = False, scale: float = 1.0) -> ArrayRecord:
         """Dense weights ``global + flat_update`` in every tensor's own dtype and shape.
 
         Parameters
         ----------
-        flat_update : np.ndarray, optional
-            float32 or float64, shape ``(num_float,)``; None: the global values.
+        flat_update : np.ndarray or dict, optional
+            float32 or float64, shape ``(num_float,)``, or ``{float key: flat array}`` (consumed:
+            each entry is removed once applied); None: the global values.
+        scale : float
+            Multiplies ``flat_update`` (e.g. 1 / total weight of a running sum), per tensor, so
+            that no scaled copy of the whole vector is made.
         exact : dict, optional
             Replacement values of exact tensors (default: the global ones).
         check : bool
@@ -290,8 +310,7 @@ class FlatModel:
             if spec.is_float:
                 w = self.float_view(k)
                 if flat_update is not None:
-                    o = self.offsets[k]
-                    w = (w + flat_update[o: o + spec.numel].reshape(spec.shape)).astype(np.float32)
+                    w = self._apply(k, flat_update, scale)
                 w = cast_checked(k, w, spec.dtype) if check else w
                 out[k] = numpy_to_array(w, "float32" if portable and spec.dtype == BF16 else spec.dtype)
             else:

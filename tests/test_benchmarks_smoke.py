@@ -34,3 +34,16 @@ def test_federated_benchmark_quick_runs(tmp_path):
     assert 25 < res["sign+EF"]["compression_ratio"] < 32
     assert res["stc 0.01+EF"]["compression_ratio"] > 200
     assert (tmp_path / "fig.png").stat().st_size > 10_000
+
+
+def test_scale_benchmark_smoke_runs(tmp_path):
+    out = tmp_path / "scale.json"
+    subprocess.run([sys.executable, str(REPO / "benchmarks" / "scale.py"), "--smoke", "--codecs", "stc,sign",
+                    "--out", str(out)], check=True, capture_output=True, timeout=600)
+    res = json.loads(out.read_text())
+    rows = {(r["codec"], r["clients"], r["path"]): r for r in res["server"]}
+    assert set(rows) == {(c, n, p) for c in ("stc", "sign") for n in (4, 12) for p in ("streaming", "dense")}
+    for c in ("stc", "sign"):  # the dense path grows with the clients, the streaming one does not
+        assert rows[(c, 12, "dense")]["peak_growth_x_model"] > rows[(c, 12, "streaming")]["peak_growth_x_model"]
+    assert {r["codec"] for r in res["client"]} == {"stc", "sign"}
+    assert all(r["seconds"] > 0 and r["codec_seconds"] > 0 for r in res["client"])

@@ -18,7 +18,6 @@ from ..config import AppConfig
 from ..data import DataConfig, load_partition
 from ..models import build_model
 from ..protocol import server_round
-from .dp_sgd import DPSGDConfig, projected_epsilon, train_dp_sgd
 from .mod import _state_file, compression_mod
 from .training import TrainConfig, evaluate, pick_device, train
 
@@ -95,6 +94,9 @@ def train_handler(msg: Message, context: Context) -> Message:
     t0 = time.perf_counter()
     extra = {}
     if cfg.dp == "dp-sgd":
+        # imported here: Opacus calls logging.basicConfig at import (every log line would print twice)
+        from .dp_sgd import DPSGDConfig, projected_epsilon, train_dp_sgd
+
         # One accountant per client for the whole run: its history lives in context.state.
         dp_cfg = DPSGDConfig.from_mapping(context.run_config)
         acc_file = _accountant_file(context)

@@ -17,9 +17,11 @@ from ..compression import PayloadError, decode_exact, decompress
 from ..config import CODEC_DEFAULTS, CodecConfig
 from ..privacy import LocalDP
 from ..protocol import (
+    BASE_VERSION,
     MODEL_KEY,
     MODEL_META_KEY,
     MODEL_STATE_KEY,
+    MODEL_VERSION,
     PAYLOAD_DTYPE,
     PAYLOAD_STYPE,
     RESIDUAL_STATE_KEY,
@@ -68,8 +70,6 @@ def _rebuild_downstream(msg: Message, context: Context, arr_key: str, rec: Array
     PayloadError
         A malformed payload, or an exact payload for an unknown key or of another dtype/shape.
     """
-    from ..strategies.downstream import BASE_VERSION, MODEL_VERSION
-
     _, cfg = _only_record(msg.content, "config") if msg.content.config_records else (None, {})
     if MODEL_VERSION not in cfg:
         return rec

@@ -236,7 +236,7 @@ def compress_update(
         seg_sizes = [sizes[k] for k in members]
         if codec.error_feedback:
             ef = ErrorFeedback(compressor, residual_dtype=codec.residual_dtype, momentum=codec.momentum_correction)
-            for entry in ef.set_state(states.get(ukey, {}), shape=tuple(x.shape)):
+            for entry in ef.set_state(states.get(ukey, {}), shape=tuple(x.shape), copy=False):
                 if entry != "residual":  # the residual's mismatch was logged above
                     log(WARNING, "fedcomp: saved %s for '%s' has another shape: starting from zero", entry, ukey)
             payloads[ukey] = ef.compress(x, inplace=True, segments=seg_sizes)

@@ -180,6 +180,16 @@ def codec_name(payload: bytes) -> str:
     return _BY_ID[header.codec_id].name
 
 
+def _open(payload, max_numel: int, expected_shape) -> tuple:
+    """``(payload, header, codec class or None)`` after the header checks shared by the decoders."""
+    if isinstance(payload, memoryview) and not payload.c_contiguous:
+        payload = payload.tobytes()
+    header = parse_header(payload, max_numel=max_numel)
+    if expected_shape is not None and tuple(header.shape) != tuple(expected_shape):
+        raise PayloadError(f"payload shape {header.shape} does not match the expected {tuple(expected_shape)}")
+    return payload, header, _BY_ID.get(header.codec_id)
+
+
 def decompress(
     payload: bytes | bytearray | memoryview,
     *,
@@ -210,12 +220,7 @@ def decompress(
         than ``expected_shape``, position out of range, non-finite scale or values,
         trailing bytes. Nothing is pickled or ``torch.load``-ed.
     """
-    if isinstance(payload, memoryview) and not payload.c_contiguous:
-        payload = payload.tobytes()
-    header = parse_header(payload, max_numel=max_numel)
-    if expected_shape is not None and tuple(header.shape) != tuple(expected_shape):
-        raise PayloadError(f"payload shape {header.shape} does not match the expected {tuple(expected_shape)}")
-    cls = _BY_ID.get(header.codec_id)
+    payload, header, cls = _open(payload, max_numel, expected_shape)
     if header.codec_id == EXACT_CODEC_ID:
         raise PayloadError("an exact payload holds an integer/bool tensor: decode it with decode_exact, not decompress")
     if cls is None:
@@ -259,12 +264,7 @@ def decompress_sparse(
     PayloadError
         As :func:`decompress`.
     """
-    if isinstance(payload, memoryview) and not payload.c_contiguous:
-        payload = payload.tobytes()
-    header = parse_header(payload, max_numel=max_numel)
-    if expected_shape is not None and tuple(header.shape) != tuple(expected_shape):
-        raise PayloadError(f"payload shape {header.shape} does not match the expected {tuple(expected_shape)}")
-    cls = _BY_ID.get(header.codec_id)
+    payload, header, cls = _open(payload, max_numel, expected_shape)
     if cls is None or not hasattr(cls, "_decode_sparse"):
         return None
     with np.errstate(over="ignore", invalid="ignore"):

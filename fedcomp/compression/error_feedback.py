@@ -183,8 +183,11 @@ class ErrorFeedback:
         out = self.residual.detach().cpu().numpy()
         return out.copy() if copy else out
 
-    def set_residual(self, residual: np.ndarray | torch.Tensor | None) -> None:
+    def set_residual(self, residual: np.ndarray | torch.Tensor | None, copy: bool = True) -> None:
         """Restore a residual saved with :meth:`get_residual` (or any array of the input shape).
+
+        ``copy=False`` keeps a reference when the dtype already matches (the next :meth:`compress`
+        only reads it, then replaces it), saving a model-sized copy.
 
         Raises
         ------
@@ -195,9 +198,9 @@ class ErrorFeedback:
             self.residual = None
             return
         t = torch.as_tensor(residual).detach().to(_RESIDUAL_DTYPES[self.residual_dtype])
-        if t.numel() and not bool(torch.isfinite(t).all()):
+        if t.numel() and not bool(torch.isfinite(t.sum())) and not bool(torch.isfinite(t).all()):
             raise ValueError("residual holds non-finite values")
-        self.residual = t.clone()
+        self.residual = t.clone() if copy else t
 
     def get_state(self, copy: bool = True) -> dict[str, np.ndarray]:
         """The whole client-side state as numpy arrays (storage dtype, CPU), for saving.
@@ -220,7 +223,8 @@ class ErrorFeedback:
         out.update({f"{self.compressor.name}/{k}": v for k, v in self.compressor.get_state().items()})
         return out
 
-    def set_state(self, state: Mapping[str, np.ndarray], shape: tuple[int, ...] | None = None) -> list[str]:
+    def set_state(self, state: Mapping[str, np.ndarray], shape: tuple[int, ...] | None = None,
+                  copy: bool = True) -> list[str]:
         """Restore what :meth:`get_state` returned (missing entries start from zero / fresh).
 
         Parameters
@@ -230,6 +234,9 @@ class ErrorFeedback:
         shape : tuple of int, optional
             The shape of the coming input: a residual or momentum buffer of another shape is
             dropped (restarts at zero) instead of failing the next :meth:`compress`.
+        copy : bool
+            False keeps references to residual and momentum arrays whose dtype already matches
+            (the next :meth:`compress` only reads them, then replaces them).
 
         Returns
         -------
@@ -242,17 +249,18 @@ class ErrorFeedback:
             An entry holds NaN/Inf or is not a float array (the state is left unchanged).
         """
         arrays = {k: np.asarray(v) for k, v in state.items()}
-        for k, a in arrays.items():
-            if not np.issubdtype(a.dtype, np.floating) or (a.size and not np.isfinite(a).all()):
+        for k, a in arrays.items():  # a finite sum proves every entry finite
+            if not np.issubdtype(a.dtype, np.floating) or (
+                    a.size and not np.isfinite(a.sum(dtype=np.float64)) and not np.isfinite(a).all()):
                 raise ValueError(f"state entry {k!r} is not a finite float array")
         dropped = [k for k in (RESIDUAL, MOMENTUM)
                    if k in arrays and shape is not None and tuple(arrays[k].shape) != tuple(shape)]
         prefix = f"{self.compressor.name}/"
         self.compressor.set_state({k[len(prefix):]: a for k, a in arrays.items() if k.startswith(prefix)})
-        self.set_residual(None if RESIDUAL in dropped else arrays.get(RESIDUAL))
+        self.set_residual(None if RESIDUAL in dropped else arrays.get(RESIDUAL), copy=copy)
         mom = None if MOMENTUM in dropped else arrays.get(MOMENTUM)
-        self.momentum_buffer = None if mom is None else torch.from_numpy(
-            np.array(mom, copy=True)).to(_RESIDUAL_DTYPES[self.residual_dtype])
+        self.momentum_buffer = None if mom is None else torch.as_tensor(
+            np.array(mom, copy=True) if copy else mom).to(_RESIDUAL_DTYPES[self.residual_dtype])
         return dropped
 
     def reset(self) -> None:

@@ -64,7 +64,7 @@ class SignCompressor(Compressor):
             raise PayloadError(f"sign: scale {scale} is not a finite non-negative number")
         n = header.numel
         r = BodyReader(payload, header.body_offset, cls.name)
-        bits = unpack_bits(r.take(nbytes_for_bits(n), "sign bits"), n, "sign bits")
+        bits = unpack_bits(r.take(nbytes_for_bits(n), "bits"), n, "sign bits")
         r.finish()
         s = np.float32(scale)
         # bit * 2s - s is exactly +s or -s (2s is exact), and cheaper than a table lookup.

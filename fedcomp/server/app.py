@@ -13,7 +13,6 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAdam, FedAvg, FedAvgM, Strategy
 
-from ..client.dp_sgd import DPSGDConfig
 from ..client.training import evaluate
 from ..config import AppConfig
 from ..data import DataConfig, load_test_set
@@ -23,7 +22,8 @@ from ..statedict import copy_array
 from ..strategies import CompressedStrategy
 from ..strategies.offset import RoundOffset
 from . import checkpoint
-from .results import DP_HEADER, HEADER, MB, format_row, plot_rounds, resolve_results_dir, write_json
+from .results import DP_HEADER, HEADER, MB, format_row, plot_rounds, write_json
+from .startup import RunConfigError, one_line_config_errors, writable_results_dir
 
 app = ServerApp()
 
@@ -63,7 +63,10 @@ def privacy_options(cfg: AppConfig, context: Context | None = None) -> dict:
                                           sample_rate=q or 1.0)
     elif cfg.dp == "local":
         opts["local_dp"] = LocalDP(cfg.clipping_norm, cfg.noise_multiplier, cfg.target_delta)
-    if context is not None:  # DP-SGD keys are validated whatever the mode (a typo should not wait)
+    if context is not None and cfg.dp == "dp-sgd":
+        # imported here: Opacus calls logging.basicConfig at import (every log line would print twice)
+        from ..client.dp_sgd import DPSGDConfig
+
         DPSGDConfig.from_mapping(context.run_config)
     if cfg.max_epsilon and cfg.dp == "none":
         log(WARNING, "fedcomp  max-epsilon = %s has no effect with dp = 'none'", cfg.max_epsilon)
@@ -167,10 +170,15 @@ def privacy_statement(cfg: AppConfig) -> dict | None:
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     """Run the federation described by the run config and write ``metrics.json`` and ``plot.png``."""
-    cfg = AppConfig.from_run_config(context.run_config)
+    one_line_config_errors()
+    try:
+        cfg = AppConfig.from_run_config(context.run_config)
+        options = privacy_options(cfg, context)
+    except ValueError as err:
+        raise RunConfigError(str(err)) from err
     torch.manual_seed(cfg.seed)
-    out_dir = resolve_results_dir(cfg.results_dir, cfg.codec.compressor)
-    strategy = CompressedStrategy.from_codec_config(build_inner(cfg), cfg.codec, **privacy_options(cfg, context))
+    out_dir = writable_results_dir(cfg.results_dir, cfg.codec.compressor)
+    strategy = CompressedStrategy.from_codec_config(build_inner(cfg), cfg.codec, **options)
     recorder = RoundRecorder(cfg, strategy, out_dir, dict(context.run_config))
     model = build_model(cfg.model, tuple(recorder.test.tensors[0].shape[1:]))
     train_config = ConfigRecord({"seed": cfg.seed})

@@ -1,6 +1,6 @@
 """Aggregation of decoded updates in O(model) memory, whatever the number of clients.
 
-- :class:`RunningSum` folds each decoded reply into one float64 accumulator over the global
+- :class:`RunningSum` folds each decoded reply into one accumulator over the global
   model's flat float vector as soon as it is decoded: sparse parts by scatter-add of their k
   entries (O(k) per client), dense parts segment by segment, in chunks. Nothing per client stays.
 - :class:`ExactVotes` does the same for integer/bool tensors by the rules of
@@ -47,6 +47,12 @@ def streams(inner: Any) -> bool:
     return base is not None and cls.aggregate_train is base.aggregate_train
 
 
+def identity_on_one_reply(inner: Any) -> bool:
+    """True for exactly Flower's FedAvg and FedProx: their aggregate of one reply is that reply's
+    arrays (each multiplied by its weight factor, exactly 1.0), so nothing needs handing over."""
+    return type(inner) in (FedAvg, FedProx)
+
+
 def dense_memory_note(inner: Any, clients: int, model: FlatModel) -> str:
     """The log line of the dense path: why, and what it costs (clients x model bytes)."""
     need = clients * model.dense_bytes
@@ -56,7 +62,13 @@ def dense_memory_note(inner: Any, clients: int, model: FlatModel) -> str:
 
 
 class RunningSum:
-    """``sum_i factor_i * delta_i`` over the float entries, in float64, folded reply by reply.
+    """``sum_i factor_i * delta_i`` over the float tensors, folded reply by reply.
+
+    One float64 accumulator per float tensor (2x the model's fp32 bytes in all): the factors are the
+    raw weights (``num-examples``, up to 1e9), and ``weight * update`` of a finite float32 update can
+    overflow float32; float64 cannot, and keeps the sum exact far below fp32 rounding. Per-tensor
+    accumulators are released one by one as :meth:`mean_record` turns them into weights, so the
+    accumulator and the result never coexist in full.
 
     Parameters
     ----------
@@ -66,26 +78,40 @@ class RunningSum:
 
     def __init__(self, model: FlatModel) -> None:
         self.model = model
-        self.acc = np.zeros(model.num_float, dtype=np.float64)
+        self.acc = {k: np.zeros(model.specs[k].numel, dtype=np.float64) for k in model.float_keys}
+        self._starts = np.array([model.offsets[k] for k in model.float_keys], dtype=np.int64)
         self.total = 0.0
         self.count = 0
 
     def add(self, update: DecodedUpdate, factor: float, weight: float | None = None) -> None:
         """Fold ``factor * update`` in; ``weight`` (default ``factor``) is added to :attr:`total`."""
-        for pos, vals in update.sparse:
-            self.acc[pos] += factor * vals.astype(np.float64)
-        for start, vals in update.dense:
+        keys, offsets = self.model.float_keys, self.model.offsets
+        for pos, vals in update.sparse:  # positions are increasing: one slice per tensor
+            bounds = np.searchsorted(pos, self._starts)
+            ends = np.append(bounds[1:], len(pos))
+            for i in np.flatnonzero(ends > bounds):
+                k, a, b = keys[i], bounds[i], ends[i]
+                self.acc[k][pos[a:b] - offsets[k]] += factor * vals[a:b].astype(np.float64)
+        for start, vals in update.dense:  # each dense part lies in one tensor
+            k = self.model.key_at(start) if vals.size else None
+            if k is None:
+                continue
+            acc, o = self.acc[k], start - offsets[k]
             for i in range(0, vals.size, CHUNK):
                 part = vals[i: i + CHUNK]
-                self.acc[start + i: start + i + part.size] += factor * part.astype(np.float64)
+                acc[o + i: o + i + part.size] += factor * part.astype(np.float64)
         self.total += factor if weight is None else weight
         self.count += 1
 
-    def mean(self) -> np.ndarray:
-        """The weighted mean update ``acc / total`` as float32 (frees the accumulator)."""
-        out = (self.acc / self.total).astype(np.float32) if self.total > 0 else np.zeros(self.model.num_float, np.float32)
-        self.acc = np.zeros(0)
-        return out
+    def flat(self) -> np.ndarray:
+        """The whole sum as one flat float64 vector (model order; for client-level DP's noise)."""
+        return np.concatenate([self.acc[k] for k in self.model.float_keys]) if self.acc else np.zeros(0)
+
+    def mean_record(self, exact: dict[str, np.ndarray] | None = None, portable: bool = False):
+        """Dense weights ``global + acc / total`` (an ArrayRecord, model dtypes), built tensor by
+        tensor; each tensor's accumulator is freed as soon as it is used."""
+        scale = 1.0 / self.total if self.total > 0 else 0.0
+        return self.model.record(self.acc, exact, check=False, portable=portable, scale=scale)
 
 
 class ExactVotes:
@@ -125,4 +151,4 @@ class ExactVotes:
         return out
 
 
-__all__ = ["CHUNK", "ExactVotes", "RunningSum", "dense_memory_note", "streams"]
+__all__ = ["CHUNK", "ExactVotes", "RunningSum", "dense_memory_note", "identity_on_one_reply", "streams"]

@@ -17,42 +17,11 @@ from flwr.serverapp.strategy import Strategy
 from ..compression import PayloadError, available_compressors
 from ..config import CodecConfig
 from ..privacy import ClientLevelDP, LocalDP
-from ..statedict import FlatModel, array_to_numpy, cast_checked, copy_array, numpy_to_array
-from .aggregate import ExactVotes, RunningSum, dense_memory_note, streams
+from ..statedict import BF16, FlatModel, array_to_numpy, cast_checked, copy_array, numpy_to_array
+from .aggregate import ExactVotes, RunningSum, dense_memory_note, identity_on_one_reply, streams
 from .decode import DecodedUpdate, decode_reply
 from .downstream import Downstream
-
-
-def _num(metrics: dict, key: str, default: float = 0.0) -> float:
-    """A client-reported metric as a finite float (untrusted: anything else becomes ``default``)."""
-    v = metrics.get(key, default)
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not np.isfinite(v):
-        return default
-    return float(v)
-
-
-def _epsilon(v) -> float | None:
-    """A client-reported epsilon: a number >= 0 (inf allowed: no privacy), else None (ignored)."""
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or v < 0:
-        return None
-    return float(v)
-
-
-def client_seconds(c: dict, uplink_mbps: float | None = None, downlink_mbps: float | None = None) -> float:
-    """Simulated seconds of one client's round: compute + upload·8/uplink + download·8/downlink.
-
-    Parameters
-    ----------
-    c : dict
-        A ``client_history`` entry (``train-seconds``, ``compress-seconds``, ``upload-bytes``,
-        ``download-bytes``, ``uplink-mbps``, ``downlink-mbps``).
-    uplink_mbps, downlink_mbps : float, optional
-        Override the client's declared link speeds (megabits per second).
-    """
-    up = uplink_mbps or c["uplink-mbps"]
-    down = downlink_mbps or c["downlink-mbps"]
-    compute = c["train-seconds"] + c["compress-seconds"]
-    return compute + c["upload-bytes"] * 8 / (up * 1e6) + c["download-bytes"] * 8 / (down * 1e6)
+from .round_metrics import _epsilon, _num, client_seconds, common_metric_keys, layers_mean, round_metrics  # noqa: F401
 
 
 def _wraps(strategy, prefix: str) -> bool:
@@ -80,16 +49,9 @@ def _check_rules_match(codec: CodecConfig, keys: list[str]) -> None:
                              f"parameters are {keys}")
 
 
-def _common_metric_keys(contents: list[RecordDict]) -> None:
-    """Trim every reply's MetricRecord to the keys all replies share (Flower's FedAvg requires
-    identical keys; an honest client adding a metric of its own must not abort the round)."""
-    if not contents:
-        return
-    common = set.intersection(*(set(c["metrics"].keys()) for c in contents))
-    for c in contents:
-        m = c["metrics"]
-        if set(m.keys()) != common:
-            c["metrics"] = MetricRecord({k: v for k, v in m.items() if k in common})
+def _as_weight(total: float) -> int | float:
+    """A total weight as Flower's metrics take it (an int when it is one)."""
+    return int(total) if float(total).is_integer() else float(total)
 
 
 class CompressedStrategy(Strategy):
@@ -101,11 +63,18 @@ class CompressedStrategy(Strategy):
        ``block-size``, ``value-dtype``, ``error-feedback``, ``residual-dtype``) to the train
        ConfigRecord and remembers the global weights sent in that round.
     2. ``aggregate_train``: decodes every reply produced by
-       :func:`fedcomp.client.compression_mod` (validated: shape, size, finiteness),
-       rebuilds dense weights = sent global + decoded delta under the original keys, and
-       hands ordinary replies to ``inner``. A reply that fails to decode is logged with
-       its node id and reason and dropped (``rejected-replies``); error replies are
-       counted (``failed-clients``). The global model never sees either.
+       :func:`fedcomp.client.compression_mod` (validated: keys, shape, size, dtype,
+       finiteness after the cast to the model's dtype) in node-id order and folds it into one
+       running sum (:mod:`fedcomp.strategies.aggregate`; sparse payloads by scatter-add of
+       their k entries) when ``inner`` aggregates by a weighted mean (FedAvg, FedProx,
+       FedAvgM, FedAdam, FedYogi, FedAdagrad) or with ``client_dp``; ``inner`` then gets one
+       pre-aggregated reply with the total weight, which gives it the same result. Other
+       inner strategies get every reply as dense weights (the log says once what that
+       costs). Integer/bool tensors are aggregated by :func:`fedcomp.statedict.integer_mean`
+       / :func:`~fedcomp.statedict.bool_majority` whatever ``inner`` does, and every tensor
+       comes back in its own dtype and shape. A reply that fails to decode is logged with
+       its node id and reason and dropped before it touches the sum (``rejected-replies``);
+       error replies are counted (``failed-clients``). The global model never sees either.
     3. Adds round metrics: ``upload-bytes`` (sum of payload bytes actually received),
        ``dense-bytes``, ``compression-ratio`` (dense / upload), ``compression-error`` and
        ``residual-norm`` (means over clients), ``download-bytes``, ``num-replies``,
@@ -356,15 +325,15 @@ class CompressedStrategy(Strategy):
             self.stopped_reason = (f"privacy budget: every client refused round {server_round} (max-epsilon reached); "
                                    "no further rounds are run")
             log(WARNING, "%s", self.stopped_reason)
-        _common_metric_keys(metric_contents)
+        common_metric_keys(metric_contents)
         arrays, agg_metrics, dp_info = self._hand_over(server_round, model, running, votes, dense, metric_contents,
                                                        norms, wkey)
-        ours = self._round_metrics(stats, codec_bytes, len(metric_contents), rejected, failed)
+        ours = round_metrics(stats, codec_bytes, len(metric_contents), rejected, failed)
         ours.update(dp_info)
         self._account_epsilon(server_round, replies, stats, ours, dp_info)
         self.history[server_round] = ours
         self.client_history[server_round] = stats
-        self.layer_history[server_round] = self._layers_mean(model.float_keys)
+        self.layer_history[server_round] = layers_mean(self._layer_stats, model.float_keys)
         merged = dict(agg_metrics) if agg_metrics is not None else {}
         merged.update(ours)
         return arrays, MetricRecord(merged)
@@ -380,19 +349,28 @@ class CompressedStrategy(Strategy):
         dp_info: dict[str, float] = {}
         if self.client_dp is not None:
             # Integer/bool tensors keep the global value: an exact aggregate would be released un-noised.
-            agg, dp_info = self.client_dp.finish(running.acc, norms, max(self._sampled, 1e-12))
+            agg, dp_info = self.client_dp.finish(running.flat(), norms, max(self._sampled, 1e-12))
             arrays, metrics = model.record(agg, check=False), None
         else:
-            if running.count:
-                mean = running.mean()
-                total = running.total
-                # One pre-aggregated reply (a good reply's Message, its content replaced) with the total weight.
-                carrier = self._carrier
-                carrier.content = RecordDict({self._arr_key: model.record(mean, votes.result(), check=False, portable=True),
-                                              "metrics": self._mean_metrics(metric_contents, wkey, total)})
-                del mean
-                dense = [carrier]
-            arrays, metrics = self.inner.aggregate_train(server_round, dense)
+            if running.count and identity_on_one_reply(self.inner):
+                # FedAvg of one reply is that reply (weight factor w / w = 1.0 exactly): no copies to hand over.
+                arrays = running.mean_record(votes.result(), portable=True)
+                metrics = self._mean_metrics(metric_contents, wkey)
+            else:
+                if running.count:
+                    # One pre-aggregated reply (a good reply's Message, its content replaced) with the total weight.
+                    carrier = self._carrier
+                    mean_metrics = self._mean_metrics(metric_contents, wkey)
+                    carrier.content = RecordDict({
+                        self._arr_key: running.mean_record(votes.result(), portable=True),
+                        "metrics": MetricRecord({**dict(mean_metrics), wkey: _as_weight(running.total)})})
+                    dense = [carrier]
+                arrays, metrics = self.inner.aggregate_train(server_round, dense)
+                if running.count and metrics is not None and wkey in mean_metrics:
+                    metrics[wkey] = mean_metrics[wkey]  # what the inner strategy reports over every reply
+                for reply in dense:  # drop the dense copies now (memory)
+                    reply.content = RecordDict()
+                del dense
         if arrays is None:
             return None, metrics, dp_info
         exact = votes.result()
@@ -401,7 +379,14 @@ class CompressedStrategy(Strategy):
             for k in model.keys:
                 spec = model.specs[k]
                 if spec.is_float:
-                    w = np.asarray(array_to_numpy(arrays[k]), dtype=np.float32).reshape(spec.shape)
+                    a = arrays[k]
+                    w = array_to_numpy(a)
+                    if spec.dtype != BF16 and w.dtype == np.dtype(spec.dtype) and w.shape == spec.shape:
+                        if w.size and not np.isfinite(w).all():  # already in the model's dtype: check, keep
+                            raise ValueError(f"'{k}': aggregate is not finite in the model's dtype {spec.dtype}")
+                        out[k] = a
+                        continue
+                    w = np.asarray(w, dtype=np.float32).reshape(spec.shape)
                     out[k] = numpy_to_array(cast_checked(k, w, spec.dtype), spec.dtype)
                 else:
                     out[k] = Array(copy_array(model.exact[k] if self.client_dp is not None else exact[k]))
@@ -411,12 +396,11 @@ class CompressedStrategy(Strategy):
             return None, metrics, dp_info
         return out, metrics, dp_info
 
-    def _mean_metrics(self, metric_contents: list[RecordDict], wkey: str, total: float) -> MetricRecord:
-        """What the inner strategy's metric aggregation gives over every reply, plus the total weight."""
+    def _mean_metrics(self, metric_contents: list[RecordDict], wkey: str) -> MetricRecord:
+        """What the inner strategy's metric aggregation gives over every reply (its
+        ``train_metrics_aggr_fn``, Flower's weighted mean by default)."""
         fn = self._inner_attr("train_metrics_aggr_fn", None)
-        agg = dict(fn(metric_contents, wkey)) if callable(fn) else {}
-        agg[wkey] = int(total) if float(total).is_integer() else total
-        return MetricRecord(agg)
+        return MetricRecord(dict(fn(metric_contents, wkey))) if callable(fn) else MetricRecord({})
 
     def _dense_reply(self, reply: Message, model: FlatModel, update, metrics: dict) -> Message:
         """An ordinary reply (dense weights of every tensor in its dtype) for inner strategies that
@@ -508,40 +492,3 @@ class CompressedStrategy(Strategy):
         }
         return update, m, stat, layers
 
-    def _layers_mean(self, keys: list[str]) -> dict[str, dict[str, float]]:
-        out: dict[str, dict[str, float]] = {}
-        for metric, name in (("layer-update-norm", "update-norm"), ("layer-compression-error", "compression-error")):
-            rows = [s[metric] for s in self._layer_stats if isinstance(s.get(metric), list) and len(s[metric]) == len(keys)]
-            if not rows:
-                continue
-            means = np.mean(np.nan_to_num(np.asarray(rows, dtype=np.float64), nan=0.0, posinf=0.0), axis=0)
-            for k, v in zip(keys, means):
-                out.setdefault(k, {})[name] = float(v)
-        return out
-
-    @staticmethod
-    def _round_metrics(stats: list[dict], codec_bytes: dict, n_good: int, rejected: int, failed: int) -> dict:
-        up = float(sum(s["upload-bytes"] for s in stats))
-        dense = float(sum(s["dense-bytes"] for s in stats))
-        out = {
-            "upload-bytes": up,
-            "dense-bytes": dense,
-            "download-bytes": float(sum(s["download-bytes"] for s in stats)),
-            "compression-ratio": dense / up if up else 0.0,
-            "compression-error": statistics.fmean(s["compression-error"] for s in stats) if stats else 0.0,
-            "residual-norm": statistics.fmean(s["residual-norm"] for s in stats) if stats else 0.0,
-            "num-replies": n_good,
-            "rejected-replies": rejected,
-            "failed-clients": failed,
-            "density": statistics.fmean(s["density"] for s in stats) if stats else 0.0,
-        }
-        if stats:
-            # Simulated wall-clock time of the round: the slowest client's compute + transfer time.
-            out["round-seconds-simulated"] = max(client_seconds(s) for s in stats)
-            out["train-seconds-max"] = max(s["train-seconds"] for s in stats)
-            out["compress-seconds"] = statistics.fmean(s["compress-seconds"] for s in stats)
-            out["decode-seconds"] = float(sum(s["decode-seconds"] for s in stats))
-            out["residual-bytes"] = max(s["residual-bytes"] for s in stats)
-        for name, nbytes in sorted(codec_bytes.items()):
-            out[f"upload-bytes-{name}"] = float(nbytes)
-        return out

@@ -18,13 +18,8 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
 
 from ..compression import decompress, encode_exact
 from ..config import CodecConfig
-from ..protocol import MODEL_KEY, PAYLOAD_DTYPE, PAYLOAD_STYPE
+from ..protocol import BASE_VERSION, MODEL_KEY, MODEL_VERSION, PAYLOAD_DTYPE, PAYLOAD_STYPE
 from ..statedict import FlatModel
-
-#: Train-config keys: the version a client will hold after this message, and (payload messages
-#: only) the version the payload applies to.
-MODEL_VERSION = "fedcomp-model-version"
-BASE_VERSION = "fedcomp-base-version"
 
 
 class Downstream:

@@ -35,8 +35,8 @@ from numpy.lib import format as npy_format
 from ..compression import PayloadError, parse_header
 from ..config import CodecConfig
 from ..protocol import MODEL_KEY, PAYLOAD_DTYPE, PAYLOAD_STYPE
-from .compressed import _num
 from .decode import decode_update
+from .round_metrics import _num
 
 #: ``Parameters.tensor_type`` Flower gives to ``np.save``-serialized ndarrays.
 NUMPY_TENSOR_TYPE = "numpy.ndarray"

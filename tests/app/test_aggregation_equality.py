@@ -22,7 +22,7 @@ from fedcomp.server.app import build_inner, privacy_options
 from fedcomp.simulation import InProcessGrid
 from fedcomp.strategies import CompressedStrategy
 
-logging.getLogger("flwr").setLevel(logging.ERROR)
+logging.getLogger("flwr").setLevel(logging.WARNING)
 ROUNDS = 20
 
 

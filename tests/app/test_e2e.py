@@ -3,6 +3,7 @@
 import json
 import os
 import pathlib
+import re
 import shutil
 import signal
 import subprocess
@@ -75,3 +76,31 @@ def test_flwr_run_local_simulation(tmp_path):
         assert 3 * n_params / 8 < r["upload-bytes"] < 3 * (n_params / 8 + 8 * 60)
     assert (results / "plot.png").stat().st_size > 1000
     assert "fedcomp  results written to" in log
+    # each round line once, no DEBUG lines (Opacus' logging.basicConfig at import doubled every line)
+    for rnd in (0, 1, 2):
+        assert len(re.findall(rf"fedcomp +{rnd} +\d\.\d{{4}} ", log)) == 1, log[-3000:]
+    assert "DEBUG" not in log
+
+
+@pytest.mark.skipif(shutil.which("pgrep") is None, reason="needs pgrep to stop the local SuperLink")
+def test_flwr_run_trains_the_batchnorm_resnet(tmp_path):
+    """`flwr run . --run-config "model='resnet'"` end to end (BatchNorm, int64 num_batches_tracked)."""
+    env = _flwr_env(tmp_path)
+    env["FLWR_LOCAL_SUPERLINK_HTTP_API_PORT"], env["FLWR_LOCAL_CONTROL_API_PORT"] = "39395", "39397"
+    results = tmp_path / "results"
+    flwr = shutil.which("flwr", path=env["PATH"])
+    cmd = [flwr or sys.executable, *([] if flwr else ["-m", "flwr.cli.app"]), "run", str(REPO), "--stream",
+           "--federation-config", "num-supernodes=2 client-resources-num-cpus=1",
+           "--run-config", f"num-server-rounds=3 model='resnet' compressor='stc' density=0.05 results-dir='{results}'"]
+    try:
+        proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=400)
+    finally:
+        _stop_local_superlink(tmp_path / "flwr-home")
+    log = proc.stdout + proc.stderr
+    metrics_file = results / "metrics.json"
+    assert metrics_file.exists(), log[-3000:]
+    rounds = json.loads(metrics_file.read_text())["rounds"]
+    assert [r["round"] for r in rounds] == [0, 1, 2, 3]
+    assert all(r["num-replies"] == 2 and r["rejected-replies"] == 0 and r["failed-clients"] == 0 for r in rounds[1:])
+    assert max(r["accuracy"] for r in rounds[1:]) > rounds[0]["accuracy"] + 0.1
+    assert all(r["upload-bytes-exact"] > 0 for r in rounds[1:])  # num_batches_tracked travel exactly

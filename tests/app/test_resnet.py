@@ -19,7 +19,7 @@ from fedcomp.simulation import InProcessGrid
 from fedcomp.statedict import to_state_dict
 from fedcomp.strategies import CompressedStrategy
 
-logging.getLogger("flwr").setLevel(logging.ERROR)
+logging.getLogger("flwr").setLevel(logging.WARNING)
 NODES = 2
 
 

@@ -20,7 +20,7 @@ from fedcomp.statedict import FlatModel, to_record, to_state_dict
 from fedcomp.strategies import CompressedStrategy
 from tests.app.helpers import make_ctx, make_msg
 
-logging.getLogger("flwr").setLevel(logging.ERROR)
+logging.getLogger("flwr").setLevel(logging.WARNING)
 
 
 class Buffers(nn.Module):

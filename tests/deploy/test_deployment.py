@@ -3,6 +3,8 @@
 import json
 import os
 import pathlib
+import random
+import re
 import shutil
 import subprocess
 import sys
@@ -12,7 +14,7 @@ import pytest
 import yaml
 
 from fedcomp.deploy import main as deploy_main
-from fedcomp.deploy import superlink_command, supernode_command, write_connection
+from fedcomp.deploy import port_is_free, superlink_command, supernode_command, write_connection
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
@@ -31,7 +33,10 @@ def test_compose_commands_equal_the_launcher():
     assert svc["superlink"]["command"] == superlink_command(host="0.0.0.0")
     for i in range(3):
         assert svc[f"supernode-{i}"]["command"] == supernode_command(i, 3, "superlink:8000", host="0.0.0.0")
-    assert svc["submit"]["command"][:5] == ["flwr", "run", ".", "local-deployment", "--stream"]
+    sub = svc["submit"]["command"]
+    assert sub[:2] == ["sh", "-c"] and sub[2].startswith('flwr run . local-deployment --stream --run-config "$$RUN_CONFIG"')
+    # `flwr run` exits 0 on a failed run: submit judges by the ServerApp's last line
+    assert "grep -q 'fedcomp  results written to'" in sub[2] and "exit 1" in sub[2]
     assert "./results:/results" in svc["superlink"]["volumes"]
 
 
@@ -40,31 +45,88 @@ def test_tls_override_only_swaps_insecure_for_certificates():
     link = svc["superlink"]["command"]
     assert "--insecure" not in link and link[:link.index("--ssl-ca-certfile")] == superlink_command(
         host="0.0.0.0", insecure=False)
+    assert link[-1] == "--enable-supernode-auth"
     for i in range(3):
         cmd = svc[f"supernode-{i}"]["command"]
-        assert cmd[:-2] == supernode_command(i, 3, "superlink:8000", host="0.0.0.0", insecure=False)
-        assert cmd[-2:] == ["--root-certificates", "/certs/ca.crt"]
+        assert cmd[:-4] == supernode_command(i, 3, "superlink:8000", host="0.0.0.0", insecure=False)
+        assert cmd[-4:] == ["--root-certificates", "/certs/ca.crt", "--auth-supernode-private-key",
+                            f"/run/fedcomp/keys/supernode-{i}"]
+        # each SuperNode sees only its own private key, the register service only public keys
+        assert [v for v in svc[f"supernode-{i}"]["volumes"] if "/keys/" in v] == [
+            f"./keys/supernode-{i}:/secrets/keys/supernode-{i}:ro"]
+    assert all(v.endswith(".pub:ro") for v in svc["register"]["volumes"] if "/keys/" in v)
+    assert not any("ca.key" in v for s in svc.values() for v in s.get("volumes", []))
 
 
-@pytest.mark.skipif(shutil.which("docker-compose") is None, reason="docker-compose (Debian package) not installed")
+def _has_compose_v2() -> bool:
+    return shutil.which("docker") is not None and subprocess.run(
+        ["docker", "compose", "version"], capture_output=True).returncode == 0
+
+
+@pytest.mark.parametrize("tool", [
+    pytest.param(["docker-compose"], id="v1", marks=pytest.mark.skipif(
+        shutil.which("docker-compose") is None, reason="docker-compose v1 (Debian package) not installed")),
+    pytest.param(["docker", "compose"], id="v2", marks=pytest.mark.skipif(
+        not _has_compose_v2(), reason="the docker compose v2 plugin is not installed")),
+])
 @pytest.mark.parametrize("files", [["docker-compose.yml"], ["docker-compose.yml", "docker-compose.tls.yml"]])
-def test_compose_files_validate(files):
+def test_compose_files_validate(tool, files):
     args = [a for f in files for a in ("-f", f)]
-    out = subprocess.run(["docker-compose", *args, "config", "-q"], cwd=REPO, capture_output=True, text=True)
+    out = subprocess.run([*tool, *args, "config", "-q"], cwd=REPO, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
 
 
 def test_dockerfile_runs_as_non_root():
     text = (REPO / "Dockerfile").read_text()
     assert "\nUSER app" in text and "torch==2.13.0" in text
+    # the entrypoint never execs the command as root: it drops privileges first
+    entry = (REPO / "scripts" / "docker-entrypoint.sh").read_text()
+    assert 'exec setpriv --reuid="$uid"' in entry and entry.count('exec "$@"') == 1
 
 
-_PORTS = iter(range(0, 400, 100))
+@pytest.mark.parametrize("files", [["docker-compose.yml"], ["docker-compose.yml", "docker-compose.tls.yml"]])
+def test_one_image_built_once(files):
+    svc = compose(*files)
+    assert [name for name, s in svc.items() if "build" in s] == ["superlink"]
+    assert {s["image"] for s in svc.values()} == {"${FEDCOMP_IMAGE:-fedcomp:latest}"}
+    assert all(s["pull_policy"] == "never" for s in svc.values())
+
+
+def test_image_requirements_drop_only_the_simulation_extra():
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        from image_requirements import image_requirements
+    finally:
+        sys.path.pop(0)
+    import tomllib
+
+    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    reqs = image_requirements(str(REPO / "pyproject.toml"))
+    assert len(reqs) == len(deps) and "flwr==1.42.0" in reqs
+    assert [r for r in reqs if not r.startswith("flwr==")] == [d for d in deps if not d.startswith("flwr[")]
+    assert not any("simulation" in r for r in reqs)
+
+
+def test_dockerignore_keeps_the_context_small():
+    lines = [ln.strip() for ln in (REPO / ".dockerignore").read_text().splitlines() if ln.strip()
+             and not ln.startswith("#")]
+    assert lines[0] == "*"  # allow-list: .venv, results, certs, keys, caches never enter the context
+    assert {"!fedcomp/", "!pyproject.toml", "!wheels/torch-*.whl"} <= set(lines)
+
+
+def free_port_block(n: int) -> int:
+    """First of ``n`` consecutive ports that are free on 127.0.0.1 now (random start, retried)."""
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(20000, 60000 - n)
+        if all(port_is_free("127.0.0.1", base + i) for i in range(n)):
+            return base
+    raise RuntimeError(f"no {n} consecutive free ports found")
 
 
 def _run_launcher(tmp_path, capsys, *extra):
-    port = 18000 + (os.getpid() % 100) + next(_PORTS)  # a fresh port block per launcher test
-    code = deploy_main(["--app", str(REPO), "--port", str(port), "--base-node-port", str(port + 1094),
+    base = free_port_block(5)  # SuperLink at base, SuperNodes from base + 1: every port the launcher binds
+    code = deploy_main(["--app", str(REPO), "--port", str(base), "--base-node-port", str(base + 1),
                         "--workdir", str(tmp_path), "--timeout", "400", *extra])
     out = capsys.readouterr().out
     return code, out
@@ -78,9 +140,21 @@ def test_launcher_two_supernodes_two_rounds(tmp_path, capsys):
     rounds = data["rounds"]
     assert [r["round"] for r in rounds] == [0, 1, 2]
     assert all(r["num-replies"] == 2 and r["upload-bytes"] == r["upload-bytes-stc"] > 0 for r in rounds[1:])
+    # feedback while it runs: one line per round with the elapsed time
+    assert [int(m) for m in re.findall(r"fedcomp-deploy: round (\d+) done, \d+ s elapsed", out)] == [0, 1, 2]
     assert all(0.0 <= r["accuracy"] <= 1.0 for r in rounds)
     # every process started was stopped
     assert subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True).stdout == b""
+
+
+def test_bad_run_config_fails_at_once_with_one_line(tmp_path, capsys):
+    t0 = time.monotonic()
+    code, out = _run_launcher(tmp_path, capsys, "--supernodes", "1", "--run-config", "density=2.0")
+    assert code == 1  # no results: the launcher says FAILED although `flwr run` exited 0
+    lines = [ln for ln in out.splitlines() if "run config 'density'" in ln]
+    assert len(lines) == 1 and "must be in (0.0, 1.0], got 2.0" in lines[0], out[-3000:]
+    assert "Traceback" not in out and "fedcomp-deploy: FAILED" in out
+    assert time.monotonic() - t0 < 120
 
 
 def test_killed_supernode_does_not_stop_the_run(tmp_path, capsys):
@@ -118,7 +192,9 @@ def test_launcher_refuses_a_port_in_use_and_a_missing_app(tmp_path, capsys):
         busy = s.getsockname()[1]
         assert deploy_main(["--app", str(REPO), "--port", str(busy), "--workdir", str(tmp_path)]) == 2
         assert f"port {busy} on 127.0.0.1 is in use" in capsys.readouterr().out
-    assert deploy_main(["--app", str(tmp_path), "--port", "18499", "--workdir", str(tmp_path)]) == 2
+    base = free_port_block(3)
+    assert deploy_main(["--app", str(tmp_path), "--port", str(base), "--base-node-port", str(base + 1),
+                        "--workdir", str(tmp_path)]) == 2
     assert "is not a Flower app" in capsys.readouterr().out
 
 

@@ -180,17 +180,16 @@ def test_inplace_activation_is_replaced_in_the_copy_only():
     _assert_plain(model)
 
 
-def test_batchnorm_is_fixed_with_a_warning_and_keys_are_kept():
+def test_batchnorm_is_refused_with_opacus_message_and_the_model_is_untouched():
+    """BatchNorm used to be replaced by GroupNorm for training while the model kept BatchNorm with
+    running statistics never updated; now DP-SGD refuses it with Opacus' explanation."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(inplace=True), nn.Linear(8, 3))
-    keys = list(model.state_dict())
-    w_before = model[0].weight.detach().clone()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
     tc = TrainConfig(local_epochs=1, batch_size=8, accumulation_steps=1, lr=0.1, momentum=0.0)
-    with pytest.warns(RuntimeWarning, match="ModuleValidator.fix"):
+    with pytest.raises(ValueError, match="BatchNorm cannot support training with differential privacy"):
         train_dp_sgd(model, make_data(32), tc, DPSGDConfig(), CPU, seed=0)
-    assert isinstance(model[1], nn.BatchNorm1d)
-    assert list(model.state_dict()) == keys
-    assert not torch.equal(model[0].weight, w_before)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
 
 
 def test_microbatch_accumulation_equals_one_large_batch_gradient():

@@ -1,0 +1,305 @@
+"""Scale: server aggregation memory and time for many clients, and the client's compression cost, at
+ResNet-18 size (11.7M float32 parameters in 62 tensors plus BatchNorm buffers).
+
+Server: ``CompressedStrategy(FedAvg).aggregate_train`` on N replies of one codec, each in a fresh
+process so that peak RSS is its own (the replies are built first; peak growth is measured from
+there, as a multiple of the model's fp32 bytes). The streaming path (one running sum) and, for
+N <= 32, the dense path (every reply decoded to dense weights, today's path for robust strategies)
+run in the same invocation. Replies reuse a few distinct client updates (their bytes shared), so
+building 1000 of them is cheap; the aggregation cannot tell.
+
+Client: ``compress_update`` time and peak RSS growth per codec, against the codec alone (encode +
+the error-feedback decode) and one ``torch.sum`` pass over the model, in the same process.
+
+Cross-device (``--flwr``): ``flwr run .`` with 100 SuperNodes and fraction-train 0.1 for 5 rounds on
+the default data, private FLWR_HOME and ports; reports the wall time per round.
+
+Run: ``python benchmarks/scale.py`` (about 15 min on 2 cores), ``--smoke`` (a small model, seconds);
+prints tables and writes ``benchmarks/results/scale.json``. Medians over ``--repeats`` runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import time
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+DEFAULT_OUT = REPO / "benchmarks" / "results" / "scale.json"
+CODECS = {"stc": {"compressor": "stc", "density": 1 / 400}, "topk": {"compressor": "topk", "density": 0.01},
+          "sign": {"compressor": "sign"}, "int8": {"compressor": "int8"}}
+
+
+def resnet18_shapes(width: int = 64) -> dict[str, tuple[tuple[int, ...], str]]:
+    """State_dict shapes and dtypes of a ResNet-18 (He et al. 2016) for 1000 classes; ``width`` 64 is
+    the real one (11.69M parameters), smaller widths give the smoke model."""
+    out: dict[str, tuple[tuple[int, ...], str]] = {}
+
+    def bn(name, c):
+        for p in ("weight", "bias", "running_mean", "running_var"):
+            out[f"{name}.{p}"] = ((c,), "float32")
+        out[f"{name}.num_batches_tracked"] = ((), "int64")
+
+    out["conv1.weight"] = ((width, 3, 7, 7), "float32")
+    bn("bn1", width)
+    cin = width
+    for stage, mult in enumerate((1, 2, 4, 8), start=1):
+        cout = width * mult
+        for block in range(2):
+            pre = f"layer{stage}.{block}"
+            stride_in = cin if block == 0 else cout
+            out[f"{pre}.conv1.weight"] = ((cout, stride_in, 3, 3), "float32")
+            bn(f"{pre}.bn1", cout)
+            out[f"{pre}.conv2.weight"] = ((cout, cout, 3, 3), "float32")
+            bn(f"{pre}.bn2", cout)
+            if block == 0 and stage > 1:
+                out[f"{pre}.downsample.0.weight"] = ((cout, cin, 1, 1), "float32")
+                bn(f"{pre}.downsample.1", cout)
+        cin = cout
+    out["fc.weight"] = ((1000, cin), "float32")
+    out["fc.bias"] = ((1000,), "float32")
+    return out
+
+
+SERVER_CHILD = r"""
+import json, sys, time, logging
+import numpy as np, torch
+sys.path.insert(0, sys.argv[1])
+from scale import resnet18_shapes, make_replies, rss_mib, reset_peak, peak_mib
+from flwr.serverapp.strategy import FedAvg
+from fedcomp.strategies import CompressedStrategy
+from fedcomp.statedict import FlatModel
+logging.getLogger("flwr").setLevel(logging.ERROR)
+spec = json.loads(sys.argv[2])
+torch.set_num_threads(1)
+shapes = resnet18_shapes(spec["width"])
+rng = np.random.default_rng(0)
+g = {k: (rng.standard_normal(s).astype(np.float32) * 0.05 if d == "float32" else np.array(7, np.int64))
+     for k, (s, d) in shapes.items()}
+model_bytes = 4 * sum(int(np.prod(s)) for s, d in shapes.values() if d == "float32")
+strategy = CompressedStrategy(FedAvg(fraction_evaluate=0.0), aggregation=spec["path"], **spec["codec"])
+replies = make_replies(g, strategy.codec, spec["clients"], distinct=spec["distinct"])
+strategy._sent = {1: FlatModel(g, {k: str(v.dtype) for k, v in g.items()})}
+base = rss_mib(); reset_peak()
+t0 = time.perf_counter()
+arrays, metrics = strategy.aggregate_train(1, replies)
+sec = time.perf_counter() - t0
+assert arrays is not None and metrics["num-replies"] == spec["clients"], metrics
+print(json.dumps({"seconds": sec, "peak_growth_x_model": (peak_mib() - base) * 2**20 / model_bytes,
+                  "model_mib": model_bytes / 2**20, "payload_kib_per_client": metrics["upload-bytes"] / spec["clients"] / 1024}))
+"""
+
+CLIENT_CHILD = r"""
+import json, statistics, sys, time, logging
+import numpy as np, torch
+sys.path.insert(0, sys.argv[1])
+from scale import resnet18_shapes, rss_mib, reset_peak, peak_mib
+import fedcomp.compression as fc
+from fedcomp.client.update import compress_update
+from fedcomp.config import CodecConfig
+spec = json.loads(sys.argv[2])
+torch.set_num_threads(1)
+shapes = resnet18_shapes(spec["width"])
+rng = np.random.default_rng(0)
+g = {k: (rng.standard_normal(s).astype(np.float32) if d == "float32" else np.array(7, np.int64)) for k, (s, d) in shapes.items()}
+t = {k: (v + 0.01 * rng.standard_normal(v.shape).astype(np.float32) if v.dtype == np.float32 else v + 3) for k, v in g.items()}
+codec = CodecConfig.from_mapping(spec["codec"])
+model_bytes = 4 * sum(v.size for v in g.values() if v.dtype == np.float32)
+res = {}
+compress_update(g, t, codec, res)  # warm-up; its residual is the state a real round starts from
+_, res, _ = compress_update(g, t, codec, {})
+times = []
+for _ in range(spec["repeats"]):
+    base = rss_mib(); reset_peak()
+    t0 = time.perf_counter()
+    _, new, stats = compress_update(g, t, codec, res)
+    times.append(time.perf_counter() - t0)
+    growth = (peak_mib() - base) * 2**20
+    res = new
+resid = sum(r.nbytes for r in res.values())
+# the codec alone on the same vectors: encode (+ EF decode) of each payload unit
+from fedcomp.client.update import plan_units
+units = plan_units({k: v.shape for k, v in g.items() if v.dtype == np.float32}, codec)
+vecs = []
+for ukey, members, name in units:
+    vecs.append((torch.from_numpy(np.concatenate([(t[k] - g[k]).ravel() for k in members])), name))
+codec_times = []
+for _ in range(spec["repeats"]):
+    t0 = time.perf_counter()
+    for x, name in vecs:
+        p = codec.build(seed=1, compressor=name).compress(x)
+        if fc.decompress_sparse(p) is None:
+            fc.decompress(p)
+    codec_times.append(time.perf_counter() - t0)
+flat = torch.from_numpy(np.concatenate([v.ravel() for v in g.values() if v.dtype == np.float32]))
+sum_times = []
+for _ in range(spec["repeats"]):
+    t0 = time.perf_counter(); float(flat.sum()); sum_times.append(time.perf_counter() - t0)
+med = statistics.median
+print(json.dumps({"seconds": med(times), "codec_seconds": med(codec_times), "sum_seconds": med(sum_times),
+                  "ratio_to_codec": med(times) / med(codec_times),
+                  "peak_growth_x_model": growth / model_bytes, "residual_x_model": resid / model_bytes}))
+"""
+
+
+def rss_mib() -> float:
+    """Current resident set size of this process (MiB, from /proc/self/status)."""
+    return _status("VmRSS")
+
+
+def peak_mib() -> float:
+    """Peak resident set size since the last :func:`reset_peak` (MiB)."""
+    return _status("VmHWM")
+
+
+def reset_peak() -> None:
+    """Reset the kernel's peak-RSS counter of this process (Linux ``/proc/self/clear_refs``)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def _status(field: str) -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def make_replies(g: dict, codec, clients: int, distinct: int = 4) -> list:
+    """``clients`` compressed train replies (``distinct`` different client updates, reused), as
+    ``compression_mod`` would send them; node ids 1..clients, weights 10..."""
+    import numpy as np
+    from flwr.app import Array, ArrayRecord, Message, Metadata, MetricRecord, RecordDict
+
+    from fedcomp.client.update import compress_update
+    from fedcomp.protocol import PAYLOAD_DTYPE, PAYLOAD_STYPE
+
+    rng = np.random.default_rng(1)
+    records = []
+    for _ in range(distinct):
+        t = {k: (v + 0.01 * rng.standard_normal(v.shape).astype(np.float32) if v.dtype == np.float32 else v + 3)
+             for k, v in g.items()}
+        payloads, _, _ = compress_update(g, t, codec, {}, seed=1)
+        records.append({k: Array(dtype=PAYLOAD_DTYPE, shape=(len(p),), stype=PAYLOAD_STYPE, data=p)
+                        for k, p in payloads.items()})
+    out = []
+    for i in range(clients):
+        md = Metadata(run_id=1, message_id=f"r{i}", src_node_id=i + 1, dst_node_id=0, reply_to_message_id="q",
+                      group_id="1", created_at=time.time(), ttl=3600.0, message_type="train")
+        content = RecordDict({"arrays": ArrayRecord(dict(records[i % distinct])),
+                              "metrics": MetricRecord({"num-examples": 10 + i % 7, "train-loss": 0.5})})
+        out.append(Message(content=content, metadata=md))
+    return out
+
+
+def _child(code: str, spec: dict) -> dict:
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.run([sys.executable, "-c", code, str(REPO / "benchmarks"), json.dumps(spec)],
+                          capture_output=True, text=True, env=env, timeout=3600)
+    if proc.returncode:
+        raise RuntimeError(proc.stderr[-3000:])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def server_rows(width: int, clients: list[int], codecs: list[str], repeats: int, dense_max: int) -> list[dict]:
+    rows = []
+    for name in codecs:
+        for n in clients:
+            for path in ("auto", "dense"):
+                if path == "dense" and n > dense_max:
+                    continue
+                runs = [_child(SERVER_CHILD, {"width": width, "clients": n, "codec": CODECS[name], "path": path,
+                                              "distinct": 4}) for _ in range(repeats)]
+                row = {"codec": name, "clients": n, "path": "streaming" if path == "auto" else "dense",
+                       "seconds": statistics.median(r["seconds"] for r in runs),
+                       "peak_growth_x_model": statistics.median(r["peak_growth_x_model"] for r in runs),
+                       "model_mib": runs[0]["model_mib"], "payload_kib_per_client": runs[0]["payload_kib_per_client"]}
+                rows.append(row)
+                print(f"server {name:5s} {n:5d} clients {row['path']:9s} {row['seconds']:8.2f} s "
+                      f"peak +{row['peak_growth_x_model']:6.2f}x model", flush=True)
+    return rows
+
+
+def client_rows(width: int, codecs: list[str], repeats: int) -> list[dict]:
+    rows = []
+    for name in codecs:
+        r = _child(CLIENT_CHILD, {"width": width, "codec": CODECS[name], "repeats": repeats})
+        rows.append({"codec": name, **r})
+        print(f"client {name:5s} compress_update {r['seconds']:.3f} s = {r['ratio_to_codec']:.2f}x codec "
+              f"({r['codec_seconds']:.3f} s), torch.sum {r['sum_seconds'] * 1e3:.1f} ms, peak RSS growth "
+              f"{r['peak_growth_x_model']:.2f}x model (the new residual is {r['residual_x_model']:.2f}x)", flush=True)
+    return rows
+
+
+def cross_device(nodes: int = 100, rounds: int = 5) -> dict:
+    """``flwr run .`` with ``nodes`` SuperNodes, fraction-train 0.1; wall seconds per round."""
+    import shutil
+    import signal
+    import tempfile
+
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix="fedcomp-scale-"))
+    env = {**os.environ, "FLWR_HOME": str(tmp / "flwr"), "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+           "PATH": f"{pathlib.Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+           "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": "39491", "FLWR_LOCAL_CONTROL_API_PORT": "39493"}
+    flwr = shutil.which("flwr", path=str(pathlib.Path(sys.executable).parent)) or "flwr"
+    cmd = [flwr, "run", str(REPO), "--stream", "--federation-config",
+           f"num-supernodes={nodes} client-resources-num-cpus=1", "--run-config",
+           f"num-server-rounds={rounds} fraction-train=0.1 min-train-nodes=2 results-dir='{tmp / 'results'}'"]
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+    finally:
+        out = subprocess.run(["pgrep", "-f", f"flower-superlink.*{tmp / 'flwr'}"], capture_output=True, text=True)
+        for pid in out.stdout.split():
+            try:
+                os.kill(int(pid), signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    wall = time.perf_counter() - t0
+    metrics = tmp / "results" / "metrics.json"
+    if not metrics.exists():
+        return {"completed": False, "log_tail": (proc.stdout + proc.stderr)[-2000:]}
+    recs = json.loads(metrics.read_text())["rounds"]
+    secs = [b["elapsed-seconds"] - a["elapsed-seconds"] for a, b in zip(recs, recs[1:])]
+    return {"completed": len(recs) == rounds + 1, "nodes": nodes, "rounds": rounds, "wall_seconds": wall,
+            "round_seconds_median": statistics.median(secs), "clients_per_round": recs[-1].get("num-replies"),
+            "final_accuracy": recs[-1]["accuracy"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--smoke", action="store_true", help="small model (width 8), 4 and 12 clients: seconds")
+    ap.add_argument("--clients", default="10,100,1000")
+    ap.add_argument("--codecs", default="stc,topk,sign,int8")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--flwr", action="store_true", help="also run the 100-SuperNode flwr run simulation")
+    ap.add_argument("--only-flwr", action="store_true", help="only the flwr run simulation (merged into --out)")
+    ap.add_argument("--out", default=str(DEFAULT_OUT))
+    args = ap.parse_args()
+    width, clients, repeats = (8, [4, 12], 1) if args.smoke else (64, [int(c) for c in args.clients.split(",")],
+                                                                 args.repeats)
+    codecs = args.codecs.split(",")
+    if args.only_flwr:
+        result = json.loads(pathlib.Path(args.out).read_text()) if pathlib.Path(args.out).exists() else {}
+        result["cross_device"] = cross_device()
+        print("cross-device:", result["cross_device"], flush=True)
+        pathlib.Path(args.out).write_text(json.dumps(result, indent=1))
+        return
+    result = {"width": width, "server": server_rows(width, clients, codecs, repeats, dense_max=32),
+              "client": client_rows(width, codecs, max(repeats, 3))}
+    if args.flwr:
+        result["cross_device"] = cross_device()
+        print("cross-device:", result["cross_device"], flush=True)
+    pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    pathlib.Path(args.out).write_text(json.dumps(result, indent=1))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""Round and per-client metrics of ``CompressedStrategy`` (bytes, ratios, simulated round time, per
+layer), computed from untrusted client reports: non-numbers and non-finite values count as default."""
+
+from __future__ import annotations
+
+import statistics
+
+import numpy as np
+from flwr.app import MetricRecord, RecordDict
+
+
+def _num(metrics: dict, key: str, default: float = 0.0) -> float:
+    """A client-reported metric as a finite float (untrusted: anything else becomes ``default``)."""
+    v = metrics.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not np.isfinite(v):
+        return default
+    return float(v)
+
+
+def _epsilon(v) -> float | None:
+    """A client-reported epsilon: a number >= 0 (inf allowed: no privacy), else None (ignored)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or v < 0:
+        return None
+    return float(v)
+
+
+def client_seconds(c: dict, uplink_mbps: float | None = None, downlink_mbps: float | None = None) -> float:
+    """Simulated seconds of one client's round: compute + upload·8/uplink + download·8/downlink.
+
+    Parameters
+    ----------
+    c : dict
+        A ``client_history`` entry (``train-seconds``, ``compress-seconds``, ``upload-bytes``,
+        ``download-bytes``, ``uplink-mbps``, ``downlink-mbps``).
+    uplink_mbps, downlink_mbps : float, optional
+        Override the client's declared link speeds (megabits per second).
+    """
+    up = uplink_mbps or c["uplink-mbps"]
+    down = downlink_mbps or c["downlink-mbps"]
+    compute = c["train-seconds"] + c["compress-seconds"]
+    return compute + c["upload-bytes"] * 8 / (up * 1e6) + c["download-bytes"] * 8 / (down * 1e6)
+
+
+def common_metric_keys(contents: list[RecordDict]) -> None:
+    """Trim every reply's MetricRecord to the keys all replies share (Flower's FedAvg requires
+    identical keys; an honest client adding a metric of its own must not abort the round)."""
+    if not contents:
+        return
+    common = set.intersection(*(set(c["metrics"].keys()) for c in contents))
+    for c in contents:
+        m = c["metrics"]
+        if set(m.keys()) != common:
+            c["metrics"] = MetricRecord({k: v for k, v in m.items() if k in common})
+
+
+def layers_mean(layer_stats: list[dict], keys: list[str]) -> dict[str, dict[str, float]]:
+    """Per-layer means over clients of ``layer-update-norm`` / ``layer-compression-error`` (keys: float tensors)."""
+    out: dict[str, dict[str, float]] = {}
+    for metric, name in (("layer-update-norm", "update-norm"), ("layer-compression-error", "compression-error")):
+        rows = [s[metric] for s in layer_stats if isinstance(s.get(metric), list) and len(s[metric]) == len(keys)]
+        if not rows:
+            continue
+        means = np.mean(np.nan_to_num(np.asarray(rows, dtype=np.float64), nan=0.0, posinf=0.0), axis=0)
+        for k, v in zip(keys, means):
+            out.setdefault(k, {})[name] = float(v)
+    return out
+
+
+def round_metrics(stats: list[dict], codec_bytes: dict, n_good: int, rejected: int, failed: int) -> dict:
+    """The wrapper's own round metrics from the per-client stats (see ``CompressedStrategy``)."""
+    up = float(sum(s["upload-bytes"] for s in stats))
+    dense = float(sum(s["dense-bytes"] for s in stats))
+    out = {
+        "upload-bytes": up,
+        "dense-bytes": dense,
+        "download-bytes": float(sum(s["download-bytes"] for s in stats)),
+        "compression-ratio": dense / up if up else 0.0,
+        "compression-error": statistics.fmean(s["compression-error"] for s in stats) if stats else 0.0,
+        "residual-norm": statistics.fmean(s["residual-norm"] for s in stats) if stats else 0.0,
+        "num-replies": n_good,
+        "rejected-replies": rejected,
+        "failed-clients": failed,
+        "density": statistics.fmean(s["density"] for s in stats) if stats else 0.0,
+    }
+    if stats:
+        # Simulated wall-clock time of the round: the slowest client's compute + transfer time.
+        out["round-seconds-simulated"] = max(client_seconds(s) for s in stats)
+        out["train-seconds-max"] = max(s["train-seconds"] for s in stats)
+        out["compress-seconds"] = statistics.fmean(s["compress-seconds"] for s in stats)
+        out["decode-seconds"] = float(sum(s["decode-seconds"] for s in stats))
+        out["residual-bytes"] = max(s["residual-bytes"] for s in stats)
+    for name, nbytes in sorted(codec_bytes.items()):
+        out[f"upload-bytes-{name}"] = float(nbytes)
+    return out
