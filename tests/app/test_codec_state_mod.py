@@ -103,9 +103,8 @@ def test_federation_in_process(codec):
 def test_zoo_models_round_trip(codec):
     """BatchNorm/LayerNorm/GroupNorm, 0-d and empty parameters, integer buffers, fp16/bf16 models
     (the zoo of tests/app/test_zoo.py) through mod and strategy with the new codecs."""
-    from tests.app.test_zoo import ZOO, _expected_exact, _round, _zoo
-
     from fedcomp.statedict import to_state_dict
+    from tests.app.test_zoo import ZOO, _expected_exact, _round, _zoo
 
     for name in ZOO:
         model = _zoo()[name]
