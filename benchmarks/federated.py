@@ -60,6 +60,18 @@ CASES = {
     "sign+EF model-scale": {"compressor": "sign", "selection": "model"},
     "stc 0.01+EF down-stc": {"compressor": "stc", "density": 0.01, "downstream": "stc"},
     "stc 0.01+EF down-fp16": {"compressor": "stc", "density": 0.01, "downstream": "fp16"},
+    # issue 15: rotated 1-bit, low rank, NUQSGD, DGC's momentum correction + local clipping (+ warm-up)
+    "eden+EF": {"compressor": "eden"},
+    "powersgd r4+EF": {"compressor": "powersgd", "rank": 4},
+    "powersgd r1+EF": {"compressor": "powersgd", "rank": 1},
+    "qsgd s7": {"compressor": "qsgd", "levels": 7},
+    "qsgd s7 exp": {"compressor": "qsgd", "levels": 7, "spacing": "exponential"},
+    "stc 0.0025+EF mc": {"compressor": "stc", "density": 0.0025, "momentum-correction": 0.5},
+    "stc 0.0025+EF mc0.9": {"compressor": "stc", "density": 0.0025, "momentum-correction": 0.9},
+    "stc 0.0025+EF mc+clip": {"compressor": "stc", "density": 0.0025, "momentum-correction": 0.5,
+                              "local-clip-norm": 2.0},
+    "stc 0.0025+EF dgc": {"compressor": "stc", "density": 0.0025, "momentum-correction": 0.5, "local-clip-norm": 2.0,
+                          "density-schedule": "exponential", "density-start": 0.25, "schedule-rounds": 10},
 }
 BASE_CASES = list(CASES)[:12]
 #: remedies, scope and downstream rows: run on the first partitioner only

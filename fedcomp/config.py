@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 from .compression import Compressor, available_compressors, get_compressor
+from .compression.qsgd import MAX_EXPONENTIAL_LEVELS, SPACINGS
 
 #: run-config / train-config keys that describe the codec, with their defaults.
 CODEC_DEFAULTS: dict[str, Any] = {
@@ -35,6 +36,10 @@ CODEC_DEFAULTS: dict[str, Any] = {
     "target-error": 0.5,
     "density-min": 0.001,
     "density-max": 0.25,
+    "rank": 4,
+    "unbiased": False,
+    "spacing": "uniform",
+    "momentum-correction": 0.0,
 }
 
 #: Codecs that choose entries (their k is taken over the whole model with selection "auto").
@@ -43,6 +48,8 @@ SPARSE_CODECS = ("stc", "topk", "randomk")
 #: server; local clip + noise of each update on the client before compression.
 DP_MODES = ("none", "dp-sgd", "client-level", "local")
 DENSITY_SCHEDULES = ("constant", "exponential", "linear", "adaptive")
+#: Codecs that work per tensor only ("selection" must resolve to "tensor").
+TENSOR_ONLY_CODECS = ("powersgd",)
 
 
 def parse_layer_codecs(spec: str) -> list[tuple[str, str]]:
@@ -135,6 +142,14 @@ class CodecConfig:
     Lin et al. ICLR 2018), or "adaptive": each client picks the smallest density in
     [``density-min``, ``density-max``] whose relative compression error on its current
     update is at most ``target-error``.
+
+    Codec options: ``rank`` (powersgd, r >= 1), ``unbiased`` (eden: DRIVE's unbiased scale
+    instead of the least-squares one), ``spacing`` (qsgd: "uniform" or NUQSGD's "exponential",
+    which takes at most 126 levels), ``momentum-correction`` (DGC's beta in [0, 1), 0 = off:
+    the client accumulates u <- beta u + update and sends the sparsified residual of u; it
+    needs ``error-feedback``). PowerSGD is per tensor ("auto" selection gives "tensor", "model"
+    is refused) and needs error feedback (it is biased; its warm-start Q is kept with the
+    residual); tensors where low rank does not pay go through ``small-tensor-compressor``.
     """
 
     compressor: str = "stc"
@@ -157,6 +172,10 @@ class CodecConfig:
     target_error: float = 0.5
     density_min: float = 0.001
     density_max: float = 0.25
+    rank: int = 4
+    unbiased: bool = False
+    spacing: str = "uniform"
+    momentum_correction: float = 0.0
 
     @property
     def scope(self) -> str:
@@ -203,12 +222,35 @@ class CodecConfig:
             target_error=_num(cfg, "target-error", d["target-error"], lo=0.0, hi=1.0, lo_open=True, src=source),
             density_min=_num(cfg, "density-min", d["density-min"], lo=0.0, hi=1.0, lo_open=True, src=source),
             density_max=_num(cfg, "density-max", d["density-max"], lo=0.0, hi=1.0, lo_open=True, src=source),
+            rank=_num(cfg, "rank", d["rank"], lo=1, hi=2**16 - 1, integer=True, src=source),
+            unbiased=_bool(cfg, "unbiased", d["unbiased"], src=source),
+            spacing=_str(cfg, "spacing", d["spacing"], SPACINGS, src=source),
+            momentum_correction=_num(cfg, "momentum-correction", d["momentum-correction"], lo=0.0, hi=1.0,
+                                     hi_open=True, src=source),
         )
         if out.density_min > out.density_max:
             raise ValueError(f"{source} 'density-min' ({out.density_min}) must not exceed 'density-max' "
                              f"({out.density_max})")
         out.rules  # noqa: B018 - validates layer-codecs
+        out._check_codec_options(source)
         return out
+
+    def _check_codec_options(self, source: str) -> None:
+        """Combinations the new codec options refuse (each message names the key to change)."""
+        used = {self.compressor, self.warmup_compressor} | {c for _, c in self.rules}
+        if self.spacing == "exponential" and "qsgd" in used and self.levels > MAX_EXPONENTIAL_LEVELS:
+            raise ValueError(f"{source} 'levels' must be in [1, {MAX_EXPONENTIAL_LEVELS}] with spacing = "
+                             f"'exponential', got {self.levels}")
+        for name in TENSOR_ONLY_CODECS:
+            if name in used and not self.error_feedback:
+                raise ValueError(f"{source} 'error-feedback' must be true with compressor '{name}' (PowerSGD is "
+                                 "biased and keeps its warm-start Q with the residual; Vogels et al. 2019)")
+            if self.selection == "model" and name in (self.compressor, self.warmup_compressor):
+                raise ValueError(f"{source} 'selection' must be 'tensor' or 'auto' with compressor '{name}' "
+                                 "(a low-rank approximation is taken per parameter matrix)")
+        if self.momentum_correction > 0 and not self.error_feedback:
+            raise ValueError(f"{source} 'momentum-correction' needs 'error-feedback' = true (the unsent part of "
+                             "the momentum is kept in the residual)")
 
     @classmethod
     def from_kwargs(cls, compressor: str, error_feedback: bool, **params) -> "CodecConfig":
@@ -245,7 +287,13 @@ class CodecConfig:
             params["levels"] = self.levels
         if name == "int8":
             params["block_size"] = self.block_size
-        if name in ("qsgd", "int8", "randomk"):
+        if name == "qsgd" and self.spacing != "uniform":
+            params["spacing"] = self.spacing
+        if name == "powersgd":
+            params.update(rank=self.rank, value_dtype=self.value_dtype, fallback=self.small_tensor_compressor)
+        if name == "eden":
+            params["unbiased"] = self.unbiased
+        if name in ("qsgd", "int8", "randomk", "powersgd", "eden"):
             params["seed"] = seed
         return get_compressor(name, **params)
 
@@ -286,6 +334,8 @@ class CodecConfig:
             extra.append(f"layers {self.layer_codecs}")
         if self.min_compress_numel:
             extra.append(f"< {self.min_compress_numel} elements: {self.small_tensor_compressor}")
+        if self.momentum_correction:
+            extra.append(f"momentum correction {self.momentum_correction}")
         return (f"{self.compressor}({inner})" + ("+EF" if self.error_feedback else "") + f" [{self.scope}]"
                 + (f" ({'; '.join(extra)})" if extra else ""))
 
@@ -324,6 +374,7 @@ class AppConfig:
     noise_multiplier: float = 1.0
     target_delta: float = 1e-5
     max_epsilon: float = 0.0
+    local_clip_norm: float = 0.0
     codec: CodecConfig = field(default_factory=CodecConfig)
 
     @classmethod
@@ -335,7 +386,7 @@ class AppConfig:
         ValueError
             Naming the first bad key and its allowed range.
         """
-        return cls(
+        out = cls(
             num_server_rounds=_num(cfg, "num-server-rounds", 50, lo=1, integer=True),
             fraction_train=_num(cfg, "fraction-train", 1.0, lo=0.0, hi=1.0, lo_open=True),
             min_train_nodes=_num(cfg, "min-train-nodes", 2, lo=1, integer=True),
@@ -366,5 +417,13 @@ class AppConfig:
             noise_multiplier=_num(cfg, "noise-multiplier", 1.0, lo=0.0),
             target_delta=_num(cfg, "target-delta", 1e-5, lo=0.0, hi=1.0, lo_open=True, hi_open=True),
             max_epsilon=_num(cfg, "max-epsilon", 0.0, lo=0.0),
+            local_clip_norm=_num(cfg, "local-clip-norm", 0.0, lo=0.0),
             codec=CodecConfig.from_mapping(cfg),
         )
+        if out.downstream in TENSOR_ONLY_CODECS:
+            raise ValueError(f"run config 'downstream' cannot be {out.downstream!r}: the server sends the model "
+                             "change as one flat vector, which has no matrix to approximate")
+        if out.local_clip_norm > 0 and out.dp == "dp-sgd":
+            raise ValueError("run config 'local-clip-norm' must be 0 with dp = 'dp-sgd' (DP-SGD clips every "
+                             "per-sample gradient to 'max-grad-norm' instead)")
+        return out

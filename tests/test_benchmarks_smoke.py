@@ -12,9 +12,13 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 def test_codecs_benchmark_runs(tmp_path):
     out = tmp_path / "codecs.json"
     subprocess.run([sys.executable, str(REPO / "benchmarks" / "codecs.py"), "--sizes", "20000", "--repeats", "1",
-                    "--out", str(out)], check=True, capture_output=True, timeout=300)
-    rows = json.loads(out.read_text())["rows"]
-    assert {r["codec"] for r in rows} == {"none", "fp16", "bf16", "int8", "qsgd", "sign", "topk", "stc", "randomk"}
+                    "--real-rounds", "1", "--out", str(out)], check=True, capture_output=True, timeout=300)
+    res = json.loads(out.read_text())
+    rows = res["rows"]
+    assert {r["codec"] for r in rows} == {"none", "fp16", "bf16", "int8", "qsgd", "sign", "topk", "stc", "randomk",
+                                          "eden", "powersgd"}
+    real = {(r["codec"], r.get("unbiased", False), r.get("rank")): r["rel_l2_error"] for r in res["real_updates"]}
+    assert real[("eden", False, None)] < 0.9 * real[("sign", False, None)]  # heavy-tailed client updates
     sign = next(r for r in rows if r["codec"] == "sign")
     assert 1.0 <= sign["bits_per_param"] < 1.05
     assert all(r["position_bits_over_bound"] < 1.1 for r in rows if "position_bits_over_bound" in r)

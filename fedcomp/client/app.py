@@ -88,7 +88,8 @@ def train_handler(msg: Message, context: Context) -> Message:
     cfg, device, data, model, pid = _setup(context)
     model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
     rnd = server_round(msg)
-    tcfg = TrainConfig(cfg.local_epochs, cfg.batch_size, cfg.accumulation_steps, cfg.lr, cfg.momentum)
+    tcfg = TrainConfig(cfg.local_epochs, cfg.batch_size, cfg.accumulation_steps, cfg.lr, cfg.momentum,
+                       cfg.local_clip_norm)
     seed = cfg.seed * 100_003 + rnd * 1009 + pid
     t0 = time.perf_counter()
     extra = {}

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from flwr.common.logger import log
 
-from ..compression import ErrorFeedback, decompress, decompress_sparse, encode_exact
+from ..compression import ErrorFeedback, decompress, decompress_sparse, encode_exact, flatten_states, unflatten_states
 from ..config import SPARSE_CODECS, CodecConfig
 from ..privacy import LocalDP, secure_generator
 from ..protocol import MODEL_KEY
@@ -139,8 +139,10 @@ def compress_update(
     codec : CodecConfig
         Codec, per-layer policy, adaptive density and error-feedback settings.
     residuals : dict of str to np.ndarray
-        Residuals from earlier rounds, by payload key (may be empty); entries of another
-        shape are ignored (the residual restarts at 0).
+        Client state from earlier rounds as :func:`fedcomp.compression.flatten_states` lays it
+        out (may be empty): the residual under its payload key, DGC's momentum and codec memory
+        such as PowerSGD's Q under ``"<payload key>#<entry>"``; entries of another shape are
+        ignored (they restart at 0).
     seed : int, optional
         Seed of stochastic codecs (qsgd, int8, randomk). Never used for privacy noise.
     local_dp : LocalDP, optional
@@ -203,13 +205,14 @@ def compress_update(
             update_sq[k] = float(torch.linalg.vector_norm(s)) ** 2 if s.numel() else 0.0
 
     payloads: dict[str, bytes] = {}
-    new_res: dict[str, np.ndarray] = {}
+    states = unflatten_states(residuals)  # residual (+ DGC momentum, codec memory) per payload key
+    new_states: dict[str, dict[str, np.ndarray]] = {}
     layer_sq_err: dict[str, float] = {}
     layer_sq_norm: dict[str, float] = {}
     used_density, saturated, lost = 0.0, 0, 0.0
     for ukey, members, name in units:
         x = buffers.pop(ukey)
-        prev = residuals.get(ukey) if codec.error_feedback else None
+        prev = states.get(ukey, {}).get("residual") if codec.error_feedback else None
         if prev is not None and tuple(prev.shape) != tuple(x.shape):
             log(WARNING, "fedcomp: residual for '%s' has shape %s, the update %s: starting from zero", ukey,
                 tuple(prev.shape), tuple(x.shape))
@@ -224,10 +227,12 @@ def compress_update(
         compressor = codec.build(seed=seed, compressor=name, density=density)
         seg_sizes = [sizes[k] for k in members]
         if codec.error_feedback:
-            ef = ErrorFeedback(compressor, residual_dtype=codec.residual_dtype)
-            ef.set_residual(prev, copy=False)
+            ef = ErrorFeedback(compressor, residual_dtype=codec.residual_dtype, momentum=codec.momentum_correction)
+            for entry in ef.set_state(states.get(ukey, {}), shape=tuple(x.shape), copy=False):
+                if entry != "residual":  # the residual's mismatch was logged above
+                    log(WARNING, "fedcomp: saved %s for '%s' has another shape: starting from zero", entry, ukey)
             payloads[ukey] = ef.compress(x, inplace=True, segments=seg_sizes)
-            new_res[ukey] = ef.get_residual(copy=False)
+            new_states[ukey] = ef.get_state(copy=False)
             norms, errs = ef.last_segment_sq_norms, ef.last_segment_sq_errors
             saturated, lost = saturated + ef.last_saturated, max(lost, ef.last_saturated_loss)
         else:
@@ -248,7 +253,9 @@ def compress_update(
         if local_dp is None:
             payloads[k] = encode_exact(np.asarray(trained[k]).astype(np.asarray(received[k]).dtype, copy=False))
     sq_err, sq_norm = sum(layer_sq_err.values()), sum(layer_sq_norm.values())
-    res_sq = sum(float(torch.linalg.vector_norm(torch.from_numpy(r).float())) ** 2 for r in new_res.values())
+    res_sq = sum(float(torch.linalg.vector_norm(torch.from_numpy(st["residual"]).float())) ** 2
+                 for st in new_states.values())
+    new_res = flatten_states(new_states)
     stats: dict[str, Any] = {
         "upload-bytes": float(sum(len(p) for p in payloads.values())),
         "dense-bytes": float(4 * sum(sizes.values()) + exact_bytes),

@@ -10,7 +10,7 @@ Pure PyTorch/numpy; nothing here imports Flower.
 10
 """
 
-from . import dense, int8, qsgd, randomk, sign, stc, topk  # noqa: F401  (register codecs)
+from . import dense, eden, int8, powersgd, qsgd, randomk, sign, stc, topk  # noqa: F401  (register codecs)
 from .base import (
     CODECS,
     Compressor,
@@ -21,7 +21,7 @@ from .base import (
     decompress_sparse,
     get_compressor,
 )
-from .error_feedback import ErrorFeedback
+from .error_feedback import ErrorFeedback, flatten_states, unflatten_states
 from .errors import PayloadError
 from .exact import EXACT_NAME, decode_exact, encode_exact, is_exact_dtype
 from .positions import information_bound_bits, rice_parameter
@@ -41,9 +41,11 @@ __all__ = [
     "decompress",
     "decompress_sparse",
     "encode_exact",
+    "flatten_states",
     "get_compressor",
     "information_bound_bits",
     "is_exact_dtype",
     "parse_header",
     "rice_parameter",
+    "unflatten_states",
 ]

@@ -114,6 +114,17 @@ class Compressor:
         """Codec parameters as a flat dict (what ``get_compressor`` would take to rebuild it)."""
         return {}
 
+    def get_state(self) -> dict[str, np.ndarray]:
+        """Client-side memory the codec carries from one call to the next (e.g. PowerSGD's
+        warm-start Q), as float numpy arrays by name; ``{}`` for stateless codecs.
+
+        :class:`~fedcomp.compression.ErrorFeedback` saves it with the residual.
+        """
+        return {}
+
+    def set_state(self, state: dict[str, np.ndarray]) -> None:
+        """Restore what :meth:`get_state` returned (stateless codecs ignore it)."""
+
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.config().items())
         return f"{type(self).__name__}({args})"
@@ -126,10 +137,11 @@ def get_compressor(name: str, **params) -> Compressor:
     ----------
     name : str
         One of ``available_compressors()``: "none", "fp16", "bf16", "sign", "stc",
-        "topk", "randomk", "qsgd", "int8".
+        "topk", "randomk", "qsgd", "int8", "powersgd", "eden".
     **params
         Codec parameters (``density``, ``levels``, ``block_size``, ``seed``,
-        ``value_dtype``, ``rescale``); see each codec's docstring.
+        ``value_dtype``, ``rescale``, ``spacing``, ``rank``, ``unbiased``); see each
+        codec's docstring.
 
     Returns
     -------

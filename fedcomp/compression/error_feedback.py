@@ -1,18 +1,22 @@
-"""Error feedback (residual memory) around any compressor.
+"""Error feedback (residual memory) around any compressor, and the rest of a client's codec
+state: DGC's momentum correction and the codec's own memory (PowerSGD's warm-start Q).
 
 Sources: Seide et al., "1-Bit Stochastic Gradient Descent", Interspeech 2014; Stich,
 Cordonnier, Jaggi, "Sparsified SGD with Memory", NeurIPS 2018; Karimireddy et al.,
-"Error Feedback Fixes SignSGD and other Gradient Compression Schemes", ICML 2019.
+"Error Feedback Fixes SignSGD and other Gradient Compression Schemes", ICML 2019; Lin, Han,
+Mao, Wang, Dally, "Deep Gradient Compression", ICLR 2018 (momentum correction and momentum
+factor masking).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 
 import numpy as np
 import torch
 
-from .base import Compressor, check_input, decompress, decompress_sparse
+from .base import Compressor, check_input, check_range, decompress, decompress_sparse
 
 _RESIDUAL_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 #: Clients already warned about fp16 residual saturation (one warning each per process).
@@ -46,6 +50,10 @@ def warn_saturation_once(client, saturated: float, lost_fraction: float) -> bool
         "the update (relative L2) for good (reported each round as 'residual-saturated'; warned once): use "
         "residual-dtype = \"fp32\" or smaller updates", client, int(saturated), 100.0 * lost_fraction)
     return True
+#: Keys of :meth:`ErrorFeedback.get_state` besides the codec's own ("<codec name>/<key>").
+RESIDUAL, MOMENTUM = "residual", "momentum"
+#: Separator between a payload key and a state entry name in :func:`flatten_states`.
+STATE_SEP = "#"
 
 
 def _segment_sq_norms(flat: torch.Tensor, sizes: list[int]) -> list[float]:
@@ -65,18 +73,34 @@ class ErrorFeedback:
     rounding of e with ``residual_dtype="fp16"``). The residual is computed from the
     *decoded payload*, i.e. exactly what the receiver sees.
 
+    Momentum correction (DGC, Lin et al. 2018, Sec. 3.2, with the client's round update in
+    place of a gradient): with ``momentum = beta > 0`` each call runs
+    ``u <- beta * u + x; v <- e + u; send C(v); e <- v - decompress(C(v))`` and then momentum
+    factor masking, ``u <- 0`` where the decoded send is non-zero. For top-k and rand-k this is
+    DGC exactly (``e`` is DGC's v, zeroed where sent); for STC, ``e`` keeps the ternarisation
+    error at sent entries (the error-feedback rule) instead of zeroing it. The telescoping then
+    reads ``sum(decoded sends) + e_final == sum(u before masking)``. With a codec that sends
+    every entry, u is zeroed every call and this is plain error feedback.
+
+    The whole client-side state (residual, momentum buffer, and the codec's own memory such as
+    PowerSGD's warm-start Q) is saved and restored with :meth:`get_state` / :meth:`set_state`.
+
     Parameters
     ----------
     compressor : Compressor
         Any codec from :func:`fedcomp.compression.get_compressor`.
     residual_dtype : {"fp32", "fp16"}
-        Storage of the residual; "fp16" halves its memory (4 -> 2 bytes/parameter) and
-        saturates entries beyond ±65504.
+        Storage of the residual (and of the momentum buffer); "fp16" halves its memory
+        (4 -> 2 bytes/parameter) and saturates entries beyond ±65504.
+    momentum : float
+        DGC's momentum-correction factor beta in [0, 1); 0 (default) turns it off.
 
     Attributes
     ----------
     residual : torch.Tensor or None
         Current residual, shape of the last input, on its device; None before the first call.
+    momentum_buffer : torch.Tensor or None
+        DGC's u after masking (None unless ``momentum > 0`` and a call ran).
     last_error : float
         Relative L2 compression error ``||v - v_hat|| / ||v||`` of the last call (v = x + e).
     last_saturated : int
@@ -86,13 +110,18 @@ class ErrorFeedback:
         L2, like ``last_error``; 0.0 when nothing saturated): lost for good, never sent later.
     """
 
-    def __init__(self, compressor: Compressor, residual_dtype: str = "fp32") -> None:
+    def __init__(self, compressor: Compressor, residual_dtype: str = "fp32", momentum: float = 0.0) -> None:
         if not isinstance(compressor, Compressor):
             raise TypeError(f"expected a Compressor, got {type(compressor).__name__}")
         if residual_dtype not in _RESIDUAL_DTYPES:
             raise ValueError(f"residual_dtype must be one of {sorted(_RESIDUAL_DTYPES)}, got {residual_dtype!r}")
+        check_range("momentum", momentum, 0.0, 1.0)
+        if momentum >= 1.0:
+            raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
         self.compressor = compressor
         self.residual_dtype = residual_dtype
+        self.momentum = float(momentum)
+        self.momentum_buffer: torch.Tensor | None = None
         self.residual: torch.Tensor | None = None
         self.last_error = 0.0
         self.last_sq_error = 0.0
@@ -111,7 +140,8 @@ class ErrorFeedback:
             across calls (call :meth:`reset` to change it).
         inplace : bool
             Allow overwriting a float32 ``x``: it becomes ``v = x + e`` and then the new
-            residual, so the call needs no model-sized copy of its own. Default False.
+            residual, so the call needs no model-sized copy of its own (not once a momentum
+            buffer exists: momentum correction keeps ``x`` untouched). Default False.
         segments : list of int, optional
             Sizes of consecutive segments of the flattened ``x`` (summing to ``x.numel()``);
             their squared norms of ``v`` and of the error are then kept in
@@ -126,19 +156,26 @@ class ErrorFeedback:
         Raises
         ------
         ValueError
-            NaN/Inf in ``x`` or a shape different from the residual's; the residual is
-            left unchanged.
+            NaN/Inf in ``x`` or a shape different from the residual's (or the momentum
+            buffer's); the state is left unchanged.
         """
         check_input(x)
         if self.residual is not None and self.residual.shape != x.shape:
             raise ValueError(f"input shape {tuple(x.shape)} differs from the residual's {tuple(self.residual.shape)}")
+        mom = self.momentum_buffer if self.momentum > 0 else None
+        if mom is not None and mom.shape != x.shape:
+            raise ValueError(f"input shape {tuple(x.shape)} differs from the momentum buffer's {tuple(mom.shape)}")
         v = x.detach()
-        if v.dtype != torch.float32 or not inplace:
+        shared = v.dtype == torch.float32 and inplace and mom is None  # v is x itself
+        if not shared:
             v = v.to(torch.float32, copy=True)
+        if mom is not None:  # DGC: u <- beta * u + x
+            v.add_(mom.to(device=v.device, dtype=torch.float32), alpha=self.momentum)
+        u = v.clone() if self.momentum > 0 else None
         if self.residual is not None:
             v += self.residual.to(device=v.device, dtype=torch.float32)
             if not bool(torch.isfinite(v.sum())) and not bool(torch.isfinite(v).all()):
-                if self.residual is not None and inplace and x.dtype == torch.float32:
+                if shared:
                     v -= self.residual.to(device=v.device, dtype=torch.float32)  # give x back as it was
                 raise ValueError("input + residual overflows float32; residual left unchanged")
         flat = v.reshape(-1)
@@ -148,18 +185,26 @@ class ErrorFeedback:
         # The error v - v_hat, in place in v: O(k) for sparse payloads, one decode otherwise.
         sparse = decompress_sparse(payload, max_numel=max(v.numel(), 1))
         if sparse is not None:
-            pos, vals = sparse
-            flat[torch.from_numpy(pos).to(v.device)] -= torch.from_numpy(vals).to(v.device)
+            pos, vals = (torch.from_numpy(a).to(v.device) for a in sparse)
+            flat[pos] -= vals
+            sent = pos[vals != 0]
         else:
-            v -= decompress(payload, max_numel=max(v.numel(), 1)).to(v.device)
+            v_hat = decompress(payload, max_numel=max(v.numel(), 1)).to(v.device)
+            v -= v_hat
+            sent = torch.nonzero(v_hat.reshape(-1)).reshape(-1) if u is not None else None
+            del v_hat
         errors = _segment_sq_norms(flat, sizes)
         self.last_sq_error, self.last_sq_norm = float(sum(errors)), float(sum(norms))
         self.last_segment_sq_norms, self.last_segment_sq_errors = norms, errors
         self.last_error = (self.last_sq_error / self.last_sq_norm) ** 0.5 if self.last_sq_norm else 0.0
+        store = _RESIDUAL_DTYPES[self.residual_dtype]
         if self.residual_dtype == "fp16":  # saturate: an Inf residual would poison every later round
             self._count_saturation(v)
             v = v.clamp_(-65504.0, 65504.0)
-        self.residual = v.to(_RESIDUAL_DTYPES[self.residual_dtype])
+        if u is not None:  # momentum factor masking: forget u where entries were sent
+            u.view(-1)[sent] = 0.0
+            self.momentum_buffer = (u.clamp_(-65504.0, 65504.0) if store == torch.float16 else u).to(store)
+        self.residual = v.to(store)
         return payload
 
     def _count_saturation(self, err: torch.Tensor) -> None:
@@ -206,6 +251,93 @@ class ErrorFeedback:
             raise ValueError("residual holds non-finite values")
         self.residual = t.clone() if copy else t
 
+    def get_state(self, copy: bool = True) -> dict[str, np.ndarray]:
+        """The whole client-side state as numpy arrays (storage dtype, CPU), for saving.
+
+        ``copy=False`` returns views of CPU buffers (valid until the next :meth:`compress`).
+
+        Returns
+        -------
+        dict of str to np.ndarray
+            ``"residual"`` (input shape), ``"momentum"`` (DGC's u, input shape; only with
+            momentum correction) and the codec's own entries as ``"<codec name>/<key>"``
+            (e.g. ``"powersgd/q"``, float32 ``(n, r)``); entries not yet created are absent.
+        """
+        out: dict[str, np.ndarray] = {}
+        if self.residual is not None:
+            out[RESIDUAL] = self.get_residual(copy=copy)
+        if self.momentum_buffer is not None:
+            mom = self.momentum_buffer.detach().cpu().numpy()
+            out[MOMENTUM] = mom.copy() if copy else mom
+        out.update({f"{self.compressor.name}/{k}": v for k, v in self.compressor.get_state().items()})
+        return out
+
+    def set_state(self, state: Mapping[str, np.ndarray], shape: tuple[int, ...] | None = None,
+                  copy: bool = True) -> list[str]:
+        """Restore what :meth:`get_state` returned (missing entries start from zero / fresh).
+
+        Parameters
+        ----------
+        state : mapping of str to array
+            Entries as :meth:`get_state` names them; entries of another codec are ignored.
+        shape : tuple of int, optional
+            The shape of the coming input: a residual or momentum buffer of another shape is
+            dropped (restarts at zero) instead of failing the next :meth:`compress`.
+        copy : bool
+            False keeps references to residual and momentum arrays whose dtype already matches
+            (the next :meth:`compress` only reads them, then replaces them).
+
+        Returns
+        -------
+        list of str
+            Names of the entries dropped for their shape.
+
+        Raises
+        ------
+        ValueError
+            An entry holds NaN/Inf or is not a float array (the state is left unchanged).
+        """
+        arrays = {k: np.asarray(v) for k, v in state.items()}
+        for k, a in arrays.items():  # a finite sum proves every entry finite
+            if not np.issubdtype(a.dtype, np.floating) or (
+                    a.size and not np.isfinite(a.sum(dtype=np.float64)) and not np.isfinite(a).all()):
+                raise ValueError(f"state entry {k!r} is not a finite float array")
+        dropped = [k for k in (RESIDUAL, MOMENTUM)
+                   if k in arrays and shape is not None and tuple(arrays[k].shape) != tuple(shape)]
+        prefix = f"{self.compressor.name}/"
+        self.compressor.set_state({k[len(prefix):]: a for k, a in arrays.items() if k.startswith(prefix)})
+        self.set_residual(None if RESIDUAL in dropped else arrays.get(RESIDUAL), copy=copy)
+        mom = None if MOMENTUM in dropped else arrays.get(MOMENTUM)
+        self.momentum_buffer = None if mom is None else torch.as_tensor(
+            np.array(mom, copy=True) if copy else mom).to(_RESIDUAL_DTYPES[self.residual_dtype])
+        return dropped
+
     def reset(self) -> None:
-        """Forget the residual."""
+        """Forget the residual, the momentum buffer and the codec's memory."""
         self.residual = None
+        self.momentum_buffer = None
+        self.compressor.set_state({})
+
+
+def flatten_states(states: Mapping[str, Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """``{payload key: ErrorFeedback.get_state()}`` -> one flat ``{name: array}`` dict to persist.
+
+    The residual keeps the bare payload key (what earlier versions saved); every other entry
+    is stored as ``"<payload key>#<entry>"``, e.g. ``"conv1.weight#powersgd/q"``.
+    """
+    flat: dict[str, np.ndarray] = {}
+    for ukey, st in states.items():
+        for name, arr in st.items():
+            flat[ukey if name == RESIDUAL else f"{ukey}{STATE_SEP}{name}"] = arr
+    return flat
+
+
+def unflatten_states(flat: Mapping[str, np.ndarray]) -> dict[str, dict[str, np.ndarray]]:
+    """Inverse of :func:`flatten_states`: ``{payload key: {entry: array}}``."""
+    out: dict[str, dict[str, np.ndarray]] = {}
+    for key, arr in flat.items():
+        ukey, sep, name = key.rpartition(STATE_SEP)
+        if not sep or not (name == MOMENTUM or "/" in name):
+            ukey, name = key, RESIDUAL
+        out.setdefault(ukey, {})[name] = arr
+    return out

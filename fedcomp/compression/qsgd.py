@@ -1,7 +1,9 @@
-"""``qsgd``: QSGD stochastic quantization.
+"""``qsgd``: QSGD stochastic quantization, with uniform or exponential (NUQSGD) levels.
 
-Source: Alistarh, Grubic, Li, Tomioka, Vojnovic, "QSGD: Communication-Efficient SGD via
-Gradient Quantization and Encoding", NeurIPS 2017.
+Sources: Alistarh, Grubic, Li, Tomioka, Vojnovic, "QSGD: Communication-Efficient SGD via
+Gradient Quantization and Encoding", NeurIPS 2017; Ramezani-Kebrya, Faghri, Markov, Aksenov,
+Alistarh, Roy, "NUQSGD: Provably Communication-efficient Data-parallel SGD via Nonuniform
+Quantization", JMLR 2021 (exponentially spaced levels).
 """
 
 from __future__ import annotations
@@ -19,7 +21,48 @@ from .stochastic import StochasticRounder
 from .wire import BodyReader, Header, unpack_params
 
 MAX_LEVELS = 2**16 - 1
+#: Exponential spacing: the smallest non-zero level 2**(1-s) stays a normal float32.
+MAX_EXPONENTIAL_LEVELS = 126
 MAX_BUCKET = 2**31 - 1
+SPACINGS = ("uniform", "exponential")
+
+
+def exponential_position(r: torch.Tensor, s: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lower level index and rounding probability of ``r`` in [0, 1] on the levels
+    ``0, 2**(1-s), ..., 1/2, 1``.
+
+    Level j (j = 1..s) is ``2**(j-s)``, level 0 is 0. Returns ``(j, p)`` with
+    ``l_j <= r < l_{j+1}`` and ``p = (r - l_j) / (l_{j+1} - l_j)``: rounding up with
+    probability p makes the expected level value r (unbiased). Both are exact, read from the
+    float32 bits: ``r = (1 + f) * 2**e`` gives ``j = e + s`` and ``p = f`` above the first
+    non-zero level, and ``p = r * 2**(s-1)`` below it.
+
+    Parameters
+    ----------
+    r : torch.Tensor
+        float32, entries in [0, 1] (``|x_i| / ||x_B||``).
+    s : int
+        Number of non-zero levels, 1..126 (so every level is a normal float32).
+
+    Returns
+    -------
+    (torch.Tensor, torch.Tensor)
+        int32 j in [0, s] and float32 p in [0, 1), both of r's shape.
+    """
+    bits = r.contiguous().view(torch.int32)
+    e = (bits >> 23) - 127  # unbiased exponent; -127 for 0 and subnormals (below every level)
+    upper = e >= 1 - s
+    frac = (bits & 0x7FFFFF).to(torch.float32) * 2.0**-23
+    j = torch.where(upper, e + s, torch.zeros((), dtype=torch.int32, device=r.device))
+    p = torch.where(upper, frac, r * float(2.0 ** (s - 1)))
+    return j, p
+
+
+def exponential_levels(s: int) -> np.ndarray:
+    """The level values ``[0, 2**(1-s), ..., 1/2, 1]`` as float32, shape ``(s + 1,)``."""
+    out = np.ldexp(np.ones(s + 1, dtype=np.float32), np.arange(-s, 1))
+    out[0] = 0.0
+    return out
 
 
 @register
@@ -35,7 +78,13 @@ class QSGDCompressor(Compressor):
 
     Size: fixed-width levels instead of the paper's Elias code, so exactly
     ``1 + ceil(log2(s + 1)) + 32 / bucket_size`` bits/parameter (sign bit, level, bucket
-    norm) + 8 bytes of parameters + header; s = 15, bucket 512 gives 5.0625 bits.
+    norm) + 8 bytes of parameters (9 with exponential spacing) + header; s = 15, bucket 512
+    gives 5.0625 bits.
+
+    ``spacing="exponential"`` is NUQSGD: the s non-zero levels are ``2**(j-s)``, j = 1..s
+    (``0, 2**(1-s), ..., 1/4, 1/2, 1``), denser near 0 where most normalised entries of a
+    bucket lie; stochastic rounding between the two adjacent levels keeps it unbiased
+    (see :func:`exponential_position`); same bits per level as uniform spacing.
 
     Parameters
     ----------
@@ -43,24 +92,36 @@ class QSGDCompressor(Compressor):
         s >= 1 (the paper's quantization levels). Default 15.
     bucket_size : int
         Entries per norm, >= 1. Default 512 (as in the paper's experiments).
+    spacing : {"uniform", "exponential"}
+        Level placement: QSGD's ``l/s`` or NUQSGD's ``2**(j-s)`` (levels <= 126). Default
+        "uniform".
     seed : int, optional
         Seed of the stochastic rounding; None draws from the OS.
     """
 
     name = "qsgd"
     codec_id = 7
-    _PARAMS = "<II"  # levels, bucket size
+    _PARAMS = "<II"  # levels, bucket size (uniform spacing)
+    _PARAMS_SPACED = "<IIB"  # levels, bucket size, spacing code 1 (exponential)
 
-    def __init__(self, levels: int = 15, bucket_size: int = 512, seed: int | None = None) -> None:
-        check_range("levels", levels, 1, MAX_LEVELS, integer=True)
+    def __init__(self, levels: int = 15, bucket_size: int = 512, seed: int | None = None,
+                 spacing: str = "uniform") -> None:
+        if spacing not in SPACINGS:
+            raise ValueError(f"spacing must be one of {list(SPACINGS)}, got {spacing!r}")
+        top = MAX_EXPONENTIAL_LEVELS if spacing == "exponential" else MAX_LEVELS
+        check_range("levels", levels, 1, top, integer=True)
         check_range("bucket_size", bucket_size, 1, MAX_BUCKET, integer=True)
         self.levels = int(levels)
         self.bucket_size = int(bucket_size)
+        self.spacing = spacing
         self._rounder = StochasticRounder(seed)
 
     def config(self) -> dict:
-        """``{"levels": s, "bucket_size": d}``."""
-        return {"levels": self.levels, "bucket_size": self.bucket_size}
+        """``{"levels": s, "bucket_size": d}``, plus ``"spacing"`` when it is exponential."""
+        out: dict = {"levels": self.levels, "bucket_size": self.bucket_size}
+        if self.spacing != "uniform":
+            out["spacing"] = self.spacing
+        return out
 
     @staticmethod
     def width(levels: int) -> int:
@@ -76,17 +137,30 @@ class QSGDCompressor(Compressor):
         if not bool(torch.isfinite(norms).all()):
             raise ValueError("qsgd: a bucket's L2 norm overflows float32")
         safe = torch.where(norms > 0, norms, torch.ones_like(norms))
-        lv = self._rounder.round(padded.abs() * (s / safe[:, None])).clamp_(0, s)
+        if self.spacing == "exponential":
+            j, p = exponential_position((padded.abs() / safe[:, None]).clamp_(max=1.0), s)
+            lv = (self._rounder.round(p) + j).clamp_(0, s)
+            params = struct.pack(self._PARAMS_SPACED, s, self.bucket_size, 1)
+        else:
+            lv = self._rounder.round(padded.abs() * (s / safe[:, None])).clamp_(0, s)
+            params = struct.pack(self._PARAMS, s, self.bucket_size)
         lv = lv.reshape(-1)[:n].to(torch.int32).cpu().numpy()
         signs = (flat < 0).cpu().numpy()
         body = norms.cpu().numpy().tobytes() + pack_bits(signs) + pack_uint(lv, self.width(s))
-        return struct.pack(self._PARAMS, s, self.bucket_size), body
+        return params, body
 
     @classmethod
     def _decode(cls, header: Header, payload: memoryview) -> np.ndarray:
-        s, bs = unpack_params(cls._PARAMS, header.params, cls.name)
-        if s < 1 or s > MAX_LEVELS:
-            raise PayloadError(f"qsgd: levels {s} outside [1, {MAX_LEVELS}]")
+        exponential = len(header.params) == struct.calcsize(cls._PARAMS_SPACED)
+        if exponential:
+            s, bs, code = unpack_params(cls._PARAMS_SPACED, header.params, cls.name)
+            if code != 1:
+                raise PayloadError(f"qsgd: unknown spacing code {code}")
+        else:
+            s, bs = unpack_params(cls._PARAMS, header.params, cls.name)
+        top = MAX_EXPONENTIAL_LEVELS if exponential else MAX_LEVELS
+        if s < 1 or s > top:
+            raise PayloadError(f"qsgd: levels {s} outside [1, {top}]")
         if bs < 1:
             raise PayloadError("qsgd: bucket size 0")
         n = header.numel
@@ -101,6 +175,9 @@ class QSGDCompressor(Compressor):
             raise PayloadError("qsgd: a bucket norm is negative or not finite")
         if n and int(lv.max()) > s:
             raise PayloadError(f"qsgd: a level exceeds s = {s}")
-        mag = block_scale(lv, (norms / np.float32(s)).astype(np.float32), bs)
+        if exponential:
+            mag = block_scale(exponential_levels(s)[lv], norms, bs)
+        else:
+            mag = block_scale(lv, (norms / np.float32(s)).astype(np.float32), bs)
         np.negative(mag, out=mag, where=neg.astype(bool))
         return mag

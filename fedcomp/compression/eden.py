@@ -1,0 +1,115 @@
+"""``eden``: 1-bit quantization after a randomised Hadamard rotation.
+
+Sources: Vargaftik, Ben-Basat, Portnoy, Mendelson, Ben-Itzhak, Mitzenmacher, "DRIVE: One-bit
+Distributed Mean Estimation", NeurIPS 2021 (1 bit per coordinate after a random rotation, the
+least-squares and the unbiased scale); Vargaftik et al., "EDEN: Communication-Efficient and
+Robust Distributed Mean Estimation for Federated Learning", ICML 2022.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import torch
+
+from .base import Compressor, check_range, register
+from .bits import nbytes_for_bits, unpack_bits
+from .errors import PayloadError
+from .hadamard import fwht_, power_of_two_blocks, random_sign_bits
+from .sign import _pack_on_device
+from .wire import BodyReader, Header, unpack_params
+
+
+@register
+class EdenCompressor(Compressor):
+    """Rotate, keep one sign bit per coordinate and one scale per block, rotate back.
+
+    The flattened tensor is cut into blocks of power-of-two sizes (n's binary expansion, so no
+    padding: exactly n sign bits). With D random ±1 signs drawn from a 64-bit seed and H the
+    Sylvester Hadamard matrix of a block of size N, the block x is rotated to
+    ``y = H D x / sqrt(N)`` (orthonormal, O(N log N)), sent as ``sign(y)`` (sign(0) = +1) and a
+    scale S, and decoded as ``x_hat = S * D H sign(y) / sqrt(N)``. The rotation spreads a few
+    large entries over all coordinates, so heavy-tailed updates lose far less than under plain
+    ``sign``; on a Gaussian vector both have relative L2 error sqrt(1 - 2/pi) ~ 0.60.
+
+    Scale: ``unbiased=False`` (default) takes the least-squares scale ``S = ||y||_1 / N``
+    (smallest error for this rotation; biased, meant for error feedback). ``unbiased=True``
+    takes DRIVE's ``S = ||x||_2^2 / ||y||_1``, which makes ``E[x_hat] = x`` for a uniformly
+    random rotation; with the randomised Hadamard rotation used here the bias is small (tested
+    below 5 % of ||x|| after averaging 2000 draws), at a larger error (~0.76 on a Gaussian). An
+    all-zero block has S = 0 and decodes to zeros.
+
+    The decoder re-derives D from the seed; nothing but signs, scales and the seed travel.
+
+    Size: exactly ``ceil(n / 8)`` bytes of signs + 4 bytes per block (``popcount(n)`` blocks,
+    at most 64) + 9 bytes of parameters + header: 1 bit/parameter plus O(log n) bits.
+
+    Parameters
+    ----------
+    unbiased : bool
+        Unbiased (DRIVE) scale instead of the least-squares one. Default False.
+    seed : int, optional
+        Seeds the per-call rotation seeds (reproducible runs); None draws from the OS.
+    """
+
+    name = "eden"
+    codec_id = 10
+    _PARAMS = "<QB"  # rotation seed, unbiased flag
+
+    def __init__(self, unbiased: bool = False, seed: int | None = None) -> None:
+        if not isinstance(unbiased, (bool, np.bool_)):
+            raise ValueError(f"unbiased must be true or false, got {unbiased!r}")
+        if seed is not None:
+            check_range("seed", seed, 0, 2**64 - 1, integer=True)
+        self.unbiased = bool(unbiased)
+        self.seed = seed
+        self._seeds = np.random.default_rng(seed)
+
+    def config(self) -> dict:
+        """``{"unbiased": ...}``."""
+        return {"unbiased": self.unbiased}
+
+    def _encode(self, flat: torch.Tensor) -> tuple[bytes, bytes]:
+        n = flat.numel()
+        seed = int(self._seeds.integers(0, 2**63))
+        d = torch.from_numpy(random_sign_bits(seed, n)).to(flat.device).bool()
+        y = torch.where(d, flat, -flat)  # D x, a fresh buffer rotated in place below
+        scales = []
+        for off, size in power_of_two_blocks(n):
+            blk = fwht_(y[off : off + size]).mul_(size**-0.5)
+            l1 = float(torch.linalg.vector_norm(blk.double(), ord=1))
+            if l1 == 0.0:
+                scales.append(0.0)
+            elif self.unbiased:
+                scales.append(float(torch.sum(flat[off : off + size].double() ** 2)) / l1)
+            else:
+                scales.append(l1 / size)
+        body = np.asarray(scales, dtype=np.float32).tobytes() + _pack_on_device(y >= 0)
+        return struct.pack(self._PARAMS, seed, int(self.unbiased)), body
+
+    @classmethod
+    def _decode(cls, header: Header, payload: memoryview) -> np.ndarray:
+        seed, unbiased = unpack_params(cls._PARAMS, header.params, cls.name)
+        if unbiased > 1:
+            raise PayloadError(f"eden: unbiased flag {unbiased} is not 0 or 1")
+        n = header.numel
+        blocks = power_of_two_blocks(n)
+        r = BodyReader(payload, header.body_offset, cls.name)
+        scales = np.frombuffer(r.take(4 * len(blocks), "scales"), dtype=np.float32)
+        bits = unpack_bits(r.take(nbytes_for_bits(n), "sign bits"), n, "eden sign bits")
+        r.finish()
+        if not np.isfinite(scales).all() or (scales < 0).any():
+            raise PayloadError("eden: a block scale is negative or not finite")
+        out = bits.astype(np.float32)
+        del bits
+        out *= 2
+        out -= 1  # sign(y) as ±1
+        t = torch.from_numpy(out)  # shares memory with ``out``
+        buf = torch.from_numpy(np.empty(blocks[0][1] // 2 if blocks else 0, dtype=np.float32))
+        for (off, size), s in zip(blocks, scales):
+            blk = t[off : off + size]
+            blk.mul_(float(s) * size**-0.5)
+            fwht_(blk, buf)
+        np.negative(out, out=out, where=random_sign_bits(seed, n) == 0)
+        return out
