@@ -57,7 +57,8 @@ def privacy_options(cfg: AppConfig, context: Context | None = None) -> dict:
     q = None
     if cfg.client_sampling == "poisson":
         q = cfg.fraction_train
-        opts.update(client_sampling=q, seed=cfg.seed)
+        # The sample must be secret for amplification by sampling: OS entropy, not the run seed.
+        opts.update(client_sampling=q, seed=None)
     if cfg.dp == "client-level":
         opts["client_dp"] = ClientLevelDP(cfg.clipping_norm, cfg.noise_multiplier, cfg.target_delta,  # CSPRNG noise
                                           sample_rate=q or 1.0)

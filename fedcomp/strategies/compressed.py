@@ -115,7 +115,8 @@ class CompressedStrategy(Strategy):
         each is then kept independently with this probability q, per round. Needed for
         privacy amplification by sampling in client-level DP (``ClientLevelDP(sample_rate=q)``).
     seed : int, optional
-        Seed of the Poisson sampling.
+        Seed of the Poisson sampling (tests only). Default None: OS entropy, as amplification by
+        sampling needs a sample nobody can predict (the ServerApp never passes the run seed).
     aggregation : {"auto", "dense"}
         "auto" (default): for Flower's weighted-mean strategies (FedAvg, FedAvgM, FedAdam, FedYogi,
         FedAdagrad, FedProx) and client-level DP, fold every decoded reply into one running sum
