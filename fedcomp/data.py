@@ -67,7 +67,7 @@ def _to_tensor_dataset(images: np.ndarray, labels: np.ndarray) -> TensorDataset:
     return TensorDataset(torch.from_numpy(np.ascontiguousarray(images)), torch.from_numpy(labels))
 
 
-@lru_cache(maxsize=8)
+@lru_cache(maxsize=256)
 def load_partition(cfg: DataConfig, partition_id: int, num_partitions: int) -> TensorDataset:
     """Training data of one client.
 

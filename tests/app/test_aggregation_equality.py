@@ -80,7 +80,7 @@ def _lockstep(run_config: dict, nodes: int = 2) -> tuple[list[float], Compressed
     return diffs, streaming
 
 
-BASE = {"num-server-rounds": ROUNDS, "lr": 0.1, "seed": 5, "batch-size": 64}
+BASE = {"num-server-rounds": ROUNDS, "lr": 0.1, "seed": 5, "batch-size": 256}
 
 
 @pytest.mark.parametrize("codec,extra", [
