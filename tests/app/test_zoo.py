@@ -205,3 +205,21 @@ def test_a_reply_with_the_keys_in_another_order_is_accepted():
     assert list(payloads) == ["a", "b", "n"]
     assert fc.decompress(payloads["b"]).tolist() == [1.0, 1.0]
     assert int(fc.decode_exact(payloads["n"], (), np.int64)) == 4
+
+
+@pytest.mark.parametrize("name", ZOO)
+def test_zoo_checkpoint_keeps_every_tensor(tmp_path, name):
+    """Checkpoint save/load of every zoo state_dict: exact values, dtypes and shapes (0-d and (0, 5)
+    included). bf16 tensors are saved as their float32 values (numpy has no bfloat16)."""
+    from fedcomp.server import checkpoint
+    from fedcomp.statedict import numpy_dict
+
+    sd = _trained(_zoo()[name].state_dict(), 1)
+    weights, dtypes = numpy_dict(to_record(sd))
+    strategy = CompressedStrategy(FedAvg(fraction_evaluate=0.0), compressor="none")
+    checkpoint.save(tmp_path, 3, weights, strategy, [{"round": 3}])
+    rnd, loaded, _ = checkpoint.load(tmp_path, strategy, {k: v.shape for k, v in weights.items()})
+    assert rnd == 3 and list(loaded) == list(weights)
+    for k, v in weights.items():
+        assert loaded[k].dtype == v.dtype and loaded[k].shape == v.shape, k
+        assert np.array_equal(loaded[k], v), k
