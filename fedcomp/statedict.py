@@ -153,12 +153,25 @@ def integer_mean(global_value: np.ndarray, weighted_delta_sum: np.ndarray, total
     Returns
     -------
     np.ndarray
-        Same dtype and shape as ``global_value``. Rounding is half to even (``np.rint``); exact for
-        values below 2**53 in magnitude (float64 arithmetic).
+        Same dtype and shape as ``global_value``. Rounding is half to even (``np.rint``); the mean
+        change is computed in float64 (exact while the clients' changes stay below 2**53), applied
+        in integer arithmetic and clamped, so an unchanged entry keeps its value exactly and nothing
+        wraps around at the ends of the range (int64 2**63 - 1, uint64 2**64 - 1).
     """
     info = np.iinfo(global_value.dtype)
-    mean = global_value.astype(np.float64) + np.rint(weighted_delta_sum / total_weight)
-    return copy_array(np.clip(mean, info.min, info.max).astype(global_value.dtype))
+    step = np.rint(np.asarray(weighted_delta_sum, np.float64) / total_weight)
+    out = copy_array(global_value)
+    moved = np.flatnonzero(step)  # entries nobody changed stay exactly as they were, whatever their size
+    if moved.size:
+        flat = out.reshape(-1)
+        span = float(info.max) - float(info.min)
+        d = np.clip(step.reshape(-1)[moved], -span, span)
+        if global_value.dtype.itemsize <= 4:  # exact in int64: |g| < 2**32, |d| <= 2**33
+            new = flat[moved].astype(np.int64) + d.astype(np.int64)
+            flat[moved] = np.clip(new, info.min, info.max).astype(global_value.dtype)
+        else:  # 64-bit integers: Python integers, so nothing rounds or wraps at the ends of the range
+            flat[moved] = [min(max(int(g) + int(x), info.min), info.max) for g, x in zip(flat[moved].tolist(), d.tolist())]
+    return out
 
 
 def bool_majority(global_value: np.ndarray, weight_true: np.ndarray, total_weight: float) -> np.ndarray:

@@ -99,6 +99,9 @@ def _check_pair(received: dict, trained: dict, dtypes: dict) -> dict[str, np.nda
             f"trained weights have other keys than the received global model (missing {missing}, extra {extra}); "
             "the ClientApp must return the full model under the received names"
         )
+    if MODEL_KEY in received:
+        raise CompositionError(f"the model has a tensor named '{MODEL_KEY}', the name of fedcomp's whole-model "
+                               "payload: rename that module or parameter")
     ordered = {k: trained[k] for k in received}  # the same keys in another order are fine
     for key, g in received.items():
         t = ordered[key]

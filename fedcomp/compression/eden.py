@@ -8,6 +8,7 @@ Robust Distributed Mean Estimation for Federated Learning", ICML 2022.
 
 from __future__ import annotations
 
+import math
 import struct
 
 import numpy as np
@@ -79,6 +80,8 @@ class EdenCompressor(Compressor):
         for off, size in power_of_two_blocks(n):
             blk = fwht_(y[off : off + size]).mul_(size**-0.5)
             l1 = float(torch.linalg.vector_norm(blk.double(), ord=1))
+            if not math.isfinite(l1) or l1 / size > 3.4e38:
+                raise ValueError("eden: the rotated input overflows float32 (entries near 3.4e38); refusing to compress")
             if l1 == 0.0:
                 scales.append(0.0)
             elif self.unbiased:

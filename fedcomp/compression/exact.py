@@ -77,6 +77,8 @@ def decode_exact(payload: bytes | bytearray | memoryview, expected_shape: tuple[
     PayloadError
         Not an exact payload, another dtype or shape, wrong body length, or bool bytes other than 0/1.
     """
+    if isinstance(payload, memoryview) and not payload.c_contiguous:
+        payload = payload.tobytes()
     want = np.dtype(expected_dtype)
     numel = int(np.prod(expected_shape)) if expected_shape else 1
     header = parse_header(payload, max_numel=max(numel, 1) if numel else DEFAULT_MAX_NUMEL)

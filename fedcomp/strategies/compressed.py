@@ -17,6 +17,7 @@ from flwr.serverapp.strategy import Strategy
 from ..compression import PayloadError, available_compressors
 from ..config import CodecConfig
 from ..privacy import ClientLevelDP, LocalDP
+from ..protocol import MODEL_KEY
 from ..statedict import BF16, FlatModel, array_to_numpy, cast_checked, copy_array, numpy_to_array
 from .aggregate import ExactVotes, RunningSum, dense_memory_note, identity_on_one_reply, streams
 from .decode import DecodedUpdate, decode_reply
@@ -200,6 +201,9 @@ class CompressedStrategy(Strategy):
         codec = self.codec.for_round(server_round)
         if server_round == 1:
             _check_rules_match(codec, list(arrays.keys()))
+            if MODEL_KEY in arrays:
+                raise ValueError(f"the model has a tensor named '{MODEL_KEY}', the name fedcomp's whole-model payload "
+                                 "travels under: rename that module or parameter")
         self.history.setdefault(server_round, {})
         self._sent = {server_round: FlatModel.from_record(arrays)}
         if self._budget_exhausted(server_round):

@@ -223,3 +223,26 @@ def test_zoo_checkpoint_keeps_every_tensor(tmp_path, name):
     for k, v in weights.items():
         assert loaded[k].dtype == v.dtype and loaded[k].shape == v.shape, k
         assert np.array_equal(loaded[k], v), k
+
+
+def test_integer_rule_at_the_ends_of_the_range_neither_rounds_nor_wraps():
+    """Regression: float64 clipping rounded int64 2**63-1 up and the cast wrapped it to -2**63."""
+    from fedcomp.statedict import integer_mean
+
+    assert int(integer_mean(np.array(2**63 - 1, np.int64), np.array(0.0), 1.0)) == 2**63 - 1
+    assert int(integer_mean(np.array(2**64 - 1, np.uint64), np.array(0.0), 1.0)) == 2**64 - 1
+    assert int(integer_mean(np.array(2**53 + 1, np.int64), np.array(0.0), 1.0)) == 2**53 + 1
+    assert integer_mean(np.array([2**63 - 5, 3], np.int64), np.array([100.0, -10.0]), 1.0).tolist() == [2**63 - 1, -7]
+    assert integer_mean(np.array([250, 3], np.uint8), np.array([100.0, -10.0]), 1.0).tolist() == [255, 0]
+
+
+def test_a_tensor_named_like_the_whole_model_payload_is_refused_clearly():
+    from fedcomp.client.update import CompositionError, compress_update
+    from fedcomp.config import CodecConfig
+
+    g = {"fedcomp.model": np.zeros(3, np.float32)}
+    with pytest.raises(CompositionError, match="rename"):
+        compress_update(g, g, CodecConfig(), {})
+    s = CompressedStrategy(FedAvg(), compressor="stc")
+    with pytest.raises(ValueError, match="rename"):
+        s.configure_train(1, to_record({"fedcomp.model": torch.zeros(3)}), ConfigRecord({}), None)
