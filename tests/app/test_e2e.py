@@ -48,23 +48,28 @@ def _stop_local_superlink(flwr_home: pathlib.Path) -> None:
             pass
 
 
-@pytest.mark.skipif(shutil.which("pgrep") is None, reason="needs pgrep to stop the local SuperLink")
-def test_flwr_run_local_simulation(tmp_path):
+def _flwr_run(tmp_path, nodes: int, run_config: str, ports: tuple[str, str] = ("39391", "39393")):
+    """`flwr run .` on a private SuperLink (own FLWR_HOME and ports), stopped by PID afterwards.
+    Returns (log, metrics.json path); `flwr run` exits 0 even when the run failed, so callers judge
+    by the results file."""
     env = _flwr_env(tmp_path)
+    env["FLWR_LOCAL_SUPERLINK_HTTP_API_PORT"], env["FLWR_LOCAL_CONTROL_API_PORT"] = ports
     results = tmp_path / "results"
-    cmd = [sys.executable, "-m", "flwr.cli.app", "run", str(REPO), "--stream",
-           "--federation-config", "num-supernodes=3 client-resources-num-cpus=1",
-           "--run-config", f"num-server-rounds=2 compressor='sign' lr=0.1 results-dir='{results}'"]
     flwr = shutil.which("flwr", path=env["PATH"])
-    if flwr:
-        cmd = [flwr, *cmd[3:]]
+    cmd = [flwr or sys.executable, *([] if flwr else ["-m", "flwr.cli.app"]), "run", str(REPO), "--stream",
+           "--federation-config", f"num-supernodes={nodes} client-resources-num-cpus=1",
+           "--run-config", f"{run_config} results-dir='{results}'"]
     try:
         proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=400)
     finally:
         _stop_local_superlink(tmp_path / "flwr-home")
-    log = proc.stdout + proc.stderr
-    # `flwr run` exits 0 even when the run failed: judge by the results file
-    metrics_file = results / "metrics.json"
+    return proc.stdout + proc.stderr, results / "metrics.json"
+
+
+@pytest.mark.skipif(shutil.which("pgrep") is None, reason="needs pgrep to stop the local SuperLink")
+def test_flwr_run_local_simulation(tmp_path):
+    log, metrics_file = _flwr_run(tmp_path, 3, "num-server-rounds=2 compressor='sign' lr=0.1")
+    results = metrics_file.parent
     assert metrics_file.exists(), log[-3000:]
     data = json.loads(metrics_file.read_text())
     rounds = data["rounds"]
@@ -85,19 +90,8 @@ def test_flwr_run_local_simulation(tmp_path):
 @pytest.mark.skipif(shutil.which("pgrep") is None, reason="needs pgrep to stop the local SuperLink")
 def test_flwr_run_trains_the_batchnorm_resnet(tmp_path):
     """`flwr run . --run-config "model='resnet'"` end to end (BatchNorm, int64 num_batches_tracked)."""
-    env = _flwr_env(tmp_path)
-    env["FLWR_LOCAL_SUPERLINK_HTTP_API_PORT"], env["FLWR_LOCAL_CONTROL_API_PORT"] = "39395", "39397"
-    results = tmp_path / "results"
-    flwr = shutil.which("flwr", path=env["PATH"])
-    cmd = [flwr or sys.executable, *([] if flwr else ["-m", "flwr.cli.app"]), "run", str(REPO), "--stream",
-           "--federation-config", "num-supernodes=2 client-resources-num-cpus=1",
-           "--run-config", f"num-server-rounds=3 model='resnet' compressor='stc' density=0.05 results-dir='{results}'"]
-    try:
-        proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=400)
-    finally:
-        _stop_local_superlink(tmp_path / "flwr-home")
-    log = proc.stdout + proc.stderr
-    metrics_file = results / "metrics.json"
+    log, metrics_file = _flwr_run(tmp_path, 2, "num-server-rounds=3 model='resnet' compressor='stc' density=0.05",
+                                  ("39395", "39397"))
     assert metrics_file.exists(), log[-3000:]
     rounds = json.loads(metrics_file.read_text())["rounds"]
     assert [r["round"] for r in rounds] == [0, 1, 2, 3]
