@@ -256,8 +256,11 @@ def compress_update(
         if local_dp is None:
             payloads[k] = encode_exact(np.asarray(trained[k]).astype(np.asarray(received[k]).dtype, copy=False))
     sq_err, sq_norm = sum(layer_sq_err.values()), sum(layer_sq_norm.values())
-    res_sq = sum(float(torch.linalg.vector_norm(torch.from_numpy(st["residual"]).float())) ** 2
-                 for st in new_states.values())
+    if codec.error_feedback and codec.residual_dtype == "fp32":
+        res_sq = sq_err  # an fp32 residual is the compression error itself: no extra pass
+    else:
+        res_sq = sum(float(torch.linalg.vector_norm(torch.from_numpy(st["residual"]).float())) ** 2
+                     for st in new_states.values() if "residual" in st)
     new_res = flatten_states(new_states)
     stats: dict[str, Any] = {
         "upload-bytes": float(sum(len(p) for p in payloads.values())),
