@@ -61,13 +61,24 @@ def clip_and_noise(update: torch.Tensor, clipping_norm: float, noise_multiplier:
     torch.Tensor
         float32, same shape: ``update * min(1, C/||update||) + N(0, (zC)^2 I)``.
     """
-    u = update.float()
-    norm = float(torch.linalg.vector_norm(u.double()))
-    if norm > clipping_norm:
-        u = u * (clipping_norm / norm)
-    if noise_multiplier > 0:
-        u = u + torch.randn(u.shape, generator=generator, dtype=torch.float32) * (noise_multiplier * clipping_norm)
+    u = update.float().clone()
+    clip_and_noise_([u], clipping_norm, noise_multiplier, generator)
     return u
+
+
+def clip_and_noise_(buffers: list[torch.Tensor], clipping_norm: float, noise_multiplier: float,
+                    generator: torch.Generator | None = None) -> None:
+    """:func:`clip_and_noise` in place over the concatenation of ``buffers`` (float32 tensors that
+    together hold one update, e.g. one per payload): the L2 norm is taken over all of them, each is
+    scaled by ``min(1, C/norm)`` and gets N(0, (zC)^2) noise per entry; no concatenated copy."""
+    norm = sum(float(torch.linalg.vector_norm(b.double())) ** 2 for b in buffers) ** 0.5
+    factor = min(1.0, clipping_norm / norm) if norm > 0 else 1.0
+    std = noise_multiplier * clipping_norm
+    for b in buffers:
+        if factor < 1.0:
+            b.mul_(factor)
+        if std > 0:
+            b.add_(torch.randn(b.shape, generator=generator, dtype=torch.float32).mul_(std))
 
 
 @functools.lru_cache(maxsize=64)

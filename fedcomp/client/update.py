@@ -18,7 +18,7 @@ from flwr.common.logger import log
 
 from ..compression import ErrorFeedback, decompress, decompress_sparse, encode_exact, flatten_states, unflatten_states
 from ..config import SPARSE_CODECS, CodecConfig
-from ..privacy import LocalDP, secure_generator
+from ..privacy import LocalDP, clip_and_noise_, secure_generator
 from ..protocol import MODEL_KEY
 from ..statedict import is_float_dtype
 
@@ -113,19 +113,6 @@ def _check_pair(received: dict, trained: dict, dtypes: dict) -> dict[str, np.nda
     return ordered
 
 
-def _privatize(buffers: list[torch.Tensor], local_dp: LocalDP, generator: torch.Generator) -> None:
-    """Local DP in place over the concatenation of ``buffers`` (the whole float update): clip to
-    ``clipping_norm`` in L2, add N(0, (noise_multiplier * clipping_norm)^2) per entry."""
-    norm = sum(float(torch.linalg.vector_norm(b.double())) ** 2 for b in buffers) ** 0.5
-    factor = min(1.0, local_dp.clipping_norm / norm) if norm > 0 else 1.0
-    std = local_dp.noise_multiplier * local_dp.clipping_norm
-    for b in buffers:
-        if factor < 1.0:
-            b.mul_(factor)
-        if std > 0:
-            b.add_(torch.randn(b.shape, generator=generator, dtype=torch.float32).mul_(std))
-
-
 def compress_update(
     received: dict[str, np.ndarray], trained: dict[str, np.ndarray], codec: CodecConfig,
     residuals: dict[str, np.ndarray], seed: int | None = None, local_dp: LocalDP | None = None,
@@ -201,7 +188,7 @@ def compress_update(
             raise ValueError(f"update of '{bad}' holds non-finite values (NaN or Inf); refusing to compress")
         buffers[ukey] = t.reshape(np.shape(received[ukey])) if ukey != MODEL_KEY else t
     if local_dp is not None:
-        _privatize(list(buffers.values()), local_dp, secure_generator())
+        clip_and_noise_(list(buffers.values()), local_dp.clipping_norm, local_dp.noise_multiplier, secure_generator())
     update_sq: dict[str, float] = {}  # of what is sent: under local DP, of the noisy update
     for ukey, members, _ in units:
         for k, s in zip(members, torch.split(buffers[ukey].reshape(-1), [sizes[k] for k in members])):
