@@ -240,7 +240,6 @@ def client_rows(width: int, codecs: list[str], repeats: int) -> list[dict]:
 def cross_device(nodes: int = 100, rounds: int = 5) -> dict:
     """``flwr run .`` with ``nodes`` SuperNodes, fraction-train 0.1; wall seconds per round."""
     import shutil
-    import signal
     import tempfile
 
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="fedcomp-scale-"))
@@ -255,12 +254,9 @@ def cross_device(nodes: int = 100, rounds: int = 5) -> dict:
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     finally:
-        out = subprocess.run(["pgrep", "-f", f"flower-superlink.*{tmp / 'flwr'}"], capture_output=True, text=True)
-        for pid in out.stdout.split():
-            try:
-                os.kill(int(pid), signal.SIGTERM)
-            except ProcessLookupError:
-                pass
+        from fedcomp.deploy import stop_local_superlink
+
+        stop_local_superlink(tmp / "flwr")
     wall = time.perf_counter() - t0
     metrics = tmp / "results" / "metrics.json"
     if not metrics.exists():

@@ -56,6 +56,18 @@ def write_connection(flwr_home: pathlib.Path, address: str, insecure: bool = Tru
     return path
 
 
+def stop_local_superlink(flwr_home: pathlib.Path | str) -> list[int]:
+    """SIGTERM the local SuperLink that ``flwr run`` started for this ``FLWR_HOME`` (found by its own
+    command line, which names that folder), and only that one; returns the PIDs signalled."""
+    out = subprocess.run(["pgrep", "-f", f"flower-superlink.*{flwr_home}"], capture_output=True, text=True,
+                         check=False)
+    pids = [int(p) for p in out.stdout.split()]
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    return pids
+
+
 def port_is_free(host: str, port: int) -> bool:
     """True if nothing listens on ``host:port`` and we may bind it."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

@@ -5,11 +5,12 @@ import os
 import pathlib
 import re
 import shutil
-import signal
 import subprocess
 import sys
 
 import pytest
+
+from fedcomp.deploy import stop_local_superlink
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
@@ -40,12 +41,7 @@ def _flwr_env(tmp_path):
 
 
 def _stop_local_superlink(flwr_home: pathlib.Path) -> None:
-    out = subprocess.run(["pgrep", "-f", f"flower-superlink.*{flwr_home}"], capture_output=True, text=True)
-    for pid in out.stdout.split():
-        try:
-            os.kill(int(pid), signal.SIGTERM)
-        except ProcessLookupError:
-            pass
+    stop_local_superlink(flwr_home)
 
 
 def _flwr_run(tmp_path, nodes: int, run_config: str, ports: tuple[str, str] = ("39391", "39393")):

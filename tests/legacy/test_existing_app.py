@@ -7,7 +7,6 @@ import json
 import os
 import pathlib
 import shutil
-import signal
 import subprocess
 import sys
 
@@ -15,6 +14,7 @@ import numpy as np
 import pytest
 from flwr.app import ArrayRecord, ConfigRecord, Context, RecordDict
 
+from fedcomp.deploy import stop_local_superlink
 from fedcomp.simulation import InProcessGrid
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -76,12 +76,7 @@ def test_existing_serverapp_main_runs_on_the_in_process_grid(example, tmp_path, 
 
 
 def _stop_local_superlink(flwr_home: pathlib.Path) -> None:
-    out = subprocess.run(["pgrep", "-f", f"flower-superlink.*{flwr_home}"], capture_output=True, text=True, check=False)
-    for pid in out.stdout.split():
-        try:
-            os.kill(int(pid), signal.SIGTERM)
-        except ProcessLookupError:
-            pass
+    stop_local_superlink(flwr_home)
 
 
 @pytest.mark.skipif(os.environ.get("FEDCOMP_SLOW_TESTS") != "1",
