@@ -109,7 +109,8 @@ def to_state_dict(record: ArrayRecord) -> dict[str, torch.Tensor]:
 def numpy_dict(record: ArrayRecord) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """Values (bf16 as float32) and dtype names of every Array of ``record``, in its key order."""
     return ({k: array_to_numpy(a) for k, a in record.items()},
-            {k: BF16 if a.stype == BF16_STYPE else str(a.dtype) for k, a in record.items()})
+            {k: (BF16 if a.stype == BF16_STYPE else str(a.numpy().dtype) if not a.dtype else a.dtype)
+             for k, a in record.items()})
 
 
 def dtype_limit(dtype: str) -> float:
