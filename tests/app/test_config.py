@@ -21,7 +21,8 @@ def test_pyproject_defaults_parse_and_hold_every_key():
                  "dataset", "model", "partitioner", "dirichlet-alpha", "results-dir", "round-timeout",
                  "uplink-mbps", "downlink-mbps", "dp", "clipping-norm", "noise-multiplier", "max-grad-norm",
                  "target-delta", "target-epsilon", "accountant", "secure-rng", "max-epsilon", "resume", "server-momentum", "downstream", "client-sampling",
-                 "client-state-dir", "local-clip-norm",
+                 "client-state-dir", "local-clip-norm", "optimizer", "adam-beta1", "adam-beta2", "weight-decay",
+                 "precision",
                  *CodecConfig().to_mapping()}
     assert set(cfg) == read_keys
 
