@@ -6,6 +6,7 @@ import pytest
 import tomllib
 
 from fedcomp.config import AppConfig, CodecConfig
+from fedcomp.secagg.config import SECAGG_DEFAULTS
 
 PYPROJECT = pathlib.Path(__file__).resolve().parents[2] / "pyproject.toml"
 
@@ -22,7 +23,7 @@ def test_pyproject_defaults_parse_and_hold_every_key():
                  "uplink-mbps", "downlink-mbps", "dp", "clipping-norm", "noise-multiplier", "max-grad-norm",
                  "target-delta", "target-epsilon", "accountant", "secure-rng", "max-epsilon", "resume", "server-momentum", "downstream", "client-sampling",
                  "client-state-dir", "local-clip-norm",
-                 *CodecConfig().to_mapping()}
+                 *CodecConfig().to_mapping(), *SECAGG_DEFAULTS}
     assert set(cfg) == read_keys
 
 
