@@ -7,6 +7,7 @@ turned into plain dataclasses. Errors name the key and its allowed range, e.g.
 
 from __future__ import annotations
 
+import difflib
 import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
@@ -41,6 +42,58 @@ CODEC_DEFAULTS: dict[str, Any] = {
     "spacing": "uniform",
     "momentum-correction": 0.0,
 }
+
+#: Run-config keys fedcomp's own ServerApp and ClientApp read besides :data:`CODEC_DEFAULTS`
+#: (the DP-SGD ones are read by ``fedcomp.client.dp_sgd.DPSGDConfig``). Together they are exactly
+#: the keys of ``[tool.flwr.app.config]`` in ``pyproject.toml`` (a test holds that): a new key
+#: goes into both, with its default in one place.
+APP_KEYS: tuple[str, ...] = (
+    "num-server-rounds", "fraction-train", "client-sampling", "min-train-nodes",
+    "min-available-nodes", "round-timeout", "strategy", "server-lr", "server-momentum", "downstream",
+    "uplink-mbps", "downlink-mbps", "dp", "clipping-norm", "noise-multiplier", "max-grad-norm", "target-delta",
+    "target-epsilon", "accountant", "secure-rng", "max-epsilon", "lr", "momentum", "local-epochs", "batch-size",
+    "accumulation-steps", "local-clip-norm", "seed", "dataset", "model", "partitioner", "dirichlet-alpha",
+    "results-dir", "resume", "client-state-dir",
+)
+
+
+def run_config_keys() -> frozenset[str]:
+    """Every run-config key fedcomp's apps know: :data:`APP_KEYS` and :data:`CODEC_DEFAULTS`."""
+    return frozenset(APP_KEYS) | frozenset(CODEC_DEFAULTS)
+
+
+def check_known_keys(cfg: Mapping[str, Any], known: frozenset[str] | None = None, source: str = "run config") -> None:
+    """Refuse keys no fedcomp app reads, naming the closest valid one (a misspelt ``densty = 0.05``
+    would otherwise be ignored silently and the default used).
+
+    Parameters
+    ----------
+    cfg : Mapping[str, Any]
+        A run config (``context.run_config``, or the overrides of ``--run-config``).
+    known : frozenset[str], optional
+        The valid keys; default :func:`run_config_keys`.
+    source : str
+        What ``cfg`` is, for the message.
+
+    Raises
+    ------
+    ValueError
+        ``run config key 'densty' is unknown; did you mean 'density'?`` (for the first unknown key in
+        sorted order; the closest name by ``difflib`` similarity >= 0.6, else no suggestion).
+    """
+    known = run_config_keys() if known is None else known
+    unknown = sorted(k for k in cfg if k not in known)
+    if unknown:
+        raise ValueError(unknown_key_message(unknown[0], known, source))
+
+
+def unknown_key_message(key: str, known, source: str = "run config") -> str:
+    """``"run config key 'densty' is unknown; did you mean 'density'?"`` (one line)."""
+    close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
+    hint = f"did you mean '{close[0]}'?" if close else "no similar key"
+    return (f"{source} key '{key}' is unknown; {hint} (every key, with its default, is in [tool.flwr.app.config] "
+            "of pyproject.toml)")
+
 
 #: Codecs that choose entries (their k is taken over the whole model with selection "auto").
 SPARSE_CODECS = ("stc", "topk", "randomk")
@@ -384,8 +437,10 @@ class AppConfig:
         Raises
         ------
         ValueError
-            Naming the first bad key and its allowed range.
+            Naming the first bad key and its allowed range, or an unknown key with the closest
+            valid name (:func:`check_known_keys`).
         """
+        check_known_keys(cfg)
         out = cls(
             num_server_rounds=_num(cfg, "num-server-rounds", 50, lo=1, integer=True),
             fraction_train=_num(cfg, "fraction-train", 1.0, lo=0.0, hi=1.0, lo_open=True),
