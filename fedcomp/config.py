@@ -58,8 +58,11 @@ APP_KEYS: tuple[str, ...] = (
 
 
 def run_config_keys() -> frozenset[str]:
-    """Every run-config key fedcomp's apps know: :data:`APP_KEYS` and :data:`CODEC_DEFAULTS`."""
-    return frozenset(APP_KEYS) | frozenset(CODEC_DEFAULTS)
+    """Every run-config key fedcomp's apps know: :data:`APP_KEYS`, :data:`CODEC_DEFAULTS` and the
+    ``secagg*`` keys of :data:`fedcomp.secagg.config.SECAGG_DEFAULTS`."""
+    from .secagg.config import SECAGG_DEFAULTS  # here: fedcomp.secagg imports Flower
+
+    return frozenset(APP_KEYS) | frozenset(CODEC_DEFAULTS) | frozenset(SECAGG_DEFAULTS)
 
 
 def check_known_keys(cfg: Mapping[str, Any], known: frozenset[str] | None = None, source: str = "run config") -> None:

@@ -26,6 +26,7 @@ from ..protocol import (
     PAYLOAD_DTYPE,
     PAYLOAD_STYPE,
     RESIDUAL_STATE_KEY,
+    SECAGG_SEED_KEY,
     server_round,
 )
 from ..statedict import FlatModel, numpy_dict
@@ -230,6 +231,8 @@ def compression_mod(msg: Message, context: Context, call_next) -> Message:
     """
     if msg.metadata.message_type.split(".")[0] != "train":
         return call_next(msg, context)
+    if any(SECAGG_SEED_KEY in c for c in msg.content.config_records.values()):
+        return call_next(msg, context)  # under SecAgg+: fedcomp.secagg's mod encodes this update
     codec = _codec_config(msg, context)
     arr_key_in, received_rec = _only_record(msg.content, "array")
     download = sum(len(a.data) for a in received_rec.values())

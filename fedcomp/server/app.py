@@ -18,6 +18,7 @@ from ..config import AppConfig
 from ..data import DataConfig, load_test_set
 from ..models import build_model
 from ..privacy import NO_AMPLIFICATION, ClientLevelDP, LocalDP
+from ..secagg.server_app import check_secagg_config, run_secagg, secagg_requested
 from ..statedict import copy_array
 from ..strategies import CompressedStrategy
 from ..strategies.offset import RoundOffset
@@ -201,9 +202,14 @@ def main(grid: Grid, context: Context) -> None:
     try:
         cfg = AppConfig.from_run_config(context.run_config)
         options = privacy_options(cfg, context)
+        if secagg_requested(context.run_config):  # Flower SecAgg+ (legacy workflow), fedcomp.secagg
+            check_secagg_config(context.run_config)
     except ValueError as err:
         raise RunConfigError(str(err)) from err
     torch.manual_seed(cfg.seed)
+    if secagg_requested(context.run_config):
+        run_secagg(grid, context, cfg, writable_results_dir(cfg.results_dir, cfg.codec.compressor))
+        return
     out_dir = writable_results_dir(cfg.results_dir, cfg.codec.compressor)
     strategy = CompressedStrategy.from_codec_config(build_inner(cfg), cfg.codec, **options)
     recorder = RoundRecorder(cfg, strategy, out_dir, dict(context.run_config))
