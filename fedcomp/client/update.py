@@ -16,22 +16,17 @@ import numpy as np
 import torch
 from flwr.common.logger import log
 
+from ..broadcast import is_batchnorm_stat  # noqa: F401 (re-exported)
 from ..compression import EF21, ErrorFeedback, decompress, decompress_sparse, encode_exact, flatten_states, unflatten_states
 from ..config import SPARSE_CODECS, CodecConfig
 from ..privacy import LocalDP, clip_and_noise_, secure_generator
 from ..protocol import MODEL_KEY
-from .replan import replan_states
 from ..statedict import is_float_dtype
+from .replan import replan_states
 
 
 class CompositionError(RuntimeError):
     """The ClientApp's reply cannot be compressed as it stands (wrong mod order, missing keys)."""
-
-
-def is_batchnorm_stat(key: str) -> bool:
-    """True for BatchNorm's float statistics in a state_dict: ``<module>.running_mean`` /
-    ``<module>.running_var`` (the names ``torch.nn.modules.batchnorm`` registers)."""
-    return key.rsplit(".", 1)[-1] in ("running_mean", "running_var")
 
 
 def plan_units(shapes: dict[str, tuple[int, ...]], codec: CodecConfig) -> list[tuple[str, list[str], str]]:
