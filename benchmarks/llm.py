@@ -30,11 +30,11 @@ import time
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from federated import run_one  # noqa: E402 - the same in-process federation as the vision benchmark
+from federated import run_one
 
-from fedcomp import text_data  # noqa: E402
-from fedcomp.models import build_model  # noqa: E402
-from fedcomp.text_data import describe_partition, shakespeare_roles  # noqa: E402
+from fedcomp import text_data
+from fedcomp.models import build_model
+from fedcomp.text_data import describe_partition, shakespeare_roles
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 DEFAULT_OUT = RESULTS / "llm.json"
@@ -117,8 +117,8 @@ def run_full(args) -> dict:
 
 def markdown_full(part: dict) -> str:
     """The README table of the full-model part."""
-    lines = ["| codec | next-char acc. (last / mean of last 3) | vs fp32 (points) | rounds to fp32 - 1 pt | "
-             "upload MB | bit/param/round | upload vs fp32 |", "|---|---|---|---|---|---|---|"]
+    lines = [("| codec | next-char acc. (last / mean of last 3) | vs fp32 (points) | rounds to fp32 - 1 pt | "
+             "upload MB | bit/param/round | upload vs fp32 |"), "|---|---|---|---|---|---|---|"]
     for r in part["results"]:
         lines.append(
             f"| {r['case']} | {100 * r['final_accuracy']:.1f} % / {100 * r['last3_accuracy']:.1f} % | "
