@@ -53,13 +53,16 @@ APP_KEYS: tuple[str, ...] = (
     "uplink-mbps", "downlink-mbps", "dp", "clipping-norm", "noise-multiplier", "max-grad-norm", "target-delta",
     "target-epsilon", "accountant", "secure-rng", "max-epsilon", "lr", "momentum", "local-epochs", "batch-size",
     "accumulation-steps", "local-clip-norm", "seed", "dataset", "model", "partitioner", "dirichlet-alpha",
-    "results-dir", "resume", "client-state-dir",
+    "results-dir", "resume", "client-state-dir", "optimizer", "adam-beta1", "adam-beta2", "weight-decay", "precision",
 )
 
 
 def run_config_keys() -> frozenset[str]:
-    """Every run-config key fedcomp's apps know: :data:`APP_KEYS` and :data:`CODEC_DEFAULTS`."""
-    return frozenset(APP_KEYS) | frozenset(CODEC_DEFAULTS)
+    """Every run-config key fedcomp's apps know: :data:`APP_KEYS`, :data:`CODEC_DEFAULTS` and the
+    ``secagg*`` keys of :data:`fedcomp.secagg.config.SECAGG_DEFAULTS`."""
+    from .secagg.config import SECAGG_DEFAULTS  # here: fedcomp.secagg imports Flower
+
+    return frozenset(APP_KEYS) | frozenset(CODEC_DEFAULTS) | frozenset(SECAGG_DEFAULTS)
 
 
 def check_known_keys(cfg: Mapping[str, Any], known: frozenset[str] | None = None, source: str = "run config") -> None:
@@ -428,6 +431,11 @@ class AppConfig:
     target_delta: float = 1e-5
     max_epsilon: float = 0.0
     local_clip_norm: float = 0.0
+    optimizer: str = "sgd"
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    weight_decay: float = 0.0
+    precision: str = "fp32"
     codec: CodecConfig = field(default_factory=CodecConfig)
 
     @classmethod
@@ -456,7 +464,7 @@ class AppConfig:
             accumulation_steps=_num(cfg, "accumulation-steps", 1, lo=1, integer=True),
             seed=_num(cfg, "seed", 42, lo=0, hi=2**31 - 1, integer=True),
             dataset=_str(cfg, "dataset", "digits"),
-            model=_str(cfg, "model", "cnn", ("cnn", "mlp", "resnet")),
+            model=_str(cfg, "model", "cnn", ("cnn", "mlp", "resnet", "transformer")),
             partitioner=_str(cfg, "partitioner", "dirichlet", ("iid", "dirichlet")),
             dirichlet_alpha=_num(cfg, "dirichlet-alpha", 0.5, lo=0.0, lo_open=True),
             results_dir=_str(cfg, "results-dir", ""),
@@ -473,6 +481,11 @@ class AppConfig:
             target_delta=_num(cfg, "target-delta", 1e-5, lo=0.0, hi=1.0, lo_open=True, hi_open=True),
             max_epsilon=_num(cfg, "max-epsilon", 0.0, lo=0.0),
             local_clip_norm=_num(cfg, "local-clip-norm", 0.0, lo=0.0),
+            optimizer=_str(cfg, "optimizer", "sgd", ("sgd", "adamw")),
+            adam_beta1=_num(cfg, "adam-beta1", 0.9, lo=0.0, hi=1.0, hi_open=True),
+            adam_beta2=_num(cfg, "adam-beta2", 0.999, lo=0.0, hi=1.0, hi_open=True),
+            weight_decay=_num(cfg, "weight-decay", 0.0, lo=0.0),
+            precision=_str(cfg, "precision", "fp32", ("fp32", "bf16")),
             codec=CodecConfig.from_mapping(cfg),
         )
         if out.downstream in TENSOR_ONLY_CODECS:
@@ -481,4 +494,9 @@ class AppConfig:
         if out.local_clip_norm > 0 and out.dp == "dp-sgd":
             raise ValueError("run config 'local-clip-norm' must be 0 with dp = 'dp-sgd' (DP-SGD clips every "
                              "per-sample gradient to 'max-grad-norm' instead)")
+        if out.dp == "dp-sgd" and (out.optimizer != "sgd" or out.precision != "fp32"):
+            raise ValueError("run config dp = 'dp-sgd' trains with optimizer = 'sgd' and precision = 'fp32'")
+        if (out.dataset == "shakespeare") != (out.model == "transformer"):
+            raise ValueError("run config dataset = 'shakespeare' goes with model = 'transformer' (and only it), "
+                             f"got dataset = {out.dataset!r}, model = {out.model!r}")
         return out

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .extras import require
+from ._opacus import import_opacus
 
 #: What the client-level accounting assumes; reported with every epsilon.
 NO_AMPLIFICATION = ("sample rate q = 1: no privacy amplification by sampling is claimed (clients are not "
@@ -87,8 +87,9 @@ def clip_and_noise_(buffers: list[torch.Tensor], clipping_norm: float, noise_mul
 def _rdp_per_round(sample_rate: float, noise_multiplier: float) -> tuple[tuple[float, ...], np.ndarray]:
     """Rényi DP of one (sampled) Gaussian-mechanism round at Opacus' default orders (cached:
     composition over rounds is a multiplication)."""
-    RDPAccountant = require("opacus.accountants", "the DP accountant").RDPAccountant
-    compute_rdp = require("opacus.accountants.analysis.rdp", "the DP accountant").compute_rdp
+    import_opacus()
+    from opacus.accountants import RDPAccountant
+    from opacus.accountants.analysis.rdp import compute_rdp
 
     orders = tuple(RDPAccountant.DEFAULT_ALPHAS)
     return orders, np.asarray(compute_rdp(q=sample_rate, noise_multiplier=noise_multiplier, steps=1,
@@ -119,7 +120,8 @@ def epsilon_from_rdp(orders, rdp, delta: float) -> float:
     float
         epsilon >= 0 (``inf`` when every order is infinite).
     """
-    get_privacy_spent = require("opacus.accountants.analysis.rdp", "the DP accountant").get_privacy_spent
+    import_opacus()
+    from opacus.accountants.analysis.rdp import get_privacy_spent
 
     with warnings.catch_warnings():  # "optimal order is the largest alpha": the bound still holds
         warnings.simplefilter("ignore", UserWarning)

@@ -34,30 +34,26 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import torch
+
+from .._opacus import import_opacus
+
+import_opacus()  # before any `from opacus ...`: keeps Opacus' logging.basicConfig from doubling every log line
+from opacus import PrivacyEngine
+from opacus.accountants import IAccountant, RDPAccountant, create_accountant
+from opacus.accountants.analysis import rdp as rdp_analysis
+from opacus.accountants.utils import get_noise_multiplier
+from opacus.data_loader import wrap_collate_with_empty
+from opacus.grad_sample import AbstractGradSampleModule
+from opacus.grad_sample.gsm_base import OPACUS_PARAM_MONKEYPATCH_ATTRS
+from opacus.optimizers import DPOptimizer
+from opacus.utils.batch_memory_manager import BatchMemoryManager
+from opacus.utils.uniform_sampler import UniformWithReplacementSampler
+from opacus.validators import ModuleValidator
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, default_collate
 
-from ..extras import require
 from ..privacy import epsilon_from_rdp
 from .training import TrainConfig
-
-try:  # the core install has no Opacus: say which extra instead of a bare ModuleNotFoundError
-    from opacus import PrivacyEngine
-    from opacus.accountants import IAccountant, RDPAccountant, create_accountant
-    from opacus.accountants.analysis import rdp as rdp_analysis
-    from opacus.accountants.utils import get_noise_multiplier
-    from opacus.data_loader import wrap_collate_with_empty
-    from opacus.grad_sample import AbstractGradSampleModule
-    from opacus.grad_sample.gsm_base import OPACUS_PARAM_MONKEYPATCH_ATTRS
-    from opacus.optimizers import DPOptimizer
-    from opacus.utils.batch_memory_manager import BatchMemoryManager
-    from opacus.utils.uniform_sampler import UniformWithReplacementSampler
-    from opacus.validators import ModuleValidator
-except ModuleNotFoundError as exc:
-    if exc.name is None or not exc.name.startswith("opacus"):
-        raise
-    require("opacus", "dp = 'dp-sgd'")
-    raise
 
 #: Accountants this module accepts (run config ``accountant``).
 ACCOUNTANTS = ("rdp", "prv")

@@ -16,21 +16,17 @@ import numpy as np
 import torch
 from flwr.common.logger import log
 
+from ..broadcast import is_batchnorm_stat  # noqa: F401 (re-exported)
 from ..compression import ErrorFeedback, decompress, decompress_sparse, encode_exact, flatten_states, unflatten_states
 from ..config import SPARSE_CODECS, CodecConfig
 from ..privacy import LocalDP, clip_and_noise_, secure_generator
 from ..protocol import MODEL_KEY
 from ..statedict import is_float_dtype
+from .replan import replan_states
 
 
 class CompositionError(RuntimeError):
     """The ClientApp's reply cannot be compressed as it stands (wrong mod order, missing keys)."""
-
-
-def is_batchnorm_stat(key: str) -> bool:
-    """True for BatchNorm's float statistics in a state_dict: ``<module>.running_mean`` /
-    ``<module>.running_var`` (the names ``torch.nn.modules.batchnorm`` registers)."""
-    return key.rsplit(".", 1)[-1] in ("running_mean", "running_var")
 
 
 def plan_units(shapes: dict[str, tuple[int, ...]], codec: CodecConfig) -> list[tuple[str, list[str], str]]:
@@ -132,7 +128,9 @@ def compress_update(
         Client state from earlier rounds as :func:`fedcomp.compression.flatten_states` lays it
         out (may be empty): the residual under its payload key, DGC's momentum and codec memory
         such as PowerSGD's Q under ``"<payload key>#<entry>"``; entries of another shape are
-        ignored (they restart at 0).
+        ignored (they restart at 0). Saved under another payload plan (a warm-up codec, a
+        per-layer rule), residual and momentum are regrouped per parameter for this round's
+        plan (:func:`fedcomp.client.replan.replan_states`), so nothing sent is lost.
     seed : int, optional
         Seed of stochastic codecs (qsgd, int8, randomk). Never used for privacy noise.
     local_dp : LocalDP, optional
@@ -196,6 +194,10 @@ def compress_update(
 
     payloads: dict[str, bytes] = {}
     states = unflatten_states(residuals)  # residual (+ DGC momentum, codec memory) per payload key
+    if codec.error_feedback:  # a warm-up codec or rule may have grouped the payloads otherwise last round
+        states, dropped = replan_states(states, units, {k: tuple(np.shape(received[k])) for k in float_keys})
+        for skey in dropped:
+            log(WARNING, "fedcomp: saved state of '%s' does not fit the model's parameters: starting from zero", skey)
     new_states: dict[str, dict[str, np.ndarray]] = {}
     layer_sq_err: dict[str, float] = {}
     layer_sq_norm: dict[str, float] = {}
