@@ -20,6 +20,8 @@ EXTRA_OF = {
     "matplotlib": "plots",
     "opacus": "dp",
     "ray": "simulation",
+    "transformers": "llm",
+    "peft": "llm",
 }
 
 

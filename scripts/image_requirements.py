@@ -9,7 +9,6 @@ Usage: ``python3 scripts/image_requirements.py pyproject.toml [EXTRA,...] > requ
 
 import re
 import sys
-
 import tomllib
 
 
