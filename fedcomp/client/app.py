@@ -91,7 +91,8 @@ def train_handler(msg: Message, context: Context) -> Message:
     model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
     rnd = server_round(msg)
     tcfg = TrainConfig(cfg.local_epochs, cfg.batch_size, cfg.accumulation_steps, cfg.lr, cfg.momentum,
-                       cfg.local_clip_norm)
+                       cfg.local_clip_norm, optimizer=cfg.optimizer, beta1=cfg.adam_beta1, beta2=cfg.adam_beta2,
+                       weight_decay=cfg.weight_decay, precision=cfg.precision)
     seed = cfg.seed * 100_003 + rnd * 1009 + pid
     t0 = time.perf_counter()
     extra = {}
