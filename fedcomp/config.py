@@ -174,6 +174,14 @@ def _bool(cfg: Mapping[str, Any], key: str, default: bool, src: str = "run confi
     return value
 
 
+def _error_feedback(cfg: Mapping[str, Any], default, source: str) -> bool | str:
+    """``error-feedback``: true (classic residual), false, or "ef21" (Richtárik et al. 2021)."""
+    value = cfg.get("error-feedback", default)
+    if value == "ef21" or isinstance(value, bool):
+        return value
+    raise ValueError(f"{source} 'error-feedback' must be true, false or \"ef21\", got {value!r}")
+
+
 @dataclass(frozen=True)
 class CodecConfig:
     """Which codec a client uses and how: the keys of :data:`CODEC_DEFAULTS`.
@@ -183,6 +191,11 @@ class CodecConfig:
     k entries over the whole model). "auto" (default) is "model" for stc/topk/randomk and
     "tensor" for the rest: a study on the default data found whole-model selection more
     accurate and cheaper for top-k/STC, and one scale per tensor better for sign.
+
+    ``error-feedback``: true (classic error feedback: send ``C(update + residual)``, keep the
+    residual), false, or "ef21" (Richtárik et al. 2021: send ``C(update - h)``; client and server
+    both add the decoded send to their estimate h and the server applies its h; needs a
+    weighted-mean inner strategy and no client-level DP).
 
     Per-layer policy: ``layer-codecs`` rules (first match wins) give some parameters their
     own codec; parameters with fewer than ``min-compress-numel`` elements use
@@ -213,7 +226,7 @@ class CodecConfig:
     levels: int = 15
     block_size: int = 256
     value_dtype: str = "fp32"
-    error_feedback: bool = True
+    error_feedback: bool | str = True
     residual_dtype: str = "fp32"
     selection: str = "auto"
     min_compress_numel: int = 0
@@ -262,7 +275,7 @@ class CodecConfig:
             levels=_num(cfg, "levels", d["levels"], lo=1, hi=2**16 - 1, integer=True, src=source),
             block_size=_num(cfg, "block-size", d["block-size"], lo=1, hi=2**31 - 1, integer=True, src=source),
             value_dtype=_str(cfg, "value-dtype", d["value-dtype"], ("fp32", "fp16"), src=source),
-            error_feedback=_bool(cfg, "error-feedback", d["error-feedback"], src=source),
+            error_feedback=_error_feedback(cfg, d["error-feedback"], source),
             residual_dtype=_str(cfg, "residual-dtype", d["residual-dtype"], ("fp32", "fp16"), src=source),
             selection=_str(cfg, "selection", d["selection"], ("auto", "tensor", "model"), src=source),
             min_compress_numel=_num(cfg, "min-compress-numel", d["min-compress-numel"], lo=0, integer=True, src=source),
@@ -304,6 +317,9 @@ class CodecConfig:
             if self.selection == "model" and name in (self.compressor, self.warmup_compressor):
                 raise ValueError(f"{source} 'selection' must be 'tensor' or 'auto' with compressor '{name}' "
                                  "(a low-rank approximation is taken per parameter matrix)")
+        if self.momentum_correction > 0 and self.error_feedback == "ef21":
+            raise ValueError(f"{source} 'momentum-correction' must be 0 with error-feedback = 'ef21' (DGC's correction "
+                             "works on a residual; EF21 keeps an estimate instead)")
         if self.momentum_correction > 0 and not self.error_feedback:
             raise ValueError(f"{source} 'momentum-correction' needs 'error-feedback' = true (the unsent part of "
                              "the momentum is kept in the residual)")
@@ -392,7 +408,7 @@ class CodecConfig:
             extra.append(f"< {self.min_compress_numel} elements: {self.small_tensor_compressor}")
         if self.momentum_correction:
             extra.append(f"momentum correction {self.momentum_correction}")
-        return (f"{self.compressor}({inner})" + ("+EF" if self.error_feedback else "") + f" [{self.scope}]"
+        return (f"{self.compressor}({inner})" + ({"ef21": "+EF21", True: "+EF", False: ""}[self.error_feedback]) + f" [{self.scope}]"
                 + (f" ({'; '.join(extra)})" if extra else ""))
 
 

@@ -223,6 +223,9 @@ def main(grid: Grid, context: Context) -> None:
     if cfg.resume:
         if not cfg.results_dir:
             raise ValueError("run config 'resume' = true needs 'results-dir' set to the folder of the run to resume")
+        if cfg.codec.error_feedback == "ef21":
+            raise ValueError("run config 'resume' does not support error-feedback = 'ef21' yet: the server's EF21 "
+                             "estimate is not in the checkpoint")
         if cfg.dp == "dp-sgd" and not cfg.client_state_dir:
             raise ValueError("run config 'resume' with dp = 'dp-sgd' needs 'client-state-dir': clients keep their "
                              "privacy accountants there, otherwise epsilon would restart from zero")

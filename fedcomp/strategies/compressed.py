@@ -23,6 +23,7 @@ from ..statedict import BF16, FlatModel, array_to_numpy, cast_checked, copy_arra
 from .aggregate import ExactVotes, RunningSum, dense_memory_note, identity_on_one_reply, streams
 from .decode import DecodedUpdate, decode_reply
 from .downstream import Downstream
+from .ef21 import EF21Aggregate
 from .round_metrics import _epsilon, _num, client_seconds, common_metric_keys, layers_mean, round_metrics  # noqa: F401
 
 
@@ -93,8 +94,10 @@ class CompressedStrategy(Strategy):
         It only ever receives dense, validated replies.
     compressor : str
         Codec name (see :func:`fedcomp.compression.available_compressors`). Default "stc".
-    error_feedback : bool
-        Clients keep a residual (Karimireddy et al. 2019). Default True.
+    error_feedback : bool or "ef21"
+        Clients keep a residual (Karimireddy et al. 2019). Default True. "ef21": clients send
+        ``C(update - h_i)`` and the server applies its estimate ``h`` (:mod:`.ef21`; Richtárik et
+        al. 2021); needs a weighted-mean inner strategy, no ``client_dp``.
     max_num_examples : int
         Largest ``num-examples`` (the inner strategy's weighting key) a reply may claim;
         replies with a non-integer, non-finite, < 1 or larger weight are rejected, so that
@@ -157,6 +160,10 @@ class CompressedStrategy(Strategy):
                 "error_feedback=False, or server-side clipping of the decoded update "
                 "(DifferentialPrivacyServerSideFixedClipping inside CompressedStrategy, or client_dp=ClientLevelDP(...))")
         self.max_num_examples = int(max_num_examples)
+        self.ef21 = EF21Aggregate() if self.codec.error_feedback == "ef21" else None
+        if self.ef21 is not None and (client_dp is not None or aggregation != "auto" or not streams(inner)):
+            raise ValueError("error_feedback='ef21' needs a weighted-mean inner strategy (FedAvg and its family), "
+                             "aggregation='auto' and no client_dp: the server keeps EF21's estimate of the mean update")
         self._arr_key = "arrays"
         if downstream not in (None, "none") and downstream not in available_compressors():
             raise ValueError(f"downstream must be 'none' or one of {available_compressors()}, got {downstream!r}")
@@ -337,6 +344,8 @@ class CompressedStrategy(Strategy):
             self.stopped_reason = (f"privacy budget: every client refused round {server_round} (max-epsilon reached); "
                                    "no further rounds are run")
             log(WARNING, "%s", self.stopped_reason)
+        if self.ef21 is not None:  # EF21: the round's update is the server's estimate h (+= mean of the sends)
+            self.ef21.fold(running)
         common_metric_keys(metric_contents)
         arrays, agg_metrics, dp_info = self._hand_over(server_round, model, running, votes, dense, metric_contents,
                                                        norms, wkey)
