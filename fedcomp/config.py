@@ -53,7 +53,8 @@ APP_KEYS: tuple[str, ...] = (
     "uplink-mbps", "downlink-mbps", "dp", "clipping-norm", "noise-multiplier", "max-grad-norm", "target-delta",
     "target-epsilon", "accountant", "secure-rng", "max-epsilon", "lr", "momentum", "local-epochs", "batch-size",
     "accumulation-steps", "local-clip-norm", "seed", "dataset", "model", "partitioner", "dirichlet-alpha",
-    "results-dir", "resume", "client-state-dir", "verbose",
+    "results-dir", "resume", "client-state-dir", "optimizer", "adam-beta1", "adam-beta2", "weight-decay", "precision",
+    "verbose",
 )
 
 
@@ -174,6 +175,14 @@ def _bool(cfg: Mapping[str, Any], key: str, default: bool, src: str = "run confi
     return value
 
 
+def _error_feedback(cfg: Mapping[str, Any], default, source: str) -> bool | str:
+    """``error-feedback``: true (classic residual), false, or "ef21" (Richtárik et al. 2021)."""
+    value = cfg.get("error-feedback", default)
+    if value == "ef21" or isinstance(value, bool):
+        return value
+    raise ValueError(f"{source} 'error-feedback' must be true, false or \"ef21\", got {value!r}")
+
+
 @dataclass(frozen=True)
 class CodecConfig:
     """Which codec a client uses and how: the keys of :data:`CODEC_DEFAULTS`.
@@ -183,6 +192,11 @@ class CodecConfig:
     k entries over the whole model). "auto" (default) is "model" for stc/topk/randomk and
     "tensor" for the rest: a study on the default data found whole-model selection more
     accurate and cheaper for top-k/STC, and one scale per tensor better for sign.
+
+    ``error-feedback``: true (classic error feedback: send ``C(update + residual)``, keep the
+    residual), false, or "ef21" (Richtárik et al. 2021: send ``C(update - h)``; client and server
+    both add the decoded send to their estimate h and the server applies its h; needs a
+    weighted-mean inner strategy and no client-level DP).
 
     Per-layer policy: ``layer-codecs`` rules (first match wins) give some parameters their
     own codec; parameters with fewer than ``min-compress-numel`` elements use
@@ -213,7 +227,7 @@ class CodecConfig:
     levels: int = 15
     block_size: int = 256
     value_dtype: str = "fp32"
-    error_feedback: bool = True
+    error_feedback: bool | str = True
     residual_dtype: str = "fp32"
     selection: str = "auto"
     min_compress_numel: int = 0
@@ -262,7 +276,7 @@ class CodecConfig:
             levels=_num(cfg, "levels", d["levels"], lo=1, hi=2**16 - 1, integer=True, src=source),
             block_size=_num(cfg, "block-size", d["block-size"], lo=1, hi=2**31 - 1, integer=True, src=source),
             value_dtype=_str(cfg, "value-dtype", d["value-dtype"], ("fp32", "fp16"), src=source),
-            error_feedback=_bool(cfg, "error-feedback", d["error-feedback"], src=source),
+            error_feedback=_error_feedback(cfg, d["error-feedback"], source),
             residual_dtype=_str(cfg, "residual-dtype", d["residual-dtype"], ("fp32", "fp16"), src=source),
             selection=_str(cfg, "selection", d["selection"], ("auto", "tensor", "model"), src=source),
             min_compress_numel=_num(cfg, "min-compress-numel", d["min-compress-numel"], lo=0, integer=True, src=source),
@@ -304,6 +318,9 @@ class CodecConfig:
             if self.selection == "model" and name in (self.compressor, self.warmup_compressor):
                 raise ValueError(f"{source} 'selection' must be 'tensor' or 'auto' with compressor '{name}' "
                                  "(a low-rank approximation is taken per parameter matrix)")
+        if self.momentum_correction > 0 and self.error_feedback == "ef21":
+            raise ValueError(f"{source} 'momentum-correction' must be 0 with error-feedback = 'ef21' (DGC's correction "
+                             "works on a residual; EF21 keeps an estimate instead)")
         if self.momentum_correction > 0 and not self.error_feedback:
             raise ValueError(f"{source} 'momentum-correction' needs 'error-feedback' = true (the unsent part of "
                              "the momentum is kept in the residual)")
@@ -392,7 +409,7 @@ class CodecConfig:
             extra.append(f"< {self.min_compress_numel} elements: {self.small_tensor_compressor}")
         if self.momentum_correction:
             extra.append(f"momentum correction {self.momentum_correction}")
-        return (f"{self.compressor}({inner})" + ("+EF" if self.error_feedback else "") + f" [{self.scope}]"
+        return (f"{self.compressor}({inner})" + ({"ef21": "+EF21", True: "+EF", False: ""}[self.error_feedback]) + f" [{self.scope}]"
                 + (f" ({'; '.join(extra)})" if extra else ""))
 
 
@@ -432,6 +449,11 @@ class AppConfig:
     target_delta: float = 1e-5
     max_epsilon: float = 0.0
     local_clip_norm: float = 0.0
+    optimizer: str = "sgd"
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    weight_decay: float = 0.0
+    precision: str = "fp32"
     codec: CodecConfig = field(default_factory=CodecConfig)
 
     @classmethod
@@ -460,7 +482,7 @@ class AppConfig:
             accumulation_steps=_num(cfg, "accumulation-steps", 1, lo=1, integer=True),
             seed=_num(cfg, "seed", 42, lo=0, hi=2**31 - 1, integer=True),
             dataset=_str(cfg, "dataset", "digits"),
-            model=_str(cfg, "model", "cnn", ("cnn", "mlp", "resnet")),
+            model=_str(cfg, "model", "cnn", ("cnn", "mlp", "resnet", "transformer")),
             partitioner=_str(cfg, "partitioner", "dirichlet", ("iid", "dirichlet")),
             dirichlet_alpha=_num(cfg, "dirichlet-alpha", 0.5, lo=0.0, lo_open=True),
             results_dir=_str(cfg, "results-dir", ""),
@@ -478,6 +500,11 @@ class AppConfig:
             target_delta=_num(cfg, "target-delta", 1e-5, lo=0.0, hi=1.0, lo_open=True, hi_open=True),
             max_epsilon=_num(cfg, "max-epsilon", 0.0, lo=0.0),
             local_clip_norm=_num(cfg, "local-clip-norm", 0.0, lo=0.0),
+            optimizer=_str(cfg, "optimizer", "sgd", ("sgd", "adamw")),
+            adam_beta1=_num(cfg, "adam-beta1", 0.9, lo=0.0, hi=1.0, hi_open=True),
+            adam_beta2=_num(cfg, "adam-beta2", 0.999, lo=0.0, hi=1.0, hi_open=True),
+            weight_decay=_num(cfg, "weight-decay", 0.0, lo=0.0),
+            precision=_str(cfg, "precision", "fp32", ("fp32", "bf16")),
             codec=CodecConfig.from_mapping(cfg),
         )
         if out.downstream in TENSOR_ONLY_CODECS:
@@ -486,4 +513,9 @@ class AppConfig:
         if out.local_clip_norm > 0 and out.dp == "dp-sgd":
             raise ValueError("run config 'local-clip-norm' must be 0 with dp = 'dp-sgd' (DP-SGD clips every "
                              "per-sample gradient to 'max-grad-norm' instead)")
+        if out.dp == "dp-sgd" and (out.optimizer != "sgd" or out.precision != "fp32"):
+            raise ValueError("run config dp = 'dp-sgd' trains with optimizer = 'sgd' and precision = 'fp32'")
+        if (out.dataset == "shakespeare") != (out.model == "transformer"):
+            raise ValueError("run config dataset = 'shakespeare' goes with model = 'transformer' (and only it), "
+                             f"got dataset = {out.dataset!r}, model = {out.model!r}")
         return out

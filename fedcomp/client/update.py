@@ -16,22 +16,17 @@ import numpy as np
 import torch
 from flwr.common.logger import log
 
-from ..compression import ErrorFeedback, decompress, decompress_sparse, encode_exact, flatten_states, unflatten_states
+from ..broadcast import is_batchnorm_stat  # noqa: F401 (re-exported)
+from ..compression import EF21, ErrorFeedback, decompress, decompress_sparse, encode_exact, flatten_states, unflatten_states
 from ..config import SPARSE_CODECS, CodecConfig
 from ..privacy import LocalDP, clip_and_noise_, secure_generator
 from ..protocol import MODEL_KEY
-from .replan import replan_states
 from ..statedict import is_float_dtype
+from .replan import replan_states
 
 
 class CompositionError(RuntimeError):
     """The ClientApp's reply cannot be compressed as it stands (wrong mod order, missing keys)."""
-
-
-def is_batchnorm_stat(key: str) -> bool:
-    """True for BatchNorm's float statistics in a state_dict: ``<module>.running_mean`` /
-    ``<module>.running_var`` (the names ``torch.nn.modules.batchnorm`` registers)."""
-    return key.rsplit(".", 1)[-1] in ("running_mean", "running_var")
 
 
 def plan_units(shapes: dict[str, tuple[int, ...]], codec: CodecConfig) -> list[tuple[str, list[str], str]]:
@@ -218,13 +213,16 @@ def compress_update(
         if name == codec.compressor and name in SPARSE_CODECS:
             density = codec.density
             if codec.density_schedule == "adaptive":
-                v = x if prev is None else x + torch.as_tensor(prev).float()
+                # what is compressed: update + residual (classic EF), update - estimate (EF21)
+                v = x if prev is None else x + torch.as_tensor(prev).float() * (-1.0 if codec.error_feedback == "ef21"
+                                                                              else 1.0)
                 density = adaptive_density(v, name, codec.target_error, codec.density_min, codec.density_max)
             used_density = density
         compressor = codec.build(seed=seed, compressor=name, density=density)
         seg_sizes = [sizes[k] for k in members]
         if codec.error_feedback:
-            ef = ErrorFeedback(compressor, residual_dtype=codec.residual_dtype, momentum=codec.momentum_correction)
+            ef = (EF21(compressor, residual_dtype=codec.residual_dtype) if codec.error_feedback == "ef21" else
+                  ErrorFeedback(compressor, residual_dtype=codec.residual_dtype, momentum=codec.momentum_correction))
             for entry in ef.set_state(states.get(ukey, {}), shape=tuple(x.shape), copy=False):
                 if entry != "residual":  # the residual's mismatch was logged above
                     log(WARNING, "fedcomp: saved %s for '%s' has another shape: starting from zero", entry, ukey)
@@ -250,7 +248,7 @@ def compress_update(
         if local_dp is None:
             payloads[k] = encode_exact(np.asarray(trained[k]).astype(np.asarray(received[k]).dtype, copy=False))
     sq_err, sq_norm = sum(layer_sq_err.values()), sum(layer_sq_norm.values())
-    if codec.error_feedback and codec.residual_dtype == "fp32":
+    if codec.error_feedback is True and codec.residual_dtype == "fp32":
         res_sq = sq_err  # an fp32 residual is the compression error itself: no extra pass
     else:
         res_sq = sum(float(torch.linalg.vector_norm(torch.from_numpy(st["residual"]).float())) ** 2

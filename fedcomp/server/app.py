@@ -83,6 +83,7 @@ class RoundRecorder:
         self.cfg, self.strategy, self.out_dir = cfg, strategy, out_dir
         self.rounds: list[dict] = []
         self.cum_mb = 0.0
+        self.cum_down_mb = 0.0
         self.run_config = run_config
         test = load_test_set(DataConfig(cfg.dataset, cfg.partitioner, cfg.dirichlet_alpha, cfg.seed))
         self.test = test
@@ -101,9 +102,10 @@ class RoundRecorder:
         h = self.strategy.history.get(server_round)
         if h is not None:
             self.cum_mb += h["upload-bytes"] / MB
+            self.cum_down_mb += h["download-bytes"] / MB
             rec.update({
                 "upload-mb": h["upload-bytes"] / MB, "cumulative-upload-mb": self.cum_mb,
-                "download-mb": h["download-bytes"] / MB, **h,
+                "download-mb": h["download-bytes"] / MB, "cumulative-download-mb": self.cum_down_mb, **h,
             })
             now = _epsilon_now(rec)
             if self.cfg.dp != "none" and now is not None:
@@ -120,7 +122,8 @@ class RoundRecorder:
         self.save()
         if server_round > 0:
             checkpoint.save(self.out_dir, server_round, {k: a.numpy() for k, a in arrays.items()}, self.strategy,
-                            self.rounds, {"cum-mb": self.cum_mb, "local-rounds": self.local_rounds,
+                            self.rounds, {"cum-mb": self.cum_mb, "cum-down-mb": self.cum_down_mb,
+                                          "local-rounds": self.local_rounds,
                                           "last-eps": self.last_eps, "privacy-settings": privacy_settings(self.cfg),
                                           "codec-settings": self.cfg.codec.to_mapping()})
         return MetricRecord({"accuracy": acc, "loss": loss})
@@ -130,6 +133,7 @@ class RoundRecorder:
         self.rounds = list(meta["rounds"])
         extra = meta.get("extra", {})
         self.cum_mb = float(extra.get("cum-mb", 0.0))
+        self.cum_down_mb = float(extra.get("cum-down-mb", 0.0))
         self.local_rounds = int(extra.get("local-rounds", 0))
         self.last_eps = float(extra.get("last-eps") or 0.0)
 
@@ -211,6 +215,9 @@ def _resume(cfg: AppConfig, out_dir, strategy: CompressedStrategy, recorder: Rou
     """
     if not cfg.results_dir:
         raise ValueError("run config 'resume' = true needs 'results-dir' set to the folder of the run to resume")
+    if cfg.codec.error_feedback == "ef21":
+        raise ValueError("run config 'resume' does not support error-feedback = 'ef21' yet: the server's EF21 "
+                         "estimate is not in the checkpoint")
     if cfg.dp == "dp-sgd" and not cfg.client_state_dir:
         raise ValueError("run config 'resume' with dp = 'dp-sgd' needs 'client-state-dir': clients keep their "
                          "privacy accountants there, otherwise epsilon would restart from zero")
@@ -268,8 +275,8 @@ def main(grid: Grid, context: Context) -> None:
                      train_config=train_config, evaluate_fn=evaluate_fn)
     plot_rounds(recorder.rounds, out_dir / "plot.png", f"fedcomp: {strategy.codec.describe()}")
     last = recorder.rounds[-1]
-    log(INFO, "fedcomp  final accuracy %.4f after %d rounds, %.3f MB uploaded in total",
-        last["accuracy"], last["round"], recorder.cum_mb)
+    log(INFO, "fedcomp  final accuracy %.4f after %d rounds, %.3f MB uploaded and %.3f MB downloaded in total",
+        last["accuracy"], last["round"], recorder.cum_mb, recorder.cum_down_mb)
     if strategy.stopped_reason:
         log(INFO, "fedcomp  stopped early: %s", strategy.stopped_reason)
     log(INFO, "fedcomp  results written to %s (metrics.json, plot.png)", out_dir)
