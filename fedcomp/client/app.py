@@ -19,6 +19,7 @@ from ..config import AppConfig
 from ..data import DataConfig, load_partition
 from ..datafiles import DATA_FILE_KEY, load_partition_file
 from ..models import build_model
+from ..device import CLIENT_INFO_KEY, client_info
 from ..protocol import server_round
 from ..secagg.client import secagg_mod
 from .mod import _state_file, compression_mod
@@ -124,7 +125,8 @@ def train_handler(msg: Message, context: Context) -> Message:
     else:
         loss, n = train(model, data, tcfg, device, seed=seed)
     metrics = {"num-examples": n, "train-loss": float(loss), "train-seconds": time.perf_counter() - t0, **extra}
-    content = RecordDict({"arrays": ArrayRecord(model.cpu().state_dict()), "metrics": MetricRecord(metrics)})
+    content = RecordDict({"arrays": ArrayRecord(model.cpu().state_dict()), "metrics": MetricRecord(metrics),
+                          CLIENT_INFO_KEY: client_info()})
     return Message(content=content, reply_to=msg)
 
 

@@ -19,6 +19,7 @@ from ..config import CodecConfig
 from ..privacy import ClientLevelDP, LocalDP
 from ..protocol import MODEL_KEY
 from ..seeded_init import SeededInit
+from ..device import reported_machine
 from ..statedict import BF16, FlatModel, array_to_numpy, cast_checked, copy_array, numpy_to_array
 from .aggregate import ExactVotes, RunningSum, dense_memory_note, identity_on_one_reply, streams
 from .decode import DecodedUpdate, decode_reply
@@ -509,6 +510,8 @@ class CompressedStrategy(Strategy):
             "residual-norm": _num(m, "residual-norm"),
             "download-bytes": _num(m, "download-bytes"),
             "density": _num(m, "density"),
+            "client-peak-rss-mb": _num(m, "client-peak-rss-mb"),
+            "machine": reported_machine(reply.content),
             "epsilon": eps,
             "epsilon-next": eps_next,
         }
