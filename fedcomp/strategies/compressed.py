@@ -171,6 +171,9 @@ class CompressedStrategy(Strategy):
         self._local_rounds = 0
         self._sampled = 0
         self._sent: dict[int, dict[str, np.ndarray]] = {}
+        #: Rounding remainder of the integer rule per integer tensor, carried from round to round
+        #: (float64, entries in [-0.5, 0.5]; see :func:`fedcomp.statedict.integer_mean`).
+        self.int_remainders: dict[str, np.ndarray] = {}
         #: Per-round metrics computed by this wrapper (round -> dict).
         self.history: dict[int, dict[str, float]] = {}
         #: Per-round, per-layer means over clients: {name: {"update-norm", "compression-error"}}.
@@ -280,7 +283,7 @@ class CompressedStrategy(Strategy):
             log(INFO, "%s", dense_memory_note(self.inner, len(replies), model))
             self._dense_noted = True
         running = RunningSum(model)
-        votes = ExactVotes(model)
+        votes = ExactVotes(model, self.int_remainders)
         dense: list[Message] = []
         metric_contents: list[RecordDict] = []
         norms: list[float] = []
@@ -391,7 +394,7 @@ class CompressedStrategy(Strategy):
                             raise ValueError(f"'{k}': aggregate is not finite in the model's dtype {spec.dtype}")
                         out[k] = a
                         continue
-                    w = np.asarray(w, dtype=np.float32).reshape(spec.shape)
+                    w = np.asarray(w, dtype=np.float64 if spec.dtype == "float64" else np.float32).reshape(spec.shape)
                     out[k] = numpy_to_array(cast_checked(k, w, spec.dtype), spec.dtype)
                 else:
                     out[k] = Array(copy_array(model.exact[k] if self.client_dp is not None else exact[k]))
@@ -412,7 +415,8 @@ class CompressedStrategy(Strategy):
         need every client's weights."""
         for key in list(reply.content.keys()):
             del reply.content[key]
-        reply.content[self._arr_key] = model.record(update.to_flat(model.num_float), update.exact, check=False,
+        reply.content[self._arr_key] = model.record(update.to_flat(model.num_float, model.flat.dtype), update.exact,
+                                                    check=False,
                                                     portable=True)
         reply.content["metrics"] = MetricRecord(metrics)
         return reply

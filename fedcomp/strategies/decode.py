@@ -29,7 +29,8 @@ class DecodedUpdate:
         ``(positions, values)``: int64 positions into the global flat float vector (unique within a
         part; parts cover disjoint tensors) and their float32 values.
     dense : list of (int, np.ndarray)
-        ``(flat start, values)``: float32 segments of the update.
+        ``(flat start, values)``: float32 segments of the update (float64 for ``none`` payloads of
+        float64 tensors).
     exact : dict of str to np.ndarray
         Integer/bool tensors' new values, in the model's dtype and shape (only those sent).
     upload_bytes : int
@@ -49,9 +50,10 @@ class DecodedUpdate:
         total = sum(float(np.dot(v.astype(np.float64), v.astype(np.float64))) for _, v in self.sparse)
         return total + sum(float(np.dot(v, v.astype(np.float64))) for _, v in self.dense)
 
-    def to_flat(self, num_float: int) -> np.ndarray:
-        """The float update as one dense float32 vector of ``num_float`` entries (dense path only)."""
-        out = np.zeros(num_float, dtype=np.float32)
+    def to_flat(self, num_float: int, dtype=np.float32) -> np.ndarray:
+        """The float update as one dense vector of ``num_float`` entries (dense path only); ``dtype``
+        float32, or float64 for a model with float64 tensors (``FlatModel.flat.dtype``)."""
+        out = np.zeros(num_float, dtype=dtype)
         for pos, vals in self.sparse:
             out[pos] = vals
         for start, vals in self.dense:
@@ -187,7 +189,7 @@ def decode_update(record: ArrayRecord, global_arrays: dict[str, np.ndarray]) -> 
     """
     model = FlatModel(global_arrays, {k: str(np.asarray(v).dtype) for k, v in global_arrays.items()})
     upd = decode_reply(record, model)
-    rec = model.record(upd.to_flat(model.num_float), upd.exact)
+    rec = model.record(upd.to_flat(model.num_float, model.flat.dtype), upd.exact)
     weights = {k: rec[k].numpy() for k in model.keys}
     return weights, {"upload-bytes": upd.upload_bytes, "codecs": upd.codecs}
 
