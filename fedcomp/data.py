@@ -2,7 +2,8 @@
 with scikit-learn, no download), with a fixed held-out test split for the server and the
 rest partitioned across clients by flwr-datasets partitioners (``IidPartitioner``,
 ``DirichletPartitioner``). Any Hugging Face dataset with an image and a label column can
-be used instead through ``FederatedDataset`` (needs internet).
+be used instead through ``FederatedDataset`` (needs internet). ``"shakespeare"`` is LEAF's
+next-character task, one client per speaking role (:mod:`fedcomp.text_data`).
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ class DataConfig:
     Attributes
     ----------
     dataset : str
-        "digits" (default, offline) or a Hugging Face dataset name such as "ylecun/mnist".
+        "digits" (default, offline), "shakespeare" (LEAF's roles; partitioner and alpha unused)
+        or a Hugging Face dataset name such as "ylecun/mnist".
     partitioner : str
         "iid" or "dirichlet".
     dirichlet_alpha : float
@@ -91,6 +93,10 @@ def load_partition(cfg: DataConfig, partition_id: int, num_partitions: int) -> T
     """
     if not 0 <= partition_id < num_partitions:
         raise ValueError(f"partition-id {partition_id} is outside [0, {num_partitions})")
+    if cfg.dataset == "shakespeare":
+        from .text_data import load_text_partition
+
+        return load_text_partition(partition_id, num_partitions, cfg.seed)
     if cfg.dataset == "digits":
         from datasets import Dataset
 
@@ -105,7 +111,12 @@ def load_partition(cfg: DataConfig, partition_id: int, num_partitions: int) -> T
 
 @lru_cache(maxsize=2)
 def load_test_set(cfg: DataConfig) -> TensorDataset:
-    """The server's held-out test split (digits: 360 stratified images; hub: its "test" split)."""
+    """The server's held-out test split (digits: 360 stratified images; shakespeare: a seeded sample
+    of the roles' test windows, :func:`fedcomp.text_data.load_text_test_set`; hub: its "test" split)."""
+    if cfg.dataset == "shakespeare":
+        from .text_data import load_text_test_set
+
+        return load_text_test_set(cfg.seed)
     if cfg.dataset == "digits":
         _, X_test, _, y_test = _digits_arrays(cfg.seed)
         return _to_tensor_dataset(X_test, y_test)

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ._opacus import import_opacus
+
 #: What the client-level accounting assumes; reported with every epsilon.
 NO_AMPLIFICATION = ("sample rate q = 1: no privacy amplification by sampling is claimed (clients are not "
                     "Poisson-sampled from a fixed population); epsilon is per client, over all rounds")
@@ -85,6 +87,7 @@ def clip_and_noise_(buffers: list[torch.Tensor], clipping_norm: float, noise_mul
 def _rdp_per_round(sample_rate: float, noise_multiplier: float) -> tuple[tuple[float, ...], np.ndarray]:
     """Rényi DP of one (sampled) Gaussian-mechanism round at Opacus' default orders (cached:
     composition over rounds is a multiplication)."""
+    import_opacus()
     from opacus.accountants import RDPAccountant
     from opacus.accountants.analysis.rdp import compute_rdp
 
@@ -117,6 +120,7 @@ def epsilon_from_rdp(orders, rdp, delta: float) -> float:
     float
         epsilon >= 0 (``inf`` when every order is infinite).
     """
+    import_opacus()
     from opacus.accountants.analysis.rdp import get_privacy_spent
 
     with warnings.catch_warnings():  # "optimal order is the largest alpha": the bound still holds

@@ -1,7 +1,8 @@
 """The fedcomp ClientApp: local SGD on this node's partition; updates leave compressed.
 
-Mods: ``compression_mod`` is the first (outermost) mod, so any Flower DP mod added per
-handler (``@app.train(mods=[fixedclipping_mod])``) sees dense weights.
+Mods: ``compression_mod`` is the outermost mod of plain messages, so any Flower DP mod added per
+handler (``@app.train(mods=[fixedclipping_mod])``) sees dense weights. ``secagg_mod`` in front
+of it handles only Flower SecAgg+ messages (run config ``secagg = true``, see ``fedcomp.secagg``).
 """
 
 from __future__ import annotations
@@ -18,13 +19,14 @@ from ..config import AppConfig
 from ..data import DataConfig, load_partition
 from ..models import build_model
 from ..protocol import server_round
+from ..secagg.client import secagg_mod
 from .mod import _state_file, compression_mod
 from .training import TrainConfig, evaluate, pick_device, train
 
 #: Key in ``context.state`` of the DP-SGD accountant's history (a MetricRecord of float lists).
 DP_ACCOUNTANT_KEY = "fedcomp.dp-accountant"
 
-app = ClientApp(mods=[compression_mod])
+app = ClientApp(mods=[secagg_mod, compression_mod])  # secagg_mod: only Flower SecAgg+ messages (secagg = true)
 
 
 def _setup(context: Context):
@@ -89,7 +91,8 @@ def train_handler(msg: Message, context: Context) -> Message:
     model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
     rnd = server_round(msg)
     tcfg = TrainConfig(cfg.local_epochs, cfg.batch_size, cfg.accumulation_steps, cfg.lr, cfg.momentum,
-                       cfg.local_clip_norm)
+                       cfg.local_clip_norm, optimizer=cfg.optimizer, beta1=cfg.adam_beta1, beta2=cfg.adam_beta2,
+                       weight_decay=cfg.weight_decay, precision=cfg.precision)
     seed = cfg.seed * 100_003 + rnd * 1009 + pid
     t0 = time.perf_counter()
     extra = {}

@@ -13,22 +13,18 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.common.logger import log
 
-from ..compression import PayloadError, decode_exact, decompress
 from ..compression.error_feedback import warn_saturation_once
 from ..config import CODEC_DEFAULTS, CodecConfig
 from ..privacy import LocalDP
 from ..protocol import (
-    BASE_VERSION,
-    MODEL_KEY,
-    MODEL_META_KEY,
-    MODEL_STATE_KEY,
-    MODEL_VERSION,
     PAYLOAD_DTYPE,
     PAYLOAD_STYPE,
     RESIDUAL_STATE_KEY,
+    SECAGG_SEED_KEY,
     server_round,
 )
-from ..statedict import FlatModel, numpy_dict
+from ..statedict import numpy_dict
+from .downstream import rebuild
 from .update import CompositionError, adaptive_density, compress_update, plan_units  # noqa: F401 (re-exported)
 
 
@@ -57,47 +53,10 @@ def _stream_seed(context: Context, msg: Message) -> int:
 
 
 def _rebuild_downstream(msg: Message, context: Context, arr_key: str, rec: ArrayRecord) -> ArrayRecord:
-    """Server-to-client compression: rebuild the model from a payload and the kept copy, and keep
-    the model copy (with its version) in ``context.state`` whenever the server versions the model.
-
-    A payload record holds ``MODEL_KEY`` (the compressed change of every float tensor, flattened in
-    model order) and, under their own names, exact payloads of the integer/bool tensors that changed;
-    the others keep the held copy's values.
-
-    Raises
-    ------
-    CompositionError
-        A payload arrives but this node holds no model copy, or a copy of another version.
-    PayloadError
-        A malformed payload, or an exact payload for an unknown key or of another dtype/shape.
-    """
-    _, cfg = _only_record(msg.content, "config") if msg.content.config_records else (None, {})
-    if MODEL_VERSION not in cfg:
-        return rec
-    for key in (MODEL_VERSION, BASE_VERSION):
-        v = cfg.get(key, 0)
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise CompositionError(f"train config '{key}' must be an integer >= 0, got {v!r}")
-    if MODEL_KEY in rec:
-        if MODEL_STATE_KEY not in context.state:
-            raise CompositionError("received a compressed model but this node keeps no model copy (new node?)")
-        held = int(context.state[MODEL_META_KEY]["version"])
-        if held != cfg.get(BASE_VERSION):
-            raise CompositionError(f"this node holds model version {held}, the payload applies to {cfg.get(BASE_VERSION)}")
-        base = FlatModel.from_record(context.state[MODEL_STATE_KEY])
-        extra = sorted(set(rec.keys()) - {MODEL_KEY} - set(base.exact_keys))
-        if extra:
-            raise PayloadError(f"downstream payload carries unknown or float keys {extra[:5]}")
-        update = decompress(rec[MODEL_KEY].data, max_numel=max(base.num_float, 1),
-                            expected_shape=(base.num_float,)).numpy()
-        exact = {k: decode_exact(rec[k].data, base.specs[k].shape, base.specs[k].dtype)
-                 for k in base.exact_keys if k in rec}
-        rec = base.record(update, exact)
-        msg.content[arr_key] = rec
-    context.state[MODEL_STATE_KEY] = ArrayRecord({k: Array(dtype=a.dtype, shape=tuple(a.shape), stype=a.stype,
-                                                           data=bytes(a.data)) for k, a in rec.items()})
-    context.state[MODEL_META_KEY] = MetricRecord({"version": int(cfg[MODEL_VERSION])})
-    return rec
+    """Server-to-client compression: the dense model a downstream message describes
+    (:func:`fedcomp.client.downstream.rebuild`, which keeps the copy in ``context.state``)."""
+    cfg = _only_record(msg.content, "config")[1] if msg.content.config_records else {}
+    return rebuild(msg, context, arr_key, rec, cfg)
 
 
 def _check_client_clipping(msg: Message, received: dict, trained: dict) -> None:
@@ -230,6 +189,8 @@ def compression_mod(msg: Message, context: Context, call_next) -> Message:
     """
     if msg.metadata.message_type.split(".")[0] != "train":
         return call_next(msg, context)
+    if any(SECAGG_SEED_KEY in c for c in msg.content.config_records.values()):
+        return call_next(msg, context)  # under SecAgg+: fedcomp.secagg's mod encodes this update
     codec = _codec_config(msg, context)
     arr_key_in, received_rec = _only_record(msg.content, "array")
     download = sum(len(a.data) for a in received_rec.values())

@@ -16,21 +16,17 @@ import numpy as np
 import torch
 from flwr.common.logger import log
 
-from ..compression import ErrorFeedback, decompress, decompress_sparse, encode_exact, flatten_states, unflatten_states
+from ..broadcast import is_batchnorm_stat  # noqa: F401 (re-exported)
+from ..compression import EF21, ErrorFeedback, decompress, decompress_sparse, encode_exact, flatten_states, unflatten_states
 from ..config import SPARSE_CODECS, CodecConfig
 from ..privacy import LocalDP, clip_and_noise_, secure_generator
 from ..protocol import MODEL_KEY
 from ..statedict import exact_cast, is_float_dtype
+from .replan import replan_states
 
 
 class CompositionError(RuntimeError):
     """The ClientApp's reply cannot be compressed as it stands (wrong mod order, missing keys)."""
-
-
-def is_batchnorm_stat(key: str) -> bool:
-    """True for BatchNorm's float statistics in a state_dict: ``<module>.running_mean`` /
-    ``<module>.running_var`` (the names ``torch.nn.modules.batchnorm`` registers)."""
-    return key.rsplit(".", 1)[-1] in ("running_mean", "running_var")
 
 
 def plan_units(shapes: dict[str, tuple[int, ...]], codec: CodecConfig) -> list[tuple[str, list[str], str]]:
@@ -156,7 +152,9 @@ def compress_update(
         Client state from earlier rounds as :func:`fedcomp.compression.flatten_states` lays it
         out (may be empty): the residual under its payload key, DGC's momentum and codec memory
         such as PowerSGD's Q under ``"<payload key>#<entry>"``; entries of another shape are
-        ignored (they restart at 0).
+        ignored (they restart at 0). Saved under another payload plan (a warm-up codec, a
+        per-layer rule), residual and momentum are regrouped per parameter for this round's
+        plan (:func:`fedcomp.client.replan.replan_states`), so nothing sent is lost.
     seed : int, optional
         Seed of stochastic codecs (qsgd, int8, randomk). Never used for privacy noise.
     local_dp : LocalDP, optional
@@ -201,8 +199,9 @@ def compress_update(
     # The update, written once into one buffer per payload (no per-key copies, no concat): float32, or
     # float64 where the codec is the exact `none` and a member is float64 (float64 stays float64).
     buffers: dict[str, torch.Tensor] = {}
-    wide_units = {ukey for ukey, members, name in units
-                  if name == "none" and any(dtypes[k] == "float64" for k in members)}
+    # (EF21 keeps an estimate the server mirrors: its units stay on the float32 path.)
+    wide_units = {ukey for ukey, members, name in units if name == "none" and codec.error_feedback != "ef21"
+                  and any(dtypes[k] == "float64" for k in members)}
     for ukey, members, _ in units:
         buf = np.empty(sum(sizes[k] for k in members), dtype=np.float64 if ukey in wide_units else np.float32)
         off = 0
@@ -229,6 +228,10 @@ def compress_update(
 
     payloads: dict[str, bytes] = {}
     states = unflatten_states(residuals)  # residual (+ DGC momentum, codec memory) per payload key
+    if codec.error_feedback:  # a warm-up codec or rule may have grouped the payloads otherwise last round
+        states, dropped = replan_states(states, units, {k: tuple(np.shape(received[k])) for k in float_keys})
+        for skey in dropped:
+            log(WARNING, "fedcomp: saved state of '%s' does not fit the model's parameters: starting from zero", skey)
     new_states: dict[str, dict[str, np.ndarray]] = {}
     layer_sq_err: dict[str, float] = {}
     layer_sq_norm: dict[str, float] = {}
@@ -255,12 +258,15 @@ def compress_update(
         if name == codec.compressor and name in SPARSE_CODECS:
             density = codec.density
             if codec.density_schedule == "adaptive":
-                v = x if prev is None else x + torch.as_tensor(prev).float()
+                # what is compressed: update + residual (classic EF), update - estimate (EF21)
+                v = x if prev is None else x + torch.as_tensor(prev).float() * (-1.0 if codec.error_feedback == "ef21"
+                                                                              else 1.0)
                 density = adaptive_density(v, name, codec.target_error, codec.density_min, codec.density_max)
             used_density = density
         compressor = codec.build(seed=seed, compressor=name, density=density)
         if codec.error_feedback:
-            ef = ErrorFeedback(compressor, residual_dtype=codec.residual_dtype, momentum=codec.momentum_correction)
+            ef = (EF21(compressor, residual_dtype=codec.residual_dtype) if codec.error_feedback == "ef21" else
+                  ErrorFeedback(compressor, residual_dtype=codec.residual_dtype, momentum=codec.momentum_correction))
             for entry in ef.set_state(states.get(ukey, {}), shape=tuple(x.shape), copy=False):
                 if entry != "residual":  # the residual's mismatch was logged above
                     log(WARNING, "fedcomp: saved %s for '%s' has another shape: starting from zero", entry, ukey)
@@ -283,7 +289,7 @@ def compress_update(
     exact_bytes = sum(np.asarray(received[k]).nbytes for k in exact_keys)
     payloads.update(exact_payloads)
     sq_err, sq_norm = sum(layer_sq_err.values()), sum(layer_sq_norm.values())
-    if codec.error_feedback and codec.residual_dtype == "fp32":
+    if codec.error_feedback is True and codec.residual_dtype == "fp32":
         res_sq = sq_err  # an fp32 residual is the compression error itself: no extra pass
     else:
         res_sq = sum(float(torch.linalg.vector_norm(torch.from_numpy(st["residual"]).float())) ** 2

@@ -18,6 +18,7 @@ from ..config import AppConfig
 from ..data import DataConfig, load_test_set
 from ..models import build_model
 from ..privacy import NO_AMPLIFICATION, ClientLevelDP, LocalDP
+from ..secagg.server_app import check_secagg_config, run_secagg, secagg_requested
 from ..statedict import copy_array
 from ..strategies import CompressedStrategy
 from ..strategies.offset import RoundOffset
@@ -81,6 +82,7 @@ class RoundRecorder:
         self.cfg, self.strategy, self.out_dir = cfg, strategy, out_dir
         self.rounds: list[dict] = []
         self.cum_mb = 0.0
+        self.cum_down_mb = 0.0
         self.run_config = run_config
         test = load_test_set(DataConfig(cfg.dataset, cfg.partitioner, cfg.dirichlet_alpha, cfg.seed))
         self.test = test
@@ -98,9 +100,10 @@ class RoundRecorder:
         h = self.strategy.history.get(server_round)
         if h is not None:
             self.cum_mb += h["upload-bytes"] / MB
+            self.cum_down_mb += h["download-bytes"] / MB
             rec.update({
                 "upload-mb": h["upload-bytes"] / MB, "cumulative-upload-mb": self.cum_mb,
-                "download-mb": h["download-bytes"] / MB, **h,
+                "download-mb": h["download-bytes"] / MB, "cumulative-download-mb": self.cum_down_mb, **h,
             })
             now = _epsilon_now(rec)
             if self.cfg.dp != "none" and now is not None:
@@ -116,7 +119,8 @@ class RoundRecorder:
         self.save()
         if server_round > 0:
             checkpoint.save(self.out_dir, server_round, {k: a.numpy() for k, a in arrays.items()}, self.strategy,
-                            self.rounds, {"cum-mb": self.cum_mb, "local-rounds": self.local_rounds,
+                            self.rounds, {"cum-mb": self.cum_mb, "cum-down-mb": self.cum_down_mb,
+                                          "local-rounds": self.local_rounds,
                                           "last-eps": self.last_eps, "privacy-settings": privacy_settings(self.cfg),
                                           "codec-settings": self.cfg.codec.to_mapping()})
         return MetricRecord({"accuracy": acc, "loss": loss})
@@ -126,6 +130,7 @@ class RoundRecorder:
         self.rounds = list(meta["rounds"])
         extra = meta.get("extra", {})
         self.cum_mb = float(extra.get("cum-mb", 0.0))
+        self.cum_down_mb = float(extra.get("cum-down-mb", 0.0))
         self.local_rounds = int(extra.get("local-rounds", 0))
         self.last_eps = float(extra.get("last-eps") or 0.0)
 
@@ -201,9 +206,14 @@ def main(grid: Grid, context: Context) -> None:
     try:
         cfg = AppConfig.from_run_config(context.run_config)
         options = privacy_options(cfg, context)
+        if secagg_requested(context.run_config):  # Flower SecAgg+ (legacy workflow), fedcomp.secagg
+            check_secagg_config(context.run_config)
     except ValueError as err:
         raise RunConfigError(str(err)) from err
     torch.manual_seed(cfg.seed)
+    if secagg_requested(context.run_config):
+        run_secagg(grid, context, cfg, writable_results_dir(cfg.results_dir, cfg.codec.compressor))
+        return
     out_dir = writable_results_dir(cfg.results_dir, cfg.codec.compressor)
     strategy = CompressedStrategy.from_codec_config(build_inner(cfg), cfg.codec, **options)
     recorder = RoundRecorder(cfg, strategy, out_dir, dict(context.run_config))
@@ -213,6 +223,9 @@ def main(grid: Grid, context: Context) -> None:
     if cfg.resume:
         if not cfg.results_dir:
             raise ValueError("run config 'resume' = true needs 'results-dir' set to the folder of the run to resume")
+        if cfg.codec.error_feedback == "ef21":
+            raise ValueError("run config 'resume' does not support error-feedback = 'ef21' yet: the server's EF21 "
+                             "estimate is not in the checkpoint")
         if cfg.dp == "dp-sgd" and not cfg.client_state_dir:
             raise ValueError("run config 'resume' with dp = 'dp-sgd' needs 'client-state-dir': clients keep their "
                              "privacy accountants there, otherwise epsilon would restart from zero")
@@ -240,8 +253,8 @@ def main(grid: Grid, context: Context) -> None:
                      train_config=train_config, evaluate_fn=evaluate_fn)
     plot_rounds(recorder.rounds, out_dir / "plot.png", f"fedcomp: {strategy.codec.describe()}")
     last = recorder.rounds[-1]
-    log(INFO, "fedcomp  final accuracy %.4f after %d rounds, %.3f MB uploaded in total",
-        last["accuracy"], last["round"], recorder.cum_mb)
+    log(INFO, "fedcomp  final accuracy %.4f after %d rounds, %.3f MB uploaded and %.3f MB downloaded in total",
+        last["accuracy"], last["round"], recorder.cum_mb, recorder.cum_down_mb)
     if strategy.stopped_reason:
         log(INFO, "fedcomp  stopped early: %s", strategy.stopped_reason)
     log(INFO, "fedcomp  results written to %s (metrics.json, plot.png)", out_dir)

@@ -18,10 +18,12 @@ from ..compression import PayloadError, available_compressors
 from ..config import CodecConfig
 from ..privacy import ClientLevelDP, LocalDP
 from ..protocol import MODEL_KEY
+from ..seeded_init import SeededInit
 from ..statedict import BF16, FlatModel, array_to_numpy, cast_checked, copy_array, numpy_to_array
 from .aggregate import ExactVotes, RunningSum, dense_memory_note, identity_on_one_reply, streams
 from .decode import DecodedUpdate, decode_reply
 from .downstream import Downstream
+from .ef21 import EF21Aggregate
 from .round_metrics import _epsilon, _num, client_seconds, common_metric_keys, layers_mean, round_metrics  # noqa: F401
 
 
@@ -92,8 +94,10 @@ class CompressedStrategy(Strategy):
         It only ever receives dense, validated replies.
     compressor : str
         Codec name (see :func:`fedcomp.compression.available_compressors`). Default "stc".
-    error_feedback : bool
-        Clients keep a residual (Karimireddy et al. 2019). Default True.
+    error_feedback : bool or "ef21"
+        Clients keep a residual (Karimireddy et al. 2019). Default True. "ef21": clients send
+        ``C(update - h_i)`` and the server applies its estimate ``h`` (:mod:`.ef21`; Richtárik et
+        al. 2021); needs a weighted-mean inner strategy, no ``client_dp``.
     max_num_examples : int
         Largest ``num-examples`` (the inner strategy's weighting key) a reply may claim;
         replies with a non-integer, non-finite, < 1 or larger weight are rejected, so that
@@ -111,6 +115,8 @@ class CompressedStrategy(Strategy):
         or "none": dense). Clients that hold the previous broadcast get ``C(global - broadcast)``
         (server-side error feedback); new or lagging clients get the broadcast model dense.
         Needs ``compression_mod`` on the clients (it rebuilds and keeps the model copy).
+        Clients that missed rounds get the missed payloads or a compressed difference from the
+        copy they hold, whichever is smaller (:mod:`fedcomp.strategies.downstream`).
     client_sampling : float, optional
         Poisson client sampling: the inner strategy should select every node (fraction 1.0);
         each is then kept independently with this probability q, per round. Needed for
@@ -123,6 +129,9 @@ class CompressedStrategy(Strategy):
         FedAdagrad, FedProx) and client-level DP, fold every decoded reply into one running sum
         (server memory O(model) for any number of clients; sparse payloads in O(k)); every other
         inner strategy gets each client's dense weights. "dense": always the latter (for checks).
+    downstream_init : SeededInit, optional
+        The initial model as a seed and one bound per tensor (:func:`fedcomp.seeded_init.lora_init`):
+        with ``downstream``, new clients build it themselves instead of downloading it dense.
     **params
         Codec parameters by their Python or run-config names: ``density``, ``levels``,
         ``block_size``, ``value_dtype``, ``residual_dtype``.
@@ -137,7 +146,7 @@ class CompressedStrategy(Strategy):
                  max_num_examples: int = 10**9, client_dp: ClientLevelDP | None = None,
                  local_dp: LocalDP | None = None, max_epsilon: float | None = None, downstream: str | None = None,
                  client_sampling: float | None = None, seed: int | None = None, aggregation: str = "auto",
-                 **params) -> None:
+                 downstream_init: SeededInit | None = None, **params) -> None:
         if aggregation not in ("auto", "dense"):
             raise ValueError(f"aggregation must be 'auto' or 'dense', got {aggregation!r}")
         if not isinstance(inner, Strategy):
@@ -151,10 +160,15 @@ class CompressedStrategy(Strategy):
                 "error_feedback=False, or server-side clipping of the decoded update "
                 "(DifferentialPrivacyServerSideFixedClipping inside CompressedStrategy, or client_dp=ClientLevelDP(...))")
         self.max_num_examples = int(max_num_examples)
+        self.ef21 = EF21Aggregate() if self.codec.error_feedback == "ef21" else None
+        if self.ef21 is not None and (client_dp is not None or aggregation != "auto" or not streams(inner)):
+            raise ValueError("error_feedback='ef21' needs a weighted-mean inner strategy (FedAvg and its family), "
+                             "aggregation='auto' and no client_dp: the server keeps EF21's estimate of the mean update")
         self._arr_key = "arrays"
         if downstream not in (None, "none") and downstream not in available_compressors():
             raise ValueError(f"downstream must be 'none' or one of {available_compressors()}, got {downstream!r}")
-        self.downstream = None if downstream in (None, "none") else Downstream(self.codec, downstream)
+        self.downstream = (None if downstream in (None, "none")
+                           else Downstream(self.codec, downstream, init=downstream_init))
         if client_sampling is not None and not 0.0 < client_sampling <= 1.0:
             raise ValueError(f"client_sampling (Poisson rate) must be in (0, 1], got {client_sampling!r}")
         self.poisson_rate = client_sampling
@@ -333,6 +347,8 @@ class CompressedStrategy(Strategy):
             self.stopped_reason = (f"privacy budget: every client refused round {server_round} (max-epsilon reached); "
                                    "no further rounds are run")
             log(WARNING, "%s", self.stopped_reason)
+        if self.ef21 is not None:  # EF21: the round's update is the server's estimate h (+= mean of the sends)
+            self.ef21.fold(running)
         common_metric_keys(metric_contents)
         arrays, agg_metrics, dp_info = self._hand_over(server_round, model, running, votes, dense, metric_contents,
                                                        norms, wkey)

@@ -216,6 +216,8 @@ class LegacyCompressedStrategy(Strategy):
         super().__init__()
         self.strategy = strategy
         self.codec = CodecConfig.from_kwargs(compressor, error_feedback, **params)
+        if self.codec.error_feedback == "ef21":
+            raise ValueError("error_feedback='ef21' needs the server's estimate: use fedcomp.strategies.CompressedStrategy")
         self.max_num_examples = int(max_num_examples)
         self._sent: dict[int, dict[str, list[np.ndarray]]] = {}
         #: Per-round metrics computed by this wrapper (round -> dict).
