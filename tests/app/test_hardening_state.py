@@ -8,7 +8,7 @@ from fractions import Fraction
 import numpy as np
 import pytest
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp.strategy import FedAvg, FedMedian
 
 import fedcomp.compression as fc
