@@ -133,7 +133,8 @@ def parse_play(text: str) -> list[tuple[str, str]]:
     A speaker line is a short name on its own line after a blank line, followed by speech:
     ``Ham.``, ``First Clown.``, ``THESEUS``. Speech runs to the next speaker line or act/scene
     heading (a speech continued after a stage direction stays with its speaker). Stage
-    directions in ``[...]`` are dropped. Text before the first act heading (title, list of
+    directions in ``[...]`` are dropped, the speech around them kept (``[Aside.] A little
+    more...``). Text before the first act heading (title, list of
     persons) is skipped, so a text without acts (the poems) has no lines.
     """
     lines = [ln.rstrip() for ln in text.splitlines()]
@@ -145,8 +146,11 @@ def parse_play(text: str) -> list[tuple[str, str]]:
     in_direction = False
     for i in range(start, len(lines)):
         s = lines[i].strip()
-        if in_direction or s.startswith("["):  # a stage direction, possibly over several lines
+        if in_direction:  # inside a stage direction over several lines: speech may follow its "]"
             in_direction = "]" not in s
+            s = "" if in_direction else s.split("]", 1)[1].strip()
+        elif s.startswith("[") and "]" not in s:
+            in_direction = True
             continue
         if not s:
             continue
@@ -158,7 +162,7 @@ def parse_play(text: str) -> list[tuple[str, str]]:
         if after_blank and followed and len(s) <= 32 and _SPEAKER.match(s):
             speaker = s.rstrip(".").strip()
             continue
-        spoken = re.sub(r"\[[^\]]*\]", "", s).strip()
+        spoken = " ".join(re.sub(r"\[[^\]]*\]", " ", s).split())
         if speaker is not None and spoken:
             out.append((speaker, spoken))
     return out
@@ -295,9 +299,10 @@ def load_text_partition(partition_id: int, num_partitions: int, seed: int, split
 
 
 def load_text_test_set(seed: int, roles: tuple[Role, ...] | None = None,
-                       max_windows: int = TEST_WINDOWS) -> TensorDataset:
+                       max_windows: int | None = None) -> TensorDataset:
     """The server's held-out set: the test windows of every kept role, a seeded sample of at most
-    ``max_windows`` of them (so that evaluating every round stays cheap).
+    ``max_windows`` (default: the module's ``TEST_WINDOWS`` when called) of them, so that evaluating
+    every round stays cheap.
 
     Returns
     -------
@@ -305,6 +310,7 @@ def load_text_test_set(seed: int, roles: tuple[Role, ...] | None = None,
         ``(inputs int64 (m, 80), targets int64 (m, 80))``, ``m <= max_windows``.
     """
     roles = roles if roles is not None else shakespeare_roles()
+    max_windows = TEST_WINDOWS if max_windows is None else max_windows
     parts = [windows(r.test) for r in roles]
     x = torch.cat([p[0] for p in parts])
     y = torch.cat([p[1] for p in parts])
