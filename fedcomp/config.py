@@ -53,7 +53,8 @@ APP_KEYS: tuple[str, ...] = (
     "uplink-mbps", "downlink-mbps", "dp", "clipping-norm", "noise-multiplier", "max-grad-norm", "target-delta",
     "target-epsilon", "accountant", "secure-rng", "max-epsilon", "lr", "momentum", "local-epochs", "batch-size",
     "accumulation-steps", "local-clip-norm", "seed", "dataset", "model", "partitioner", "dirichlet-alpha",
-    "results-dir", "resume", "client-state-dir", "require-compression", "optimizer", "adam-beta1", "adam-beta2", "weight-decay", "precision",
+    "results-dir", "resume", "client-state-dir", "optimizer", "adam-beta1", "adam-beta2", "weight-decay", "precision",
+    "verbose", "require-compression",
 )
 
 
@@ -445,6 +446,7 @@ class AppConfig:
     uplink_mbps: float = 1.0
     downlink_mbps: float = 10.0
     client_state_dir: str = ""
+    verbose: bool = False
     downstream: str = "none"
     dp: str = "none"
     clipping_norm: float = 1.0
@@ -496,6 +498,7 @@ class AppConfig:
             uplink_mbps=_num(cfg, "uplink-mbps", 1.0, lo=0.0, lo_open=True),
             downlink_mbps=_num(cfg, "downlink-mbps", 10.0, lo=0.0, lo_open=True),
             client_state_dir=_str(cfg, "client-state-dir", ""),
+            verbose=_bool(cfg, "verbose", False),
             downstream=_str(cfg, "downstream", "none", tuple(available_compressors())),
             dp=_str(cfg, "dp", "none", DP_MODES),
             clipping_norm=_num(cfg, "clipping-norm", 1.0, lo=0.0, lo_open=True),

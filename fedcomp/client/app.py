@@ -17,6 +17,7 @@ from flwr.clientapp import ClientApp
 
 from ..config import AppConfig
 from ..data import DataConfig, load_partition
+from ..datafiles import DATA_FILE_KEY, load_partition_file
 from ..models import build_model
 from ..protocol import server_round
 from ..secagg.client import secagg_mod
@@ -43,7 +44,9 @@ def _setup(context: Context):
     except KeyError as exc:
         raise ValueError(f"node config needs 'partition-id' and 'num-partitions' (missing {exc})") from None
     data_cfg = DataConfig(cfg.dataset, cfg.partitioner, cfg.dirichlet_alpha, cfg.seed)
-    data = load_partition(data_cfg, pid, nparts)
+    data_file = node.get(DATA_FILE_KEY)  # a device's own partition file: no data extra needed
+    data = (load_partition_file(str(data_file), data_cfg, pid, nparts) if data_file
+            else load_partition(data_cfg, pid, nparts))
     model = build_model(cfg.model, tuple(data.tensors[0].shape[1:]))
     return cfg, device, data, model, pid
 

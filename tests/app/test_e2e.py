@@ -81,6 +81,15 @@ def test_flwr_run_local_simulation(tmp_path):
     for rnd in (0, 1, 2):
         assert len(re.findall(rf"fedcomp +{rnd} +\d\.\d{{4}} ", log)) == 1, log[-3000:]
     assert "DEBUG" not in log
+    # one line per round (issue 24: the default run printed 1557 lines for 50 rounds): the table, the final
+    # two lines and Flower's start-up/shut-down lines, none of Flower's per-round lines or "Final results"
+    lines = [ln for ln in log.splitlines() if ln.strip()]
+    ours = [ln for ln in lines if "fedcomp  " in ln]
+    assert len(ours) == 1 + 3 + 2, log[-3000:]  # header, rounds 0-2, final accuracy, results written to
+    assert len(lines) - len(ours) <= 16, log[-3000:]
+    assert "[ROUND" not in log and "Final results" not in log and "Aggregated MetricRecord" not in log
+    kept = (results / "flower.log").read_text()
+    assert "[ROUND 2/2]" in kept and "Final results" in kept and "Aggregated MetricRecord" in kept
 
 
 @pytest.mark.skipif(shutil.which("pgrep") is None, reason="needs pgrep to stop the local SuperLink")

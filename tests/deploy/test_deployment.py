@@ -92,7 +92,7 @@ def test_one_image_built_once(files):
     assert all(s["pull_policy"] == "never" for s in svc.values())
 
 
-def test_image_requirements_drop_only_the_simulation_extra():
+def test_image_requirements_core_and_extras_without_ray():
     sys.path.insert(0, str(REPO / "scripts"))
     try:
         from image_requirements import image_requirements
@@ -100,11 +100,16 @@ def test_image_requirements_drop_only_the_simulation_extra():
         sys.path.pop(0)
     import tomllib
 
-    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
-    reqs = image_requirements(str(REPO / "pyproject.toml"))
-    assert len(reqs) == len(deps) and "flwr==1.42.0" in reqs
-    assert [r for r in reqs if not r.startswith("flwr==")] == [d for d in deps if not d.startswith("flwr[")]
-    assert not any("simulation" in r for r in reqs)
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    core = image_requirements(str(REPO / "pyproject.toml"))  # the lean `supernode` image
+    assert core == project["dependencies"]
+    full = image_requirements(str(REPO / "pyproject.toml"), ("simulation", "dp"))  # self-references expanded
+    extras = project["optional-dependencies"]
+    assert full[:len(core)] == core and len(set(full)) == len(full)
+    assert set(full) == set(core + extras["data"] + extras["plots"] + extras["dp"])
+    assert not any("simulation" in r or r.startswith("fedcomp") for r in full)
+    with pytest.raises(KeyError):
+        image_requirements(str(REPO / "pyproject.toml"), ("nope",))
 
 
 def test_dockerignore_keeps_the_context_small():
