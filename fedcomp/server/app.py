@@ -246,11 +246,11 @@ def main(grid: Grid, context: Context) -> None:
     except ValueError as err:
         raise RunConfigError(str(err)) from err
     torch.manual_seed(cfg.seed)
-    if secagg_requested(context.run_config):
-        run_secagg(grid, context, cfg, writable_results_dir(cfg.results_dir, cfg.codec.compressor))
-        return
     out_dir = writable_results_dir(cfg.results_dir, cfg.codec.compressor)
     route_flower_logs(out_dir, cfg.verbose)
+    if secagg_requested(context.run_config):
+        run_secagg(grid, context, cfg, out_dir)
+        return
     strategy = CompressedStrategy.from_codec_config(build_inner(cfg), cfg.codec, **options)
     recorder = RoundRecorder(cfg, strategy, out_dir, dict(context.run_config))
     model = build_model(cfg.model, tuple(recorder.test.tensors[0].shape[1:]))

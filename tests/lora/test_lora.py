@@ -7,7 +7,7 @@ import logging
 import numpy as np
 import pytest
 import torch
-from flwr.app import ArrayRecord, ConfigRecord
+from flwr.app import ConfigRecord
 from flwr.serverapp.strategy import FedAvg
 
 from fedcomp.client.lora import eval_lm, lora_client_app, lora_model
