@@ -172,8 +172,9 @@ def compress_update(
         own names); residual per payload key (empty without error feedback); and
         ``upload-bytes``, ``dense-bytes`` (4 bytes per float parameter plus the integer tensors'
         own bytes), ``compression-error`` (||v - v_hat|| / ||v|| over the float model, v = update
-        + residual), ``residual-norm``, ``density`` (of the default sparse codec, adaptive or
-        not; 0 for dense codecs), ``residual-saturated`` (fp16 residual entries clamped at
+        + residual), ``residual-norm``, ``density`` (fraction of entries kept by the default
+        sparse codec, adaptive or not; 1.0 when the default codec keeps every entry: sign, int8,
+        qsgd, ...), ``residual-saturated`` (fp16 residual entries clamped at
         ±65504) and ``residual-saturated-loss`` (the largest relative L2 a payload lost so), and
         per-parameter lists in model order (float tensors) ``layer-update-norm`` (||update||) and
         ``layer-compression-error``. Norms are float32 reductions.
@@ -235,7 +236,7 @@ def compress_update(
     new_states: dict[str, dict[str, np.ndarray]] = {}
     layer_sq_err: dict[str, float] = {}
     layer_sq_norm: dict[str, float] = {}
-    used_density, saturated, lost = 0.0, 0, 0.0
+    used_density, saturated, lost = 1.0, 0, 0.0  # 1.0: a dense codec sends every entry
     for ukey, members, name in units:
         x = buffers.pop(ukey)
         seg_sizes = [sizes[k] for k in members]

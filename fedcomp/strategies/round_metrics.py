@@ -113,6 +113,10 @@ def round_metrics(stats: list[dict], codec_bytes: dict, n_good: int, rejected: i
         out["compress-seconds"] = statistics.fmean(s["compress-seconds"] for s in stats)
         out["decode-seconds"] = float(sum(s["decode-seconds"] for s in stats))
         out["residual-bytes"] = max(s["residual-bytes"] for s in stats)
+        # the clients' own link speeds, averaged with fsum (Flower's weighted mean of ten 10.0s
+        # gives 10.000000000000002); these replace it in the round's metrics
+        out["uplink-mbps"] = statistics.fmean(s["uplink-mbps"] for s in stats)
+        out["downlink-mbps"] = statistics.fmean(s["downlink-mbps"] for s in stats)
     for name, nbytes in sorted(codec_bytes.items()):
         out[f"upload-bytes-{name}"] = float(nbytes)
     return out
