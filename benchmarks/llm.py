@@ -13,7 +13,7 @@ Drives the real ClientApp (with ``compression_mod``) and ``CompressedStrategy`` 
 ``fedcomp.simulation.InProcessGrid`` (the code ``flwr run`` runs, without Ray). The texts are fetched
 into ``$FEDCOMP_DATA_DIR`` on first use (``fedcomp.text_data``).
 
-Run: ``python benchmarks/llm.py --part full [--rounds 40] [--nodes 8] [--cases ...] [--quick]``.
+Run: ``python benchmarks/llm.py --part full [--rounds 20] [--nodes 8] [--cases ...] [--quick]``.
 ``--quick`` (2 rounds, 3 nodes, 2 cases) writes ``llm-quick.json`` and never the committed results.
 """
 
@@ -94,9 +94,13 @@ def add_targets(rows: list[dict]) -> None:
         r["upload_reduction_vs_fp32"] = ref["upload_mb"] / r["upload_mb"] if r["upload_mb"] else 0.0
 
 
-def run_full(args) -> dict:
-    """The full-model part: every case of ``args.cases`` on ``args.nodes`` roles for ``args.rounds``."""
+def run_full(args, save=None) -> dict:
+    """The full-model part: every case of ``args.cases`` on ``args.nodes`` roles for ``args.rounds``;
+    ``save(part)`` is called after every case (a long run keeps what it has measured)."""
     n_params = sum(p.numel() for p in build_model("transformer").parameters())
+    setup = {**FULL_BASE, "nodes": args.nodes, "rounds": args.rounds, "seed": args.seed,
+             "test-windows": args.test_windows, "parameters": n_params,
+             "partition": describe_partition(shakespeare_roles())}
     rows = []
     for name in args.cases:
         rc = {**FULL_BASE, **FULL_CASES[name], "num-server-rounds": args.rounds, "seed": args.seed}
@@ -107,12 +111,10 @@ def run_full(args) -> dict:
         print(f"{name:<24} acc {row['final_accuracy']:.4f} (last 3 {row['last3_accuracy']:.4f})  "
               f"loss {row['final_loss']:.3f}  up {row['upload_mb']:8.3f} MB  {row['bits_per_param_per_round']:7.4f} "
               f"bit/param  ratio {row['compression_ratio']:7.1f}  {row['seconds']:6.0f} s", flush=True)
-    add_targets(rows)
-    roles = shakespeare_roles()
-    return {"setup": {**FULL_BASE, "nodes": args.nodes, "rounds": args.rounds, "seed": args.seed,
-                      "test-windows": args.test_windows,
-                      "parameters": n_params, "partition": describe_partition(roles)},
-            "results": rows}
+        add_targets(rows)
+        if save is not None:
+            save({"setup": setup, "results": rows})
+    return {"setup": setup, "results": rows}
 
 
 def markdown_full(part: dict) -> str:
@@ -133,12 +135,12 @@ PARTS = {"full": (run_full, markdown_full, FULL_DEFAULT_CASES)}
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--part", choices=sorted(PARTS), default="full")
-    ap.add_argument("--rounds", type=int, default=40)
+    ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--nodes", type=int, default=8, help="clients (speaking roles), all sampled every round")
-    ap.add_argument("--seed", type=int, default=42)
+    ap.add_argument("--seed", type=int, default=3, help="run seed; it also picks the roles (3: 29.5k chars)")
     ap.add_argument("--cases", nargs="+", default=None, help=f"subset of {list(FULL_CASES)}")
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
-    ap.add_argument("--test-windows", type=int, default=512, help="held-out 80-character windows scored per round")
+    ap.add_argument("--test-windows", type=int, default=256, help="held-out 80-character windows scored per round")
     ap.add_argument("--merge", nargs="+", default=[], help="merge this part of these JSONs into --out (no runs)")
     ap.add_argument("--quick", action="store_true", help="2 rounds, 3 nodes, 2 cases (smoke test)")
     ap.add_argument("--table-only", action="store_true", help="print the table from --out; no runs")
@@ -165,9 +167,13 @@ def main() -> None:
     logging.getLogger("flwr").setLevel(logging.WARNING)
     torch.set_num_threads(args.threads)
     text_data.TEST_WINDOWS = args.test_windows
-    data[args.part] = run(args)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(data, indent=1))
+
+    def save(part: dict) -> None:
+        data[args.part] = part
+        out.write_text(json.dumps(data, indent=1))
+
+    save(run(args, save))
     print(table(data[args.part]))
 
 

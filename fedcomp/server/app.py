@@ -250,11 +250,11 @@ def main(grid: Grid, context: Context) -> None:
     except ValueError as err:
         raise RunConfigError(str(err)) from err
     torch.manual_seed(cfg.seed)
-    if secagg_requested(context.run_config):
-        run_secagg(grid, context, cfg, writable_results_dir(cfg.results_dir, cfg.codec.compressor))
-        return
     out_dir = writable_results_dir(cfg.results_dir, cfg.codec.compressor)
     route_flower_logs(out_dir, cfg.verbose)
+    if secagg_requested(context.run_config):
+        run_secagg(grid, context, cfg, out_dir)
+        return
     adapters = None
     if cfg.finetune == "lora":  # LoRA's seeded start, from the base model's config (no weights)
         adapters, options["downstream_init"] = initial_adapters(LoraSettings.from_mapping(context.run_config), cfg.seed)
