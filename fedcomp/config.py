@@ -54,7 +54,7 @@ APP_KEYS: tuple[str, ...] = (
     "target-epsilon", "accountant", "secure-rng", "max-epsilon", "lr", "momentum", "local-epochs", "batch-size",
     "accumulation-steps", "local-clip-norm", "seed", "dataset", "model", "partitioner", "dirichlet-alpha",
     "results-dir", "resume", "client-state-dir", "optimizer", "adam-beta1", "adam-beta2", "weight-decay", "precision",
-    "verbose",
+    "verbose", "require-compression",
 )
 
 
@@ -326,6 +326,11 @@ class CodecConfig:
         if self.momentum_correction > 0 and not self.error_feedback:
             raise ValueError(f"{source} 'momentum-correction' needs 'error-feedback' = true (the unsent part of "
                              "the momentum is kept in the residual)")
+        if self.momentum_correction > 0 and self.compressor not in SPARSE_CODECS:
+            raise ValueError(f"{source} 'momentum-correction' works with the sparsifying codecs {list(SPARSE_CODECS)} "
+                             f"(DGC keeps the momentum of the entries not sent); compressor '{self.compressor}' sends "
+                             "every entry each round, so the momentum would be masked away and do nothing: set "
+                             "'momentum-correction' = 0 or choose a sparsifying compressor")
 
     @classmethod
     def from_kwargs(cls, compressor: str, error_feedback: bool, **params) -> "CodecConfig":
@@ -450,6 +455,7 @@ class AppConfig:
     noise_multiplier: float = 1.0
     target_delta: float = 1e-5
     max_epsilon: float = 0.0
+    require_compression: bool = False
     local_clip_norm: float = 0.0
     optimizer: str = "sgd"
     adam_beta1: float = 0.9
@@ -502,6 +508,7 @@ class AppConfig:
             noise_multiplier=_num(cfg, "noise-multiplier", 1.0, lo=0.0),
             target_delta=_num(cfg, "target-delta", 1e-5, lo=0.0, hi=1.0, lo_open=True, hi_open=True),
             max_epsilon=_num(cfg, "max-epsilon", 0.0, lo=0.0),
+            require_compression=_bool(cfg, "require-compression", False),
             local_clip_norm=_num(cfg, "local-clip-norm", 0.0, lo=0.0),
             optimizer=_str(cfg, "optimizer", "sgd", ("sgd", "adamw")),
             adam_beta1=_num(cfg, "adam-beta1", 0.9, lo=0.0, hi=1.0, hi_open=True),

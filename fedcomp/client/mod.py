@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import os
 import pathlib
@@ -14,7 +15,7 @@ from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordD
 from flwr.common.logger import log
 
 from ..compression.error_feedback import warn_saturation_once
-from ..config import CODEC_DEFAULTS, CodecConfig
+from ..config import CODEC_DEFAULTS, DP_MODES, CodecConfig
 from ..privacy import LocalDP
 from ..protocol import (
     PAYLOAD_DTYPE,
@@ -118,8 +119,19 @@ def load_residuals(path: pathlib.Path, before_round: int) -> dict[str, np.ndarra
 
 def _own_local_dp(context: Context) -> LocalDP | None:
     """This client's own local-DP floor: node config ``dp = "local"`` (with its ``noise-multiplier``
-    and ``clipping-norm``), else the run config's; None if neither asks for local DP."""
-    for cfg in (context.node_config, context.run_config):
+    and ``clipping-norm``), else the run config's; None if neither asks for local DP.
+
+    Raises
+    ------
+    ValueError
+        A ``dp`` value that is not one of :data:`fedcomp.config.DP_MODES` (``"Local"``, ``"locl"``):
+        the client refuses rather than train with its privacy floor silently off."""
+    for where, cfg in (("node config", context.node_config), ("run config", context.run_config)):
+        if "dp" in cfg and cfg["dp"] not in DP_MODES:  # a slip ("Local") must not switch the privacy floor off
+            close = difflib.get_close_matches(str(cfg["dp"]).lower(), DP_MODES, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(f"{where} 'dp' must be one of {list(DP_MODES)}, got {cfg['dp']!r}{hint}; "
+                             "this client does not train with an unknown privacy setting")
         if cfg.get("dp") == "local":
             return LocalDP(cfg.get("clipping-norm", 1.0), cfg.get("noise-multiplier", 1.0))
         if "dp" in cfg:

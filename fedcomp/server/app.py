@@ -18,7 +18,7 @@ from ..config import AppConfig
 from ..data import DataConfig, load_test_set
 from ..lora import LoraSettings, initial_adapters, load_weights, lora_model
 from ..models import build_model
-from ..privacy import NO_AMPLIFICATION, ClientLevelDP, LocalDP
+from ..privacy import NO_AMPLIFICATION, ClientLevelDP, LocalDP, check_accountable
 from ..secagg.server_app import check_secagg_config, run_secagg, secagg_requested
 from ..statedict import copy_array, to_record
 from ..strategies import CompressedStrategy
@@ -56,7 +56,8 @@ def privacy_options(cfg: AppConfig, context: Context | None = None) -> dict:
     ValueError
         A DP key out of range, or (dp-sgd) an infeasible ``target-epsilon`` / ``secure-rng``.
     """
-    opts: dict = {"max_epsilon": cfg.max_epsilon or None, "downstream": cfg.downstream}
+    opts: dict = {"max_epsilon": cfg.max_epsilon or None, "downstream": cfg.downstream,
+                  "require_compression": cfg.require_compression}
     q = None
     if cfg.client_sampling == "poisson":
         q = cfg.fraction_train
@@ -67,6 +68,8 @@ def privacy_options(cfg: AppConfig, context: Context | None = None) -> dict:
                                           sample_rate=q or 1.0)
     elif cfg.dp == "local":
         opts["local_dp"] = LocalDP(cfg.clipping_norm, cfg.noise_multiplier, cfg.target_delta)
+    if cfg.dp in ("client-level", "local"):  # the accountant must be able to compute epsilon, every round
+        check_accountable(cfg.noise_multiplier, cfg.target_delta, q or 1.0)
     if context is not None and cfg.dp == "dp-sgd":
         # imported here: Opacus calls logging.basicConfig at import (every log line would print twice)
         from ..client.dp_sgd import DPSGDConfig
