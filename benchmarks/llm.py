@@ -17,7 +17,8 @@ Run: ``python benchmarks/llm.py --part full [--rounds 20] [--nodes 8] [--cases .
 ``python benchmarks/llm.py --part lora [...]`` runs the LoRA part, ``benchmarks/llm_lora.py`` (its own
 options: LoRA fine-tuning of a base pretrained on the comedies, on tragedy roles, 2 clients per round,
 codecs both ways, and the FlowerTune projection), into the key ``"lora"`` of the same file.
-``--quick`` (2 rounds, 3 nodes, 2 cases) writes ``llm-quick.json`` and never the committed results.
+``--quick`` (2 rounds, 3 nodes, 2 cases) writes ``<temp dir>/fedcomp-benchmarks/llm-quick.json``, never
+the committed results.
 """
 
 from __future__ import annotations
@@ -34,13 +35,11 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from federated import run_one
+from outputs import output_path, shown
 
 from fedcomp import text_data
 from fedcomp.models import build_model
 from fedcomp.text_data import describe_partition, shakespeare_roles
-
-RESULTS = pathlib.Path(__file__).parent / "results"
-DEFAULT_OUT = RESULTS / "llm.json"
 
 #: Local training of every full-model case: AdamW, one pass over the role's windows per round.
 FULL_BASE = {"dataset": "shakespeare", "model": "transformer", "optimizer": "adamw", "lr": 0.003,
@@ -187,15 +186,14 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="2 rounds, 3 nodes, 2 cases (smoke test)")
     ap.add_argument("--table-only", action="store_true", help="print the table from --out; no runs")
     ap.add_argument("--figure", default="", help="also draw the part's curves to this PNG")
-    ap.add_argument("--out", default=str(DEFAULT_OUT))
+    ap.add_argument("--out", default=None, help="JSON to write (default: the reference benchmarks/results/llm.json; "
+                    "with --quick a file in the temporary folder)")
     args = ap.parse_args()
     run, table, default_cases = PARTS[args.part]
     if args.quick:
         args.rounds, args.nodes, args.cases = 2, 3, ["fp32", "stc 0.01+EF"]
-        if args.out == str(DEFAULT_OUT):
-            args.out = str(DEFAULT_OUT.with_name("llm-quick.json"))
     args.cases = args.cases or default_cases
-    out = pathlib.Path(args.out)
+    out = output_path("llm", args.out, args.quick)
     data = json.loads(out.read_text()) if out.exists() else {}
     if args.merge:
         parts = [json.loads(pathlib.Path(f).read_text())[args.part] for f in args.merge]
@@ -219,6 +217,7 @@ def main() -> None:
         out.write_text(json.dumps(data, indent=1))
 
     save(run(args, save))
+    print(f"wrote {shown(out)}")
     if args.figure and args.part in PLOTS:
         PLOTS[args.part](data[args.part], pathlib.Path(args.figure))
     print(table(data[args.part]))
