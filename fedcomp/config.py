@@ -59,11 +59,13 @@ APP_KEYS: tuple[str, ...] = (
 
 
 def run_config_keys() -> frozenset[str]:
-    """Every run-config key fedcomp's apps know: :data:`APP_KEYS`, :data:`CODEC_DEFAULTS` and the
-    ``secagg*`` keys of :data:`fedcomp.secagg.config.SECAGG_DEFAULTS`."""
+    """Every run-config key fedcomp's apps know: :data:`APP_KEYS`, :data:`CODEC_DEFAULTS`, the
+    ``secagg*`` keys of :data:`fedcomp.secagg.config.SECAGG_DEFAULTS` and the LoRA keys of
+    :data:`fedcomp.lora.LORA_DEFAULTS`."""
+    from .lora import LORA_DEFAULTS
     from .secagg.config import SECAGG_DEFAULTS  # here: fedcomp.secagg imports Flower
 
-    return frozenset(APP_KEYS) | frozenset(CODEC_DEFAULTS) | frozenset(SECAGG_DEFAULTS)
+    return frozenset(APP_KEYS) | frozenset(CODEC_DEFAULTS) | frozenset(SECAGG_DEFAULTS) | frozenset(LORA_DEFAULTS)
 
 
 def check_known_keys(cfg: Mapping[str, Any], known: frozenset[str] | None = None, source: str = "run config") -> None:
@@ -460,6 +462,7 @@ class AppConfig:
     adam_beta2: float = 0.999
     weight_decay: float = 0.0
     precision: str = "fp32"
+    finetune: str = "full"
     codec: CodecConfig = field(default_factory=CodecConfig)
 
     @classmethod
@@ -512,6 +515,7 @@ class AppConfig:
             adam_beta2=_num(cfg, "adam-beta2", 0.999, lo=0.0, hi=1.0, hi_open=True),
             weight_decay=_num(cfg, "weight-decay", 0.0, lo=0.0),
             precision=_str(cfg, "precision", "fp32", ("fp32", "bf16")),
+            finetune=_str(cfg, "finetune", "full", ("full", "lora")),
             codec=CodecConfig.from_mapping(cfg),
         )
         if out.downstream in TENSOR_ONLY_CODECS:
@@ -525,4 +529,12 @@ class AppConfig:
         if (out.dataset == "shakespeare") != (out.model == "transformer"):
             raise ValueError("run config dataset = 'shakespeare' goes with model = 'transformer' (and only it), "
                              f"got dataset = {out.dataset!r}, model = {out.model!r}")
+        if out.finetune == "lora":
+            from .lora import LoraSettings
+
+            LoraSettings.from_mapping(cfg)  # base-model, lora-r, lora-alpha, lora-targets, ... (naming the key)
+            if out.dataset != "shakespeare":
+                raise ValueError("run config finetune = 'lora' fine-tunes a causal LM on text: dataset = 'shakespeare'")
+            if out.dp == "dp-sgd" or out.resume:
+                raise ValueError("run config finetune = 'lora' works without dp = 'dp-sgd' and resume = true (not yet)")
         return out
