@@ -18,6 +18,7 @@ from flwr.clientapp import ClientApp
 from ..config import AppConfig
 from ..data import DataConfig, load_partition
 from ..datafiles import DATA_FILE_KEY, load_partition_file
+from ..device import CLIENT_INFO_KEY, client_info
 from ..lora import LoraSettings, load_weights, lora_model, weights_record
 from ..models import build_model
 from ..protocol import server_round
@@ -128,7 +129,8 @@ def train_handler(msg: Message, context: Context) -> Message:
     else:
         loss, n = train(model, data, tcfg, device, seed=seed)
     metrics = {"num-examples": n, "train-loss": float(loss), "train-seconds": time.perf_counter() - t0, **extra}
-    content = RecordDict({"arrays": weights_record(model, cfg.finetune == "lora"), "metrics": MetricRecord(metrics)})
+    content = RecordDict({"arrays": weights_record(model, cfg.finetune == "lora"), "metrics": MetricRecord(metrics),
+                          CLIENT_INFO_KEY: client_info()})
     return Message(content=content, reply_to=msg)
 
 

@@ -16,6 +16,7 @@ from flwr.common.logger import log
 
 from ..compression.error_feedback import warn_saturation_once
 from ..config import CODEC_DEFAULTS, DP_MODES, CodecConfig
+from ..device import peak_rss_mb
 from ..privacy import LocalDP
 from ..protocol import (
     PAYLOAD_DTYPE,
@@ -232,6 +233,7 @@ def compression_mod(msg: Message, context: Context, call_next) -> Message:
     stats["compress-seconds"] = time.perf_counter() - t0
     warn_saturation_once(context.node_id, stats["residual-saturated"], stats["residual-saturated-loss"])
     stats["residual-bytes"] = float(sum(r.nbytes for r in new_res.values()))
+    stats["client-peak-rss-mb"] = peak_rss_mb()  # after training and compressing: the round's peak
     stats.update(_link_speeds(context))
     if codec.error_feedback:
         context.state[RESIDUAL_STATE_KEY] = ArrayRecord({k: Array(v) for k, v in new_res.items()})

@@ -23,6 +23,7 @@ from ..secagg.server_app import check_secagg_config, run_secagg, secagg_requeste
 from ..statedict import copy_array, to_record
 from ..strategies import CompressedStrategy
 from ..strategies.offset import RoundOffset
+from ..strategies.round_metrics import machine_counts
 from . import checkpoint
 from .console import route_flower_logs
 from .results import DP_HEADER, HEADER, MB, format_row, plot_rounds, write_json
@@ -119,6 +120,7 @@ class RoundRecorder:
                 rec["epsilon-round"] = math.inf if math.isinf(now) else now - self.last_eps
                 self.last_eps = now
             rec["layers"] = self.strategy.layer_history.get(server_round, {})
+            rec["client-machines"] = machine_counts(self.strategy.client_history.get(server_round, []))
         rec["elapsed-seconds"] = time.perf_counter() - self.t0
         dp = self.cfg.dp != "none"
         if not self.header_printed:  # round 0, or the first round of a resumed run

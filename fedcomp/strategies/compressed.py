@@ -19,6 +19,7 @@ from ..config import CodecConfig
 from ..privacy import ClientLevelDP, LocalDP
 from ..protocol import MODEL_KEY
 from ..seeded_init import SeededInit
+from ..device import reported_machine
 from ..statedict import BF16, FlatModel, array_to_numpy, cast_checked, copy_array, numpy_to_array
 from .admission import admit, check_max_num_examples
 from .aggregate import ExactVotes, RunningSum, dense_memory_note, identity_on_one_reply, streams
@@ -564,6 +565,8 @@ class CompressedStrategy(ForwardsToInner, Strategy):
             "residual-norm": _num(m, "residual-norm"),
             "download-bytes": _num(m, "download-bytes"),
             "density": _num(m, "density"),
+            "client-peak-rss-mb": _num(m, "client-peak-rss-mb"),
+            "machine": reported_machine(reply.content),
             "epsilon": eps,
             "epsilon-next": eps_next,
         }

@@ -113,6 +113,7 @@ def round_metrics(stats: list[dict], codec_bytes: dict, n_good: int, rejected: i
         out["compress-seconds"] = statistics.fmean(s["compress-seconds"] for s in stats)
         out["decode-seconds"] = float(sum(s["decode-seconds"] for s in stats))
         out["residual-bytes"] = max(s["residual-bytes"] for s in stats)
+        out["client-peak-rss-mb"] = max(s.get("client-peak-rss-mb", 0.0) for s in stats)
         # the clients' own link speeds, averaged with fsum (Flower's weighted mean of ten 10.0s
         # gives 10.000000000000002); these replace it in the round's metrics
         out["uplink-mbps"] = statistics.fmean(s["uplink-mbps"] for s in stats)
@@ -120,3 +121,13 @@ def round_metrics(stats: list[dict], codec_bytes: dict, n_good: int, rejected: i
     for name, nbytes in sorted(codec_bytes.items()):
         out[f"upload-bytes-{name}"] = float(nbytes)
     return out
+
+
+def machine_counts(stats: list[dict]) -> dict[str, int]:
+    """How many of a round's replies came from each machine (``platform.machine()`` as the clients
+    report it, e.g. ``{"aarch64": 1, "x86_64": 2}``; replies that name none count as ``"unknown"``)."""
+    out: dict[str, int] = {}
+    for s in stats:
+        name = s.get("machine") or "unknown"
+        out[name] = out.get(name, 0) + 1
+    return dict(sorted(out.items()))
