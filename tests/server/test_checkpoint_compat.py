@@ -1,0 +1,71 @@
+"""Checkpoints written by earlier fedcomp versions (tests/server/fixtures/checkpoints) still load
+and resume: weights, the inner strategy's optimizer state and the privacy accounting."""
+
+import json
+import pathlib
+import shutil
+
+import numpy as np
+import pytest
+from flwr.app import Context, RecordDict
+from flwr.serverapp.strategy import FedAdam, FedAvgM
+
+from fedcomp.client.app import app as client_app
+from fedcomp.privacy import ClientLevelDP, LocalDP
+from fedcomp.server import checkpoint
+from fedcomp.server.app import main
+from fedcomp.simulation import InProcessGrid
+from fedcomp.strategies import CompressedStrategy
+
+FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "checkpoints"
+RUNS = {
+    "fedadam": {"strategy": "fedadam", "compressor": "stc", "density": 0.1, "model": "mlp", "server-lr": 0.01},
+    "fedavg-client-level": {"strategy": "fedavg", "dp": "client-level", "compressor": "sign", "model": "mlp"},
+    "fedavgm-local": {"strategy": "fedavgm", "dp": "local", "compressor": "stc", "density": 0.1, "model": "mlp"},
+}
+
+
+def _copy(tmp_path, name):
+    d = tmp_path / name
+    shutil.copytree(FIXTURES / name, d)
+    return d
+
+
+def test_an_old_fedadam_checkpoint_restores_the_optimizer_state(tmp_path):
+    d = _copy(tmp_path, "fedadam")
+    s = CompressedStrategy(FedAdam(), compressor="stc", density=0.1)
+    rnd, weights, _ = checkpoint.load(d, s)
+    assert rnd == 1 and list(weights) == ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
+    with np.load(d / checkpoint.WEIGHTS) as z:
+        for k in weights:
+            np.testing.assert_array_equal(s.inner.m_t[k], z[f"m_t/{k}"])
+            np.testing.assert_array_equal(s.inner.v_t[k], z[f"v_t/{k}"])
+
+
+def test_an_old_client_level_checkpoint_restores_the_rounds_counted(tmp_path):
+    s = CompressedStrategy(FedAdam(), compressor="sign", client_dp=ClientLevelDP(1.0, 1.0, 1e-5))
+    checkpoint.load(_copy(tmp_path, "fedavg-client-level"), s)
+    assert s.client_dp.rounds == 1
+
+
+def test_an_old_fedavgm_local_dp_checkpoint_restores_momentum_and_local_rounds(tmp_path):
+    d = _copy(tmp_path, "fedavgm-local")
+    s = CompressedStrategy(FedAvgM(), compressor="stc", density=0.1, local_dp=LocalDP(1.0, 1.0, 1e-5))
+    _, weights, _ = checkpoint.load(d, s)
+    assert len(s.inner.momentum_vector) == len(weights)
+    with np.load(d / checkpoint.WEIGHTS) as z:
+        np.testing.assert_array_equal(s.inner.momentum_vector[0], z["momentum/0"])
+
+
+@pytest.mark.parametrize("name", sorted(RUNS))
+def test_an_old_checkpoint_resumes_and_its_epsilon_continues(tmp_path, name):
+    d = _copy(tmp_path, name)
+    rc = {**RUNS[name], "seed": 3, "num-server-rounds": 2, "results-dir": str(d), "resume": True}
+    ctx = Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config=rc)
+    main(InProcessGrid(client_app, 2, rc), ctx)
+    rounds = json.loads((d / "metrics.json").read_text())["rounds"]
+    assert [r["round"] for r in rounds] == [0, 1, 2]
+    dp = {"client-level": ClientLevelDP(1.0, 1.0, 1e-5), "local": LocalDP(1.0, 1.0, 1e-5)}.get(RUNS[name].get("dp"))
+    if dp is not None:
+        assert rounds[2]["epsilon"] == pytest.approx(dp.epsilon(2), rel=1e-9)  # round 2 counted after round 1
+    assert json.loads((d / checkpoint.META).read_text())["round"] == 2
