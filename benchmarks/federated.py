@@ -28,7 +28,7 @@ from fedcomp.models import build_model
 from fedcomp.server.app import build_inner, privacy_options
 from fedcomp.simulation import InProcessGrid
 from fedcomp.strategies import CompressedStrategy
-from fedcomp.strategies.compressed import client_seconds
+from fedcomp.strategies.round_metrics import client_seconds
 
 CASES = {
     "none": {"compressor": "none"},

@@ -84,7 +84,7 @@ g = {k: (rng.standard_normal(s).astype(np.float32) * 0.05 if d == "float32" else
 model_bytes = 4 * sum(int(np.prod(s)) for s, d in shapes.values() if d == "float32")
 strategy = CompressedStrategy(FedAvg(fraction_evaluate=0.0), aggregation=spec["path"], **spec["codec"])
 replies = make_replies(g, strategy.codec, spec["clients"], distinct=spec["distinct"])
-strategy._sent = {1: FlatModel(g, {k: str(v.dtype) for k, v in g.items()})}
+strategy.remember(1, FlatModel.from_numpy(g))
 base = rss_mib(); reset_peak()
 t0 = time.perf_counter()
 arrays, metrics = strategy.aggregate_train(1, replies)

@@ -87,7 +87,6 @@ class RoundRecorder:
         self.model = build_model(cfg.model, tuple(test.tensors[0].shape[1:]))
         self.t0 = time.perf_counter()
         self.privacy = privacy_statement(cfg)
-        self.local_rounds = 0
         self.last_eps = 0.0
 
     def __call__(self, server_round: int, arrays: ArrayRecord) -> MetricRecord:
@@ -116,8 +115,8 @@ class RoundRecorder:
         self.save()
         if server_round > 0:
             checkpoint.save(self.out_dir, server_round, {k: a.numpy() for k, a in arrays.items()}, self.strategy,
-                            self.rounds, {"cum-mb": self.cum_mb, "local-rounds": self.local_rounds,
-                                          "last-eps": self.last_eps, "privacy-settings": privacy_settings(self.cfg),
+                            self.rounds, {"cum-mb": self.cum_mb, "last-eps": self.last_eps,
+                                          "privacy-settings": privacy_settings(self.cfg),
                                           "codec-settings": self.cfg.codec.to_mapping()})
         return MetricRecord({"accuracy": acc, "loss": loss})
 
@@ -126,7 +125,6 @@ class RoundRecorder:
         self.rounds = list(meta["rounds"])
         extra = meta.get("extra", {})
         self.cum_mb = float(extra.get("cum-mb", 0.0))
-        self.local_rounds = int(extra.get("local-rounds", 0))
         self.last_eps = float(extra.get("last-eps") or 0.0)
 
     def save(self) -> None:

@@ -8,9 +8,11 @@ and the sha256 of the ``.npz`` it belongs to. A crash between the two renames le
 (it would otherwise re-run a round on weights that already include it).
 
 What is saved: the global weights (every array with its exact shape and dtype: 0-d, integer,
-bool, fp16 and zero-element arrays included), the round number, the inner strategy's optimizer
-state where it has one (FedOpt/FedAdam ``m_t``/``v_t``, FedAvgM's momentum), the client-level DP
-accountant (rounds counted and the epsilon trace), and the metrics of every round so far.
+bool, fp16 and zero-element arrays included), the round number, the metrics of every round so far,
+and the strategy's :meth:`~fedcomp.strategies.CompressedStrategy.state_dict`: the inner strategy's
+optimizer state where it has one (FedOpt/FedAdam ``m_t``/``v_t``, FedAvgM's momentum) in the
+``.npz``, the privacy accounting (client-level DP rounds, local-DP rounds, the epsilon projections
+of DP-SGD reports) in the manifest. Manifests without the newer keys load with their start values.
 """
 
 from __future__ import annotations
@@ -24,10 +26,10 @@ from typing import Any
 import numpy as np
 
 from ..statedict import copy_array
+from .results import finite_or_none
 
 WEIGHTS = "checkpoint.npz"
 META = "checkpoint.json"
-_OPT_STATE = ("m_t", "v_t")
 #: Manifest key holding the sha256 (hex) of the weights file it belongs to.
 CHECKSUM = "weights-sha256"
 #: Array in the weights file that repeats the round, so a torn pair can be named precisely.
@@ -54,16 +56,6 @@ def _replace_durably(tmp: pathlib.Path, final: pathlib.Path) -> None:
         os.close(fd)
 
 
-def _innermost(strategy: Any) -> Any:
-    obj = strategy
-    for _ in range(8):
-        nxt = getattr(obj, "inner", getattr(obj, "strategy", None))
-        if nxt is None:
-            return obj
-        obj = nxt
-    return obj
-
-
 def save(out_dir: pathlib.Path, server_round: int, weights: dict[str, np.ndarray], strategy: Any,
          rounds: list[dict], extra: dict | None = None) -> None:
     """Write ``checkpoint.npz``, then its manifest ``checkpoint.json``, for ``server_round``.
@@ -76,37 +68,27 @@ def save(out_dir: pathlib.Path, server_round: int, weights: dict[str, np.ndarray
         Last completed round.
     weights : dict of str to np.ndarray
         Global weights after that round (model key order is kept in the JSON).
-    strategy : CompressedStrategy
-        Its inner strategy's ``m_t``/``v_t`` and its ``client_dp`` accountant are saved.
+    strategy : CompressedStrategy or None
+        Its :meth:`state_dict` is saved (None: weights and metrics only).
     rounds : list of dict
         The metrics records so far (as in metrics.json).
     extra : dict, optional
         More JSON-serialisable state (e.g. cumulative MB).
     """
+    state = strategy.state_dict() if strategy is not None else {}
     arrays = {f"w/{k}": copy_array(v) for k, v in weights.items()}
-    inner = _innermost(strategy)
-    for attr in _OPT_STATE:
-        state = getattr(inner, attr, None)
-        if isinstance(state, dict):
-            arrays.update({f"{attr}/{k}": copy_array(v) for k, v in state.items()})
-    momentum = getattr(inner, "momentum_vector", None)  # FedAvgM: a list in model order
-    if isinstance(momentum, list):
-        arrays.update({f"momentum/{i}": copy_array(v) for i, v in enumerate(momentum)})
+    arrays.update(state.get("optimizer", {}))
     arrays[_ROUND] = np.array(server_round, dtype=np.int64)
     tmp = out_dir / (WEIGHTS + ".tmp.npz")
     np.savez(tmp, **arrays)
     digest = _sha256(tmp)
     meta = {
         "round": server_round, "keys": list(weights), CHECKSUM: digest, "rounds": rounds, "extra": extra or {},
-        "client-dp-rounds": getattr(getattr(strategy, "client_dp", None), "rounds", None),
-        "eps-trace": list(getattr(strategy, "_eps_trace", [])),
-        "local-dp-rounds": getattr(strategy, "_local_rounds", 0),
+        **state.get("privacy", {}),
     }
     _replace_durably(tmp, out_dir / WEIGHTS)
     tmpj = out_dir / (META + ".tmp")
-    from .results import _finite_or_none
-
-    tmpj.write_text(json.dumps(_finite_or_none(meta), allow_nan=False))
+    tmpj.write_text(json.dumps(finite_or_none(meta), allow_nan=False))
     _replace_durably(tmpj, out_dir / META)  # the manifest last: it commits the pair
 
 
@@ -140,6 +122,9 @@ def _check_meta(meta: dict, out_dir: pathlib.Path) -> None:
     def nonneg_int(v) -> bool:
         return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
+    def epsilon(e) -> bool:  # None: an infinite epsilon, written as JSON null
+        return e is None or (isinstance(e, (int, float)) and not isinstance(e, bool) and e >= 0)
+
     problems = []
     if not all(isinstance(r, dict) and nonneg_int(r.get("round")) for r in meta["rounds"]):
         problems.append("'rounds' must be a list of round records")
@@ -151,10 +136,10 @@ def _check_meta(meta: dict, out_dir: pathlib.Path) -> None:
         meta.setdefault(key, 0 if key == "local-dp-rounds" else None)
         if meta[key] is not None and not nonneg_int(meta[key]):
             problems.append(f"'{key}' must be an integer >= 0")
-    meta.setdefault("eps-trace", [])
-    if not isinstance(meta["eps-trace"], list) or not all(
-            e is None or (isinstance(e, (int, float)) and not isinstance(e, bool) and e >= 0) for e in meta["eps-trace"]):
-        problems.append("'eps-trace' must be a list of epsilons >= 0")
+    if not epsilon(meta.get("epsilon-next", 0.0)):
+        problems.append("'epsilon-next' must be an epsilon >= 0")
+    if not isinstance(meta.get("epsilon-floor", []), list) or not all(map(epsilon, meta.get("epsilon-floor", []))):
+        problems.append("'epsilon-floor' must be a list of epsilons >= 0")
     if problems:
         raise ValueError(f"{out_dir / META}: " + "; ".join(problems))
 
@@ -177,6 +162,9 @@ def load(out_dir: pathlib.Path, strategy: Any,
         An unreadable checkpoint, a torn pair (the weights file's sha256 is not the manifest's),
         one that does not fit ``model_shapes``, non-finite weights, or optimizer state the
         inner strategy does not have (naming the file and the problem).
+
+    ``strategy`` (a ``CompressedStrategy``, or None for weights only) gets the saved state
+    through its ``load_state_dict``.
     """
     try:
         meta = json.loads((out_dir / META).read_text())
@@ -203,24 +191,11 @@ def load(out_dir: pathlib.Path, strategy: Any,
             raise ValueError(f"checkpoint in {out_dir} does not fit the model: checkpoint {got}, model {want}")
     for k, v in weights.items():
         _check_array(v, f"checkpoint in {out_dir}: weights of '{k}'")
-    inner = _innermost(strategy)
-    for attr in _OPT_STATE:
-        state = {k.split("/", 1)[1]: v for k, v in data.items() if k.startswith(attr + "/")}
-        if not state:
-            continue
-        if not hasattr(inner, attr):
-            raise ValueError(f"checkpoint in {out_dir} holds optimizer state '{attr}' that the inner strategy "
-                             f"{type(inner).__name__} does not have: resume with the same 'strategy'")
-        if {k: v.shape for k, v in state.items()} != {k: v.shape for k, v in weights.items()}:
-            raise ValueError(f"checkpoint in {out_dir}: optimizer state '{attr}' does not match the weights")
-        setattr(inner, attr, state)
-    if meta.get("client-dp-rounds") is not None and getattr(strategy, "client_dp", None) is not None:
-        strategy.client_dp.rounds = int(meta["client-dp-rounds"])
-    momentum = [data[f"momentum/{i}"] for i in range(len(weights)) if f"momentum/{i}" in data]
-    if momentum:
-        if not hasattr(inner, "momentum_vector") or len(momentum) != len(weights):
-            raise ValueError(f"checkpoint in {out_dir} holds FedAvgM momentum: resume with strategy = 'fedavgm'")
-        inner.momentum_vector = momentum
-    strategy._eps_trace = [float(e) if e is not None else float("inf") for e in meta["eps-trace"]]
-    strategy._local_rounds = meta["local-dp-rounds"]
+    if strategy is not None:
+        optimizer = {k: v for k, v in data.items() if not k.startswith("w/") and k != _ROUND}
+        try:
+            strategy.load_state_dict({"optimizer": optimizer, "privacy": meta},
+                                     {k: tuple(v.shape) for k, v in weights.items()})
+        except ValueError as exc:
+            raise ValueError(f"checkpoint in {out_dir}: {exc}") from None
     return int(meta["round"]), weights, meta

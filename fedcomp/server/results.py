@@ -62,21 +62,21 @@ def resolve_results_dir(results_dir: str, compressor: str) -> pathlib.Path:
     return path
 
 
-def _finite_or_none(obj: Any) -> Any:
+def finite_or_none(obj: Any) -> Any:
     """Replace NaN/Inf floats by None so the file is strict JSON."""
     if isinstance(obj, float):
         return obj if math.isfinite(obj) else None
     if isinstance(obj, dict):
-        return {k: _finite_or_none(v) for k, v in obj.items()}
+        return {k: finite_or_none(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return [_finite_or_none(v) for v in obj]
+        return [finite_or_none(v) for v in obj]
     return obj
 
 
 def write_json(path: pathlib.Path, payload: dict[str, Any]) -> None:
     """Write strict JSON (non-finite floats as null) atomically (temporary file, then rename)."""
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(_finite_or_none(payload), indent=1, allow_nan=False))
+    tmp.write_text(json.dumps(finite_or_none(payload), indent=1, allow_nan=False))
     os.replace(tmp, path)
 
 

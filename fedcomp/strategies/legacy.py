@@ -36,7 +36,7 @@ from ..compression import PayloadError, parse_header
 from ..config import CodecConfig
 from ..protocol import MODEL_KEY, PAYLOAD_DTYPE, PAYLOAD_STYPE
 from .decode import decode_update
-from .round_metrics import _num
+from .round_metrics import reported_number
 
 #: ``Parameters.tensor_type`` Flower gives to ``np.save``-serialized ndarrays.
 NUMPY_TENSOR_TYPE = "numpy.ndarray"
@@ -290,7 +290,7 @@ class LegacyCompressedStrategy(Strategy):
                 codec_bytes[name] = codec_bytes.get(name, 0) + nbytes
             up += info["upload-bytes"]
             dense += float(sum(4 * w.size for w in weights))
-            errors.append(_num(res.metrics or {}, "compression-error"))
+            errors.append(reported_number(res.metrics or {}, "compression-error"))
             dense_res = FitRes(status=res.status, parameters=ndarrays_to_parameters(weights),
                                num_examples=res.num_examples, metrics=res.metrics)
             good.append((proxy, dense_res))

@@ -9,7 +9,7 @@ import numpy as np
 from flwr.app import MetricRecord, RecordDict
 
 
-def _num(metrics: dict, key: str, default: float = 0.0) -> float:
+def reported_number(metrics: dict, key: str, default: float = 0.0) -> float:
     """A client-reported metric as a finite float (untrusted: anything else becomes ``default``)."""
     v = metrics.get(key, default)
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not np.isfinite(v):
@@ -17,11 +17,52 @@ def _num(metrics: dict, key: str, default: float = 0.0) -> float:
     return float(v)
 
 
-def _epsilon(v) -> float | None:
+def reported_epsilon(v) -> float | None:
     """A client-reported epsilon: a number >= 0 (inf allowed: no privacy), else None (ignored)."""
     if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or v < 0:
         return None
     return float(v)
+
+
+#: Link speeds (megabits per second) of a client that declares none: a slow uplink, a faster downlink.
+DEFAULT_UPLINK_MBPS = 1.0
+DEFAULT_DOWNLINK_MBPS = 10.0
+
+
+def client_stats(node: int, metrics: dict, upload_bytes: int, dense_bytes: int, decode_seconds: float) -> dict:
+    """One client's figures of the round (a ``client_history`` entry) from its reported metrics.
+
+    Parameters
+    ----------
+    node : int
+        The client's node id.
+    metrics : dict
+        What the client reported (untrusted: non-numbers count as the default).
+    upload_bytes, dense_bytes : int
+        Payload bytes received; what the update costs dense (fp32 floats, exact tensors as is).
+    decode_seconds : float
+        Server time spent decoding the reply.
+    """
+    up = reported_number(metrics, "uplink-mbps", DEFAULT_UPLINK_MBPS)
+    down = reported_number(metrics, "downlink-mbps", DEFAULT_DOWNLINK_MBPS)
+    return {
+        "node": node,
+        "decode-seconds": decode_seconds,
+        "train-seconds": reported_number(metrics, "train-seconds"),
+        "compress-seconds": reported_number(metrics, "compress-seconds"),
+        "uplink-mbps": up if up > 0 else DEFAULT_UPLINK_MBPS,
+        "downlink-mbps": down if down > 0 else DEFAULT_DOWNLINK_MBPS,
+        "residual-bytes": reported_number(metrics, "residual-bytes"),
+        "residual-saturated": reported_number(metrics, "residual-saturated"),
+        "upload-bytes": float(upload_bytes),
+        "dense-bytes": float(dense_bytes),
+        "compression-error": reported_number(metrics, "compression-error"),
+        "residual-norm": reported_number(metrics, "residual-norm"),
+        "download-bytes": reported_number(metrics, "download-bytes"),
+        "density": reported_number(metrics, "density"),
+        "epsilon": reported_epsilon(metrics.get("epsilon")),
+        "epsilon-next": reported_epsilon(metrics.get("epsilon-next")),
+    }
 
 
 def client_seconds(c: dict, uplink_mbps: float | None = None, downlink_mbps: float | None = None) -> float:

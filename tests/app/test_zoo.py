@@ -94,7 +94,7 @@ def _round(model: nn.Module, codec: str, selection: str):
     strategy = CompressedStrategy(FedAvg(fraction_evaluate=0.0), compressor=codec, selection=selection,
                                   density=0.5)
     config = {"server-round": 1, **strategy.codec.to_mapping()}
-    strategy._sent = {1: FlatModel.from_record(global_rec)}
+    strategy.remember(1, FlatModel.from_record(global_rec))
     replies = []
     for client, n in enumerate(WEIGHTS):
         msg = make_msg(RecordDict({"arrays": to_record(sd), "config": ConfigRecord(config)}), dst=10 + client)
@@ -171,7 +171,7 @@ def test_an_fp16_client_that_overflows_is_the_one_rejected():
     model = nn.Sequential(nn.Linear(6, 4)).half()
     sd = model.state_dict()
     strategy = CompressedStrategy(FedAvg(fraction_evaluate=0.0), compressor="none")
-    strategy._sent = {1: FlatModel.from_record(to_record(sd))}
+    strategy.remember(1, FlatModel.from_record(to_record(sd)))
     replies = []
     for client in (0, 1):
         msg = make_msg(RecordDict({"arrays": to_record(sd), "config": ConfigRecord(

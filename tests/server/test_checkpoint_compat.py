@@ -69,3 +69,13 @@ def test_an_old_checkpoint_resumes_and_its_epsilon_continues(tmp_path, name):
     if dp is not None:
         assert rounds[2]["epsilon"] == pytest.approx(dp.epsilon(2), rel=1e-9)  # round 2 counted after round 1
     assert json.loads((d / checkpoint.META).read_text())["round"] == 2
+
+
+def test_the_privacy_budget_state_survives_a_checkpoint(tmp_path):
+    s = CompressedStrategy(FedAdam(), compressor="sign", max_epsilon=5.0)
+    s.budget.local_rounds, s.budget.epsilon_next, s.budget.epsilon_floor = 2, float("inf"), [1.0, 2.5]
+    checkpoint.save(tmp_path, 2, {"w": np.zeros(3, np.float32)}, s, [{"round": 2}])
+    back = CompressedStrategy(FedAdam(), compressor="sign", max_epsilon=5.0)
+    checkpoint.load(tmp_path, back)
+    assert back.budget.state_dict() == s.budget.state_dict()
+    assert back.budget.exhausted(3) and "would raise epsilon to about inf" in back.stopped_reason
