@@ -7,6 +7,7 @@ turned into plain dataclasses. Errors name the key and its allowed range, e.g.
 
 from __future__ import annotations
 
+import difflib
 import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
@@ -41,6 +42,64 @@ CODEC_DEFAULTS: dict[str, Any] = {
     "spacing": "uniform",
     "momentum-correction": 0.0,
 }
+
+#: Run-config keys fedcomp's own ServerApp and ClientApp read besides :data:`CODEC_DEFAULTS`
+#: (the DP-SGD ones are read by ``fedcomp.client.dp_sgd.DPSGDConfig``). Together they are exactly
+#: the keys of ``[tool.flwr.app.config]`` in ``pyproject.toml`` (a test holds that): a new key
+#: goes into both, with its default in one place.
+APP_KEYS: tuple[str, ...] = (
+    "num-server-rounds", "fraction-train", "client-sampling", "min-train-nodes",
+    "min-available-nodes", "round-timeout", "strategy", "server-lr", "server-momentum", "downstream",
+    "uplink-mbps", "downlink-mbps", "dp", "clipping-norm", "noise-multiplier", "max-grad-norm", "target-delta",
+    "target-epsilon", "accountant", "secure-rng", "max-epsilon", "lr", "momentum", "local-epochs", "batch-size",
+    "accumulation-steps", "local-clip-norm", "seed", "dataset", "model", "partitioner", "dirichlet-alpha",
+    "results-dir", "resume", "client-state-dir", "optimizer", "adam-beta1", "adam-beta2", "weight-decay", "precision",
+    "verbose", "require-compression",
+)
+
+
+def run_config_keys() -> frozenset[str]:
+    """Every run-config key fedcomp's apps know: :data:`APP_KEYS`, :data:`CODEC_DEFAULTS`, the
+    ``secagg*`` keys of :data:`fedcomp.secagg.config.SECAGG_DEFAULTS` and the LoRA keys of
+    :data:`fedcomp.lora.LORA_DEFAULTS`."""
+    from .lora import LORA_DEFAULTS
+    from .secagg.config import SECAGG_DEFAULTS  # here: fedcomp.secagg imports Flower
+
+    return frozenset(APP_KEYS) | frozenset(CODEC_DEFAULTS) | frozenset(SECAGG_DEFAULTS) | frozenset(LORA_DEFAULTS)
+
+
+def check_known_keys(cfg: Mapping[str, Any], known: frozenset[str] | None = None, source: str = "run config") -> None:
+    """Refuse keys no fedcomp app reads, naming the closest valid one (a misspelt ``densty = 0.05``
+    would otherwise be ignored silently and the default used).
+
+    Parameters
+    ----------
+    cfg : Mapping[str, Any]
+        A run config (``context.run_config``, or the overrides of ``--run-config``).
+    known : frozenset[str], optional
+        The valid keys; default :func:`run_config_keys`.
+    source : str
+        What ``cfg`` is, for the message.
+
+    Raises
+    ------
+    ValueError
+        ``run config key 'densty' is unknown; did you mean 'density'?`` (for the first unknown key in
+        sorted order; the closest name by ``difflib`` similarity >= 0.6, else no suggestion).
+    """
+    known = run_config_keys() if known is None else known
+    unknown = sorted(k for k in cfg if k not in known)
+    if unknown:
+        raise ValueError(unknown_key_message(unknown[0], known, source))
+
+
+def unknown_key_message(key: str, known, source: str = "run config") -> str:
+    """``"run config key 'densty' is unknown; did you mean 'density'?"`` (one line)."""
+    close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
+    hint = f"did you mean '{close[0]}'?" if close else "no similar key"
+    return (f"{source} key '{key}' is unknown; {hint} (every key, with its default, is in [tool.flwr.app.config] "
+            "of pyproject.toml)")
+
 
 #: Codecs that choose entries (their k is taken over the whole model with selection "auto").
 SPARSE_CODECS = ("stc", "topk", "randomk")
@@ -118,6 +177,14 @@ def _bool(cfg: Mapping[str, Any], key: str, default: bool, src: str = "run confi
     return value
 
 
+def _error_feedback(cfg: Mapping[str, Any], default, source: str) -> bool | str:
+    """``error-feedback``: true (classic residual), false, or "ef21" (Richtárik et al. 2021)."""
+    value = cfg.get("error-feedback", default)
+    if value == "ef21" or isinstance(value, bool):
+        return value
+    raise ValueError(f"{source} 'error-feedback' must be true, false or \"ef21\", got {value!r}")
+
+
 @dataclass(frozen=True)
 class CodecConfig:
     """Which codec a client uses and how: the keys of :data:`CODEC_DEFAULTS`.
@@ -127,6 +194,11 @@ class CodecConfig:
     k entries over the whole model). "auto" (default) is "model" for stc/topk/randomk and
     "tensor" for the rest: a study on the default data found whole-model selection more
     accurate and cheaper for top-k/STC, and one scale per tensor better for sign.
+
+    ``error-feedback``: true (classic error feedback: send ``C(update + residual)``, keep the
+    residual), false, or "ef21" (Richtárik et al. 2021: send ``C(update - h)``; client and server
+    both add the decoded send to their estimate h and the server applies its h; needs a
+    weighted-mean inner strategy and no client-level DP).
 
     Per-layer policy: ``layer-codecs`` rules (first match wins) give some parameters their
     own codec; parameters with fewer than ``min-compress-numel`` elements use
@@ -157,7 +229,7 @@ class CodecConfig:
     levels: int = 15
     block_size: int = 256
     value_dtype: str = "fp32"
-    error_feedback: bool = True
+    error_feedback: bool | str = True
     residual_dtype: str = "fp32"
     selection: str = "auto"
     min_compress_numel: int = 0
@@ -206,7 +278,7 @@ class CodecConfig:
             levels=_num(cfg, "levels", d["levels"], lo=1, hi=2**16 - 1, integer=True, src=source),
             block_size=_num(cfg, "block-size", d["block-size"], lo=1, hi=2**31 - 1, integer=True, src=source),
             value_dtype=_str(cfg, "value-dtype", d["value-dtype"], ("fp32", "fp16"), src=source),
-            error_feedback=_bool(cfg, "error-feedback", d["error-feedback"], src=source),
+            error_feedback=_error_feedback(cfg, d["error-feedback"], source),
             residual_dtype=_str(cfg, "residual-dtype", d["residual-dtype"], ("fp32", "fp16"), src=source),
             selection=_str(cfg, "selection", d["selection"], ("auto", "tensor", "model"), src=source),
             min_compress_numel=_num(cfg, "min-compress-numel", d["min-compress-numel"], lo=0, integer=True, src=source),
@@ -248,9 +320,17 @@ class CodecConfig:
             if self.selection == "model" and name in (self.compressor, self.warmup_compressor):
                 raise ValueError(f"{source} 'selection' must be 'tensor' or 'auto' with compressor '{name}' "
                                  "(a low-rank approximation is taken per parameter matrix)")
+        if self.momentum_correction > 0 and self.error_feedback == "ef21":
+            raise ValueError(f"{source} 'momentum-correction' must be 0 with error-feedback = 'ef21' (DGC's correction "
+                             "works on a residual; EF21 keeps an estimate instead)")
         if self.momentum_correction > 0 and not self.error_feedback:
             raise ValueError(f"{source} 'momentum-correction' needs 'error-feedback' = true (the unsent part of "
                              "the momentum is kept in the residual)")
+        if self.momentum_correction > 0 and self.compressor not in SPARSE_CODECS:
+            raise ValueError(f"{source} 'momentum-correction' works with the sparsifying codecs {list(SPARSE_CODECS)} "
+                             f"(DGC keeps the momentum of the entries not sent); compressor '{self.compressor}' sends "
+                             "every entry each round, so the momentum would be masked away and do nothing: set "
+                             "'momentum-correction' = 0 or choose a sparsifying compressor")
 
     @classmethod
     def from_kwargs(cls, compressor: str, error_feedback: bool, **params) -> "CodecConfig":
@@ -336,7 +416,7 @@ class CodecConfig:
             extra.append(f"< {self.min_compress_numel} elements: {self.small_tensor_compressor}")
         if self.momentum_correction:
             extra.append(f"momentum correction {self.momentum_correction}")
-        return (f"{self.compressor}({inner})" + ("+EF" if self.error_feedback else "") + f" [{self.scope}]"
+        return (f"{self.compressor}({inner})" + ({"ef21": "+EF21", True: "+EF", False: ""}[self.error_feedback]) + f" [{self.scope}]"
                 + (f" ({'; '.join(extra)})" if extra else ""))
 
 
@@ -368,13 +448,21 @@ class AppConfig:
     uplink_mbps: float = 1.0
     downlink_mbps: float = 10.0
     client_state_dir: str = ""
+    verbose: bool = False
     downstream: str = "none"
     dp: str = "none"
     clipping_norm: float = 1.0
     noise_multiplier: float = 1.0
     target_delta: float = 1e-5
     max_epsilon: float = 0.0
+    require_compression: bool = False
     local_clip_norm: float = 0.0
+    optimizer: str = "sgd"
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    weight_decay: float = 0.0
+    precision: str = "fp32"
+    finetune: str = "full"
     codec: CodecConfig = field(default_factory=CodecConfig)
 
     @classmethod
@@ -384,8 +472,10 @@ class AppConfig:
         Raises
         ------
         ValueError
-            Naming the first bad key and its allowed range.
+            Naming the first bad key and its allowed range, or an unknown key with the closest
+            valid name (:func:`check_known_keys`).
         """
+        check_known_keys(cfg)
         out = cls(
             num_server_rounds=_num(cfg, "num-server-rounds", 50, lo=1, integer=True),
             fraction_train=_num(cfg, "fraction-train", 1.0, lo=0.0, hi=1.0, lo_open=True),
@@ -401,7 +491,7 @@ class AppConfig:
             accumulation_steps=_num(cfg, "accumulation-steps", 1, lo=1, integer=True),
             seed=_num(cfg, "seed", 42, lo=0, hi=2**31 - 1, integer=True),
             dataset=_str(cfg, "dataset", "digits"),
-            model=_str(cfg, "model", "cnn", ("cnn", "mlp", "resnet")),
+            model=_str(cfg, "model", "cnn", ("cnn", "mlp", "resnet", "transformer")),
             partitioner=_str(cfg, "partitioner", "dirichlet", ("iid", "dirichlet")),
             dirichlet_alpha=_num(cfg, "dirichlet-alpha", 0.5, lo=0.0, lo_open=True),
             results_dir=_str(cfg, "results-dir", ""),
@@ -411,13 +501,21 @@ class AppConfig:
             uplink_mbps=_num(cfg, "uplink-mbps", 1.0, lo=0.0, lo_open=True),
             downlink_mbps=_num(cfg, "downlink-mbps", 10.0, lo=0.0, lo_open=True),
             client_state_dir=_str(cfg, "client-state-dir", ""),
+            verbose=_bool(cfg, "verbose", False),
             downstream=_str(cfg, "downstream", "none", tuple(available_compressors())),
             dp=_str(cfg, "dp", "none", DP_MODES),
             clipping_norm=_num(cfg, "clipping-norm", 1.0, lo=0.0, lo_open=True),
             noise_multiplier=_num(cfg, "noise-multiplier", 1.0, lo=0.0),
             target_delta=_num(cfg, "target-delta", 1e-5, lo=0.0, hi=1.0, lo_open=True, hi_open=True),
             max_epsilon=_num(cfg, "max-epsilon", 0.0, lo=0.0),
+            require_compression=_bool(cfg, "require-compression", False),
             local_clip_norm=_num(cfg, "local-clip-norm", 0.0, lo=0.0),
+            optimizer=_str(cfg, "optimizer", "sgd", ("sgd", "adamw")),
+            adam_beta1=_num(cfg, "adam-beta1", 0.9, lo=0.0, hi=1.0, hi_open=True),
+            adam_beta2=_num(cfg, "adam-beta2", 0.999, lo=0.0, hi=1.0, hi_open=True),
+            weight_decay=_num(cfg, "weight-decay", 0.0, lo=0.0),
+            precision=_str(cfg, "precision", "fp32", ("fp32", "bf16")),
+            finetune=_str(cfg, "finetune", "full", ("full", "lora")),
             codec=CodecConfig.from_mapping(cfg),
         )
         if out.downstream in TENSOR_ONLY_CODECS:
@@ -426,4 +524,17 @@ class AppConfig:
         if out.local_clip_norm > 0 and out.dp == "dp-sgd":
             raise ValueError("run config 'local-clip-norm' must be 0 with dp = 'dp-sgd' (DP-SGD clips every "
                              "per-sample gradient to 'max-grad-norm' instead)")
+        if out.dp == "dp-sgd" and (out.optimizer != "sgd" or out.precision != "fp32"):
+            raise ValueError("run config dp = 'dp-sgd' trains with optimizer = 'sgd' and precision = 'fp32'")
+        if (out.dataset == "shakespeare") != (out.model == "transformer"):
+            raise ValueError("run config dataset = 'shakespeare' goes with model = 'transformer' (and only it), "
+                             f"got dataset = {out.dataset!r}, model = {out.model!r}")
+        if out.finetune == "lora":
+            from .lora import LoraSettings
+
+            LoraSettings.from_mapping(cfg)  # base-model, lora-r, lora-alpha, lora-targets, ... (naming the key)
+            if out.dataset != "shakespeare":
+                raise ValueError("run config finetune = 'lora' fine-tunes a causal LM on text: dataset = 'shakespeare'")
+            if out.dp == "dp-sgd" or out.resume:
+                raise ValueError("run config finetune = 'lora' works without dp = 'dp-sgd' and resume = true (not yet)")
         return out

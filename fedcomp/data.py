@@ -2,7 +2,8 @@
 with scikit-learn, no download), with a fixed held-out test split for the server and the
 rest partitioned across clients by flwr-datasets partitioners (``IidPartitioner``,
 ``DirichletPartitioner``). Any Hugging Face dataset with an image and a label column can
-be used instead through ``FederatedDataset`` (needs internet).
+be used instead through ``FederatedDataset`` (needs internet). ``"shakespeare"`` is LEAF's
+next-character task, one client per speaking role (:mod:`fedcomp.text_data`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from functools import lru_cache
 import numpy as np
 import torch
 from torch.utils.data import TensorDataset
+
+from .extras import require
 
 #: Images held out for server-side evaluation of the default data (20 %).
 DIGITS_TEST_SIZE = 360
@@ -26,7 +29,8 @@ class DataConfig:
     Attributes
     ----------
     dataset : str
-        "digits" (default, offline) or a Hugging Face dataset name such as "ylecun/mnist".
+        "digits" (default, offline), "shakespeare" (LEAF's roles; partitioner and alpha unused)
+        or a Hugging Face dataset name such as "ylecun/mnist".
     partitioner : str
         "iid" or "dirichlet".
     dirichlet_alpha : float
@@ -42,7 +46,8 @@ class DataConfig:
 
 
 def _make_partitioner(cfg: DataConfig, num_partitions: int):
-    from flwr_datasets.partitioner import DirichletPartitioner, IidPartitioner
+    partitioner = require("flwr_datasets.partitioner", "partitioning the data")
+    DirichletPartitioner, IidPartitioner = partitioner.DirichletPartitioner, partitioner.IidPartitioner
 
     if cfg.partitioner == "iid":
         return IidPartitioner(num_partitions=num_partitions)
@@ -55,8 +60,8 @@ def _make_partitioner(cfg: DataConfig, num_partitions: int):
 
 
 def _digits_arrays(seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
+    load_digits = require("sklearn.datasets", "the default digits data").load_digits
+    train_test_split = require("sklearn.model_selection", "the default digits data").train_test_split
 
     X, y = load_digits(return_X_y=True)
     X = (X / 16.0).astype(np.float32).reshape(-1, 1, 8, 8)
@@ -91,8 +96,12 @@ def load_partition(cfg: DataConfig, partition_id: int, num_partitions: int) -> T
     """
     if not 0 <= partition_id < num_partitions:
         raise ValueError(f"partition-id {partition_id} is outside [0, {num_partitions})")
+    if cfg.dataset == "shakespeare":
+        from .text_data import load_text_partition
+
+        return load_text_partition(partition_id, num_partitions, cfg.seed)
     if cfg.dataset == "digits":
-        from datasets import Dataset
+        Dataset = require("datasets", "partitioning the digits data").Dataset
 
         X_train, _, y_train, _ = _digits_arrays(cfg.seed)
         ds = Dataset.from_dict({"idx": np.arange(len(y_train)), "label": y_train})
@@ -105,11 +114,16 @@ def load_partition(cfg: DataConfig, partition_id: int, num_partitions: int) -> T
 
 @lru_cache(maxsize=2)
 def load_test_set(cfg: DataConfig) -> TensorDataset:
-    """The server's held-out test split (digits: 360 stratified images; hub: its "test" split)."""
+    """The server's held-out test split (digits: 360 stratified images; shakespeare: a seeded sample
+    of the roles' test windows, :func:`fedcomp.text_data.load_text_test_set`; hub: its "test" split)."""
+    if cfg.dataset == "shakespeare":
+        from .text_data import load_text_test_set
+
+        return load_text_test_set(cfg.seed)
     if cfg.dataset == "digits":
         _, X_test, _, y_test = _digits_arrays(cfg.seed)
         return _to_tensor_dataset(X_test, y_test)
-    from datasets import load_dataset
+    load_dataset = require("datasets", "a Hugging Face dataset").load_dataset
 
     return hf_to_tensor_dataset(load_dataset(cfg.dataset, split="test"))
 
@@ -131,7 +145,7 @@ def hf_to_tensor_dataset(ds) -> TensorDataset:
 
 
 def _hub_partition(cfg: DataConfig, partition_id: int, num_partitions: int) -> TensorDataset:
-    from flwr_datasets import FederatedDataset
+    FederatedDataset = require("flwr_datasets", "a Hugging Face dataset").FederatedDataset
 
     fds = FederatedDataset(dataset=cfg.dataset, partitioners={"train": _make_partitioner(cfg, num_partitions)})
     return hf_to_tensor_dataset(fds.load_partition(partition_id, "train"))

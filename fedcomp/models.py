@@ -91,11 +91,12 @@ class DigitsResNet(nn.Module):
         return self.fc(x.mean(dim=(2, 3)))
 
 
-MODELS = {"cnn": DigitsCNN, "mlp": MLP, "resnet": DigitsResNet}
+MODELS = {"cnn": DigitsCNN, "mlp": MLP, "resnet": DigitsResNet, "transformer": None}
 
 
 def build_model(name: str = "cnn", image_shape: tuple[int, ...] = (1, 8, 8), num_classes: int = 10) -> nn.Module:
-    """Build a model by name ("cnn" and "resnet" for 1x8x8 inputs, "mlp" for any image shape).
+    """Build a model by name ("cnn" and "resnet" for 1x8x8 inputs, "mlp" for any image shape,
+    "transformer" for byte sequences: :func:`fedcomp.lm.build_transformer`, input shape ``(seq_len,)``).
 
     Raises
     ------
@@ -106,6 +107,13 @@ def build_model(name: str = "cnn", image_shape: tuple[int, ...] = (1, 8, 8), num
         if tuple(image_shape) != (1, 8, 8):
             raise ValueError(f"model '{name}' expects 1x8x8 images, got {tuple(image_shape)}; use model = 'mlp'")
         return DigitsCNN(num_classes) if name == "cnn" else DigitsResNet(num_classes)
+    if name == "transformer":
+        from .lm import build_transformer, transformer_config
+        from .text_data import SEQ_LEN
+
+        # the input shape of a byte sequence is (seq_len,); the image default means "the standard length"
+        seq_len = int(image_shape[0]) if len(image_shape) == 1 else SEQ_LEN
+        return build_transformer(transformer_config(seq_len=seq_len))
     if name == "mlp":
         n = 1
         for d in image_shape:

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ._opacus import import_opacus
+
 #: What the client-level accounting assumes; reported with every epsilon.
 NO_AMPLIFICATION = ("sample rate q = 1: no privacy amplification by sampling is claimed (clients are not "
                     "Poisson-sampled from a fixed population); epsilon is per client, over all rounds")
@@ -85,6 +87,7 @@ def clip_and_noise_(buffers: list[torch.Tensor], clipping_norm: float, noise_mul
 def _rdp_per_round(sample_rate: float, noise_multiplier: float) -> tuple[tuple[float, ...], np.ndarray]:
     """Rényi DP of one (sampled) Gaussian-mechanism round at Opacus' default orders (cached:
     composition over rounds is a multiplication)."""
+    import_opacus()
     from opacus.accountants import RDPAccountant
     from opacus.accountants.analysis.rdp import compute_rdp
 
@@ -117,6 +120,7 @@ def epsilon_from_rdp(orders, rdp, delta: float) -> float:
     float
         epsilon >= 0 (``inf`` when every order is infinite).
     """
+    import_opacus()
     from opacus.accountants.analysis.rdp import get_privacy_spent
 
     with warnings.catch_warnings():  # "optimal order is the largest alpha": the bound still holds
@@ -239,6 +243,30 @@ class ClientLevelDP:
             return math.inf
         orders, per_round = _rdp_per_round(self.sample_rate, self.noise_multiplier)
         return epsilon_from_rdp(orders, per_round * rounds, self.target_delta)
+
+
+def check_accountable(noise_multiplier: float, target_delta: float, sample_rate: float = 1.0) -> None:
+    """Start-up check that the RDP accountant can compute epsilon for ``noise_multiplier`` (issue
+    21, item 11: 1e-200 passed the range check, then every round raised ``ZeroDivisionError``).
+
+    0 (no noise: epsilon = inf) is accepted; any other value must give a number for one round.
+
+    Raises
+    ------
+    ValueError
+        Naming run config 'noise-multiplier', when the accountant fails or returns NaN for it.
+    """
+    if noise_multiplier == 0:
+        return
+    try:
+        eps = ClientLevelDP(1.0, noise_multiplier, target_delta, sample_rate=sample_rate).epsilon(1)
+    except (ArithmeticError, ValueError) as exc:
+        raise ValueError(f"run config 'noise-multiplier' = {noise_multiplier!r} is too small for the RDP accountant "
+                         f"to compute epsilon ({type(exc).__name__}: {exc}); use 0 for no noise (epsilon = inf) or "
+                         "a noise multiplier of at least 1e-20") from None
+    if eps != eps:
+        raise ValueError(f"run config 'noise-multiplier' = {noise_multiplier!r}: the RDP accountant gives no epsilon "
+                         "(NaN) for it")
 
 
 @dataclass(frozen=True)

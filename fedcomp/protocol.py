@@ -39,3 +39,13 @@ def server_round(msg) -> int:
         return 0
     value = next(iter(recs.values())).get("server-round", 0)
     return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0
+
+#: Train-config keys of shared-randomness encoding under SecAgg+ (``fedcomp.secagg``): the round's
+#: shared seed (its presence tells ``compression_mod`` that the secure-aggregation mod encodes this
+#: update), the model's parameter names, the rotation flag and whether masked vectors may be packed.
+SECAGG_SEED_KEY = "fedcomp-secagg-seed"
+SECAGG_KEYS_KEY = "fedcomp-secagg-keys"
+SECAGG_ROTATION_KEY = "fedcomp-secagg-rotation"
+SECAGG_PACK_KEY = "fedcomp-secagg-pack"
+#: Client-level DP under SecAgg+: the L2 bound every client clips its k selected values to.
+SECAGG_DP_CLIP_KEY = "fedcomp-secagg-dp-clip"

@@ -34,6 +34,10 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import torch
+
+from .._opacus import import_opacus
+
+import_opacus()  # before any `from opacus ...`: keeps Opacus' logging.basicConfig from doubling every log line
 from opacus import PrivacyEngine
 from opacus.accountants import IAccountant, RDPAccountant, create_accountant
 from opacus.accountants.analysis import rdp as rdp_analysis

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import os
 import pathlib
@@ -13,22 +14,19 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.common.logger import log
 
-from ..compression import PayloadError, decode_exact, decompress
 from ..compression.error_feedback import warn_saturation_once
-from ..config import CODEC_DEFAULTS, CodecConfig
+from ..config import CODEC_DEFAULTS, DP_MODES, CodecConfig
+from ..device import peak_rss_mb
 from ..privacy import LocalDP
 from ..protocol import (
-    BASE_VERSION,
-    MODEL_KEY,
-    MODEL_META_KEY,
-    MODEL_STATE_KEY,
-    MODEL_VERSION,
     PAYLOAD_DTYPE,
     PAYLOAD_STYPE,
     RESIDUAL_STATE_KEY,
+    SECAGG_SEED_KEY,
     server_round,
 )
-from ..statedict import FlatModel, numpy_dict
+from ..statedict import numpy_dict
+from .downstream import rebuild
 from .update import CompositionError, adaptive_density, compress_update, plan_units  # noqa: F401 (re-exported)
 
 
@@ -57,47 +55,10 @@ def _stream_seed(context: Context, msg: Message) -> int:
 
 
 def _rebuild_downstream(msg: Message, context: Context, arr_key: str, rec: ArrayRecord) -> ArrayRecord:
-    """Server-to-client compression: rebuild the model from a payload and the kept copy, and keep
-    the model copy (with its version) in ``context.state`` whenever the server versions the model.
-
-    A payload record holds ``MODEL_KEY`` (the compressed change of every float tensor, flattened in
-    model order) and, under their own names, exact payloads of the integer/bool tensors that changed;
-    the others keep the held copy's values.
-
-    Raises
-    ------
-    CompositionError
-        A payload arrives but this node holds no model copy, or a copy of another version.
-    PayloadError
-        A malformed payload, or an exact payload for an unknown key or of another dtype/shape.
-    """
-    _, cfg = _only_record(msg.content, "config") if msg.content.config_records else (None, {})
-    if MODEL_VERSION not in cfg:
-        return rec
-    for key in (MODEL_VERSION, BASE_VERSION):
-        v = cfg.get(key, 0)
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise CompositionError(f"train config '{key}' must be an integer >= 0, got {v!r}")
-    if MODEL_KEY in rec:
-        if MODEL_STATE_KEY not in context.state:
-            raise CompositionError("received a compressed model but this node keeps no model copy (new node?)")
-        held = int(context.state[MODEL_META_KEY]["version"])
-        if held != cfg.get(BASE_VERSION):
-            raise CompositionError(f"this node holds model version {held}, the payload applies to {cfg.get(BASE_VERSION)}")
-        base = FlatModel.from_record(context.state[MODEL_STATE_KEY])
-        extra = sorted(set(rec.keys()) - {MODEL_KEY} - set(base.exact_keys))
-        if extra:
-            raise PayloadError(f"downstream payload carries unknown or float keys {extra[:5]}")
-        update = decompress(rec[MODEL_KEY].data, max_numel=max(base.num_float, 1),
-                            expected_shape=(base.num_float,)).numpy()
-        exact = {k: decode_exact(rec[k].data, base.specs[k].shape, base.specs[k].dtype)
-                 for k in base.exact_keys if k in rec}
-        rec = base.record(update, exact)
-        msg.content[arr_key] = rec
-    context.state[MODEL_STATE_KEY] = ArrayRecord({k: Array(dtype=a.dtype, shape=tuple(a.shape), stype=a.stype,
-                                                           data=bytes(a.data)) for k, a in rec.items()})
-    context.state[MODEL_META_KEY] = MetricRecord({"version": int(cfg[MODEL_VERSION])})
-    return rec
+    """Server-to-client compression: the dense model a downstream message describes
+    (:func:`fedcomp.client.downstream.rebuild`, which keeps the copy in ``context.state``)."""
+    cfg = _only_record(msg.content, "config")[1] if msg.content.config_records else {}
+    return rebuild(msg, context, arr_key, rec, cfg)
 
 
 def _check_client_clipping(msg: Message, received: dict, trained: dict) -> None:
@@ -159,8 +120,19 @@ def load_residuals(path: pathlib.Path, before_round: int) -> dict[str, np.ndarra
 
 def _own_local_dp(context: Context) -> LocalDP | None:
     """This client's own local-DP floor: node config ``dp = "local"`` (with its ``noise-multiplier``
-    and ``clipping-norm``), else the run config's; None if neither asks for local DP."""
-    for cfg in (context.node_config, context.run_config):
+    and ``clipping-norm``), else the run config's; None if neither asks for local DP.
+
+    Raises
+    ------
+    ValueError
+        A ``dp`` value that is not one of :data:`fedcomp.config.DP_MODES` (``"Local"``, ``"locl"``):
+        the client refuses rather than train with its privacy floor silently off."""
+    for where, cfg in (("node config", context.node_config), ("run config", context.run_config)):
+        if "dp" in cfg and cfg["dp"] not in DP_MODES:  # a slip ("Local") must not switch the privacy floor off
+            close = difflib.get_close_matches(str(cfg["dp"]).lower(), DP_MODES, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(f"{where} 'dp' must be one of {list(DP_MODES)}, got {cfg['dp']!r}{hint}; "
+                             "this client does not train with an unknown privacy setting")
         if cfg.get("dp") == "local":
             return LocalDP(cfg.get("clipping-norm", 1.0), cfg.get("noise-multiplier", 1.0))
         if "dp" in cfg:
@@ -230,6 +202,8 @@ def compression_mod(msg: Message, context: Context, call_next) -> Message:
     """
     if msg.metadata.message_type.split(".")[0] != "train":
         return call_next(msg, context)
+    if any(SECAGG_SEED_KEY in c for c in msg.content.config_records.values()):
+        return call_next(msg, context)  # under SecAgg+: fedcomp.secagg's mod encodes this update
     codec = _codec_config(msg, context)
     arr_key_in, received_rec = _only_record(msg.content, "array")
     download = sum(len(a.data) for a in received_rec.values())
@@ -259,6 +233,7 @@ def compression_mod(msg: Message, context: Context, call_next) -> Message:
     stats["compress-seconds"] = time.perf_counter() - t0
     warn_saturation_once(context.node_id, stats["residual-saturated"], stats["residual-saturated-loss"])
     stats["residual-bytes"] = float(sum(r.nbytes for r in new_res.values()))
+    stats["client-peak-rss-mb"] = peak_rss_mb()  # after training and compressing: the round's peak
     stats.update(_link_speeds(context))
     if codec.error_feedback:
         context.state[RESIDUAL_STATE_KEY] = ArrayRecord({k: Array(v) for k, v in new_res.items()})

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
+
+from ..objective import loss_and_hits
+
+OPTIMIZERS = ("sgd", "adamw")
+PRECISIONS = ("fp32", "bf16")
 
 
 @dataclass(frozen=True)
@@ -33,6 +39,17 @@ class TrainConfig:
         value; 0 (default) turns it off. Deep Gradient Compression (Lin et al., ICLR 2018,
         Sec. 3.3) clips this way to keep sparse updates from exploding. Not a privacy
         mechanism (that is ``dp``).
+    optimizer : str
+        [``optimizer``] "sgd" (``lr``, ``momentum``) or "adamw" (Loshchilov & Hutter, ICLR 2019:
+        ``lr``, ``adam-beta1``, ``adam-beta2``). The optimizer and its state are new every round.
+    beta1, beta2 : float
+        AdamW's moment decay rates [``adam-beta1``, ``adam-beta2``], in [0, 1).
+    weight_decay : float
+        Decoupled weight decay (AdamW) or L2 penalty (SGD) [``weight-decay``], >= 0.
+    precision : str
+        [``precision``] "fp32", or "bf16": forward and loss under ``torch.autocast`` in bfloat16
+        (CPU and CUDA); weights, gradients and optimizer state stay fp32, so the update the client
+        sends is fp32.
     """
 
     local_epochs: int = 1
@@ -41,6 +58,41 @@ class TrainConfig:
     lr: float = 0.1
     momentum: float = 0.9
     local_clip_norm: float = 0.0
+    optimizer: str = "sgd"
+    beta1: float = 0.9
+    beta2: float = 0.999
+    weight_decay: float = 0.0
+    precision: str = "fp32"
+
+
+def make_optimizer(params, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """The local optimizer named by ``cfg.optimizer`` over ``params``.
+
+    Raises
+    ------
+    ValueError
+        An unknown optimizer name.
+    """
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay)
+    raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {cfg.optimizer!r}")
+
+
+def autocast(device: torch.device, precision: str):
+    """``torch.autocast`` in bfloat16 for ``precision = "bf16"``, a no-op context for "fp32".
+
+    Raises
+    ------
+    ValueError
+        An unknown precision.
+    """
+    if precision == "bf16":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
 
 
 def pick_device(preference: str = "auto") -> torch.device:
@@ -68,31 +120,33 @@ def pick_device(preference: str = "auto") -> torch.device:
 def train(
     model: nn.Module, data: Dataset, cfg: TrainConfig, device: torch.device, seed: int = 0
 ) -> tuple[float, int]:
-    """Train ``model`` in place with SGD and gradient accumulation.
+    """Train ``model`` in place with SGD or AdamW and gradient accumulation.
 
-    The loss of each micro-batch is scaled by ``1 / accumulation_steps`` so that an
+    Classifiers (labels ``(batch,)``) and causal language models (targets ``(batch, seq)``,
+    see :mod:`fedcomp.objective`) alike. The loss of each micro-batch is scaled by ``1 / accumulation_steps`` so that an
     optimizer step sees the mean gradient of ``batch_size * accumulation_steps`` samples;
     a trailing partial group still steps.
 
     Returns
     -------
     (mean_loss, num_examples)
-        Mean cross-entropy per sample over all micro-batches, and ``len(data)``.
+        Mean cross-entropy per predicted item (sample or character) over all micro-batches, and
+        ``len(data)``.
     """
     model.to(device).train()
     gen = torch.Generator().manual_seed(seed)
     loader = DataLoader(data, batch_size=cfg.batch_size, shuffle=True, generator=gen)
-    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
-    loss_fn = nn.CrossEntropyLoss()
+    opt = make_optimizer(model.parameters(), cfg)
     total, seen = 0.0, 0
     for _ in range(cfg.local_epochs):
         opt.zero_grad(set_to_none=True)
         for i, (x, y) in enumerate(loader, start=1):
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            loss = loss_fn(model(x), y)
+            with autocast(device, cfg.precision):
+                loss, _, count = loss_and_hits(model(x), y)
             (loss / cfg.accumulation_steps).backward()
-            total += float(loss.detach()) * len(y)
-            seen += len(y)
+            total += float(loss.detach()) * count
+            seen += count
             if i % cfg.accumulation_steps == 0 or i == len(loader):
                 if cfg.local_clip_norm > 0:
                     torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.local_clip_norm)
@@ -103,14 +157,13 @@ def train(
 
 @torch.no_grad()
 def evaluate(model: nn.Module, data: Dataset, device: torch.device, batch_size: int = 512) -> tuple[float, float]:
-    """Mean cross-entropy loss and accuracy (fraction in [0, 1]) of ``model`` on ``data``."""
+    """Mean cross-entropy loss and accuracy (fraction in [0, 1]) of ``model`` on ``data``, per
+    predicted item: per sample for a classifier, per character for a language model."""
     model.to(device).train(False)  # evaluation mode
-    loss_fn = nn.CrossEntropyLoss(reduction="sum")
     total, correct, n = 0.0, 0, 0
     for x, y in DataLoader(data, batch_size=batch_size):
-        x, y = x.to(device), y.to(device)
-        out = model(x)
-        total += float(loss_fn(out, y))
-        correct += int((out.argmax(1) == y).sum())
-        n += len(y)
+        loss, hits, count = loss_and_hits(model(x.to(device)), y.to(device), reduction="sum")
+        total += float(loss)
+        correct += hits
+        n += count
     return (total / n, correct / n) if n else (0.0, 0.0)

@@ -21,6 +21,7 @@ from .base import (
     decompress_sparse,
     get_compressor,
 )
+from .ef21 import EF21
 from .error_feedback import ErrorFeedback, flatten_states, unflatten_states
 from .errors import PayloadError
 from .exact import EXACT_NAME, decode_exact, encode_exact, is_exact_dtype
@@ -32,6 +33,7 @@ __all__ = [
     "DEFAULT_MAX_NUMEL",
     "EXACT_NAME",
     "Compressor",
+    "EF21",
     "ErrorFeedback",
     "PayloadError",
     "available_compressors",

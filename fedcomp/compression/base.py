@@ -187,7 +187,15 @@ def _open(payload, max_numel: int, expected_shape) -> tuple:
     header = parse_header(payload, max_numel=max_numel)
     if expected_shape is not None and tuple(header.shape) != tuple(expected_shape):
         raise PayloadError(f"payload shape {header.shape} does not match the expected {tuple(expected_shape)}")
-    return payload, header, _BY_ID.get(header.codec_id)
+    if header.codec_id == EXACT_CODEC_ID:
+        raise PayloadError("an exact payload holds an integer/bool tensor: decode it with decode_exact, not decompress")
+    cls = _BY_ID.get(header.codec_id)
+    if cls is None:
+        raise PayloadError(f"unknown codec id {header.codec_id}; known: { {c.codec_id: c.name for c in CODECS.values()} }")
+    if header.exact_dtype is not None:  # float codecs encode float tensors only
+        raise PayloadError(f"{cls.name} payload declares dtype {header.exact_dtype}; {cls.name} encodes "
+                           "float16, bfloat16, float32 or float64 tensors only")
+    return payload, header, cls
 
 
 def decompress(
@@ -211,23 +219,22 @@ def decompress(
     Returns
     -------
     torch.Tensor
-        float32 CPU tensor of the original shape; always finite.
+        float32 CPU tensor of the original shape (float64 for a ``none`` payload of a float64
+        tensor: such models stay float64 end to end); always finite.
 
     Raises
     ------
     PayloadError
-        Truncated, bad magic, unknown codec or version, too many elements, shape other
+        Truncated, bad magic, unknown codec or version, an exact payload, a header dtype the
+        codec cannot produce (an integer dtype on a float codec), too many elements, shape other
         than ``expected_shape``, position out of range, non-finite scale or values,
         trailing bytes. Nothing is pickled or ``torch.load``-ed.
     """
     payload, header, cls = _open(payload, max_numel, expected_shape)
-    if header.codec_id == EXACT_CODEC_ID:
-        raise PayloadError("an exact payload holds an integer/bool tensor: decode it with decode_exact, not decompress")
-    if cls is None:
-        raise PayloadError(f"unknown codec id {header.codec_id}; known: { {c.codec_id: c.name for c in CODECS.values()} }")
     with np.errstate(over="ignore", invalid="ignore"):  # overflow shows up as non-finite output, checked below
         flat = cls._decode(header, memoryview(payload).cast("B"))
-    if flat.shape != (header.numel,) or flat.dtype != np.float32:  # pragma: no cover - decoder invariant
+    wide = flat.dtype == np.float64 and header.dtype == torch.float64  # only `none` of a float64 tensor
+    if flat.shape != (header.numel,) or (flat.dtype != np.float32 and not wide):  # pragma: no cover - invariant
         raise PayloadError(f"{cls.name} decoder produced {flat.shape} {flat.dtype}")
     if not np.isfinite(flat).all():
         raise PayloadError(f"{cls.name} payload decodes to non-finite values")
@@ -257,15 +264,18 @@ def decompress_sparse(
     (positions, values) or None
         ``positions``: int64, shape ``(k,)``, strictly increasing, each in ``[0, numel)`` of the
         flattened tensor; ``values``: float32, shape ``(k,)``, finite. None if the payload's codec
-        is dense (sign, qsgd, int8, fp16, ...): decode it with :func:`decompress`.
+        is dense (sign, qsgd, int8, fp16, ...): decode it with :func:`decompress`. Memory is O(k)
+        for every sparse codec (randomk regenerates its k positions without an n-sized mask when
+        k <= n / 4).
 
     Raises
     ------
     PayloadError
-        As :func:`decompress`.
+        As :func:`decompress`: an unknown codec id, an exact (integer/bool) payload and a float
+        codec's header that declares an integer dtype are refused, never answered with None.
     """
     payload, header, cls = _open(payload, max_numel, expected_shape)
-    if cls is None or not hasattr(cls, "_decode_sparse"):
+    if not hasattr(cls, "_decode_sparse"):
         return None
     with np.errstate(over="ignore", invalid="ignore"):
         pos, vals = cls._decode_sparse(header, memoryview(payload).cast("B"))

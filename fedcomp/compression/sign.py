@@ -52,9 +52,11 @@ class SignCompressor(Compressor):
 
     def _encode(self, flat: torch.Tensor) -> tuple[bytes, bytes]:
         n = flat.numel()
-        scale = float(torch.linalg.vector_norm(flat, ord=1)) / n if n else 0.0
+        # mean |x| by torch's pairwise (cascade) summation: ~1e-7 relative at 11M entries, where
+        # the fp32 ord-1 norm divided by n drifts by ~2e-3 (issue 21, item 18).
+        scale = float(flat.abs().mean()) if n else 0.0
         if not np.isfinite(scale):  # the fp32 sum overflowed: redo it in float64
-            scale = min(float(torch.linalg.vector_norm(flat.double(), ord=1)) / n, _FP32_MAX)
+            scale = min(float(flat.abs().mean(dtype=torch.float64)), _FP32_MAX)
         return struct.pack(self._PARAMS, scale), _pack_on_device(flat >= 0)
 
     @classmethod

@@ -10,9 +10,10 @@ and the sha256 of the ``.npz`` it belongs to. A crash between the two renames le
 What is saved: the global weights (every array with its exact shape and dtype: 0-d, integer,
 bool, fp16 and zero-element arrays included), the round number, the metrics of every round so far,
 and the strategy's :meth:`~fedcomp.strategies.CompressedStrategy.state_dict`: the inner strategy's
-optimizer state where it has one (FedOpt/FedAdam ``m_t``/``v_t``, FedAvgM's momentum) in the
-``.npz``, the privacy accounting (client-level DP rounds, local-DP rounds, the epsilon projections
-of DP-SGD reports) in the manifest. Manifests without the newer keys load with their start values.
+optimizer state where it has one (FedOpt/FedAdam ``m_t``/``v_t``, FedAvgM's momentum) and the
+integer rule's rounding remainders in the ``.npz``, the privacy accounting (client-level DP rounds,
+local-DP rounds, the epsilon projections of DP-SGD reports) in the manifest. Manifests without the
+newer keys load with their start values.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from ..statedict import copy_array
+from ..strategies.wrapping import OPTIMIZER_PREFIXES
 from .results import finite_or_none
 
 WEIGHTS = "checkpoint.npz"
@@ -34,6 +36,8 @@ META = "checkpoint.json"
 CHECKSUM = "weights-sha256"
 #: Array in the weights file that repeats the round, so a torn pair can be named precisely.
 _ROUND = "__round__"
+#: Prefix of the integer rule's rounding remainders (``CompressedStrategy.int_remainders``).
+_INT_REMAINDER = "int-remainder"
 
 
 def _sha256(path: pathlib.Path) -> str:
@@ -78,6 +82,7 @@ def save(out_dir: pathlib.Path, server_round: int, weights: dict[str, np.ndarray
     state = strategy.state_dict() if strategy is not None else {}
     arrays = {f"w/{k}": copy_array(v) for k, v in weights.items()}
     arrays.update(state.get("optimizer", {}))
+    arrays.update({f"{_INT_REMAINDER}/{k}": copy_array(v) for k, v in state.get("int-remainders", {}).items()})
     arrays[_ROUND] = np.array(server_round, dtype=np.int64)
     tmp = out_dir / (WEIGHTS + ".tmp.npz")
     np.savez(tmp, **arrays)
@@ -191,10 +196,16 @@ def load(out_dir: pathlib.Path, strategy: Any,
             raise ValueError(f"checkpoint in {out_dir} does not fit the model: checkpoint {got}, model {want}")
     for k, v in weights.items():
         _check_array(v, f"checkpoint in {out_dir}: weights of '{k}'")
+    remainders = {k.split("/", 1)[1]: v for k, v in data.items() if k.startswith(_INT_REMAINDER + "/")}
+    for k, v in remainders.items():
+        if k not in weights or v.shape != weights[k].shape or v.dtype != np.float64 or not np.isfinite(v).all() \
+                or (v.size and float(np.abs(v).max()) > 0.5):
+            raise ValueError(f"checkpoint in {out_dir}: the integer rule's remainder of '{k}' is not a float64 array "
+                             "of the tensor's shape with entries in [-0.5, 0.5]")
     if strategy is not None:
-        optimizer = {k: v for k, v in data.items() if not k.startswith("w/") and k != _ROUND}
+        optimizer = {k: v for k, v in data.items() if k.split("/", 1)[0] in OPTIMIZER_PREFIXES}
         try:
-            strategy.load_state_dict({"optimizer": optimizer, "privacy": meta},
+            strategy.load_state_dict({"optimizer": optimizer, "privacy": meta, "int-remainders": remainders},
                                      {k: tuple(v.shape) for k, v in weights.items()})
         except ValueError as exc:
             raise ValueError(f"checkpoint in {out_dir}: {exc}") from None

@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+from fractions import Fraction
 from typing import Any
 
 import numpy as np
@@ -31,8 +32,11 @@ from ..statedict import (
     bool_majority,
     cast_checked,
     copy_array,
+    exact_weight,
+    integer_delta,
     integer_mean,
     numpy_to_array,
+    weighted_add,
 )
 from .decode import DecodedUpdate, TrainReply
 
@@ -132,38 +136,62 @@ class RunningSum:
 class ExactVotes:
     """Integer/bool tensors of the replies, aggregated by the documented rules.
 
-    Integers: ``sum_i w_i (v_i - global)`` in float64, then :func:`integer_mean`. Bools: the weight
-    voting True, then :func:`bool_majority`. A client that did not send a tensor (local DP) does
-    not vote on it; a tensor nobody sent keeps the global value.
+    Integers: ``sum_i w_i (v_i - global)`` in exact integer arithmetic (:func:`integer_delta`,
+    :func:`weighted_add`; never through float64, so a counter beyond 2**53 moves exactly), then
+    :func:`integer_mean` with the rounding remainder carried from round to round in
+    ``remainders`` (held by the strategy). Bools: the weight voting True, then
+    :func:`bool_majority`. A client that did not send a tensor (local DP) does not vote on it; a
+    tensor nobody sent keeps the global value (and its remainder).
+
+    Parameters
+    ----------
+    model : FlatModel
+        The global model of the round.
+    remainders : dict of str to np.ndarray, optional
+        float64 remainder per integer tensor (entries in [-0.5, 0.5]), read and updated by
+        :meth:`result` (missing or of another shape: starts at 0). None: no carry.
     """
 
-    def __init__(self, model: FlatModel) -> None:
+    def __init__(self, model: FlatModel, remainders: dict[str, np.ndarray] | None = None) -> None:
         self.model = model
-        self.sums = {k: np.zeros(model.specs[k].shape, np.float64) for k in model.exact_keys}
-        self.weights = dict.fromkeys(model.exact_keys, 0.0)
+        self.sums = {k: (np.zeros(model.specs[k].shape, np.float64) if model.exact[k].dtype == np.bool_
+                         else np.zeros(model.specs[k].shape, np.int64)) for k in model.exact_keys}
+        self.weights: dict[str, int | Fraction] = dict.fromkeys(model.exact_keys, 0)
+        self.remainders = remainders
+        self._result: dict[str, np.ndarray] | None = None
 
     def add(self, exact: dict[str, np.ndarray], weight: float) -> None:
-        """Count one client's exact tensors with weight ``weight`` (> 0)."""
+        """Count one client's exact tensors with weight ``weight`` (> 0; ``num-examples``)."""
+        w = exact_weight(weight)
         for k, v in exact.items():
             g = self.model.exact[k]
             if g.dtype == np.bool_:
-                self.sums[k] += weight * v
+                self.sums[k] += float(w) * v
             else:
-                self.sums[k] += weight * (v.astype(np.float64) - g.astype(np.float64))
-            self.weights[k] += weight
+                self.sums[k] = weighted_add(self.sums[k], w, integer_delta(v, g))
+            self.weights[k] += w
+        self._result = None
 
     def result(self) -> dict[str, np.ndarray]:
-        """Every exact tensor's aggregate, in its own dtype and shape."""
-        out = {}
-        for k, g in self.model.exact.items():
-            w = self.weights[k]
-            if w <= 0:
-                out[k] = g.copy()
-            elif g.dtype == np.bool_:
-                out[k] = bool_majority(g, self.sums[k], w)
-            else:
-                out[k] = integer_mean(g, self.sums[k], w)
-        return out
+        """Every exact tensor's aggregate, in its own dtype and shape. Computed once per round (the
+        carried remainders move once); later calls return the same arrays' copies."""
+        if self._result is None:
+            out = {}
+            for k, g in self.model.exact.items():
+                w = self.weights[k]
+                if w <= 0:
+                    out[k] = g.copy()
+                elif g.dtype == np.bool_:
+                    out[k] = bool_majority(g, self.sums[k], float(w))
+                else:
+                    rem = None
+                    if self.remainders is not None:
+                        rem = self.remainders.get(k)
+                        if rem is None or rem.shape != g.shape:
+                            rem = self.remainders[k] = np.zeros(g.shape, np.float64)
+                    out[k] = integer_mean(g, self.sums[k], w, rem)
+            self._result = out
+        return {k: v.copy() for k, v in self._result.items()}
 
 
 class MeanFold:
@@ -175,8 +203,8 @@ class MeanFold:
     votes : ExactVotes
     """
 
-    def __init__(self, model: FlatModel) -> None:
-        self.running, self.votes = RunningSum(model), ExactVotes(model)
+    def __init__(self, model: FlatModel, remainders: dict[str, np.ndarray] | None = None) -> None:
+        self.running, self.votes = RunningSum(model), ExactVotes(model, remainders)
 
     def add(self, reply: Message, decoded: TrainReply) -> None:
         """Fold ``decoded`` in with its weight; the reply itself is not kept."""
@@ -221,11 +249,13 @@ class DenseFold:
     model : FlatModel
     record_key : str
         Where the inner strategy reads the weights (its ``arrayrecord_key``).
+    remainders : dict, optional
+        The integer rule's carried rounding remainders (:class:`ExactVotes`).
     """
 
-    def __init__(self, model: FlatModel, record_key: str) -> None:
+    def __init__(self, model: FlatModel, record_key: str, remainders: dict[str, np.ndarray] | None = None) -> None:
         self.model, self.record_key = model, record_key
-        self.votes = ExactVotes(model)
+        self.votes = ExactVotes(model, remainders)
         self.replies: list[Message] = []
 
     def add(self, reply: Message, decoded: TrainReply) -> None:
@@ -234,8 +264,8 @@ class DenseFold:
         for key in list(reply.content.keys()):
             del reply.content[key]
         update = decoded.update
-        reply.content[self.record_key] = self.model.record(update.to_flat(self.model.num_float), update.exact,
-                                                           check=False, portable=True)
+        reply.content[self.record_key] = self.model.record(update.to_flat(self.model.num_float, self.model.flat.dtype),
+                                                           update.exact, check=False, portable=True)
         reply.content["metrics"] = MetricRecord(decoded.metrics)
         self.replies.append(reply)
 
@@ -262,7 +292,7 @@ def in_model_dtypes(arrays: ArrayRecord, model: FlatModel, exact: dict[str, np.n
                 raise ValueError(f"'{k}': aggregate is not finite in the model's dtype {spec.dtype}")
             out[k] = a
             continue
-        w = np.asarray(w, dtype=np.float32).reshape(spec.shape)
+        w = np.asarray(w, dtype=np.float64 if spec.dtype == "float64" else np.float32).reshape(spec.shape)
         out[k] = numpy_to_array(cast_checked(k, w, spec.dtype), spec.dtype)
     return out
 

@@ -15,9 +15,12 @@ from flwr.serverapp.strategy import Strategy
 
 from ..compression import PayloadError, available_compressors
 from ..config import CodecConfig
+from ..device import reported_machine
 from ..privacy import ClientLevelDP, LocalDP
 from ..protocol import MODEL_KEY
+from ..seeded_init import SeededInit
 from ..statedict import FlatModel
+from .admission import admit, check_max_num_examples
 from .aggregate import (
     ClippedFold,
     DenseFold,
@@ -29,6 +32,8 @@ from .aggregate import (
 )
 from .decode import decode_train_reply
 from .downstream import Downstream
+from .ef21 import EF21Aggregate
+from .forward import ForwardsToInner
 from .privacy import PoissonSampling, PrivacyBudget
 from .round_metrics import client_stats, common_metric_keys, layers_mean, round_metrics
 from .wrapping import find_attr, load_optimizer_state, optimizer_state, wraps
@@ -61,6 +66,8 @@ class SentRound:
     server_round: int
     model: FlatModel
     sampled: float = 0.0
+    #: Node ids sent a train message (one node, one vote: replies from others are refused); None: unknown.
+    nodes: set[int] | None = None
 
 
 @dataclass
@@ -77,7 +84,7 @@ class RoundReplies:
     failed: int = 0
 
 
-class CompressedStrategy(Strategy):
+class CompressedStrategy(ForwardsToInner, Strategy):
     """Wrap any Message-API strategy so that clients send compressed updates.
 
     Like Flower's DP wrappers, it adds one concern and delegates the rest:
@@ -114,8 +121,10 @@ class CompressedStrategy(Strategy):
         It only ever receives dense, validated replies.
     compressor : str
         Codec name (see :func:`fedcomp.compression.available_compressors`). Default "stc".
-    error_feedback : bool
-        Clients keep a residual (Karimireddy et al. 2019). Default True.
+    error_feedback : bool or "ef21"
+        Clients keep a residual (Karimireddy et al. 2019). Default True. "ef21": clients send
+        ``C(update - h_i)`` and the server applies its estimate ``h`` (:mod:`.ef21`; Richtárik et
+        al. 2021); needs a weighted-mean inner strategy, no ``client_dp``.
     max_num_examples : int
         Largest ``num-examples`` (the inner strategy's weighting key) a reply may claim;
         replies with a non-integer, non-finite, < 1 or larger weight are rejected, so that
@@ -133,6 +142,8 @@ class CompressedStrategy(Strategy):
         or "none": dense). Clients that hold the previous broadcast get ``C(global - broadcast)``
         (server-side error feedback); new or lagging clients get the broadcast model dense.
         Needs ``compression_mod`` on the clients (it rebuilds and keeps the model copy).
+        Clients that missed rounds get the missed payloads or a compressed difference from the
+        copy they hold, whichever is smaller (:mod:`fedcomp.strategies.downstream`).
     client_sampling : float, optional
         Poisson client sampling: the inner strategy should select every node (fraction 1.0);
         each is then kept independently with this probability q, per round. Needed for
@@ -145,6 +156,14 @@ class CompressedStrategy(Strategy):
         FedAdagrad, FedProx) and client-level DP, fold every decoded reply into one running sum
         (server memory O(model) for any number of clients; sparse payloads in O(k)); every other
         inner strategy gets each client's dense weights. "dense": always the latter (for checks).
+    downstream_init : SeededInit, optional
+        The initial model as a seed and one bound per tensor (:func:`fedcomp.seeded_init.lora_init`):
+        with ``downstream``, new clients build it themselves instead of downloading it dense.
+    require_compression : bool
+        Refuse dense replies (plain weights from a client without ``compression_mod``). Default
+        False: a mixed fleet works, each dense reply is validated like a payload (the model's keys,
+        shapes and dtypes; finite) and counted as an uncompressed update at its real bytes under
+        ``upload-bytes-dense``. Dense replies are always refused under local DP and EF21.
     **params
         Codec parameters by their Python or run-config names: ``density``, ``levels``,
         ``block_size``, ``value_dtype``, ``residual_dtype``.
@@ -152,14 +171,25 @@ class CompressedStrategy(Strategy):
     Raises
     ------
     ValueError
-        Unknown codec or a parameter out of range (at construction).
+        Unknown codec or a parameter out of range (at construction): among them ``max_epsilon``
+        that is not a finite number > 0 and ``max_num_examples`` that is not an integer >= 1.
+    AttributeError
+        Setting a public attribute that neither this wrapper nor the inner strategy has (reads and
+        writes of the inner strategy's settings are forwarded to it: :mod:`.forward`).
+
+    Notes
+    -----
+    One node, one vote: in ``aggregate_train`` a second reply from a node, and a reply from a node
+    that ``configure_train`` did not send a message to, are refused and counted in
+    ``rejected-replies`` (:mod:`.admission`). Under ``local_dp`` the server keeps its own
+    integer/bool tensors whatever a reply holds. Client-reported metrics are clamped to ±1e100.
     """
 
     def __init__(self, inner: Strategy, compressor: str = "stc", error_feedback: bool = True,
                  max_num_examples: int = 10**9, client_dp: ClientLevelDP | None = None,
                  local_dp: LocalDP | None = None, max_epsilon: float | None = None, downstream: str | None = None,
                  client_sampling: float | None = None, seed: int | None = None, aggregation: str = "auto",
-                 **params) -> None:
+                 downstream_init: SeededInit | None = None, require_compression: bool = False, **params) -> None:
         if aggregation not in ("auto", "dense"):
             raise ValueError(f"aggregation must be 'auto' or 'dense', got {aggregation!r}")
         if not isinstance(inner, Strategy):
@@ -172,15 +202,30 @@ class CompressedStrategy(Strategy):
                 "update's norm exceed clipping_norm from round 2 on, while the server's noise assumes it does not. Use "
                 "error_feedback=False, or server-side clipping of the decoded update "
                 "(DifferentialPrivacyServerSideFixedClipping inside CompressedStrategy, or client_dp=ClientLevelDP(...))")
-        self.max_num_examples = int(max_num_examples)
+        self.max_num_examples = check_max_num_examples(max_num_examples)
+        if not isinstance(require_compression, bool):
+            raise ValueError(f"require_compression must be True or False, got {require_compression!r}")
+        self.require_compression = require_compression
+        if max_epsilon is not None and (isinstance(max_epsilon, bool) or not isinstance(max_epsilon, (int, float))
+                                        or not max_epsilon > 0 or not np.isfinite(max_epsilon)):
+            raise ValueError(f"max_epsilon (run config 'max-epsilon') must be a finite number > 0, or None for no "
+                             f"budget; got {max_epsilon!r}")
+        self.ef21 = EF21Aggregate() if self.codec.error_feedback == "ef21" else None
+        if self.ef21 is not None and (client_dp is not None or aggregation != "auto" or not streams(inner)):
+            raise ValueError("error_feedback='ef21' needs a weighted-mean inner strategy (FedAvg and its family), "
+                             "aggregation='auto' and no client_dp: the server keeps EF21's estimate of the mean update")
         self.aggregation = aggregation
         if downstream not in (None, "none") and downstream not in available_compressors():
             raise ValueError(f"downstream must be 'none' or one of {available_compressors()}, got {downstream!r}")
-        self.downstream = None if downstream in (None, "none") else Downstream(self.codec, downstream)
+        self.downstream = (None if downstream in (None, "none")
+                           else Downstream(self.codec, downstream, init=downstream_init))
         self.sampling = None if client_sampling is None else PoissonSampling(client_sampling, seed)
         self.budget = PrivacyBudget(client_dp, local_dp, max_epsilon)
         #: The global model sent in the current round (set by :meth:`configure_train`).
         self.sent_round: SentRound | None = None
+        #: Rounding remainder of the integer rule per integer tensor, carried from round to round
+        #: (float64, entries in [-0.5, 0.5]; see :func:`fedcomp.statedict.integer_mean`).
+        self.int_remainders: dict[str, np.ndarray] = {}
         self._dense_noted = False  # the dense path's memory cost is logged once per run
         #: Per-round metrics computed by this wrapper (round -> dict).
         self.history: dict[int, dict[str, float]] = {}
@@ -188,6 +233,7 @@ class CompressedStrategy(Strategy):
         self.layer_history: dict[int, dict[str, dict[str, float]]] = {}
         #: Per-round, per-client figures (round -> list of dicts with node, bytes, seconds, link speeds).
         self.client_history: dict[int, list[dict]] = {}
+        self._start_forwarding()  # from here on, settings of the inner strategy reach it (:mod:`.forward`)
 
     @classmethod
     def from_codec_config(cls, inner: Strategy, codec: CodecConfig, **options) -> "CompressedStrategy":
@@ -225,8 +271,10 @@ class CompressedStrategy(Strategy):
     # -- state for checkpoints -----------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Everything a resumed run needs: ``{"privacy": JSON-serialisable accounting,
-        "optimizer": {name: np.ndarray} of the inner strategy's server optimizer}``."""
-        return {"privacy": self.budget.state_dict(), "optimizer": optimizer_state(self.inner)}
+        "optimizer": {name: np.ndarray} of the inner strategy's server optimizer,
+        "int-remainders": {tensor: float64 np.ndarray} of the integer rule}``."""
+        return {"privacy": self.budget.state_dict(), "optimizer": optimizer_state(self.inner),
+                "int-remainders": {k: np.array(v, copy=True) for k, v in self.int_remainders.items()}}
 
     def load_state_dict(self, state: dict[str, Any], shapes: dict[str, tuple]) -> None:
         """Restore :meth:`state_dict`; ``shapes``: the model's tensor shapes (model order).
@@ -238,6 +286,7 @@ class CompressedStrategy(Strategy):
         """
         load_optimizer_state(self.inner, state.get("optimizer", {}), shapes)
         self.budget.load_state_dict(state.get("privacy", {}))
+        self.int_remainders = dict(state.get("int-remainders", {}))
 
     # -- delegation -------------------------------------------------------------------
     def summary(self) -> None:
@@ -245,10 +294,11 @@ class CompressedStrategy(Strategy):
         log(INFO, "\t├──> CompressedStrategy: %s", self.codec.describe())
         self.inner.summary()
 
-    def remember(self, server_round: int, model: FlatModel, sampled: float = 0.0) -> None:
+    def remember(self, server_round: int, model: FlatModel, sampled: float = 0.0, nodes: set[int] | None = None) -> None:
         """Record the global model sent in ``server_round`` (what :meth:`configure_train` does;
-        public for callers that build the round's replies themselves)."""
-        self.sent_round = SentRound(server_round, model, sampled)
+        public for callers that build the round's replies themselves; ``nodes`` None: any node's
+        first reply counts)."""
+        self.sent_round = SentRound(server_round, model, sampled, nodes)
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
         """Add the codec in force (and local-DP settings) to ``config``, remember ``arrays``, delegate.
@@ -262,7 +312,7 @@ class CompressedStrategy(Strategy):
                 raise ValueError(f"the model has a tensor named '{MODEL_KEY}', the name fedcomp's whole-model payload "
                                  "travels under: rename that module or parameter")
         self.history.setdefault(server_round, {})
-        self.remember(server_round, FlatModel.from_record(arrays))
+        self.remember(server_round, FlatModel.from_record(arrays), nodes=set())
         if self.budget.exhausted(server_round):
             return []
         for k, v in codec.to_mapping().items():
@@ -272,6 +322,7 @@ class CompressedStrategy(Strategy):
         self.sent_round.sampled = len(msgs)
         if self.sampling is not None:
             msgs, self.sent_round.sampled = self.sampling.sample(msgs)
+        self.sent_round.nodes = {m.metadata.dst_node_id for m in msgs}
         if self.downstream is not None and msgs:
             self.downstream.prepare(server_round, arrays, msgs)
         return msgs
@@ -296,9 +347,16 @@ class CompressedStrategy(Strategy):
         if sent is None or sent.server_round != server_round:
             raise RuntimeError(f"aggregate_train for round {server_round} without configure_train")
         model = sent.model
-        # A fixed order (by node id): float sums, and so runs, do not depend on arrival order.
+        # One node, one vote (duplicates and strangers refused, :mod:`.admission`), then a fixed order
+        # (by node id): float sums, and so runs, do not depend on arrival order.
+        replies, refused = admit(list(replies), lambda r: r.metadata.src_node_id, sent.nodes)
+        for node, why in refused:
+            log(WARNING, "round %s: rejected reply from node %s: %s", server_round, node, why)
         replies = sorted(replies, key=lambda r: r.metadata.src_node_id)
         got = self._fold(server_round, replies, model)
+        got.rejected += len(refused)
+        if self.ef21 is not None:  # EF21: the round's update is the server's estimate h (+= mean of the sends)
+            self.ef21.fold(got.fold.running)
         self.budget.note_refusals(server_round, replies)
         common_metric_keys(got.metric_contents)
         arrays, agg_metrics, dp_info = self._hand_over(server_round, model, got, sent.sampled)
@@ -317,16 +375,19 @@ class CompressedStrategy(Strategy):
         if self.client_dp is not None:
             return ClippedFold(model, self.client_dp)
         if self.aggregation == "auto" and streams(self.inner):
-            return MeanFold(model)
+            return MeanFold(model, self.int_remainders)
         if not self._dense_noted:
             log(INFO, "%s", dense_memory_note(self.inner, clients, model))
             self._dense_noted = True
-        return DenseFold(model, self._record_key())
+        return DenseFold(model, self._record_key(), self.int_remainders)
 
     def _fold(self, server_round: int, replies: list[Message], model: FlatModel) -> RoundReplies:
         """Decode every reply and fold the good ones in; failed and rejected ones are logged and counted."""
         got = RoundReplies(self._new_fold(model, len(replies)))
         wkey = self._weight_key()
+        refuse_dense = ("require_compression is set" if self.require_compression else
+                        "local DP needs every client to clip and noise its update" if self.local_dp is not None else
+                        "EF21's server estimate mirrors the clients' compressed sends" if self.ef21 is not None else "")
         for reply in replies:
             node = reply.metadata.src_node_id
             if reply.has_error():
@@ -334,7 +395,9 @@ class CompressedStrategy(Strategy):
                 log(WARNING, "round %s: client (node %s) failed: %s", server_round, node, _failure_reason(reply))
                 continue
             try:  # everything is validated before anything is folded in
-                decoded = decode_train_reply(reply, model, wkey, self.max_num_examples)
+                # local DP: the server keeps its own integer/bool values, whatever a client sent
+                decoded = decode_train_reply(reply, model, wkey, self.max_num_examples, refuse_dense,
+                                             keep_exact=self.local_dp is None)
             except (PayloadError, ValueError, TypeError, KeyError, OverflowError) as exc:
                 got.rejected += 1
                 log(WARNING, "round %s: rejected reply from node %s: %s", server_round, node, exc)
@@ -345,7 +408,7 @@ class CompressedStrategy(Strategy):
             for name, nbytes in decoded.update.codecs.items():
                 got.codec_bytes[name] = got.codec_bytes.get(name, 0) + nbytes
             stat = client_stats(node, decoded.reported, decoded.update.upload_bytes, model.dense_bytes,
-                                decoded.decode_seconds)
+                                decoded.decode_seconds, reported_machine(reply.content))
             if self.downstream is not None:
                 self.downstream.received(node)
                 stat["download-bytes"] = float(self.downstream.sent_bytes.get(node, 0))

@@ -1,9 +1,10 @@
-"""Walking a chain of wrapped strategies: Flower's wrappers (the DP ones) hold the strategy they
-wrap in ``.strategy``, fedcomp's (``CompressedStrategy``, ``RoundOffset``) in ``.inner``.
+"""Walking a chain of wrapped strategies: Flower's wrappers (the DP ones) and
+``LegacyCompressedStrategy`` hold the strategy they wrap in ``.strategy``, fedcomp's
+``CompressedStrategy`` and ``RoundOffset`` in ``.inner``.
 
 Every place that needs "the strategy inside" (its record key, weighting key, metric aggregation,
-optimizer state for checkpoints, whether a Flower client-side DP wrapper is present) walks the
-chain here, one rule for all: ``.strategy`` first, then ``.inner``.
+optimizer state for checkpoints, whether a Flower client-side DP wrapper is present, the owner of
+a forwarded setting) walks the chain here, one rule for all: ``.strategy`` first, then ``.inner``.
 """
 
 from __future__ import annotations
@@ -16,15 +17,19 @@ import numpy as np
 MAX_DEPTH = 8
 #: Optimizer state of Flower's FedOpt family (FedAdam, FedYogi, FedAdagrad): ``{key: array}``.
 OPTIMIZER_STATE = ("m_t", "v_t")
+#: Name prefixes of :func:`optimizer_state`'s arrays (``<prefix>/<key or index>``).
+OPTIMIZER_PREFIXES = (*OPTIMIZER_STATE, "momentum")
 
 
 def chain(strategy: Any) -> Iterator[Any]:
-    """``strategy``, then every strategy it wraps, outermost first."""
+    """``strategy``, then every strategy it wraps, outermost first (read from each object's own
+    ``__dict__``: a wrapper that forwards attribute reads to its inner strategy must not skip a level)."""
     for _ in range(MAX_DEPTH):
         if strategy is None:
             return
         yield strategy
-        strategy = getattr(strategy, "strategy", getattr(strategy, "inner", None))
+        own = getattr(strategy, "__dict__", {})
+        strategy = own.get("strategy", own.get("inner"))
 
 
 def innermost(strategy: Any) -> Any:

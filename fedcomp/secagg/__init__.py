@@ -1,0 +1,25 @@
+"""Compressed updates under Flower's SecAgg+: shared-seed random-k (and rotation) inside the masks.
+
+Client: ``ClientApp(mods=[packing_secaggplus_mod, shared_randomk_mod])`` (fedcomp's own app:
+``secagg_mod`` before ``compression_mod``). Server: ``DefaultWorkflow(fit_workflow=
+CompressedSecAggPlusWorkflow(...))`` with ``SharedRandomKStrategy(FedAvg(...), density)`` in the
+``LegacyContext``. Masking, key agreement, secret sharing and dropout recovery are Flower's.
+"""
+
+from .client import packing_secaggplus_mod, secagg_mod, shared_randomk_mod
+from .config import SECAGG_CODECS, SecAggConfig, check_codec_under_secagg
+from .encoding import SharedProjection
+from .strategy import SharedRandomKStrategy
+from .workflow import CompressedSecAggPlusWorkflow
+
+__all__ = [
+           "SECAGG_CODECS",
+           "CompressedSecAggPlusWorkflow",
+           "SecAggConfig",
+           "SharedProjection",
+           "SharedRandomKStrategy",
+           "check_codec_under_secagg",
+           "packing_secaggplus_mod",
+           "secagg_mod",
+           "shared_randomk_mod",
+]

@@ -1,0 +1,287 @@
+"""Client mods for compressed updates under Flower's SecAgg+.
+
+``ClientApp(mods=[packing_secaggplus_mod, shared_randomk_mod])`` (or Flower's own
+``secaggplus_mod`` first, without packing). Flower's ``secaggplus_mod`` does all the
+cryptography (keys, secret shares, masks, dropout recovery); ``shared_randomk_mod`` runs inside it,
+in the "collect masked vectors" stage, and changes only *what* is masked: instead of the dense
+weights it returns the k entries of the error-feedback-corrected update that the round's shared
+seed selects (after the shared rotation if asked), pre-rounded onto SecAgg+'s quantization grid.
+``packing_secaggplus_mod`` wraps Flower's mod and packs the masked values (each in
+``[0, modulus_range)``) at ``log2(modulus_range)`` bits instead of int64; the masking is untouched.
+
+fedcomp's own ClientApp uses :func:`secagg_mod` (both, and only for SecAgg+ messages) in front of
+``compression_mod``.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from logging import WARNING
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
+from flwr.app.message_type import MessageType
+from flwr.client.mod import secaggplus_mod
+from flwr.common import Code, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays
+from flwr.common.logger import log
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, RECORD_KEY_STATE, Key
+from flwr.compat.common import recorddict_compat as compat
+
+from ..compression import PayloadError
+from ..compression.bits import nbytes_for_bits, pack_uint, unpack_uint
+from ..protocol import SECAGG_DP_CLIP_KEY, SECAGG_KEYS_KEY, SECAGG_PACK_KEY, SECAGG_ROTATION_KEY, SECAGG_SEED_KEY
+from .encoding import SharedProjection, flower_weight, prequantize
+
+#: Key in ``context.state`` of the error-feedback residual of the secure path (float32, shape (d,)).
+SECAGG_RESIDUAL_KEY = "fedcomp.secagg-residual"
+#: First bytes of a packed masked vector (an ``.npy`` starts with b"\x93NUMPY").
+PACK_MAGIC = b"FCSQ\x01"
+#: Largest element count a packed masked vector may claim (2**34 values).
+MAX_PACKED_NUMEL = 1 << 34
+
+_warned_dense = False
+
+
+def _is_train(msg: Message) -> bool:
+    return msg.metadata.message_type.split(".")[0] == MessageType.TRAIN
+
+
+def _secagg_state(ctxt: Context) -> ConfigRecord:
+    if RECORD_KEY_STATE not in ctxt.state.config_records:
+        raise RuntimeError("shared_randomk_mod must run inside Flower's secaggplus_mod: "
+                           "ClientApp(mods=[secaggplus_mod, shared_randomk_mod])")
+    return ctxt.state.config_records[RECORD_KEY_STATE]
+
+
+def _float_layout(arrays: list[np.ndarray]) -> list[tuple[int, int, int]]:
+    """(index, offset, numel) of every float array in the flattened update."""
+    out, off = [], 0
+    for i, a in enumerate(arrays):
+        if a.dtype.kind == "f":
+            out.append((i, off, a.size))
+            off += a.size
+    return out
+
+
+def _train(msg: Message, ctxt: Context, call_next, global_arrays: list[np.ndarray], cfg: dict):
+    """Run the inner app; returns (trained arrays in order, num_examples, metrics) or an error Message.
+
+    With ``fedcomp-secagg-keys`` in the config the inner app is a Message-API train handler
+    (content ``arrays`` with the parameter names, ``config``); otherwise a legacy app
+    (NumPyClient) that reads and writes ``fitins.*`` / ``fitres.*`` records.
+    """
+    names = cfg.get(SECAGG_KEYS_KEY)
+    if names:
+        if len(names) != len(global_arrays):
+            raise ValueError(f"train config names {len(names)} parameters, the message carries {len(global_arrays)}")
+        content = RecordDict({"arrays": ArrayRecord({n: Array(np.array(a, copy=True, order="C"))
+                                                     for n, a in zip(names, global_arrays)}),
+                              "config": ConfigRecord(cfg)})
+        reply = call_next(Message(content=content, metadata=msg.metadata), ctxt)
+        if reply.has_error():
+            return reply
+        recs = reply.content.array_records
+        if len(recs) != 1:
+            raise ValueError(f"the train handler must reply with one ArrayRecord, got {len(recs)}")
+        rec = next(iter(recs.values()))
+        if list(rec.keys()) != list(names):
+            raise ValueError("the train handler replied with other parameter names than it received")
+        trained = [rec[n].numpy() for n in names]
+        metrics = dict(next(iter(reply.content.metric_records.values()))) if reply.content.metric_records else {}
+        n = metrics.get("num-examples", metrics.get("num_examples"))
+        if isinstance(n, bool) or not isinstance(n, (int, float)) or n < 0:
+            raise ValueError(f"the train handler's metrics need a 'num-examples' >= 0, got {n!r}")
+        return trained, int(n), metrics
+    reply = call_next(msg, ctxt)
+    if reply.has_error():
+        return reply
+    fitres = compat.recorddict_to_fitres(reply.content, keep_input=True)
+    return parameters_to_ndarrays(fitres.parameters), int(fitres.num_examples), dict(fitres.metrics)
+
+
+def shared_randomk_mod(msg: Message, ctxt: Context, call_next) -> Message:
+    """Flower client mod (inside ``secaggplus_mod``): reply with the round's shared k entries of the
+    error-feedback-corrected update, pre-rounded onto SecAgg+'s grid, as the vector to mask.
+
+    Reads the round's seed, ``density``, ``fedcomp-secagg-rotation`` and ``error-feedback`` from
+    the train config (sent by :class:`fedcomp.secagg.SharedRandomKStrategy`) and c, Q and
+    ``max_weight`` from SecAgg+'s own state. Only float tensors are encoded (flattened in order,
+    d entries); integer and bool tensors keep the server's values. The reply is a legacy FitRes
+    whose single array holds k float64 values; Flower then multiplies them by the client's weight
+    ``round(num_examples / max_weight * Q) / Q``, quantizes (exactly, as they lie on its grid),
+    and masks. The residual (float32, d entries) stays in ``context.state``.
+
+    Adds metrics ``secagg-k``, ``secagg-clipped`` (entries clipped to +-c), ``dense-bytes``
+    (fp32 cost of the float update), ``compression-error`` and ``residual-norm``.
+
+    Client-level DP (``fedcomp-secagg-dp-clip`` = C in the train config, error feedback off): the
+    client reports ``num_examples = max_weight`` to SecAgg+ (uniform weights, so one client moves
+    the sum by at most C) and clips its k values to L2 norm ``C - sqrt(k) * 2c / Q``, so that the
+    values after rounding onto the grid stay within C; the server adds the noise
+    (:class:`fedcomp.secagg.SharedRandomKStrategy` with ``client_dp``).
+
+    Raises
+    ------
+    ValueError
+        ``num_examples > max_weight``; a non-finite update (the residual is kept as it was); a
+        reply under other names than received. Flower turns it into an error reply: SecAgg+ then
+        treats this client as dropped.
+    """
+    global _warned_dense
+    if not _is_train(msg):
+        return call_next(msg, ctxt)
+    cfg = dict(msg.content.config_records["fitins.config"])
+    if SECAGG_SEED_KEY not in cfg:
+        if not _warned_dense:
+            log(WARNING, "fedcomp: the server sent no shared seed (no SharedRandomKStrategy): dense SecAgg+ update")
+            _warned_dense = True
+        return call_next(msg, ctxt)
+    state = _secagg_state(ctxt)
+    c, q, max_weight = float(state["clipping_range"]), int(state["target_range"]), float(state["max_weight"])
+    global_arrays = parameters_to_ndarrays(compat.arrayrecord_to_parameters(
+        msg.content.array_records["fitins.parameters"], keep_input=True))
+    out = _train(msg, ctxt, call_next, global_arrays, cfg)
+    if isinstance(out, Message):
+        return out
+    trained, num_examples, metrics = out
+    if len(trained) != len(global_arrays) or any(t.shape != g.shape for t, g in zip(trained, global_arrays)):
+        raise ValueError("the trained model's arrays differ in number or shape from the received model")
+    layout = _float_layout(global_arrays)
+    dim = sum(n for _, _, n in layout)
+    delta = np.empty(dim, dtype=np.float64)
+    for i, off, n in layout:
+        delta[off : off + n] = trained[i].astype(np.float64).reshape(-1) - global_arrays[i].astype(np.float64).reshape(-1)
+    if not np.isfinite(delta).all():
+        raise ValueError("non-finite update: the client does not send it (its residual is kept)")
+    ef = bool(cfg.get("error-feedback", True))
+    dp_clip = cfg.get(SECAGG_DP_CLIP_KEY)
+    if dp_clip is not None and ef:
+        raise ValueError("client-level DP under SecAgg+ needs error-feedback = false: the residual would carry the "
+                         "clipped excess into later rounds and void the clipping bound")
+    residual = None
+    if ef and SECAGG_RESIDUAL_KEY in ctxt.state.array_records:
+        r = ctxt.state.array_records[SECAGG_RESIDUAL_KEY]["residual"].numpy()
+        residual = r if r.shape == (dim,) else None
+    corrected = delta if residual is None else delta + residual
+    proj = SharedProjection(dim, float(cfg["density"]), int(cfg[SECAGG_SEED_KEY]), bool(cfg.get(SECAGG_ROTATION_KEY)))
+    reported = num_examples
+    values, rotated = proj.encode(corrected)
+    dp_clipped = 0
+    if dp_clip is not None:
+        # DP: uniform weights (every client reports max_weight) and ||sent|| <= C, the rounding onto the grid
+        # (< one step per entry) included
+        reported = int(max_weight)
+        weight = flower_weight(reported, max_weight, q)
+        bound = float(dp_clip) - np.sqrt(proj.k) * 2 * c / q / weight
+        if bound <= 0:
+            raise ValueError(f"DP clipping norm {dp_clip} is below the quantization slack sqrt(k) * 2c / Q: raise "
+                             "'clipping-norm' or 'secagg-quantization-bits'")
+        norm_v = float(np.linalg.norm(values))
+        if norm_v > bound:
+            values *= bound / norm_v
+            dp_clipped = 1
+    else:
+        weight = flower_weight(num_examples, max_weight, q)
+    sent, clipped = prequantize(values, weight, c, q, np.random.default_rng())  # OS entropy
+    rotated.numpy()[proj.positions()] -= sent
+    new_residual = proj.unrotate_(rotated).numpy()
+    norm = float(np.linalg.norm(corrected))
+    res_norm = float(np.linalg.norm(new_residual))
+    if ef:
+        ctxt.state.array_records[SECAGG_RESIDUAL_KEY] = ArrayRecord({"residual": Array(new_residual.astype(np.float32))})
+    metrics = {k: v for k, v in metrics.items() if isinstance(v, (int, float, str, bytes, bool))}
+    metrics.update({"secagg-k": proj.k, "secagg-clipped": clipped, "dense-bytes": float(4 * dim),
+                    "compression-error": res_norm / norm if norm > 0 else 0.0,
+                    "residual-norm": res_norm if ef else 0.0, "secagg-dp-clipped": dp_clipped})
+    fitres = FitRes(Status(Code.OK, ""), ndarrays_to_parameters([sent]), reported, metrics)
+    return Message(compat.fitres_to_recorddict(fitres, keep_input=True), reply_to=msg)
+
+
+# -- packing of the masked vectors ---------------------------------------------------------------
+
+
+def pack_masked(npy: np.ndarray, bits: int) -> bytes:
+    """A masked int64 array (entries in ``[0, 2**bits)``) packed at ``bits`` bits per entry.
+
+    Layout: ``PACK_MAGIC``, bits (u8), ndim (u8), shape (ndim x u64 little-endian), then
+    :func:`fedcomp.compression.bits.pack_uint` of the flattened values.
+
+    Raises
+    ------
+    ValueError
+        An entry outside ``[0, 2**bits)``.
+    """
+    flat = npy.reshape(-1)
+    if flat.size and (int(flat.min()) < 0 or int(flat.max()) >> bits):
+        raise ValueError(f"masked values outside [0, 2**{bits})")
+    head = PACK_MAGIC + struct.pack("<BB", bits, npy.ndim) + struct.pack(f"<{npy.ndim}Q", *npy.shape)
+    return head + pack_uint(flat.astype(np.uint64), bits)
+
+
+def unpack_masked(buf: bytes, bits: int, max_numel: int = MAX_PACKED_NUMEL) -> np.ndarray:
+    """Inverse of :func:`pack_masked`: int64 array of the shape in the header.
+
+    Raises
+    ------
+    PayloadError
+        Wrong magic or bit width (the server expects ``bits``), a shape over ``max_numel``
+        entries, or a body of the wrong length.
+    """
+    if not buf.startswith(PACK_MAGIC) or len(buf) < len(PACK_MAGIC) + 2:
+        raise PayloadError("packed masked vector: bad magic")
+    got_bits, ndim = struct.unpack_from("<BB", buf, len(PACK_MAGIC))
+    if got_bits != bits:
+        raise PayloadError(f"packed masked vector: {got_bits} bits per value, this round's modulus needs {bits}")
+    off = len(PACK_MAGIC) + 2
+    if ndim > 8 or len(buf) < off + 8 * ndim:
+        raise PayloadError("packed masked vector: truncated shape")
+    shape = struct.unpack_from(f"<{ndim}Q", buf, off)
+    numel = math.prod(shape)
+    if numel > max_numel:
+        raise PayloadError(f"packed masked vector claims {numel} values (limit {max_numel})")
+    body = memoryview(buf)[off + 8 * ndim :]
+    if len(body) != nbytes_for_bits(numel * bits):
+        raise PayloadError(f"packed masked vector: {len(body)} body bytes for {numel} values of {bits} bits")
+    return unpack_uint(body, numel, bits, "packed masked vector").astype(np.int64).reshape(shape)
+
+
+def packing_secaggplus_mod(msg: Message, ctxt: Context, call_next) -> Message:
+    """Flower's ``secaggplus_mod``, with its masked vectors packed at ``log2(modulus_range)`` bits.
+
+    Packs only when the server announced it can unpack (``fedcomp-secagg-pack = true`` in the
+    train config, sent by :class:`fedcomp.secagg.SharedRandomKStrategy` with ``pack=True`` and
+    unpacked by :class:`fedcomp.secagg.CompressedSecAggPlusWorkflow`). Every protocol step, mask
+    and share is Flower's; this only re-encodes the masked integers of the reply. Adds the
+    reply's metric ``upload-bytes`` (bytes of the masked vectors as sent).
+    """
+    pack = (_is_train(msg) and "fitins.config" in msg.content.config_records
+            and bool(msg.content.config_records["fitins.config"].get(SECAGG_PACK_KEY, False)))
+    reply = secaggplus_mod(msg, ctxt, call_next)
+    if reply.has_error() or not _is_train(msg):
+        return reply
+    rec = reply.content.config_records.get(RECORD_KEY_CONFIGS)
+    if rec is None or Key.MASKED_PARAMETERS not in rec:
+        return reply
+    blobs = list(rec[Key.MASKED_PARAMETERS])
+    if pack:
+        from flwr.common import bytes_to_ndarray
+
+        bits = int(ctxt.state.config_records[RECORD_KEY_STATE]["mod_range"]).bit_length() - 1
+        blobs = [pack_masked(bytes_to_ndarray(b), bits) for b in blobs]
+        rec[Key.MASKED_PARAMETERS] = blobs
+    if "fitres.metrics" in reply.content.config_records:
+        reply.content.config_records["fitres.metrics"]["upload-bytes"] = float(sum(len(b) for b in blobs))
+    return reply
+
+
+def secagg_mod(msg: Message, ctxt: Context, call_next) -> Message:
+    """fedcomp's ClientApp mod: SecAgg+ messages go through :func:`packing_secaggplus_mod` and
+    :func:`shared_randomk_mod` (then straight to the train handler); all others to ``call_next``.
+
+    Register it before ``compression_mod``: ``ClientApp(mods=[secagg_mod, compression_mod])``
+    (``compression_mod`` lets the shared-seed train message through untouched).
+    """
+    if _is_train(msg) and RECORD_KEY_CONFIGS in msg.content.config_records:
+        return packing_secaggplus_mod(msg, ctxt, lambda m, c: shared_randomk_mod(m, c, call_next))
+    return call_next(msg, ctxt)

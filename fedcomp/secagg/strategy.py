@@ -1,0 +1,204 @@
+"""``SharedRandomKStrategy``: a legacy Flower strategy wrapper for shared-seed random-k under SecAgg+.
+
+Flower 1.42 runs SecAgg+ only in the legacy ``DefaultWorkflow`` with a ``flwr.server.strategy``
+strategy. This wrapper adds one concern to an inner legacy strategy (``FedAvg``, ``FedAvgM``,
+``FedAdam``, ...): each round it sends a shared seed (and ``density``, the rotation flag) in the
+fit config, and when ``SecAggPlusWorkflow`` hands over the unmasked weighted mean of the k
+encoded values it scatters them into the round's shared positions, undoes the rotation, adds the
+mean update to the global model and lets the inner strategy apply that model as its aggregate.
+
+FedAvg weighting is SecAgg+'s: each client's vector is multiplied by
+``w_i = round(num_examples_i / max_weight * Q) / Q`` inside ``secaggplus_mod`` and the workflow
+divides the unmasked sum by ``sum(w_i)``: the result is the num-examples-weighted mean (weights
+rounded to 1/Q of ``max_weight``). The inner strategy gets one FitRes with those weights and
+``num_examples = sum(num_examples_i)``: FedAvg returns it unchanged, FedAvgM / FedAdam treat
+``global - it`` as their pseudo-gradient. Integer and bool tensors keep the global values.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from flwr.common import (
+    Code,
+    EvaluateIns,
+    EvaluateRes,
+    FitIns,
+    FitRes,
+    Parameters,
+    Scalar,
+    Status,
+    ndarrays_to_parameters,
+    parameters_to_ndarrays,
+)
+from flwr.server.client_manager import ClientManager
+from flwr.server.client_proxy import ClientProxy
+from flwr.server.strategy import Strategy
+
+from ..privacy import ClientLevelDP
+from ..protocol import SECAGG_DP_CLIP_KEY, SECAGG_KEYS_KEY, SECAGG_PACK_KEY, SECAGG_ROTATION_KEY, SECAGG_SEED_KEY
+from .encoding import SharedProjection, round_seed
+
+
+class SharedRandomKStrategy(Strategy):
+    """Shared-seed random-k (optionally rotated) updates through SecAgg+, around a legacy strategy.
+
+    Parameters
+    ----------
+    strategy : flwr.server.strategy.Strategy
+        The inner legacy strategy (sampling, evaluation, server optimiser).
+    density : float
+        Fraction of the float entries every client sends, in (0, 1]; 1.0 with ``rotation=False``
+        is dense SecAgg+ (every entry, same quantization).
+    rotation : bool
+        Shared randomised Hadamard rotation before the selection (default False).
+    error_feedback : bool
+        Clients keep what they did not send (default True; Stich et al. 2018).
+    seed : int
+        Run seed; round r's shared seed is derived from it and r (not a secret: it only names
+        positions and rotation, which every client learns anyway).
+    keys : list of str, optional
+        Parameter names in model order: sent to the clients so that a Message-API train handler
+        (fedcomp's ClientApp) gets named arrays; omit for legacy (NumPyClient) apps.
+    pack : bool
+        Tell clients the server unpacks packed masked vectors (needs
+        :class:`fedcomp.secagg.CompressedSecAggPlusWorkflow`); default False.
+    client_dp : fedcomp.privacy.ClientLevelDP, optional
+        Client-level DP: clients clip their k values to ``clipping_norm`` with uniform weights
+        (needs ``error_feedback=False``); the server divides the unmasked sum by the number of
+        clients sampled and adds Gaussian noise of std ``noise_multiplier * clipping_norm / clients``
+        (OS CSPRNG) to the k values, accounted by RDP per round (McMahan et al. 2018, DP-FedAvg).
+        The server sees the exact sum before adding the noise: the guarantee holds for whoever sees
+        the released models (clients, the public), with an honest server.
+
+    Attributes
+    ----------
+    history : dict
+        Per round: ``num-replies``, ``failures`` (sampled clients without a masked vector), ``k``, ``dimension``, ``clipped`` (entries clipped
+        by clients), ``train-loss`` (example-weighted), ``compression-error`` (mean).
+    """
+
+    def __init__(self, strategy: Strategy, density: float, *, rotation: bool = False, error_feedback: bool = True,
+                 seed: int = 0, keys: list[str] | None = None, pack: bool = False,
+                 client_dp: ClientLevelDP | None = None) -> None:
+        super().__init__()
+        if client_dp is not None and error_feedback:
+            raise ValueError("client-level DP under SecAgg+ needs error-feedback = false: with error feedback the "
+                             "residual carries the clipped excess into later rounds and voids the clipping bound")
+        self.client_dp = client_dp
+        if not 0 < density <= 1:
+            raise ValueError(f"SharedRandomKStrategy: density must be in (0, 1], got {density}")
+        self.inner, self.density, self.rotation = strategy, float(density), bool(rotation)
+        self.error_feedback, self.seed, self.keys, self.pack = bool(error_feedback), int(seed), keys, bool(pack)
+        self.history: dict[int, dict[str, float]] = {}
+        self._global: list[np.ndarray] | None = None
+        self._proj: SharedProjection | None = None
+        self._sampled = 0
+
+    def __repr__(self) -> str:
+        return f"SharedRandomKStrategy({self.inner!r}, density={self.density}, rotation={self.rotation})"
+
+    def describe(self) -> str:
+        """One line for logs and ``metrics.json``."""
+        return (f"secagg+ shared randomk density={self.density:g}" + (" rotation" if self.rotation else "")
+                + ("" if self.error_feedback else " no-ef"))
+
+    # -- delegated ----------------------------------------------------------------------------
+    def initialize_parameters(self, client_manager: ClientManager) -> Parameters | None:
+        """The inner strategy's initial parameters."""
+        return self.inner.initialize_parameters(client_manager)
+
+    def configure_evaluate(self, server_round: int, parameters: Parameters,
+                           client_manager: ClientManager) -> list[tuple[ClientProxy, EvaluateIns]]:
+        """The inner strategy's evaluation round."""
+        return self.inner.configure_evaluate(server_round, parameters, client_manager)
+
+    def aggregate_evaluate(self, server_round: int, results: list[tuple[ClientProxy, EvaluateRes]],
+                           failures) -> tuple[float | None, dict[str, Scalar]]:
+        """The inner strategy's evaluation aggregate."""
+        return self.inner.aggregate_evaluate(server_round, results, failures)
+
+    def evaluate(self, server_round: int, parameters: Parameters) -> tuple[float, dict[str, Scalar]] | None:
+        """The inner strategy's centralised evaluation."""
+        return self.inner.evaluate(server_round, parameters)
+
+    # -- the shared encoding --------------------------------------------------------------------
+    def configure_fit(self, server_round: int, parameters: Parameters,
+                      client_manager: ClientManager) -> list[tuple[ClientProxy, FitIns]]:
+        """The inner strategy's sample, each FitIns with its own config plus the round's shared seed,
+        ``density``, rotation flag, ``error-feedback``, ``server-round`` (and names, pack flag)."""
+        self._global = parameters_to_ndarrays(parameters)
+        dim = sum(a.size for a in self._global if a.dtype.kind == "f")
+        self._proj = SharedProjection(max(dim, 1), self.density, round_seed(self.seed, server_round), self.rotation)
+        extra: dict[str, Scalar] = {
+            "server-round": server_round, SECAGG_SEED_KEY: self._proj.seed, "density": self.density,
+            SECAGG_ROTATION_KEY: self.rotation, "error-feedback": self.error_feedback, SECAGG_PACK_KEY: self.pack,
+        }
+        if self.client_dp is not None:
+            extra[SECAGG_DP_CLIP_KEY] = float(self.client_dp.clipping_norm)
+        if self.keys is not None:
+            if len(self.keys) != len(self._global):
+                raise ValueError(f"SharedRandomKStrategy: {len(self.keys)} keys for {len(self._global)} arrays")
+            extra[SECAGG_KEYS_KEY] = list(self.keys)  # type: ignore[assignment]
+        sample = self.inner.configure_fit(server_round, parameters, client_manager)
+        self._sampled = len(sample)
+        return [(proxy, FitIns(ins.parameters, {**ins.config, **extra})) for proxy, ins in sample]
+
+    def aggregate_fit(self, server_round: int, results: list[tuple[ClientProxy, FitRes]],
+                      failures) -> tuple[Parameters | None, dict[str, Scalar]]:
+        """Decode SecAgg+'s weighted mean of the k values into a model and hand it to the inner strategy.
+
+        Raises
+        ------
+        ValueError
+            The aggregate is not one vector of the round's k values, or is non-finite.
+        """
+        if not results or self._proj is None or self._global is None:
+            return None, {}
+        vec = parameters_to_ndarrays(results[0][1].parameters)
+        if len(vec) != 1:
+            raise ValueError(f"secure aggregate has {len(vec)} arrays, expected the one vector of k values")
+        values, dp_info = vec[0], {}
+        if self.client_dp is not None:  # SecAgg+ gave the uniform mean over the survivors: back to their sum
+            values, dp_info = self.client_dp.finish(values.astype(np.float64) * len(results), [],
+                                                    max(self._sampled, len(results)))
+            dp_info.pop("max-update-norm")
+            dp_info.pop("clipped-fraction")
+        delta = self._proj.decode(values)
+        new, off = [], 0
+        for g in self._global:
+            if g.dtype.kind == "f":
+                upd = (g.astype(np.float64) + delta[off : off + g.size].reshape(g.shape)).astype(g.dtype)
+                if not np.isfinite(upd).all():
+                    raise ValueError("the aggregated model is not finite in its own dtype")
+                new.append(upd)
+                off += g.size
+            else:
+                new.append(g.copy())
+        total = sum(fr.num_examples for _, fr in results)
+        res = FitRes(Status(Code.OK, ""), ndarrays_to_parameters(new), total, {})
+        agg, _ = self.inner.aggregate_fit(server_round, [(results[0][0], res)], failures)
+        if agg is not None:  # inner strategies compute in float64: back to each tensor's dtype
+            out = parameters_to_ndarrays(agg)
+            agg = ndarrays_to_parameters([o.astype(g.dtype) if g.dtype.kind == "f" else g
+                                          for o, g in zip(out, self._global)])
+        metrics = {**self._round_metrics(results, failures), **dp_info}
+        self.history[server_round] = metrics
+        return agg, metrics
+
+    def _round_metrics(self, results, failures) -> dict[str, Scalar]:
+        ms = [fr.metrics for _, fr in results]
+        n = [fr.num_examples for _, fr in results]
+
+        def num(m, key):
+            v = m.get(key, 0.0)
+            return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else 0.0
+
+        return {
+            # failures = sampled - replied (Flower 1.42's SecAgg+ workflow lists a failed reply twice)
+            "num-replies": len(results), "failures": max(self._sampled - len(results), 0), "k": self._proj.k, "dimension": self._proj.dim,
+            "clipped": sum(num(m, "secagg-clipped") for m in ms),
+            "train-loss": sum(num(m, "train-loss") * w for m, w in zip(ms, n)) / max(sum(n), 1),
+            "compression-error": sum(num(m, "compression-error") for m in ms) / len(ms),
+            "dense-bytes": sum(num(m, "dense-bytes") for m in ms),
+            **({"clipped-fraction": sum(num(m, "secagg-dp-clipped") for m in ms) / len(ms)} if self.client_dp else {}),
+        }

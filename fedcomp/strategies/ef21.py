@@ -1,0 +1,58 @@
+"""EF21's server side: the running estimate ``h`` of the mean update.
+
+Source: Richtárik, Sokolov, Fatkhullin, "EF21", NeurIPS 2021 (Algorithm 1, lines 6-8 on the
+server); the client side is :class:`fedcomp.compression.EF21`.
+
+Clients send ``c_i = C(x_i - h_i)``; the weighted mean of the decoded ``c_i`` is folded into the
+server's ``h``, and ``h`` (not the mean of this round's sends) becomes the round's update:
+``global <- global + h``. With every client in every round and weights that do not change,
+``h`` equals the weighted mean of the clients' ``h_i`` exactly (fp64 sum). With client sampling
+or failures it is the EF21 estimate over the clients that replied (the paper's partial
+participation variant keeps per-client weights; not done here).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .aggregate import RunningSum
+
+
+class EF21Aggregate:
+    """The server's estimate ``h``, one float64 vector per float tensor (model order).
+
+    Attributes
+    ----------
+    h : dict of str to np.ndarray
+        Flat float64 estimate per float tensor; empty before the first round.
+    """
+
+    def __init__(self) -> None:
+        self.h: dict[str, np.ndarray] = {}
+
+    def fold(self, running: RunningSum) -> None:
+        """``h <- h + sum / total``, then make ``running`` hold ``h * total`` (so that its mean is ``h``).
+
+        Parameters
+        ----------
+        running : RunningSum
+            This round's weighted sum of decoded sends, with ``total > 0``; changed in place.
+
+        Raises
+        ------
+        ValueError
+            The model's tensors changed size since the last round (the estimate cannot continue).
+        """
+        if running.total <= 0:
+            return
+        for k, acc in running.acc.items():
+            h = self.h.get(k)
+            if h is None:
+                h = self.h[k] = np.zeros_like(acc)
+            if h.shape != acc.shape:
+                raise ValueError(f"EF21: '{k}' has {acc.size} entries, the server's estimate {h.size}")
+            h += acc / running.total
+            np.multiply(h, running.total, out=acc)
+
+
+__all__ = ["EF21Aggregate"]

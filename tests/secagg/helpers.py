@@ -1,0 +1,100 @@
+"""A one-round SecAgg+ federation in process: Flower's DefaultWorkflow + our workflow and strategy,
+clients whose 'training' adds a known update (so the expected aggregate is computable exactly)."""
+
+from __future__ import annotations
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, Context, Error, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.common import ndarrays_to_parameters
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key
+from flwr.server import LegacyContext, ServerConfig
+from flwr.server.strategy import FedAvg
+from flwr.server.workflow import DefaultWorkflow
+
+from fedcomp.secagg import CompressedSecAggPlusWorkflow, SharedRandomKStrategy, secagg_mod
+from fedcomp.simulation import CLIENT_APP_RAISED_EXCEPTION, InProcessGrid
+
+SHAPES = {"w": (40, 50), "b": (50,), "steps": ()}  # 2050 float entries + one int64 0-d buffer
+
+
+def global_model(seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {"w": rng.normal(size=SHAPES["w"]).astype(np.float32), "b": rng.normal(size=SHAPES["b"]).astype(np.float32),
+            "steps": np.array(7, dtype=np.int64)}
+
+
+def client_delta(pid: int, scale: float = 0.01) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(100 + pid)
+    return {"w": (scale * rng.normal(size=SHAPES["w"])).astype(np.float32),
+            "b": (scale * rng.normal(size=SHAPES["b"])).astype(np.float32), "steps": np.array(3, dtype=np.int64)}
+
+
+def num_examples(pid: int) -> int:
+    return 50 + 37 * pid
+
+
+def make_client_app(scale: float = 0.01) -> ClientApp:
+    app = ClientApp(mods=[secagg_mod])
+
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        pid = int(context.node_config["partition-id"])
+        d = client_delta(pid, scale)
+        new = {k: Array(np.array(a.numpy() + d[k], copy=True, order="C")) for k, a in msg.content["arrays"].items()}
+        metrics = MetricRecord({"num-examples": num_examples(pid), "train-loss": 1.0})
+        return Message(RecordDict({"arrays": ArrayRecord(new), "metrics": metrics}), reply_to=msg)
+
+    return app
+
+
+class RecordingGrid(InProcessGrid):
+    """Keeps every masked-vector reply as it travelled; ``drop`` partition ids fail in the collect stage
+    (after sharing keys), ``corrupt`` ones send a truncated packed vector."""
+
+    def __init__(self, *a, drop=(), corrupt=(), **kw):
+        super().__init__(*a, **kw)
+        self.drop, self.corrupt, self.masked = set(drop), set(corrupt), {}
+
+    def send_and_receive(self, messages, *, timeout=None):
+        messages = list(messages)
+        pid = {nid: ctx.node_config["partition-id"] for nid, ctx in self.contexts.items()}
+        keep = [m for m in messages if not ("fitins.parameters" in m.content.array_records
+                                            and pid[m.metadata.dst_node_id] in self.drop)]
+        out = list(super().send_and_receive(keep, timeout=timeout))
+        for m in messages:
+            if m not in keep:
+                out.append(Message(Error(code=CLIENT_APP_RAISED_EXCEPTION, reason="dropped"), reply_to=m))
+        for r in out:
+            if not r.has_error() and Key.MASKED_PARAMETERS in r.content.config_records.get(RECORD_KEY_CONFIGS, {}):
+                rec = r.content.config_records[RECORD_KEY_CONFIGS]
+                p = pid[r.metadata.src_node_id]
+                self.masked[p] = list(rec[Key.MASKED_PARAMETERS])
+                if p in self.corrupt:
+                    rec[Key.MASKED_PARAMETERS] = [b[:-3] for b in rec[Key.MASKED_PARAMETERS]]
+        return out
+
+
+def run_round(n: int, density: float, *, rotation=False, pack=True, drop=(), corrupt=(), scale=0.01,
+              clipping_range=1.0, qbits=16, shares=1.0, threshold=0.6, ef=True, inner_cls=FedAvg, client_dp=None, **inner_kw):
+    """One SecAgg+ round; returns (new model dict, strategy, workflow, grid)."""
+    g = global_model()
+    keys = list(g)
+    grid = RecordingGrid(make_client_app(scale), n, {}, drop=drop, corrupt=corrupt)
+    captured = {}
+
+    def evaluate_fn(rnd, arrays, config):
+        captured[rnd] = arrays
+        return 0.0, {}
+
+    inner = inner_cls(**inner_kw, fraction_fit=1.0, fraction_evaluate=0.0, min_fit_clients=n, min_evaluate_clients=0,
+                   min_available_clients=n, evaluate_fn=evaluate_fn,
+                   initial_parameters=ndarrays_to_parameters([g[k] for k in keys]))
+    strategy = SharedRandomKStrategy(inner, density, rotation=rotation, error_feedback=ef, seed=3, keys=keys, pack=pack,
+                                     client_dp=client_dp)
+    workflow = CompressedSecAggPlusWorkflow(shares, threshold, max_weight=1000.0, clipping_range=clipping_range,
+                                            quantization_range=1 << qbits)
+    ctx = LegacyContext(Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={}),
+                        config=ServerConfig(num_rounds=1), strategy=strategy)
+    DefaultWorkflow(fit_workflow=workflow)(grid, ctx)
+    return dict(zip(keys, captured[1])), strategy, workflow, grid

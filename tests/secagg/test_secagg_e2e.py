@@ -1,0 +1,49 @@
+"""`flwr run . --run-config "secagg=true compressor='randomk' density=0.015625"` on 10 SuperNodes."""
+
+import json
+import re
+import shutil
+
+import pytest
+
+from tests.app.test_e2e import _flwr_run
+
+N_PARAMS = 38282  # float entries of the default CNN
+
+
+@pytest.mark.skipif(shutil.which("pgrep") is None, reason="needs pgrep to stop the local SuperLink")
+def test_flwr_run_secagg_randomk_on_ten_supernodes(tmp_path):
+    log, metrics_file = _flwr_run(tmp_path, 10, "num-server-rounds=2 secagg=true compressor='randomk' density=0.015625",
+                                  ("39401", "39403"))
+    assert metrics_file.exists(), log[-3000:]
+    data = json.loads(metrics_file.read_text())
+    rounds = data["rounds"]
+    assert [r["round"] for r in rounds] == [0, 1, 2], log[-3000:]
+    k = round(0.015625 * N_PARAMS)
+    for r in rounds[1:]:
+        assert r["num-replies"] == 10 and r["failures"] == 0 and r["k"] == k
+        # 10 clients, Q = 2**16: modulus 2**20; k values + the weight entry, 20 bits each, 15-byte headers
+        assert r["modulus-bits"] == 20
+        assert r["upload-bytes"] == 10 * (15 + (k * 20 + 7) // 8 + 15 + 3)
+        assert 0.3 < r["bits-per-parameter"] < 0.32
+        assert r["secagg-protocol-bytes"] > 0
+    assert data["codec"].startswith("secagg+ shared randomk")
+    flower_log = (metrics_file.parent / "flower.log").read_text()  # Flower's INFO lines go there (verbose = false)
+    assert flower_log.count("Secure aggregation completed") == 2
+    for rnd in (0, 1, 2):
+        assert len(re.findall(rf"fedcomp +{rnd} +\d\.\d{{4}} ", log)) == 1, log[-3000:]
+
+
+def test_local_deployment_launcher_runs_secagg(tmp_path, capsys):
+    """The same through fedcomp-local-deployment: a real SuperLink and 3 SuperNode processes."""
+    from tests.deploy.test_deployment import _run_launcher
+
+    code, out = _run_launcher(tmp_path, capsys, "--supernodes", "3", "--run-config",
+                              "num-server-rounds=2 secagg=true compressor='randomk' density=0.015625")
+    assert code == 0, out[-3000:]
+    rounds = json.loads((tmp_path / "results" / "metrics.json").read_text())["rounds"]
+    assert [r["round"] for r in rounds] == [0, 1, 2]
+    k = round(0.015625 * N_PARAMS)
+    # 3 clients, Q = 2**16: modulus 2**18
+    assert all(r["num-replies"] == 3 and r["modulus-bits"] == 18 and
+               r["upload-bytes"] == 3 * (15 + (k * 18 + 7) // 8 + 15 + 3) for r in rounds[1:])
