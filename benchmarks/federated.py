@@ -23,7 +23,7 @@ from flwr.app import ArrayRecord, ConfigRecord
 from outputs import REPO, output_path, shown
 
 from fedcomp.client.app import app as client_app
-from fedcomp.client.training import evaluate
+from fedcomp.training import evaluate
 from fedcomp.config import AppConfig
 from fedcomp.data import DataConfig, load_test_set
 from fedcomp.models import build_model
@@ -62,7 +62,7 @@ CASES = {
     "sign+EF model-scale": {"compressor": "sign", "selection": "model"},
     "stc 0.01+EF down-stc": {"compressor": "stc", "density": 0.01, "downstream": "stc"},
     "stc 0.01+EF down-fp16": {"compressor": "stc", "density": 0.01, "downstream": "fp16"},
-    # issue 15: rotated 1-bit, low rank, NUQSGD, DGC's momentum correction + local clipping (+ warm-up)
+    # rotated 1-bit, low rank, NUQSGD, DGC's momentum correction + local clipping (+ warm-up)
     "eden+EF": {"compressor": "eden"},
     "powersgd r4+EF": {"compressor": "powersgd", "rank": 4},
     "powersgd r1+EF": {"compressor": "powersgd", "rank": 1},

@@ -17,7 +17,15 @@ import torch
 from flwr.common.logger import log
 
 from ..broadcast import is_batchnorm_stat  # noqa: F401 (re-exported)
-from ..compression import EF21, ErrorFeedback, decompress, decompress_sparse, encode_exact, flatten_states, unflatten_states
+from ..compression import (
+    EF21,
+    ErrorFeedback,
+    decompress,
+    decompress_sparse,
+    encode_exact,
+    flatten_states,
+    unflatten_states,
+)
 from ..config import SPARSE_CODECS, CodecConfig
 from ..privacy import LocalDP, clip_and_noise_, secure_generator
 from ..protocol import MODEL_KEY

@@ -12,17 +12,17 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAdam, FedAvg, FedAvgM, Strategy
 
-from ..client.training import evaluate
 from ..config import AppConfig
 from ..data import DataConfig, load_test_set
 from ..lora import LoraSettings, initial_adapters, load_weights, lora_model
 from ..models import build_model
-from ..privacy import NO_AMPLIFICATION, ClientLevelDP, LocalDP, check_accountable
+from ..privacy import NO_AMPLIFICATION, ClientLevelDP, DPSGDConfig, LocalDP, check_accountable
 from ..secagg.server_app import check_secagg_config, run_secagg, secagg_requested
 from ..statedict import copy_array, to_record
 from ..strategies import CompressedStrategy
 from ..strategies.offset import RoundOffset
 from ..strategies.round_metrics import machine_counts
+from ..training import evaluate
 from . import checkpoint
 from .console import route_flower_logs
 from .results import DP_HEADER, HEADER, MB, format_row, plot_rounds, write_json
@@ -71,9 +71,6 @@ def privacy_options(cfg: AppConfig, context: Context | None = None) -> dict:
     if cfg.dp in ("client-level", "local"):  # the accountant must be able to compute epsilon, every round
         check_accountable(cfg.noise_multiplier, cfg.target_delta, q or 1.0)
     if context is not None and cfg.dp == "dp-sgd":
-        # imported here: Opacus calls logging.basicConfig at import (every log line would print twice)
-        from ..client.dp_sgd import DPSGDConfig
-
         DPSGDConfig.from_mapping(context.run_config)
     if cfg.max_epsilon and cfg.dp == "none":
         log(WARNING, "fedcomp  max-epsilon = %s has no effect with dp = 'none'", cfg.max_epsilon)
@@ -96,7 +93,7 @@ class RoundRecorder:
         else:
             self.model = build_model(cfg.model, tuple(test.tensors[0].shape[1:]))
         self.t0 = time.perf_counter()
-        self.privacy = privacy_statement(cfg)
+        self.privacy = privacy_statement(cfg, run_config)
         self.last_eps = 0.0
         self.header_printed = False
 
@@ -190,14 +187,18 @@ def _epsilon_now(rec: dict) -> float | None:
     return None
 
 
-def privacy_statement(cfg: AppConfig) -> dict | None:
-    """What the run's DP mode does and does not guarantee (written into metrics.json)."""
+def privacy_statement(cfg: AppConfig, run_config: dict | None = None) -> dict | None:
+    """What the run's DP mode does and does not guarantee (written into metrics.json); the
+    accountant of DP-SGD is the run config's ``accountant``."""
     if cfg.dp == "none":
         return None
     level = {"dp-sgd": "sample-level (one training example), on each client, Opacus DP-SGD",
              "client-level": "client-level (a client's whole update), DP-FedAvg on the server",
              "local": "client-level, local: each client clips and noises its own update before compressing"}[cfg.dp]
-    return {"mode": cfg.dp, "level": level, "delta": cfg.target_delta, "accountant": "rdp",
+    accountant = "rdp"  # client-level and local DP: Rényi DP of the Gaussian mechanism, per round
+    if cfg.dp == "dp-sgd":
+        accountant = run_config.get("accountant", "rdp") if run_config is not None else "rdp"
+    return {"mode": cfg.dp, "level": level, "delta": cfg.target_delta, "accountant": accountant,
             "assumption": (NO_AMPLIFICATION if cfg.client_sampling != "poisson" or cfg.dp != "client-level" else
                            f"clients Poisson-sampled by the server with probability q = {cfg.fraction_train} per round "
                            "from the fixed population of connected nodes: amplification by sampling applies")

@@ -1,9 +1,10 @@
 """Server checkpoints: written after every round as one atomic unit, read back with
 ``allow_pickle=False``.
 
-The unit is a pair: ``checkpoint.npz`` (plain numeric arrays) is written first (temporary file,
-fsync, rename), then the manifest ``checkpoint.json``, written last the same way, names the round
-and the sha256 of the ``.npz`` it belongs to. A crash between the two renames leaves a new
+The unit is a pair: ``checkpoint.npz`` (plain numeric arrays) is written first
+(:func:`fedcomp.files.write_atomically`: temporary file, fsync, rename), then the manifest
+``checkpoint.json``, written last the same way, names the round and the sha256 of the ``.npz``
+it belongs to. A crash between the two renames leaves a new
 ``.npz`` next to the old manifest; :func:`load` sees the checksum disagree and refuses the pair
 (it would otherwise re-run a round on weights that already include it).
 
@@ -20,12 +21,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import pathlib
 from typing import Any
 
 import numpy as np
 
+from ..files import write_atomically
 from ..statedict import copy_array
 from ..strategies.wrapping import OPTIMIZER_PREFIXES
 from .results import finite_or_none
@@ -43,21 +44,6 @@ _INT_REMAINDER = "int-remainder"
 def _sha256(path: pathlib.Path) -> str:
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
-
-
-def _replace_durably(tmp: pathlib.Path, final: pathlib.Path) -> None:
-    """fsync ``tmp``, rename it over ``final``, fsync the folder (the rename survives a power cut)."""
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, final)
-    try:
-        fd = os.open(final.parent, os.O_RDONLY)
-    except OSError:  # pragma: no cover - folders cannot be opened on some platforms
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def save(out_dir: pathlib.Path, server_round: int, weights: dict[str, np.ndarray], strategy: Any,
@@ -84,25 +70,21 @@ def save(out_dir: pathlib.Path, server_round: int, weights: dict[str, np.ndarray
     arrays.update(state.get("optimizer", {}))
     arrays.update({f"{_INT_REMAINDER}/{k}": copy_array(v) for k, v in state.get("int-remainders", {}).items()})
     arrays[_ROUND] = np.array(server_round, dtype=np.int64)
-    tmp = out_dir / (WEIGHTS + ".tmp.npz")
-    np.savez(tmp, **arrays)
-    digest = _sha256(tmp)
+    write_atomically(out_dir / WEIGHTS, lambda f: np.savez(f, **arrays))
     meta = {
-        "round": server_round, "keys": list(weights), CHECKSUM: digest, "rounds": rounds, "extra": extra or {},
+        "round": server_round, "keys": list(weights), CHECKSUM: _sha256(out_dir / WEIGHTS), "rounds": rounds, "extra": extra or {},
         **state.get("privacy", {}),
     }
-    _replace_durably(tmp, out_dir / WEIGHTS)
-    tmpj = out_dir / (META + ".tmp")
-    tmpj.write_text(json.dumps(finite_or_none(meta), allow_nan=False))
-    _replace_durably(tmpj, out_dir / META)  # the manifest last: it commits the pair
+    # the manifest last: it commits the pair
+    write_atomically(out_dir / META, json.dumps(finite_or_none(meta), allow_nan=False).encode())
 
 
 def _check_pair(meta: dict, digest: str, data: dict, out_dir: pathlib.Path) -> None:
     """Refuse a weights file that is not the one the manifest was written for (a torn pair)."""
     want = meta.get(CHECKSUM)
     if not isinstance(want, str):
-        raise ValueError(f"{out_dir / META} has no '{CHECKSUM}' (a checkpoint written before checkpoints were one "
-                         f"atomic unit): whether {WEIGHTS} belongs to it cannot be checked, so it is not resumed")
+        raise ValueError(f"{out_dir / META} has no '{CHECKSUM}' (the weights file's "
+                         f"checksum): whether {WEIGHTS} belongs to it cannot be checked, so it is not resumed")
     if want != digest:
         r = data.get(_ROUND)
         ok = isinstance(r, np.ndarray) and r.shape == () and r.dtype == np.int64

@@ -50,7 +50,7 @@ from flwr.common.logger import log
 from ..broadcast import chain_key, gather, is_batchnorm_stat, scatter, settle
 from ..compression import decompress, encode_exact, get_compressor
 from ..config import CodecConfig
-from ..protocol import BASE_VERSION, MODEL_VERSION, PAYLOAD_DTYPE, PAYLOAD_STYPE
+from ..protocol import BASE_VERSION, MODEL_VERSION, payload_array
 from ..seeded_init import INIT_SEED, INIT_STYPE, SeededInit
 from ..statedict import FlatModel
 
@@ -164,9 +164,9 @@ class Downstream:
         self.history = {self.version: self.model.flat.copy(),
                         **{v: h for v, h in self.history.items() if v == self.version - 1}}
         g = self._lossy(target)
-        extras = {k: _payload_array(get_compressor("none").compress(torch.from_numpy(self.model.float_view(k).copy())))
+        extras = {k: payload_array(get_compressor("none").compress(torch.from_numpy(self.model.float_view(k).copy())))
                   for k in self.exempt_keys}
-        extras.update({k: _payload_array(encode_exact(v)) for k, v in self.model.exact.items()})
+        extras.update({k: payload_array(encode_exact(v)) for k, v in self.model.exact.items()})
         extra_bytes = sum(len(a.data) for a in extras.values())
         dense = None
         self.sent_bytes, self.sent_kind = {}, {}
@@ -200,7 +200,7 @@ class Downstream:
                     for k, a in extras.items():
                         rec[k] = a
                 for i, p in enumerate(parts):
-                    rec[chain_key(i)] = _payload_array(p)
+                    rec[chain_key(i)] = payload_array(p)
                 self._pending[node] = (self.version, held)
             msg.content[arr_key] = rec
             self.sent_bytes[node] = sum(len(a.data) for a in rec.values())
@@ -280,11 +280,3 @@ class Downstream:
         out = FlatModel({k: v for k, v in self.model.items()}, {k: s.dtype for k, s in self.model.specs.items()})
         scatter(out, self.lossy_keys, vec)
         return out.flat
-
-    def base_record(self) -> dict[str, np.ndarray]:
-        """B as dense arrays (what up-to-date clients train from this round)."""
-        return {k: a.numpy() for k, a in self.model.record(check=False).items()}
-
-
-def _payload_array(payload: bytes) -> Array:
-    return Array(dtype=PAYLOAD_DTYPE, shape=(len(payload),), stype=PAYLOAD_STYPE, data=payload)

@@ -8,6 +8,8 @@ import statistics
 import numpy as np
 from flwr.app import MetricRecord, RecordDict
 
+from ..protocol import DEFAULT_DOWNLINK_MBPS, DEFAULT_UPLINK_MBPS
+
 #: Largest magnitude a client-reported number keeps (larger ones are clamped to it): sums and
 #: weighted means over a million clients with weights up to 1e9 then stay far below float64's
 #: 1.8e308, so no client value can make the server raise (``OverflowError`` in ``fsum``, issue 21
@@ -45,11 +47,6 @@ def reported_epsilon(v) -> float | None:
     if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or v < 0:
         return None
     return float(v)
-
-
-#: Link speeds (megabits per second) of a client that declares none: a slow uplink, a faster downlink.
-DEFAULT_UPLINK_MBPS = 1.0
-DEFAULT_DOWNLINK_MBPS = 10.0
 
 
 def client_stats(node: int, metrics: dict, upload_bytes: int, dense_bytes: int, decode_seconds: float,

@@ -7,7 +7,7 @@ import pytest
 import torch
 from flwr.app import ConfigRecord, RecordDict
 
-from fedcomp.client.mod import _rebuild_downstream
+from fedcomp.client.downstream import rebuild
 from fedcomp.config import CodecConfig
 from fedcomp.protocol import MODEL_STATE_KEY
 from fedcomp.seeded_init import lora_init
@@ -40,7 +40,7 @@ class Fed:
         self.ds.prepare(self.rnd, rec, msgs)
         out = {}
         for m, n in zip(msgs, nodes):
-            out[n] = _rebuild_downstream(m, self.ctx[n], "arrays", m.content["arrays"])
+            out[n] = rebuild(m, self.ctx[n], "arrays", m.content["arrays"], dict(m.content["config"]))
             if reply:
                 self.ds.received(n)
         return out

@@ -11,7 +11,7 @@ from flwr.app import ArrayRecord, ConfigRecord
 from flwr.serverapp.strategy import DifferentialPrivacyServerSideFixedClipping, FedAvg
 
 import fedcomp.compression as fc
-from fedcomp.client.mod import compress_update
+from fedcomp.client.update import compress_update
 from fedcomp.config import AppConfig, CodecConfig
 from fedcomp.privacy import ClientLevelDP, LocalDP, clip_and_noise
 from fedcomp.protocol import MODEL_KEY

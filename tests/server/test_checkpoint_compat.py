@@ -7,14 +7,10 @@ import shutil
 
 import numpy as np
 import pytest
-from flwr.app import Context, RecordDict
 from flwr.serverapp.strategy import FedAdam, FedAvgM
 
-from fedcomp.client.app import app as client_app
 from fedcomp.privacy import ClientLevelDP, LocalDP
 from fedcomp.server import checkpoint
-from fedcomp.server.app import main
-from fedcomp.simulation import InProcessGrid
 from fedcomp.strategies import CompressedStrategy
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "checkpoints"
@@ -58,11 +54,9 @@ def test_an_old_fedavgm_local_dp_checkpoint_restores_momentum_and_local_rounds(t
 
 
 @pytest.mark.parametrize("name", sorted(RUNS))
-def test_an_old_checkpoint_resumes_and_its_epsilon_continues(tmp_path, name):
+def test_an_old_checkpoint_resumes_and_its_epsilon_continues(tmp_path, name, run_server_app):
     d = _copy(tmp_path, name)
-    rc = {**RUNS[name], "seed": 3, "num-server-rounds": 2, "results-dir": str(d), "resume": True}
-    ctx = Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config=rc)
-    main(InProcessGrid(client_app, 2, rc), ctx)
+    run_server_app({**RUNS[name], "seed": 3, "num-server-rounds": 2, "results-dir": str(d), "resume": True})
     rounds = json.loads((d / "metrics.json").read_text())["rounds"]
     assert [r["round"] for r in rounds] == [0, 1, 2]
     dp = {"client-level": ClientLevelDP(1.0, 1.0, 1e-5), "local": LocalDP(1.0, 1.0, 1e-5)}.get(RUNS[name].get("dp"))
