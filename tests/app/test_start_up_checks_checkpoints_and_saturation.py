@@ -111,10 +111,10 @@ def test_a_crash_between_the_two_files_leaves_a_pair_that_is_refused(tmp_path, m
             raise KeyboardInterrupt("killed")  # the server dies after the weights file was replaced
         real(src, dst)
 
-    monkeypatch.setattr(checkpoint.os, "replace", crash_on_the_manifest)
+    monkeypatch.setattr(os, "replace", crash_on_the_manifest)
     with pytest.raises(KeyboardInterrupt):
         checkpoint.save(tmp_path, 2, {"w": np.ones(4, np.float32)}, s, [{"round": 1}, {"round": 2}])
-    monkeypatch.setattr(checkpoint.os, "replace", real)
+    monkeypatch.setattr(os, "replace", real)
     assert calls[0].endswith(checkpoint.WEIGHTS)
     with pytest.raises(ValueError, match=r"torn checkpoint .* holds round 2 .* written for round 1"):
         checkpoint.load(tmp_path, s)
