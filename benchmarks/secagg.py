@@ -65,6 +65,7 @@ def summarize(label: str, rounds_by_seed: list[list[dict]], secure: bool) -> dic
     if secure:
         out["secagg-protocol-bytes-per-round"] = statistics.median(x["secagg-protocol-bytes"] for x in trained)
         out["modulus-bits"] = trained[0]["modulus-bits"]
+        out["clipped-entries-per-round"] = statistics.median(x["clipped"] for x in trained)  # at +-c, by clients
     return out
 
 
