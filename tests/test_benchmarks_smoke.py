@@ -55,8 +55,8 @@ def test_secagg_benchmark_quick_runs(tmp_path):
                    check=True, capture_output=True, timeout=600)
     rows = {r["label"]: r for r in json.loads(out.read_text())["rows"]}
     assert len(rows) == 4
-    k = round(0.0625 * 38282)  # 4 clients: modulus 2**18, 15-byte headers, k values + the weight entry
+    k = round(0.0625 * 38282)  # 4 clients: modulus 2**19 (4 * 2**16 + 1 > 2**18), 15-byte headers, weight entry
     packed = rows["SecAgg+ randomk d=0.0625, packed"]
-    assert packed["modulus-bits"] == 18
-    assert packed["bits-per-parameter"] == 8 * (15 + (k * 18 + 7) // 8 + 15 + 3) / 38282
+    assert packed["modulus-bits"] == 19
+    assert packed["bits-per-parameter"] == 8 * (15 + (k * 19 + 7) // 8 + 15 + 3) / 38282
     assert rows["SecAgg+ randomk d=0.0625, int64"]["bits-per-parameter"] > 4.0
