@@ -14,6 +14,9 @@ Drives the real ClientApp (with ``compression_mod``) and ``CompressedStrategy`` 
 into ``$FEDCOMP_DATA_DIR`` on first use (``fedcomp.text_data``).
 
 Run: ``python benchmarks/llm.py --part full [--rounds 20] [--nodes 8] [--cases ...] [--quick]``.
+``python benchmarks/llm.py --part lora [...]`` runs the LoRA part, ``benchmarks/llm_lora.py`` (its own
+options: LoRA fine-tuning of a base pretrained on the comedies, on tragedy roles, 2 clients per round,
+codecs both ways, and the FlowerTune projection), into the key ``"lora"`` of the same file.
 ``--quick`` (2 rounds, 3 nodes, 2 cases) writes ``llm-quick.json`` and never the committed results.
 """
 
@@ -133,6 +136,11 @@ PARTS = {"full": (run_full, markdown_full, FULL_DEFAULT_CASES)}
 
 
 def main() -> None:
+    if sys.argv[1:3] == ["--part", "lora"]:  # the LoRA part has its own options: benchmarks/llm_lora.py
+        import llm_lora
+
+        sys.argv[1:3] = []
+        return llm_lora.main()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--part", choices=sorted(PARTS), default="full")
     ap.add_argument("--rounds", type=int, default=20)

@@ -72,6 +72,10 @@ CASES = {
     "stc 5%": {"compressor": "stc", "density": 0.05, "downstream": "stc"},
     "stc 5% up, sign down": {"compressor": "stc", "density": 0.05, "downstream": "sign"},
     "sign+EF, dense down": {"compressor": "sign", "downstream": "none"},
+    # what closes the gap: density, and which direction costs the gain
+    "stc 1% up, dense down": {"compressor": "stc", "density": 0.01, "downstream": "none"},
+    "stc 2%": {"compressor": "stc", "density": 0.02, "downstream": "stc"},
+    "stc 10%": {"compressor": "stc", "density": 0.1, "downstream": "stc"},
 }
 FLOWERTUNE = {"adapter_params": 13.63e6, "clients_per_round": 2, "directions": 2, "rounds": 200,
               "reported_gb": 40.7}
