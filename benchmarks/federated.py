@@ -4,7 +4,10 @@ Drives the real ClientApp (with ``compression_mod``) and ``CompressedStrategy`` 
 ``fedcomp.simulation.InProcessGrid`` (no Ray, same code as ``flwr run``).
 
 Run: ``python benchmarks/federated.py [--rounds 50] [--seeds 42 43] [--quick]``.
-Prints a table and writes ``benchmarks/results/federated.json``.
+Prints a table and writes ``benchmarks/results/federated.json``. ``--suite accuracy`` runs issue
+25's rows instead (BatchNorm ResNet, 20 rounds; CNN at density 1/1000, 50 rounds; seeds 42-44) and
+writes ``benchmarks/results/federated-accuracy.json``; ``--quick`` writes ``federated-quick.json``
+in either suite, never the committed results.
 """
 
 from __future__ import annotations
@@ -76,6 +79,27 @@ CASES = {
 BASE_CASES = list(CASES)[:12]
 #: remedies, scope and downstream rows: run on the first partitioner only
 EXTRA_CASES = list(CASES)[12:]
+#: issue 25, accuracy per byte where it is hard: the BatchNorm ResNet (20 rounds) with the per-model
+#: defaults next to the plain settings ("plain" = batchnorm-affine "codec": BatchNorm's affine
+#: parameters through the sparse codec, as before), and the CNN at density 1/1000 (50 rounds).
+#: ``--suite accuracy`` runs these (not part of the default run).
+ACCURACY_CASES = {
+    "resnet none": {"model": "resnet", "compressor": "none", "num-server-rounds": 20},
+    "resnet sign+EF": {"model": "resnet", "compressor": "sign", "num-server-rounds": 20},
+    "resnet stc 0.01+EF": {"model": "resnet", "compressor": "stc", "density": 0.01, "num-server-rounds": 20},
+    "resnet stc 0.01+EF plain": {"model": "resnet", "compressor": "stc", "density": 0.01, "batchnorm-affine": "codec",
+                                 "num-server-rounds": 20},
+    "resnet stc 0.0025+EF": {"model": "resnet", "compressor": "stc", "density": 0.0025, "num-server-rounds": 20},
+    "resnet stc 0.0025+EF plain": {"model": "resnet", "compressor": "stc", "density": 0.0025,
+                                   "batchnorm-affine": "codec", "num-server-rounds": 20},
+    "cnn none": {"compressor": "none"},
+    "cnn stc 0.001+EF": {"compressor": "stc", "density": 0.001},
+    "cnn stc 0.001+EF mc": {"compressor": "stc", "density": 0.001, "momentum-correction": 0.5},
+    "cnn stc 0.001+EF sched+avgm": {"compressor": "stc", "density": 0.001, "density-schedule": "exponential",
+                                    "density-start": 0.25, "schedule-rounds": 10, "strategy": "fedavgm",
+                                    "server-lr": 1.0, "server-momentum": 0.5},
+}
+CASES.update(ACCURACY_CASES)
 
 
 def run_one(run_config: dict, num_nodes: int) -> list[dict]:
@@ -192,13 +216,24 @@ def main() -> None:
     ap.add_argument("--plot-only", default="", help="print the table (and redraw --figure) from this JSON; no runs")
     ap.add_argument("--set", nargs="*", default=[], help="extra run-config overrides key=value (numbers or strings)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (tiny model: 1 is fastest)")
+    ap.add_argument("--suite", choices=["codecs", "accuracy"], default="codecs",
+                    help="codecs: the codec table (default); accuracy: issue 25's BatchNorm and 1/1000 rows "
+                         "(writes results/federated-accuracy.json)")
     ap.add_argument("--quick", action="store_true", help="3 rounds, 1 seed, 3 codecs, 4 nodes (CI smoke test)")
     ap.add_argument("--figure", default="", help="also draw accuracy vs cumulative MB to this PNG")
     ap.add_argument("--out", default=DEFAULT_OUT)
     args = ap.parse_args()
-    if args.quick:
-        args.rounds, args.seeds, args.nodes, args.cases = 3, [42], 4, ["none", "sign+EF", "stc 0.01+EF"]
+    accuracy_out = str(pathlib.Path(DEFAULT_OUT).with_name("federated-accuracy.json"))
+    if args.suite == "accuracy":
+        args.cases = args.cases or list(ACCURACY_CASES)
+        args.seeds = args.seeds if args.seeds != [42, 43] else [42, 43, 44]
         if args.out == DEFAULT_OUT:
+            args.out = accuracy_out
+    if args.quick:
+        quick_cases = ["resnet none", "resnet stc 0.01+EF"] if args.suite == "accuracy" else [
+            "none", "sign+EF", "stc 0.01+EF"]
+        args.rounds, args.seeds, args.nodes, args.cases = 3, [42], 4, quick_cases
+        if args.out in (DEFAULT_OUT, accuracy_out):  # quick modes never overwrite the committed results
             args.out = str(pathlib.Path(DEFAULT_OUT).with_name("federated-quick.json"))
     if args.merge:
         res = [r for f in args.merge for r in json.loads(pathlib.Path(f).read_text())["results"]]
@@ -227,16 +262,19 @@ def main() -> None:
             t0 = time.perf_counter()
             for seed in args.seeds:
                 rc = {"num-server-rounds": args.rounds, "seed": seed, "partitioner": part, **CASES[name], **extra}
+                if args.quick:  # a case's own round count does not outlive --quick
+                    rc["num-server-rounds"] = args.rounds
                 runs.append(run_one(rc, args.nodes))
+            rounds = rc["num-server-rounds"]
             secs = (time.perf_counter() - t0) / len(args.seeds)
             final = statistics.fmean(r[-1]["accuracy"] for r in runs)
             up = statistics.fmean(sum(x.get("upload-bytes", 0.0) for x in r) for r in runs)
             dense = statistics.fmean(sum(x.get("dense-bytes", 0.0) for x in r) for r in runs)
             down = statistics.fmean(sum(x.get("download-bytes", 0.0) for x in r) for r in runs)
-            n_params = sum(p.numel() for p in build_model().parameters())
-            per_round_clients = args.rounds * args.nodes
+            n_params = sum(p.numel() for p in build_model(CASES[name].get("model", "cnn")).parameters())
+            per_round_clients = rounds * args.nodes
             row = {
-                "partitioner": part, "case": name, **CASES[name], "rounds": args.rounds, "seeds": args.seeds,
+                "partitioner": part, "case": name, **CASES[name], "rounds": rounds, "seeds": args.seeds,
                 "final_accuracy": final, "final_accuracy_per_seed": [r[-1]["accuracy"] for r in runs],
                 "rounds_to_90": [first_round_reaching(r, 0.90) for r in runs],
                 "rounds_to_95": [first_round_reaching(r, 0.95) for r in runs],
