@@ -134,6 +134,10 @@ def check_codec_under_secagg(run_config: Mapping[str, Any]) -> None:
         raise ValueError(f"run config 'compressor' = {comp!r} cannot work under secure aggregation: the server only "
                          f"sees the masked sum, and {comp!r} chooses positions or scales per client. Use one of "
                          f"{list(SECAGG_CODECS)} ('randomk' uses the round's shared seed, 'none' is dense SecAgg+)")
+    if run_config.get("error-feedback", True) not in (True, False):
+        raise ValueError(f"run config 'error-feedback' = {run_config['error-feedback']!r} is not supported with "
+                         "secagg = true (use true or false: the server only sees the masked sum, not each client's "
+                         "EF21 estimate)")
     unsupported = {"dp": "none", "downstream": "none", "client-sampling": "fraction", "layer-codecs": "",
                    "warmup-rounds": 0, "density-schedule": "constant", "momentum-correction": 0.0, "resume": False}
     for key, ok in unsupported.items():

@@ -132,4 +132,8 @@ def run_secagg(grid, context, cfg: AppConfig, out_dir) -> list[dict]:
     DefaultWorkflow(fit_workflow=workflow)(grid, legacy)
     if recorder.rounds:
         plot_rounds(recorder.rounds, out_dir / "plot.png", f"fedcomp: {strategy.describe()}")
+        last = recorder.rounds[-1]
+        log(INFO, "fedcomp  final accuracy %.4f after %d rounds, %.3f MB of masked vectors uploaded in total",
+            last["accuracy"], last["round"], recorder.cum_mb)
+    log(INFO, "fedcomp  results written to %s (metrics.json, plot.png)", out_dir)
     return recorder.rounds

@@ -31,3 +31,18 @@ def test_flwr_run_secagg_randomk_on_ten_supernodes(tmp_path):
     assert "Secure aggregation completed" in log
     for rnd in (0, 1, 2):
         assert len(re.findall(rf"fedcomp +{rnd} +\d\.\d{{4}} ", log)) == 1, log[-3000:]
+
+
+def test_local_deployment_launcher_runs_secagg(tmp_path, capsys):
+    """The same through fedcomp-local-deployment: a real SuperLink and 3 SuperNode processes."""
+    from tests.deploy.test_deployment import _run_launcher
+
+    code, out = _run_launcher(tmp_path, capsys, "--supernodes", "3", "--run-config",
+                              "num-server-rounds=2 secagg=true compressor='randomk' density=0.015625")
+    assert code == 0, out[-3000:]
+    rounds = json.loads((tmp_path / "results" / "metrics.json").read_text())["rounds"]
+    assert [r["round"] for r in rounds] == [0, 1, 2]
+    k = round(0.015625 * N_PARAMS)
+    # 3 clients, Q = 2**16: modulus 2**18
+    assert all(r["num-replies"] == 3 and r["modulus-bits"] == 18 and
+               r["upload-bytes"] == 3 * (15 + (k * 18 + 7) // 8 + 15 + 3) for r in rounds[1:])

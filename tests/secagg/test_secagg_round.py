@@ -132,3 +132,15 @@ def test_clipping_is_kept_by_error_feedback():
     res = ctx.state.array_records[SECAGG_RESIDUAL_KEY]["residual"].numpy().astype(np.float64)
     sent = _flat(client_delta(pid, 1.0)) - res
     assert np.abs(sent).max() <= 0.01 / w + 1e-6  # what travelled is within +-c / w (float32 residual)
+
+
+def test_fedavgm_inside_applies_the_same_aggregate_as_its_pseudo_gradient():
+    """FedAvgM with server learning rate 1 and no momentum must land on FedAvg's model."""
+    from flwr.server.strategy import FedAvgM
+
+    avg, *_ = run_round(3, 0.25)
+    avgm, *_ = run_round(3, 0.25, inner_cls=FedAvgM, server_learning_rate=1.0, server_momentum=0.0)
+    proj, plain_vals, w = _plain_aggregate(range(3), 0.25)
+    for new in (avg, avgm):
+        assert np.abs(_model_delta(new)[proj.positions()] - plain_vals).max() <= quantization_bound(w, 1.0, Q16) + 1e-6
+    assert avgm["w"].dtype == np.float32 and avgm["steps"] == 7
