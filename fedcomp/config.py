@@ -28,7 +28,7 @@ CODEC_DEFAULTS: dict[str, Any] = {
     "min-compress-numel": 0,
     "small-tensor-compressor": "none",
     "batchnorm-stats": "small",
-    "batchnorm-affine": "small",
+    "batchnorm-affine": "codec",
     "layer-codecs": "",
     "warmup-rounds": 0,
     "warmup-compressor": "none",
@@ -206,9 +206,9 @@ class CodecConfig:
     codec can push a running variance below zero, which turns every later output into NaN
     (measured: sign + EF on ``model = "resnet"`` reached 75 % at round 3, then 10 % at round 4 with
     ``bn1.running_var`` at -0.013); ``"codec"`` sends them like any other tensor. BatchNorm's
-    affine parameters (``<bn>.weight`` / ``<bn>.bias``) go there too with stc/topk/randomk while
-    ``batchnorm-affine = "small"`` (the default; a per-model default, see :mod:`fedcomp.model_policy`: whole-model
-    top-k never picks them, measured on ``model = "resnet"``).
+    affine parameters (``<bn>.weight`` / ``<bn>.bias``) go there too with stc/topk/randomk when
+    ``batchnorm-affine = "small"`` (default "codec": measured on ``model = "resnet"``, sending them
+    dense did not pay for its bytes; see :mod:`fedcomp.model_policy`).
     Schedules (applied by the server each round): ``warmup-rounds`` rounds with
     ``warmup-compressor``, then ``density-schedule`` "constant", "exponential" or "linear"
     from ``density-start`` to ``density`` over ``schedule-rounds`` rounds (DGC's warm-up,
@@ -236,7 +236,7 @@ class CodecConfig:
     min_compress_numel: int = 0
     small_tensor_compressor: str = "none"
     batchnorm_stats: str = "small"
-    batchnorm_affine: str = "small"
+    batchnorm_affine: str = "codec"
     layer_codecs: str = ""
     warmup_rounds: int = 0
     warmup_compressor: str = "none"
