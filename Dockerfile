@@ -16,7 +16,8 @@ RUN set -e; wheel=$(ls /tmp/wheels/torch-2.13.0*.whl 2>/dev/null | head -n 1); \
     if [ -n "$wheel" ]; then /opt/fedcomp/bin/pip install "$wheel"; \
     else /opt/fedcomp/bin/pip install torch==2.13.0 --index-url "$TORCH_INDEX_URL"; fi
 COPY pyproject.toml /tmp/
-RUN python3 /tmp/wheels/image_requirements.py /tmp/pyproject.toml > /tmp/requirements.txt \
+# the core and the extras a ServerApp needs (data, plots, dp); Ray is left out
+RUN python3 /tmp/wheels/image_requirements.py /tmp/pyproject.toml data,plots,dp > /tmp/requirements.txt \
     && /opt/fedcomp/bin/pip install -r /tmp/requirements.txt
 # Not needed at run time (~360 MB): C++ headers and test binaries of torch, the packages' own test
 # suites, and uv (Flower's runtime dependency installer; installation is disabled in this image).

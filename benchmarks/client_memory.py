@@ -15,6 +15,8 @@ import pathlib
 import subprocess
 import sys
 
+from outputs import shown  # benchmarks/outputs.py: paths printed relative to the repository
+
 CHILD = r"""
 import resource, sys, time, logging
 import torch
@@ -65,7 +67,7 @@ def main() -> None:
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(rows, indent=1))
-    print(f"wrote {out.resolve()}")
+    print(f"wrote {shown(out)}")
 
 
 if __name__ == "__main__":

@@ -23,6 +23,8 @@ import time
 
 import torch
 
+from outputs import shown  # benchmarks/outputs.py: paths printed relative to the repository
+
 import fedcomp.compression as fc
 from fedcomp.compression.positions import information_bound_bits
 from fedcomp.compression.sparse import k_for
@@ -169,7 +171,7 @@ def main() -> None:
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"torch_threads": torch.get_num_threads(), "rows": rows, "real_updates": real}, indent=1))
-    print(f"wrote {out.resolve()}")
+    print(f"wrote {shown(out)}")
 
 
 if __name__ == "__main__":

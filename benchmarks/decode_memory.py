@@ -16,6 +16,8 @@ import tracemalloc
 
 import torch
 
+from outputs import shown  # benchmarks/outputs.py: paths printed relative to the repository
+
 import fedcomp.compression as fc
 
 CASES = [("none", {}), ("fp16", {}), ("bf16", {}), ("sign", {}), ("int8", {}), ("qsgd", {}),
@@ -47,7 +49,7 @@ def main() -> None:
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"rows": rows}, indent=1))
-    print(f"wrote {out.resolve()}")
+    print(f"wrote {shown(out)}")
 
 
 if __name__ == "__main__":

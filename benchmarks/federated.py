@@ -4,10 +4,11 @@ Drives the real ClientApp (with ``compression_mod``) and ``CompressedStrategy`` 
 ``fedcomp.simulation.InProcessGrid`` (no Ray, same code as ``flwr run``).
 
 Run: ``python benchmarks/federated.py [--rounds 50] [--seeds 42 43] [--quick]``.
-Prints a table and writes ``benchmarks/results/federated.json``. ``--suite accuracy`` runs issue
-25's rows instead (BatchNorm ResNet, 12 rounds; CNN at density 1/1000, 50 rounds; seeds 42-44) and
-writes ``benchmarks/results/federated-accuracy.json``; ``--quick`` writes ``federated-quick.json``
-in either suite, never the committed results.
+Prints a table, writes ``benchmarks/results/federated.json`` and draws ``docs/accuracy_vs_bytes.png``
+(``--quick``: both in the temporary folder, see ``outputs.py``; ``--plot-only FILE`` redraws both).
+``--suite accuracy`` runs issue 25's rows instead (BatchNorm ResNet, 12 rounds; CNN at density
+1/1000, 50 rounds; seeds 42-44): ``benchmarks/results/federated-accuracy.json`` and
+``docs/accuracy_batchnorm.png``.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import time
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord
+from outputs import REPO, output_path, shown
 
 from fedcomp.client.app import app as client_app
 from fedcomp.client.training import evaluate
@@ -123,7 +125,22 @@ def run_one(run_config: dict, num_nodes: int) -> list[dict]:
 
 
 LINKS_MBPS = (1.0, 10.0, 100.0)
-DEFAULT_OUT = str(pathlib.Path(__file__).parent / "results" / "federated.json")
+#: The README's figure, drawn from the reference results ``benchmarks/results/federated.json``.
+REFERENCE_FIGURE = REPO / "docs" / "accuracy_vs_bytes.png"
+#: Results name per ``--suite``, and the README figure of each suite's reference results.
+SUITE_NAMES = {"codecs": "federated", "accuracy": "federated-accuracy"}
+REFERENCE_FIGURES = {"federated": REFERENCE_FIGURE, "federated-accuracy": REPO / "docs" / "accuracy_batchnorm.png"}
+
+
+def figure_path(figure: str, results_json: pathlib.Path) -> pathlib.Path:
+    """``--figure`` if given; the README's figure for the reference results; else ``<json>.png``
+    beside the results (a quick run never redraws the committed figure)."""
+    if figure:
+        return pathlib.Path(figure)
+    for name, ref in REFERENCE_FIGURES.items():
+        if results_json.resolve() == output_path(name, None, quick=False).resolve():
+            return ref
+    return results_json.with_suffix(".png")
 
 
 def time_to_accuracy(rounds: list[dict], acc: float, uplink_mbps: float) -> float | None:
@@ -216,8 +233,8 @@ def plot_accuracy(results: list[dict], path: pathlib.Path) -> None:
         for i, r in enumerate(rows):
             acc = [statistics.fmean(v) for v in zip(*r["curves"])]
             mb = [statistics.fmean(v) for v in zip(*r["cumulative_upload_mb"])]
-            style = dict(color=f"C{i}", linestyle="--" if r["case"].endswith(("bn-affine", "mc")) else "-",
-                         label=r["case"])
+            style = {"color": f"C{i}", "linestyle": "--" if r["case"].endswith(("bn-affine", "mc")) else "-",
+                     "label": r["case"]}
             row[0].plot(range(len(acc)), acc, **style)
             row[1].plot(mb[1:], acc[1:], **style)
         row[0].set_xlabel("round")
@@ -244,37 +261,37 @@ def main() -> None:
     ap.add_argument("--cases", nargs="+", default=None,
                     help=f"subset of {list(CASES)} (default: the first 12 on every partitioner, the rest on the first)")
     ap.add_argument("--merge", nargs="+", default=[], help="merge these results JSONs into --out (no runs)")
-    ap.add_argument("--plot-only", default="", help="print the table (and redraw --figure) from this JSON; no runs")
+    ap.add_argument("--plot-only", default="", help="print the table and redraw the figure from this JSON; no runs")
     ap.add_argument("--set", nargs="*", default=[], help="extra run-config overrides key=value (numbers or strings)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (tiny model: 1 is fastest)")
     ap.add_argument("--suite", choices=["codecs", "accuracy"], default="codecs",
                     help="codecs: the codec table (default); accuracy: issue 25's BatchNorm and 1/1000 rows "
                          "(writes results/federated-accuracy.json)")
     ap.add_argument("--quick", action="store_true", help="3 rounds, 1 seed, 3 codecs, 4 nodes (CI smoke test)")
-    ap.add_argument("--figure", default="", help="also draw accuracy vs cumulative MB to this PNG")
-    ap.add_argument("--out", default=DEFAULT_OUT)
+    ap.add_argument("--figure", default="", help="PNG of accuracy vs cumulative MB (default: "
+                    "docs/accuracy_vs_bytes.png for the reference results, else the JSON's name with .png)")
+    ap.add_argument("--out", default=None, help="JSON to write (default: the reference "
+                    "benchmarks/results/federated.json; with --quick a file in the temporary folder)")
     args = ap.parse_args()
-    accuracy_out = str(pathlib.Path(DEFAULT_OUT).with_name("federated-accuracy.json"))
     if args.suite == "accuracy":
         args.cases = args.cases or list(ACCURACY_CASES)
         args.seeds = args.seeds if args.seeds != [42, 43] else [42, 43, 44]
-        if args.out == DEFAULT_OUT:
-            args.out = accuracy_out
     if args.quick:
-        quick_cases = ["resnet none", "resnet stc 0.01+EF"] if args.suite == "accuracy" else [
-            "none", "sign+EF", "stc 0.01+EF"]
-        args.rounds, args.seeds, args.nodes, args.cases = 3, [42], 4, quick_cases
-        if args.out in (DEFAULT_OUT, accuracy_out):  # quick modes never overwrite the committed results
-            args.out = str(pathlib.Path(DEFAULT_OUT).with_name("federated-quick.json"))
+        args.rounds, args.seeds, args.nodes = 3, [42], 4
+        args.cases = (["resnet none", "resnet stc 0.01+EF"] if args.suite == "accuracy"
+                      else ["none", "sign+EF", "stc 0.01+EF"])
+    args.out = str(output_path(SUITE_NAMES[args.suite], args.out, args.quick))
+    draw = plot_accuracy if args.suite == "accuracy" else plot
     if args.merge:
         res = [r for f in args.merge for r in json.loads(pathlib.Path(f).read_text())["results"]]
         pathlib.Path(args.out).write_text(json.dumps({"nodes": args.nodes, "results": res}, indent=1))
         args.plot_only = args.out
     if args.plot_only:
         res = json.loads(pathlib.Path(args.plot_only).read_text())["results"]
-        if args.figure:
-            (plot_accuracy if args.suite == "accuracy" else plot)(res, pathlib.Path(args.figure))
         print(markdown(res))
+        figure = figure_path(args.figure, pathlib.Path(args.plot_only))
+        draw(res, figure)
+        print(f"wrote {shown(figure)}")
         return
     logging.getLogger("flwr").setLevel(logging.WARNING)
     torch.set_num_threads(args.threads)
@@ -327,11 +344,11 @@ def main() -> None:
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"nodes": args.nodes, "extra": extra, "results": results}, indent=1))
-    print(f"wrote {out.resolve()}")
+    print(f"wrote {shown(out)}")
     print(markdown(results))
-    if args.figure:
-        (plot_accuracy if args.suite == "accuracy" else plot)(results, pathlib.Path(args.figure))
-        print(f"wrote {pathlib.Path(args.figure).resolve()}")
+    figure = figure_path(args.figure, out)
+    draw(results, figure)
+    print(f"wrote {shown(figure)}")
 
 
 if __name__ == "__main__":

@@ -18,6 +18,8 @@ import traceback
 import numpy as np
 import torch
 
+from outputs import shown  # benchmarks/outputs.py: paths printed relative to the repository
+
 import fedcomp.compression as fc
 from fedcomp.compression.wire import pack_header
 
@@ -91,7 +93,7 @@ def main() -> None:
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))
-    print(f"wrote {out.resolve()}")
+    print(f"wrote {shown(out)}")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ and client-level / local DP at a few noise multipliers, through the same in-proc
 ``benchmarks/federated.py``.
 
 Run: ``python benchmarks/privacy.py [--rounds 50] [--quick]``; prints a table and writes
-``benchmarks/results/privacy.json``.
+``benchmarks/results/privacy.json`` (``--quick``: a file in the temporary folder, see ``outputs.py``).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from federated import run_one  # noqa: E402  (same driver as the federated benchmark)
+from outputs import output_path, shown  # noqa: E402
 
 CASES = {
     "no DP": {},
@@ -38,7 +39,8 @@ def main() -> None:
     ap.add_argument("--nodes", type=int, default=10)
     ap.add_argument("--cases", nargs="+", default=list(CASES))
     ap.add_argument("--quick", action="store_true", help="3 rounds, 3 nodes, two cases")
-    ap.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results" / "privacy.json"))
+    ap.add_argument("--out", default=None, help="JSON to write (default: the reference benchmarks/results/privacy.json; "
+                    "with --quick a file in the temporary folder)")
     args = ap.parse_args()
     if args.quick:
         args.rounds, args.nodes, args.cases = 3, 3, ["no DP", "dp-sgd eps~8"]
@@ -60,12 +62,12 @@ def main() -> None:
                      "seconds": secs, "curve": [r["accuracy"] for r in rounds]})
         e = "-" if eps is None else ("inf" if math.isinf(eps) else f"{eps:.2f}")
         print(f"{name:<20} accuracy {last['accuracy']:.4f}  epsilon {e:>6} (delta 1e-5)  {secs:6.1f} s", flush=True)
-    out = pathlib.Path(args.out)
+    out = output_path("privacy", args.out, args.quick)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"rounds": args.rounds, "nodes": args.nodes,
                                "rows": [{**r, "epsilon": None if r["epsilon"] is None or math.isinf(r["epsilon"])
                                          else r["epsilon"]} for r in rows]}, indent=1))
-    print(f"wrote {out.resolve()}")
+    print(f"wrote {shown(out)}")
 
 
 if __name__ == "__main__":

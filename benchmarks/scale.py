@@ -15,7 +15,7 @@ Cross-device (``--flwr``): ``flwr run .`` with 100 SuperNodes and fraction-train
 the default data, private FLWR_HOME and ports; reports the wall time per round.
 
 Run: ``python benchmarks/scale.py`` (about 15 min on 2 cores), ``--smoke`` (a small model, seconds);
-prints tables and writes ``benchmarks/results/scale.json``. Medians over ``--repeats`` runs.
+prints tables and writes ``benchmarks/results/scale.json`` (``--smoke``: a file in the temporary folder). Medians over ``--repeats`` runs.
 """
 
 from __future__ import annotations
@@ -29,8 +29,9 @@ import subprocess
 import sys
 import time
 
+from outputs import output_path, shown
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
-DEFAULT_OUT = REPO / "benchmarks" / "results" / "scale.json"
 CODECS = {"stc": {"compressor": "stc", "density": 1 / 400}, "topk": {"compressor": "topk", "density": 0.01},
           "sign": {"compressor": "sign"}, "int8": {"compressor": "int8"}}
 
@@ -276,11 +277,13 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--flwr", action="store_true", help="also run the 100-SuperNode flwr run simulation")
     ap.add_argument("--only-flwr", action="store_true", help="only the flwr run simulation (merged into --out)")
-    ap.add_argument("--out", default=str(DEFAULT_OUT))
+    ap.add_argument("--out", default=None, help="JSON to write (default: the reference benchmarks/results/scale.json; "
+                    "with --smoke a file in the temporary folder)")
     args = ap.parse_args()
     width, clients, repeats = (8, [4, 12], 1) if args.smoke else (64, [int(c) for c in args.clients.split(",")],
                                                                  args.repeats)
     codecs = args.codecs.split(",")
+    args.out = str(output_path("scale", args.out, args.smoke))
     if args.only_flwr:
         result = json.loads(pathlib.Path(args.out).read_text()) if pathlib.Path(args.out).exists() else {}
         result["cross_device"] = cross_device()
@@ -294,7 +297,7 @@ def main() -> None:
         print("cross-device:", result["cross_device"], flush=True)
     pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     pathlib.Path(args.out).write_text(json.dumps(result, indent=1))
-    print(f"wrote {args.out}")
+    print(f"wrote {shown(pathlib.Path(args.out))}")
 
 
 if __name__ == "__main__":

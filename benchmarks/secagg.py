@@ -75,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", type=int, nargs="+", default=[42])
     ap.add_argument("--densities", type=float, nargs="+", default=[0.0625, 0.015625])
     ap.add_argument("--bytes-rounds", type=int, default=1, help="rounds of the int64 rows (bytes only)")
+    ap.add_argument("--skip-dense", action="store_true", help="only the random-k rows (densities, seeds)")
     ap.add_argument("--quick", action="store_true", help="2 rounds, 4 clients, one density (smoke test)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -99,10 +100,11 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"{'configuration':<44} {'bits/p':>8} {'final acc':>8}  ({args.nodes} clients, {args.rounds} rounds, "
           f"seeds {args.seeds})")
-    go("SecAgg+ dense, Flower int64 (today)", True, {"secagg": True, "compressor": "none", "secagg-pack": False},
-       rounds=args.bytes_rounds)
-    go("plain FedAvg fp32 (no SecAgg, no compression)", False, {"compressor": "none"})
-    go("SecAgg+ dense, packed", True, {"secagg": True, "compressor": "none"})
+    if not args.skip_dense:
+        go("SecAgg+ dense, Flower int64 (today)", True, {"secagg": True, "compressor": "none", "secagg-pack": False},
+           rounds=args.bytes_rounds)
+        go("plain FedAvg fp32 (no SecAgg, no compression)", False, {"compressor": "none"})
+        go("SecAgg+ dense, packed", True, {"secagg": True, "compressor": "none"})
     for d in args.densities:
         rk = {"compressor": "randomk", "density": d}
         go(f"plain randomk d={d:g} (no SecAgg)", False, rk)

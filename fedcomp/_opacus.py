@@ -16,6 +16,8 @@ import sys
 import threading
 from types import ModuleType
 
+from .extras import require
+
 _LOCK = threading.Lock()
 
 
@@ -30,8 +32,8 @@ def import_opacus() -> ModuleType:
 
     Raises
     ------
-    ImportError
-        Opacus is not installed.
+    ModuleNotFoundError
+        Opacus is not installed (the core install leaves it out); the message names ``fedcomp[dp]``.
     """
     with _LOCK:
         if "opacus" in sys.modules:
@@ -40,7 +42,7 @@ def import_opacus() -> ModuleType:
         placeholder = logging.NullHandler()
         root.addHandler(placeholder)  # basicConfig does nothing while the root logger has a handler
         try:
-            import opacus
+            opacus = require("opacus", "differential privacy (dp-sgd, and the epsilon of client-level/local)")
         finally:
             root.removeHandler(placeholder)
         return opacus

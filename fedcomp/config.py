@@ -55,15 +55,18 @@ APP_KEYS: tuple[str, ...] = (
     "target-epsilon", "accountant", "secure-rng", "max-epsilon", "lr", "momentum", "local-epochs", "batch-size",
     "accumulation-steps", "local-clip-norm", "seed", "dataset", "model", "partitioner", "dirichlet-alpha",
     "results-dir", "resume", "client-state-dir", "optimizer", "adam-beta1", "adam-beta2", "weight-decay", "precision",
+    "verbose", "require-compression",
 )
 
 
 def run_config_keys() -> frozenset[str]:
-    """Every run-config key fedcomp's apps know: :data:`APP_KEYS`, :data:`CODEC_DEFAULTS` and the
-    ``secagg*`` keys of :data:`fedcomp.secagg.config.SECAGG_DEFAULTS`."""
+    """Every run-config key fedcomp's apps know: :data:`APP_KEYS`, :data:`CODEC_DEFAULTS`, the
+    ``secagg*`` keys of :data:`fedcomp.secagg.config.SECAGG_DEFAULTS` and the LoRA keys of
+    :data:`fedcomp.lora.LORA_DEFAULTS`."""
+    from .lora import LORA_DEFAULTS
     from .secagg.config import SECAGG_DEFAULTS  # here: fedcomp.secagg imports Flower
 
-    return frozenset(APP_KEYS) | frozenset(CODEC_DEFAULTS) | frozenset(SECAGG_DEFAULTS)
+    return frozenset(APP_KEYS) | frozenset(CODEC_DEFAULTS) | frozenset(SECAGG_DEFAULTS) | frozenset(LORA_DEFAULTS)
 
 
 def check_known_keys(cfg: Mapping[str, Any], known: frozenset[str] | None = None, source: str = "run config") -> None:
@@ -329,6 +332,11 @@ class CodecConfig:
         if self.momentum_correction > 0 and not self.error_feedback:
             raise ValueError(f"{source} 'momentum-correction' needs 'error-feedback' = true (the unsent part of "
                              "the momentum is kept in the residual)")
+        if self.momentum_correction > 0 and self.compressor not in SPARSE_CODECS:
+            raise ValueError(f"{source} 'momentum-correction' works with the sparsifying codecs {list(SPARSE_CODECS)} "
+                             f"(DGC keeps the momentum of the entries not sent); compressor '{self.compressor}' sends "
+                             "every entry each round, so the momentum would be masked away and do nothing: set "
+                             "'momentum-correction' = 0 or choose a sparsifying compressor")
 
     @classmethod
     def from_kwargs(cls, compressor: str, error_feedback: bool, **params) -> "CodecConfig":
@@ -446,18 +454,21 @@ class AppConfig:
     uplink_mbps: float = 1.0
     downlink_mbps: float = 10.0
     client_state_dir: str = ""
+    verbose: bool = False
     downstream: str = "none"
     dp: str = "none"
     clipping_norm: float = 1.0
     noise_multiplier: float = 1.0
     target_delta: float = 1e-5
     max_epsilon: float = 0.0
+    require_compression: bool = False
     local_clip_norm: float = 0.0
     optimizer: str = "sgd"
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     weight_decay: float = 0.0
     precision: str = "fp32"
+    finetune: str = "full"
     codec: CodecConfig = field(default_factory=CodecConfig)
 
     @classmethod
@@ -496,18 +507,21 @@ class AppConfig:
             uplink_mbps=_num(cfg, "uplink-mbps", 1.0, lo=0.0, lo_open=True),
             downlink_mbps=_num(cfg, "downlink-mbps", 10.0, lo=0.0, lo_open=True),
             client_state_dir=_str(cfg, "client-state-dir", ""),
+            verbose=_bool(cfg, "verbose", False),
             downstream=_str(cfg, "downstream", "none", tuple(available_compressors())),
             dp=_str(cfg, "dp", "none", DP_MODES),
             clipping_norm=_num(cfg, "clipping-norm", 1.0, lo=0.0, lo_open=True),
             noise_multiplier=_num(cfg, "noise-multiplier", 1.0, lo=0.0),
             target_delta=_num(cfg, "target-delta", 1e-5, lo=0.0, hi=1.0, lo_open=True, hi_open=True),
             max_epsilon=_num(cfg, "max-epsilon", 0.0, lo=0.0),
+            require_compression=_bool(cfg, "require-compression", False),
             local_clip_norm=_num(cfg, "local-clip-norm", 0.0, lo=0.0),
             optimizer=_str(cfg, "optimizer", "sgd", ("sgd", "adamw")),
             adam_beta1=_num(cfg, "adam-beta1", 0.9, lo=0.0, hi=1.0, hi_open=True),
             adam_beta2=_num(cfg, "adam-beta2", 0.999, lo=0.0, hi=1.0, hi_open=True),
             weight_decay=_num(cfg, "weight-decay", 0.0, lo=0.0),
             precision=_str(cfg, "precision", "fp32", ("fp32", "bf16")),
+            finetune=_str(cfg, "finetune", "full", ("full", "lora")),
             codec=CodecConfig.from_mapping(cfg),
         )
         if out.downstream in TENSOR_ONLY_CODECS:
@@ -521,4 +535,12 @@ class AppConfig:
         if (out.dataset == "shakespeare") != (out.model == "transformer"):
             raise ValueError("run config dataset = 'shakespeare' goes with model = 'transformer' (and only it), "
                              f"got dataset = {out.dataset!r}, model = {out.model!r}")
+        if out.finetune == "lora":
+            from .lora import LoraSettings
+
+            LoraSettings.from_mapping(cfg)  # base-model, lora-r, lora-alpha, lora-targets, ... (naming the key)
+            if out.dataset != "shakespeare":
+                raise ValueError("run config finetune = 'lora' fine-tunes a causal LM on text: dataset = 'shakespeare'")
+            if out.dp == "dp-sgd" or out.resume:
+                raise ValueError("run config finetune = 'lora' works without dp = 'dp-sgd' and resume = true (not yet)")
         return out

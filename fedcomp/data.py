@@ -15,6 +15,8 @@ import numpy as np
 import torch
 from torch.utils.data import TensorDataset
 
+from .extras import require
+
 #: Images held out for server-side evaluation of the default data (20 %).
 DIGITS_TEST_SIZE = 360
 PARTITIONERS = ("iid", "dirichlet")
@@ -44,7 +46,8 @@ class DataConfig:
 
 
 def _make_partitioner(cfg: DataConfig, num_partitions: int):
-    from flwr_datasets.partitioner import DirichletPartitioner, IidPartitioner
+    partitioner = require("flwr_datasets.partitioner", "partitioning the data")
+    DirichletPartitioner, IidPartitioner = partitioner.DirichletPartitioner, partitioner.IidPartitioner
 
     if cfg.partitioner == "iid":
         return IidPartitioner(num_partitions=num_partitions)
@@ -57,8 +60,8 @@ def _make_partitioner(cfg: DataConfig, num_partitions: int):
 
 
 def _digits_arrays(seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
+    load_digits = require("sklearn.datasets", "the default digits data").load_digits
+    train_test_split = require("sklearn.model_selection", "the default digits data").train_test_split
 
     X, y = load_digits(return_X_y=True)
     X = (X / 16.0).astype(np.float32).reshape(-1, 1, 8, 8)
@@ -98,7 +101,7 @@ def load_partition(cfg: DataConfig, partition_id: int, num_partitions: int) -> T
 
         return load_text_partition(partition_id, num_partitions, cfg.seed)
     if cfg.dataset == "digits":
-        from datasets import Dataset
+        Dataset = require("datasets", "partitioning the digits data").Dataset
 
         X_train, _, y_train, _ = _digits_arrays(cfg.seed)
         ds = Dataset.from_dict({"idx": np.arange(len(y_train)), "label": y_train})
@@ -120,7 +123,7 @@ def load_test_set(cfg: DataConfig) -> TensorDataset:
     if cfg.dataset == "digits":
         _, X_test, _, y_test = _digits_arrays(cfg.seed)
         return _to_tensor_dataset(X_test, y_test)
-    from datasets import load_dataset
+    load_dataset = require("datasets", "a Hugging Face dataset").load_dataset
 
     return hf_to_tensor_dataset(load_dataset(cfg.dataset, split="test"))
 
@@ -142,7 +145,7 @@ def hf_to_tensor_dataset(ds) -> TensorDataset:
 
 
 def _hub_partition(cfg: DataConfig, partition_id: int, num_partitions: int) -> TensorDataset:
-    from flwr_datasets import FederatedDataset
+    FederatedDataset = require("flwr_datasets", "a Hugging Face dataset").FederatedDataset
 
     fds = FederatedDataset(dataset=cfg.dataset, partitioners={"train": _make_partitioner(cfg, num_partitions)})
     return hf_to_tensor_dataset(fds.load_partition(partition_id, "train"))

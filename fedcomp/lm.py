@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from .extras import require
+
 #: The default small model: 2 layers, width 64, 4 heads, MLP 256 (164,160 fp32 parameters, 21 tensors).
 TRANSFORMER_DEFAULTS: dict[str, Any] = {
     "hidden_size": 64,
@@ -26,12 +28,7 @@ TRANSFORMER_DEFAULTS: dict[str, Any] = {
 
 
 def _transformers():
-    try:
-        import transformers
-    except ImportError as exc:  # pragma: no cover - depends on the install
-        raise ImportError("model = 'transformer' needs Hugging Face transformers: pip install 'fedcomp[llm]'") \
-            from exc
-    return transformers
+    return require("transformers", "model = 'transformer'")
 
 
 def transformer_config(vocab_size: int = 256, seq_len: int = 80, **overrides):

@@ -109,8 +109,11 @@ def build_model(name: str = "cnn", image_shape: tuple[int, ...] = (1, 8, 8), num
         return DigitsCNN(num_classes) if name == "cnn" else DigitsResNet(num_classes)
     if name == "transformer":
         from .lm import build_transformer, transformer_config
+        from .text_data import SEQ_LEN
 
-        return build_transformer(transformer_config(seq_len=max(int(image_shape[-1]), 1)))
+        # the input shape of a byte sequence is (seq_len,); the image default means "the standard length"
+        seq_len = int(image_shape[0]) if len(image_shape) == 1 else SEQ_LEN
+        return build_transformer(transformer_config(seq_len=seq_len))
     if name == "mlp":
         n = 1
         for d in image_shape:

@@ -47,3 +47,5 @@ SECAGG_SEED_KEY = "fedcomp-secagg-seed"
 SECAGG_KEYS_KEY = "fedcomp-secagg-keys"
 SECAGG_ROTATION_KEY = "fedcomp-secagg-rotation"
 SECAGG_PACK_KEY = "fedcomp-secagg-pack"
+#: Client-level DP under SecAgg+: the L2 bound every client clips its k selected values to.
+SECAGG_DP_CLIP_KEY = "fedcomp-secagg-dp-clip"

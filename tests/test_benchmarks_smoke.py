@@ -2,6 +2,7 @@
 beyond sanity)."""
 
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -24,16 +25,47 @@ def test_codecs_benchmark_runs(tmp_path):
     assert all(r["position_bits_over_bound"] < 1.1 for r in rows if "position_bits_over_bound" in r)
 
 
+def _references() -> dict:
+    return {p.name: p.read_bytes() for p in sorted((REPO / "benchmarks" / "results").glob("*.json"))
+            } | {"figure": (REPO / "docs" / "accuracy_vs_bytes.png").read_bytes()}
+
+
 def test_federated_benchmark_quick_runs(tmp_path):
-    out = tmp_path / "fed.json"
-    subprocess.run([sys.executable, str(REPO / "benchmarks" / "federated.py"), "--quick", "--out", str(out),
-                    "--figure", str(tmp_path / "fig.png")], check=True, capture_output=True, timeout=600)
+    """--quick writes its JSON and figure to the temporary folder, never over the references."""
+    before = _references()
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "federated.py"), "--quick"], check=True,
+                          capture_output=True, text=True, timeout=600, env=env)
+    out = tmp_path / "fedcomp-benchmarks" / "federated-quick.json"
+    assert f"wrote {out}" in proc.stdout and f"wrote {out.with_suffix('.png')}" in proc.stdout
+    assert _references() == before
     res = {r["case"]: r for r in json.loads(out.read_text())["results"]}
     assert set(res) == {"none", "sign+EF", "stc 0.01+EF"}
     assert res["none"]["compression_ratio"] < 1.01
     assert 25 < res["sign+EF"]["compression_ratio"] < 32
     assert res["stc 0.01+EF"]["compression_ratio"] > 200
-    assert (tmp_path / "fig.png").stat().st_size > 10_000
+    assert out.with_suffix(".png").stat().st_size > 10_000
+
+
+def test_plot_only_prints_the_table_and_draws_the_figure(tmp_path):
+    ref = tmp_path / "federated.json"
+    ref.write_bytes((REPO / "benchmarks" / "results" / "federated.json").read_bytes())
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "federated.py"), "--plot-only", str(ref)],
+                          check=True, capture_output=True, text=True, timeout=300)
+    assert "| dirichlet | sign+EF |" in proc.stdout and f"wrote {ref.with_suffix('.png')}" in proc.stdout
+    assert ref.with_suffix(".png").stat().st_size > 10_000
+
+
+def test_quick_outputs_never_name_a_reference():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from outputs import RESULTS, output_path, shown
+
+    for name in ("federated", "privacy", "scale"):
+        assert output_path(name, None, quick=False) == RESULTS / f"{name}.json"
+        assert (RESULTS / f"{name}.json").exists()
+        assert RESULTS not in output_path(name, None, quick=True).parents
+        assert output_path(name, "mine.json", quick=True) == pathlib.Path("mine.json")  # --out: on purpose
+    assert shown(RESULTS / "codecs.json") == "benchmarks/results/codecs.json"  # no machine path in README output
 
 
 def test_scale_benchmark_smoke_runs(tmp_path):

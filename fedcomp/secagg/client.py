@@ -30,7 +30,7 @@ from flwr.compat.common import recorddict_compat as compat
 
 from ..compression import PayloadError
 from ..compression.bits import nbytes_for_bits, pack_uint, unpack_uint
-from ..protocol import SECAGG_KEYS_KEY, SECAGG_PACK_KEY, SECAGG_ROTATION_KEY, SECAGG_SEED_KEY
+from ..protocol import SECAGG_DP_CLIP_KEY, SECAGG_KEYS_KEY, SECAGG_PACK_KEY, SECAGG_ROTATION_KEY, SECAGG_SEED_KEY
 from .encoding import SharedProjection, flower_weight, prequantize
 
 #: Key in ``context.state`` of the error-feedback residual of the secure path (float32, shape (d,)).
@@ -115,6 +115,12 @@ def shared_randomk_mod(msg: Message, ctxt: Context, call_next) -> Message:
     Adds metrics ``secagg-k``, ``secagg-clipped`` (entries clipped to +-c), ``dense-bytes``
     (fp32 cost of the float update), ``compression-error`` and ``residual-norm``.
 
+    Client-level DP (``fedcomp-secagg-dp-clip`` = C in the train config, error feedback off): the
+    client reports ``num_examples = max_weight`` to SecAgg+ (uniform weights, so one client moves
+    the sum by at most C) and clips its k values to L2 norm ``C - sqrt(k) * 2c / Q``, so that the
+    values after rounding onto the grid stay within C; the server adds the noise
+    (:class:`fedcomp.secagg.SharedRandomKStrategy` with ``client_dp``).
+
     Raises
     ------
     ValueError
@@ -149,14 +155,34 @@ def shared_randomk_mod(msg: Message, ctxt: Context, call_next) -> Message:
     if not np.isfinite(delta).all():
         raise ValueError("non-finite update: the client does not send it (its residual is kept)")
     ef = bool(cfg.get("error-feedback", True))
+    dp_clip = cfg.get(SECAGG_DP_CLIP_KEY)
+    if dp_clip is not None and ef:
+        raise ValueError("client-level DP under SecAgg+ needs error-feedback = false: the residual would carry the "
+                         "clipped excess into later rounds and void the clipping bound")
     residual = None
     if ef and SECAGG_RESIDUAL_KEY in ctxt.state.array_records:
         r = ctxt.state.array_records[SECAGG_RESIDUAL_KEY]["residual"].numpy()
         residual = r if r.shape == (dim,) else None
     corrected = delta if residual is None else delta + residual
     proj = SharedProjection(dim, float(cfg["density"]), int(cfg[SECAGG_SEED_KEY]), bool(cfg.get(SECAGG_ROTATION_KEY)))
-    weight = flower_weight(num_examples, max_weight, q)
+    reported = num_examples
     values, rotated = proj.encode(corrected)
+    dp_clipped = 0
+    if dp_clip is not None:
+        # DP: uniform weights (every client reports max_weight) and ||sent|| <= C, the rounding onto the grid
+        # (< one step per entry) included
+        reported = int(max_weight)
+        weight = flower_weight(reported, max_weight, q)
+        bound = float(dp_clip) - np.sqrt(proj.k) * 2 * c / q / weight
+        if bound <= 0:
+            raise ValueError(f"DP clipping norm {dp_clip} is below the quantization slack sqrt(k) * 2c / Q: raise "
+                             "'clipping-norm' or 'secagg-quantization-bits'")
+        norm_v = float(np.linalg.norm(values))
+        if norm_v > bound:
+            values *= bound / norm_v
+            dp_clipped = 1
+    else:
+        weight = flower_weight(num_examples, max_weight, q)
     sent, clipped = prequantize(values, weight, c, q, np.random.default_rng())  # OS entropy
     rotated.numpy()[proj.positions()] -= sent
     new_residual = proj.unrotate_(rotated).numpy()
@@ -167,8 +193,8 @@ def shared_randomk_mod(msg: Message, ctxt: Context, call_next) -> Message:
     metrics = {k: v for k, v in metrics.items() if isinstance(v, (int, float, str, bytes, bool))}
     metrics.update({"secagg-k": proj.k, "secagg-clipped": clipped, "dense-bytes": float(4 * dim),
                     "compression-error": res_norm / norm if norm > 0 else 0.0,
-                    "residual-norm": res_norm if ef else 0.0})
-    fitres = FitRes(Status(Code.OK, ""), ndarrays_to_parameters([sent]), num_examples, metrics)
+                    "residual-norm": res_norm if ef else 0.0, "secagg-dp-clipped": dp_clipped})
+    fitres = FitRes(Status(Code.OK, ""), ndarrays_to_parameters([sent]), reported, metrics)
     return Message(compat.fitres_to_recorddict(fitres, keep_input=True), reply_to=msg)
 
 

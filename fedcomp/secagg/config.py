@@ -138,7 +138,15 @@ def check_codec_under_secagg(run_config: Mapping[str, Any]) -> None:
         raise ValueError(f"run config 'error-feedback' = {run_config['error-feedback']!r} is not supported with "
                          "secagg = true (use true or false: the server only sees the masked sum, not each client's "
                          "EF21 estimate)")
-    unsupported = {"dp": "none", "downstream": "none", "client-sampling": "fraction", "layer-codecs": "",
+    dp = run_config.get("dp", "none")
+    if dp not in ("none", "client-level"):
+        raise ValueError(f"run config 'dp' = {dp!r} is not supported with secagg = true (use 'none' or "
+                         "'client-level': clients clip their shared k values, the server adds the noise to the sum)")
+    if dp == "client-level" and run_config.get("error-feedback", True) is not False:
+        raise ValueError("run config dp = 'client-level' with secagg = true needs error-feedback = false: with error "
+                         "feedback the residual carries the clipped excess into later rounds and voids the clipping "
+                         "bound")
+    unsupported = { "downstream": "none", "client-sampling": "fraction", "layer-codecs": "",
                    "warmup-rounds": 0, "density-schedule": "constant", "momentum-correction": 0.0, "resume": False}
     for key, ok in unsupported.items():
         if key in run_config and run_config[key] != ok:

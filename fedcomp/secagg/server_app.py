@@ -25,7 +25,8 @@ from ..client.training import evaluate
 from ..config import AppConfig
 from ..data import DataConfig, load_test_set
 from ..models import build_model
-from ..server.results import HEADER, MB, format_row, plot_rounds, write_json
+from ..privacy import NO_AMPLIFICATION, ClientLevelDP
+from ..server.results import DP_HEADER, HEADER, MB, format_row, plot_rounds, write_json
 from .config import SecAggConfig, check_codec_under_secagg
 from .strategy import SharedRandomKStrategy
 from .workflow import CompressedSecAggPlusWorkflow
@@ -90,10 +91,11 @@ class SecAggRecorder:
                         "bits-per-parameter": 8 * up / (h["num-replies"] * h["dimension"]),
                         "modulus-bits": self.workflow._mod_bits})
         rec["elapsed-seconds"] = time.perf_counter() - self.t0
+        dp = self.cfg.dp != "none"
         if server_round == 0:
-            log(INFO, "fedcomp  %s %6s", HEADER, "bits/p")
+            log(INFO, "fedcomp  %s %6s", HEADER + (DP_HEADER if dp else ""), "bits/p")
         bpp = rec.get("bits-per-parameter")
-        log(INFO, "fedcomp  %s %6s", format_row(rec), "-" if bpp is None else f"{bpp:6.3f}")
+        log(INFO, "fedcomp  %s %6s", format_row(rec, dp), "-" if bpp is None else f"{bpp:6.3f}")
         self.rounds.append(rec)
         write_json(self.out_dir / "metrics.json", {
             "codec": self.strategy.describe() if self.strategy else "", "run-config": self.run_config,
@@ -101,7 +103,11 @@ class SecAggRecorder:
                        "modulus-bits": self.sa.modulus_bits or "auto", "max-weight": self.sa.max_weight,
                        "shares": self.sa.shares, "threshold": self.sa.threshold, "pack": self.sa.pack,
                        "rotation": self.sa.rotation},
-            "privacy": None, "stopped": None, "rounds": self.rounds})
+            "privacy": None if self.cfg.dp == "none" else {
+                "mode": "client-level", "level": "client-level (a client's whole update) under SecAgg+: clients clip "
+                "their shared k values, the server adds Gaussian noise to the unmasked sum",
+                "delta": self.cfg.target_delta, "accountant": "rdp", "assumption": NO_AMPLIFICATION},
+            "stopped": None, "rounds": self.rounds})
         return loss, {"accuracy": acc}
 
 
@@ -119,7 +125,9 @@ def run_secagg(grid, context, cfg: AppConfig, out_dir) -> list[dict]:
     density = cfg.codec.density if cfg.codec.compressor == "randomk" else 1.0
     strategy = SharedRandomKStrategy(build_legacy_inner(cfg, recorder, initial), density, rotation=sa.rotation,
                                      error_feedback=cfg.codec.error_feedback, seed=cfg.seed, keys=recorder.keys,
-                                     pack=sa.pack)
+                                     pack=sa.pack,
+                                     client_dp=ClientLevelDP(cfg.clipping_norm, cfg.noise_multiplier, cfg.target_delta)
+                                     if cfg.dp == "client-level" else None)
     workflow = CompressedSecAggPlusWorkflow(sa.shares, sa.threshold, modulus_bits=sa.modulus_bits,
                                             max_weight=sa.max_weight, clipping_range=sa.clipping_range,
                                             quantization_range=sa.quantization_range, timeout=cfg.round_timeout)

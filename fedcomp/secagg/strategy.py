@@ -34,7 +34,8 @@ from flwr.server.client_manager import ClientManager
 from flwr.server.client_proxy import ClientProxy
 from flwr.server.strategy import Strategy
 
-from ..protocol import SECAGG_KEYS_KEY, SECAGG_PACK_KEY, SECAGG_ROTATION_KEY, SECAGG_SEED_KEY
+from ..privacy import ClientLevelDP
+from ..protocol import SECAGG_DP_CLIP_KEY, SECAGG_KEYS_KEY, SECAGG_PACK_KEY, SECAGG_ROTATION_KEY, SECAGG_SEED_KEY
 from .encoding import SharedProjection, round_seed
 
 
@@ -61,6 +62,13 @@ class SharedRandomKStrategy(Strategy):
     pack : bool
         Tell clients the server unpacks packed masked vectors (needs
         :class:`fedcomp.secagg.CompressedSecAggPlusWorkflow`); default False.
+    client_dp : fedcomp.privacy.ClientLevelDP, optional
+        Client-level DP: clients clip their k values to ``clipping_norm`` with uniform weights
+        (needs ``error_feedback=False``); the server divides the unmasked sum by the number of
+        clients sampled and adds Gaussian noise of std ``noise_multiplier * clipping_norm / clients``
+        (OS CSPRNG) to the k values, accounted by RDP per round (McMahan et al. 2018, DP-FedAvg).
+        The server sees the exact sum before adding the noise: the guarantee holds for whoever sees
+        the released models (clients, the public), with an honest server.
 
     Attributes
     ----------
@@ -70,8 +78,13 @@ class SharedRandomKStrategy(Strategy):
     """
 
     def __init__(self, strategy: Strategy, density: float, *, rotation: bool = False, error_feedback: bool = True,
-                 seed: int = 0, keys: list[str] | None = None, pack: bool = False) -> None:
+                 seed: int = 0, keys: list[str] | None = None, pack: bool = False,
+                 client_dp: ClientLevelDP | None = None) -> None:
         super().__init__()
+        if client_dp is not None and error_feedback:
+            raise ValueError("client-level DP under SecAgg+ needs error-feedback = false: with error feedback the "
+                             "residual carries the clipped excess into later rounds and voids the clipping bound")
+        self.client_dp = client_dp
         if not 0 < density <= 1:
             raise ValueError(f"SharedRandomKStrategy: density must be in (0, 1], got {density}")
         self.inner, self.density, self.rotation = strategy, float(density), bool(rotation)
@@ -120,6 +133,8 @@ class SharedRandomKStrategy(Strategy):
             "server-round": server_round, SECAGG_SEED_KEY: self._proj.seed, "density": self.density,
             SECAGG_ROTATION_KEY: self.rotation, "error-feedback": self.error_feedback, SECAGG_PACK_KEY: self.pack,
         }
+        if self.client_dp is not None:
+            extra[SECAGG_DP_CLIP_KEY] = float(self.client_dp.clipping_norm)
         if self.keys is not None:
             if len(self.keys) != len(self._global):
                 raise ValueError(f"SharedRandomKStrategy: {len(self.keys)} keys for {len(self._global)} arrays")
@@ -142,7 +157,13 @@ class SharedRandomKStrategy(Strategy):
         vec = parameters_to_ndarrays(results[0][1].parameters)
         if len(vec) != 1:
             raise ValueError(f"secure aggregate has {len(vec)} arrays, expected the one vector of k values")
-        delta = self._proj.decode(vec[0])
+        values, dp_info = vec[0], {}
+        if self.client_dp is not None:  # SecAgg+ gave the uniform mean over the survivors: back to their sum
+            values, dp_info = self.client_dp.finish(values.astype(np.float64) * len(results), [],
+                                                    max(self._sampled, len(results)))
+            dp_info.pop("max-update-norm")
+            dp_info.pop("clipped-fraction")
+        delta = self._proj.decode(values)
         new, off = [], 0
         for g in self._global:
             if g.dtype.kind == "f":
@@ -160,7 +181,7 @@ class SharedRandomKStrategy(Strategy):
             out = parameters_to_ndarrays(agg)
             agg = ndarrays_to_parameters([o.astype(g.dtype) if g.dtype.kind == "f" else g
                                           for o, g in zip(out, self._global)])
-        metrics = self._round_metrics(results, failures)
+        metrics = {**self._round_metrics(results, failures), **dp_info}
         self.history[server_round] = metrics
         return agg, metrics
 
@@ -179,4 +200,5 @@ class SharedRandomKStrategy(Strategy):
             "train-loss": sum(num(m, "train-loss") * w for m, w in zip(ms, n)) / max(sum(n), 1),
             "compression-error": sum(num(m, "compression-error") for m in ms) / len(ms),
             "dense-bytes": sum(num(m, "dense-bytes") for m in ms),
+            **({"clipped-fraction": sum(num(m, "secagg-dp-clipped") for m in ms) / len(ms)} if self.client_dp else {}),
         }

@@ -16,13 +16,16 @@ from flwr.serverapp.strategy import FedAdam, FedAvg, FedAvgM, Strategy
 from ..client.training import evaluate
 from ..config import AppConfig
 from ..data import DataConfig, load_test_set
+from ..lora import LoraSettings, initial_adapters, load_weights, lora_model
 from ..models import build_model
-from ..privacy import NO_AMPLIFICATION, ClientLevelDP, LocalDP
+from ..privacy import NO_AMPLIFICATION, ClientLevelDP, LocalDP, check_accountable
 from ..secagg.server_app import check_secagg_config, run_secagg, secagg_requested
-from ..statedict import copy_array
+from ..statedict import copy_array, to_record
 from ..strategies import CompressedStrategy
 from ..strategies.offset import RoundOffset
+from ..strategies.round_metrics import machine_counts
 from . import checkpoint
+from .console import route_flower_logs
 from .results import DP_HEADER, HEADER, MB, format_row, plot_rounds, write_json
 from .startup import RunConfigError, one_line_config_errors, writable_results_dir
 
@@ -54,7 +57,8 @@ def privacy_options(cfg: AppConfig, context: Context | None = None) -> dict:
     ValueError
         A DP key out of range, or (dp-sgd) an infeasible ``target-epsilon`` / ``secure-rng``.
     """
-    opts: dict = {"max_epsilon": cfg.max_epsilon or None, "downstream": cfg.downstream}
+    opts: dict = {"max_epsilon": cfg.max_epsilon or None, "downstream": cfg.downstream,
+                  "require_compression": cfg.require_compression}
     q = None
     if cfg.client_sampling == "poisson":
         q = cfg.fraction_train
@@ -65,6 +69,8 @@ def privacy_options(cfg: AppConfig, context: Context | None = None) -> dict:
                                           sample_rate=q or 1.0)
     elif cfg.dp == "local":
         opts["local_dp"] = LocalDP(cfg.clipping_norm, cfg.noise_multiplier, cfg.target_delta)
+    if cfg.dp in ("client-level", "local"):  # the accountant must be able to compute epsilon, every round
+        check_accountable(cfg.noise_multiplier, cfg.target_delta, q or 1.0)
     if context is not None and cfg.dp == "dp-sgd":
         # imported here: Opacus calls logging.basicConfig at import (every log line would print twice)
         from ..client.dp_sgd import DPSGDConfig
@@ -86,15 +92,19 @@ class RoundRecorder:
         self.run_config = run_config
         test = load_test_set(DataConfig(cfg.dataset, cfg.partitioner, cfg.dirichlet_alpha, cfg.seed))
         self.test = test
-        self.model = build_model(cfg.model, tuple(test.tensors[0].shape[1:]))
+        if cfg.finetune == "lora":  # scoring only: the wire carries adapters, never base weights
+            self.model = lora_model(LoraSettings.from_mapping(run_config))
+        else:
+            self.model = build_model(cfg.model, tuple(test.tensors[0].shape[1:]))
         self.t0 = time.perf_counter()
         self.privacy = privacy_statement(cfg)
         self.local_rounds = 0
         self.last_eps = 0.0
+        self.header_printed = False
 
     def __call__(self, server_round: int, arrays: ArrayRecord) -> MetricRecord:
         """Flower ``evaluate_fn``: evaluate the global model on the held-out test split."""
-        self.model.load_state_dict(arrays.to_torch_state_dict())
+        load_weights(self.model, arrays, self.cfg.finetune == "lora")
         loss, acc = evaluate(self.model, self.test, torch.device("cpu"))
         rec: dict = {"round": server_round, "accuracy": acc, "loss": loss}
         h = self.strategy.history.get(server_round)
@@ -110,10 +120,12 @@ class RoundRecorder:
                 rec["epsilon-round"] = math.inf if math.isinf(now) else now - self.last_eps
                 self.last_eps = now
             rec["layers"] = self.strategy.layer_history.get(server_round, {})
+            rec["client-machines"] = machine_counts(self.strategy.client_history.get(server_round, []))
         rec["elapsed-seconds"] = time.perf_counter() - self.t0
         dp = self.cfg.dp != "none"
-        if server_round == 0:
+        if not self.header_printed:  # round 0, or the first round of a resumed run
             log(INFO, "fedcomp  %s", HEADER + (DP_HEADER if dp else ""))
+            self.header_printed = True
         log(INFO, "fedcomp  %s", format_row(rec, dp))
         self.rounds.append(rec)
         self.save()
@@ -199,6 +211,38 @@ def privacy_statement(cfg: AppConfig) -> dict | None:
             "max-epsilon": cfg.max_epsilon or None}
 
 
+def _resume(cfg: AppConfig, out_dir, strategy: CompressedStrategy, recorder: RoundRecorder, model):
+    """Load the checkpoint in ``out_dir`` for run config ``resume``: (round, initial ArrayRecord).
+
+    Raises
+    ------
+    ValueError
+        No ``results-dir``, dp-sgd without ``client-state-dir``, a bad checkpoint, or privacy or
+        codec settings that differ from the checkpoint's.
+    FileNotFoundError
+        No checkpoint in ``out_dir``.
+    """
+    if not cfg.results_dir:
+        raise ValueError("run config 'resume' = true needs 'results-dir' set to the folder of the run to resume")
+    if cfg.codec.error_feedback == "ef21":
+        raise ValueError("run config 'resume' does not support error-feedback = 'ef21' yet: the server's EF21 "
+                         "estimate is not in the checkpoint")
+    if cfg.dp == "dp-sgd" and not cfg.client_state_dir:
+        raise ValueError("run config 'resume' with dp = 'dp-sgd' needs 'client-state-dir': clients keep their "
+                         "privacy accountants there, otherwise epsilon would restart from zero")
+    offset, weights, meta = checkpoint.load(out_dir, strategy,
+                                            {k: tuple(v.shape) for k, v in model.state_dict().items()})
+    saved = meta.get("extra", {}).get("privacy-settings")
+    if saved is not None and saved != privacy_settings(cfg):
+        raise ValueError(f"run config 'resume': the privacy settings differ from the checkpoint's ({saved} vs "
+                         f"{privacy_settings(cfg)}); epsilon cannot be accounted across a change")
+    check_same_codec(meta.get("extra", {}).get("codec-settings"), cfg)
+    initial = ArrayRecord({k: Array(copy_array(v)) for k, v in weights.items()})
+    recorder.restore(meta)
+    log(INFO, "fedcomp  resuming %s after round %d", out_dir, offset)
+    return offset, initial
+
+
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     """Run the federation described by the run config and write ``metrics.json`` and ``plot.png``."""
@@ -211,34 +255,27 @@ def main(grid: Grid, context: Context) -> None:
     except ValueError as err:
         raise RunConfigError(str(err)) from err
     torch.manual_seed(cfg.seed)
-    if secagg_requested(context.run_config):
-        run_secagg(grid, context, cfg, writable_results_dir(cfg.results_dir, cfg.codec.compressor))
-        return
     out_dir = writable_results_dir(cfg.results_dir, cfg.codec.compressor)
+    route_flower_logs(out_dir, cfg.verbose)
+    if secagg_requested(context.run_config):
+        run_secagg(grid, context, cfg, out_dir)
+        return
+    adapters = None
+    if cfg.finetune == "lora":  # LoRA's seeded start, from the base model's config (no weights)
+        adapters, options["downstream_init"] = initial_adapters(LoraSettings.from_mapping(context.run_config), cfg.seed)
     strategy = CompressedStrategy.from_codec_config(build_inner(cfg), cfg.codec, **options)
     recorder = RoundRecorder(cfg, strategy, out_dir, dict(context.run_config))
-    model = build_model(cfg.model, tuple(recorder.test.tensors[0].shape[1:]))
     train_config = ConfigRecord({"seed": cfg.seed})
-    initial, offset = ArrayRecord(model.state_dict()), 0
+    if adapters is not None:
+        model, initial, offset = None, to_record(adapters), 0
+    else:
+        model = build_model(cfg.model, tuple(recorder.test.tensors[0].shape[1:]))
+        initial, offset = ArrayRecord(model.state_dict()), 0
     if cfg.resume:
-        if not cfg.results_dir:
-            raise ValueError("run config 'resume' = true needs 'results-dir' set to the folder of the run to resume")
-        if cfg.codec.error_feedback == "ef21":
-            raise ValueError("run config 'resume' does not support error-feedback = 'ef21' yet: the server's EF21 "
-                             "estimate is not in the checkpoint")
-        if cfg.dp == "dp-sgd" and not cfg.client_state_dir:
-            raise ValueError("run config 'resume' with dp = 'dp-sgd' needs 'client-state-dir': clients keep their "
-                             "privacy accountants there, otherwise epsilon would restart from zero")
-        offset, weights, meta = checkpoint.load(out_dir, strategy,
-                                                {k: tuple(v.shape) for k, v in model.state_dict().items()})
-        saved = meta.get("extra", {}).get("privacy-settings")
-        if saved is not None and saved != privacy_settings(cfg):
-            raise ValueError(f"run config 'resume': the privacy settings differ from the checkpoint's ({saved} vs "
-                             f"{privacy_settings(cfg)}); epsilon cannot be accounted across a change")
-        check_same_codec(meta.get("extra", {}).get("codec-settings"), cfg)
-        initial = ArrayRecord({k: Array(copy_array(v)) for k, v in weights.items()})
-        recorder.restore(meta)
-        log(INFO, "fedcomp  resuming %s after round %d", out_dir, offset)
+        try:
+            offset, initial = _resume(cfg, out_dir, strategy, recorder, model)
+        except (ValueError, FileNotFoundError) as err:  # one line naming the keys, not a traceback
+            raise RunConfigError(str(err)) from err
     remaining = cfg.num_server_rounds - offset
     if remaining <= 0:
         log(WARNING, "fedcomp  nothing to do: the checkpoint is at round %d and num-server-rounds = %d",

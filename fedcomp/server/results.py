@@ -80,9 +80,21 @@ def write_json(path: pathlib.Path, payload: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def plot_rounds(rounds: list[dict[str, Any]], path: pathlib.Path, title: str) -> None:
-    """``plot.png``: accuracy vs cumulative uploaded MB (log x) and accuracy vs round."""
-    import matplotlib
+def plot_rounds(rounds: list[dict[str, Any]], path: pathlib.Path, title: str) -> bool:
+    """``plot.png``: accuracy vs cumulative uploaded MB (log x) and accuracy vs round.
+
+    Returns False (and logs a warning, no plot) where matplotlib, the ``plots`` extra, is not installed:
+    a ServerApp on a core install still writes ``metrics.json``.
+    """
+    try:
+        import matplotlib
+    except ModuleNotFoundError:
+        from logging import WARNING
+
+        from flwr.common.logger import log
+
+        log(WARNING, "fedcomp  no plot.png: matplotlib is not installed (pip install 'fedcomp[plots]')")
+        return False
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -105,3 +117,4 @@ def plot_rounds(rounds: list[dict[str, Any]], path: pathlib.Path, title: str) ->
     fig.savefig(tmp, dpi=110)
     plt.close(fig)
     os.replace(tmp, path)
+    return True

@@ -48,23 +48,35 @@ def _flwr_run(tmp_path, nodes: int, run_config: str, ports: tuple[str, str] = ("
     """`flwr run .` on a private SuperLink (own FLWR_HOME and ports), stopped by PID afterwards.
     Returns (log, metrics.json path); `flwr run` exits 0 even when the run failed, so callers judge
     by the results file."""
+    log, metrics, _ = _private_run(tmp_path, nodes, run_config, ports, wrapper=False)
+    return log, metrics
+
+
+def _private_run(tmp_path, nodes: int, run_config: str, ports: tuple[str, str], wrapper: bool):
+    """`flwr run .`, or with ``wrapper`` `fedcomp-simulation` (which runs it): (log, metrics.json, exit code)."""
     env = _flwr_env(tmp_path)
     env["FLWR_LOCAL_SUPERLINK_HTTP_API_PORT"], env["FLWR_LOCAL_CONTROL_API_PORT"] = ports
     results = tmp_path / "results"
     flwr = shutil.which("flwr", path=env["PATH"])
-    cmd = [flwr or sys.executable, *([] if flwr else ["-m", "flwr.cli.app"]), "run", str(REPO), "--stream",
-           "--federation-config", f"num-supernodes={nodes} client-resources-num-cpus=1",
-           "--run-config", f"{run_config} results-dir='{results}'"]
+    overrides = f"{run_config} results-dir='{results}'"
+    if wrapper:
+        cmd = [sys.executable, "-m", "fedcomp.simulate", "--app", str(REPO), "--supernodes", str(nodes),
+               "--run-config", overrides]
+    else:
+        cmd = [flwr or sys.executable, *([] if flwr else ["-m", "flwr.cli.app"]), "run", str(REPO), "--stream",
+               "--federation-config", f"num-supernodes={nodes} client-resources-num-cpus=1", "--run-config", overrides]
     try:
         proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=400)
     finally:
         _stop_local_superlink(tmp_path / "flwr-home")
-    return proc.stdout + proc.stderr, results / "metrics.json"
+    return proc.stdout + proc.stderr, results / "metrics.json", proc.returncode
 
 
 @pytest.mark.skipif(shutil.which("pgrep") is None, reason="needs pgrep to stop the local SuperLink")
 def test_flwr_run_local_simulation(tmp_path):
-    log, metrics_file = _flwr_run(tmp_path, 3, "num-server-rounds=2 compressor='sign' lr=0.1")
+    log, metrics_file, code = _private_run(tmp_path, 3, "num-server-rounds=2 compressor='sign' lr=0.1",
+                                           ("39391", "39393"), wrapper=True)
+    assert code == 0, log[-3000:]  # fedcomp-simulation: 0 only when the run wrote its results
     results = metrics_file.parent
     assert metrics_file.exists(), log[-3000:]
     data = json.loads(metrics_file.read_text())
@@ -81,6 +93,15 @@ def test_flwr_run_local_simulation(tmp_path):
     for rnd in (0, 1, 2):
         assert len(re.findall(rf"fedcomp +{rnd} +\d\.\d{{4}} ", log)) == 1, log[-3000:]
     assert "DEBUG" not in log
+    # one line per round (issue 24: the default run printed 1557 lines for 50 rounds): the table, the final
+    # two lines and Flower's start-up/shut-down lines, none of Flower's per-round lines or "Final results"
+    lines = [ln for ln in log.splitlines() if ln.strip()]
+    ours = [ln for ln in lines if "fedcomp  " in ln]
+    assert len(ours) == 1 + 3 + 2, log[-3000:]  # header, rounds 0-2, final accuracy, results written to
+    assert len(lines) - len(ours) <= 16, log[-3000:]
+    assert "[ROUND" not in log and "Final results" not in log and "Aggregated MetricRecord" not in log
+    kept = (results / "flower.log").read_text()
+    assert "[ROUND 2/2]" in kept and "Final results" in kept and "Aggregated MetricRecord" in kept
 
 
 @pytest.mark.skipif(shutil.which("pgrep") is None, reason="needs pgrep to stop the local SuperLink")

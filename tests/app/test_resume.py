@@ -43,14 +43,14 @@ def test_resumed_run_equals_uninterrupted_run(tmp_path, strategy):
 def test_resume_without_a_results_dir_or_checkpoint_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="'resume' = true needs 'results-dir'"):
         run({"num-server-rounds": 1, "resume": True})
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(ValueError, match="checkpoint"):  # RunConfigError: one line, no traceback
         run({"num-server-rounds": 1, "resume": True, "results-dir": str(tmp_path / "empty")})
 
 
 def test_checkpoint_files_are_written_atomically_and_without_pickle(tmp_path):
     run({"num-server-rounds": 1, "results-dir": str(tmp_path), "compressor": "sign"})
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.json", "checkpoint.npz", "metrics.json",
-                                                          "plot.png"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.json", "checkpoint.npz", "flower.log",
+                                                          "metrics.json", "plot.png"]
     with np.load(tmp_path / "checkpoint.npz", allow_pickle=False) as z:
         assert all(z[k].dtype != object for k in z.files)
     assert checkpoint.META == "checkpoint.json"

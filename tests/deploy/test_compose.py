@@ -31,11 +31,27 @@ PROJECT_FILES = ["Dockerfile", ".dockerignore", "docker-compose.yml", "docker-co
 
 def engine_script() -> pathlib.Path | None:
     """The shared engine script, or None."""
-    for cand in (os.environ.get("FEDCOMP_DOCKER_ENGINE"), REPO.parent / "shared" / "tools" / "docker-engine.sh",
-                 "/work/shared/tools/docker-engine.sh"):
+    for cand in (os.environ.get("FEDCOMP_DOCKER_ENGINE"), REPO.parent / "shared" / "tools" / "docker-engine.sh"):
         if cand and pathlib.Path(cand).is_file():
             return pathlib.Path(cand)
     return None
+
+
+#: the image the Dockerfile builds from (the engine script builds a local stand-in: nothing is pulled)
+BASE_IMAGE = "python:3.11-slim"
+
+
+def build_failure(log: str) -> str:
+    """One line saying why an image build failed: the missing base image, the missing torch wheel,
+    or the build's last error line."""
+    lines = [ln.strip() for ln in log.splitlines() if ln.strip()]
+    if any(BASE_IMAGE in ln and ("pull" in ln or "not found" in ln or "resolve" in ln) for ln in lines):
+        return (f"the base image {BASE_IMAGE} is missing and cannot be pulled: build the local stand-in with "
+                "docker-engine.sh start")
+    if any("torch" in ln and ("No matching distribution" in ln or "Could not find" in ln) for ln in lines):
+        return "no torch 2.13.0 wheel reached the build: put one in wheels/ (TORCH_WHEELS)"
+    errors = [ln for ln in lines if "error" in ln.lower()]
+    return (errors or lines or ["no output"])[-1][:300]
 
 
 def _docker_ok() -> bool:
@@ -82,12 +98,18 @@ def project(engine, tmp_path_factory):
             shutil.copytree(src, root / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
         else:
             shutil.copy2(src, root / name)
+    if subprocess.run(["docker", "image", "inspect", BASE_IMAGE], capture_output=True).returncode != 0:
+        _unavailable(f"the engine has no {BASE_IMAGE} image and nothing can be pulled here: build the local "
+                     "stand-in with docker-engine.sh start (see its header)")
     wheels = REPO / "wheels"
     if list(wheels.glob("torch-2.13.0*.whl")):
         shutil.copytree(wheels, root / "wheels")
     else:
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "torch==2.13.0", "-d",
-                        str(root / "wheels")], check=True, timeout=900)
+        got = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "torch==2.13.0", "-d",
+                              str(root / "wheels")], capture_output=True, text=True, timeout=900)
+        if got.returncode != 0:
+            _unavailable("no torch 2.13.0 wheel for the image: put one in wheels/ "
+                         "(pip download --no-deps torch==2.13.0 -d wheels/ where the index is reachable)")
     image = f"fedcomp-test:{os.getpid()}"
     env = {**os.environ, "FEDCOMP_IMAGE": image, "TORCH_WHEELS": "wheels/", "FEDCOMP_PORT": str(_free_port()),
            "FEDCOMP_RUN_CONFIG": f"num-server-rounds={ROUNDS}",
@@ -95,7 +117,11 @@ def project(engine, tmp_path_factory):
     # the one build of this module (the plain test's `up --build` finds it cached; TLS reuses it)
     out = subprocess.run(["docker", "compose", "build"], cwd=root, env=env, capture_output=True, text=True,
                          timeout=1500)
-    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    if out.returncode != 0:
+        log = root / "build.log"
+        log.write_text(out.stdout + out.stderr)
+        pytest.fail(f"`docker compose build` failed: {build_failure(out.stdout + out.stderr)} (full log: {log})",
+                    pytrace=False)
     yield root, env
     subprocess.run(["docker", "image", "rm", "-f", image], capture_output=True, timeout=300)
 

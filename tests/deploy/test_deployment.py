@@ -3,6 +3,7 @@
 import json
 import os
 import pathlib
+import platform
 import random
 import re
 import shutil
@@ -92,7 +93,7 @@ def test_one_image_built_once(files):
     assert all(s["pull_policy"] == "never" for s in svc.values())
 
 
-def test_image_requirements_drop_only_the_simulation_extra():
+def test_image_requirements_core_and_extras_without_ray():
     sys.path.insert(0, str(REPO / "scripts"))
     try:
         from image_requirements import image_requirements
@@ -100,11 +101,16 @@ def test_image_requirements_drop_only_the_simulation_extra():
         sys.path.pop(0)
     import tomllib
 
-    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
-    reqs = image_requirements(str(REPO / "pyproject.toml"))
-    assert len(reqs) == len(deps) and "flwr==1.42.0" in reqs
-    assert [r for r in reqs if not r.startswith("flwr==")] == [d for d in deps if not d.startswith("flwr[")]
-    assert not any("simulation" in r for r in reqs)
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    core = image_requirements(str(REPO / "pyproject.toml"))  # the lean `supernode` image
+    assert core == project["dependencies"]
+    full = image_requirements(str(REPO / "pyproject.toml"), ("simulation", "dp"))  # self-references expanded
+    extras = project["optional-dependencies"]
+    assert full[:len(core)] == core and len(set(full)) == len(full)
+    assert set(full) == set(core + extras["data"] + extras["plots"] + extras["dp"])
+    assert not any("simulation" in r or r.startswith("fedcomp") for r in full)
+    with pytest.raises(KeyError):
+        image_requirements(str(REPO / "pyproject.toml"), ("nope",))
 
 
 def test_dockerignore_keeps_the_context_small():
@@ -140,6 +146,7 @@ def test_launcher_two_supernodes_two_rounds(tmp_path, capsys):
     rounds = data["rounds"]
     assert [r["round"] for r in rounds] == [0, 1, 2]
     assert all(r["num-replies"] == 2 and r["upload-bytes"] == r["upload-bytes-stc"] > 0 for r in rounds[1:])
+    assert all(r["client-machines"] == {platform.machine(): 2} and r["client-peak-rss-mb"] > 50 for r in rounds[1:])
     # feedback while it runs: one line per round with the elapsed time
     assert [int(m) for m in re.findall(r"fedcomp-deploy: round (\d+) done, \d+ s elapsed", out)] == [0, 1, 2]
     assert all(0.0 <= r["accuracy"] <= 1.0 for r in rounds)

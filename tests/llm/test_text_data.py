@@ -41,6 +41,9 @@ Who's there?
 
 Fran.
 Nay, answer me: stand, and unfold yourself.
+[Aside.] Who comes? [Aside, to Ber.] Speak.
+[Enter the Ghost,
+armed.] It comes!
 
 First Clown.
 Is she to be buried in Christian burial?
@@ -57,6 +60,7 @@ I must confess.
 def test_parse_play_finds_speakers_and_drops_directions_and_front_matter():
     assert parse_play(HAMLET) == [
         ("Ber", "Who's there?"), ("Fran", "Nay, answer me: stand, and unfold yourself."),
+        ("Fran", "Who comes? Speak."), ("Fran", "It comes!"),
         ("First Clown", "Is she to be buried in Christian burial?"),
         ("First Clown", "We do it wrong, being so majestical,"),  # a speech continued after a direction
         ("THESEUS", "I must confess."),

@@ -145,3 +145,18 @@ def test_client_partition_of_the_corpus_is_the_roles_windows(corpus):
     data = load_partition(DataConfig("shakespeare", seed=3), 1, NODES)
     x, y = data.tensors
     assert x.dtype == torch.int64 and x.shape[1] == 80 and torch.equal(x[:, 1:], y[:, :-1])
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_gradient_accumulation_matches_one_larger_batch(optimizer):
+    """4 windows x 2 accumulation steps = one step on 8 windows (mean over characters either way)."""
+    data = _data(n=8, seed=3)
+    models = [build_transformer(transformer_config(), seed=4) for _ in range(2)]
+    base = {"lr": 0.01, "momentum": 0.0, "optimizer": optimizer}
+    train(models[0], data, TrainConfig(batch_size=8, accumulation_steps=1, **base), torch.device("cpu"), seed=5)
+    train(models[1], data, TrainConfig(batch_size=4, accumulation_steps=2, **base), torch.device("cpu"), seed=5)
+    start = build_transformer(transformer_config(), seed=4).state_dict()
+    a, b = models[0].state_dict(), models[1].state_dict()
+    moved = max(float((a[k] - start[k]).abs().max()) for k in a)
+    assert moved > 1e-4  # the step did something
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) < 0.01 * moved  # float summation order only

@@ -7,7 +7,7 @@ import logging
 import numpy as np
 import pytest
 import torch
-from flwr.app import ArrayRecord, ConfigRecord
+from flwr.app import ConfigRecord
 from flwr.serverapp.strategy import FedAvg
 
 from fedcomp.client.lora import eval_lm, lora_client_app, lora_model
@@ -145,3 +145,18 @@ def test_fine_tuning_lowers_the_loss_and_lagging_clients_catch_up_cheaply(base_d
     load_adapters(model, to_state_dict(arrays))
     loss1, _ = eval_lm(model, test)
     assert loss1 < loss0 - 0.05  # fine-tuning helped (synthetic patterns are learnable)
+
+
+def test_run_config_lora_keys_are_checked():
+    from fedcomp.config import AppConfig
+
+    lora = {"dataset": "shakespeare", "model": "transformer", "finetune": "lora"}
+    with pytest.raises(ValueError, match="'base-model' must name"):
+        AppConfig.from_run_config(lora)
+    with pytest.raises(ValueError, match="lora-alpha"):
+        AppConfig.from_run_config({**lora, "base-model": "x", "lora-alpha": 0})
+    with pytest.raises(ValueError, match="dataset = 'shakespeare'"):
+        AppConfig.from_run_config({"finetune": "lora", "base-model": "x"})
+    with pytest.raises(ValueError, match="did you mean 'lora-r'"):
+        AppConfig.from_run_config({**lora, "base-model": "x", "lora-rr": 4})
+    assert AppConfig.from_run_config({**lora, "base-model": "x"}).finetune == "lora"

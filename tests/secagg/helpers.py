@@ -76,7 +76,7 @@ class RecordingGrid(InProcessGrid):
 
 
 def run_round(n: int, density: float, *, rotation=False, pack=True, drop=(), corrupt=(), scale=0.01,
-              clipping_range=1.0, qbits=16, shares=1.0, threshold=0.6, ef=True, inner_cls=FedAvg, **inner_kw):
+              clipping_range=1.0, qbits=16, shares=1.0, threshold=0.6, ef=True, inner_cls=FedAvg, client_dp=None, **inner_kw):
     """One SecAgg+ round; returns (new model dict, strategy, workflow, grid)."""
     g = global_model()
     keys = list(g)
@@ -90,7 +90,8 @@ def run_round(n: int, density: float, *, rotation=False, pack=True, drop=(), cor
     inner = inner_cls(**inner_kw, fraction_fit=1.0, fraction_evaluate=0.0, min_fit_clients=n, min_evaluate_clients=0,
                    min_available_clients=n, evaluate_fn=evaluate_fn,
                    initial_parameters=ndarrays_to_parameters([g[k] for k in keys]))
-    strategy = SharedRandomKStrategy(inner, density, rotation=rotation, error_feedback=ef, seed=3, keys=keys, pack=pack)
+    strategy = SharedRandomKStrategy(inner, density, rotation=rotation, error_feedback=ef, seed=3, keys=keys, pack=pack,
+                                     client_dp=client_dp)
     workflow = CompressedSecAggPlusWorkflow(shares, threshold, max_weight=1000.0, clipping_range=clipping_range,
                                             quantization_range=1 << qbits)
     ctx = LegacyContext(Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={}),

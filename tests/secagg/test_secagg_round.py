@@ -144,3 +144,58 @@ def test_fedavgm_inside_applies_the_same_aggregate_as_its_pseudo_gradient():
     for new in (avg, avgm):
         assert np.abs(_model_delta(new)[proj.positions()] - plain_vals).max() <= quantization_bound(w, 1.0, Q16) + 1e-6
     assert avgm["w"].dtype == np.float32 and avgm["steps"] == 7
+
+
+@pytest.mark.parametrize("z", [0.0, 1.0])
+def test_client_level_dp_clips_each_client_and_noises_the_sum(z):
+    from fedcomp.privacy import ClientLevelDP
+
+    n, density, clip = 3, 0.25, 0.05
+    new, strategy, _, _ = run_round(n, density, ef=False, client_dp=ClientLevelDP(clip, z, 1e-5))
+    proj = SharedProjection(DIM, density, round_seed(3, 1))
+    bound_c = clip - np.sqrt(proj.k) * 2.0 / Q16  # uniform weight 1: the rounding slack is sqrt(k) steps
+    clipped = []
+    for p in range(n):
+        v = proj.encode(_flat(client_delta(p)))[0]
+        assert np.linalg.norm(v) > clip  # every client is clipped at this C
+        clipped.append(v * bound_c / np.linalg.norm(v))
+    expected = sum(clipped) / n  # divided by the clients sampled, not weighted by examples
+    got = _model_delta(new)[proj.positions()]
+    h = strategy.history[1]
+    assert h["clipped-fraction"] == 1.0
+    if z == 0:
+        assert np.abs(got - expected).max() <= quantization_bound([1.0] * n, 1.0, Q16) + 1e-6
+        assert h["epsilon"] == float("inf")
+    else:
+        std = float(np.std(got - expected))
+        assert 0.85 * clip / n < std < 1.15 * clip / n  # noise std z * C / n over k = 512 entries
+        assert 0 < h["epsilon"] < 50
+
+
+def test_client_level_dp_refuses_error_feedback():
+    from fedcomp.privacy import ClientLevelDP
+
+    with pytest.raises(ValueError, match="needs error-feedback = false"):
+        run_round(2, 0.25, ef=True, client_dp=ClientLevelDP(0.05, 1.0, 1e-5))
+
+
+def test_serverapp_path_with_client_level_dp_writes_epsilon(tmp_path):
+    """run_secagg (what `flwr run . --run-config "secagg=true ..."` calls) on fedcomp's real ClientApp, DP on."""
+    import json
+
+    from flwr.app import Context, RecordDict
+
+    from fedcomp.client.app import app
+    from fedcomp.config import AppConfig
+    from fedcomp.secagg.server_app import run_secagg
+    from fedcomp.simulation import InProcessGrid
+
+    rc = {"num-server-rounds": 1, "secagg": True, "compressor": "randomk", "density": 0.0625, "dp": "client-level",
+          "error-feedback": False, "clipping-norm": 0.5, "noise-multiplier": 0.8}
+    ctx = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=rc)
+    rounds = run_secagg(InProcessGrid(app, 2, rc), ctx, AppConfig.from_run_config(rc), tmp_path)
+    data = json.loads((tmp_path / "metrics.json").read_text())
+    assert data["privacy"]["mode"] == "client-level" and data["rounds"] == rounds
+    r = rounds[1]
+    assert r["num-replies"] == 2 and r["k"] == round(0.0625 * 38282) and 0 < r["epsilon"] < 100
+    assert (tmp_path / "plot.png").exists()

@@ -72,6 +72,9 @@ def test_run_config_defaults_and_refusals():
         check_codec_under_secagg({"compressor": "stc"})
     with pytest.raises(ValueError, match="'dp' = 'local' is not supported with secagg"):
         check_codec_under_secagg({"compressor": "randomk", "dp": "local"})
+    with pytest.raises(ValueError, match="needs error-feedback = false"):
+        check_codec_under_secagg({"compressor": "randomk", "dp": "client-level"})
+    check_codec_under_secagg({"compressor": "randomk", "dp": "client-level", "error-feedback": False})
     with pytest.raises(ValueError, match="'error-feedback' = 'ef21' is not supported with secagg"):
         check_codec_under_secagg({"compressor": "randomk", "error-feedback": "ef21"})
     check_codec_under_secagg({"compressor": "randomk", "density": 0.015625, "error-feedback": False})

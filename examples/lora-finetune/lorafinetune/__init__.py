@@ -1,0 +1,1 @@
+"""A FlowerTune-style LoRA fine-tuning app (Shakespeare roles as the clients' text) with fedcomp."""

@@ -1,0 +1,74 @@
+"""What a run prints (issue 24): one line per round on the console, Flower's own lines in
+``flower.log``; a resumed run prints the table header; refusing a resume is one line."""
+
+import io
+import logging
+
+import pytest
+from flwr.app import Context, RecordDict
+from flwr.common.logger import console_handler, log
+
+from fedcomp.client.app import app as client_app
+from fedcomp.server.app import main
+from fedcomp.server.console import LOG_FILE, route_flower_logs
+from fedcomp.server.startup import OneLineRunConfigError, RunConfigError
+from fedcomp.simulation import InProcessGrid
+
+
+@pytest.fixture
+def console():
+    """Flower's console handler writing into a buffer (restored afterwards, filters included)."""
+    buf, old_stream, old_filters = io.StringIO(), console_handler.stream, list(console_handler.filters)
+    console_handler.stream = buf
+    yield buf
+    console_handler.stream = old_stream
+    console_handler.filters[:] = old_filters
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_flower_lines_go_to_the_log_file_and_only_ours_to_the_console(tmp_path, console, verbose):
+    path = route_flower_logs(tmp_path, verbose)
+    log(logging.INFO, "[ROUND 1/2]")
+    log(logging.INFO, "\t└──> Aggregated MetricRecord: {'train-loss': 2.1}")
+    log(logging.INFO, "fedcomp      1   0.2000  2.2912     0.0015     0.001    312.7")
+    log(logging.WARNING, "something a user can act on")
+    shown = console.getvalue()
+    assert "fedcomp      1" in shown and "something a user can act on" in shown
+    assert ("[ROUND 1/2]" in shown) is verbose and ("Aggregated MetricRecord" in shown) is verbose
+    written = path.read_text()
+    assert path == tmp_path / LOG_FILE
+    assert all(s in written for s in ("[ROUND 1/2]", "Aggregated MetricRecord", "fedcomp      1", "act on"))
+    # a second run in the same process replaces the first one's file and filter
+    (tmp_path / "next").mkdir()
+    route_flower_logs(tmp_path / "next", verbose)
+    log(logging.INFO, "[ROUND 2/2]")
+    assert "[ROUND 2/2]" not in path.read_text()
+    assert sum(type(f).__name__ == "OwnLinesOnly" for f in console_handler.filters) == (0 if verbose else 1)
+
+
+def _run(rc):
+    main(InProcessGrid(client_app, 2, rc), Context(run_id=1, node_id=1, node_config={}, state=RecordDict(),
+                                                   run_config=rc))
+
+
+def test_a_resumed_run_prints_the_header_and_a_codec_change_is_refused_in_one_line(tmp_path, console, caplog):
+    base = {"results-dir": str(tmp_path), "compressor": "sign", "num-server-rounds": 1, "batch-size": 64}
+    _run(base)
+    assert console.getvalue().count("fedcomp  round accuracy") == 1
+    console.truncate(0)
+    _run({**base, "num-server-rounds": 2, "resume": True})
+    shown = console.getvalue()
+    # the header, then round 2 only, one line each; none of Flower's INFO lines
+    rows = [ln for ln in shown.splitlines() if "fedcomp" in ln]
+    assert "round accuracy" in rows[1] and "resuming" in rows[0], shown
+    assert [ln.split()[-6] for ln in rows[2:3]] == ["2"], shown
+    assert "[ROUND" not in shown and "Final results" not in shown
+    with pytest.raises(RunConfigError) as err:
+        _run({**base, "num-server-rounds": 3, "resume": True, "compressor": "stc"})
+    with caplog.at_level(logging.ERROR, logger="flwr"):
+        rec = logging.LogRecord("flwr", logging.ERROR, __file__, 1, "ServerApp failed", None,
+                                (RunConfigError, err.value, err.value.__traceback__))
+        OneLineRunConfigError().filter(rec)
+    line = rec.getMessage()
+    assert "\n" not in line and rec.exc_info is None
+    assert "'compressor' = 'stc' (checkpoint: 'sign')" in line and "start a new run" in line
