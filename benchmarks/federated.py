@@ -83,7 +83,8 @@ BASE_CASES = list(CASES)[:12]
 EXTRA_CASES = list(CASES)[12:]
 #: issue 25, accuracy per byte where it is hard: the BatchNorm ResNet (12 rounds) with the defaults
 #: and with BatchNorm's affine parameters sent dense ("bn-affine": batchnorm-affine = "small"), and
-#: the CNN at density 1/1000 (50 rounds), plain and with DGC's momentum correction.
+#: the CNN at density 1/1000 (50 rounds), plain, with DGC's momentum correction, and with server
+#: momentum (FedAvgM, server lr 1.0, momentum 0.5) on top of momentum correction or of a density schedule.
 #: ``--suite accuracy`` runs these (not part of the default run).
 ACCURACY_CASES = {
     "resnet none": {"model": "resnet", "compressor": "none", "num-server-rounds": 12},
@@ -97,6 +98,11 @@ ACCURACY_CASES = {
     "cnn none": {"compressor": "none"},
     "cnn stc 0.001+EF": {"compressor": "stc", "density": 0.001},
     "cnn stc 0.001+EF mc": {"compressor": "stc", "density": 0.001, "momentum-correction": 0.5},
+    "cnn stc 0.001+EF mc+avgm": {"compressor": "stc", "density": 0.001, "momentum-correction": 0.5,
+                                 "strategy": "fedavgm", "server-lr": 1.0, "server-momentum": 0.5},
+    "cnn stc 0.001+EF sched+avgm": {"compressor": "stc", "density": 0.001, "density-schedule": "exponential",
+                                    "density-start": 0.25, "schedule-rounds": 10, "strategy": "fedavgm",
+                                    "server-lr": 1.0, "server-momentum": 0.5},
 }
 CASES.update(ACCURACY_CASES)
 
@@ -220,7 +226,7 @@ def plot(results: list[dict], path: pathlib.Path) -> None:
 
 def plot_accuracy(results: list[dict], path: pathlib.Path) -> None:
     """Issue 25's figure: per model, accuracy per round and accuracy against cumulative uploaded MB
-    (log x), mean over seeds; the settings tried on top of the defaults dashed."""
+    (log x), mean over seeds; the settings tried on top of the defaults ("+EF <remedy>") dashed."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -233,7 +239,7 @@ def plot_accuracy(results: list[dict], path: pathlib.Path) -> None:
         for i, r in enumerate(rows):
             acc = [statistics.fmean(v) for v in zip(*r["curves"])]
             mb = [statistics.fmean(v) for v in zip(*r["cumulative_upload_mb"])]
-            style = {"color": f"C{i}", "linestyle": "--" if r["case"].endswith(("bn-affine", "mc")) else "-",
+            style = {"color": f"C{i}", "linestyle": "--" if "+EF " in r["case"] else "-",
                      "label": r["case"]}
             row[0].plot(range(len(acc)), acc, **style)
             row[1].plot(mb[1:], acc[1:], **style)
