@@ -1,6 +1,5 @@
 """Noise calibration and the sampling arithmetic of DP-SGD (Flower-free): Poisson sample rate,
-steps per epoch and per run, the noise multiplier that reaches a target epsilon, and the epsilon
-one more round would cost.
+steps per epoch, and the noise multiplier that reaches a target epsilon.
 
 Source: Abadi et al., "Deep Learning with Differential Privacy", CCS 2016; Opacus 1.6's
 ``get_noise_multiplier`` (bisection over sigma).
@@ -10,16 +9,13 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Mapping
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from .._opacus import import_opacus
-from .accounting import epsilon_spent, restore_accountant
 
 if TYPE_CHECKING:
     from ..training import TrainConfig
-    from .sample_level import DPSGDConfig
 
 
 def logical_batch_size(train_cfg: TrainConfig) -> int:
@@ -101,46 +97,3 @@ def calibrate_noise_multiplier(
             f"{target_delta} with the {accountant!r} accountant (no noise multiplier up to 1e6 "
             f"gets there: {exc}); raise target-epsilon or target-delta"
         ) from None
-
-
-def planned_steps(dp_cfg: DPSGDConfig, train_cfg: TrainConfig, num_examples: int) -> int:
-    """Optimizer steps of the whole planned run on this client:
-    ``planned_rounds * local_epochs * steps_per_epoch``."""
-    per_epoch = steps_per_epoch(num_examples, logical_batch_size(train_cfg))
-    return dp_cfg.planned_rounds * int(train_cfg.local_epochs) * per_epoch
-
-
-def resolve_noise_multiplier(dp_cfg: DPSGDConfig, train_cfg: TrainConfig, num_examples: int) -> float:
-    """The sigma this client uses: ``dp_cfg.noise_multiplier``, or with ``target_epsilon``
-    the calibrated one for :func:`planned_steps` at this client's sample rate.
-
-    Raises
-    ------
-    ValueError
-        Unreachable target epsilon (naming ``target-epsilon``).
-    """
-    if dp_cfg.target_epsilon is None:
-        return float(dp_cfg.noise_multiplier)
-    q = sample_rate(num_examples, logical_batch_size(train_cfg))
-    return calibrate_noise_multiplier(
-        target_epsilon=float(dp_cfg.target_epsilon), target_delta=float(dp_cfg.target_delta),
-        sample_rate=q, steps=planned_steps(dp_cfg, train_cfg, num_examples), accountant=dp_cfg.accountant,
-    )
-
-
-def projected_epsilon(dp_cfg: DPSGDConfig, train_cfg: TrainConfig, num_examples: int,
-                      accountant_state: Mapping[str, Any] | None) -> float:
-    """Epsilon this client would have after one more round (at ``target_delta``), without training.
-
-    Adds this round's steps (``local_epochs * steps_per_epoch`` at this client's sample rate and
-    noise multiplier) to a copy of the restored accountant; used to refuse a round that would
-    exceed a privacy budget before any data is touched.
-    """
-    acc = restore_accountant(dp_cfg.accountant, accountant_state)
-    sigma = resolve_noise_multiplier(dp_cfg, train_cfg, num_examples)
-    q = sample_rate(num_examples, logical_batch_size(train_cfg))
-    steps = int(train_cfg.local_epochs) * steps_per_epoch(num_examples, logical_batch_size(train_cfg))
-    if sigma == 0:
-        return math.inf
-    acc.history.append((sigma, q, steps))
-    return epsilon_spent(acc, dp_cfg.target_delta)

@@ -1,6 +1,7 @@
-"""Settings of sample-level DP-SGD (run config ``dp = "dp-sgd"``): read by the ClientApp that
-trains with them, validated by the ServerApp at start-up. Opacus is imported only when a target
-epsilon needs calibrating.
+"""Settings of sample-level DP-SGD (run config ``dp = "dp-sgd"``) and the plan they give one client
+(steps of the run, its noise multiplier, the epsilon one more round would cost): read by the
+ClientApp that trains with them, validated by the ServerApp at start-up. Opacus is imported only
+when a target epsilon needs calibrating or an epsilon computing.
 """
 
 from __future__ import annotations
@@ -8,11 +9,14 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..validate import check_number
-from .accounting import ACCOUNTANTS
-from .calibration import calibrate_noise_multiplier
+from .accounting import ACCOUNTANTS, epsilon_spent, restore_accountant
+from .calibration import calibrate_noise_multiplier, logical_batch_size, sample_rate, steps_per_epoch
+
+if TYPE_CHECKING:
+    from ..training import TrainConfig
 
 
 def _number(cfg: Mapping[str, Any], key: str, default: Any) -> float:
@@ -150,3 +154,46 @@ class DPSGDConfig:
             accountant=accountant,
             secure_rng=secure,
         )
+
+
+def planned_steps(dp_cfg: DPSGDConfig, train_cfg: TrainConfig, num_examples: int) -> int:
+    """Optimizer steps of the whole planned run on this client:
+    ``planned_rounds * local_epochs * steps_per_epoch``."""
+    per_epoch = steps_per_epoch(num_examples, logical_batch_size(train_cfg))
+    return dp_cfg.planned_rounds * int(train_cfg.local_epochs) * per_epoch
+
+
+def resolve_noise_multiplier(dp_cfg: DPSGDConfig, train_cfg: TrainConfig, num_examples: int) -> float:
+    """The sigma this client uses: ``dp_cfg.noise_multiplier``, or with ``target_epsilon``
+    the calibrated one for :func:`planned_steps` at this client's sample rate.
+
+    Raises
+    ------
+    ValueError
+        Unreachable target epsilon (naming ``target-epsilon``).
+    """
+    if dp_cfg.target_epsilon is None:
+        return float(dp_cfg.noise_multiplier)
+    q = sample_rate(num_examples, logical_batch_size(train_cfg))
+    return calibrate_noise_multiplier(
+        target_epsilon=float(dp_cfg.target_epsilon), target_delta=float(dp_cfg.target_delta),
+        sample_rate=q, steps=planned_steps(dp_cfg, train_cfg, num_examples), accountant=dp_cfg.accountant,
+    )
+
+
+def projected_epsilon(dp_cfg: DPSGDConfig, train_cfg: TrainConfig, num_examples: int,
+                      accountant_state: Mapping[str, Any] | None) -> float:
+    """Epsilon this client would have after one more round (at ``target_delta``), without training.
+
+    Adds this round's steps (``local_epochs * steps_per_epoch`` at this client's sample rate and
+    noise multiplier) to a copy of the restored accountant; used to refuse a round that would
+    exceed a privacy budget before any data is touched.
+    """
+    acc = restore_accountant(dp_cfg.accountant, accountant_state)
+    sigma = resolve_noise_multiplier(dp_cfg, train_cfg, num_examples)
+    q = sample_rate(num_examples, logical_batch_size(train_cfg))
+    steps = int(train_cfg.local_epochs) * steps_per_epoch(num_examples, logical_batch_size(train_cfg))
+    if sigma == 0:
+        return math.inf
+    acc.history.append((sigma, q, steps))
+    return epsilon_spent(acc, dp_cfg.target_delta)
