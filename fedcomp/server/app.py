@@ -12,7 +12,7 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAdam, FedAvg, FedAvgM, Strategy
 
-from ..config import AppConfig
+from ..config import CODEC_DEFAULTS, AppConfig
 from ..data import DataConfig, load_test_set
 from ..lora import LoraSettings, initial_adapters, load_weights, lora_model
 from ..models import build_model
@@ -160,7 +160,8 @@ def check_same_codec(saved: dict | None, cfg: AppConfig) -> None:
     Refused rather than allowed with a warning: the clients' saved error-feedback residuals are
     what *that* codec (and selection scope) failed to send, so another codec drops or misreads
     them, and ``metrics.json`` records one codec for all its rounds. A run that should change
-    codec starts as a new run in a new ``results-dir``.
+    codec starts as a new run in a new ``results-dir``. A key the checkpoint does not hold (added
+    to fedcomp after it was written) counts as its default, which is what that run used.
 
     Raises
     ------
@@ -170,6 +171,8 @@ def check_same_codec(saved: dict | None, cfg: AppConfig) -> None:
     if saved is None:
         return
     now = cfg.codec.to_mapping()
+    # A key the checkpoint lacks is newer than the checkpoint: that run used the key's default.
+    saved = {**{k: v for k, v in CODEC_DEFAULTS.items() if k not in saved}, **saved}
     diff = [f"'{k}' = {now.get(k)!r} (checkpoint: {saved.get(k)!r})" for k in sorted(set(now) | set(saved))
             if now.get(k) != saved.get(k)]
     if diff:

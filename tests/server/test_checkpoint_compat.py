@@ -73,3 +73,15 @@ def test_the_privacy_budget_state_survives_a_checkpoint(tmp_path):
     checkpoint.load(tmp_path, back)
     assert back.budget.state_dict() == s.budget.state_dict()
     assert back.budget.exhausted(3) and "would raise epsilon to about inf" in back.stopped_reason
+
+
+def test_a_codec_key_newer_than_the_checkpoint_counts_as_its_default():
+    from fedcomp.config import AppConfig
+    from fedcomp.server.app import check_same_codec
+
+    saved = AppConfig.from_run_config({}).codec.to_mapping()
+    newest = sorted(saved)[0]
+    del saved[newest]  # a checkpoint written before that key existed
+    check_same_codec(saved, AppConfig.from_run_config({}))
+    with pytest.raises(ValueError, match="'density' = 0.5 \\(checkpoint: 0.01\\)"):
+        check_same_codec(saved, AppConfig.from_run_config({"density": 0.5}))
