@@ -28,6 +28,7 @@ CODEC_DEFAULTS: dict[str, Any] = {
     "min-compress-numel": 0,
     "small-tensor-compressor": "none",
     "batchnorm-stats": "small",
+    "batchnorm-affine": "codec",
     "layer-codecs": "",
     "warmup-rounds": 0,
     "warmup-compressor": "none",
@@ -207,7 +208,10 @@ class CodecConfig:
     ``small-tensor-compressor`` too while ``batchnorm-stats = "small"`` (the default): a lossy
     codec can push a running variance below zero, which turns every later output into NaN
     (measured: sign + EF on ``model = "resnet"`` reached 75 % at round 3, then 10 % at round 4 with
-    ``bn1.running_var`` at -0.013); ``"codec"`` sends them like any other tensor.
+    ``bn1.running_var`` at -0.013); ``"codec"`` sends them like any other tensor. BatchNorm's
+    affine parameters (``<bn>.weight`` / ``<bn>.bias``) go there too with stc/topk/randomk when
+    ``batchnorm-affine = "small"`` (default "codec": measured on ``model = "resnet"``, sending them
+    dense did not pay for its bytes; see :mod:`fedcomp.model_policy`).
     Schedules (applied by the server each round): ``warmup-rounds`` rounds with
     ``warmup-compressor``, then ``density-schedule`` "constant", "exponential" or "linear"
     from ``density-start`` to ``density`` over ``schedule-rounds`` rounds (DGC's warm-up,
@@ -235,6 +239,7 @@ class CodecConfig:
     min_compress_numel: int = 0
     small_tensor_compressor: str = "none"
     batchnorm_stats: str = "small"
+    batchnorm_affine: str = "codec"
     layer_codecs: str = ""
     warmup_rounds: int = 0
     warmup_compressor: str = "none"
@@ -285,6 +290,7 @@ class CodecConfig:
             small_tensor_compressor=_str(cfg, "small-tensor-compressor", d["small-tensor-compressor"],
                                          ("none", "fp16", "bf16"), src=source),
             batchnorm_stats=_str(cfg, "batchnorm-stats", d["batchnorm-stats"], ("small", "codec"), src=source),
+            batchnorm_affine=_str(cfg, "batchnorm-affine", d["batchnorm-affine"], ("small", "codec"), src=source),
             layer_codecs=_str(cfg, "layer-codecs", d["layer-codecs"], src=source),
             warmup_rounds=_num(cfg, "warmup-rounds", d["warmup-rounds"], lo=0, integer=True, src=source),
             warmup_compressor=_str(cfg, "warmup-compressor", d["warmup-compressor"], codecs, src=source),

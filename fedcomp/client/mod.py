@@ -189,7 +189,9 @@ def compression_mod(msg: Message, context: Context, call_next) -> Message:
     ``compression-error``, ``residual-norm``, ``residual-bytes`` (memory of the residual),
     ``compress-seconds`` and the node's ``uplink-mbps``/``downlink-mbps`` (node config, else
     run config; defaults 1 and 10) to the reply's MetricRecord. Other
-    message types pass through untouched. Error replies pass through unchanged.
+    message types pass through untouched. Error replies pass through unchanged. So does a train
+    message whose config carries the SecAgg+ shared seed (``fedcomp-secagg-seed``): under
+    ``secagg = true`` the update is encoded by ``fedcomp.secagg.shared_randomk_mod``.
 
     Raises
     ------

@@ -15,6 +15,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from ..compression import PayloadError, available_compressors
+from .. import model_policy
 from ..config import CodecConfig
 from ..privacy import ClientLevelDP, LocalDP
 from ..protocol import MODEL_KEY
@@ -255,6 +256,9 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         codec = self.codec.for_round(server_round)
         if server_round == 1:
             _check_rules_match(codec, list(arrays.keys()))
+            note = model_policy.describe(arrays.keys(), {k: int(np.prod(a.shape)) for k, a in arrays.items()}, self.codec)
+            if note:  # per-model defaults, said once
+                log(INFO, "%s", note)
             if MODEL_KEY in arrays:
                 raise ValueError(f"the model has a tensor named '{MODEL_KEY}', the name fedcomp's whole-model payload "
                                  "travels under: rename that module or parameter")
