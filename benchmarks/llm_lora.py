@@ -72,6 +72,11 @@ CASES = {
     "stc 5%": {"compressor": "stc", "density": 0.05, "downstream": "stc"},
     "stc 5% up, sign down": {"compressor": "stc", "density": 0.05, "downstream": "sign"},
     "sign+EF, dense down": {"compressor": "sign", "downstream": "none"},
+    # what closes the gap: density, and which direction costs the gain
+    "stc 1% up, dense down": {"compressor": "stc", "density": 0.01, "downstream": "none"},
+    "stc 5% up, dense down": {"compressor": "stc", "density": 0.05, "downstream": "none"},
+    "stc 2%": {"compressor": "stc", "density": 0.02, "downstream": "stc"},
+    "stc 10%": {"compressor": "stc", "density": 0.1, "downstream": "stc"},
 }
 FLOWERTUNE = {"adapter_params": 13.63e6, "clients_per_round": 2, "directions": 2, "rounds": 200,
               "reported_gb": 40.7}
@@ -227,6 +232,34 @@ def markdown_lora(part: dict) -> str:
     return "\n".join(lines)
 
 
+def plot_lora(part: dict, path: pathlib.Path) -> None:
+    """Eval loss against cumulative MB (both directions) and against the round, per case."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(1, 2, figsize=(11, 4))
+    for r in part["results"]:
+        if r["loss_curve"][-1] > 2 * r["base_loss"]:  # diverged (qsgd 3 levels): off the scale
+            continue
+        cum = [0.0]
+        for u, d in zip(r["upload_bytes_curve"], r["download_bytes_curve"]):
+            cum.append(cum[-1] + (u + d) / 1e6)
+        ax[0].plot(cum, r["loss_curve"], marker=".", label=r["case"])
+        ax[1].plot(range(len(r["loss_curve"])), r["loss_curve"], label=r["case"])
+    ax[0].set_xscale("symlog", linthresh=0.01)
+    ax[0].set_xlabel("cumulative MB, both directions")
+    ax[0].set_ylabel("eval loss")
+    ax[1].set_xlabel("round")
+    ax[1].legend(fontsize=7)
+    fig.suptitle(f"LoRA fine-tuning on tragedy roles, {part['federation']['per_round']} of "
+                 f"{part['federation']['clients']} clients per round")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=30)
@@ -259,6 +292,7 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     data = {**(json.loads(out.read_text()) if out.exists() else {}), "lora": data["lora"]}  # keep other parts
     out.write_text(json.dumps(data, indent=1))
+    plot_lora(data["lora"], out.with_name(out.stem + "-lora.png"))
     print(markdown_lora(data["lora"]))
 
 

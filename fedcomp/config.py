@@ -28,6 +28,7 @@ CODEC_DEFAULTS: dict[str, Any] = {
     "min-compress-numel": 0,
     "small-tensor-compressor": "none",
     "batchnorm-stats": "small",
+    "batchnorm-affine": "codec",
     "layer-codecs": "",
     "warmup-rounds": 0,
     "warmup-compressor": "none",
@@ -54,16 +55,18 @@ APP_KEYS: tuple[str, ...] = (
     "target-epsilon", "accountant", "secure-rng", "max-epsilon", "lr", "momentum", "local-epochs", "batch-size",
     "accumulation-steps", "local-clip-norm", "seed", "dataset", "model", "partitioner", "dirichlet-alpha",
     "results-dir", "resume", "client-state-dir", "optimizer", "adam-beta1", "adam-beta2", "weight-decay", "precision",
-    "verbose",
+    "verbose", "require-compression",
 )
 
 
 def run_config_keys() -> frozenset[str]:
-    """Every run-config key fedcomp's apps know: :data:`APP_KEYS`, :data:`CODEC_DEFAULTS` and the
-    ``secagg*`` keys of :data:`fedcomp.secagg.config.SECAGG_DEFAULTS`."""
+    """Every run-config key fedcomp's apps know: :data:`APP_KEYS`, :data:`CODEC_DEFAULTS`, the
+    ``secagg*`` keys of :data:`fedcomp.secagg.config.SECAGG_DEFAULTS` and the LoRA keys of
+    :data:`fedcomp.lora.LORA_DEFAULTS`."""
+    from .lora import LORA_DEFAULTS
     from .secagg.config import SECAGG_DEFAULTS  # here: fedcomp.secagg imports Flower
 
-    return frozenset(APP_KEYS) | frozenset(CODEC_DEFAULTS) | frozenset(SECAGG_DEFAULTS)
+    return frozenset(APP_KEYS) | frozenset(CODEC_DEFAULTS) | frozenset(SECAGG_DEFAULTS) | frozenset(LORA_DEFAULTS)
 
 
 def check_known_keys(cfg: Mapping[str, Any], known: frozenset[str] | None = None, source: str = "run config") -> None:
@@ -205,7 +208,10 @@ class CodecConfig:
     ``small-tensor-compressor`` too while ``batchnorm-stats = "small"`` (the default): a lossy
     codec can push a running variance below zero, which turns every later output into NaN
     (measured: sign + EF on ``model = "resnet"`` reached 75 % at round 3, then 10 % at round 4 with
-    ``bn1.running_var`` at -0.013); ``"codec"`` sends them like any other tensor.
+    ``bn1.running_var`` at -0.013); ``"codec"`` sends them like any other tensor. BatchNorm's
+    affine parameters (``<bn>.weight`` / ``<bn>.bias``) go there too with stc/topk/randomk when
+    ``batchnorm-affine = "small"`` (default "codec": measured on ``model = "resnet"``, sending them
+    dense did not pay for its bytes; see :mod:`fedcomp.model_policy`).
     Schedules (applied by the server each round): ``warmup-rounds`` rounds with
     ``warmup-compressor``, then ``density-schedule`` "constant", "exponential" or "linear"
     from ``density-start`` to ``density`` over ``schedule-rounds`` rounds (DGC's warm-up,
@@ -233,6 +239,7 @@ class CodecConfig:
     min_compress_numel: int = 0
     small_tensor_compressor: str = "none"
     batchnorm_stats: str = "small"
+    batchnorm_affine: str = "codec"
     layer_codecs: str = ""
     warmup_rounds: int = 0
     warmup_compressor: str = "none"
@@ -283,6 +290,7 @@ class CodecConfig:
             small_tensor_compressor=_str(cfg, "small-tensor-compressor", d["small-tensor-compressor"],
                                          ("none", "fp16", "bf16"), src=source),
             batchnorm_stats=_str(cfg, "batchnorm-stats", d["batchnorm-stats"], ("small", "codec"), src=source),
+            batchnorm_affine=_str(cfg, "batchnorm-affine", d["batchnorm-affine"], ("small", "codec"), src=source),
             layer_codecs=_str(cfg, "layer-codecs", d["layer-codecs"], src=source),
             warmup_rounds=_num(cfg, "warmup-rounds", d["warmup-rounds"], lo=0, integer=True, src=source),
             warmup_compressor=_str(cfg, "warmup-compressor", d["warmup-compressor"], codecs, src=source),
@@ -324,6 +332,11 @@ class CodecConfig:
         if self.momentum_correction > 0 and not self.error_feedback:
             raise ValueError(f"{source} 'momentum-correction' needs 'error-feedback' = true (the unsent part of "
                              "the momentum is kept in the residual)")
+        if self.momentum_correction > 0 and self.compressor not in SPARSE_CODECS:
+            raise ValueError(f"{source} 'momentum-correction' works with the sparsifying codecs {list(SPARSE_CODECS)} "
+                             f"(DGC keeps the momentum of the entries not sent); compressor '{self.compressor}' sends "
+                             "every entry each round, so the momentum would be masked away and do nothing: set "
+                             "'momentum-correction' = 0 or choose a sparsifying compressor")
 
     @classmethod
     def from_kwargs(cls, compressor: str, error_feedback: bool, **params) -> "CodecConfig":
@@ -449,12 +462,14 @@ class AppConfig:
     noise_multiplier: float = 1.0
     target_delta: float = 1e-5
     max_epsilon: float = 0.0
+    require_compression: bool = False
     local_clip_norm: float = 0.0
     optimizer: str = "sgd"
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     weight_decay: float = 0.0
     precision: str = "fp32"
+    finetune: str = "full"
     codec: CodecConfig = field(default_factory=CodecConfig)
 
     @classmethod
@@ -501,12 +516,14 @@ class AppConfig:
             noise_multiplier=_num(cfg, "noise-multiplier", 1.0, lo=0.0),
             target_delta=_num(cfg, "target-delta", 1e-5, lo=0.0, hi=1.0, lo_open=True, hi_open=True),
             max_epsilon=_num(cfg, "max-epsilon", 0.0, lo=0.0),
+            require_compression=_bool(cfg, "require-compression", False),
             local_clip_norm=_num(cfg, "local-clip-norm", 0.0, lo=0.0),
             optimizer=_str(cfg, "optimizer", "sgd", ("sgd", "adamw")),
             adam_beta1=_num(cfg, "adam-beta1", 0.9, lo=0.0, hi=1.0, hi_open=True),
             adam_beta2=_num(cfg, "adam-beta2", 0.999, lo=0.0, hi=1.0, hi_open=True),
             weight_decay=_num(cfg, "weight-decay", 0.0, lo=0.0),
             precision=_str(cfg, "precision", "fp32", ("fp32", "bf16")),
+            finetune=_str(cfg, "finetune", "full", ("full", "lora")),
             codec=CodecConfig.from_mapping(cfg),
         )
         if out.downstream in TENSOR_ONLY_CODECS:
@@ -520,4 +537,12 @@ class AppConfig:
         if (out.dataset == "shakespeare") != (out.model == "transformer"):
             raise ValueError("run config dataset = 'shakespeare' goes with model = 'transformer' (and only it), "
                              f"got dataset = {out.dataset!r}, model = {out.model!r}")
+        if out.finetune == "lora":
+            from .lora import LoraSettings
+
+            LoraSettings.from_mapping(cfg)  # base-model, lora-r, lora-alpha, lora-targets, ... (naming the key)
+            if out.dataset != "shakespeare":
+                raise ValueError("run config finetune = 'lora' fine-tunes a causal LM on text: dataset = 'shakespeare'")
+            if out.dp == "dp-sgd" or out.resume:
+                raise ValueError("run config finetune = 'lora' works without dp = 'dp-sgd' and resume = true (not yet)")
         return out

@@ -16,6 +16,7 @@ import contextlib
 import json
 import os
 import pathlib
+import shlex
 import shutil
 import signal
 import socket
@@ -163,9 +164,12 @@ def run(args: argparse.Namespace) -> int:
                            work / "superlink.log")
         wait_for_port("127.0.0.1", args.port, link, timeout=60)
         nodes = []
+        wrappers, extra_cfg = _per_node(args.node_wrapper), _per_node(args.node_config)
         for i in range(args.supernodes):
-            cmd = supernode_command(i, args.supernodes, address, args.base_node_port)
-            nodes.append(procs.start([_bin(cmd[0]), *cmd[1:]], env, work / f"supernode-{i}.log"))
+            cmd = supernode_command(i, args.supernodes, address, args.base_node_port, extra_node_config=extra_cfg.get(i, ""))
+            # a wrapped SuperNode (e.g. an emulated arm64 root file system) finds flower-supernode on its own PATH
+            cmd = [*shlex.split(wrappers[i]), *cmd] if i in wrappers else [_bin(cmd[0]), *cmd[1:]]
+            nodes.append(procs.start(cmd, env, work / f"supernode-{i}.log"))
         if link.poll() is not None:
             raise RuntimeError(f"the SuperLink exited (code {link.returncode}); see {work / 'superlink.log'}")
         nodes_cfg = "".join(f"{k}={v} " for k, v in (("min-available-nodes", args.supernodes),
@@ -212,6 +216,23 @@ def run(args: argparse.Namespace) -> int:
     return 130 if interrupted else (0 if ok else 1)
 
 
+def _per_node(items: list[str] | None) -> dict[int, str]:
+    """``["0=text", ...]`` (``--node-wrapper`` / ``--node-config``) as ``{0: "text"}``.
+
+    Raises
+    ------
+    ValueError
+        An item without ``INDEX=``.
+    """
+    out = {}
+    for item in items or []:
+        index, sep, text = item.partition("=")
+        if not sep or not index.strip().isdigit():
+            raise ValueError(f"expected INDEX=VALUE, got {item!r}")
+        out[int(index)] = text
+    return out
+
+
 def _forward(stream) -> None:
     """Copy the submitting ``flwr run``'s output to our stdout, line by line."""
     for line in stream:
@@ -236,6 +257,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--results-dir", default="", help="absolute results folder (default: <workdir>/results)")
     ap.add_argument("--workdir", default="", help="FLWR_HOME, logs and results live here (default: a temp dir)")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds before the run is stopped")
+    ap.add_argument("--node-wrapper", action="append", metavar="INDEX=COMMAND",
+                    help="run SuperNode INDEX through COMMAND, e.g. 0='scripts/arm64_rootfs.sh exec /tmp/fedcomp-arm64'")
+    ap.add_argument("--node-config", action="append", metavar="INDEX=CONFIG",
+                    help="extra node config of SuperNode INDEX, e.g. 0=\"data-file='/data/partition-0.npz'\"")
     ap.add_argument("--kill-supernode-after-round", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.supernodes < 1:

@@ -249,6 +249,38 @@ def initial_adapters(settings: LoraSettings, seed: int) -> tuple[dict[str, torch
     return {k: torch.from_numpy(v) for k, v in init.values(shapes).items()}, init
 
 
+_MODELS: dict[tuple, torch.nn.Module] = {}
+
+
+def lora_model(settings: LoraSettings, device: torch.device | str = "cpu") -> torch.nn.Module:
+    """The peft model for ``settings``: the base is loaded and wrapped once per process and kept
+    (FlowerTune loads a 7B base; loading it every round would dominate the round). The adapters are
+    set every round (:func:`load_weights`)."""
+    key = (settings, str(device))
+    if key not in _MODELS:
+        _MODELS[key] = wrap(load_base_model(settings, device), settings)
+    return _MODELS[key]
+
+
+def load_weights(model: torch.nn.Module, record, lora: bool) -> None:
+    """Set a model from a received ArrayRecord: the adapters (``lora``) or the whole state dict."""
+    from .statedict import to_state_dict
+
+    if lora:
+        load_adapters(model, to_state_dict(record))
+    else:
+        model.load_state_dict(record.to_torch_state_dict())
+
+
+def weights_record(model: torch.nn.Module, lora: bool):
+    """What a client replies with: an ArrayRecord of the adapters (``lora``) or of the state dict."""
+    from flwr.app import ArrayRecord
+
+    from .statedict import to_record
+
+    return to_record(adapter_state(model)) if lora else ArrayRecord(model.cpu().state_dict())
+
+
 def base_fingerprint(model: torch.nn.Module) -> float:
     """A float64 sum of every frozen (non-adapter) tensor's values, to check the base is untouched."""
     total = 0.0
@@ -259,4 +291,5 @@ def base_fingerprint(model: torch.nn.Module) -> float:
 
 
 __all__ = ["FINETUNE_MODES", "LORA_DEFAULTS", "LoraSettings", "adapter_shapes", "adapter_state", "base_config",
-           "base_fingerprint", "initial_adapters", "load_adapters", "load_base_model", "wrap"]
+           "base_fingerprint", "initial_adapters", "load_adapters", "load_base_model", "load_weights", "lora_model",
+           "weights_record", "wrap"]

@@ -245,6 +245,30 @@ class ClientLevelDP:
         return epsilon_from_rdp(orders, per_round * rounds, self.target_delta)
 
 
+def check_accountable(noise_multiplier: float, target_delta: float, sample_rate: float = 1.0) -> None:
+    """Start-up check that the RDP accountant can compute epsilon for ``noise_multiplier`` (issue
+    21, item 11: 1e-200 passed the range check, then every round raised ``ZeroDivisionError``).
+
+    0 (no noise: epsilon = inf) is accepted; any other value must give a number for one round.
+
+    Raises
+    ------
+    ValueError
+        Naming run config 'noise-multiplier', when the accountant fails or returns NaN for it.
+    """
+    if noise_multiplier == 0:
+        return
+    try:
+        eps = ClientLevelDP(1.0, noise_multiplier, target_delta, sample_rate=sample_rate).epsilon(1)
+    except (ArithmeticError, ValueError) as exc:
+        raise ValueError(f"run config 'noise-multiplier' = {noise_multiplier!r} is too small for the RDP accountant "
+                         f"to compute epsilon ({type(exc).__name__}: {exc}); use 0 for no noise (epsilon = inf) or "
+                         "a noise multiplier of at least 1e-20") from None
+    if eps != eps:
+        raise ValueError(f"run config 'noise-multiplier' = {noise_multiplier!r}: the RDP accountant gives no epsilon "
+                         "(NaN) for it")
+
+
 @dataclass(frozen=True)
 class LocalDP:
     """Local update noise: each client clips its whole update to ``clipping_norm`` and adds

@@ -10,8 +10,9 @@ checkpoints alike. The rules (stated in the README, "Use with your existing Flow
   own dtype; it must be finite *after* that cast (an fp16 update that overflows 65504 is refused).
 - **Integer and bool tensors** (BatchNorm's int64 ``num_batches_tracked``, masks, counters) never
   go through a float codec: clients send their value exactly (:mod:`fedcomp.compression.exact`)
-  and the server aggregates them by :func:`integer_mean` (weighted mean of the clients' values,
-  rounded half to even, clamped to the dtype's range) or :func:`bool_majority` (weighted
+  and the server aggregates them by :func:`integer_mean` (weighted mean of the clients' values in
+  exact integer arithmetic, rounded half to even with the rounding remainder carried from round to
+  round, clamped to the dtype's range) or :func:`bool_majority` (weighted
   majority; a tie keeps the global value). They never enter a float codec's whole-model vector
   nor a clipping norm.
 - **bfloat16**: numpy has no bfloat16 and Flower's ``ArrayRecord(state_dict)`` refuses it, so
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from fractions import Fraction
 
 import numpy as np
 import torch
@@ -138,39 +140,172 @@ def cast_checked(key: str, w: np.ndarray, dtype: str) -> np.ndarray:
     return out
 
 
-def integer_mean(global_value: np.ndarray, weighted_delta_sum: np.ndarray, total_weight: float) -> np.ndarray:
-    """The integer rule: ``global + rint(sum_i w_i (v_i - global) / sum_i w_i)``, clamped to the dtype.
+def exact_cast(key: str, value, dtype) -> np.ndarray:
+    """An integer/bool tensor returned by the app, in the model's ``dtype``, never wrapped around.
+
+    A wider dtype (int16 300 for an int8 buffer, int64 263 for uint8) is accepted only if every
+    value fits the model's dtype; then the cast is exact.
+
+    Parameters
+    ----------
+    key : str
+        The tensor's name (for the message).
+    value : array-like
+        The app's integer or bool values.
+    dtype : numpy dtype
+        The model's (received) integer or bool dtype.
+
+    Returns
+    -------
+    np.ndarray
+        ``value`` in ``dtype``, same shape (the input itself when the dtype already matches).
+
+    Raises
+    ------
+    ValueError
+        A value outside ``dtype``'s range (for bool: other than 0 and 1), naming the key, both
+        dtypes and the offending extreme.
+    """
+    v, want = np.asarray(value), np.dtype(dtype)
+    if v.dtype == want:
+        return v
+    if v.size:
+        lo, hi = (0, 1) if want == np.bool_ else (int(np.iinfo(want).min), int(np.iinfo(want).max))
+        vmin, vmax = int(v.min()), int(v.max())
+        if vmin < lo or vmax > hi:
+            bad = vmax if vmax > hi else vmin
+            raise ValueError(f"'{key}': the app returned {v.dtype} values such as {bad} for a {want} tensor (range "
+                             f"[{lo}, {hi}]); refusing to wrap them around: keep the tensor's dtype in the train "
+                             "handler or clamp the values yourself")
+    return v.astype(want)
+
+
+def exact_weight(weight) -> int | Fraction:
+    """A client weight as an exact number: a Python int when it is integral (``num-examples``),
+    else the exact Fraction of the float. Raises ``ValueError`` for a non-finite or negative weight."""
+    w = float(weight) if not isinstance(weight, (int, Fraction)) else weight
+    if isinstance(w, float):
+        if not np.isfinite(w) or w < 0:
+            raise ValueError(f"weight must be finite and >= 0, got {weight!r}")
+        return int(w) if w.is_integer() else Fraction(w)
+    return w
+
+
+def integer_delta(value: np.ndarray, global_value: np.ndarray) -> np.ndarray:
+    """``value - global_value`` of two integer arrays, exactly: int64 when every difference fits
+    (always for dtypes up to 32 bits), else an object array of Python ints (64-bit extremes, such as
+    ``2**63 - 1 - (-2**63)``). Never goes through float64 (exact at any size, issue 21 item 3)."""
+    v, g = np.asarray(value), np.asarray(global_value)
+    if v.dtype.itemsize <= 4 and g.dtype.itemsize <= 4:
+        return v.astype(np.int64) - g.astype(np.int64)
+    if v.dtype == g.dtype == np.int64:
+        with np.errstate(over="ignore"):
+            d = v - g
+        # Overflow iff the operands' signs differ and the result's sign is not the minuend's.
+        if not bool((((v ^ g) & (v ^ d)) < 0).any()):
+            return d
+    return v.astype(object) - g.astype(object)
+
+
+def _fits_int64(a: np.ndarray) -> bool:
+    return a.size == 0 or (-(2**62) < int(a.min()) and int(a.max()) < 2**62)
+
+
+def weighted_add(acc: np.ndarray, weight: int | Fraction, delta: np.ndarray) -> np.ndarray:
+    """``acc + weight * delta`` exactly (the running sum of the integer rule): int64 while every
+    partial result stays below 2**62 in magnitude, object (Python ints, or Fractions for a
+    non-integral weight) beyond. Returns the new accumulator (possibly another array)."""
+    if (acc.dtype == np.int64 and delta.dtype == np.int64 and isinstance(weight, int) and _fits_int64(delta)
+            and _fits_int64(acc)):
+        bound = max(abs(int(delta.min(initial=0))), abs(int(delta.max(initial=0)))) * weight
+        if bound + max(abs(int(acc.min(initial=0))), abs(int(acc.max(initial=0)))) < 2**62:
+            return acc + delta * np.int64(weight)
+    return acc.astype(object) + delta.astype(object) * weight
+
+
+def _exact_array(a) -> np.ndarray:
+    """An int64 or object array of exact numbers (floats become exact Fractions or ints)."""
+    a = np.asarray(a)
+    if a.dtype.kind in "iu":
+        return a.astype(np.int64) if a.dtype.itemsize <= 4 or a.dtype == np.int64 else a.astype(object)
+    if a.dtype == object:
+        return a
+    if not np.isfinite(a).all():
+        raise ValueError("integer rule: the weighted sum of changes is not finite")
+    return np.vectorize(lambda x: int(x) if float(x).is_integer() else Fraction(float(x)), otypes=[object])(a) \
+        if a.size else a.astype(object)
+
+
+def integer_mean(global_value: np.ndarray, weighted_delta_sum: np.ndarray, total_weight,
+                 remainder: np.ndarray | None = None) -> np.ndarray:
+    """The integer rule: ``global + round(sum_i w_i (v_i - global) / sum_i w_i + carried remainder)``,
+    clamped to the dtype; everything in exact arithmetic.
 
     Parameters
     ----------
     global_value : np.ndarray
         The global integer tensor (any integer dtype, any shape).
     weighted_delta_sum : np.ndarray
-        float64, same shape: ``sum_i w_i * (v_i - global)`` over the clients aggregated.
-    total_weight : float
+        Same shape: ``sum_i w_i * (v_i - global)`` over the clients aggregated, exactly (int64 or
+        object array of Python ints, see :func:`integer_delta` / :func:`weighted_add`); float
+        arrays are taken as the exact values they hold.
+    total_weight : int, Fraction or float
         ``sum_i w_i`` > 0.
+    remainder : np.ndarray, optional
+        float64, same shape, entries in [-0.5, 0.5]: the rounding remainder carried from earlier
+        rounds (error feedback for integers), updated in place. With it the global value stays
+        within 0.5 of the true cumulative weighted mean at every round (a BatchNorm
+        ``num_batches_tracked`` moved by 14.56 a round is 116 or 117 after 8 rounds, not 120).
+        None: each round rounds on its own (no carry).
 
     Returns
     -------
     np.ndarray
-        Same dtype and shape as ``global_value``. Rounding is half to even (``np.rint``); the mean
-        change is computed in float64 (exact while the clients' changes stay below 2**53), applied
-        in integer arithmetic and clamped, so an unchanged entry keeps its value exactly and nothing
-        wraps around at the ends of the range (int64 2**63 - 1, uint64 2**64 - 1).
+        Same dtype and shape as ``global_value``. Rounding is half to even (``np.rint``) of the mean
+        change plus the remainder; the quotient is an exact integer division, only the fraction in
+        [0, 1) goes through float64, so counters beyond 2**53 move exactly (2**60 + 3 moved by +3
+        by every client moves by +3). The change is applied in integer arithmetic and clamped, so an
+        unchanged entry keeps its value exactly and nothing wraps around at the ends of the range
+        (int64 2**63 - 1, uint64 2**64 - 1).
+
+    Raises
+    ------
+    ValueError
+        ``total_weight`` <= 0 or not finite.
     """
+    w = exact_weight(total_weight)
+    if w <= 0:
+        raise ValueError(f"integer rule: total weight must be > 0, got {total_weight!r}")
     info = np.iinfo(global_value.dtype)
-    step = np.rint(np.asarray(weighted_delta_sum, np.float64) / total_weight)
+    total = _exact_array(weighted_delta_sum).reshape(np.shape(global_value))
+    if total.dtype == np.int64 and isinstance(w, int):
+        q = total // w  # floor: the fraction below is in [0, 1)
+        frac = (total - q * w).astype(np.float64) / w
+    else:
+        q = np.asarray(total // w, dtype=object)
+        rest = np.asarray(total - q * w, dtype=object).reshape(-1)
+        frac = np.array([float(x / w) for x in rest], dtype=np.float64).reshape(total.shape)
+    t = np.asarray(frac + (remainder if remainder is not None else 0.0), dtype=np.float64)
+    base = np.floor(t)
+    f = t - base
+    base = base.astype(np.int64)
+    # Half to even of the whole change q + t (not of t alone): a tie goes to the even result.
+    odd = np.asarray((q + base) % 2 != 0, dtype=bool)
+    rounded = base + ((f > 0.5) | ((f == 0.5) & odd)).astype(np.int64)
+    if remainder is not None:
+        remainder[...] = t - rounded
+    step = q + rounded
     out = copy_array(global_value)
-    moved = np.flatnonzero(step)  # entries nobody changed stay exactly as they were, whatever their size
+    moved = np.flatnonzero(step != 0)  # entries nobody changed stay exactly as they were, whatever their size
     if moved.size:
-        flat = out.reshape(-1)
-        span = float(info.max) - float(info.min)
-        d = np.clip(step.reshape(-1)[moved], -span, span)
-        if global_value.dtype.itemsize <= 4:  # exact in int64: |g| < 2**32, |d| <= 2**33
-            new = flat[moved].astype(np.int64) + d.astype(np.int64)
+        flat, d = out.reshape(-1), np.asarray(step).reshape(-1)[moved]
+        if global_value.dtype.itemsize <= 4 and d.dtype == np.int64:  # exact in int64: |g| < 2**32
+            span = int(info.max) - int(info.min)
+            new = flat[moved].astype(np.int64) + np.clip(d, -span, span)
             flat[moved] = np.clip(new, info.min, info.max).astype(global_value.dtype)
-        else:  # 64-bit integers: Python integers, so nothing rounds or wraps at the ends of the range
-            flat[moved] = [min(max(int(g) + int(x), info.min), info.max) for g, x in zip(flat[moved].tolist(), d.tolist())]
+        else:  # Python integers, so nothing rounds or wraps at the ends of the range
+            flat[moved] = [min(max(int(g) + int(x), int(info.min)), int(info.max))
+                           for g, x in zip(flat[moved].tolist(), d.tolist())]
     return out
 
 
@@ -200,8 +335,12 @@ class Spec:
 
 
 class FlatModel:
-    """A model's tensors split into one flat float32 vector of every float tensor (model order) and
+    """A model's tensors split into one flat float vector of every float tensor (model order) and
     the exact (integer/bool) tensors; per-key float views share the flat vector's memory.
+
+    The flat vector is float32, or float64 when the model has a float64 tensor: a float64 model
+    stays float64 end to end (global copy, decoded ``none`` updates, the running sum, hand-over),
+    so an untouched pi or 1e9 + 0.5 comes back bit for bit.
 
     This is how the server holds the global model it sent in a round and how aggregation addresses
     float entries: a whole-model payload (selection "model") covers the float tensors not sent on
@@ -226,7 +365,9 @@ class FlatModel:
             self.offsets[k] = off
             off += self.specs[k].numel
         self.num_float = off
-        self.flat = np.empty(off, dtype=np.float32)
+        #: float32, or float64 when the model has a float64 tensor (then kept exactly: issue 21, item 6).
+        self.wide = any(self.specs[k].dtype == "float64" for k in self.float_keys)
+        self.flat = np.empty(off, dtype=np.float64 if self.wide else np.float32)
         for k in self.float_keys:
             self.flat[self.offsets[k]: self.offsets[k] + self.specs[k].numel] = np.asarray(values[k]).reshape(-1)
         self.exact = {k: copy_array(values[k]) for k in self.exact_keys}
@@ -252,7 +393,7 @@ class FlatModel:
         return cls(values, dtypes)
 
     def float_view(self, key: str) -> np.ndarray:
-        """The float32 values of float tensor ``key``, shaped (a view into :attr:`flat`)."""
+        """The values of float tensor ``key`` (:attr:`flat`'s dtype), shaped (a view into :attr:`flat`)."""
         o = self.offsets[key]
         return self.flat[o: o + self.specs[key].numel].reshape(self.specs[key].shape)
 
@@ -277,7 +418,7 @@ class FlatModel:
         return out
 
     def _apply(self, key: str, update, scale: float, chunk: int = 1 << 18) -> np.ndarray:
-        """float32 ``global + scale * update`` of one tensor, computed in chunks (temporaries stay
+        """``global + scale * update`` of one tensor in :attr:`flat`'s dtype, in chunks (temporaries stay
         small). ``update``: the flat vector, or a dict of per-tensor flat arrays (an entry is
         dropped once used, so a per-tensor accumulator shrinks as the record grows)."""
         spec, o = self.specs[key], self.offsets[key]
@@ -285,7 +426,7 @@ class FlatModel:
             src, base = update.pop(key), 0
         else:
             src, base = update, o
-        out = np.empty(spec.numel, dtype=np.float32)
+        out = np.empty(spec.numel, dtype=self.flat.dtype)
         g = self.flat[o: o + spec.numel]
         for i in range(0, spec.numel, chunk):
             part = src[base + i: base + min(i + chunk, spec.numel)]
@@ -333,5 +474,5 @@ class FlatModel:
 
 
 __all__ = ["BF16", "BF16_STYPE", "FlatModel", "Spec", "array_to_numpy", "bool_majority", "cast_checked",
-           "copy_array", "dtype_limit", "integer_mean", "is_float_dtype", "numpy_dict", "numpy_to_array",
-           "to_record", "to_state_dict"]
+           "copy_array", "dtype_limit", "exact_cast", "exact_weight", "integer_delta", "integer_mean", "is_float_dtype", "numpy_dict", "numpy_to_array",
+           "to_record", "to_state_dict", "weighted_add"]

@@ -85,3 +85,16 @@ def test_scale_benchmark_smoke_runs(tmp_path):
         assert rows[(c, 12, "dense")]["peak_growth_x_model"] > rows[(c, 12, "streaming")]["peak_growth_x_model"]
     assert {r["codec"] for r in res["client"]} == {"stc", "sign"}
     assert all(r["seconds"] > 0 and r["codec_seconds"] > 0 for r in res["client"])
+
+
+def test_secagg_benchmark_quick_runs(tmp_path):
+    out = tmp_path / "secagg.json"
+    subprocess.run([sys.executable, str(REPO / "benchmarks" / "secagg.py"), "--quick", "--skip-dense", "--out", str(out)],
+                   check=True, capture_output=True, timeout=600)
+    rows = {r["label"]: r for r in json.loads(out.read_text())["rows"]}
+    assert len(rows) == 4
+    k = round(0.0625 * 38282)  # 4 clients: modulus 2**19 (4 * 2**16 + 1 > 2**18), 15-byte headers, weight entry
+    packed = rows["SecAgg+ randomk d=0.0625, packed"]
+    assert packed["modulus-bits"] == 19
+    assert packed["bits-per-parameter"] == 8 * (15 + (k * 19 + 7) // 8 + 15 + 3) / 38282
+    assert rows["SecAgg+ randomk d=0.0625, int64"]["bits-per-parameter"] > 4.0

@@ -12,12 +12,14 @@ import os
 import pathlib
 
 import torch
-from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from ..config import AppConfig
 from ..data import DataConfig, load_partition
 from ..datafiles import DATA_FILE_KEY, load_partition_file
+from ..device import CLIENT_INFO_KEY, client_info
+from ..lora import LoraSettings, load_weights, lora_model, weights_record
 from ..models import build_model
 from ..protocol import server_round
 from ..secagg.client import secagg_mod
@@ -47,7 +49,10 @@ def _setup(context: Context):
     data_file = node.get(DATA_FILE_KEY)  # a device's own partition file: no data extra needed
     data = (load_partition_file(str(data_file), data_cfg, pid, nparts) if data_file
             else load_partition(data_cfg, pid, nparts))
-    model = build_model(cfg.model, tuple(data.tensors[0].shape[1:]))
+    if cfg.finetune == "lora":  # the frozen base (loaded once per process) with peft adapters
+        model = lora_model(LoraSettings.from_mapping(context.run_config), device)
+    else:
+        model = build_model(cfg.model, tuple(data.tensors[0].shape[1:]))
     return cfg, device, data, model, pid
 
 
@@ -91,7 +96,7 @@ def train_handler(msg: Message, context: Context) -> Message:
     import time
 
     cfg, device, data, model, pid = _setup(context)
-    model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
+    load_weights(model, msg.content["arrays"], cfg.finetune == "lora")
     rnd = server_round(msg)
     tcfg = TrainConfig(cfg.local_epochs, cfg.batch_size, cfg.accumulation_steps, cfg.lr, cfg.momentum,
                        cfg.local_clip_norm, optimizer=cfg.optimizer, beta1=cfg.adam_beta1, beta2=cfg.adam_beta2,
@@ -124,15 +129,16 @@ def train_handler(msg: Message, context: Context) -> Message:
     else:
         loss, n = train(model, data, tcfg, device, seed=seed)
     metrics = {"num-examples": n, "train-loss": float(loss), "train-seconds": time.perf_counter() - t0, **extra}
-    content = RecordDict({"arrays": ArrayRecord(model.cpu().state_dict()), "metrics": MetricRecord(metrics)})
+    content = RecordDict({"arrays": weights_record(model, cfg.finetune == "lora"), "metrics": MetricRecord(metrics),
+                          CLIENT_INFO_KEY: client_info()})
     return Message(content=content, reply_to=msg)
 
 
 @app.evaluate()
 def evaluate_handler(msg: Message, context: Context) -> Message:
     """Evaluate the received global weights on the local partition (``eval-loss``, ``eval-acc``)."""
-    _, device, data, model, _ = _setup(context)
-    model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
+    cfg, device, data, model, _ = _setup(context)
+    load_weights(model, msg.content["arrays"], cfg.finetune == "lora")
     loss, acc = evaluate(model, data, device)
     metrics = MetricRecord({"num-examples": len(data), "eval-loss": float(loss), "eval-acc": float(acc)})
     return Message(content=RecordDict({"metrics": metrics}), reply_to=msg)

@@ -16,21 +16,10 @@ from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from torch.utils.data import DataLoader, Dataset
 
-from ..lora import LoraSettings, adapter_state, load_adapters, load_base_model, wrap
+from ..lora import LoraSettings, adapter_state, load_adapters, lora_model
 from ..protocol import server_round
 from ..statedict import to_record, to_state_dict
 from .mod import compression_mod
-
-_MODELS: dict[tuple, torch.nn.Module] = {}
-
-
-def lora_model(settings: LoraSettings, device: torch.device | str = "cpu") -> torch.nn.Module:
-    """The peft model for ``settings``: the base is loaded and wrapped once per process and kept
-    (FlowerTune loads a 7B base; per round would dominate the round). Adapters are set per round."""
-    key = (settings, str(device))
-    if key not in _MODELS:
-        _MODELS[key] = wrap(load_base_model(settings, device), settings)
-    return _MODELS[key]
 
 
 def lm_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, int]:

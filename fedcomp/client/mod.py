@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import os
 import pathlib
@@ -14,7 +15,8 @@ from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordD
 from flwr.common.logger import log
 
 from ..compression.error_feedback import warn_saturation_once
-from ..config import CODEC_DEFAULTS, CodecConfig
+from ..config import CODEC_DEFAULTS, DP_MODES, CodecConfig
+from ..device import peak_rss_mb
 from ..privacy import LocalDP
 from ..protocol import (
     PAYLOAD_DTYPE,
@@ -118,8 +120,19 @@ def load_residuals(path: pathlib.Path, before_round: int) -> dict[str, np.ndarra
 
 def _own_local_dp(context: Context) -> LocalDP | None:
     """This client's own local-DP floor: node config ``dp = "local"`` (with its ``noise-multiplier``
-    and ``clipping-norm``), else the run config's; None if neither asks for local DP."""
-    for cfg in (context.node_config, context.run_config):
+    and ``clipping-norm``), else the run config's; None if neither asks for local DP.
+
+    Raises
+    ------
+    ValueError
+        A ``dp`` value that is not one of :data:`fedcomp.config.DP_MODES` (``"Local"``, ``"locl"``):
+        the client refuses rather than train with its privacy floor silently off."""
+    for where, cfg in (("node config", context.node_config), ("run config", context.run_config)):
+        if "dp" in cfg and cfg["dp"] not in DP_MODES:  # a slip ("Local") must not switch the privacy floor off
+            close = difflib.get_close_matches(str(cfg["dp"]).lower(), DP_MODES, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(f"{where} 'dp' must be one of {list(DP_MODES)}, got {cfg['dp']!r}{hint}; "
+                             "this client does not train with an unknown privacy setting")
         if cfg.get("dp") == "local":
             return LocalDP(cfg.get("clipping-norm", 1.0), cfg.get("noise-multiplier", 1.0))
         if "dp" in cfg:
@@ -176,7 +189,9 @@ def compression_mod(msg: Message, context: Context, call_next) -> Message:
     ``compression-error``, ``residual-norm``, ``residual-bytes`` (memory of the residual),
     ``compress-seconds`` and the node's ``uplink-mbps``/``downlink-mbps`` (node config, else
     run config; defaults 1 and 10) to the reply's MetricRecord. Other
-    message types pass through untouched. Error replies pass through unchanged.
+    message types pass through untouched. Error replies pass through unchanged. So does a train
+    message whose config carries the SecAgg+ shared seed (``fedcomp-secagg-seed``): under
+    ``secagg = true`` the update is encoded by ``fedcomp.secagg.shared_randomk_mod``.
 
     Raises
     ------
@@ -220,6 +235,7 @@ def compression_mod(msg: Message, context: Context, call_next) -> Message:
     stats["compress-seconds"] = time.perf_counter() - t0
     warn_saturation_once(context.node_id, stats["residual-saturated"], stats["residual-saturated-loss"])
     stats["residual-bytes"] = float(sum(r.nbytes for r in new_res.values()))
+    stats["client-peak-rss-mb"] = peak_rss_mb()  # after training and compressing: the round's peak
     stats.update(_link_speeds(context))
     if codec.error_feedback:
         context.state[RESIDUAL_STATE_KEY] = ArrayRecord({k: Array(v) for k, v in new_res.items()})

@@ -19,9 +19,10 @@ from flwr.common.logger import log
 from ..broadcast import is_batchnorm_stat  # noqa: F401 (re-exported)
 from ..compression import EF21, ErrorFeedback, decompress, decompress_sparse, encode_exact, flatten_states, unflatten_states
 from ..config import SPARSE_CODECS, CodecConfig
+from ..model_policy import batchnorm_affine_keys
 from ..privacy import LocalDP, clip_and_noise_, secure_generator
 from ..protocol import MODEL_KEY
-from ..statedict import is_float_dtype
+from ..statedict import exact_cast, is_float_dtype
 from .replan import replan_states
 
 
@@ -36,12 +37,16 @@ def plan_units(shapes: dict[str, tuple[int, ...]], codec: CodecConfig) -> list[t
     else ``small-tensor-compressor`` if it has fewer than ``min-compress-numel`` elements;
     else the default ``compressor``. BatchNorm statistics (:func:`is_batchnorm_stat`) go to
     ``small-tensor-compressor`` while ``batchnorm-stats = "small"`` (a lossy codec can make a
-    running variance negative). Default-codec parameters share one payload under
+    running variance negative), and so do BatchNorm's affine parameters with a sparse codec
+    (stc, topk, randomk) while ``batchnorm-affine = "small"``
+    (:func:`fedcomp.model_policy.batchnorm_affine_keys`). Default-codec parameters share one payload under
     ``MODEL_KEY`` (their updates flattened and concatenated in model order) when the scope is
     "model"; every other parameter gets its own payload under its own name. Pass float tensors
     only: integer and bool tensors never join a codec's payload.
     """
     rules = codec.rules
+    sparse = codec.compressor in SPARSE_CODECS
+    affine = set(batchnorm_affine_keys(shapes)) if codec.batchnorm_affine == "small" and sparse else set()
     default: list[str] = []
     units: list[tuple[str, list[str], str]] = []
     for key, shape in shapes.items():
@@ -49,7 +54,8 @@ def plan_units(shapes: dict[str, tuple[int, ...]], codec: CodecConfig) -> list[t
         n = int(np.prod(shape)) if shape else 1
         if rule is not None:
             units.append((key, [key], rule))
-        elif n < codec.min_compress_numel or (codec.batchnorm_stats == "small" and is_batchnorm_stat(key)):
+        elif (n < codec.min_compress_numel or (codec.batchnorm_stats == "small" and is_batchnorm_stat(key))
+              or key in affine):
             units.append((key, [key], codec.small_tensor_compressor))
         elif codec.scope == "model":
             default.append(key)
@@ -109,6 +115,30 @@ def _check_pair(received: dict, trained: dict, dtypes: dict) -> dict[str, np.nda
     return ordered
 
 
+def _raise_not_finite(members: list[str], trained: dict, received: dict, units, ukey: str) -> None:
+    """Name the tensor whose update is not finite: NaN/Inf, or a float64 difference beyond float32's
+    range (a lossy codec computes in float32).
+
+    Raises
+    ------
+    ValueError
+        Always.
+    """
+    for k in members:
+        with np.errstate(over="ignore", invalid="ignore"):
+            d = np.asarray(trained[k], np.float64) - np.asarray(received[k], np.float64)
+        if not np.isfinite(d).all():
+            raise ValueError(f"update of '{k}' holds non-finite values (NaN or Inf); refusing to compress")
+    for k in members:
+        d = np.abs(np.asarray(trained[k], np.float64) - np.asarray(received[k], np.float64))
+        if d.size and float(d.max()) > float(np.finfo(np.float32).max):
+            name = next(n for u, _, n in units if u == ukey)
+            raise ValueError(f"update of the float64 tensor '{k}' reaches {float(d.max()):.3g}, beyond the float32 range "
+                             f"(3.4e38) the codec '{name}' computes in; refusing to compress (compressor 'none' "
+                             "sends float64 tensors exactly in float64)")
+    raise ValueError(f"the update of {members} is not finite in float32; refusing to compress")  # pragma: no cover
+
+
 def compress_update(
     received: dict[str, np.ndarray], trained: dict[str, np.ndarray], codec: CodecConfig,
     residuals: dict[str, np.ndarray], seed: int | None = None, local_dp: LocalDP | None = None,
@@ -160,7 +190,8 @@ def compress_update(
     CompositionError
         Keys, shapes or dtype kinds differ between ``received`` and ``trained``.
     ValueError
-        The update holds NaN/Inf (residuals are then left unchanged).
+        The update holds NaN/Inf (residuals are then left unchanged); an integer/bool tensor holds
+        a value outside the model's dtype (:func:`fedcomp.statedict.exact_cast`: never wrapped).
     """
     dtypes = dtypes or {k: str(np.asarray(v).dtype) for k, v in received.items()}
     trained = _check_pair(received, trained, dtypes)
@@ -168,23 +199,32 @@ def compress_update(
     exact_keys = [k for k in received if k not in set(float_keys)]
     sizes = {k: int(np.prod(np.shape(received[k]))) if np.shape(received[k]) else 1 for k in float_keys}
     units = plan_units({k: tuple(np.shape(received[k])) for k in float_keys}, codec)
+    # Integer/bool tensors first: a value that does not fit the model's dtype fails before any state moves.
+    exact_payloads = {} if local_dp is not None else {
+        k: encode_exact(exact_cast(k, trained[k], np.asarray(received[k]).dtype)) for k in exact_keys}
 
-    # The update, written once into one float32 buffer per payload (no per-key copies, no concat).
+    # The update, written once into one buffer per payload (no per-key copies, no concat): float32, or
+    # float64 where the codec is the exact `none` and a member is float64 (float64 stays float64).
     buffers: dict[str, torch.Tensor] = {}
+    # (EF21 keeps an estimate the server mirrors: its units stay on the float32 path.)
+    wide_units = {ukey for ukey, members, name in units if name == "none" and codec.error_feedback != "ef21"
+                  and any(dtypes[k] == "float64" for k in members)}
     for ukey, members, _ in units:
-        buf = np.empty(sum(sizes[k] for k in members), dtype=np.float32)
+        buf = np.empty(sum(sizes[k] for k in members), dtype=np.float64 if ukey in wide_units else np.float32)
         off = 0
         for k in members:
             seg = buf[off: off + sizes[k]]
-            np.subtract(np.asarray(trained[k]).reshape(-1), np.asarray(received[k]).reshape(-1), out=seg,
-                        dtype=np.float32, casting="unsafe")
+            t_k, r_k = np.asarray(trained[k]).reshape(-1), np.asarray(received[k]).reshape(-1)
+            if dtypes[k] == "float64" and buf.dtype == np.float32:  # the difference in float64, then rounded
+                with np.errstate(over="ignore", invalid="ignore"):
+                    seg[...] = np.subtract(t_k, r_k, dtype=np.float64)
+            else:
+                np.subtract(t_k, r_k, out=seg, dtype=buf.dtype, casting="unsafe")
             off += sizes[k]
         t = torch.from_numpy(buf)
         # One finiteness check of the update (a finite sum proves every entry finite), before any residual moves.
         if t.numel() and not bool(torch.isfinite(t.sum())) and not bool(torch.isfinite(t).all()):
-            bad = next(k for k in members if not np.isfinite(np.asarray(trained[k], np.float64)
-                                                             - np.asarray(received[k], np.float64)).all())
-            raise ValueError(f"update of '{bad}' holds non-finite values (NaN or Inf); refusing to compress")
+            _raise_not_finite(members, trained, received, units, ukey)
         buffers[ukey] = t.reshape(np.shape(received[ukey])) if ukey != MODEL_KEY else t
     if local_dp is not None:
         clip_and_noise_(list(buffers.values()), local_dp.clipping_norm, local_dp.noise_multiplier, secure_generator())
@@ -205,6 +245,17 @@ def compress_update(
     used_density, saturated, lost = 1.0, 0, 0.0  # 1.0: a dense codec sends every entry
     for ukey, members, name in units:
         x = buffers.pop(ukey)
+        seg_sizes = [sizes[k] for k in members]
+        if ukey in wide_units:  # exact float64: nothing to feed back; a residual left by a lossy codec is sent now
+            prev = states.get(ukey, {}).get("residual") if codec.error_feedback else None
+            if prev is not None and tuple(prev.shape) == tuple(x.shape):
+                x += torch.as_tensor(np.asarray(prev)).to(torch.float64)
+            payloads[ukey] = codec.build(seed=seed, compressor=name).compress(x)
+            norms = [float(torch.linalg.vector_norm(s)) ** 2 for s in torch.split(x.reshape(-1), seg_sizes)]
+            for k, n2 in zip(members, norms):
+                layer_sq_norm[k], layer_sq_err[k] = n2, 0.0
+            new_states[ukey] = {}
+            continue
         prev = states.get(ukey, {}).get("residual") if codec.error_feedback else None
         if prev is not None and tuple(prev.shape) != tuple(x.shape):
             log(WARNING, "fedcomp: residual for '%s' has shape %s, the update %s: starting from zero", ukey,
@@ -220,7 +271,6 @@ def compress_update(
                 density = adaptive_density(v, name, codec.target_error, codec.density_min, codec.density_max)
             used_density = density
         compressor = codec.build(seed=seed, compressor=name, density=density)
-        seg_sizes = [sizes[k] for k in members]
         if codec.error_feedback:
             ef = (EF21(compressor, residual_dtype=codec.residual_dtype) if codec.error_feedback == "ef21" else
                   ErrorFeedback(compressor, residual_dtype=codec.residual_dtype, momentum=codec.momentum_correction))
@@ -243,11 +293,8 @@ def compress_update(
             errs = [float(torch.linalg.vector_norm(s)) ** 2 for s in torch.split(flat, seg_sizes)]
         for k, n2, e2 in zip(members, norms, errs):
             layer_sq_norm[k], layer_sq_err[k] = n2, e2
-    exact_bytes = 0
-    for k in exact_keys:
-        exact_bytes += np.asarray(received[k]).nbytes
-        if local_dp is None:
-            payloads[k] = encode_exact(np.asarray(trained[k]).astype(np.asarray(received[k]).dtype, copy=False))
+    exact_bytes = sum(np.asarray(received[k]).nbytes for k in exact_keys)
+    payloads.update(exact_payloads)
     sq_err, sq_norm = sum(layer_sq_err.values()), sum(layer_sq_norm.values())
     if codec.error_feedback is True and codec.residual_dtype == "fp32":
         res_sq = sq_err  # an fp32 residual is the compression error itself: no extra pass

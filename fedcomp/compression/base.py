@@ -219,7 +219,8 @@ def decompress(
     Returns
     -------
     torch.Tensor
-        float32 CPU tensor of the original shape; always finite.
+        float32 CPU tensor of the original shape (float64 for a ``none`` payload of a float64
+        tensor: such models stay float64 end to end); always finite.
 
     Raises
     ------
@@ -232,7 +233,8 @@ def decompress(
     payload, header, cls = _open(payload, max_numel, expected_shape)
     with np.errstate(over="ignore", invalid="ignore"):  # overflow shows up as non-finite output, checked below
         flat = cls._decode(header, memoryview(payload).cast("B"))
-    if flat.shape != (header.numel,) or flat.dtype != np.float32:  # pragma: no cover - decoder invariant
+    wide = flat.dtype == np.float64 and header.dtype == torch.float64  # only `none` of a float64 tensor
+    if flat.shape != (header.numel,) or (flat.dtype != np.float32 and not wide):  # pragma: no cover - invariant
         raise PayloadError(f"{cls.name} decoder produced {flat.shape} {flat.dtype}")
     if not np.isfinite(flat).all():
         raise PayloadError(f"{cls.name} payload decodes to non-finite values")

@@ -1,4 +1,4 @@
-"""Dense codecs: ``none`` (fp32, exact), ``fp16`` and ``bf16`` (casts).
+"""Dense codecs: ``none`` (fp32, or fp64 for float64 tensors; exact), ``fp16`` and ``bf16`` (casts).
 
 Sizes: 32, 16 and 16 bits per parameter plus the header. Arithmetic is float32; the
 cast happens last, so CPU tensors in float16 work. ``fp16`` saturates values beyond
@@ -8,11 +8,14 @@ cast happens last, so CPU tensors in float16 work. ``fp16`` saturates values bey
 
 from __future__ import annotations
 
+import struct
+
 import numpy as np
 import torch
 
 from .base import Compressor, register
-from .wire import BodyReader, Header, unpack_params
+from .errors import PayloadError
+from .wire import BodyReader, Header, pack_header, unpack_params
 
 
 class _Cast(Compressor):
@@ -40,16 +43,51 @@ class _Cast(Compressor):
         return cls._from_wire(raw, header.numel)
 
 
+#: ``none`` parameter block of a float64 body (one byte: the body's itemsize).
+_WIDE = struct.pack("<B", 8)
+
+
 @register
 class NoCompression(_Cast):
-    """``none``: float32 values as they are; exact. 32 bits/parameter + header.
+    """``none``: the values as they are; exact. 32 bits/parameter + header.
 
-    Payload body: n little-endian float32. The reference point every ratio is taken
+    Payload body: n little-endian float32; for a float64 tensor, n little-endian float64 (64
+    bits/parameter, parameter block ``b"\\x08"``) so that float64 models stay float64 end to end
+    (issue 21, item 6): such a payload decodes to float64. An empty parameter block means a
+    float32 body (as every earlier version wrote). The reference point every ratio is taken
     against (plain FedAvg, McMahan et al. 2017).
     """
 
     name = "none"
     codec_id = 0
+
+    def compress(self, x: torch.Tensor) -> bytes:
+        """As :meth:`Compressor.compress`; a float64 ``x`` travels as float64 (checked finite in float64).
+
+        Raises
+        ------
+        ValueError
+            Unsupported dtype, or NaN/Inf in ``x``.
+        """
+        if not isinstance(x, torch.Tensor) or x.dtype != torch.float64:
+            return super().compress(x)
+        flat = x.detach().reshape(-1)
+        if flat.numel() and not bool(torch.isfinite(flat).all()):
+            bad = int((~torch.isfinite(flat)).sum())
+            raise ValueError(f"input holds {bad} non-finite value(s) (NaN or Inf); refusing to compress")
+        body = flat.cpu().numpy().astype("<f8", copy=False).tobytes()
+        return pack_header(self.codec_id, torch.float64, tuple(x.shape), _WIDE) + body
+
+    @classmethod
+    def _decode(cls, header: Header, payload: memoryview) -> np.ndarray:
+        if header.params == _WIDE:
+            if header.dtype != torch.float64:
+                raise PayloadError(f"none: a float64 body for a {header.dtype} tensor")
+            r = BodyReader(payload, header.body_offset, cls.name)
+            raw = r.take(header.numel * 8, "values")
+            r.finish()
+            return np.frombuffer(raw, dtype="<f8").astype(np.float64)
+        return super()._decode(header, payload)
 
 
 @register

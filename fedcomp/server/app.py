@@ -16,12 +16,14 @@ from flwr.serverapp.strategy import FedAdam, FedAvg, FedAvgM, Strategy
 from ..client.training import evaluate
 from ..config import AppConfig
 from ..data import DataConfig, load_test_set
+from ..lora import LoraSettings, initial_adapters, load_weights, lora_model
 from ..models import build_model
-from ..privacy import NO_AMPLIFICATION, ClientLevelDP, LocalDP
+from ..privacy import NO_AMPLIFICATION, ClientLevelDP, LocalDP, check_accountable
 from ..secagg.server_app import check_secagg_config, run_secagg, secagg_requested
-from ..statedict import copy_array
+from ..statedict import copy_array, to_record
 from ..strategies import CompressedStrategy
 from ..strategies.offset import RoundOffset
+from ..strategies.round_metrics import machine_counts
 from . import checkpoint
 from .console import route_flower_logs
 from .results import DP_HEADER, HEADER, MB, format_row, plot_rounds, write_json
@@ -60,7 +62,8 @@ def privacy_options(cfg: AppConfig, context: Context | None = None) -> dict:
     ValueError
         A DP key out of range, or (dp-sgd) an infeasible ``target-epsilon`` / ``secure-rng``.
     """
-    opts: dict = {"max_epsilon": cfg.max_epsilon or None, "downstream": cfg.downstream}
+    opts: dict = {"max_epsilon": cfg.max_epsilon or None, "downstream": cfg.downstream,
+                  "require_compression": cfg.require_compression}
     q = None
     if cfg.client_sampling == "poisson":
         q = cfg.fraction_train
@@ -71,6 +74,8 @@ def privacy_options(cfg: AppConfig, context: Context | None = None) -> dict:
                                           sample_rate=q or 1.0)
     elif cfg.dp == "local":
         opts["local_dp"] = LocalDP(cfg.clipping_norm, cfg.noise_multiplier, cfg.target_delta)
+    if cfg.dp in ("client-level", "local"):  # the accountant must be able to compute epsilon, every round
+        check_accountable(cfg.noise_multiplier, cfg.target_delta, q or 1.0)
     if context is not None and cfg.dp == "dp-sgd":
         # imported here: Opacus calls logging.basicConfig at import (every log line would print twice)
         from ..client.dp_sgd import DPSGDConfig
@@ -92,7 +97,10 @@ class RoundRecorder:
         self.run_config = run_config
         test = load_test_set(DataConfig(cfg.dataset, cfg.partitioner, cfg.dirichlet_alpha, cfg.seed))
         self.test = test
-        self.model = build_model(cfg.model, tuple(test.tensors[0].shape[1:]))
+        if cfg.finetune == "lora":  # scoring only: the wire carries adapters, never base weights
+            self.model = lora_model(LoraSettings.from_mapping(run_config))
+        else:
+            self.model = build_model(cfg.model, tuple(test.tensors[0].shape[1:]))
         self.t0 = time.perf_counter()
         self.privacy = privacy_statement(cfg)
         self.local_rounds = 0
@@ -101,7 +109,7 @@ class RoundRecorder:
 
     def __call__(self, server_round: int, arrays: ArrayRecord) -> MetricRecord:
         """Flower ``evaluate_fn``: evaluate the global model on the held-out test split."""
-        self.model.load_state_dict(arrays.to_torch_state_dict())
+        load_weights(self.model, arrays, self.cfg.finetune == "lora")
         loss, acc = evaluate(self.model, self.test, torch.device("cpu"))
         rec: dict = {"round": server_round, "accuracy": acc, "loss": loss}
         h = self.strategy.history.get(server_round)
@@ -117,6 +125,7 @@ class RoundRecorder:
                 rec["epsilon-round"] = math.inf if math.isinf(now) else now - self.last_eps
                 self.last_eps = now
             rec["layers"] = self.strategy.layer_history.get(server_round, {})
+            rec["client-machines"] = machine_counts(self.strategy.client_history.get(server_round, []))
         fed = self.strategy.evaluate_history.get(server_round)
         if fed is not None:  # federated evaluation: sampled clients on their own data, weighted by examples
             rec.update({"federated-accuracy": fed.get("eval-acc"), "federated-loss": fed.get("eval-loss"),
@@ -260,11 +269,17 @@ def main(grid: Grid, context: Context) -> None:
     if secagg_requested(context.run_config):
         run_secagg(grid, context, cfg, out_dir)
         return
+    adapters = None
+    if cfg.finetune == "lora":  # LoRA's seeded start, from the base model's config (no weights)
+        adapters, options["downstream_init"] = initial_adapters(LoraSettings.from_mapping(context.run_config), cfg.seed)
     strategy = CompressedStrategy.from_codec_config(build_inner(cfg), cfg.codec, **options)
     recorder = RoundRecorder(cfg, strategy, out_dir, dict(context.run_config))
-    model = build_model(cfg.model, tuple(recorder.test.tensors[0].shape[1:]))
     train_config = ConfigRecord({"seed": cfg.seed})
-    initial, offset = ArrayRecord(model.state_dict()), 0
+    if adapters is not None:
+        model, initial, offset = None, to_record(adapters), 0
+    else:
+        model = build_model(cfg.model, tuple(recorder.test.tensors[0].shape[1:]))
+        initial, offset = ArrayRecord(model.state_dict()), 0
     if cfg.resume:
         try:
             offset, initial = _resume(cfg, out_dir, strategy, recorder, model)

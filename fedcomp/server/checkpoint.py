@@ -10,7 +10,8 @@ and the sha256 of the ``.npz`` it belongs to. A crash between the two renames le
 What is saved: the global weights (every array with its exact shape and dtype: 0-d, integer,
 bool, fp16 and zero-element arrays included), the round number, the inner strategy's optimizer
 state where it has one (FedOpt/FedAdam ``m_t``/``v_t``, FedAvgM's momentum), the client-level DP
-accountant (rounds counted and the epsilon trace), and the metrics of every round so far.
+accountant (rounds counted and the epsilon trace), the integer rule's rounding remainders, and the
+metrics of every round so far.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ _OPT_STATE = ("m_t", "v_t")
 CHECKSUM = "weights-sha256"
 #: Array in the weights file that repeats the round, so a torn pair can be named precisely.
 _ROUND = "__round__"
+#: Prefix of the integer rule's rounding remainders (``CompressedStrategy.int_remainders``).
+_INT_REMAINDER = "int-remainder"
 
 
 def _sha256(path: pathlib.Path) -> str:
@@ -92,6 +95,9 @@ def save(out_dir: pathlib.Path, server_round: int, weights: dict[str, np.ndarray
     momentum = getattr(inner, "momentum_vector", None)  # FedAvgM: a list in model order
     if isinstance(momentum, list):
         arrays.update({f"momentum/{i}": copy_array(v) for i, v in enumerate(momentum)})
+    remainders = getattr(strategy, "int_remainders", None)  # the integer rule's carried rounding remainders
+    if isinstance(remainders, dict):
+        arrays.update({f"{_INT_REMAINDER}/{k}": copy_array(v) for k, v in remainders.items()})
     arrays[_ROUND] = np.array(server_round, dtype=np.int64)
     tmp = out_dir / (WEIGHTS + ".tmp.npz")
     np.savez(tmp, **arrays)
@@ -221,6 +227,14 @@ def load(out_dir: pathlib.Path, strategy: Any,
         if not hasattr(inner, "momentum_vector") or len(momentum) != len(weights):
             raise ValueError(f"checkpoint in {out_dir} holds FedAvgM momentum: resume with strategy = 'fedavgm'")
         inner.momentum_vector = momentum
+    remainders = {k.split("/", 1)[1]: v for k, v in data.items() if k.startswith(_INT_REMAINDER + "/")}
+    for k, v in remainders.items():
+        if k not in weights or v.shape != weights[k].shape or v.dtype != np.float64 or not np.isfinite(v).all() \
+                or (v.size and float(np.abs(v).max()) > 0.5):
+            raise ValueError(f"checkpoint in {out_dir}: the integer rule's remainder of '{k}' is not a float64 array "
+                             "of the tensor's shape with entries in [-0.5, 0.5]")
+    if hasattr(strategy, "int_remainders"):
+        strategy.int_remainders = remainders
     strategy._eps_trace = [float(e) if e is not None else float("inf") for e in meta["eps-trace"]]
     strategy._local_rounds = meta["local-dp-rounds"]
     return int(meta["round"]), weights, meta

@@ -13,12 +13,13 @@
 
 from __future__ import annotations
 
+from fractions import Fraction
 from typing import Any
 
 import numpy as np
 from flwr.serverapp.strategy import FedAdagrad, FedAdam, FedAvg, FedAvgM, FedProx, FedYogi
 
-from ..statedict import FlatModel, bool_majority, integer_mean
+from ..statedict import FlatModel, bool_majority, exact_weight, integer_delta, integer_mean, weighted_add
 from .decode import DecodedUpdate
 
 #: Entries per chunk of a dense fold (bounds the temporary of ``weight * values`` to 8 MB).
@@ -117,38 +118,62 @@ class RunningSum:
 class ExactVotes:
     """Integer/bool tensors of the replies, aggregated by the documented rules.
 
-    Integers: ``sum_i w_i (v_i - global)`` in float64, then :func:`integer_mean`. Bools: the weight
-    voting True, then :func:`bool_majority`. A client that did not send a tensor (local DP) does
-    not vote on it; a tensor nobody sent keeps the global value.
+    Integers: ``sum_i w_i (v_i - global)`` in exact integer arithmetic (:func:`integer_delta`,
+    :func:`weighted_add`; never through float64, so a counter beyond 2**53 moves exactly), then
+    :func:`integer_mean` with the rounding remainder carried from round to round in
+    ``remainders`` (held by the strategy). Bools: the weight voting True, then
+    :func:`bool_majority`. A client that did not send a tensor (local DP) does not vote on it; a
+    tensor nobody sent keeps the global value (and its remainder).
+
+    Parameters
+    ----------
+    model : FlatModel
+        The global model of the round.
+    remainders : dict of str to np.ndarray, optional
+        float64 remainder per integer tensor (entries in [-0.5, 0.5]), read and updated by
+        :meth:`result` (missing or of another shape: starts at 0). None: no carry.
     """
 
-    def __init__(self, model: FlatModel) -> None:
+    def __init__(self, model: FlatModel, remainders: dict[str, np.ndarray] | None = None) -> None:
         self.model = model
-        self.sums = {k: np.zeros(model.specs[k].shape, np.float64) for k in model.exact_keys}
-        self.weights = dict.fromkeys(model.exact_keys, 0.0)
+        self.sums = {k: (np.zeros(model.specs[k].shape, np.float64) if model.exact[k].dtype == np.bool_
+                         else np.zeros(model.specs[k].shape, np.int64)) for k in model.exact_keys}
+        self.weights: dict[str, int | Fraction] = dict.fromkeys(model.exact_keys, 0)
+        self.remainders = remainders
+        self._result: dict[str, np.ndarray] | None = None
 
     def add(self, exact: dict[str, np.ndarray], weight: float) -> None:
-        """Count one client's exact tensors with weight ``weight`` (> 0)."""
+        """Count one client's exact tensors with weight ``weight`` (> 0; ``num-examples``)."""
+        w = exact_weight(weight)
         for k, v in exact.items():
             g = self.model.exact[k]
             if g.dtype == np.bool_:
-                self.sums[k] += weight * v
+                self.sums[k] += float(w) * v
             else:
-                self.sums[k] += weight * (v.astype(np.float64) - g.astype(np.float64))
-            self.weights[k] += weight
+                self.sums[k] = weighted_add(self.sums[k], w, integer_delta(v, g))
+            self.weights[k] += w
+        self._result = None
 
     def result(self) -> dict[str, np.ndarray]:
-        """Every exact tensor's aggregate, in its own dtype and shape."""
-        out = {}
-        for k, g in self.model.exact.items():
-            w = self.weights[k]
-            if w <= 0:
-                out[k] = g.copy()
-            elif g.dtype == np.bool_:
-                out[k] = bool_majority(g, self.sums[k], w)
-            else:
-                out[k] = integer_mean(g, self.sums[k], w)
-        return out
+        """Every exact tensor's aggregate, in its own dtype and shape. Computed once per round (the
+        carried remainders move once); later calls return the same arrays' copies."""
+        if self._result is None:
+            out = {}
+            for k, g in self.model.exact.items():
+                w = self.weights[k]
+                if w <= 0:
+                    out[k] = g.copy()
+                elif g.dtype == np.bool_:
+                    out[k] = bool_majority(g, self.sums[k], float(w))
+                else:
+                    rem = None
+                    if self.remainders is not None:
+                        rem = self.remainders.get(k)
+                        if rem is None or rem.shape != g.shape:
+                            rem = self.remainders[k] = np.zeros(g.shape, np.float64)
+                    out[k] = integer_mean(g, self.sums[k], w, rem)
+            self._result = out
+        return {k: v.copy() for k, v in self._result.items()}
 
 
 __all__ = ["CHUNK", "ExactVotes", "RunningSum", "dense_memory_note", "identity_on_one_reply", "streams"]

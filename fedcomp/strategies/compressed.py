@@ -15,16 +15,28 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from ..compression import PayloadError, available_compressors
+from .. import model_policy
 from ..config import CodecConfig
 from ..privacy import ClientLevelDP, LocalDP
 from ..protocol import MODEL_KEY
 from ..seeded_init import SeededInit
+from ..device import reported_machine
 from ..statedict import BF16, FlatModel, array_to_numpy, cast_checked, copy_array, numpy_to_array
+from .admission import admit, check_max_num_examples
 from .aggregate import ExactVotes, RunningSum, dense_memory_note, identity_on_one_reply, streams
-from .decode import DecodedUpdate, decode_reply
+from .decode import DecodedUpdate, decode_reply, is_dense_reply
 from .downstream import Downstream
 from .ef21 import EF21Aggregate
-from .round_metrics import _epsilon, _num, client_seconds, common_metric_keys, layers_mean, round_metrics  # noqa: F401
+from .forward import ForwardsToInner
+from .round_metrics import (  # noqa: F401
+    _epsilon,
+    _num,
+    bounded_metrics,
+    client_seconds,
+    common_metric_keys,
+    layers_mean,
+    round_metrics,
+)
 
 
 def _wraps(strategy, prefix: str) -> bool:
@@ -57,7 +69,7 @@ def _as_weight(total: float) -> int | float:
     return int(total) if float(total).is_integer() else float(total)
 
 
-class CompressedStrategy(Strategy):
+class CompressedStrategy(ForwardsToInner, Strategy):
     """Wrap any Message-API strategy so that clients send compressed updates.
 
     Like Flower's DP wrappers, it adds one concern and delegates the rest:
@@ -132,6 +144,11 @@ class CompressedStrategy(Strategy):
     downstream_init : SeededInit, optional
         The initial model as a seed and one bound per tensor (:func:`fedcomp.seeded_init.lora_init`):
         with ``downstream``, new clients build it themselves instead of downloading it dense.
+    require_compression : bool
+        Refuse dense replies (plain weights from a client without ``compression_mod``). Default
+        False: a mixed fleet works, each dense reply is validated like a payload (the model's keys,
+        shapes and dtypes; finite) and counted as an uncompressed update at its real bytes under
+        ``upload-bytes-dense``. Dense replies are always refused under local DP and EF21.
     **params
         Codec parameters by their Python or run-config names: ``density``, ``levels``,
         ``block_size``, ``value_dtype``, ``residual_dtype``.
@@ -139,14 +156,25 @@ class CompressedStrategy(Strategy):
     Raises
     ------
     ValueError
-        Unknown codec or a parameter out of range (at construction).
+        Unknown codec or a parameter out of range (at construction): among them ``max_epsilon``
+        that is not a finite number > 0 and ``max_num_examples`` that is not an integer >= 1.
+    AttributeError
+        Setting a public attribute that neither this wrapper nor the inner strategy has (reads and
+        writes of the inner strategy's settings are forwarded to it: :mod:`.forward`).
+
+    Notes
+    -----
+    One node, one vote: in ``aggregate_train`` a second reply from a node, and a reply from a node
+    that ``configure_train`` did not send a message to, are refused and counted in
+    ``rejected-replies`` (:mod:`.admission`). Under ``local_dp`` the server keeps its own
+    integer/bool tensors whatever a reply holds. Client-reported metrics are clamped to ±1e100.
     """
 
     def __init__(self, inner: Strategy, compressor: str = "stc", error_feedback: bool = True,
                  max_num_examples: int = 10**9, client_dp: ClientLevelDP | None = None,
                  local_dp: LocalDP | None = None, max_epsilon: float | None = None, downstream: str | None = None,
                  client_sampling: float | None = None, seed: int | None = None, aggregation: str = "auto",
-                 downstream_init: SeededInit | None = None, **params) -> None:
+                 downstream_init: SeededInit | None = None, require_compression: bool = False, **params) -> None:
         if aggregation not in ("auto", "dense"):
             raise ValueError(f"aggregation must be 'auto' or 'dense', got {aggregation!r}")
         if not isinstance(inner, Strategy):
@@ -159,7 +187,14 @@ class CompressedStrategy(Strategy):
                 "update's norm exceed clipping_norm from round 2 on, while the server's noise assumes it does not. Use "
                 "error_feedback=False, or server-side clipping of the decoded update "
                 "(DifferentialPrivacyServerSideFixedClipping inside CompressedStrategy, or client_dp=ClientLevelDP(...))")
-        self.max_num_examples = int(max_num_examples)
+        self.max_num_examples = check_max_num_examples(max_num_examples)
+        if not isinstance(require_compression, bool):
+            raise ValueError(f"require_compression must be True or False, got {require_compression!r}")
+        self.require_compression = require_compression
+        if max_epsilon is not None and (isinstance(max_epsilon, bool) or not isinstance(max_epsilon, (int, float))
+                                        or not max_epsilon > 0 or not np.isfinite(max_epsilon)):
+            raise ValueError(f"max_epsilon (run config 'max-epsilon') must be a finite number > 0, or None for no "
+                             f"budget; got {max_epsilon!r}")
         self.ef21 = EF21Aggregate() if self.codec.error_feedback == "ef21" else None
         if self.ef21 is not None and (client_dp is not None or aggregation != "auto" or not streams(inner)):
             raise ValueError("error_feedback='ef21' needs a weighted-mean inner strategy (FedAvg and its family), "
@@ -185,6 +220,11 @@ class CompressedStrategy(Strategy):
         self._local_rounds = 0
         self._sampled = 0
         self._sent: dict[int, dict[str, np.ndarray]] = {}
+        #: Rounding remainder of the integer rule per integer tensor, carried from round to round
+        #: (float64, entries in [-0.5, 0.5]; see :func:`fedcomp.statedict.integer_mean`).
+        self.int_remainders: dict[str, np.ndarray] = {}
+        #: Node ids sent a train message, per round (one node, one vote: others are refused).
+        self._expected_nodes: dict[int, set[int]] = {}
         #: Per-round metrics computed by this wrapper (round -> dict).
         self.history: dict[int, dict[str, float]] = {}
         #: per round, the inner strategy's aggregate of the clients' evaluate replies (federated evaluation)
@@ -195,6 +235,7 @@ class CompressedStrategy(Strategy):
         self._round_codec = self.codec
         #: Per-round, per-client figures (round -> list of dicts with node, bytes, seconds, link speeds).
         self.client_history: dict[int, list[dict]] = {}
+        self._start_forwarding()  # from here on, settings of the inner strategy reach it (issue 21, item 21)
 
     @classmethod
     def from_codec_config(cls, inner: Strategy, codec: CodecConfig, **options) -> "CompressedStrategy":
@@ -217,11 +258,15 @@ class CompressedStrategy(Strategy):
         codec = self.codec.for_round(server_round)
         if server_round == 1:
             _check_rules_match(codec, list(arrays.keys()))
+            note = model_policy.describe(arrays.keys(), {k: int(np.prod(a.shape)) for k, a in arrays.items()}, self.codec)
+            if note:  # per-model defaults, said once
+                log(INFO, "%s", note)
             if MODEL_KEY in arrays:
                 raise ValueError(f"the model has a tensor named '{MODEL_KEY}', the name fedcomp's whole-model payload "
                                  "travels under: rename that module or parameter")
         self.history.setdefault(server_round, {})
         self._sent = {server_round: FlatModel.from_record(arrays)}
+        self._expected_nodes = {server_round: set()}
         if self._budget_exhausted(server_round):
             self._sampled = 0
             return []
@@ -239,6 +284,7 @@ class CompressedStrategy(Strategy):
             keep = self._rng.random(len(msgs)) < self.poisson_rate
             self._sampled = self.poisson_rate * len(msgs)
             msgs = [m for m, k in zip(msgs, keep, strict=True) if k]
+        self._expected_nodes = {server_round: {m.metadata.dst_node_id for m in msgs}}
         if self.downstream is not None and msgs:
             self.downstream.prepare(server_round, arrays, msgs)
         if msgs and len(msgs[0].content.array_records) == 1:
@@ -294,21 +340,25 @@ class CompressedStrategy(Strategy):
             raise RuntimeError(f"aggregate_train for round {server_round} without configure_train")
         if isinstance(model, dict):  # tests and callers that set the sent weights by hand
             model = FlatModel(model, {k: str(np.asarray(v).dtype) for k, v in model.items()})
-        # A fixed order (by node id): float sums, and so runs, do not depend on arrival order.
+        # One node, one vote (duplicates and strangers refused), then a fixed order (by node id): float
+        # sums, and so runs, do not depend on arrival order.
+        replies, refused = admit(list(replies), lambda r: r.metadata.src_node_id, self._expected_nodes.get(server_round))
+        for node, why in refused:
+            log(WARNING, "round %s: rejected reply from node %s: %s", server_round, node, why)
         replies = sorted(replies, key=lambda r: r.metadata.src_node_id)
         streaming = self.client_dp is not None or (self.aggregation == "auto" and streams(self.inner))
         if not streaming and not self._dense_noted:
             log(INFO, "%s", dense_memory_note(self.inner, len(replies), model))
             self._dense_noted = True
         running = RunningSum(model)
-        votes = ExactVotes(model)
+        votes = ExactVotes(model, self.int_remainders)
         dense: list[Message] = []
         metric_contents: list[RecordDict] = []
         norms: list[float] = []
         stats: list[dict] = []
         self._layer_stats = []
         codec_bytes: dict[str, int] = {}
-        rejected = failed = 0
+        rejected, failed = len(refused), 0
         wkey = self._inner_attr("weighted_by_key", "num-examples")
         for reply in replies:
             node = reply.metadata.src_node_id
@@ -414,7 +464,7 @@ class CompressedStrategy(Strategy):
                             raise ValueError(f"'{k}': aggregate is not finite in the model's dtype {spec.dtype}")
                         out[k] = a
                         continue
-                    w = np.asarray(w, dtype=np.float32).reshape(spec.shape)
+                    w = np.asarray(w, dtype=np.float64 if spec.dtype == "float64" else np.float32).reshape(spec.shape)
                     out[k] = numpy_to_array(cast_checked(k, w, spec.dtype), spec.dtype)
                 else:
                     out[k] = Array(copy_array(model.exact[k] if self.client_dp is not None else exact[k]))
@@ -435,7 +485,8 @@ class CompressedStrategy(Strategy):
         need every client's weights."""
         for key in list(reply.content.keys()):
             del reply.content[key]
-        reply.content[self._arr_key] = model.record(update.to_flat(model.num_float), update.exact, check=False,
+        reply.content[self._arr_key] = model.record(update.to_flat(model.num_float, model.flat.dtype), update.exact,
+                                                    check=False,
                                                     portable=True)
         reply.content["metrics"] = MetricRecord(metrics)
         return reply
@@ -494,13 +545,22 @@ class CompressedStrategy(Strategy):
                 or n != int(n) or n > self.max_num_examples):
             raise PayloadError(f"'{wkey}' must be an integer in [1, {self.max_num_examples}], got {n!r}")
         t0 = time.perf_counter()
-        update = decode_reply(next(iter(recs.values())), model)
+        record = next(iter(recs.values()))
+        if is_dense_reply(record):  # a client without compression_mod (mixed fleet, issue 21 item 20)
+            why = ("require_compression is set" if self.require_compression else
+                   "local DP needs every client to clip and noise its update" if self.local_dp is not None else
+                   "EF21's server estimate mirrors the clients' compressed sends" if self.ef21 is not None else "")
+            if why:
+                raise PayloadError(f"a dense reply (no fedcomp payload) is refused: {why}; add compression_mod as the "
+                                   "FIRST mod of the ClientApp (mods=[compression_mod, ...])")
+        update = decode_reply(record, model)
+        if self.local_dp is not None:  # local DP: the server keeps its own integer/bool values, whatever a client sent
+            update.exact = {}
         decode_s = time.perf_counter() - t0
         layers = {k: m.pop(k) for k in ("layer-update-norm", "layer-compression-error") if k in m}
         eps, eps_next = (_epsilon(m.get(k)) for k in ("epsilon", "epsilon-next"))
-        # Keep only finite scalar metrics: the inner strategy averages them, metrics.json stores them.
-        m = {k: v for k, v in m.items()
-             if isinstance(v, (int, float)) and not isinstance(v, bool) and np.isfinite(v)}
+        # Keep only finite scalar metrics, bounded: the inner strategy averages them, metrics.json stores them.
+        m = bounded_metrics(m)
         stat = {
             "node": reply.metadata.src_node_id,
             "decode-seconds": decode_s,
@@ -516,6 +576,8 @@ class CompressedStrategy(Strategy):
             "residual-norm": _num(m, "residual-norm"),
             "download-bytes": _num(m, "download-bytes"),
             "density": _num(m, "density"),
+            "client-peak-rss-mb": _num(m, "client-peak-rss-mb"),
+            "machine": reported_machine(reply.content),
             "epsilon": eps,
             "epsilon-next": eps_next,
         }

@@ -16,7 +16,7 @@ from flwr.app import ArrayRecord
 
 from ..compression import PayloadError, codec_name, decode_exact, decompress, decompress_sparse
 from ..protocol import MODEL_KEY, PAYLOAD_STYPE
-from ..statedict import FlatModel
+from ..statedict import FlatModel, copy_array, numpy_dict
 
 
 @dataclass
@@ -29,7 +29,8 @@ class DecodedUpdate:
         ``(positions, values)``: int64 positions into the global flat float vector (unique within a
         part; parts cover disjoint tensors) and their float32 values.
     dense : list of (int, np.ndarray)
-        ``(flat start, values)``: float32 segments of the update.
+        ``(flat start, values)``: float32 segments of the update (float64 for ``none`` payloads of
+        float64 tensors).
     exact : dict of str to np.ndarray
         Integer/bool tensors' new values, in the model's dtype and shape (only those sent).
     upload_bytes : int
@@ -49,9 +50,10 @@ class DecodedUpdate:
         total = sum(float(np.dot(v.astype(np.float64), v.astype(np.float64))) for _, v in self.sparse)
         return total + sum(float(np.dot(v, v.astype(np.float64))) for _, v in self.dense)
 
-    def to_flat(self, num_float: int) -> np.ndarray:
-        """The float update as one dense float32 vector of ``num_float`` entries (dense path only)."""
-        out = np.zeros(num_float, dtype=np.float32)
+    def to_flat(self, num_float: int, dtype=np.float32) -> np.ndarray:
+        """The float update as one dense vector of ``num_float`` entries (dense path only); ``dtype``
+        float32, or float64 for a model with float64 tensors (``FlatModel.flat.dtype``)."""
+        out = np.zeros(num_float, dtype=dtype)
         for pos, vals in self.sparse:
             out[pos] = vals
         for start, vals in self.dense:
@@ -83,8 +85,66 @@ def _check_finite(model: FlatModel, flat_pos: np.ndarray | None, start: int, val
         raise PayloadError(f"'{key}': global + update is not finite in the model's dtype {model.specs[key].dtype}")
 
 
+#: Codec name under which dense (uncompressed) replies are counted: metric ``upload-bytes-dense``.
+DENSE_NAME = "dense"
+
+
+def is_dense_reply(record: ArrayRecord) -> bool:
+    """True if no Array of ``record`` is a fedcomp payload (a client without ``compression_mod``)."""
+    return len(record) > 0 and all(a.stype != PAYLOAD_STYPE for a in record.values())
+
+
+def decode_dense_reply(record: ArrayRecord, model: FlatModel) -> DecodedUpdate:
+    """A dense reply (plain weights, as a client without ``compression_mod`` sends them) as an
+    uncompressed update ``weights - global`` (issue 21, item 20: a server upgraded before its
+    clients keeps counting them).
+
+    Validated like any payload: exactly the model's keys, each Array numpy-serialised (or bf16 as
+    :func:`fedcomp.statedict.to_record` writes it) with the model's shape and dtype, float values
+    finite in the tensor's dtype. The difference is taken in float64 and stored in the model's
+    flat dtype (float32, or float64 for float64 models). Bytes are the Arrays' real bytes, counted
+    under :data:`DENSE_NAME`.
+
+    Raises
+    ------
+    PayloadError
+        Other keys, another shape or dtype, an Array that is not numpy data, or a non-finite value.
+    """
+    if set(record.keys()) != set(model.keys):
+        missing = sorted(set(model.keys) - set(record.keys()))
+        extra = sorted(set(record.keys()) - set(model.keys))
+        raise PayloadError(f"dense reply keys differ from the model's: missing {missing[:5]}, unexpected {extra[:5]}")
+    out = DecodedUpdate()
+    for key in model.keys:
+        arr, spec = record[key], model.specs[key]
+        try:
+            values, dtypes = numpy_dict(ArrayRecord({key: arr}))
+        except Exception as exc:  # noqa: BLE001 - any deserialisation problem is a bad reply
+            raise PayloadError(f"dense reply '{key}' is not numpy data ({type(exc).__name__}: {exc})") from None
+        v, dt = values[key], dtypes[key]
+        if tuple(v.shape) != spec.shape or dt != spec.dtype:
+            raise PayloadError(f"dense reply '{key}' is {dt} {tuple(v.shape)}, the model's tensor is "
+                               f"{spec.dtype} {spec.shape}")
+        if spec.is_float:
+            start = model.offsets[key]
+            with np.errstate(over="ignore", invalid="ignore"):
+                d = (np.asarray(v, np.float64).reshape(-1) - model.float_view(key).reshape(-1)).astype(model.flat.dtype)
+            if d.size and not np.isfinite(d).all():
+                raise PayloadError(f"'{key}': dense reply holds values that are not finite in {model.flat.dtype}")
+            _check_finite(model, None, start, d)
+            out.dense.append((start, d))
+        else:
+            out.exact[key] = copy_array(v)
+        out.upload_bytes += len(arr.data)
+    out.codecs[DENSE_NAME] = out.upload_bytes
+    return out
+
+
 def decode_reply(record: ArrayRecord, model: FlatModel) -> DecodedUpdate:
     """Decode and validate a client's payload record against the global model it was sent.
+
+    A dense reply (no fedcomp payload at all) is decoded by :func:`decode_dense_reply` instead
+    (the caller decides whether to accept it: ``CompressedStrategy(require_compression=...)``).
 
     Parameters
     ----------
@@ -105,6 +165,8 @@ def decode_reply(record: ArrayRecord, model: FlatModel) -> DecodedUpdate:
         shape than its tensor, an exact payload for a float tensor or a codec payload for an integer
         one, any malformed payload, or a result that is not finite in the tensor's dtype.
     """
+    if is_dense_reply(record):
+        return decode_dense_reply(record, model)
     keys = list(record.keys())
     known = set(model.keys)
     unknown = sorted(k for k in keys if k != MODEL_KEY and k not in known)
@@ -187,9 +249,9 @@ def decode_update(record: ArrayRecord, global_arrays: dict[str, np.ndarray]) -> 
     """
     model = FlatModel(global_arrays, {k: str(np.asarray(v).dtype) for k, v in global_arrays.items()})
     upd = decode_reply(record, model)
-    rec = model.record(upd.to_flat(model.num_float), upd.exact)
+    rec = model.record(upd.to_flat(model.num_float, model.flat.dtype), upd.exact)
     weights = {k: rec[k].numpy() for k in model.keys}
     return weights, {"upload-bytes": upd.upload_bytes, "codecs": upd.codecs}
 
 
-__all__ = ["DecodedUpdate", "decode_reply", "decode_update"]
+__all__ = ["DENSE_NAME", "DecodedUpdate", "decode_dense_reply", "decode_reply", "decode_update", "is_dense_reply"]

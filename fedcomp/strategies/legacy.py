@@ -35,7 +35,9 @@ from numpy.lib import format as npy_format
 from ..compression import PayloadError, parse_header
 from ..config import CodecConfig
 from ..protocol import MODEL_KEY, PAYLOAD_DTYPE, PAYLOAD_STYPE
+from .admission import check_max_num_examples
 from .decode import decode_update
+from .forward import ForwardsToInner
 from .round_metrics import _num
 
 #: ``Parameters.tensor_type`` Flower gives to ``np.save``-serialized ndarrays.
@@ -146,7 +148,7 @@ def _is_flat_model_payload(payload: bytes, g: np.ndarray) -> bool:
     return shape != tuple(g.shape) and shape == (g.size,)
 
 
-class LegacyCompressedStrategy(Strategy):
+class LegacyCompressedStrategy(ForwardsToInner, Strategy):
     """Wrap a legacy ``flwr.server.strategy.Strategy`` so that clients send compressed updates.
 
     The legacy-API counterpart of :class:`fedcomp.strategies.CompressedStrategy`; it adds
@@ -218,10 +220,13 @@ class LegacyCompressedStrategy(Strategy):
         self.codec = CodecConfig.from_kwargs(compressor, error_feedback, **params)
         if self.codec.error_feedback == "ef21":
             raise ValueError("error_feedback='ef21' needs the server's estimate: use fedcomp.strategies.CompressedStrategy")
-        self.max_num_examples = int(max_num_examples)
+        self.max_num_examples = check_max_num_examples(max_num_examples)
         self._sent: dict[int, dict[str, list[np.ndarray]]] = {}
         #: Per-round metrics computed by this wrapper (round -> dict).
         self.history: dict[int, dict[str, float]] = {}
+        self._start_forwarding()  # settings of the wrapped strategy reach it (issue 21, item 21)
+
+    _INNER = "strategy"
 
     def __repr__(self) -> str:
         return f"LegacyCompressedStrategy({self.strategy!r}, {self.codec.describe()})"
@@ -276,10 +281,16 @@ class LegacyCompressedStrategy(Strategy):
         codec_bytes: dict[str, int] = {}
         up = dense = 0.0
         errors: list[float] = []
+        seen: set[str] = set()
         for proxy, res in results:
             try:
                 if proxy.cid not in sent:
-                    raise PayloadError(f"no parameters were sent to client {proxy.cid} in round {server_round}")
+                    raise PayloadError(f"no parameters were sent to client {proxy.cid} in round {server_round} "
+                                       "(one node, one vote)")
+                if proxy.cid in seen:
+                    raise PayloadError(f"a second fit result from client {proxy.cid} in round {server_round} "
+                                       "(one node, one vote)")
+                seen.add(proxy.cid)
                 n = res.num_examples
                 if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= self.max_num_examples:
                     raise PayloadError(f"num_examples must be an integer in [1, {self.max_num_examples}], got {n!r}")

@@ -8,13 +8,36 @@ import statistics
 import numpy as np
 from flwr.app import MetricRecord, RecordDict
 
+#: Largest magnitude a client-reported number keeps (larger ones are clamped to it): sums and
+#: weighted means over a million clients with weights up to 1e9 then stay far below float64's
+#: 1.8e308, so no client value can make the server raise (``OverflowError`` in ``fsum``, issue 21
+#: item 1) or publish an infinite mean. No honest metric comes near it.
+METRIC_BOUND = 1e100
+
+
+def bounded(v: float) -> float:
+    """``v`` clamped to [-METRIC_BOUND, METRIC_BOUND] (finite input)."""
+    return max(-METRIC_BOUND, min(METRIC_BOUND, float(v)))
+
 
 def _num(metrics: dict, key: str, default: float = 0.0) -> float:
-    """A client-reported metric as a finite float (untrusted: anything else becomes ``default``)."""
+    """A client-reported metric as a finite float within ±:data:`METRIC_BOUND` (untrusted:
+    non-numbers and non-finite values become ``default``, larger magnitudes are clamped)."""
     v = metrics.get(key, default)
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not np.isfinite(v):
         return default
-    return float(v)
+    return bounded(v)
+
+
+def bounded_metrics(metrics: dict) -> dict:
+    """The finite scalar metrics of an untrusted reply, each clamped to ±:data:`METRIC_BOUND`
+    (ints stay ints where they fit), for the inner strategy's weighted means and metrics.json."""
+    out = {}
+    for k, v in metrics.items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not np.isfinite(v):
+            continue
+        out[k] = v if isinstance(v, int) and abs(v) <= METRIC_BOUND else bounded(v)
+    return out
 
 
 def _epsilon(v) -> float | None:
@@ -90,6 +113,7 @@ def round_metrics(stats: list[dict], codec_bytes: dict, n_good: int, rejected: i
         out["compress-seconds"] = statistics.fmean(s["compress-seconds"] for s in stats)
         out["decode-seconds"] = float(sum(s["decode-seconds"] for s in stats))
         out["residual-bytes"] = max(s["residual-bytes"] for s in stats)
+        out["client-peak-rss-mb"] = max(s.get("client-peak-rss-mb", 0.0) for s in stats)
         # the clients' own link speeds, averaged with fsum (Flower's weighted mean of ten 10.0s
         # gives 10.000000000000002); these replace it in the round's metrics
         out["uplink-mbps"] = statistics.fmean(s["uplink-mbps"] for s in stats)
@@ -97,3 +121,13 @@ def round_metrics(stats: list[dict], codec_bytes: dict, n_good: int, rejected: i
     for name, nbytes in sorted(codec_bytes.items()):
         out[f"upload-bytes-{name}"] = float(nbytes)
     return out
+
+
+def machine_counts(stats: list[dict]) -> dict[str, int]:
+    """How many of a round's replies came from each machine (``platform.machine()`` as the clients
+    report it, e.g. ``{"aarch64": 1, "x86_64": 2}``; replies that name none count as ``"unknown"``)."""
+    out: dict[str, int] = {}
+    for s in stats:
+        name = s.get("machine") or "unknown"
+        out[name] = out.get(name, 0) + 1
+    return dict(sorted(out.items()))

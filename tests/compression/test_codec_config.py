@@ -57,7 +57,7 @@ def test_build_passes_the_options():
 
 
 def test_train_config_round_trip():
-    c = CodecConfig.from_mapping({"compressor": "eden", "momentum-correction": 0.5, "rank": 8})
+    c = CodecConfig.from_mapping({"compressor": "topk", "momentum-correction": 0.5, "rank": 8, "unbiased": True})
     assert CodecConfig.from_mapping(c.to_mapping()) == c
 
 

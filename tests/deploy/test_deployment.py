@@ -3,6 +3,7 @@
 import json
 import os
 import pathlib
+import platform
 import random
 import re
 import shutil
@@ -146,6 +147,7 @@ def test_launcher_two_supernodes_two_rounds(tmp_path, capsys):
     rounds = data["rounds"]
     assert [r["round"] for r in rounds] == [0, 1, 2]
     assert all(r["num-replies"] == 2 and r["upload-bytes"] == r["upload-bytes-stc"] > 0 for r in rounds[1:])
+    assert all(r["client-machines"] == {platform.machine(): 2} and r["client-peak-rss-mb"] > 50 for r in rounds[1:])
     # feedback while it runs: one line per round with the elapsed time
     assert [int(m) for m in re.findall(r"fedcomp-deploy: round (\d+) done, \d+ s elapsed", out)] == [0, 1, 2]
     assert all(0.0 <= r["accuracy"] <= 1.0 for r in rounds)

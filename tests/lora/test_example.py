@@ -59,6 +59,9 @@ def test_example_runs_in_process_with_small_downloads(example, corpus, byte_base
     assert all(rounds[r]["upload-bytes"] < 2 * dense / 5 for r in ("1", "2", "3"))  # STC 5 % of 512 entries
 
 
+@pytest.mark.skipif(os.environ.get("FEDCOMP_SLOW_TESTS") != "1",
+                    reason="about 60 s on 2 cores (Ray + a local SuperLink; tests/lora/test_flwr_run_lora.py runs "
+                           "LoRA mode by flwr run in CI): set FEDCOMP_SLOW_TESTS=1")
 @pytest.mark.skipif(shutil.which("pgrep") is None, reason="needs pgrep to stop the local SuperLink")
 def test_flwr_run_lora_example(tmp_path, corpus, byte_base_dir):  # noqa: F811
     app_dir = tmp_path / "lora-finetune"  # a copy: nothing of the run lands in the repository

@@ -1,0 +1,80 @@
+"""Settings of a wrapped strategy stay reachable through the wrapper (issue 21, item 21).
+
+``CompressedStrategy(FedAvgM(...))`` is the object a ServerApp holds; without forwarding,
+``strategy.server_learning_rate = 0.5`` would land on the wrapper and never reach FedAvgM,
+silently. :class:`ForwardsToInner` forwards reads of attributes the wrapper does not have, and
+writes of public attributes the wrapper does not have but a wrapped strategy does, to the
+strategy that owns them (walking ``.inner`` / ``.strategy``, so Flower's DP wrappers in between
+are seen through). A public write that neither the wrapper nor any wrapped strategy knows is
+refused with an ``AttributeError`` naming ``.inner`` (a misspelt setting must not vanish either).
+Private names (``_x``) are the wrapper's own and never forwarded.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+#: How deep the chain of wrapped strategies is followed.
+_MAX_DEPTH = 8
+
+
+def owner_of(strategy: Any, name: str) -> Any | None:
+    """The first strategy in ``strategy``'s wrapping chain (itself, then ``.inner``/``.strategy``)
+    that has attribute ``name``; None if none has."""
+    obj = strategy
+    for _ in range(_MAX_DEPTH):
+        if obj is None:
+            return None
+        if hasattr(obj, name):
+            return obj
+        d = getattr(obj, "__dict__", {})
+        obj = d.get("inner", d.get("strategy"))
+    return None
+
+
+class ForwardsToInner:
+    """Mixin of strategy wrappers: attribute reads and writes meant for the wrapped strategy reach it.
+
+    The subclass names its wrapped strategy's attribute in ``_INNER`` ("inner" or "strategy") and
+    calls :meth:`_start_forwarding` at the end of ``__init__`` (attributes set before that are the
+    wrapper's own).
+
+    Raises
+    ------
+    AttributeError
+        Reading a name neither the wrapper nor a wrapped strategy has; writing a public name
+        neither has (the message names ``.inner``).
+    """
+
+    _INNER = "inner"
+
+    def _start_forwarding(self) -> None:
+        object.__setattr__(self, "_forwarding", True)
+
+    def __getattr__(self, name: str) -> Any:  # only called when ordinary lookup fails
+        d = self.__dict__
+        inner = d.get(self._INNER)
+        if name.startswith("__") or name == self._INNER or inner is None:
+            raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
+        owner = owner_of(inner, name)
+        if owner is None:
+            raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}', nor has its wrapped "
+                                 f"strategy {type(inner).__name__} (.{self._INNER})")
+        return getattr(owner, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        d = self.__dict__
+        if not d.get("_forwarding") or name.startswith("_") or name in d or hasattr(type(self), name):
+            object.__setattr__(self, name, value)
+            return
+        inner = d.get(self._INNER)
+        owner = owner_of(inner, name)
+        if owner is None:
+            raise AttributeError(
+                f"{type(self).__name__} has no setting '{name}', nor has its wrapped strategy "
+                f"{type(inner).__name__}: set the wrapped strategy's own settings on .{self._INNER} "
+                f"(e.g. strategy.{self._INNER}.{name} = ...), or check the name")
+        setattr(owner, name, value)
+
+
+__all__ = ["ForwardsToInner", "owner_of"]
