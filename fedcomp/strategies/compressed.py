@@ -233,6 +233,8 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         self._expected_nodes: dict[int, set[int]] = {}
         #: Per-round metrics computed by this wrapper (round -> dict).
         self.history: dict[int, dict[str, float]] = {}
+        #: per round, the inner strategy's aggregate of the clients' evaluate replies (federated evaluation)
+        self.evaluate_history: dict[int, dict[str, float]] = {}
         #: Per-round, per-layer means over clients: {name: {"update-norm", "compression-error"}}.
         self.layer_history: dict[int, dict[str, dict[str, float]]] = {}
         self._layer_stats: list[dict] = []
@@ -323,8 +325,13 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         return self.inner.configure_evaluate(server_round, arrays, config, grid)
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
-        """Delegate unchanged."""
-        return self.inner.aggregate_evaluate(server_round, replies)
+        """Delegate unchanged; the result is also kept in ``evaluate_history[server_round]``."""
+        replies = list(replies)
+        metrics = self.inner.aggregate_evaluate(server_round, replies)
+        if metrics is not None:
+            ok = sum(1 for r in replies if not r.has_error())
+            self.evaluate_history[server_round] = {**dict(metrics), "num-replies": float(ok)}
+        return metrics
 
     # -- the one concern ---------------------------------------------------------------
     def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
