@@ -77,6 +77,7 @@ CASES = {
     "stc 5% up, dense down": {"compressor": "stc", "density": 0.05, "downstream": "none"},
     "stc 2%": {"compressor": "stc", "density": 0.02, "downstream": "stc"},
     "stc 10%": {"compressor": "stc", "density": 0.1, "downstream": "stc"},
+    "stc 5%, exact catch-ups": {"compressor": "stc", "density": 0.05, "downstream": "stc", "exact-catchup": True},
 }
 FLOWERTUNE = {"adapter_params": 13.63e6, "clients_per_round": 2, "directions": 2, "rounds": 200,
               "reported_gb": 40.7}
@@ -137,10 +138,12 @@ def run_case(name: str, case: dict, base: pathlib.Path, roles, test, args) -> di
     grid = InProcessGrid(app, len(roles), run_config)
     init, seeded = initial_adapters(settings, args.seed)
     n_params = sum(v.numel() for v in init.values())
-    codec = {k: v for k, v in case.items() if k != "downstream"}
+    codec = {k: v for k, v in case.items() if k not in ("downstream", "exact-catchup")}
+    catchup = "exact" if case.get("exact-catchup") else "smallest"
     strategy = CompressedStrategy(FedAvg(fraction_train=args.per_round / len(roles), min_train_nodes=args.per_round,
                                          min_available_nodes=len(roles), fraction_evaluate=0.0),
-                                  downstream=case["downstream"], downstream_init=seeded, **codec)
+                                  downstream=case["downstream"], downstream_init=seeded, downstream_catchup=catchup,
+                                  **codec)
     model = lora_model(settings)
     curve = []
 

@@ -49,7 +49,7 @@ CODEC_DEFAULTS: dict[str, Any] = {
 #: the keys of ``[tool.flwr.app.config]`` in ``pyproject.toml`` (a test holds that): a new key
 #: goes into both, with its default in one place.
 APP_KEYS: tuple[str, ...] = (
-    "num-server-rounds", "fraction-train", "client-sampling", "min-train-nodes",
+    "num-server-rounds", "fraction-train", "fraction-evaluate", "client-sampling", "min-train-nodes",
     "min-available-nodes", "round-timeout", "strategy", "server-lr", "server-momentum", "downstream",
     "uplink-mbps", "downlink-mbps", "dp", "clipping-norm", "noise-multiplier", "max-grad-norm", "target-delta",
     "target-epsilon", "accountant", "secure-rng", "max-epsilon", "lr", "momentum", "local-epochs", "batch-size",
@@ -432,6 +432,7 @@ class AppConfig:
 
     num_server_rounds: int = 50
     fraction_train: float = 1.0
+    fraction_evaluate: float = 0.5
     min_train_nodes: int = 2
     min_available_nodes: int = 2
     strategy: str = "fedavg"
@@ -485,6 +486,7 @@ class AppConfig:
         out = cls(
             num_server_rounds=_num(cfg, "num-server-rounds", 50, lo=1, integer=True),
             fraction_train=_num(cfg, "fraction-train", 1.0, lo=0.0, hi=1.0, lo_open=True),
+            fraction_evaluate=_num(cfg, "fraction-evaluate", 0.5, lo=0.0, hi=1.0),
             min_train_nodes=_num(cfg, "min-train-nodes", 2, lo=1, integer=True),
             min_available_nodes=_num(cfg, "min-available-nodes", 2, lo=1, integer=True),
             strategy=_str(cfg, "strategy", "fedavg", ("fedavg", "fedadam", "fedavgm")),

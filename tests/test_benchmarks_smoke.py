@@ -7,9 +7,12 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_codecs_benchmark_runs(tmp_path):
     out = tmp_path / "codecs.json"
     subprocess.run([sys.executable, str(REPO / "benchmarks" / "codecs.py"), "--sizes", "20000", "--repeats", "1",
@@ -30,6 +33,7 @@ def _references() -> dict:
             } | {"figure": (REPO / "docs" / "accuracy_vs_bytes.png").read_bytes()}
 
 
+@pytest.mark.slow
 def test_federated_benchmark_quick_runs(tmp_path):
     """--quick writes its JSON and figure to the temporary folder, never over the references."""
     before = _references()
@@ -47,6 +51,7 @@ def test_federated_benchmark_quick_runs(tmp_path):
     assert out.with_suffix(".png").stat().st_size > 10_000
 
 
+@pytest.mark.slow
 def test_plot_only_prints_the_table_and_draws_the_figure(tmp_path):
     ref = tmp_path / "federated.json"
     ref.write_bytes((REPO / "benchmarks" / "results" / "federated.json").read_bytes())
@@ -68,6 +73,7 @@ def test_quick_outputs_never_name_a_reference():
     assert shown(RESULTS / "codecs.json") == "benchmarks/results/codecs.json"  # no machine path in README output
 
 
+@pytest.mark.slow
 def test_scale_benchmark_smoke_runs(tmp_path):
     out = tmp_path / "scale.json"
     subprocess.run([sys.executable, str(REPO / "benchmarks" / "scale.py"), "--smoke", "--codecs", "stc,sign",

@@ -36,11 +36,16 @@ def build_inner(cfg: AppConfig) -> Strategy:
     """The inner Flower strategy named by run config ``strategy``: "fedavg", "fedadam" (eta =
     ``server-lr``) or "fedavgm" (server learning rate ``server-lr``, momentum ``server-momentum``).
 
-    Clients are evaluated centrally only (``fraction_evaluate = 0``).
+    The global model is evaluated on the server's test split every round (``evaluate_fn``) and,
+    with ``fraction-evaluate`` > 0, by that fraction of the nodes on their own data (federated
+    evaluation, as Flower's templates do; at least one node). Under ``dp`` federated evaluation is
+    off: per-client accuracies on private data are not covered by the privacy guarantee.
     """
+    fraction_evaluate = cfg.fraction_evaluate if cfg.dp == "none" else 0.0
     common = dict(
-        fraction_train=1.0 if cfg.client_sampling == "poisson" else cfg.fraction_train, fraction_evaluate=0.0, min_train_nodes=cfg.min_train_nodes,
-        min_evaluate_nodes=0, min_available_nodes=cfg.min_available_nodes,
+        fraction_train=1.0 if cfg.client_sampling == "poisson" else cfg.fraction_train,
+        fraction_evaluate=fraction_evaluate, min_train_nodes=cfg.min_train_nodes,
+        min_evaluate_nodes=1 if fraction_evaluate > 0 else 0, min_available_nodes=cfg.min_available_nodes,
     )
     if cfg.strategy == "fedadam":
         return FedAdam(**common, eta=cfg.server_lr, eta_l=cfg.lr)
@@ -121,6 +126,10 @@ class RoundRecorder:
                 self.last_eps = now
             rec["layers"] = self.strategy.layer_history.get(server_round, {})
             rec["client-machines"] = machine_counts(self.strategy.client_history.get(server_round, []))
+        fed = self.strategy.evaluate_history.get(server_round)
+        if fed is not None:  # federated evaluation: sampled clients on their own data, weighted by examples
+            rec.update({"federated-accuracy": fed.get("eval-acc"), "federated-loss": fed.get("eval-loss"),
+                        "federated-num-replies": fed["num-replies"]})
         rec["elapsed-seconds"] = time.perf_counter() - self.t0
         dp = self.cfg.dp != "none"
         if not self.header_printed:  # round 0, or the first round of a resumed run

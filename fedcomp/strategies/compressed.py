@@ -144,6 +144,10 @@ class CompressedStrategy(ForwardsToInner, Strategy):
     downstream_init : SeededInit, optional
         The initial model as a seed and one bound per tensor (:func:`fedcomp.seeded_init.lora_init`):
         with ``downstream``, new clients build it themselves instead of downloading it dense.
+    downstream_catchup : {"smallest", "exact"}
+        What clients that missed rounds get: the smaller of the missed payloads and a per-client
+        compressed diff (default), or the missed payloads whenever they exist ("exact": every client
+        trains from a broadcast version; steadier with sparse downstream codecs such as STC).
     require_compression : bool
         Refuse dense replies (plain weights from a client without ``compression_mod``). Default
         False: a mixed fleet works, each dense reply is validated like a payload (the model's keys,
@@ -174,7 +178,8 @@ class CompressedStrategy(ForwardsToInner, Strategy):
                  max_num_examples: int = 10**9, client_dp: ClientLevelDP | None = None,
                  local_dp: LocalDP | None = None, max_epsilon: float | None = None, downstream: str | None = None,
                  client_sampling: float | None = None, seed: int | None = None, aggregation: str = "auto",
-                 downstream_init: SeededInit | None = None, require_compression: bool = False, **params) -> None:
+                 downstream_init: SeededInit | None = None, require_compression: bool = False,
+                 downstream_catchup: str = "smallest", **params) -> None:
         if aggregation not in ("auto", "dense"):
             raise ValueError(f"aggregation must be 'auto' or 'dense', got {aggregation!r}")
         if not isinstance(inner, Strategy):
@@ -203,7 +208,8 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         if downstream not in (None, "none") and downstream not in available_compressors():
             raise ValueError(f"downstream must be 'none' or one of {available_compressors()}, got {downstream!r}")
         self.downstream = (None if downstream in (None, "none")
-                           else Downstream(self.codec, downstream, init=downstream_init))
+                           else Downstream(self.codec, downstream, init=downstream_init,
+                                           catchup=downstream_catchup))
         if client_sampling is not None and not 0.0 < client_sampling <= 1.0:
             raise ValueError(f"client_sampling (Poisson rate) must be in (0, 1], got {client_sampling!r}")
         self.poisson_rate = client_sampling
@@ -227,6 +233,8 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         self._expected_nodes: dict[int, set[int]] = {}
         #: Per-round metrics computed by this wrapper (round -> dict).
         self.history: dict[int, dict[str, float]] = {}
+        #: per round, the inner strategy's aggregate of the clients' evaluate replies (federated evaluation)
+        self.evaluate_history: dict[int, dict[str, float]] = {}
         #: Per-round, per-layer means over clients: {name: {"update-norm", "compression-error"}}.
         self.layer_history: dict[int, dict[str, dict[str, float]]] = {}
         self._layer_stats: list[dict] = []
@@ -317,8 +325,13 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         return self.inner.configure_evaluate(server_round, arrays, config, grid)
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
-        """Delegate unchanged."""
-        return self.inner.aggregate_evaluate(server_round, replies)
+        """Delegate unchanged; the result is also kept in ``evaluate_history[server_round]``."""
+        replies = list(replies)
+        metrics = self.inner.aggregate_evaluate(server_round, replies)
+        if metrics is not None:
+            ok = sum(1 for r in replies if not r.has_error())
+            self.evaluate_history[server_round] = {**dict(metrics), "num-replies": float(ok)}
+        return metrics
 
     # -- the one concern ---------------------------------------------------------------
     def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:

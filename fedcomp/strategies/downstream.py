@@ -70,9 +70,15 @@ class Downstream:
     init : SeededInit, optional
         How clients can build the initial model themselves (LoRA: B = 0, A from a seed). Used only if
         the first round's global model equals it bit for bit (else a warning and dense first rounds).
+    catchup : {"smallest", "exact"}
+        Lagging clients get the smaller of the missed payloads and a per-client compressed diff
+        ("smallest", default), or the missed payloads whenever the server still has them ("exact").
     """
 
-    def __init__(self, codec: CodecConfig, compressor: str, seed: int = 0, init: SeededInit | None = None) -> None:
+    def __init__(self, codec: CodecConfig, compressor: str, seed: int = 0, init: SeededInit | None = None,
+                 catchup: str = "smallest") -> None:
+        if catchup not in ("smallest", "exact"):
+            raise ValueError(f"downstream catch-up must be 'smallest' or 'exact', got {catchup!r}")
         self.codec, self.compressor, self.seed, self.init = codec, compressor, seed, init
         self.model: FlatModel | None = None  # B_v: every tensor
         self.version = 0
@@ -83,6 +89,10 @@ class Downstream:
         self._payloads: dict[int, bytes] = {}  # u -> broadcast payload B_{u-1} -> B_u
         self._pending: dict[int, tuple[int, np.ndarray | None]] = {}
         self._init_vec: np.ndarray | None = None
+        #: "exact": lagging clients get the chain of missed payloads whenever it exists, never a per-client
+        #: diff, so every client trains from a broadcast version exactly (measured: sparse codecs such as
+        #: STC drift with per-client diffs under 2-of-8 sampling, not with exact catch-ups)
+        self.exact_catchup = catchup == "exact"
         #: version -> flat B (every float tensor, model order; current and previous version)
         self.history: dict[int, np.ndarray] = {}
         #: this round: node -> bytes sent / kind of message ("payload", "chain", "diff", "init", "dense")
@@ -125,6 +135,8 @@ class Downstream:
             self._private.pop(node, None)
         self._pending = {}
         held = {v for n, v in self.node_version.items() if n not in self._private}
+        if self.exact_catchup and self._init_vec is not None:
+            held.add(1)  # nodes not seen yet start from the seeded B_1
         for u in [u for u in self._versions if u not in held and u != self.version]:
             del self._versions[u]
         oldest = min(held | {self.version})
@@ -231,7 +243,7 @@ class Downstream:
         if private is None and all(u in self._payloads for u in range(label + 1, v + 1)):
             chain = [self._payloads[u] for u in range(label + 1, v + 1)]
             options.append((sum(len(p) for p in chain), 0, prefix + "chain", chain, None))
-        if held is not None:
+        if held is not None and not (self.exact_catchup and options):
             diff = self._codec(server_round, node).compress(torch.from_numpy(g - held))
             options.append((len(diff), 1, prefix + "diff", [diff], self._settle(held + self._decode(diff))))
         dense_cost = self.model.dense_bytes - extra_bytes
