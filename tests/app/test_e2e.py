@@ -84,6 +84,8 @@ def test_flwr_run_local_simulation(tmp_path):
     rounds = data["rounds"]
     assert [r["round"] for r in rounds] == [0, 1, 2]
     assert all(r["num-replies"] == 3 for r in rounds[1:])
+    # federated evaluation (fraction-evaluate 0.5 of 3 nodes: 1) next to the server-side one
+    assert all(r["federated-num-replies"] == 1 and 0 <= r["federated-accuracy"] <= 1 for r in rounds[1:])
     n_params = 38282
     for r in rounds[1:]:
         # sign: 1 bit/param + per-tensor headers and scales, 3 clients
