@@ -19,8 +19,8 @@ compressed adapters in both directions, and the FlowerTune general-NLP projectio
    of fp32) and 4-bit (14 %) message quantization.
 
 Run: ``python benchmarks/llm_lora.py [--rounds 30] [--nodes 8] [--per-round 2] [--cases ...]``;
-``--quick`` (3 rounds, 2 cases, a 20-step base) writes ``llm-quick.json`` and never the committed
-results. Results go under the key ``"lora"`` of ``benchmarks/results/llm.json`` (other keys kept).
+``--quick`` (3 rounds, 2 cases, a 20-step base) writes a temporary file (``benchmarks/outputs.py``),
+never the committed results. Results go under the key ``"lora"`` of ``benchmarks/results/llm.json`` (other keys kept).
 """
 
 from __future__ import annotations
@@ -41,6 +41,9 @@ from flwr.serverapp.strategy import FedAvg
 from torch.utils.data import ConcatDataset, TensorDataset
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from outputs import output_path  # noqa: E402 - quick runs never write over the reference
+
 from fedcomp import text_data  # noqa: E402
 from fedcomp.client.lora import eval_lm, lora_client_app, lora_model  # noqa: E402
 from fedcomp.lm import build_transformer, transformer_config  # noqa: E402
@@ -49,8 +52,6 @@ from fedcomp.simulation import InProcessGrid  # noqa: E402
 from fedcomp.statedict import to_record, to_state_dict  # noqa: E402
 from fedcomp.strategies import CompressedStrategy  # noqa: E402
 
-RESULTS = pathlib.Path(__file__).parent / "results"
-DEFAULT_OUT = RESULTS / "llm.json"
 
 COMEDIES = ("alls_well_that_ends_well", "as_you_like_it", "comedy_of_errors", "loves_labours_lost",
             "measure_for_measure", "merchant_of_venice", "merry_wives_of_windsor", "midsummer_nights_dream",
@@ -77,6 +78,7 @@ CASES = {
     "stc 5% up, dense down": {"compressor": "stc", "density": 0.05, "downstream": "none"},
     "stc 2%": {"compressor": "stc", "density": 0.02, "downstream": "stc"},
     "stc 10%": {"compressor": "stc", "density": 0.1, "downstream": "stc"},
+    "stc 5%, exact catch-ups": {"compressor": "stc", "density": 0.05, "downstream": "stc", "exact-catchup": True},
 }
 FLOWERTUNE = {"adapter_params": 13.63e6, "clients_per_round": 2, "directions": 2, "rounds": 200,
               "reported_gb": 40.7}
@@ -137,10 +139,12 @@ def run_case(name: str, case: dict, base: pathlib.Path, roles, test, args) -> di
     grid = InProcessGrid(app, len(roles), run_config)
     init, seeded = initial_adapters(settings, args.seed)
     n_params = sum(v.numel() for v in init.values())
-    codec = {k: v for k, v in case.items() if k != "downstream"}
+    codec = {k: v for k, v in case.items() if k not in ("downstream", "exact-catchup")}
+    catchup = "exact" if case.get("exact-catchup") else "smallest"
     strategy = CompressedStrategy(FedAvg(fraction_train=args.per_round / len(roles), min_train_nodes=args.per_round,
                                          min_available_nodes=len(roles), fraction_evaluate=0.0),
-                                  downstream=case["downstream"], downstream_init=seeded, **codec)
+                                  downstream=case["downstream"], downstream_init=seeded, downstream_catchup=catchup,
+                                  **codec)
     model = lora_model(settings)
     curve = []
 
@@ -274,13 +278,11 @@ def main() -> None:
     ap.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     ap.add_argument("--quick", action="store_true", help="3 rounds, 2 cases, 20-step base (smoke test)")
     ap.add_argument("--table-only", action="store_true", help="print the tables from --out; no runs")
-    ap.add_argument("--out", default=str(DEFAULT_OUT))
+    ap.add_argument("--out", default=None, help="default benchmarks/results/llm.json; --quick: a temporary file")
     args = ap.parse_args()
     if args.quick:
         args.rounds, args.cases, args.pretrain_steps, args.nodes = 3, ["fp32", "stc 1%"], 20, 4
-        if args.out == str(DEFAULT_OUT):
-            args.out = str(DEFAULT_OUT.with_name("llm-quick.json"))
-    out = pathlib.Path(args.out)
+    out = output_path("llm", args.out, args.quick)
     data = json.loads(out.read_text()) if out.exists() else {}
     if args.table_only:
         print(markdown_lora(data["lora"]))
