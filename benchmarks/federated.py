@@ -6,6 +6,9 @@ Drives the real ClientApp (with ``compression_mod``) and ``CompressedStrategy`` 
 Run: ``python benchmarks/federated.py [--rounds 50] [--seeds 42 43] [--quick]``.
 Prints a table, writes ``benchmarks/results/federated.json`` and draws ``docs/accuracy_vs_bytes.png``
 (``--quick``: both in the temporary folder, see ``outputs.py``; ``--plot-only FILE`` redraws both).
+``--suite accuracy`` runs issue 25's rows instead (BatchNorm ResNet, 12 rounds; CNN at density
+1/1000, 50 rounds; seeds 42-44): ``benchmarks/results/federated-accuracy.json`` and
+``docs/accuracy_batchnorm.png``.
 """
 
 from __future__ import annotations
@@ -23,14 +26,14 @@ from flwr.app import ArrayRecord, ConfigRecord
 from outputs import REPO, output_path, shown
 
 from fedcomp.client.app import app as client_app
-from fedcomp.client.training import evaluate
+from fedcomp.training import evaluate
 from fedcomp.config import AppConfig
 from fedcomp.data import DataConfig, load_test_set
 from fedcomp.models import build_model
 from fedcomp.server.app import build_inner, privacy_options
 from fedcomp.simulation import InProcessGrid
 from fedcomp.strategies import CompressedStrategy
-from fedcomp.strategies.compressed import client_seconds
+from fedcomp.strategies.round_metrics import client_seconds
 
 CASES = {
     "none": {"compressor": "none"},
@@ -62,7 +65,7 @@ CASES = {
     "sign+EF model-scale": {"compressor": "sign", "selection": "model"},
     "stc 0.01+EF down-stc": {"compressor": "stc", "density": 0.01, "downstream": "stc"},
     "stc 0.01+EF down-fp16": {"compressor": "stc", "density": 0.01, "downstream": "fp16"},
-    # issue 15: rotated 1-bit, low rank, NUQSGD, DGC's momentum correction + local clipping (+ warm-up)
+    # rotated 1-bit, low rank, NUQSGD, DGC's momentum correction + local clipping (+ warm-up)
     "eden+EF": {"compressor": "eden"},
     "powersgd r4+EF": {"compressor": "powersgd", "rank": 4},
     "powersgd r1+EF": {"compressor": "powersgd", "rank": 1},
@@ -78,6 +81,30 @@ CASES = {
 BASE_CASES = list(CASES)[:12]
 #: remedies, scope and downstream rows: run on the first partitioner only
 EXTRA_CASES = list(CASES)[12:]
+#: issue 25, accuracy per byte where it is hard: the BatchNorm ResNet (12 rounds) with the defaults
+#: and with BatchNorm's affine parameters sent dense ("bn-affine": batchnorm-affine = "small"), and
+#: the CNN at density 1/1000 (50 rounds), plain, with DGC's momentum correction, and with server
+#: momentum (FedAvgM, server lr 1.0, momentum 0.5) on top of momentum correction or of a density schedule.
+#: ``--suite accuracy`` runs these (not part of the default run).
+ACCURACY_CASES = {
+    "resnet none": {"model": "resnet", "compressor": "none", "num-server-rounds": 12},
+    "resnet sign+EF": {"model": "resnet", "compressor": "sign", "num-server-rounds": 12},
+    "resnet stc 0.01+EF": {"model": "resnet", "compressor": "stc", "density": 0.01, "num-server-rounds": 12},
+    "resnet stc 0.01+EF bn-affine": {"model": "resnet", "compressor": "stc", "density": 0.01,
+                                     "batchnorm-affine": "small", "num-server-rounds": 12},
+    "resnet stc 0.0025+EF": {"model": "resnet", "compressor": "stc", "density": 0.0025, "num-server-rounds": 12},
+    "resnet stc 0.0025+EF bn-affine": {"model": "resnet", "compressor": "stc", "density": 0.0025,
+                                       "batchnorm-affine": "small", "num-server-rounds": 12},
+    "cnn none": {"compressor": "none"},
+    "cnn stc 0.001+EF": {"compressor": "stc", "density": 0.001},
+    "cnn stc 0.001+EF mc": {"compressor": "stc", "density": 0.001, "momentum-correction": 0.5},
+    "cnn stc 0.001+EF mc+avgm": {"compressor": "stc", "density": 0.001, "momentum-correction": 0.5,
+                                 "strategy": "fedavgm", "server-lr": 1.0, "server-momentum": 0.5},
+    "cnn stc 0.001+EF sched+avgm": {"compressor": "stc", "density": 0.001, "density-schedule": "exponential",
+                                    "density-start": 0.25, "schedule-rounds": 10, "strategy": "fedavgm",
+                                    "server-lr": 1.0, "server-momentum": 0.5},
+}
+CASES.update(ACCURACY_CASES)
 
 
 def run_one(run_config: dict, num_nodes: int) -> list[dict]:
@@ -106,6 +133,9 @@ def run_one(run_config: dict, num_nodes: int) -> list[dict]:
 LINKS_MBPS = (1.0, 10.0, 100.0)
 #: The README's figure, drawn from the reference results ``benchmarks/results/federated.json``.
 REFERENCE_FIGURE = REPO / "docs" / "accuracy_vs_bytes.png"
+#: Results name per ``--suite``, and the README figure of each suite's reference results.
+SUITE_NAMES = {"codecs": "federated", "accuracy": "federated-accuracy"}
+REFERENCE_FIGURES = {"federated": REFERENCE_FIGURE, "federated-accuracy": REPO / "docs" / "accuracy_batchnorm.png"}
 
 
 def figure_path(figure: str, results_json: pathlib.Path) -> pathlib.Path:
@@ -113,8 +143,9 @@ def figure_path(figure: str, results_json: pathlib.Path) -> pathlib.Path:
     beside the results (a quick run never redraws the committed figure)."""
     if figure:
         return pathlib.Path(figure)
-    if results_json.resolve() == output_path("federated", None, quick=False).resolve():
-        return REFERENCE_FIGURE
+    for name, ref in REFERENCE_FIGURES.items():
+        if results_json.resolve() == output_path(name, None, quick=False).resolve():
+            return ref
     return results_json.with_suffix(".png")
 
 
@@ -193,6 +224,40 @@ def plot(results: list[dict], path: pathlib.Path) -> None:
     plt.close(fig)
 
 
+def plot_accuracy(results: list[dict], path: pathlib.Path) -> None:
+    """Issue 25's figure: per model, accuracy per round and accuracy against cumulative uploaded MB
+    (log x), mean over seeds; the settings tried on top of the defaults ("+EF <remedy>") dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = sorted({r.get("model", "cnn") for r in results}, reverse=True)
+    fig, axes = plt.subplots(len(models), 2, figsize=(13, 4.5 * len(models)), squeeze=False)
+    for row, model in zip(axes, models):
+        rows = [r for r in results if r.get("model", "cnn") == model]
+        for i, r in enumerate(rows):
+            acc = [statistics.fmean(v) for v in zip(*r["curves"])]
+            mb = [statistics.fmean(v) for v in zip(*r["cumulative_upload_mb"])]
+            style = {"color": f"C{i}", "linestyle": "--" if "+EF " in r["case"] else "-",
+                     "label": r["case"]}
+            row[0].plot(range(len(acc)), acc, **style)
+            row[1].plot(mb[1:], acc[1:], **style)
+        row[0].set_xlabel("round")
+        row[1].set_xlabel("cumulative upload, all clients (MB, log scale)")
+        row[1].set_xscale("log")
+        for ax in row:
+            ax.set_ylabel("test accuracy")
+            ax.set_ylim(0, 1)
+            ax.grid(True, alpha=0.3)
+            ax.set_title(f"digits, model = {model!r}, Dirichlet 0.5, mean of {len(rows[0]['seeds'])} seeds")
+        row[0].legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=50)
@@ -205,15 +270,24 @@ def main() -> None:
     ap.add_argument("--plot-only", default="", help="print the table and redraw the figure from this JSON; no runs")
     ap.add_argument("--set", nargs="*", default=[], help="extra run-config overrides key=value (numbers or strings)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (tiny model: 1 is fastest)")
+    ap.add_argument("--suite", choices=["codecs", "accuracy"], default="codecs",
+                    help="codecs: the codec table (default); accuracy: issue 25's BatchNorm and 1/1000 rows "
+                         "(writes results/federated-accuracy.json)")
     ap.add_argument("--quick", action="store_true", help="3 rounds, 1 seed, 3 codecs, 4 nodes (CI smoke test)")
     ap.add_argument("--figure", default="", help="PNG of accuracy vs cumulative MB (default: "
                     "docs/accuracy_vs_bytes.png for the reference results, else the JSON's name with .png)")
     ap.add_argument("--out", default=None, help="JSON to write (default: the reference "
                     "benchmarks/results/federated.json; with --quick a file in the temporary folder)")
     args = ap.parse_args()
+    if args.suite == "accuracy":
+        args.cases = args.cases or list(ACCURACY_CASES)
+        args.seeds = args.seeds if args.seeds != [42, 43] else [42, 43, 44]
     if args.quick:
-        args.rounds, args.seeds, args.nodes, args.cases = 3, [42], 4, ["none", "sign+EF", "stc 0.01+EF"]
-    args.out = str(output_path("federated", args.out, args.quick))
+        args.rounds, args.seeds, args.nodes = 3, [42], 4
+        args.cases = (["resnet none", "resnet stc 0.01+EF"] if args.suite == "accuracy"
+                      else ["none", "sign+EF", "stc 0.01+EF"])
+    args.out = str(output_path(SUITE_NAMES[args.suite], args.out, args.quick))
+    draw = plot_accuracy if args.suite == "accuracy" else plot
     if args.merge:
         res = [r for f in args.merge for r in json.loads(pathlib.Path(f).read_text())["results"]]
         pathlib.Path(args.out).write_text(json.dumps({"nodes": args.nodes, "results": res}, indent=1))
@@ -222,7 +296,7 @@ def main() -> None:
         res = json.loads(pathlib.Path(args.plot_only).read_text())["results"]
         print(markdown(res))
         figure = figure_path(args.figure, pathlib.Path(args.plot_only))
-        plot(res, figure)
+        draw(res, figure)
         print(f"wrote {shown(figure)}")
         return
     logging.getLogger("flwr").setLevel(logging.WARNING)
@@ -242,16 +316,19 @@ def main() -> None:
             t0 = time.perf_counter()
             for seed in args.seeds:
                 rc = {"num-server-rounds": args.rounds, "seed": seed, "partitioner": part, **CASES[name], **extra}
+                if args.quick:  # a case's own round count does not outlive --quick
+                    rc["num-server-rounds"] = args.rounds
                 runs.append(run_one(rc, args.nodes))
+            rounds = rc["num-server-rounds"]
             secs = (time.perf_counter() - t0) / len(args.seeds)
             final = statistics.fmean(r[-1]["accuracy"] for r in runs)
             up = statistics.fmean(sum(x.get("upload-bytes", 0.0) for x in r) for r in runs)
             dense = statistics.fmean(sum(x.get("dense-bytes", 0.0) for x in r) for r in runs)
             down = statistics.fmean(sum(x.get("download-bytes", 0.0) for x in r) for r in runs)
-            n_params = sum(p.numel() for p in build_model().parameters())
-            per_round_clients = args.rounds * args.nodes
+            n_params = sum(p.numel() for p in build_model(CASES[name].get("model", "cnn")).parameters())
+            per_round_clients = rounds * args.nodes
             row = {
-                "partitioner": part, "case": name, **CASES[name], "rounds": args.rounds, "seeds": args.seeds,
+                "partitioner": part, "case": name, **CASES[name], "rounds": rounds, "seeds": args.seeds,
                 "final_accuracy": final, "final_accuracy_per_seed": [r[-1]["accuracy"] for r in runs],
                 "rounds_to_90": [first_round_reaching(r, 0.90) for r in runs],
                 "rounds_to_95": [first_round_reaching(r, 0.95) for r in runs],
@@ -276,7 +353,7 @@ def main() -> None:
     print(f"wrote {shown(out)}")
     print(markdown(results))
     figure = figure_path(args.figure, out)
-    plot(results, figure)
+    draw(results, figure)
     print(f"wrote {shown(figure)}")
 
 

@@ -17,7 +17,8 @@ Run: ``python benchmarks/llm.py --part full [--rounds 20] [--nodes 8] [--cases .
 ``python benchmarks/llm.py --part lora [...]`` runs the LoRA part, ``benchmarks/llm_lora.py`` (its own
 options: LoRA fine-tuning of a base pretrained on the comedies, on tragedy roles, 2 clients per round,
 codecs both ways, and the FlowerTune projection), into the key ``"lora"`` of the same file.
-``--quick`` (2 rounds, 3 nodes, 2 cases) writes ``llm-quick.json`` and never the committed results.
+``--quick`` (2 rounds, 3 nodes, 2 cases) writes ``<temp dir>/fedcomp-benchmarks/llm-quick.json``, never
+the committed results.
 """
 
 from __future__ import annotations
@@ -34,13 +35,11 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from federated import run_one
+from outputs import output_path, shown
 
 from fedcomp import text_data
 from fedcomp.models import build_model
 from fedcomp.text_data import describe_partition, shakespeare_roles
-
-RESULTS = pathlib.Path(__file__).parent / "results"
-DEFAULT_OUT = RESULTS / "llm.json"
 
 #: Local training of every full-model case: AdamW, one pass over the role's windows per round.
 FULL_BASE = {"dataset": "shakespeare", "model": "transformer", "optimizer": "adamw", "lr": 0.003,
@@ -52,6 +51,10 @@ FULL_CASES = {
     "topk 0.01+EF": {"compressor": "topk", "density": 0.01},
     "stc 0.01+EF": {"compressor": "stc", "density": 0.01},
     "stc 0.0025+EF": {"compressor": "stc", "density": 0.0025},
+    "stc 0.03+EF": {"compressor": "stc", "density": 0.03},
+    # DGC's warm-up: density 0.1 -> 0.01 exponentially over the first 5 rounds
+    "stc 0.01+EF sched": {"compressor": "stc", "density": 0.01, "density-schedule": "exponential",
+                          "density-start": 0.1, "schedule-rounds": 5},
     # AdamW's first moment: beta1 0.9 (default) against 0.5
     "fp32 beta1=0.5": {"compressor": "none", "adam-beta1": 0.5},
     "sign+EF beta1=0.5": {"compressor": "sign", "adam-beta1": 0.5},
@@ -132,7 +135,37 @@ def markdown_full(part: dict) -> str:
     return "\n".join(lines)
 
 
+def plot_full(part: dict, path: pathlib.Path) -> None:
+    """Next-character accuracy against round and against cumulative upload MB (log x), every case."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (by_round, by_mb) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for r in part["results"]:
+        acc = r["accuracy_curve"]
+        mb = [sum(r["upload_bytes_curve"][1:i + 1]) / 1e6 for i in range(1, len(acc))]
+        style = "--" if "beta1" in r["case"] else "-"
+        by_round.plot(range(len(acc)), acc, style, label=r["case"])
+        by_mb.plot(mb, acc[1:], style, label=r["case"])
+    by_round.set_xlabel("round")
+    by_mb.set_xlabel("cumulative upload, all clients (MB, log scale)")
+    by_mb.set_xscale("log")
+    for ax in (by_round, by_mb):
+        ax.set_ylabel("next-character accuracy (held-out windows)")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    s = part["setup"]
+    fig.suptitle(f"Shakespeare (LEAF roles), {s['parameters']:,}-parameter Transformer, {s['nodes']} clients, AdamW")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 PARTS = {"full": (run_full, markdown_full, FULL_DEFAULT_CASES)}
+PLOTS = {"full": plot_full}
 
 
 def main() -> None:
@@ -152,15 +185,15 @@ def main() -> None:
     ap.add_argument("--merge", nargs="+", default=[], help="merge this part of these JSONs into --out (no runs)")
     ap.add_argument("--quick", action="store_true", help="2 rounds, 3 nodes, 2 cases (smoke test)")
     ap.add_argument("--table-only", action="store_true", help="print the table from --out; no runs")
-    ap.add_argument("--out", default=str(DEFAULT_OUT))
+    ap.add_argument("--figure", default="", help="also draw the part's curves to this PNG")
+    ap.add_argument("--out", default=None, help="JSON to write (default: the reference benchmarks/results/llm.json; "
+                    "with --quick a file in the temporary folder)")
     args = ap.parse_args()
     run, table, default_cases = PARTS[args.part]
     if args.quick:
         args.rounds, args.nodes, args.cases = 2, 3, ["fp32", "stc 0.01+EF"]
-        if args.out == str(DEFAULT_OUT):
-            args.out = str(DEFAULT_OUT.with_name("llm-quick.json"))
     args.cases = args.cases or default_cases
-    out = pathlib.Path(args.out)
+    out = output_path("llm", args.out, args.quick)
     data = json.loads(out.read_text()) if out.exists() else {}
     if args.merge:
         parts = [json.loads(pathlib.Path(f).read_text())[args.part] for f in args.merge]
@@ -170,6 +203,8 @@ def main() -> None:
         out.write_text(json.dumps(data, indent=1))
         args.table_only = True
     if args.table_only:
+        if args.figure and args.part in PLOTS:
+            PLOTS[args.part](data[args.part], pathlib.Path(args.figure))
         print(table(data[args.part]))
         return
     logging.getLogger("flwr").setLevel(logging.WARNING)
@@ -182,6 +217,9 @@ def main() -> None:
         out.write_text(json.dumps(data, indent=1))
 
     save(run(args, save))
+    print(f"wrote {shown(out)}")
+    if args.figure and args.part in PLOTS:
+        PLOTS[args.part](data[args.part], pathlib.Path(args.figure))
     print(table(data[args.part]))
 
 

@@ -19,8 +19,8 @@ compressed adapters in both directions, and the FlowerTune general-NLP projectio
    of fp32) and 4-bit (14 %) message quantization.
 
 Run: ``python benchmarks/llm_lora.py [--rounds 30] [--nodes 8] [--per-round 2] [--cases ...]``;
-``--quick`` (3 rounds, 2 cases, a 20-step base) writes ``llm-quick.json`` and never the committed
-results. Results go under the key ``"lora"`` of ``benchmarks/results/llm.json`` (other keys kept).
+``--quick`` (3 rounds, 2 cases, a 20-step base) writes a temporary file (``benchmarks/outputs.py``),
+never the committed results. Results go under the key ``"lora"`` of ``benchmarks/results/llm.json`` (other keys kept).
 """
 
 from __future__ import annotations
@@ -41,6 +41,9 @@ from flwr.serverapp.strategy import FedAvg
 from torch.utils.data import ConcatDataset, TensorDataset
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from outputs import output_path  # noqa: E402 - quick runs never write over the reference
+
 from fedcomp import text_data  # noqa: E402
 from fedcomp.client.lora import eval_lm, lora_client_app, lora_model  # noqa: E402
 from fedcomp.lm import build_transformer, transformer_config  # noqa: E402
@@ -49,8 +52,6 @@ from fedcomp.simulation import InProcessGrid  # noqa: E402
 from fedcomp.statedict import to_record, to_state_dict  # noqa: E402
 from fedcomp.strategies import CompressedStrategy  # noqa: E402
 
-RESULTS = pathlib.Path(__file__).parent / "results"
-DEFAULT_OUT = RESULTS / "llm.json"
 
 COMEDIES = ("alls_well_that_ends_well", "as_you_like_it", "comedy_of_errors", "loves_labours_lost",
             "measure_for_measure", "merchant_of_venice", "merry_wives_of_windsor", "midsummer_nights_dream",
@@ -74,8 +75,10 @@ CASES = {
     "sign+EF, dense down": {"compressor": "sign", "downstream": "none"},
     # what closes the gap: density, and which direction costs the gain
     "stc 1% up, dense down": {"compressor": "stc", "density": 0.01, "downstream": "none"},
+    "stc 5% up, dense down": {"compressor": "stc", "density": 0.05, "downstream": "none"},
     "stc 2%": {"compressor": "stc", "density": 0.02, "downstream": "stc"},
     "stc 10%": {"compressor": "stc", "density": 0.1, "downstream": "stc"},
+    "stc 5%, exact catch-ups": {"compressor": "stc", "density": 0.05, "downstream": "stc", "exact-catchup": True},
 }
 FLOWERTUNE = {"adapter_params": 13.63e6, "clients_per_round": 2, "directions": 2, "rounds": 200,
               "reported_gb": 40.7}
@@ -136,10 +139,12 @@ def run_case(name: str, case: dict, base: pathlib.Path, roles, test, args) -> di
     grid = InProcessGrid(app, len(roles), run_config)
     init, seeded = initial_adapters(settings, args.seed)
     n_params = sum(v.numel() for v in init.values())
-    codec = {k: v for k, v in case.items() if k != "downstream"}
+    codec = {k: v for k, v in case.items() if k not in ("downstream", "exact-catchup")}
+    catchup = "exact" if case.get("exact-catchup") else "smallest"
     strategy = CompressedStrategy(FedAvg(fraction_train=args.per_round / len(roles), min_train_nodes=args.per_round,
                                          min_available_nodes=len(roles), fraction_evaluate=0.0),
-                                  downstream=case["downstream"], downstream_init=seeded, **codec)
+                                  downstream=case["downstream"], downstream_init=seeded, downstream_catchup=catchup,
+                                  **codec)
     model = lora_model(settings)
     curve = []
 
@@ -231,6 +236,34 @@ def markdown_lora(part: dict) -> str:
     return "\n".join(lines)
 
 
+def plot_lora(part: dict, path: pathlib.Path) -> None:
+    """Eval loss against cumulative MB (both directions) and against the round, per case."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(1, 2, figsize=(11, 4))
+    for r in part["results"]:
+        if r["loss_curve"][-1] > 2 * r["base_loss"]:  # diverged (qsgd 3 levels): off the scale
+            continue
+        cum = [0.0]
+        for u, d in zip(r["upload_bytes_curve"], r["download_bytes_curve"]):
+            cum.append(cum[-1] + (u + d) / 1e6)
+        ax[0].plot(cum, r["loss_curve"], marker=".", label=r["case"])
+        ax[1].plot(range(len(r["loss_curve"])), r["loss_curve"], label=r["case"])
+    ax[0].set_xscale("symlog", linthresh=0.01)
+    ax[0].set_xlabel("cumulative MB, both directions")
+    ax[0].set_ylabel("eval loss")
+    ax[1].set_xlabel("round")
+    ax[1].legend(fontsize=7)
+    fig.suptitle(f"LoRA fine-tuning on tragedy roles, {part['federation']['per_round']} of "
+                 f"{part['federation']['clients']} clients per round")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=30)
@@ -245,13 +278,11 @@ def main() -> None:
     ap.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     ap.add_argument("--quick", action="store_true", help="3 rounds, 2 cases, 20-step base (smoke test)")
     ap.add_argument("--table-only", action="store_true", help="print the tables from --out; no runs")
-    ap.add_argument("--out", default=str(DEFAULT_OUT))
+    ap.add_argument("--out", default=None, help="default benchmarks/results/llm.json; --quick: a temporary file")
     args = ap.parse_args()
     if args.quick:
         args.rounds, args.cases, args.pretrain_steps, args.nodes = 3, ["fp32", "stc 1%"], 20, 4
-        if args.out == str(DEFAULT_OUT):
-            args.out = str(DEFAULT_OUT.with_name("llm-quick.json"))
-    out = pathlib.Path(args.out)
+    out = output_path("llm", args.out, args.quick)
     data = json.loads(out.read_text()) if out.exists() else {}
     if args.table_only:
         print(markdown_lora(data["lora"]))
@@ -263,6 +294,7 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     data = {**(json.loads(out.read_text()) if out.exists() else {}), "lora": data["lora"]}  # keep other parts
     out.write_text(json.dumps(data, indent=1))
+    plot_lora(data["lora"], out.with_name(out.stem + "-lora.png"))
     print(markdown_lora(data["lora"]))
 
 

@@ -85,7 +85,7 @@ g = {k: (rng.standard_normal(s).astype(np.float32) * 0.05 if d == "float32" else
 model_bytes = 4 * sum(int(np.prod(s)) for s, d in shapes.values() if d == "float32")
 strategy = CompressedStrategy(FedAvg(fraction_evaluate=0.0), aggregation=spec["path"], **spec["codec"])
 replies = make_replies(g, strategy.codec, spec["clients"], distinct=spec["distinct"])
-strategy._sent = {1: FlatModel(g, {k: str(v.dtype) for k, v in g.items()})}
+strategy.remember(1, FlatModel.from_numpy(g))
 base = rss_mib(); reset_peak()
 t0 = time.perf_counter()
 arrays, metrics = strategy.aggregate_train(1, replies)
@@ -176,10 +176,10 @@ def make_replies(g: dict, codec, clients: int, distinct: int = 4) -> list:
     """``clients`` compressed train replies (``distinct`` different client updates, reused), as
     ``compression_mod`` would send them; node ids 1..clients, weights 10..."""
     import numpy as np
-    from flwr.app import Array, ArrayRecord, Message, Metadata, MetricRecord, RecordDict
+    from flwr.app import ArrayRecord, Message, Metadata, MetricRecord, RecordDict
 
     from fedcomp.client.update import compress_update
-    from fedcomp.protocol import PAYLOAD_DTYPE, PAYLOAD_STYPE
+    from fedcomp.protocol import payload_array
 
     rng = np.random.default_rng(1)
     records = []
@@ -187,8 +187,7 @@ def make_replies(g: dict, codec, clients: int, distinct: int = 4) -> list:
         t = {k: (v + 0.01 * rng.standard_normal(v.shape).astype(np.float32) if v.dtype == np.float32 else v + 3)
              for k, v in g.items()}
         payloads, _, _ = compress_update(g, t, codec, {}, seed=1)
-        records.append({k: Array(dtype=PAYLOAD_DTYPE, shape=(len(p),), stype=PAYLOAD_STYPE, data=p)
-                        for k, p in payloads.items()})
+        records.append({k: payload_array(p) for k, p in payloads.items()})
     out = []
     for i in range(clients):
         md = Metadata(run_id=1, message_id=f"r{i}", src_node_id=i + 1, dst_node_id=0, reply_to_message_id="q",

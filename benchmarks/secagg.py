@@ -11,7 +11,8 @@ Packing is lossless, so an int64 row trains exactly like its packed row: int64 r
 ``--bytes-rounds`` rounds for their bytes only.
 
 Run: ``python benchmarks/secagg.py [--rounds 50] [--seeds 42] [--densities 0.0625 0.015625]``
-(``--quick``: 2 rounds, 4 clients, one density; writes to a temporary file unless ``--out``).
+(``--quick``: 2 rounds, 4 clients, one density; writes to a temporary file unless ``--out``,
+see ``benchmarks/outputs.py``).
 Prints a table and writes ``benchmarks/results/secagg.json``.
 """
 
@@ -33,13 +34,13 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 from federated import run_one
+from outputs import output_path, shown
 
 from fedcomp.client.app import app as client_app
 from fedcomp.config import AppConfig
 from fedcomp.secagg.server_app import run_secagg
 from fedcomp.simulation import InProcessGrid
 
-DEFAULT_OUT = pathlib.Path(__file__).parent / "results" / "secagg.json"
 N_PARAMS = 38282
 
 
@@ -65,6 +66,7 @@ def summarize(label: str, rounds_by_seed: list[list[dict]], secure: bool) -> dic
     if secure:
         out["secagg-protocol-bytes-per-round"] = statistics.median(x["secagg-protocol-bytes"] for x in trained)
         out["modulus-bits"] = trained[0]["modulus-bits"]
+        out["clipped-entries-per-round"] = statistics.median(x["clipped"] for x in trained)  # at +-c, by clients
     return out
 
 
@@ -81,8 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.quick:
         args.rounds, args.nodes, args.densities, args.seeds = 2, 4, args.densities[:1], args.seeds[:1]
-    out = pathlib.Path(args.out) if args.out else (
-        pathlib.Path(tempfile.gettempdir()) / "fedcomp-secagg-quick.json" if args.quick else DEFAULT_OUT)
+    out = output_path("secagg", args.out, args.quick)
     logging.getLogger("flwr").setLevel(logging.WARNING)
     torch.set_num_threads(1)  # clients train one after another; one thread is fastest on a shared machine
     base = {"num-server-rounds": args.rounds, "lr": 0.1, "secagg-shares": 1.0, "secagg-threshold": 0.7}
@@ -117,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
                                "note": "int64 rows ran --bytes-rounds rounds: their accuracy column is not comparable; "
                                        "packing is lossless, so they train as their packed row",
                                "rows": rows}, indent=1))
-    print(f"wrote {out}")
+    print(f"wrote {shown(out)}")
     return 0
 
 

@@ -8,47 +8,21 @@ turned into plain dataclasses. Errors name the key and its allowed range, e.g.
 from __future__ import annotations
 
 import difflib
-import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Mapping
 
-from .compression import Compressor, available_compressors, get_compressor
+from .compression import CODECS, Compressor, available_compressors
 from .compression.qsgd import MAX_EXPONENTIAL_LEVELS, SPACINGS
-
-#: run-config / train-config keys that describe the codec, with their defaults.
-CODEC_DEFAULTS: dict[str, Any] = {
-    "compressor": "stc",
-    "density": 0.01,
-    "levels": 15,
-    "block-size": 256,
-    "value-dtype": "fp32",
-    "error-feedback": True,
-    "residual-dtype": "fp32",
-    "selection": "auto",
-    "min-compress-numel": 0,
-    "small-tensor-compressor": "none",
-    "batchnorm-stats": "small",
-    "layer-codecs": "",
-    "warmup-rounds": 0,
-    "warmup-compressor": "none",
-    "density-schedule": "constant",
-    "density-start": 0.25,
-    "schedule-rounds": 10,
-    "target-error": 0.5,
-    "density-min": 0.001,
-    "density-max": 0.25,
-    "rank": 4,
-    "unbiased": False,
-    "spacing": "uniform",
-    "momentum-correction": 0.0,
-}
+from .protocol import DEFAULT_DOWNLINK_MBPS, DEFAULT_UPLINK_MBPS
+from .training import TrainConfig
+from .validate import check_number
 
 #: Run-config keys fedcomp's own ServerApp and ClientApp read besides :data:`CODEC_DEFAULTS`
-#: (the DP-SGD ones are read by ``fedcomp.client.dp_sgd.DPSGDConfig``). Together they are exactly
+#: (the DP-SGD ones are read by ``fedcomp.privacy.DPSGDConfig``). Together they are exactly
 #: the keys of ``[tool.flwr.app.config]`` in ``pyproject.toml`` (a test holds that): a new key
 #: goes into both, with its default in one place.
 APP_KEYS: tuple[str, ...] = (
-    "num-server-rounds", "fraction-train", "client-sampling", "min-train-nodes",
+    "num-server-rounds", "fraction-train", "fraction-evaluate", "client-sampling", "min-train-nodes",
     "min-available-nodes", "round-timeout", "strategy", "server-lr", "server-momentum", "downstream",
     "uplink-mbps", "downlink-mbps", "dp", "clipping-norm", "noise-multiplier", "max-grad-norm", "target-delta",
     "target-epsilon", "accountant", "secure-rng", "max-epsilon", "lr", "momentum", "local-epochs", "batch-size",
@@ -138,27 +112,8 @@ def parse_layer_codecs(spec: str) -> list[tuple[str, str]]:
 
 def _num(cfg: Mapping[str, Any], key: str, default, *, lo=None, hi=None, lo_open=False, hi_open=False,
          integer=False, src: str = "run config"):
-    value = cfg.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{src} '{key}' must be a number, got {value!r}")
-    if integer:
-        if isinstance(value, float) and not value.is_integer():
-            raise ValueError(f"{src} '{key}' must be an integer, got {value!r}")
-        value = int(value)
-    else:
-        value = float(value)
-    if not math.isfinite(value):  # inf rates freeze or break a run far from here (issue 14)
-        raise ValueError(f"{src} '{key}' must be a finite number, got {value!r}")
-    bad_lo = lo is not None and (value <= lo if lo_open else value < lo)
-    bad_hi = hi is not None and (value >= hi if hi_open else value > hi)
-    if bad_lo or bad_hi:
-        left = "(" if lo_open else "["
-        right = ")" if hi_open else "]"
-        raise ValueError(
-            f"{src} '{key}' must be in {left}{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}{right}, "
-            f"got {value!r}"
-        )
-    return value
+    return check_number(cfg.get(key, default), f"{src} '{key}'", lo=lo, hi=hi, lo_open=lo_open, hi_open=hi_open,
+                        integer=integer)
 
 
 def _str(cfg: Mapping[str, Any], key: str, default: str, choices=None, src: str = "run config") -> str:
@@ -187,7 +142,8 @@ def _error_feedback(cfg: Mapping[str, Any], default, source: str) -> bool | str:
 
 @dataclass(frozen=True)
 class CodecConfig:
-    """Which codec a client uses and how: the keys of :data:`CODEC_DEFAULTS`.
+    """Which codec a client uses and how: the keys of :data:`CODEC_DEFAULTS` (the fields below, with
+    ``-`` for ``_``; each field's default is the key's default).
 
     ``selection`` is the scope a codec works on: "tensor" (one payload per parameter
     tensor) or "model" (the whole flattened update as one payload, so top-k/STC pick their
@@ -207,7 +163,10 @@ class CodecConfig:
     ``small-tensor-compressor`` too while ``batchnorm-stats = "small"`` (the default): a lossy
     codec can push a running variance below zero, which turns every later output into NaN
     (measured: sign + EF on ``model = "resnet"`` reached 75 % at round 3, then 10 % at round 4 with
-    ``bn1.running_var`` at -0.013); ``"codec"`` sends them like any other tensor.
+    ``bn1.running_var`` at -0.013); ``"codec"`` sends them like any other tensor. BatchNorm's
+    affine parameters (``<bn>.weight`` / ``<bn>.bias``) go there too with stc/topk/randomk when
+    ``batchnorm-affine = "small"`` (default "codec": measured on ``model = "resnet"``, sending them
+    dense did not pay for its bytes; see :mod:`fedcomp.model_policy`).
     Schedules (applied by the server each round): ``warmup-rounds`` rounds with
     ``warmup-compressor``, then ``density-schedule`` "constant", "exponential" or "linear"
     from ``density-start`` to ``density`` over ``schedule-rounds`` rounds (DGC's warm-up,
@@ -235,6 +194,7 @@ class CodecConfig:
     min_compress_numel: int = 0
     small_tensor_compressor: str = "none"
     batchnorm_stats: str = "small"
+    batchnorm_affine: str = "codec"
     layer_codecs: str = ""
     warmup_rounds: int = 0
     warmup_compressor: str = "none"
@@ -285,6 +245,7 @@ class CodecConfig:
             small_tensor_compressor=_str(cfg, "small-tensor-compressor", d["small-tensor-compressor"],
                                          ("none", "fp16", "bf16"), src=source),
             batchnorm_stats=_str(cfg, "batchnorm-stats", d["batchnorm-stats"], ("small", "codec"), src=source),
+            batchnorm_affine=_str(cfg, "batchnorm-affine", d["batchnorm-affine"], ("small", "codec"), src=source),
             layer_codecs=_str(cfg, "layer-codecs", d["layer-codecs"], src=source),
             warmup_rounds=_num(cfg, "warmup-rounds", d["warmup-rounds"], lo=0, integer=True, src=source),
             warmup_compressor=_str(cfg, "warmup-compressor", d["warmup-compressor"], codecs, src=source),
@@ -308,7 +269,7 @@ class CodecConfig:
         return out
 
     def _check_codec_options(self, source: str) -> None:
-        """Combinations the new codec options refuse (each message names the key to change)."""
+        """Combinations of codec options that cannot work (each message names the key to change)."""
         used = {self.compressor, self.warmup_compressor} | {c for _, c in self.rules}
         if self.spacing == "exponential" and "qsgd" in used and self.levels > MAX_EXPONENTIAL_LEVELS:
             raise ValueError(f"{source} 'levels' must be in [1, {MAX_EXPONENTIAL_LEVELS}] with spacing = "
@@ -356,26 +317,16 @@ class CodecConfig:
         return {k: getattr(self, k.replace("-", "_")) for k in CODEC_DEFAULTS}
 
     def build(self, seed: int | None = None, compressor: str | None = None, density: float | None = None) -> Compressor:
-        """Instantiate the codec (or ``compressor``, e.g. a per-layer one) with the parameters it takes."""
-        name = compressor or self.compressor
-        params: dict[str, Any] = {}
-        if name in SPARSE_CODECS:
-            params["density"] = self.density if density is None else density
-        if name == "topk":
-            params["value_dtype"] = self.value_dtype
-        if name == "qsgd":
-            params["levels"] = self.levels
-        if name == "int8":
-            params["block_size"] = self.block_size
-        if name == "qsgd" and self.spacing != "uniform":
-            params["spacing"] = self.spacing
-        if name == "powersgd":
-            params.update(rank=self.rank, value_dtype=self.value_dtype, fallback=self.small_tensor_compressor)
-        if name == "eden":
-            params["unbiased"] = self.unbiased
-        if name in ("qsgd", "int8", "randomk", "powersgd", "eden"):
+        """Instantiate the codec (or ``compressor``, e.g. a per-layer one) with the parameters it
+        declares (``Compressor.config_keys``; ``seed`` for stochastic codecs; ``density``, when
+        given, instead of this config's)."""
+        cls = CODECS[compressor or self.compressor]
+        params: dict[str, Any] = {arg: getattr(self, key.replace("-", "_")) for arg, key in cls.config_keys.items()}
+        if density is not None and "density" in params:
+            params["density"] = density
+        if cls.seeded:
             params["seed"] = seed
-        return get_compressor(name, **params)
+        return cls(**params)
 
     def for_round(self, server_round: int) -> "CodecConfig":
         """The codec in force in ``server_round`` (1-based): warm-up codec, then the scheduled density."""
@@ -420,22 +371,27 @@ class CodecConfig:
                 + (f" ({'; '.join(extra)})" if extra else ""))
 
 
+#: run-config / train-config keys that describe the codec, with their defaults (CodecConfig's fields).
+CODEC_DEFAULTS: dict[str, Any] = {f.name.replace("_", "-"): f.default for f in fields(CodecConfig)}
+
+
 @dataclass(frozen=True)
 class AppConfig:
     """Everything the ServerApp and ClientApp read from the run config."""
 
     num_server_rounds: int = 50
     fraction_train: float = 1.0
+    fraction_evaluate: float = 0.5
     min_train_nodes: int = 2
     min_available_nodes: int = 2
     strategy: str = "fedavg"
     server_lr: float = 0.1
     server_momentum: float = 0.9
-    lr: float = 0.1
-    momentum: float = 0.9
-    local_epochs: int = 1
-    batch_size: int = 32
-    accumulation_steps: int = 1
+    lr: float = TrainConfig.lr
+    momentum: float = TrainConfig.momentum
+    local_epochs: int = TrainConfig.local_epochs
+    batch_size: int = TrainConfig.batch_size
+    accumulation_steps: int = TrainConfig.accumulation_steps
     seed: int = 42
     dataset: str = "digits"
     model: str = "cnn"
@@ -445,8 +401,8 @@ class AppConfig:
     round_timeout: float = 600.0
     resume: bool = False
     client_sampling: str = "fraction"
-    uplink_mbps: float = 1.0
-    downlink_mbps: float = 10.0
+    uplink_mbps: float = DEFAULT_UPLINK_MBPS
+    downlink_mbps: float = DEFAULT_DOWNLINK_MBPS
     client_state_dir: str = ""
     verbose: bool = False
     downstream: str = "none"
@@ -456,7 +412,7 @@ class AppConfig:
     target_delta: float = 1e-5
     max_epsilon: float = 0.0
     require_compression: bool = False
-    local_clip_norm: float = 0.0
+    local_clip_norm: float = TrainConfig.local_clip_norm
     optimizer: str = "sgd"
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
@@ -476,46 +432,48 @@ class AppConfig:
             valid name (:func:`check_known_keys`).
         """
         check_known_keys(cfg)
+        d = {f.name: f.default for f in fields(cls)}
         out = cls(
-            num_server_rounds=_num(cfg, "num-server-rounds", 50, lo=1, integer=True),
-            fraction_train=_num(cfg, "fraction-train", 1.0, lo=0.0, hi=1.0, lo_open=True),
-            min_train_nodes=_num(cfg, "min-train-nodes", 2, lo=1, integer=True),
-            min_available_nodes=_num(cfg, "min-available-nodes", 2, lo=1, integer=True),
-            strategy=_str(cfg, "strategy", "fedavg", ("fedavg", "fedadam", "fedavgm")),
-            server_momentum=_num(cfg, "server-momentum", 0.9, lo=0.0, hi=1.0, hi_open=True),
-            server_lr=_num(cfg, "server-lr", 0.1, lo=0.0, lo_open=True),
-            lr=_num(cfg, "lr", 0.1, lo=0.0, lo_open=True),
-            momentum=_num(cfg, "momentum", 0.9, lo=0.0, hi=1.0, hi_open=True),
-            local_epochs=_num(cfg, "local-epochs", 1, lo=1, integer=True),
-            batch_size=_num(cfg, "batch-size", 32, lo=1, integer=True),
-            accumulation_steps=_num(cfg, "accumulation-steps", 1, lo=1, integer=True),
-            seed=_num(cfg, "seed", 42, lo=0, hi=2**31 - 1, integer=True),
-            dataset=_str(cfg, "dataset", "digits"),
-            model=_str(cfg, "model", "cnn", ("cnn", "mlp", "resnet", "transformer")),
-            partitioner=_str(cfg, "partitioner", "dirichlet", ("iid", "dirichlet")),
-            dirichlet_alpha=_num(cfg, "dirichlet-alpha", 0.5, lo=0.0, lo_open=True),
-            results_dir=_str(cfg, "results-dir", ""),
-            round_timeout=_num(cfg, "round-timeout", 600.0, lo=0.0, lo_open=True),
-            resume=_bool(cfg, "resume", False),
-            client_sampling=_str(cfg, "client-sampling", "fraction", ("fraction", "poisson")),
-            uplink_mbps=_num(cfg, "uplink-mbps", 1.0, lo=0.0, lo_open=True),
-            downlink_mbps=_num(cfg, "downlink-mbps", 10.0, lo=0.0, lo_open=True),
-            client_state_dir=_str(cfg, "client-state-dir", ""),
-            verbose=_bool(cfg, "verbose", False),
-            downstream=_str(cfg, "downstream", "none", tuple(available_compressors())),
-            dp=_str(cfg, "dp", "none", DP_MODES),
-            clipping_norm=_num(cfg, "clipping-norm", 1.0, lo=0.0, lo_open=True),
-            noise_multiplier=_num(cfg, "noise-multiplier", 1.0, lo=0.0),
-            target_delta=_num(cfg, "target-delta", 1e-5, lo=0.0, hi=1.0, lo_open=True, hi_open=True),
-            max_epsilon=_num(cfg, "max-epsilon", 0.0, lo=0.0),
-            require_compression=_bool(cfg, "require-compression", False),
-            local_clip_norm=_num(cfg, "local-clip-norm", 0.0, lo=0.0),
-            optimizer=_str(cfg, "optimizer", "sgd", ("sgd", "adamw")),
-            adam_beta1=_num(cfg, "adam-beta1", 0.9, lo=0.0, hi=1.0, hi_open=True),
-            adam_beta2=_num(cfg, "adam-beta2", 0.999, lo=0.0, hi=1.0, hi_open=True),
-            weight_decay=_num(cfg, "weight-decay", 0.0, lo=0.0),
-            precision=_str(cfg, "precision", "fp32", ("fp32", "bf16")),
-            finetune=_str(cfg, "finetune", "full", ("full", "lora")),
+            num_server_rounds=_num(cfg, "num-server-rounds", d["num_server_rounds"], lo=1, integer=True),
+            fraction_train=_num(cfg, "fraction-train", d["fraction_train"], lo=0.0, hi=1.0, lo_open=True),
+            fraction_evaluate=_num(cfg, "fraction-evaluate", d["fraction_evaluate"], lo=0.0, hi=1.0),
+            min_train_nodes=_num(cfg, "min-train-nodes", d["min_train_nodes"], lo=1, integer=True),
+            min_available_nodes=_num(cfg, "min-available-nodes", d["min_available_nodes"], lo=1, integer=True),
+            strategy=_str(cfg, "strategy", d["strategy"], ("fedavg", "fedadam", "fedavgm")),
+            server_momentum=_num(cfg, "server-momentum", d["server_momentum"], lo=0.0, hi=1.0, hi_open=True),
+            server_lr=_num(cfg, "server-lr", d["server_lr"], lo=0.0, lo_open=True),
+            lr=_num(cfg, "lr", d["lr"], lo=0.0, lo_open=True),
+            momentum=_num(cfg, "momentum", d["momentum"], lo=0.0, hi=1.0, hi_open=True),
+            local_epochs=_num(cfg, "local-epochs", d["local_epochs"], lo=1, integer=True),
+            batch_size=_num(cfg, "batch-size", d["batch_size"], lo=1, integer=True),
+            accumulation_steps=_num(cfg, "accumulation-steps", d["accumulation_steps"], lo=1, integer=True),
+            seed=_num(cfg, "seed", d["seed"], lo=0, hi=2**31 - 1, integer=True),
+            dataset=_str(cfg, "dataset", d["dataset"]),
+            model=_str(cfg, "model", d["model"], ("cnn", "mlp", "resnet", "transformer")),
+            partitioner=_str(cfg, "partitioner", d["partitioner"], ("iid", "dirichlet")),
+            dirichlet_alpha=_num(cfg, "dirichlet-alpha", d["dirichlet_alpha"], lo=0.0, lo_open=True),
+            results_dir=_str(cfg, "results-dir", d["results_dir"]),
+            round_timeout=_num(cfg, "round-timeout", d["round_timeout"], lo=0.0, lo_open=True),
+            resume=_bool(cfg, "resume", d["resume"]),
+            client_sampling=_str(cfg, "client-sampling", d["client_sampling"], ("fraction", "poisson")),
+            uplink_mbps=_num(cfg, "uplink-mbps", d["uplink_mbps"], lo=0.0, lo_open=True),
+            downlink_mbps=_num(cfg, "downlink-mbps", d["downlink_mbps"], lo=0.0, lo_open=True),
+            client_state_dir=_str(cfg, "client-state-dir", d["client_state_dir"]),
+            verbose=_bool(cfg, "verbose", d["verbose"]),
+            downstream=_str(cfg, "downstream", d["downstream"], tuple(available_compressors())),
+            dp=_str(cfg, "dp", d["dp"], DP_MODES),
+            clipping_norm=_num(cfg, "clipping-norm", d["clipping_norm"], lo=0.0, lo_open=True),
+            noise_multiplier=_num(cfg, "noise-multiplier", d["noise_multiplier"], lo=0.0),
+            target_delta=_num(cfg, "target-delta", d["target_delta"], lo=0.0, hi=1.0, lo_open=True, hi_open=True),
+            max_epsilon=_num(cfg, "max-epsilon", d["max_epsilon"], lo=0.0),
+            require_compression=_bool(cfg, "require-compression", d["require_compression"]),
+            local_clip_norm=_num(cfg, "local-clip-norm", d["local_clip_norm"], lo=0.0),
+            optimizer=_str(cfg, "optimizer", d["optimizer"], ("sgd", "adamw")),
+            adam_beta1=_num(cfg, "adam-beta1", d["adam_beta1"], lo=0.0, hi=1.0, hi_open=True),
+            adam_beta2=_num(cfg, "adam-beta2", d["adam_beta2"], lo=0.0, hi=1.0, hi_open=True),
+            weight_decay=_num(cfg, "weight-decay", d["weight_decay"], lo=0.0),
+            precision=_str(cfg, "precision", d["precision"], ("fp32", "bf16")),
+            finetune=_str(cfg, "finetune", d["finetune"], ("full", "lora")),
             codec=CodecConfig.from_mapping(cfg),
         )
         if out.downstream in TENSOR_ONLY_CODECS:

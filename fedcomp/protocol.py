@@ -3,8 +3,10 @@
 A compressed train reply carries one ArrayRecord whose keys are the model's parameter
 names and whose Arrays hold fedcomp payloads as raw bytes:
 ``Array(dtype="bytes", shape=(len(payload),), stype=PAYLOAD_STYPE, data=payload)``, so
-``len(Array.data)`` is exactly the payload size in bytes.
+``len(Array.data)`` is exactly the payload size in bytes (:func:`payload_array`).
 """
+
+from flwr.app import Array
 
 #: ``Array.stype`` of a fedcomp payload.
 PAYLOAD_STYPE = "fedcomp.payload.v1"
@@ -12,14 +14,16 @@ PAYLOAD_STYPE = "fedcomp.payload.v1"
 PAYLOAD_DTYPE = "bytes"
 #: Key in ``context.state`` of the error-feedback residuals (an ArrayRecord, one per parameter).
 RESIDUAL_STATE_KEY = "fedcomp.residual"
-#: Key in ``context.state`` of the per-node bookkeeping (a MetricRecord).
-NODE_STATE_KEY = "fedcomp.node"
 #: ArrayRecord key of a whole-model payload (selection scope "model"): the update of every
 #: parameter, flattened in the global model's key order and concatenated.
 MODEL_KEY = "fedcomp.model"
 #: Keys in ``context.state`` of the client's model copy (downstream compression) and its version.
-MODEL_STATE_KEY = "fedcomp.model"
+MODEL_STATE_KEY = "fedcomp.model-copy"
 MODEL_META_KEY = "fedcomp.model-version"
+#: Link speeds (megabits per second) of a node that declares none (node config ``uplink-mbps`` /
+#: ``downlink-mbps``): a slow uplink, a faster downlink, as on most access links.
+DEFAULT_UPLINK_MBPS = 1.0
+DEFAULT_DOWNLINK_MBPS = 10.0
 #: Train-config keys of downstream compression: the model version a client will hold after this
 #: message, and (payload messages only) the version the payload applies to.
 MODEL_VERSION = "fedcomp-model-version"
@@ -49,3 +53,7 @@ SECAGG_ROTATION_KEY = "fedcomp-secagg-rotation"
 SECAGG_PACK_KEY = "fedcomp-secagg-pack"
 #: Client-level DP under SecAgg+: the L2 bound every client clips its k selected values to.
 SECAGG_DP_CLIP_KEY = "fedcomp-secagg-dp-clip"
+
+def payload_array(payload: bytes) -> Array:
+    """A fedcomp payload as a Flower ``Array``: raw bytes, ``len(Array.data) == len(payload)``."""
+    return Array(dtype=PAYLOAD_DTYPE, shape=(len(payload),), stype=PAYLOAD_STYPE, data=payload)

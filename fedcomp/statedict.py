@@ -392,6 +392,11 @@ class FlatModel:
         values, dtypes = numpy_dict(record)
         return cls(values, dtypes)
 
+    @classmethod
+    def from_numpy(cls, values: Mapping[str, np.ndarray]) -> FlatModel:
+        """From numpy arrays, each tensor's dtype its array's (no bf16: numpy has none)."""
+        return cls(values, {k: str(np.asarray(v).dtype) for k, v in values.items()})
+
     def float_view(self, key: str) -> np.ndarray:
         """The values of float tensor ``key`` (:attr:`flat`'s dtype), shaped (a view into :attr:`flat`)."""
         o = self.offsets[key]

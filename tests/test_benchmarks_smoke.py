@@ -7,9 +7,12 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_codecs_benchmark_runs(tmp_path):
     out = tmp_path / "codecs.json"
     subprocess.run([sys.executable, str(REPO / "benchmarks" / "codecs.py"), "--sizes", "20000", "--repeats", "1",
@@ -30,6 +33,7 @@ def _references() -> dict:
             } | {"figure": (REPO / "docs" / "accuracy_vs_bytes.png").read_bytes()}
 
 
+@pytest.mark.slow
 def test_federated_benchmark_quick_runs(tmp_path):
     """--quick writes its JSON and figure to the temporary folder, never over the references."""
     before = _references()
@@ -47,6 +51,7 @@ def test_federated_benchmark_quick_runs(tmp_path):
     assert out.with_suffix(".png").stat().st_size > 10_000
 
 
+@pytest.mark.slow
 def test_plot_only_prints_the_table_and_draws_the_figure(tmp_path):
     ref = tmp_path / "federated.json"
     ref.write_bytes((REPO / "benchmarks" / "results" / "federated.json").read_bytes())
@@ -68,6 +73,7 @@ def test_quick_outputs_never_name_a_reference():
     assert shown(RESULTS / "codecs.json") == "benchmarks/results/codecs.json"  # no machine path in README output
 
 
+@pytest.mark.slow
 def test_scale_benchmark_smoke_runs(tmp_path):
     out = tmp_path / "scale.json"
     subprocess.run([sys.executable, str(REPO / "benchmarks" / "scale.py"), "--smoke", "--codecs", "stc,sign",
@@ -79,3 +85,16 @@ def test_scale_benchmark_smoke_runs(tmp_path):
         assert rows[(c, 12, "dense")]["peak_growth_x_model"] > rows[(c, 12, "streaming")]["peak_growth_x_model"]
     assert {r["codec"] for r in res["client"]} == {"stc", "sign"}
     assert all(r["seconds"] > 0 and r["codec_seconds"] > 0 for r in res["client"])
+
+
+def test_secagg_benchmark_quick_runs(tmp_path):
+    out = tmp_path / "secagg.json"
+    subprocess.run([sys.executable, str(REPO / "benchmarks" / "secagg.py"), "--quick", "--skip-dense", "--out", str(out)],
+                   check=True, capture_output=True, timeout=600)
+    rows = {r["label"]: r for r in json.loads(out.read_text())["rows"]}
+    assert len(rows) == 4
+    k = round(0.0625 * 38282)  # 4 clients: modulus 2**19 (4 * 2**16 + 1 > 2**18), 15-byte headers, weight entry
+    packed = rows["SecAgg+ randomk d=0.0625, packed"]
+    assert packed["modulus-bits"] == 19
+    assert packed["bits-per-parameter"] == 8 * (15 + (k * 19 + 7) // 8 + 15 + 3) / 38282
+    assert rows["SecAgg+ randomk d=0.0625, int64"]["bits-per-parameter"] > 4.0

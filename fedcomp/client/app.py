@@ -7,10 +7,6 @@ of it handles only Flower SecAgg+ messages (run config ``secagg = true``, see ``
 
 from __future__ import annotations
 
-import json
-import os
-import pathlib
-
 import torch
 from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
@@ -21,13 +17,12 @@ from ..datafiles import DATA_FILE_KEY, load_partition_file
 from ..device import CLIENT_INFO_KEY, client_info
 from ..lora import LoraSettings, load_weights, lora_model, weights_record
 from ..models import build_model
+from ..privacy import DPSGDConfig, projected_epsilon
 from ..protocol import server_round
 from ..secagg.client import secagg_mod
-from .mod import _state_file, compression_mod
-from .training import TrainConfig, evaluate, pick_device, train
-
-#: Key in ``context.state`` of the DP-SGD accountant's history (a MetricRecord of float lists).
-DP_ACCOUNTANT_KEY = "fedcomp.dp-accountant"
+from ..training import TrainConfig, evaluate, pick_device, train
+from .mod import compression_mod
+from .state import accountant_of, keep_accountant, state_files
 
 app = ClientApp(mods=[secagg_mod, compression_mod])  # secagg_mod: only Flower SecAgg+ messages (secagg = true)
 
@@ -56,34 +51,6 @@ def _setup(context: Context):
     return cfg, device, data, model, pid
 
 
-def _accountant_file(context: Context) -> pathlib.Path | None:
-    """``<state dir>/accountant-<partition>.json`` next to the residual file, if a state dir is set."""
-    residual = _state_file(context)
-    return None if residual is None else residual.with_name(residual.name.replace("residual-", "accountant-")
-                                                                          .replace(".npz", ".json"))
-
-
-def _load_accountant(path: pathlib.Path) -> dict:
-    """A persisted DP-SGD accountant history; an unreadable one stops training (epsilon must never
-    silently restart from zero).
-
-    Raises
-    ------
-    ValueError
-        The file is not a JSON object of equal-length number lists.
-    """
-    try:
-        state = json.loads(path.read_text())
-        lists = [state[k] for k in ("noise-multiplier", "sample-rate", "steps")]
-        ok = all(isinstance(v, list) and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v)
-                 for v in lists) and len({len(v) for v in lists}) == 1
-    except (OSError, ValueError, TypeError, KeyError) as exc:
-        raise ValueError(f"privacy accountant file {path} is unreadable ({exc}); refusing to train") from None
-    if not ok:
-        raise ValueError(f"privacy accountant file {path} is malformed; refusing to train")
-    return state
-
-
 @app.train()
 def train_handler(msg: Message, context: Context) -> Message:
     """Load the global weights, train ``local-epochs`` on the local partition, return weights.
@@ -106,24 +73,17 @@ def train_handler(msg: Message, context: Context) -> Message:
     extra = {}
     if cfg.dp == "dp-sgd":
         # imported here: Opacus calls logging.basicConfig at import (every log line would print twice)
-        from .dp_sgd import DPSGDConfig, projected_epsilon, train_dp_sgd
+        from .dp_sgd import train_dp_sgd
 
         # One accountant per client for the whole run: its history lives in context.state.
         dp_cfg = DPSGDConfig.from_mapping(context.run_config)
-        acc_file = _accountant_file(context)
-        prev = dict(context.state[DP_ACCOUNTANT_KEY]) if DP_ACCOUNTANT_KEY in context.state else None
-        if prev is None and acc_file is not None and acc_file.exists():
-            prev = _load_accountant(acc_file)
+        files = state_files(context)
+        prev = accountant_of(context, files)
         if cfg.max_epsilon and projected_epsilon(dp_cfg, tcfg, len(data), prev) > cfg.max_epsilon:
             raise ValueError(f"privacy budget: this round would raise this client's epsilon past max-epsilon "
                              f"{cfg.max_epsilon}; the client does not train")
         loss, n, eps, state = train_dp_sgd(model, data, tcfg, dp_cfg, device, seed=seed, accountant_state=prev)
-        context.state[DP_ACCOUNTANT_KEY] = MetricRecord(state)
-        if acc_file is not None:
-            acc_file.parent.mkdir(parents=True, exist_ok=True)
-            tmp = acc_file.with_name(acc_file.name + ".tmp")
-            tmp.write_text(json.dumps(state))
-            os.replace(tmp, acc_file)
+        keep_accountant(context, files, state)
         extra["epsilon"] = float(eps)
         extra["epsilon-next"] = float(projected_epsilon(dp_cfg, tcfg, len(data), state))
     else:

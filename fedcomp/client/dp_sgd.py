@@ -11,10 +11,10 @@ is per sample, so this changes memory use, not the result.
 
 The privacy loss of the whole run is tracked by one accountant per client whose history
 ``[(noise_multiplier, sample_rate, steps), ...]`` is carried between rounds as plain lists
-(:func:`accountant_state` / :func:`restore_accountant`), so epsilon keeps growing over the
-rounds instead of restarting at every round. "rdp" is the Renyi-DP accountant (Mironov 2017,
-"Renyi Differential Privacy", CSF; subsampled Gaussian bound of Mironov, Talwar & Zhang 2019);
-"prv" is the numerical PRV accountant (Gopi, Lee & Wutschitz 2021). Both are Opacus 1.6's.
+(:func:`fedcomp.privacy.accountant_state` / :func:`fedcomp.privacy.restore_accountant`), so
+epsilon keeps growing over the rounds instead of restarting at every round. The settings
+(:class:`fedcomp.privacy.DPSGDConfig`), the accounting and the noise calibration live in
+:mod:`fedcomp.privacy`; this module holds the Opacus training only.
 
 This module knows nothing about Flower. The guarantee is per example of this client's
 partition (sample-level DP), with respect to everything the client sends afterwards
@@ -25,23 +25,18 @@ always uses, and a PRNG that is not adversarially predictable (see ``secure-rng`
 from __future__ import annotations
 
 import copy
-import math
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any, NamedTuple
 
-import numpy as np
 import torch
 
 from .._opacus import import_opacus
 
 import_opacus()  # before any `from opacus ...`: keeps Opacus' logging.basicConfig from doubling every log line
 from opacus import PrivacyEngine
-from opacus.accountants import IAccountant, RDPAccountant, create_accountant
-from opacus.accountants.analysis import rdp as rdp_analysis
-from opacus.accountants.utils import get_noise_multiplier
+from opacus.accountants import IAccountant
 from opacus.data_loader import wrap_collate_with_empty
 from opacus.grad_sample import AbstractGradSampleModule
 from opacus.grad_sample.gsm_base import OPACUS_PARAM_MONKEYPATCH_ATTRS
@@ -52,383 +47,17 @@ from opacus.validators import ModuleValidator
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, default_collate
 
-from ..privacy import epsilon_from_rdp
-from .training import TrainConfig
-
-#: Accountants this module accepts (run config ``accountant``).
-ACCOUNTANTS = ("rdp", "prv")
-#: Keys of the plain-data accountant state: parallel lists of floats, one entry per
-#: (noise multiplier, sample rate) segment of the history.
-STATE_KEYS = ("noise-multiplier", "sample-rate", "steps")
-
-_DEFAULTS: dict[str, Any] = {
-    "noise-multiplier": 1.0,
-    "max-grad-norm": 1.0,
-    "target-delta": 1e-5,
-    "accountant": "rdp",
-    "secure-rng": False,
-    "num-server-rounds": 50,
-}
-
-
-# ---------------------------------------------------------------------------------------------
-# Configuration
-# ---------------------------------------------------------------------------------------------
-
-def _number(cfg: Mapping[str, Any], key: str, default: Any) -> float:
-    value = cfg.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
-        raise ValueError(f"run config '{key}' must be a number, got {value!r}")
-    return float(value)
-
-
-def _secure_rng_available() -> bool:
-    try:
-        import torchcsprng  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-@dataclass(frozen=True)
-class DPSGDConfig:
-    """DP-SGD parameters (run config keys in brackets); validated on construction.
-
-    Attributes
-    ----------
-    noise_multiplier : float
-        sigma [``noise-multiplier``], >= 0: the Gaussian noise added to each summed logical
-        batch gradient has standard deviation ``sigma * max_grad_norm``. 0 means no privacy
-        (epsilon is reported as ``inf``). Default 1.0, a common starting point (Opacus
-        examples) that keeps accuracy within a few points on small CNNs. Ignored when
-        ``target_epsilon`` is set.
-    max_grad_norm : float
-        C [``max-grad-norm``], > 0: L2 bound each per-sample gradient is clipped to (flat
-        clipping over all parameters). Default 1.0 (Abadi et al. 2016 use 4; smaller C clips
-        more and needs less absolute noise).
-    target_delta : float
-        delta [``target-delta``], in (0, 1): the delta at which epsilon is reported. Default
-        1e-5; it should be well below ``1 / N`` (N = local examples).
-    target_epsilon : float or None
-        [``target-epsilon``], > 0, optional. When set, sigma is calibrated once so that the
-        whole planned run (``planned_rounds`` rounds x ``local_epochs`` x steps per epoch,
-        assuming the client trains in every round) ends at this epsilon; ``noise_multiplier``
-        is then ignored. A client that trains in fewer rounds ends below it; one that trains
-        in more rounds ends above it (the reported epsilon says so).
-    planned_rounds : int
-        Rounds the calibration plans for [``num-server-rounds``], >= 1. Default 50, as the
-        app config's default.
-    accountant : {"rdp", "prv"}
-        [``accountant``]. "rdp" (default): Renyi DP (Mironov 2017), fast and slightly loose.
-        "prv": numerical composition of privacy loss random variables (Gopi et al. 2021),
-        tighter (smaller epsilon for the same noise) but ~0.1-1 s per epsilon query.
-    secure_rng : bool
-        [``secure-rng``]. True would draw noise and Poisson samples from a cryptographically
-        secure generator (Opacus ``secure_mode``, which needs the ``torchcsprng`` package).
-        Default False: seeded ``torch.Generator`` draws, reproducible and fine for
-        experiments, but not a guarantee against an adversary who can predict the PRNG.
-
-    Raises
-    ------
-    ValueError
-        Naming the run-config key: delta outside (0, 1), max-grad-norm <= 0, noise-multiplier
-        < 0, target-epsilon <= 0 or below what any amount of noise reaches at this delta, an
-        unknown accountant, num-server-rounds < 1, or secure-rng = true where torchcsprng is
-        not installed.
-    """
-
-    noise_multiplier: float = 1.0
-    max_grad_norm: float = 1.0
-    target_delta: float = 1e-5
-    target_epsilon: float | None = None
-    planned_rounds: int = 50
-    accountant: str = "rdp"
-    secure_rng: bool = False
-
-    def __post_init__(self) -> None:
-        if not self.noise_multiplier >= 0 or math.isinf(self.noise_multiplier):
-            raise ValueError(f"run config 'noise-multiplier' must be a finite number >= 0, got {self.noise_multiplier!r}")
-        if not self.max_grad_norm > 0 or math.isinf(self.max_grad_norm):
-            raise ValueError(f"run config 'max-grad-norm' must be in (0, inf), got {self.max_grad_norm!r}")
-        if not 0.0 < self.target_delta < 1.0:
-            raise ValueError(f"run config 'target-delta' must be in (0, 1), got {self.target_delta!r}")
-        if self.accountant not in ACCOUNTANTS:
-            raise ValueError(f"run config 'accountant' must be one of {list(ACCOUNTANTS)}, got {self.accountant!r}")
-        if isinstance(self.planned_rounds, bool) or not isinstance(self.planned_rounds, int) or self.planned_rounds < 1:
-            raise ValueError(f"run config 'num-server-rounds' must be an integer >= 1, got {self.planned_rounds!r}")
-        if not isinstance(self.secure_rng, bool):
-            raise ValueError(f"run config 'secure-rng' must be true or false, got {self.secure_rng!r}")
-        if self.secure_rng and not _secure_rng_available():
-            raise ValueError(
-                "run config 'secure-rng' = true needs Opacus' secure mode, which draws noise and "
-                "Poisson samples from torchcsprng's cryptographically secure generator; the "
-                "torchcsprng package is not installed here (it has no build for this PyTorch). "
-                "Set secure-rng = false (seeded torch.Generator: fine for experiments, not for a "
-                "production guarantee) or install torchcsprng on every client."
-            )
-        if self.target_epsilon is not None:
-            if not self.target_epsilon > 0 or math.isinf(self.target_epsilon):
-                raise ValueError(f"run config 'target-epsilon' must be in (0, inf), got {self.target_epsilon!r}")
-            # The smallest epsilon any noise reaches is set by delta and the accountant, not
-            # by the sample rate or the number of steps (the privacy loss of the mechanism
-            # vanishes as sigma grows; what remains is the conversion to (epsilon, delta)).
-            # One fully-sampled step is therefore a representative feasibility check.
-            calibrate_noise_multiplier(
-                target_epsilon=self.target_epsilon, target_delta=self.target_delta,
-                sample_rate=1.0, steps=1, accountant=self.accountant,
-            )
-
-    @classmethod
-    def from_mapping(cls, cfg: Mapping[str, Any]) -> DPSGDConfig:
-        """Parse and validate the DP-SGD keys of a run config (``context.run_config``).
-
-        Reads ``noise-multiplier``, ``max-grad-norm``, ``target-delta``, ``target-epsilon``
-        (absent = no calibration), ``accountant``, ``secure-rng`` and, with
-        ``target-epsilon``, ``num-server-rounds``. Other keys are ignored.
-
-        Raises
-        ------
-        ValueError
-            A key with a wrong type or out of range (see the class docstring).
-        """
-        secure = cfg.get("secure-rng", _DEFAULTS["secure-rng"])
-        if not isinstance(secure, bool):
-            raise ValueError(f"run config 'secure-rng' must be true or false, got {secure!r}")
-        accountant = cfg.get("accountant", _DEFAULTS["accountant"])
-        if not isinstance(accountant, str):
-            raise ValueError(f"run config 'accountant' must be a string, got {accountant!r}")
-        target = cfg.get("target-epsilon")
-        if target == 0:  # the app's run config uses 0 for "not set" (every key needs a default)
-            target = None
-        rounds = cfg.get("num-server-rounds", _DEFAULTS["num-server-rounds"])
-        if isinstance(rounds, float) and rounds.is_integer():
-            rounds = int(rounds)
-        return cls(
-            noise_multiplier=_number(cfg, "noise-multiplier", _DEFAULTS["noise-multiplier"]),
-            max_grad_norm=_number(cfg, "max-grad-norm", _DEFAULTS["max-grad-norm"]),
-            target_delta=_number(cfg, "target-delta", _DEFAULTS["target-delta"]),
-            target_epsilon=None if target is None else _number(cfg, "target-epsilon", None),
-            planned_rounds=rounds,
-            accountant=accountant,
-            secure_rng=secure,
-        )
-
-
-# ---------------------------------------------------------------------------------------------
-# Sampling arithmetic and noise calibration
-# ---------------------------------------------------------------------------------------------
-
-def logical_batch_size(train_cfg: TrainConfig) -> int:
-    """Logical (expected) batch size ``batch_size * accumulation_steps``, in samples."""
-    return int(train_cfg.batch_size) * int(train_cfg.accumulation_steps)
-
-
-def sample_rate(num_examples: int, logical_batch: int) -> float:
-    """Poisson sampling probability ``q = min(1, logical_batch / num_examples)``.
-
-    Raises
-    ------
-    ValueError
-        ``num_examples < 1`` or ``logical_batch < 1``.
-    """
-    if num_examples < 1 or logical_batch < 1:
-        raise ValueError(f"need num_examples >= 1 and logical_batch >= 1, got {num_examples}, {logical_batch}")
-    return min(1.0, logical_batch / num_examples)
-
-
-def steps_per_epoch(num_examples: int, logical_batch: int) -> int:
-    """Optimizer steps per local epoch, ``ceil(num_examples / logical_batch)`` (>= 1).
-
-    The same number of steps as the plain loop's ``len(DataLoader)``, so one epoch visits
-    ``num_examples`` samples in expectation when ``logical_batch`` divides it.
-    """
-    sample_rate(num_examples, logical_batch)  # validates
-    return max(1, math.ceil(num_examples / logical_batch))
-
-
-@lru_cache(maxsize=64)
-def calibrate_noise_multiplier(
-    *, target_epsilon: float, target_delta: float, sample_rate: float, steps: int, accountant: str = "rdp"
-) -> float:
-    """Smallest noise multiplier (up to the search tolerance) whose epsilon after ``steps``
-    Poisson-subsampled Gaussian steps at rate ``sample_rate`` is at most ``target_epsilon``.
-
-    Bisection over sigma with Opacus' ``get_noise_multiplier``; the tolerance is 0.5 % of
-    the target, so the returned sigma spends between 99.5 % and 100 % of the budget.
-    Results are cached (the inputs are the same every round).
-
-    Parameters
-    ----------
-    target_epsilon : float
-        Budget, > 0.
-    target_delta : float
-        In (0, 1).
-    sample_rate : float
-        q in (0, 1].
-    steps : int
-        Planned optimizer steps of the whole run, >= 1.
-    accountant : {"rdp", "prv"}
-
-    Returns
-    -------
-    float
-        sigma (dimensionless: noise std / max_grad_norm).
-
-    Raises
-    ------
-    ValueError
-        Naming ``target-epsilon`` when no sigma up to 1e6 reaches the target (for "rdp" at
-        delta = 1e-5, targets below ~0.12 are out of reach whatever the noise).
-    """
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)  # PRV's log(0) branches
-            warnings.filterwarnings("ignore", message="Optimal order is the largest alpha")  # probes
-            return float(get_noise_multiplier(
-                target_epsilon=target_epsilon, target_delta=target_delta, sample_rate=sample_rate,
-                steps=steps, accountant=accountant, epsilon_tolerance=0.005 * target_epsilon,
-            ))
-    except ValueError as exc:
-        raise ValueError(
-            f"run config 'target-epsilon' = {target_epsilon} is not reachable at target-delta = "
-            f"{target_delta} with the {accountant!r} accountant (no noise multiplier up to 1e6 "
-            f"gets there: {exc}); raise target-epsilon or target-delta"
-        ) from None
-
-
-def planned_steps(dp_cfg: DPSGDConfig, train_cfg: TrainConfig, num_examples: int) -> int:
-    """Optimizer steps of the whole planned run on this client:
-    ``planned_rounds * local_epochs * steps_per_epoch``."""
-    per_epoch = steps_per_epoch(num_examples, logical_batch_size(train_cfg))
-    return dp_cfg.planned_rounds * int(train_cfg.local_epochs) * per_epoch
-
-
-def resolve_noise_multiplier(dp_cfg: DPSGDConfig, train_cfg: TrainConfig, num_examples: int) -> float:
-    """The sigma this client uses: ``dp_cfg.noise_multiplier``, or with ``target_epsilon``
-    the calibrated one for :func:`planned_steps` at this client's sample rate.
-
-    Raises
-    ------
-    ValueError
-        Unreachable target epsilon (naming ``target-epsilon``).
-    """
-    if dp_cfg.target_epsilon is None:
-        return float(dp_cfg.noise_multiplier)
-    q = sample_rate(num_examples, logical_batch_size(train_cfg))
-    return calibrate_noise_multiplier(
-        target_epsilon=float(dp_cfg.target_epsilon), target_delta=float(dp_cfg.target_delta),
-        sample_rate=q, steps=planned_steps(dp_cfg, train_cfg, num_examples), accountant=dp_cfg.accountant,
-    )
-
-
-# ---------------------------------------------------------------------------------------------
-# Accountant state (plain data, survives between rounds)
-# ---------------------------------------------------------------------------------------------
-
-def new_accountant(kind: str = "rdp") -> IAccountant:
-    """An empty Opacus accountant, ``kind`` in :data:`ACCOUNTANTS`.
-
-    Raises
-    ------
-    ValueError
-        Unknown kind (naming ``accountant``).
-    """
-    if kind not in ACCOUNTANTS:
-        raise ValueError(f"run config 'accountant' must be one of {list(ACCOUNTANTS)}, got {kind!r}")
-    return create_accountant(mechanism=kind)
-
-
-def accountant_state(accountant: IAccountant) -> dict[str, list[float]]:
-    """The accountant's history as parallel lists of Python floats.
-
-    Returns
-    -------
-    dict
-        ``{"noise-multiplier": [sigma_i], "sample-rate": [q_i], "steps": [T_i]}``, one entry
-        per segment of consecutive steps with the same (sigma, q); ``T_i`` are whole numbers
-        stored as floats. Valid as a Flower ``MetricRecord``; empty lists for no steps.
-        The same format serves "rdp" and "prv" (both keep this history).
-    """
-    sigmas, rates, steps = [], [], []
-    for sigma, q, t in accountant.history:
-        sigmas.append(float(sigma))
-        rates.append(float(q))
-        steps.append(float(t))
-    return {"noise-multiplier": sigmas, "sample-rate": rates, "steps": steps}
-
-
-#: Alias used where a parameter named ``accountant_state`` shadows the function.
-accountant_state_of = accountant_state
-
-
-def restore_accountant(kind: str, state: Mapping[str, Any] | None) -> IAccountant:
-    """An accountant of ``kind`` whose history is ``state`` (from :func:`accountant_state`).
-
-    Parameters
-    ----------
-    kind : {"rdp", "prv"}
-    state : mapping or None
-        None or an empty mapping gives an empty accountant (first round).
-
-    Raises
-    ------
-    ValueError
-        Missing keys, lists of different lengths, sigma < 0, q outside (0, 1], or steps that
-        are not whole numbers >= 1.
-    """
-    acc = new_accountant(kind)
-    if not state:
-        return acc
-    missing = [k for k in STATE_KEYS if k not in state]
-    if missing:
-        raise ValueError(f"accountant state lacks {missing}; expected keys {list(STATE_KEYS)}")
-    sigmas, rates, steps = (list(state[k]) for k in STATE_KEYS)
-    if not len(sigmas) == len(rates) == len(steps):
-        raise ValueError(f"accountant state lists differ in length: {len(sigmas)}, {len(rates)}, {len(steps)}")
-    history = []
-    for sigma, q, t in zip(sigmas, rates, steps):
-        sigma, q, t = float(sigma), float(q), float(t)
-        if not sigma >= 0 or not 0 < q <= 1 or not t >= 1 or not t.is_integer():
-            raise ValueError(f"invalid accountant state entry (noise-multiplier={sigma}, sample-rate={q}, steps={t})")
-        history.append((sigma, q, int(t)))
-    acc.history = history
-    return acc
-
-
-def epsilon_spent(accountant: IAccountant, delta: float) -> float:
-    """Epsilon of everything the accountant recorded, at ``delta``.
-
-    0.0 for an empty history; ``float('inf')`` ("no privacy") as soon as any step used
-    noise multiplier 0; otherwise the accountant's bound (RDP: Mironov 2017 with Opacus'
-    conversion; PRV: the upper bound of Gopi et al. 2021), floored at 0 as explained in
-    :func:`fedcomp.privacy.epsilon_from_rdp` (finite, >= 0, non-decreasing over rounds).
-    """
-    if not accountant.history:
-        return 0.0
-    if any(sigma == 0 for sigma, _, _ in accountant.history):
-        return float("inf")
-    if accountant.mechanism() == "rdp":
-        # Same arithmetic as RDPAccountant.get_epsilon, with the per-step RDP curve cached:
-        # it depends only on (q, sigma), which stay fixed over a run, and costs ~0.3 s.
-        rdp = sum(t * _rdp_one_step(q, sigma) for sigma, q, t in accountant.history)
-        return epsilon_from_rdp(RDPAccountant.DEFAULT_ALPHAS, rdp, delta)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        # PRV's numerical bound also dips below 0 at large delta; (eps < 0, delta) implies (0, delta)
-        return max(0.0, float(accountant.get_epsilon(delta=delta)))
-
-
-@lru_cache(maxsize=256)
-def _rdp_one_step(sample_rate: float, noise_multiplier: float) -> np.ndarray:
-    """RDP of one Poisson-subsampled Gaussian step at each of Opacus' default orders
-    (Mironov, Talwar & Zhang 2019), shape ``(len(RDPAccountant.DEFAULT_ALPHAS),)``."""
-    rdp = rdp_analysis.compute_rdp(
-        q=sample_rate, noise_multiplier=noise_multiplier, steps=1, orders=RDPAccountant.DEFAULT_ALPHAS
-    )
-    rdp = np.asarray(rdp, dtype=np.float64)
-    rdp.flags.writeable = False
-    return rdp
-
+from ..privacy import (
+    DPSGDConfig,
+    accounting,
+    epsilon_spent,
+    logical_batch_size,
+    resolve_noise_multiplier,
+    restore_accountant,
+    sample_rate,
+    steps_per_epoch,
+)
+from ..training import TrainConfig
 
 # ---------------------------------------------------------------------------------------------
 # Making a model private
@@ -769,22 +398,4 @@ def train_dp_sgd(
         )
     _copy_back(trained, _plain_module(model))
     eps = epsilon_spent(private.accountant, dp_cfg.target_delta)
-    return DPTrainResult(float(loss), len(dataset), eps, accountant_state_of(private.accountant))
-
-
-def projected_epsilon(dp_cfg: DPSGDConfig, train_cfg: TrainConfig, num_examples: int,
-                      accountant_state: Mapping[str, Any] | None) -> float:
-    """Epsilon this client would have after one more round (at ``target_delta``), without training.
-
-    Adds this round's steps (``local_epochs * steps_per_epoch`` at this client's sample rate and
-    noise multiplier) to a copy of the restored accountant; used to refuse a round that would
-    exceed a privacy budget before any data is touched.
-    """
-    acc = restore_accountant(dp_cfg.accountant, accountant_state)
-    sigma = resolve_noise_multiplier(dp_cfg, train_cfg, num_examples)
-    q = sample_rate(num_examples, logical_batch_size(train_cfg))
-    steps = int(train_cfg.local_epochs) * steps_per_epoch(num_examples, logical_batch_size(train_cfg))
-    if sigma == 0:
-        return math.inf
-    acc.history.append((sigma, q, steps))
-    return epsilon_spent(acc, dp_cfg.target_delta)
+    return DPTrainResult(float(loss), len(dataset), eps, accounting.accountant_state(private.accountant))

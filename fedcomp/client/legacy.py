@@ -20,7 +20,7 @@ from flwr.client import NumPyClient
 
 from ..config import CODEC_DEFAULTS, CodecConfig
 from ..protocol import RESIDUAL_STATE_KEY
-from .mod import CompositionError, compress_update
+from .update import CompositionError, compress_update
 
 #: ``context.state`` key of the residuals kept by :class:`CompressedNumPyClient` (per array index).
 LEGACY_RESIDUAL_STATE_KEY = RESIDUAL_STATE_KEY + ".legacy"

@@ -17,8 +17,17 @@ import torch
 from flwr.common.logger import log
 
 from ..broadcast import is_batchnorm_stat  # noqa: F401 (re-exported)
-from ..compression import EF21, ErrorFeedback, decompress, decompress_sparse, encode_exact, flatten_states, unflatten_states
+from ..compression import (
+    EF21,
+    ErrorFeedback,
+    decompress,
+    decompress_sparse,
+    encode_exact,
+    flatten_states,
+    unflatten_states,
+)
 from ..config import SPARSE_CODECS, CodecConfig
+from ..model_policy import batchnorm_affine_keys
 from ..privacy import LocalDP, clip_and_noise_, secure_generator
 from ..protocol import MODEL_KEY
 from ..statedict import exact_cast, is_float_dtype
@@ -36,12 +45,16 @@ def plan_units(shapes: dict[str, tuple[int, ...]], codec: CodecConfig) -> list[t
     else ``small-tensor-compressor`` if it has fewer than ``min-compress-numel`` elements;
     else the default ``compressor``. BatchNorm statistics (:func:`is_batchnorm_stat`) go to
     ``small-tensor-compressor`` while ``batchnorm-stats = "small"`` (a lossy codec can make a
-    running variance negative). Default-codec parameters share one payload under
+    running variance negative), and so do BatchNorm's affine parameters with a sparse codec
+    (stc, topk, randomk) while ``batchnorm-affine = "small"``
+    (:func:`fedcomp.model_policy.batchnorm_affine_keys`). Default-codec parameters share one payload under
     ``MODEL_KEY`` (their updates flattened and concatenated in model order) when the scope is
     "model"; every other parameter gets its own payload under its own name. Pass float tensors
     only: integer and bool tensors never join a codec's payload.
     """
     rules = codec.rules
+    sparse = codec.compressor in SPARSE_CODECS
+    affine = set(batchnorm_affine_keys(shapes)) if codec.batchnorm_affine == "small" and sparse else set()
     default: list[str] = []
     units: list[tuple[str, list[str], str]] = []
     for key, shape in shapes.items():
@@ -49,7 +62,8 @@ def plan_units(shapes: dict[str, tuple[int, ...]], codec: CodecConfig) -> list[t
         n = int(np.prod(shape)) if shape else 1
         if rule is not None:
             units.append((key, [key], rule))
-        elif n < codec.min_compress_numel or (codec.batchnorm_stats == "small" and is_batchnorm_stat(key)):
+        elif (n < codec.min_compress_numel or (codec.batchnorm_stats == "small" and is_batchnorm_stat(key))
+              or key in affine):
             units.append((key, [key], codec.small_tensor_compressor))
         elif codec.scope == "model":
             default.append(key)

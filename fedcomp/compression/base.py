@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import ClassVar
 
 import numpy as np
 import torch
 
+from ..validate import check_number
 from .errors import PayloadError
 from .exact import EXACT_CODEC_ID, EXACT_NAME
 from .wire import DEFAULT_MAX_NUMEL, DTYPE_CODES, Header, pack_header, parse_header
@@ -79,6 +79,11 @@ class Compressor:
 
     name: ClassVar[str] = ""
     codec_id: ClassVar[int] = -1
+    #: Constructor parameter -> the run-config key it is read from (``fedcomp.config.CodecConfig``
+    #: builds a codec from these alone, so a new codec declares its keys here and nowhere else).
+    config_keys: ClassVar[dict[str, str]] = {}
+    #: Whether the constructor takes ``seed`` (stochastic codecs; the client passes a per-round seed).
+    seeded: ClassVar[bool] = False
 
     def compress(self, x: torch.Tensor) -> bytes:
         """Compress a tensor into a self-describing payload.
@@ -324,15 +329,6 @@ def compression_error(x: torch.Tensor, x_hat: torch.Tensor) -> float:
 
 
 def check_range(name: str, value, lo, hi, *, lo_open: bool = False, integer: bool = False) -> None:
-    """Validate a codec parameter; raise ``ValueError`` naming it and its allowed range."""
-    if integer and (isinstance(value, bool) or not isinstance(value, (int, np.integer))):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
-    if not integer and (isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer))):
-        raise ValueError(f"{name} must be a number, got {value!r}")
-    ok_lo = value > lo if lo_open else value >= lo
-    if not (ok_lo and value <= hi) or value != value:
-        lb = "(" if lo_open else "["
-        raise ValueError(f"{name} must be in {lb}{lo}, {hi}], got {value!r}")
-
-
-Decoder = Callable[[Header, memoryview], np.ndarray]
+    """Validate a codec parameter (:func:`fedcomp.validate.check_number`: an ``int`` where
+    ``integer``, finite, in ``[lo, hi]`` or ``(lo, hi]``); raise ``ValueError`` naming it and its range."""
+    check_number(value, name, lo=lo, hi=hi, lo_open=lo_open, integer=integer, exact_type=True)

@@ -1,4 +1,5 @@
-"""Vectorised bit packing with numpy (``np.packbits``/``np.unpackbits``, little bit order).
+"""Vectorised bit packing with numpy (``np.packbits``/``np.unpackbits``, little bit order) and, for
+tensors on an accelerator, with torch on their own device.
 
 Every function here works on whole arrays; there is no per-element Python loop.
 """
@@ -6,8 +7,11 @@ Every function here works on whole arrays; there is no per-element Python loop.
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from .errors import PayloadError
+
+_BYTE_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
 
 
 def nbytes_for_bits(nbits: int) -> int:
@@ -29,6 +33,17 @@ def pack_bits(bits: np.ndarray) -> bytes:
         ``ceil(m / 8)`` bytes; padding bits in the last byte are zero.
     """
     return np.packbits(bits.astype(np.bool_, copy=False), bitorder="little").tobytes()
+
+
+def pack_bits_on_device(bits: torch.Tensor) -> bytes:
+    """Pack a 1-D bool tensor little-endian bitwise on its own device; move only bytes."""
+    n = bits.numel()
+    if bits.device.type == "cpu":
+        return np.packbits(bits.numpy(), bitorder="little").tobytes()  # ~3 ms for 11M
+    pad = (-n) % 8
+    b = torch.nn.functional.pad(bits.to(torch.uint8), (0, pad)).view(-1, 8)
+    packed = (b * _BYTE_WEIGHTS.to(bits.device)).sum(dim=1, dtype=torch.uint8)
+    return packed.cpu().numpy().tobytes()
 
 
 def unpack_bits(buf: memoryview | bytes, count: int, what: str) -> np.ndarray:

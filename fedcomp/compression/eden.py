@@ -15,10 +15,9 @@ import numpy as np
 import torch
 
 from .base import Compressor, check_range, register
-from .bits import nbytes_for_bits, unpack_bits
+from .bits import nbytes_for_bits, pack_bits_on_device, unpack_bits
 from .errors import PayloadError
 from .hadamard import fwht_, power_of_two_blocks, random_sign_bits
-from .sign import _pack_on_device
 from .wire import BodyReader, Header, unpack_params
 
 
@@ -56,6 +55,8 @@ class EdenCompressor(Compressor):
 
     name = "eden"
     codec_id = 10
+    config_keys = {"unbiased": "unbiased"}
+    seeded = True
     _PARAMS = "<QB"  # rotation seed, unbiased flag
 
     def __init__(self, unbiased: bool = False, seed: int | None = None) -> None:
@@ -88,7 +89,7 @@ class EdenCompressor(Compressor):
                 scales.append(float(torch.sum(flat[off : off + size].double() ** 2)) / l1)
             else:
                 scales.append(l1 / size)
-        body = np.asarray(scales, dtype=np.float32).tobytes() + _pack_on_device(y >= 0)
+        body = np.asarray(scales, dtype=np.float32).tobytes() + pack_bits_on_device(y >= 0)
         return struct.pack(self._PARAMS, seed, int(self.unbiased)), body
 
     @classmethod

@@ -322,7 +322,7 @@ class ErrorFeedback:
 def flatten_states(states: Mapping[str, Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
     """``{payload key: ErrorFeedback.get_state()}`` -> one flat ``{name: array}`` dict to persist.
 
-    The residual keeps the bare payload key (what earlier versions saved); every other entry
+    The residual keeps the bare payload key (the layout of residual files); every other entry
     is stored as ``"<payload key>#<entry>"``, e.g. ``"conv1.weight#powersgd/q"``.
     """
     flat: dict[str, np.ndarray] = {}

@@ -42,6 +42,8 @@ class Int8Compressor(Compressor):
 
     name = "int8"
     codec_id = 8
+    config_keys = {"block_size": "block-size"}
+    seeded = True
     _PARAMS = "<I"  # block size
 
     def __init__(self, block_size: int = 256, seed: int | None = None) -> None:

@@ -14,8 +14,7 @@ import torch
 
 from .base import Compressor, check_range, get_compressor, register
 from .errors import PayloadError
-from .topk import _BY_CODE, _VALUE_DTYPES
-from .wire import BodyReader, Header, unpack_params
+from .wire import VALUE_DTYPE_BY_CODE, VALUE_DTYPES, BodyReader, Header, unpack_params
 
 MAX_RANK = 2**16 - 1
 #: Fallback codecs for tensors where low rank does not pay (the small-tensor codecs).
@@ -121,14 +120,16 @@ class PowerSGDCompressor(Compressor):
 
     name = "powersgd"
     codec_id = 9
+    config_keys = {"rank": "rank", "value_dtype": "value-dtype", "fallback": "small-tensor-compressor"}
+    seeded = True
     _PARAMS = "<IB"  # rank, value dtype code
 
     def __init__(self, rank: int = 4, value_dtype: str = "fp32", fallback: str = "none",
                  min_compression_rate: float = 2.0, seed: int | None = None) -> None:
         check_range("rank", rank, 1, MAX_RANK, integer=True)
         check_range("min_compression_rate", min_compression_rate, 1.0, float("inf"))
-        if value_dtype not in _VALUE_DTYPES:
-            raise ValueError(f"value_dtype must be one of {sorted(_VALUE_DTYPES)}, got {value_dtype!r}")
+        if value_dtype not in VALUE_DTYPES:
+            raise ValueError(f"value_dtype must be one of {sorted(VALUE_DTYPES)}, got {value_dtype!r}")
         if fallback not in FALLBACKS:
             raise ValueError(f"fallback must be one of {list(FALLBACKS)}, got {fallback!r}")
         if seed is not None:
@@ -194,7 +195,7 @@ class PowerSGDCompressor(Compressor):
     def _encode(self, flat: torch.Tensor) -> tuple[bytes, bytes]:
         m, n = self._mn
         r = min(self.rank, m, n)
-        code, np_dt, _ = _VALUE_DTYPES[self.value_dtype]
+        code, np_dt, _ = VALUE_DTYPES[self.value_dtype]
         scale = _pow2_scale(flat)
         mat = flat.view(m, n) / scale
         p = orthogonalize(mat @ self._start_q(n, r, flat.device))
@@ -216,9 +217,9 @@ class PowerSGDCompressor(Compressor):
         m, n = mn
         if not 1 <= r <= min(m, n):
             raise PayloadError(f"powersgd: rank {r} outside [1, min(m, n) = {min(m, n)}] for a {m} x {n} matrix")
-        if code not in _BY_CODE:
+        if code not in VALUE_DTYPE_BY_CODE:
             raise PayloadError(f"powersgd: unknown value dtype code {code}")
-        _, np_dt, size = _BY_CODE[code]
+        _, np_dt, size = VALUE_DTYPE_BY_CODE[code]
         rd = BodyReader(payload, header.body_offset, cls.name)
         p = np.frombuffer(rd.take(m * r * size, "P"), dtype=np_dt).reshape(m, r).astype(np.float32)
         q = np.frombuffer(rd.take(n * r * size, "Q"), dtype=np_dt).reshape(n, r).astype(np.float32)

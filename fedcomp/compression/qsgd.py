@@ -101,6 +101,8 @@ class QSGDCompressor(Compressor):
 
     name = "qsgd"
     codec_id = 7
+    config_keys = {"levels": "levels", "spacing": "spacing"}
+    seeded = True
     _PARAMS = "<II"  # levels, bucket size (uniform spacing)
     _PARAMS_SPACED = "<IIB"  # levels, bucket size, spacing code 1 (exponential)
 

@@ -142,6 +142,8 @@ class RandomKCompressor(ChunkedSparseDecoding, Compressor):
 
     name = "randomk"
     codec_id = 6
+    config_keys = {"density": "density"}
+    seeded = True
     _PARAMS = "<QQf"  # k, seed, scale factor
 
     def __init__(self, density: float = 0.01, rescale: bool = False, seed: int | None = None) -> None:

@@ -14,23 +14,11 @@ import numpy as np
 import torch
 
 from .base import Compressor, register
-from .bits import nbytes_for_bits, unpack_bits
+from .bits import nbytes_for_bits, pack_bits_on_device, unpack_bits
 from .errors import PayloadError
 from .wire import BodyReader, Header, unpack_params
 
 _FP32_MAX = float(np.finfo(np.float32).max)
-_BYTE_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
-
-
-def _pack_on_device(bits: torch.Tensor) -> bytes:
-    """Pack a 1-D bool tensor little-endian bitwise on its own device; move only bytes."""
-    n = bits.numel()
-    if bits.device.type == "cpu":
-        return np.packbits(bits.numpy(), bitorder="little").tobytes()  # ~3 ms for 11M
-    pad = (-n) % 8
-    b = torch.nn.functional.pad(bits.to(torch.uint8), (0, pad)).view(-1, 8)
-    packed = (b * _BYTE_WEIGHTS.to(bits.device)).sum(dim=1, dtype=torch.uint8)
-    return packed.cpu().numpy().tobytes()
 
 
 @register
@@ -57,7 +45,7 @@ class SignCompressor(Compressor):
         scale = float(flat.abs().mean()) if n else 0.0
         if not np.isfinite(scale):  # the fp32 sum overflowed: redo it in float64
             scale = min(float(flat.abs().mean(dtype=torch.float64)), _FP32_MAX)
-        return struct.pack(self._PARAMS, scale), _pack_on_device(flat >= 0)
+        return struct.pack(self._PARAMS, scale), pack_bits_on_device(flat >= 0)
 
     @classmethod
     def _decode(cls, header: Header, payload: memoryview) -> np.ndarray:

@@ -40,6 +40,7 @@ class STCCompressor(ChunkedSparseDecoding, Compressor):
 
     name = "stc"
     codec_id = 4
+    config_keys = {"density": "density"}
     _PARAMS = "<QQBf"  # k, unary_bits, rice b, mu
 
     def __init__(self, density: float = 0.01) -> None:

@@ -17,10 +17,7 @@ from .base import Compressor, register
 from .errors import PayloadError
 from .selection import topk_indices
 from .sparse import ChunkedSparseDecoding, check_density, k_for, positions_to_bytes, read_positions
-from .wire import BodyReader, Header, unpack_params
-
-_VALUE_DTYPES = {"fp32": (0, np.float32, 4), "fp16": (1, np.float16, 2)}
-_BY_CODE = {code: (name, dt, size) for name, (code, dt, size) in _VALUE_DTYPES.items()}
+from .wire import VALUE_DTYPE_BY_CODE, VALUE_DTYPES, BodyReader, Header, unpack_params
 
 
 @register
@@ -44,12 +41,13 @@ class TopKCompressor(ChunkedSparseDecoding, Compressor):
 
     name = "topk"
     codec_id = 5
+    config_keys = {"density": "density", "value_dtype": "value-dtype"}
     _PARAMS = "<QQBB"  # k, unary_bits, rice b, value dtype code
 
     def __init__(self, density: float = 0.01, value_dtype: str = "fp32") -> None:
         self.density = check_density(density)
-        if value_dtype not in _VALUE_DTYPES:
-            raise ValueError(f"value_dtype must be one of {sorted(_VALUE_DTYPES)}, got {value_dtype!r}")
+        if value_dtype not in VALUE_DTYPES:
+            raise ValueError(f"value_dtype must be one of {sorted(VALUE_DTYPES)}, got {value_dtype!r}")
         self.value_dtype = value_dtype
 
     def config(self) -> dict:
@@ -58,7 +56,7 @@ class TopKCompressor(ChunkedSparseDecoding, Compressor):
 
     def _encode(self, flat: torch.Tensor) -> tuple[bytes, bytes]:
         n = flat.numel()
-        code, np_dt, _ = _VALUE_DTYPES[self.value_dtype]
+        code, np_dt, _ = VALUE_DTYPES[self.value_dtype]
         k = k_for(self.density, n)
         if k == 0:
             return struct.pack(self._PARAMS, 0, 0, 0, code), b""
@@ -73,9 +71,9 @@ class TopKCompressor(ChunkedSparseDecoding, Compressor):
     def _decode_chunks(cls, header: Header,
                        payload: memoryview) -> tuple[int, Iterator[tuple[np.ndarray, np.ndarray]]]:
         k, unary_bits, b, code = unpack_params(cls._PARAMS, header.params, cls.name)
-        if code not in _BY_CODE:
+        if code not in VALUE_DTYPE_BY_CODE:
             raise PayloadError(f"topk: unknown value dtype code {code}")
-        _, np_dt, size = _BY_CODE[code]
+        _, np_dt, size = VALUE_DTYPE_BY_CODE[code]
         n = header.numel
         r = BodyReader(payload, header.body_offset, cls.name)
         chunks = read_positions(r, cls.name, k, n, b, unary_bits)

@@ -5,7 +5,7 @@ Layout (all integers little-endian)::
     offset  size        field
     0       4           magic b"FCMP"
     4       1           format version (currently 1)
-    5       1           codec id (see ``fedcomp.compression.registry``)
+    5       1           codec id (``Compressor.codec_id``, see ``base.register``)
     6       1           dtype code of the original tensor (0 fp32, 1 fp16, 2 bf16, 3 fp64; exact
                         payloads of integer/bool tensors: 16.. int8..int64, uint8..uint64, bool)
     7       1           ndim (0..MAX_NDIM)
@@ -37,6 +37,12 @@ MAX_NDIM = 32
 DEFAULT_MAX_NUMEL = 2**28
 
 _FIXED = struct.Struct("<4sBBBB")
+
+#: Value encodings a codec may declare in its parameters (top-k's values, PowerSGD's factors):
+#: name -> (code in the parameters, numpy dtype, bytes per value).
+VALUE_DTYPES = {"fp32": (0, np.float32, 4), "fp16": (1, np.float16, 2)}
+#: code -> (name, numpy dtype, bytes per value).
+VALUE_DTYPE_BY_CODE = {code: (name, dt, size) for name, (code, dt, size) in VALUE_DTYPES.items()}
 
 DTYPE_CODES: dict[torch.dtype, int] = {
     torch.float32: 0,

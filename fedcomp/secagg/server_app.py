@@ -21,12 +21,12 @@ from flwr.server import LegacyContext, ServerConfig
 from flwr.server.strategy import FedAdam, FedAvg, FedAvgM, Strategy
 from flwr.server.workflow import DefaultWorkflow
 
-from ..client.training import evaluate
 from ..config import AppConfig
 from ..data import DataConfig, load_test_set
 from ..models import build_model
 from ..privacy import NO_AMPLIFICATION, ClientLevelDP
 from ..server.results import DP_HEADER, HEADER, MB, format_row, plot_rounds, write_json
+from ..training import evaluate
 from .config import SecAggConfig, check_codec_under_secagg
 from .strategy import SharedRandomKStrategy
 from .workflow import CompressedSecAggPlusWorkflow

@@ -6,24 +6,23 @@ import math
 import time
 from logging import INFO, WARNING
 
-import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, MetricRecord
 from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAdam, FedAvg, FedAvgM, Strategy
 
-from ..client.training import evaluate
-from ..config import AppConfig
+from ..config import CODEC_DEFAULTS, AppConfig
 from ..data import DataConfig, load_test_set
 from ..lora import LoraSettings, initial_adapters, load_weights, lora_model
 from ..models import build_model
-from ..privacy import NO_AMPLIFICATION, ClientLevelDP, LocalDP, check_accountable
+from ..privacy import NO_AMPLIFICATION, ClientLevelDP, DPSGDConfig, LocalDP, check_accountable
 from ..secagg.server_app import check_secagg_config, run_secagg, secagg_requested
 from ..statedict import copy_array, to_record
 from ..strategies import CompressedStrategy
 from ..strategies.offset import RoundOffset
 from ..strategies.round_metrics import machine_counts
+from ..training import evaluate
 from . import checkpoint
 from .console import route_flower_logs
 from .results import DP_HEADER, HEADER, MB, format_row, plot_rounds, write_json
@@ -36,11 +35,16 @@ def build_inner(cfg: AppConfig) -> Strategy:
     """The inner Flower strategy named by run config ``strategy``: "fedavg", "fedadam" (eta =
     ``server-lr``) or "fedavgm" (server learning rate ``server-lr``, momentum ``server-momentum``).
 
-    Clients are evaluated centrally only (``fraction_evaluate = 0``).
+    The global model is evaluated on the server's test split every round (``evaluate_fn``) and,
+    with ``fraction-evaluate`` > 0, by that fraction of the nodes on their own data (federated
+    evaluation, as Flower's templates do; at least one node). Under ``dp`` federated evaluation is
+    off: per-client accuracies on private data are not covered by the privacy guarantee.
     """
+    fraction_evaluate = cfg.fraction_evaluate if cfg.dp == "none" else 0.0
     common = dict(
-        fraction_train=1.0 if cfg.client_sampling == "poisson" else cfg.fraction_train, fraction_evaluate=0.0, min_train_nodes=cfg.min_train_nodes,
-        min_evaluate_nodes=0, min_available_nodes=cfg.min_available_nodes,
+        fraction_train=1.0 if cfg.client_sampling == "poisson" else cfg.fraction_train,
+        fraction_evaluate=fraction_evaluate, min_train_nodes=cfg.min_train_nodes,
+        min_evaluate_nodes=1 if fraction_evaluate > 0 else 0, min_available_nodes=cfg.min_available_nodes,
     )
     if cfg.strategy == "fedadam":
         return FedAdam(**common, eta=cfg.server_lr, eta_l=cfg.lr)
@@ -72,9 +76,6 @@ def privacy_options(cfg: AppConfig, context: Context | None = None) -> dict:
     if cfg.dp in ("client-level", "local"):  # the accountant must be able to compute epsilon, every round
         check_accountable(cfg.noise_multiplier, cfg.target_delta, q or 1.0)
     if context is not None and cfg.dp == "dp-sgd":
-        # imported here: Opacus calls logging.basicConfig at import (every log line would print twice)
-        from ..client.dp_sgd import DPSGDConfig
-
         DPSGDConfig.from_mapping(context.run_config)
     if cfg.max_epsilon and cfg.dp == "none":
         log(WARNING, "fedcomp  max-epsilon = %s has no effect with dp = 'none'", cfg.max_epsilon)
@@ -97,8 +98,7 @@ class RoundRecorder:
         else:
             self.model = build_model(cfg.model, tuple(test.tensors[0].shape[1:]))
         self.t0 = time.perf_counter()
-        self.privacy = privacy_statement(cfg)
-        self.local_rounds = 0
+        self.privacy = privacy_statement(cfg, run_config)
         self.last_eps = 0.0
         self.header_printed = False
 
@@ -121,6 +121,10 @@ class RoundRecorder:
                 self.last_eps = now
             rec["layers"] = self.strategy.layer_history.get(server_round, {})
             rec["client-machines"] = machine_counts(self.strategy.client_history.get(server_round, []))
+        fed = self.strategy.evaluate_history.get(server_round)
+        if fed is not None:  # federated evaluation: sampled clients on their own data, weighted by examples
+            rec.update({"federated-accuracy": fed.get("eval-acc"), "federated-loss": fed.get("eval-loss"),
+                        "federated-num-replies": fed["num-replies"]})
         rec["elapsed-seconds"] = time.perf_counter() - self.t0
         dp = self.cfg.dp != "none"
         if not self.header_printed:  # round 0, or the first round of a resumed run
@@ -132,7 +136,6 @@ class RoundRecorder:
         if server_round > 0:
             checkpoint.save(self.out_dir, server_round, {k: a.numpy() for k, a in arrays.items()}, self.strategy,
                             self.rounds, {"cum-mb": self.cum_mb, "cum-down-mb": self.cum_down_mb,
-                                          "local-rounds": self.local_rounds,
                                           "last-eps": self.last_eps, "privacy-settings": privacy_settings(self.cfg),
                                           "codec-settings": self.cfg.codec.to_mapping()})
         return MetricRecord({"accuracy": acc, "loss": loss})
@@ -143,7 +146,6 @@ class RoundRecorder:
         extra = meta.get("extra", {})
         self.cum_mb = float(extra.get("cum-mb", 0.0))
         self.cum_down_mb = float(extra.get("cum-down-mb", 0.0))
-        self.local_rounds = int(extra.get("local-rounds", 0))
         self.last_eps = float(extra.get("last-eps") or 0.0)
 
     def save(self) -> None:
@@ -167,7 +169,8 @@ def check_same_codec(saved: dict | None, cfg: AppConfig) -> None:
     Refused rather than allowed with a warning: the clients' saved error-feedback residuals are
     what *that* codec (and selection scope) failed to send, so another codec drops or misreads
     them, and ``metrics.json`` records one codec for all its rounds. A run that should change
-    codec starts as a new run in a new ``results-dir``.
+    codec starts as a new run in a new ``results-dir``. A key the checkpoint does not hold (added
+    to fedcomp after it was written) counts as its default, which is what that run used.
 
     Raises
     ------
@@ -177,6 +180,8 @@ def check_same_codec(saved: dict | None, cfg: AppConfig) -> None:
     if saved is None:
         return
     now = cfg.codec.to_mapping()
+    # A key the checkpoint lacks is newer than the checkpoint: that run used the key's default.
+    saved = {**{k: v for k, v in CODEC_DEFAULTS.items() if k not in saved}, **saved}
     diff = [f"'{k}' = {now.get(k)!r} (checkpoint: {saved.get(k)!r})" for k in sorted(set(now) | set(saved))
             if now.get(k) != saved.get(k)]
     if diff:
@@ -194,14 +199,18 @@ def _epsilon_now(rec: dict) -> float | None:
     return None
 
 
-def privacy_statement(cfg: AppConfig) -> dict | None:
-    """What the run's DP mode does and does not guarantee (written into metrics.json)."""
+def privacy_statement(cfg: AppConfig, run_config: dict | None = None) -> dict | None:
+    """What the run's DP mode does and does not guarantee (written into metrics.json); the
+    accountant of DP-SGD is the run config's ``accountant``."""
     if cfg.dp == "none":
         return None
     level = {"dp-sgd": "sample-level (one training example), on each client, Opacus DP-SGD",
              "client-level": "client-level (a client's whole update), DP-FedAvg on the server",
              "local": "client-level, local: each client clips and noises its own update before compressing"}[cfg.dp]
-    return {"mode": cfg.dp, "level": level, "delta": cfg.target_delta, "accountant": "rdp",
+    accountant = "rdp"  # client-level and local DP: Rényi DP of the Gaussian mechanism, per round
+    if cfg.dp == "dp-sgd":
+        accountant = run_config.get("accountant", "rdp") if run_config is not None else "rdp"
+    return {"mode": cfg.dp, "level": level, "delta": cfg.target_delta, "accountant": accountant,
             "assumption": (NO_AMPLIFICATION if cfg.client_sampling != "poisson" or cfg.dp != "client-level" else
                            f"clients Poisson-sampled by the server with probability q = {cfg.fraction_train} per round "
                            "from the fixed population of connected nodes: amplification by sampling applies")

@@ -1,34 +1,38 @@
 """Server checkpoints: written after every round as one atomic unit, read back with
 ``allow_pickle=False``.
 
-The unit is a pair: ``checkpoint.npz`` (plain numeric arrays) is written first (temporary file,
-fsync, rename), then the manifest ``checkpoint.json``, written last the same way, names the round
-and the sha256 of the ``.npz`` it belongs to. A crash between the two renames leaves a new
+The unit is a pair: ``checkpoint.npz`` (plain numeric arrays) is written first
+(:func:`fedcomp.files.write_atomically`: temporary file, fsync, rename), then the manifest
+``checkpoint.json``, written last the same way, names the round and the sha256 of the ``.npz``
+it belongs to. A crash between the two renames leaves a new
 ``.npz`` next to the old manifest; :func:`load` sees the checksum disagree and refuses the pair
 (it would otherwise re-run a round on weights that already include it).
 
 What is saved: the global weights (every array with its exact shape and dtype: 0-d, integer,
-bool, fp16 and zero-element arrays included), the round number, the inner strategy's optimizer
-state where it has one (FedOpt/FedAdam ``m_t``/``v_t``, FedAvgM's momentum), the client-level DP
-accountant (rounds counted and the epsilon trace), the integer rule's rounding remainders, and the
-metrics of every round so far.
+bool, fp16 and zero-element arrays included), the round number, the metrics of every round so far,
+and the strategy's :meth:`~fedcomp.strategies.CompressedStrategy.state_dict`: the inner strategy's
+optimizer state where it has one (FedOpt/FedAdam ``m_t``/``v_t``, FedAvgM's momentum) and the
+integer rule's rounding remainders in the ``.npz``, the privacy accounting (client-level DP rounds,
+local-DP rounds, the epsilon projections of DP-SGD reports) in the manifest. Manifests without the
+newer keys load with their start values.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 import pathlib
 from typing import Any
 
 import numpy as np
 
+from ..files import write_atomically
 from ..statedict import copy_array
+from ..strategies.wrapping import OPTIMIZER_PREFIXES
+from .results import finite_or_none
 
 WEIGHTS = "checkpoint.npz"
 META = "checkpoint.json"
-_OPT_STATE = ("m_t", "v_t")
 #: Manifest key holding the sha256 (hex) of the weights file it belongs to.
 CHECKSUM = "weights-sha256"
 #: Array in the weights file that repeats the round, so a torn pair can be named precisely.
@@ -40,31 +44,6 @@ _INT_REMAINDER = "int-remainder"
 def _sha256(path: pathlib.Path) -> str:
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
-
-
-def _replace_durably(tmp: pathlib.Path, final: pathlib.Path) -> None:
-    """fsync ``tmp``, rename it over ``final``, fsync the folder (the rename survives a power cut)."""
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, final)
-    try:
-        fd = os.open(final.parent, os.O_RDONLY)
-    except OSError:  # pragma: no cover - folders cannot be opened on some platforms
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _innermost(strategy: Any) -> Any:
-    obj = strategy
-    for _ in range(8):
-        nxt = getattr(obj, "inner", getattr(obj, "strategy", None))
-        if nxt is None:
-            return obj
-        obj = nxt
-    return obj
 
 
 def save(out_dir: pathlib.Path, server_round: int, weights: dict[str, np.ndarray], strategy: Any,
@@ -79,49 +58,33 @@ def save(out_dir: pathlib.Path, server_round: int, weights: dict[str, np.ndarray
         Last completed round.
     weights : dict of str to np.ndarray
         Global weights after that round (model key order is kept in the JSON).
-    strategy : CompressedStrategy
-        Its inner strategy's ``m_t``/``v_t`` and its ``client_dp`` accountant are saved.
+    strategy : CompressedStrategy or None
+        Its :meth:`state_dict` is saved (None: weights and metrics only).
     rounds : list of dict
         The metrics records so far (as in metrics.json).
     extra : dict, optional
         More JSON-serialisable state (e.g. cumulative MB).
     """
+    state = strategy.state_dict() if strategy is not None else {}
     arrays = {f"w/{k}": copy_array(v) for k, v in weights.items()}
-    inner = _innermost(strategy)
-    for attr in _OPT_STATE:
-        state = getattr(inner, attr, None)
-        if isinstance(state, dict):
-            arrays.update({f"{attr}/{k}": copy_array(v) for k, v in state.items()})
-    momentum = getattr(inner, "momentum_vector", None)  # FedAvgM: a list in model order
-    if isinstance(momentum, list):
-        arrays.update({f"momentum/{i}": copy_array(v) for i, v in enumerate(momentum)})
-    remainders = getattr(strategy, "int_remainders", None)  # the integer rule's carried rounding remainders
-    if isinstance(remainders, dict):
-        arrays.update({f"{_INT_REMAINDER}/{k}": copy_array(v) for k, v in remainders.items()})
+    arrays.update(state.get("optimizer", {}))
+    arrays.update({f"{_INT_REMAINDER}/{k}": copy_array(v) for k, v in state.get("int-remainders", {}).items()})
     arrays[_ROUND] = np.array(server_round, dtype=np.int64)
-    tmp = out_dir / (WEIGHTS + ".tmp.npz")
-    np.savez(tmp, **arrays)
-    digest = _sha256(tmp)
+    write_atomically(out_dir / WEIGHTS, lambda f: np.savez(f, **arrays))
     meta = {
-        "round": server_round, "keys": list(weights), CHECKSUM: digest, "rounds": rounds, "extra": extra or {},
-        "client-dp-rounds": getattr(getattr(strategy, "client_dp", None), "rounds", None),
-        "eps-trace": list(getattr(strategy, "_eps_trace", [])),
-        "local-dp-rounds": getattr(strategy, "_local_rounds", 0),
+        "round": server_round, "keys": list(weights), CHECKSUM: _sha256(out_dir / WEIGHTS), "rounds": rounds, "extra": extra or {},
+        **state.get("privacy", {}),
     }
-    _replace_durably(tmp, out_dir / WEIGHTS)
-    tmpj = out_dir / (META + ".tmp")
-    from .results import _finite_or_none
-
-    tmpj.write_text(json.dumps(_finite_or_none(meta), allow_nan=False))
-    _replace_durably(tmpj, out_dir / META)  # the manifest last: it commits the pair
+    # the manifest last: it commits the pair
+    write_atomically(out_dir / META, json.dumps(finite_or_none(meta), allow_nan=False).encode())
 
 
 def _check_pair(meta: dict, digest: str, data: dict, out_dir: pathlib.Path) -> None:
     """Refuse a weights file that is not the one the manifest was written for (a torn pair)."""
     want = meta.get(CHECKSUM)
     if not isinstance(want, str):
-        raise ValueError(f"{out_dir / META} has no '{CHECKSUM}' (a checkpoint written before checkpoints were one "
-                         f"atomic unit): whether {WEIGHTS} belongs to it cannot be checked, so it is not resumed")
+        raise ValueError(f"{out_dir / META} has no '{CHECKSUM}' (the weights file's "
+                         f"checksum): whether {WEIGHTS} belongs to it cannot be checked, so it is not resumed")
     if want != digest:
         r = data.get(_ROUND)
         ok = isinstance(r, np.ndarray) and r.shape == () and r.dtype == np.int64
@@ -146,6 +109,9 @@ def _check_meta(meta: dict, out_dir: pathlib.Path) -> None:
     def nonneg_int(v) -> bool:
         return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
+    def epsilon(e) -> bool:  # None: an infinite epsilon, written as JSON null
+        return e is None or (isinstance(e, (int, float)) and not isinstance(e, bool) and e >= 0)
+
     problems = []
     if not all(isinstance(r, dict) and nonneg_int(r.get("round")) for r in meta["rounds"]):
         problems.append("'rounds' must be a list of round records")
@@ -157,10 +123,10 @@ def _check_meta(meta: dict, out_dir: pathlib.Path) -> None:
         meta.setdefault(key, 0 if key == "local-dp-rounds" else None)
         if meta[key] is not None and not nonneg_int(meta[key]):
             problems.append(f"'{key}' must be an integer >= 0")
-    meta.setdefault("eps-trace", [])
-    if not isinstance(meta["eps-trace"], list) or not all(
-            e is None or (isinstance(e, (int, float)) and not isinstance(e, bool) and e >= 0) for e in meta["eps-trace"]):
-        problems.append("'eps-trace' must be a list of epsilons >= 0")
+    if not epsilon(meta.get("epsilon-next", 0.0)):
+        problems.append("'epsilon-next' must be an epsilon >= 0")
+    if not isinstance(meta.get("epsilon-floor", []), list) or not all(map(epsilon, meta.get("epsilon-floor", []))):
+        problems.append("'epsilon-floor' must be a list of epsilons >= 0")
     if problems:
         raise ValueError(f"{out_dir / META}: " + "; ".join(problems))
 
@@ -183,6 +149,9 @@ def load(out_dir: pathlib.Path, strategy: Any,
         An unreadable checkpoint, a torn pair (the weights file's sha256 is not the manifest's),
         one that does not fit ``model_shapes``, non-finite weights, or optimizer state the
         inner strategy does not have (naming the file and the problem).
+
+    ``strategy`` (a ``CompressedStrategy``, or None for weights only) gets the saved state
+    through its ``load_state_dict``.
     """
     try:
         meta = json.loads((out_dir / META).read_text())
@@ -209,32 +178,17 @@ def load(out_dir: pathlib.Path, strategy: Any,
             raise ValueError(f"checkpoint in {out_dir} does not fit the model: checkpoint {got}, model {want}")
     for k, v in weights.items():
         _check_array(v, f"checkpoint in {out_dir}: weights of '{k}'")
-    inner = _innermost(strategy)
-    for attr in _OPT_STATE:
-        state = {k.split("/", 1)[1]: v for k, v in data.items() if k.startswith(attr + "/")}
-        if not state:
-            continue
-        if not hasattr(inner, attr):
-            raise ValueError(f"checkpoint in {out_dir} holds optimizer state '{attr}' that the inner strategy "
-                             f"{type(inner).__name__} does not have: resume with the same 'strategy'")
-        if {k: v.shape for k, v in state.items()} != {k: v.shape for k, v in weights.items()}:
-            raise ValueError(f"checkpoint in {out_dir}: optimizer state '{attr}' does not match the weights")
-        setattr(inner, attr, state)
-    if meta.get("client-dp-rounds") is not None and getattr(strategy, "client_dp", None) is not None:
-        strategy.client_dp.rounds = int(meta["client-dp-rounds"])
-    momentum = [data[f"momentum/{i}"] for i in range(len(weights)) if f"momentum/{i}" in data]
-    if momentum:
-        if not hasattr(inner, "momentum_vector") or len(momentum) != len(weights):
-            raise ValueError(f"checkpoint in {out_dir} holds FedAvgM momentum: resume with strategy = 'fedavgm'")
-        inner.momentum_vector = momentum
     remainders = {k.split("/", 1)[1]: v for k, v in data.items() if k.startswith(_INT_REMAINDER + "/")}
     for k, v in remainders.items():
         if k not in weights or v.shape != weights[k].shape or v.dtype != np.float64 or not np.isfinite(v).all() \
                 or (v.size and float(np.abs(v).max()) > 0.5):
             raise ValueError(f"checkpoint in {out_dir}: the integer rule's remainder of '{k}' is not a float64 array "
                              "of the tensor's shape with entries in [-0.5, 0.5]")
-    if hasattr(strategy, "int_remainders"):
-        strategy.int_remainders = remainders
-    strategy._eps_trace = [float(e) if e is not None else float("inf") for e in meta["eps-trace"]]
-    strategy._local_rounds = meta["local-dp-rounds"]
+    if strategy is not None:
+        optimizer = {k: v for k, v in data.items() if k.split("/", 1)[0] in OPTIMIZER_PREFIXES}
+        try:
+            strategy.load_state_dict({"optimizer": optimizer, "privacy": meta, "int-remainders": remainders},
+                                     {k: tuple(v.shape) for k, v in weights.items()})
+        except ValueError as exc:
+            raise ValueError(f"checkpoint in {out_dir}: {exc}") from None
     return int(meta["round"]), weights, meta

@@ -9,6 +9,8 @@ import os
 import pathlib
 from typing import Any
 
+from ..files import write_atomically
+
 MB = 1e6
 
 COLUMNS = [("round", "{:>5}"), ("accuracy", "{:>8.4f}"), ("loss", "{:>7.4f}"), ("upload-mb", "{:>10.4f}"),
@@ -62,22 +64,20 @@ def resolve_results_dir(results_dir: str, compressor: str) -> pathlib.Path:
     return path
 
 
-def _finite_or_none(obj: Any) -> Any:
+def finite_or_none(obj: Any) -> Any:
     """Replace NaN/Inf floats by None so the file is strict JSON."""
     if isinstance(obj, float):
         return obj if math.isfinite(obj) else None
     if isinstance(obj, dict):
-        return {k: _finite_or_none(v) for k, v in obj.items()}
+        return {k: finite_or_none(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return [_finite_or_none(v) for v in obj]
+        return [finite_or_none(v) for v in obj]
     return obj
 
 
 def write_json(path: pathlib.Path, payload: dict[str, Any]) -> None:
-    """Write strict JSON (non-finite floats as null) atomically (temporary file, then rename)."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(_finite_or_none(payload), indent=1, allow_nan=False))
-    os.replace(tmp, path)
+    """Write strict JSON (non-finite floats as null) atomically (:func:`fedcomp.files.write_atomically`)."""
+    write_atomically(path, json.dumps(finite_or_none(payload), indent=1, allow_nan=False).encode())
 
 
 def plot_rounds(rounds: list[dict[str, Any]], path: pathlib.Path, title: str) -> bool:
@@ -113,8 +113,8 @@ def plot_rounds(rounds: list[dict[str, Any]], path: pathlib.Path, title: str) ->
     a2.grid(True, alpha=0.3)
     fig.suptitle(title)
     fig.tight_layout()
-    tmp = path.with_name(path.stem + ".tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.replace(tmp, path)
+    try:
+        write_atomically(path, lambda f: fig.savefig(f, format="png", dpi=110))
+    finally:
+        plt.close(fig)
     return True

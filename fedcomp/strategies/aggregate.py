@@ -5,6 +5,10 @@
   entries (O(k) per client), dense parts segment by segment, in chunks. Nothing per client stays.
 - :class:`ExactVotes` does the same for integer/bool tensors by the rules of
   :func:`fedcomp.statedict.integer_mean` and :func:`fedcomp.statedict.bool_majority`.
+- The fold policies say what one accepted reply adds: :class:`MeanFold` (weighted mean, the
+  FedAvg family), :class:`ClippedFold` (client-level DP: clip each decoded update, unweighted
+  sum), :class:`DenseFold` (every reply rebuilt as dense weights, for any other strategy).
+- :func:`in_model_dtypes` turns the aggregate back into the model's dtypes and shapes.
 - :func:`streams` says which inner strategies aggregate by a weighted mean of the clients'
   weights (Flower's FedAvg family), so that one pre-aggregated reply gives them the same result;
   every other strategy gets every client's dense weights (:func:`dense_memory_note` says what
@@ -17,10 +21,24 @@ from fractions import Fraction
 from typing import Any
 
 import numpy as np
+from flwr.app import Array, ArrayRecord, Message, MetricRecord
 from flwr.serverapp.strategy import FedAdagrad, FedAdam, FedAvg, FedAvgM, FedProx, FedYogi
 
-from ..statedict import FlatModel, bool_majority, exact_weight, integer_delta, integer_mean, weighted_add
-from .decode import DecodedUpdate
+from ..privacy import ClientLevelDP
+from ..statedict import (
+    BF16,
+    FlatModel,
+    array_to_numpy,
+    bool_majority,
+    cast_checked,
+    copy_array,
+    exact_weight,
+    integer_delta,
+    integer_mean,
+    numpy_to_array,
+    weighted_add,
+)
+from .decode import DecodedUpdate, TrainReply
 
 #: Entries per chunk of a dense fold (bounds the temporary of ``weight * values`` to 8 MB).
 CHUNK = 1 << 20
@@ -176,4 +194,108 @@ class ExactVotes:
         return {k: v.copy() for k, v in self._result.items()}
 
 
-__all__ = ["CHUNK", "ExactVotes", "RunningSum", "dense_memory_note", "identity_on_one_reply", "streams"]
+class MeanFold:
+    """Weighted mean: ``sum_i w_i delta_i`` and the exact tensors' votes, reply by reply.
+
+    Attributes
+    ----------
+    running : RunningSum
+    votes : ExactVotes
+    """
+
+    def __init__(self, model: FlatModel, remainders: dict[str, np.ndarray] | None = None) -> None:
+        self.running, self.votes = RunningSum(model), ExactVotes(model, remainders)
+
+    def add(self, reply: Message, decoded: TrainReply) -> None:
+        """Fold ``decoded`` in with its weight; the reply itself is not kept."""
+        self.running.add(decoded.update, decoded.weight)
+        self.votes.add(decoded.update.exact, decoded.weight)
+
+
+class ClippedFold:
+    """Client-level DP (DP-FedAvg): each decoded update clipped to ``clipping_norm`` and summed
+    unweighted; integer/bool tensors are not aggregated (an exact aggregate would be released
+    without noise), they keep the global values.
+
+    Parameters
+    ----------
+    model : FlatModel
+    client_dp : ClientLevelDP
+        Clipping, noise and the accountant.
+    """
+
+    def __init__(self, model: FlatModel, client_dp: ClientLevelDP) -> None:
+        self.running, self.client_dp = RunningSum(model), client_dp
+        #: The decoded updates' L2 norms before clipping.
+        self.norms: list[float] = []
+
+    def add(self, reply: Message, decoded: TrainReply) -> None:
+        """Fold ``clip_factor(||delta||) * delta`` in with weight 1."""
+        norm = decoded.update.sq_norm() ** 0.5
+        self.norms.append(norm)
+        self.running.add(decoded.update, self.client_dp.clip_factor(norm), 1.0)
+
+    def finish(self, sampled: float) -> tuple[np.ndarray, dict[str, float]]:
+        """The noisy mean over ``sampled`` clients (flat float32) and the DP figures of the round."""
+        return self.client_dp.finish(self.running.flat(), self.norms, max(sampled, 1e-12))
+
+
+class DenseFold:
+    """Every reply rebuilt as dense weights (in place: its content replaced) for inner strategies
+    that need each client's weights; exact tensors still by fedcomp's vote.
+
+    Parameters
+    ----------
+    model : FlatModel
+    record_key : str
+        Where the inner strategy reads the weights (its ``arrayrecord_key``).
+    remainders : dict, optional
+        The integer rule's carried rounding remainders (:class:`ExactVotes`).
+    """
+
+    def __init__(self, model: FlatModel, record_key: str, remainders: dict[str, np.ndarray] | None = None) -> None:
+        self.model, self.record_key = model, record_key
+        self.votes = ExactVotes(model, remainders)
+        self.replies: list[Message] = []
+
+    def add(self, reply: Message, decoded: TrainReply) -> None:
+        """Replace the reply's content by its dense weights and metrics, keep it."""
+        self.votes.add(decoded.update.exact, decoded.weight)
+        for key in list(reply.content.keys()):
+            del reply.content[key]
+        update = decoded.update
+        reply.content[self.record_key] = self.model.record(update.to_flat(self.model.num_float, self.model.flat.dtype),
+                                                           update.exact, check=False, portable=True)
+        reply.content["metrics"] = MetricRecord(decoded.metrics)
+        self.replies.append(reply)
+
+
+def in_model_dtypes(arrays: ArrayRecord, model: FlatModel, exact: dict[str, np.ndarray]) -> ArrayRecord:
+    """The aggregate with every float tensor in the model's dtype and shape, and the exact
+    tensors ``exact`` (copied).
+
+    Raises
+    ------
+    ValueError
+        A float tensor that is not finite in the model's dtype (naming it).
+    """
+    out = ArrayRecord()
+    for k in model.keys:
+        spec = model.specs[k]
+        if not spec.is_float:
+            out[k] = Array(copy_array(exact[k]))
+            continue
+        a = arrays[k]
+        w = array_to_numpy(a)
+        if spec.dtype != BF16 and w.dtype == np.dtype(spec.dtype) and w.shape == spec.shape:
+            if w.size and not np.isfinite(w).all():  # already in the model's dtype: check, keep
+                raise ValueError(f"'{k}': aggregate is not finite in the model's dtype {spec.dtype}")
+            out[k] = a
+            continue
+        w = np.asarray(w, dtype=np.float64 if spec.dtype == "float64" else np.float32).reshape(spec.shape)
+        out[k] = numpy_to_array(cast_checked(k, w, spec.dtype), spec.dtype)
+    return out
+
+
+__all__ = ["CHUNK", "ClippedFold", "DenseFold", "ExactVotes", "MeanFold", "RunningSum", "dense_memory_note",
+           "identity_on_one_reply", "in_model_dtypes", "streams"]

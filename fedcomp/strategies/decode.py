@@ -9,14 +9,16 @@ into a :class:`DecodedUpdate` over the global model's flat float vector: sparse 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
-from flwr.app import ArrayRecord
+from flwr.app import ArrayRecord, Message
 
 from ..compression import PayloadError, codec_name, decode_exact, decompress, decompress_sparse
 from ..protocol import MODEL_KEY, PAYLOAD_STYPE
 from ..statedict import FlatModel, copy_array, numpy_dict
+from .round_metrics import bounded_metrics
 
 
 @dataclass
@@ -247,11 +249,81 @@ def decode_update(record: ArrayRecord, global_arrays: dict[str, np.ndarray]) -> 
     PayloadError
         As :func:`decode_reply`.
     """
-    model = FlatModel(global_arrays, {k: str(np.asarray(v).dtype) for k, v in global_arrays.items()})
+    model = FlatModel.from_numpy(global_arrays)
     upd = decode_reply(record, model)
     rec = model.record(upd.to_flat(model.num_float, model.flat.dtype), upd.exact)
     weights = {k: rec[k].numpy() for k in model.keys}
     return weights, {"upload-bytes": upd.upload_bytes, "codecs": upd.codecs}
 
 
-__all__ = ["DENSE_NAME", "DecodedUpdate", "decode_dense_reply", "decode_reply", "decode_update", "is_dense_reply"]
+@dataclass
+class TrainReply:
+    """One client's train reply, decoded and validated (nothing folded yet).
+
+    Attributes
+    ----------
+    update : DecodedUpdate
+    weight : float
+        The reply's weighting metric (``num-examples``), an integer in [1, max].
+    metrics : dict
+        Its finite scalar metrics (what the inner strategy averages and metrics.json stores).
+    reported : dict
+        Everything it reported except per-layer lists (read by :func:`.round_metrics.client_stats`).
+    layers : dict
+        ``layer-update-norm`` / ``layer-compression-error`` lists, where sent.
+    decode_seconds : float
+    """
+
+    update: DecodedUpdate
+    weight: float
+    metrics: dict
+    reported: dict
+    layers: dict
+    decode_seconds: float
+
+
+def decode_train_reply(reply: Message, model: FlatModel, weight_key: str, max_weight: int,
+                       refuse_dense: str = "", keep_exact: bool = True) -> TrainReply:
+    """Decode one train reply of ``compression_mod`` (or a dense one) and validate its shape and weight.
+
+    Parameters
+    ----------
+    refuse_dense : str
+        Why a dense reply (no fedcomp payload) is refused ("": it is accepted).
+    keep_exact : bool
+        False: drop the reply's integer/bool tensors (local DP: the server keeps its own values).
+
+    Raises
+    ------
+    PayloadError
+        Not exactly one ArrayRecord and one MetricRecord, a weight that is not an integer in
+        [1, ``max_weight``], a dense reply while ``refuse_dense`` says why not, or a payload
+        :func:`decode_reply` refuses.
+    """
+    recs = reply.content.array_records
+    if len(recs) != 1:
+        raise PayloadError(f"expected one ArrayRecord in the reply, found {len(recs)}")
+    mrecs = reply.content.metric_records
+    if len(mrecs) != 1:
+        raise PayloadError(f"expected one MetricRecord in the reply, found {len(mrecs)}")
+    reported = dict(next(iter(mrecs.values())))
+    n = reported.get(weight_key)
+    if (isinstance(n, bool) or not isinstance(n, (int, float)) or not np.isfinite(n) or n < 1
+            or n != int(n) or n > max_weight):
+        raise PayloadError(f"'{weight_key}' must be an integer in [1, {max_weight}], got {n!r}")
+    t0 = time.perf_counter()
+    record = next(iter(recs.values()))
+    if refuse_dense and is_dense_reply(record):  # a client without compression_mod (mixed fleet)
+        raise PayloadError(f"a dense reply (no fedcomp payload) is refused: {refuse_dense}; add compression_mod as "
+                           "the FIRST mod of the ClientApp (mods=[compression_mod, ...])")
+    update = decode_reply(record, model)
+    if not keep_exact:
+        update.exact = {}
+    decode_seconds = time.perf_counter() - t0
+    layers = {k: reported.pop(k) for k in ("layer-update-norm", "layer-compression-error") if k in reported}
+    # Finite scalar metrics, bounded: the inner strategy averages them, metrics.json stores them.
+    return TrainReply(update, float(n), bounded_metrics(reported), reported, layers, decode_seconds)
+
+
+__all__ = ["DENSE_NAME", "DecodedUpdate", "TrainReply", "decode_dense_reply", "decode_reply", "decode_train_reply",
+           "decode_update", "is_dense_reply"]

@@ -50,7 +50,7 @@ from flwr.common.logger import log
 from ..broadcast import chain_key, gather, is_batchnorm_stat, scatter, settle
 from ..compression import decompress, encode_exact, get_compressor
 from ..config import CodecConfig
-from ..protocol import BASE_VERSION, MODEL_VERSION, PAYLOAD_DTYPE, PAYLOAD_STYPE
+from ..protocol import BASE_VERSION, MODEL_VERSION, payload_array
 from ..seeded_init import INIT_SEED, INIT_STYPE, SeededInit
 from ..statedict import FlatModel
 
@@ -70,9 +70,15 @@ class Downstream:
     init : SeededInit, optional
         How clients can build the initial model themselves (LoRA: B = 0, A from a seed). Used only if
         the first round's global model equals it bit for bit (else a warning and dense first rounds).
+    catchup : {"smallest", "exact"}
+        Lagging clients get the smaller of the missed payloads and a per-client compressed diff
+        ("smallest", default), or the missed payloads whenever the server still has them ("exact").
     """
 
-    def __init__(self, codec: CodecConfig, compressor: str, seed: int = 0, init: SeededInit | None = None) -> None:
+    def __init__(self, codec: CodecConfig, compressor: str, seed: int = 0, init: SeededInit | None = None,
+                 catchup: str = "smallest") -> None:
+        if catchup not in ("smallest", "exact"):
+            raise ValueError(f"downstream catch-up must be 'smallest' or 'exact', got {catchup!r}")
         self.codec, self.compressor, self.seed, self.init = codec, compressor, seed, init
         self.model: FlatModel | None = None  # B_v: every tensor
         self.version = 0
@@ -83,6 +89,10 @@ class Downstream:
         self._payloads: dict[int, bytes] = {}  # u -> broadcast payload B_{u-1} -> B_u
         self._pending: dict[int, tuple[int, np.ndarray | None]] = {}
         self._init_vec: np.ndarray | None = None
+        #: "exact": lagging clients get the chain of missed payloads whenever it exists, never a per-client
+        #: diff, so every client trains from a broadcast version exactly (measured: sparse codecs such as
+        #: STC drift with per-client diffs under 2-of-8 sampling, not with exact catch-ups)
+        self.exact_catchup = catchup == "exact"
         #: version -> flat B (every float tensor, model order; current and previous version)
         self.history: dict[int, np.ndarray] = {}
         #: this round: node -> bytes sent / kind of message ("payload", "chain", "diff", "init", "dense")
@@ -125,6 +135,8 @@ class Downstream:
             self._private.pop(node, None)
         self._pending = {}
         held = {v for n, v in self.node_version.items() if n not in self._private}
+        if self.exact_catchup and self._init_vec is not None:
+            held.add(1)  # nodes not seen yet start from the seeded B_1
         for u in [u for u in self._versions if u not in held and u != self.version]:
             del self._versions[u]
         oldest = min(held | {self.version})
@@ -164,9 +176,9 @@ class Downstream:
         self.history = {self.version: self.model.flat.copy(),
                         **{v: h for v, h in self.history.items() if v == self.version - 1}}
         g = self._lossy(target)
-        extras = {k: _payload_array(get_compressor("none").compress(torch.from_numpy(self.model.float_view(k).copy())))
+        extras = {k: payload_array(get_compressor("none").compress(torch.from_numpy(self.model.float_view(k).copy())))
                   for k in self.exempt_keys}
-        extras.update({k: _payload_array(encode_exact(v)) for k, v in self.model.exact.items()})
+        extras.update({k: payload_array(encode_exact(v)) for k, v in self.model.exact.items()})
         extra_bytes = sum(len(a.data) for a in extras.values())
         dense = None
         self.sent_bytes, self.sent_kind = {}, {}
@@ -200,7 +212,7 @@ class Downstream:
                     for k, a in extras.items():
                         rec[k] = a
                 for i, p in enumerate(parts):
-                    rec[chain_key(i)] = _payload_array(p)
+                    rec[chain_key(i)] = payload_array(p)
                 self._pending[node] = (self.version, held)
             msg.content[arr_key] = rec
             self.sent_bytes[node] = sum(len(a.data) for a in rec.values())
@@ -231,7 +243,7 @@ class Downstream:
         if private is None and all(u in self._payloads for u in range(label + 1, v + 1)):
             chain = [self._payloads[u] for u in range(label + 1, v + 1)]
             options.append((sum(len(p) for p in chain), 0, prefix + "chain", chain, None))
-        if held is not None:
+        if held is not None and not (self.exact_catchup and options):
             diff = self._codec(server_round, node).compress(torch.from_numpy(g - held))
             options.append((len(diff), 1, prefix + "diff", [diff], self._settle(held + self._decode(diff))))
         dense_cost = self.model.dense_bytes - extra_bytes
@@ -280,11 +292,3 @@ class Downstream:
         out = FlatModel({k: v for k, v in self.model.items()}, {k: s.dtype for k, s in self.model.specs.items()})
         scatter(out, self.lossy_keys, vec)
         return out.flat
-
-    def base_record(self) -> dict[str, np.ndarray]:
-        """B as dense arrays (what up-to-date clients train from this round)."""
-        return {k: a.numpy() for k, a in self.model.record(check=False).items()}
-
-
-def _payload_array(payload: bytes) -> Array:
-    return Array(dtype=PAYLOAD_DTYPE, shape=(len(payload),), stype=PAYLOAD_STYPE, data=payload)

@@ -14,22 +14,13 @@ from __future__ import annotations
 
 from typing import Any
 
-#: How deep the chain of wrapped strategies is followed.
-_MAX_DEPTH = 8
+from .wrapping import chain
 
 
 def owner_of(strategy: Any, name: str) -> Any | None:
-    """The first strategy in ``strategy``'s wrapping chain (itself, then ``.inner``/``.strategy``)
-    that has attribute ``name``; None if none has."""
-    obj = strategy
-    for _ in range(_MAX_DEPTH):
-        if obj is None:
-            return None
-        if hasattr(obj, name):
-            return obj
-        d = getattr(obj, "__dict__", {})
-        obj = d.get("inner", d.get("strategy"))
-    return None
+    """The first strategy in ``strategy``'s wrapping chain (:func:`.wrapping.chain`) that has
+    attribute ``name``; None if none has."""
+    return next((s for s in chain(strategy) if hasattr(s, name)), None)
 
 
 class ForwardsToInner:

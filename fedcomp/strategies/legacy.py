@@ -15,7 +15,7 @@ import statistics
 from logging import INFO, WARNING
 
 import numpy as np
-from flwr.app import Array, ArrayRecord
+from flwr.app import ArrayRecord
 from flwr.common import (
     EvaluateIns,
     EvaluateRes,
@@ -34,11 +34,11 @@ from numpy.lib import format as npy_format
 
 from ..compression import PayloadError, parse_header
 from ..config import CodecConfig
-from ..protocol import MODEL_KEY, PAYLOAD_DTYPE, PAYLOAD_STYPE
+from ..protocol import MODEL_KEY, PAYLOAD_STYPE, payload_array
 from .admission import check_max_num_examples
 from .decode import decode_update
 from .forward import ForwardsToInner
-from .round_metrics import _num
+from .round_metrics import reported_number
 
 #: ``Parameters.tensor_type`` Flower gives to ``np.save``-serialized ndarrays.
 NUMPY_TENSOR_TYPE = "numpy.ndarray"
@@ -136,7 +136,7 @@ def decode_legacy_update(payloads: list[bytes], global_arrays: list[np.ndarray])
     else:
         raise PayloadError(f"expected {len(keys)} payloads (one per array) or 1 (whole model), got {len(payloads)}")
     record = ArrayRecord(
-        {n: Array(dtype=PAYLOAD_DTYPE, shape=(len(p),), stype=PAYLOAD_STYPE, data=p) for n, p in zip(names, payloads)}
+        {n: payload_array(p) for n, p in zip(names, payloads)}
     )
     weights, info = decode_update(record, dict(zip(keys, global_arrays)))
     return [weights[k] for k in keys], info
@@ -303,7 +303,7 @@ class LegacyCompressedStrategy(ForwardsToInner, Strategy):
                 codec_bytes[name] = codec_bytes.get(name, 0) + nbytes
             up += info["upload-bytes"]
             dense += float(sum(4 * w.size for w in weights))
-            errors.append(_num(res.metrics or {}, "compression-error"))
+            errors.append(reported_number(res.metrics or {}, "compression-error"))
             dense_res = FitRes(status=res.status, parameters=ndarrays_to_parameters(weights),
                                num_examples=res.num_examples, metrics=res.metrics)
             good.append((proxy, dense_res))

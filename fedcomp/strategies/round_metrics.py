@@ -8,6 +8,8 @@ import statistics
 import numpy as np
 from flwr.app import MetricRecord, RecordDict
 
+from ..protocol import DEFAULT_DOWNLINK_MBPS, DEFAULT_UPLINK_MBPS
+
 #: Largest magnitude a client-reported number keeps (larger ones are clamped to it): sums and
 #: weighted means over a million clients with weights up to 1e9 then stay far below float64's
 #: 1.8e308, so no client value can make the server raise (``OverflowError`` in ``fsum``, issue 21
@@ -20,7 +22,7 @@ def bounded(v: float) -> float:
     return max(-METRIC_BOUND, min(METRIC_BOUND, float(v)))
 
 
-def _num(metrics: dict, key: str, default: float = 0.0) -> float:
+def reported_number(metrics: dict, key: str, default: float = 0.0) -> float:
     """A client-reported metric as a finite float within ±:data:`METRIC_BOUND` (untrusted:
     non-numbers and non-finite values become ``default``, larger magnitudes are clamped)."""
     v = metrics.get(key, default)
@@ -40,11 +42,52 @@ def bounded_metrics(metrics: dict) -> dict:
     return out
 
 
-def _epsilon(v) -> float | None:
+def reported_epsilon(v) -> float | None:
     """A client-reported epsilon: a number >= 0 (inf allowed: no privacy), else None (ignored)."""
     if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or v < 0:
         return None
     return float(v)
+
+
+def client_stats(node: int, metrics: dict, upload_bytes: int, dense_bytes: int, decode_seconds: float,
+                 machine: str | None = None) -> dict:
+    """One client's figures of the round (a ``client_history`` entry) from its reported metrics.
+
+    Parameters
+    ----------
+    node : int
+        The client's node id.
+    metrics : dict
+        What the client reported (untrusted: non-numbers count as the default).
+    upload_bytes, dense_bytes : int
+        Payload bytes received; what the update costs dense (fp32 floats, exact tensors as is).
+    decode_seconds : float
+        Server time spent decoding the reply.
+    machine : str, optional
+        The client's ``platform.machine()`` as it reported it.
+    """
+    up = reported_number(metrics, "uplink-mbps", DEFAULT_UPLINK_MBPS)
+    down = reported_number(metrics, "downlink-mbps", DEFAULT_DOWNLINK_MBPS)
+    return {
+        "node": node,
+        "decode-seconds": decode_seconds,
+        "train-seconds": reported_number(metrics, "train-seconds"),
+        "compress-seconds": reported_number(metrics, "compress-seconds"),
+        "uplink-mbps": up if up > 0 else DEFAULT_UPLINK_MBPS,
+        "downlink-mbps": down if down > 0 else DEFAULT_DOWNLINK_MBPS,
+        "residual-bytes": reported_number(metrics, "residual-bytes"),
+        "residual-saturated": reported_number(metrics, "residual-saturated"),
+        "upload-bytes": float(upload_bytes),
+        "dense-bytes": float(dense_bytes),
+        "compression-error": reported_number(metrics, "compression-error"),
+        "residual-norm": reported_number(metrics, "residual-norm"),
+        "download-bytes": reported_number(metrics, "download-bytes"),
+        "density": reported_number(metrics, "density"),
+        "client-peak-rss-mb": reported_number(metrics, "client-peak-rss-mb"),
+        "machine": machine,
+        "epsilon": reported_epsilon(metrics.get("epsilon")),
+        "epsilon-next": reported_epsilon(metrics.get("epsilon-next")),
+    }
 
 
 def client_seconds(c: dict, uplink_mbps: float | None = None, downlink_mbps: float | None = None) -> float:

@@ -53,7 +53,7 @@ def _lockstep(run_config: dict, nodes: int = 2) -> tuple[list[float], Compressed
 
     def twin(rnd, replies):
         replies = list(replies)
-        dense._sent, dense._sampled, dense._arr_key = streaming._sent, streaming._sampled, streaming._arr_key
+        dense.remember(rnd, streaming.sent_round.model, streaming.sent_round.sampled)
         want, want_m = dense.aggregate_train(rnd, copy.deepcopy(replies))
         got, got_m = orig(rnd, replies)
         assert (want is None) == (got is None)

@@ -1,9 +1,9 @@
 """Run-config validation names the key and the allowed range; defaults match pyproject."""
 
 import pathlib
+import tomllib
 
 import pytest
-import tomllib
 
 from fedcomp.config import APP_KEYS, AppConfig, CodecConfig, check_known_keys, run_config_keys
 

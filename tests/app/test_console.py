@@ -6,7 +6,7 @@ import logging
 
 import pytest
 from flwr.app import Context, RecordDict
-from flwr.common.logger import console_handler, log
+from flwr.common.logger import FLOWER_LOGGER, console_handler, log
 
 from fedcomp.client.app import app as client_app
 from fedcomp.server.app import main
@@ -17,12 +17,16 @@ from fedcomp.simulation import InProcessGrid
 
 @pytest.fixture
 def console():
-    """Flower's console handler writing into a buffer (restored afterwards, filters included)."""
+    """Flower's console handler writing into a buffer (restored afterwards, filters included); the
+    ``flwr`` logger at DEBUG as Flower sets it (other test modules lower it to WARNING at import)."""
     buf, old_stream, old_filters = io.StringIO(), console_handler.stream, list(console_handler.filters)
+    old_level = FLOWER_LOGGER.level
     console_handler.stream = buf
+    FLOWER_LOGGER.setLevel(logging.DEBUG)
     yield buf
     console_handler.stream = old_stream
     console_handler.filters[:] = old_filters
+    FLOWER_LOGGER.setLevel(old_level)
 
 
 @pytest.mark.parametrize("verbose", [False, True])

@@ -7,6 +7,7 @@ from flwr.serverapp.strategy import FedAvg
 
 from fedcomp.client import compression_mod
 from fedcomp.device import CLIENT_INFO_KEY, client_info, peak_rss_mb, reported_machine
+from fedcomp.statedict import FlatModel
 from fedcomp.strategies import CompressedStrategy
 from fedcomp.strategies.round_metrics import machine_counts
 
@@ -35,7 +36,7 @@ def test_client_info_and_peak_rss_describe_this_process():
 def test_server_counts_machines_and_keeps_the_largest_peak_rss():
     g, t = weights(0), weights(1)
     s = CompressedStrategy(FedAvg(fraction_evaluate=0.0, min_available_nodes=1, min_train_nodes=1), compressor="stc")
-    s._sent = {1: {k: v.copy() for k, v in g.items()}}
+    s.remember(1, FlatModel.from_numpy(g))
     replies = [_reply(g, t, 1, "aarch64"), _reply(g, t, 2, "x86_64"), _reply(g, t, 3, "aarch64"),
                _reply(g, t, 4, None), _reply(g, t, 5, "x" * 33)]
     peaks = [float(r.content["metrics"]["client-peak-rss-mb"]) for r in replies]

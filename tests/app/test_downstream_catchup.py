@@ -7,7 +7,7 @@ import pytest
 import torch
 from flwr.app import ConfigRecord, RecordDict
 
-from fedcomp.client.mod import _rebuild_downstream
+from fedcomp.client.downstream import rebuild
 from fedcomp.config import CodecConfig
 from fedcomp.protocol import MODEL_STATE_KEY
 from fedcomp.seeded_init import lora_init
@@ -40,7 +40,7 @@ class Fed:
         self.ds.prepare(self.rnd, rec, msgs)
         out = {}
         for m, n in zip(msgs, nodes):
-            out[n] = _rebuild_downstream(m, self.ctx[n], "arrays", m.content["arrays"])
+            out[n] = rebuild(m, self.ctx[n], "arrays", m.content["arrays"], dict(m.content["config"]))
             if reply:
                 self.ds.received(n)
         return out
@@ -124,6 +124,11 @@ def test_a_client_that_did_not_reply_is_treated_as_new():
     assert np.array_equal(_flat(got[1]), fed.ds.held(1))
 
 
+def test_unknown_catchup_is_refused():
+    with pytest.raises(ValueError, match="catch-up"):
+        Downstream(CodecConfig(), "stc", catchup="dense")
+
+
 def test_without_a_seeded_start_new_clients_get_the_model_dense():
     init, seq = _walk(rounds=2)
     fed = Fed("sign", 2)
@@ -131,3 +136,16 @@ def test_without_a_seeded_start_new_clients_get_the_model_dense():
     got = fed.round(seq[1], [1])
     assert fed.ds.sent_kind[1] == "dense"
     assert np.array_equal(_flat(got[1]), fed.ds.history[fed.ds.version])
+
+
+def test_exact_catch_ups_keep_every_client_on_a_broadcast_version():
+    init, seq = _walk(rounds=6)
+    fed = Fed("stc", 3, init=init, density=0.05)
+    fed.ds = Downstream(CodecConfig.from_mapping({"density": 0.05}), "stc", init=init, catchup="exact")
+    fed.round(seq[0], [0, 1])
+    for r in (1, 2, 3):
+        fed.round(seq[r], [0])
+    got = fed.round(seq[4], [0, 1, 2])  # node 1 lags 3 rounds, node 2 is new
+    assert fed.ds.sent_kind[1] == "chain" and fed.ds.sent_kind[2] == "init+chain"
+    for n in (0, 1, 2):
+        assert np.array_equal(_flat(got[n]), fed.ds.history[fed.ds.version])  # exactly B_v, bit for bit

@@ -72,6 +72,7 @@ def _private_run(tmp_path, nodes: int, run_config: str, ports: tuple[str, str], 
     return proc.stdout + proc.stderr, results / "metrics.json", proc.returncode
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("pgrep") is None, reason="needs pgrep to stop the local SuperLink")
 def test_flwr_run_local_simulation(tmp_path):
     log, metrics_file, code = _private_run(tmp_path, 3, "num-server-rounds=2 compressor='sign' lr=0.1",
@@ -83,6 +84,8 @@ def test_flwr_run_local_simulation(tmp_path):
     rounds = data["rounds"]
     assert [r["round"] for r in rounds] == [0, 1, 2]
     assert all(r["num-replies"] == 3 for r in rounds[1:])
+    # federated evaluation (fraction-evaluate 0.5 of 3 nodes: 1) next to the server-side one
+    assert all(r["federated-num-replies"] == 1 and 0 <= r["federated-accuracy"] <= 1 for r in rounds[1:])
     n_params = 38282
     for r in rounds[1:]:
         # sign: 1 bit/param + per-tensor headers and scales, 3 clients
@@ -104,6 +107,7 @@ def test_flwr_run_local_simulation(tmp_path):
     assert "[ROUND 2/2]" in kept and "Final results" in kept and "Aggregated MetricRecord" in kept
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("pgrep") is None, reason="needs pgrep to stop the local SuperLink")
 def test_flwr_run_trains_the_batchnorm_resnet(tmp_path):
     """`flwr run . --run-config "model='resnet'"` end to end (BatchNorm, int64 num_batches_tracked)."""

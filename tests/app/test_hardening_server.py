@@ -35,7 +35,7 @@ def _reply(global_w, trained_w, node, n=10, metrics=None, codec=None):
 
 
 def _setup(strategy, g, rnd=1):
-    strategy._sent = {rnd: FlatModel({k: v.copy() for k, v in g.items()}, {k: str(v.dtype) for k, v in g.items()})}
+    strategy.remember(rnd, FlatModel.from_numpy(g))
 
 
 # -- item 1: finite but huge client metrics ------------------------------------------------------

@@ -24,7 +24,7 @@ logging.getLogger("flwr").setLevel(logging.WARNING)
 def _round(strategy, sd: dict, trained: list[dict], weights: list[int], server_round: int = 1):
     """One round through compression_mod and strategy.aggregate_train; returns the new state_dict."""
     config = {"server-round": server_round, **strategy.codec.to_mapping()}
-    strategy._sent = {server_round: FlatModel.from_record(to_record(sd))}
+    strategy.remember(server_round, FlatModel.from_record(to_record(sd)))
     replies = []
     for i, (t, n) in enumerate(zip(trained, weights)):
         msg = make_msg(RecordDict({"arrays": to_record(sd), "config": ConfigRecord(config)}), dst=10 + i)

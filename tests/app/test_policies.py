@@ -8,7 +8,7 @@ from flwr.app import ArrayRecord, ConfigRecord
 from flwr.serverapp.strategy import FedAvg
 
 import fedcomp.compression as fc
-from fedcomp.client.mod import adaptive_density, compress_update, plan_units
+from fedcomp.client.update import adaptive_density, compress_update, plan_units
 from fedcomp.config import CodecConfig
 from fedcomp.protocol import MODEL_KEY
 from fedcomp.strategies import CompressedStrategy

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from fedcomp.client.app import app as client_app
 from fedcomp.protocol import MODEL_KEY, PAYLOAD_DTYPE, PAYLOAD_STYPE, RESIDUAL_STATE_KEY
 from fedcomp.simulation import InProcessGrid
+from fedcomp.statedict import FlatModel
 from fedcomp.strategies import CompressedStrategy
 
 from .helpers import make_ctx, reply_with, train_msg, weights
@@ -102,7 +103,7 @@ CLEAN = None
 def test_fuzzed_replies_never_touch_the_global_model(data):
     global CLEAN
     s = CompressedStrategy(FedAvg(fraction_evaluate=0.0, min_available_nodes=1, min_train_nodes=1), compressor="topk")
-    s._sent = {1: {k: v.copy() for k, v in G.items()}}
+    s.remember(1, FlatModel.from_numpy(G))
     if CLEAN is None:
         CLEAN = {k: a.numpy().copy() for k, a in s.aggregate_train(1, [_good_reply(1)])[0].items()}
     bad = _good_reply(2)

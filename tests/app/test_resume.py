@@ -80,7 +80,7 @@ def test_bad_checkpoints_are_refused_with_the_file_named(tmp_path):
 
 
 def test_corrupt_client_residual_file_is_ignored_not_fatal(tmp_path):
-    from fedcomp.client.mod import load_residuals
+    from fedcomp.client.state import load_residuals
 
     bad = tmp_path / "residual-0.npz"
     bad.write_bytes(b"not a zip")

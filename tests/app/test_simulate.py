@@ -40,7 +40,8 @@ def test_not_a_flower_app(tmp_path, nothing_starts, capsys):
 
 FAILED = """Starting local SuperLink on 127.0.0.1:39091...
 \x1b[93mWARNING \x1b[0m:   Since flwr 1.32, default simulated SuperNodes changed from 10 to 2.
-\x1b[91mERROR \x1b[0m:     fedcomp  run config 'resume': the codec settings differ from the checkpoint's: 'compressor' = 'sign' (checkpoint: 'stc') (the run stopped; `flwr run` still exits 0)
+\x1b[91mERROR \x1b[0m:     fedcomp  run config 'resume': the codec settings differ from the checkpoint's: \
+'compressor' = 'sign' (checkpoint: 'stc') (the run stopped; `flwr run` still exits 0)
 \x1b[91mERROR \x1b[0m:     Exit Code: 700
 """
 FINISHED = """\x1b[92mINFO \x1b[0m:      fedcomp  final accuracy 0.3667 after 2 rounds, 0.003 MB uploaded in total

@@ -9,6 +9,7 @@ import fedcomp.compression as fc
 from fedcomp.client import compression_mod
 from fedcomp.protocol import MODEL_KEY, PAYLOAD_DTYPE, PAYLOAD_STYPE
 from fedcomp.simulation import InProcessGrid
+from fedcomp.statedict import FlatModel
 from fedcomp.strategies import CompressedStrategy
 
 from .helpers import make_ctx, reply_with, train_msg, weights
@@ -21,7 +22,7 @@ def compressed_reply(global_w, trained_w, node=7, codec=None, n=10):
 
 def setup(strategy, global_w, rnd=1):
     # configure_train needs sampled nodes; call only the remembering part through a grid stub
-    strategy._sent = {rnd: {k: v.copy() for k, v in global_w.items()}}
+    strategy.remember(rnd, FlatModel.from_numpy(global_w))
 
 
 def fedavg():

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from fedcomp.client.training import TrainConfig, train
+from fedcomp.training import TrainConfig, train
 from fedcomp.config import AppConfig, CodecConfig
 
 

@@ -106,14 +106,19 @@ def test_sign_of_zero_is_plus_scale():
     assert out.tolist() == [2.0, -2.0, 2.0]
 
 
+def _sparse_round_trip(name: str, density: float, n: int, seed: int):
+    """(input, decoded output, k, indices of the k largest magnitudes) of one sparse codec."""
+    x = randn(n, seed=seed)
+    out = fc.decompress(fc.get_compressor(name, density=density).compress(x))
+    k = k_for(density, x.numel())
+    return x, out, k, torch.topk(x.abs(), k).indices
+
+
 @pytest.mark.parametrize("density", [0.001, 0.01, 0.1, 1.0])
 def test_stc_structure(density):
-    x = randn(20000, seed=3)
-    out = fc.decompress(fc.get_compressor("stc", density=density).compress(x))
-    k = k_for(density, x.numel())
+    x, out, k, top = _sparse_round_trip("stc", density, 20000, seed=3)
     nz = torch.nonzero(out).squeeze(1)
     assert nz.numel() == k
-    top = torch.topk(x.abs(), k).indices
     assert set(nz.tolist()) == set(top.tolist())
     mu = x.abs()[top].mean(dtype=torch.float64).float()
     assert torch.equal(out[nz].abs(), torch.full((k,), float(mu)))
@@ -131,10 +136,7 @@ def test_k_rounding_and_clamping():
 
 @pytest.mark.parametrize("density", [0.0025, 0.01, 0.05, 0.2])
 def test_topk_structure_values_bit_identical(density):
-    x = randn(50000, seed=4)
-    out = fc.decompress(fc.get_compressor("topk", density=density).compress(x))
-    k = k_for(density, x.numel())
-    top = torch.topk(x.abs(), k).indices
+    x, out, _, top = _sparse_round_trip("topk", density, 50000, seed=4)
     mask = torch.zeros_like(x, dtype=torch.bool)
     mask[top] = True
     assert torch.equal(out[mask], x[mask])

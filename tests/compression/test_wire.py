@@ -48,25 +48,13 @@ def test_pickle_bytes_are_not_a_payload():
         fc.decompress(pickle.dumps(torch.zeros(3)))
 
 
-def test_unknown_version_and_codec():
+@pytest.mark.parametrize("offset, value, match", [
+    (4, 9, "version 9"), (5, 200, "unknown codec id 200"), (6, 77, "dtype"), (7, 200, "ndim"),
+], ids=["version", "codec-id", "dtype", "ndim"])
+def test_a_bad_header_field_is_refused_naming_it(offset, value, match):
     p = bytearray(payload())
-    p[4] = 9
-    with pytest.raises(fc.PayloadError, match="version 9"):
-        fc.decompress(bytes(p))
-    p = bytearray(payload())
-    p[5] = 200
-    with pytest.raises(fc.PayloadError, match="unknown codec id 200"):
-        fc.decompress(bytes(p))
-
-
-def test_unknown_dtype_and_too_many_dims():
-    p = bytearray(payload())
-    p[6] = 77
-    with pytest.raises(fc.PayloadError, match="dtype"):
-        fc.decompress(bytes(p))
-    p = bytearray(payload())
-    p[7] = 200
-    with pytest.raises(fc.PayloadError, match="ndim"):
+    p[offset] = value
+    with pytest.raises(fc.PayloadError, match=match):
         fc.decompress(bytes(p))
 
 

@@ -138,6 +138,7 @@ def _run_launcher(tmp_path, capsys, *extra):
     return code, out
 
 
+@pytest.mark.slow
 def test_launcher_two_supernodes_two_rounds(tmp_path, capsys):
     code, out = _run_launcher(tmp_path, capsys, "--supernodes", "2", "--run-config",
                               "num-server-rounds=2 compressor='stc' density=0.05")
@@ -154,6 +155,7 @@ def test_launcher_two_supernodes_two_rounds(tmp_path, capsys):
     assert subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True).stdout == b""
 
 
+@pytest.mark.slow
 def test_bad_run_config_fails_at_once_with_one_line(tmp_path, capsys):
     t0 = time.monotonic()
     code, out = _run_launcher(tmp_path, capsys, "--supernodes", "1", "--run-config", "density=2.0")
@@ -164,6 +166,7 @@ def test_bad_run_config_fails_at_once_with_one_line(tmp_path, capsys):
     assert time.monotonic() - t0 < 120
 
 
+@pytest.mark.slow
 def test_killed_supernode_does_not_stop_the_run(tmp_path, capsys):
     code, out = _run_launcher(tmp_path, capsys, "--supernodes", "3", "--kill-supernode-after-round", "1",
                               "--run-config", "num-server-rounds=2 compressor='sign' round-timeout=45.0")
@@ -177,6 +180,7 @@ def test_killed_supernode_does_not_stop_the_run(tmp_path, capsys):
     assert rounds[2]["accuracy"] > 0.0
 
 
+@pytest.mark.slow
 def test_wrong_address_fails_fast_with_a_clear_message(tmp_path):
     home = tmp_path / "home"
     write_connection(home, "127.0.0.1:1")

@@ -13,16 +13,16 @@ from opacus.accountants import RDPAccountant
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from fedcomp.client import dp_sgd
-from fedcomp.client.dp_sgd import (
+from fedcomp import privacy
+from fedcomp.client.dp_sgd import train_dp_sgd
+from fedcomp.privacy import (
     DPSGDConfig,
     accountant_state,
     calibrate_noise_multiplier,
     epsilon_spent,
     restore_accountant,
-    train_dp_sgd,
 )
-from fedcomp.client.training import TrainConfig
+from fedcomp.training import TrainConfig
 
 CPU = torch.device("cpu")
 
@@ -258,7 +258,7 @@ def test_bad_config_raises_value_error_naming_the_key(cfg, key):
 
 
 def test_secure_rng_fails_fast_explaining_torchcsprng():
-    if dp_sgd._secure_rng_available():
+    if privacy.secure_rng_available():
         pytest.skip("torchcsprng is installed here")
     with pytest.raises(ValueError, match="'secure-rng'.*torchcsprng"):
         DPSGDConfig.from_mapping({"secure-rng": True})
@@ -270,7 +270,7 @@ def test_target_epsilon_calibration_reaches_target_after_planned_rounds():
     data = make_data(64)
     tc = TrainConfig(local_epochs=1, batch_size=8, accumulation_steps=2, lr=0.05, momentum=0.9)
     dc = DPSGDConfig(target_epsilon=2.0, target_delta=1e-5, planned_rounds=3, noise_multiplier=123.0)
-    sigma = dp_sgd.resolve_noise_multiplier(dc, tc, 64)
+    sigma = privacy.resolve_noise_multiplier(dc, tc, 64)
     assert sigma == calibrate_noise_multiplier(target_epsilon=2.0, target_delta=1e-5, sample_rate=0.25,
                                                steps=3 * 4, accountant="rdp")
     model, st, eps = tiny_mlp(), None, []

@@ -6,8 +6,7 @@ import math
 
 import pytest
 
-from fedcomp.client.dp_sgd import epsilon_spent, new_accountant
-from fedcomp.privacy import ClientLevelDP, LocalDP
+from fedcomp.privacy import ClientLevelDP, LocalDP, epsilon_spent, new_accountant
 
 DELTAS = (1e-12, 1e-5, 0.1, 0.5, 0.9, 0.999999)
 NOISE = (0.3, 1.0, 10.0, 100.0)

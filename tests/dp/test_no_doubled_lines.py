@@ -11,6 +11,7 @@ import sys
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow  # one fresh interpreter and federation per DP mode
 
 SCRIPT = """
 import logging, sys

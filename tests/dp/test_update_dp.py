@@ -11,7 +11,7 @@ from flwr.app import ArrayRecord, ConfigRecord
 from flwr.serverapp.strategy import DifferentialPrivacyServerSideFixedClipping, FedAvg
 
 import fedcomp.compression as fc
-from fedcomp.client.mod import compress_update
+from fedcomp.client.update import compress_update
 from fedcomp.config import AppConfig, CodecConfig
 from fedcomp.privacy import ClientLevelDP, LocalDP, clip_and_noise
 from fedcomp.protocol import MODEL_KEY
@@ -115,7 +115,7 @@ def _run(strategy, rounds=2, nodes=3, run_config=None):
     orig = strategy.aggregate_train
 
     def spy(rnd, replies):
-        before = {k: v.copy() for k, v in strategy._sent[rnd].items()}
+        before = {k: v.copy() for k, v in strategy.sent_round.model.items()}
         arrays, m = orig(rnd, replies)
         if arrays is not None:
             norms.append(float(np.sqrt(sum(((arrays[k].numpy().astype(np.float64) - before[k]) ** 2).sum()
@@ -229,9 +229,9 @@ def test_dp_sgd_client_refuses_a_round_past_the_budget():
 
 
 def test_untrusted_epsilon_reports_are_sanitised():
-    from fedcomp.strategies.compressed import _epsilon
+    from fedcomp.strategies.round_metrics import reported_epsilon
 
-    assert [_epsilon(v) for v in (-1.0, float("nan"), "3", True, 2.5, math.inf)] == [None, None, None, None, 2.5,
+    assert [reported_epsilon(v) for v in (-1.0, float("nan"), "3", True, 2.5, math.inf)] == [None, None, None, None, 2.5,
                                                                                       math.inf]
 
 
@@ -246,7 +246,7 @@ def test_poisson_client_sampling_amplifies_client_level_privacy():
 
     def spy(rnd, arrays, config, grid):
         msgs = orig(rnd, arrays, config, grid)
-        counts.append((len(msgs), s._sampled))
+        counts.append((len(msgs), s.sent_round.sampled))
         return msgs
 
     s.configure_train = spy

@@ -8,7 +8,6 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord
 
 from fedcomp.client.app import app as client_app
-from fedcomp.client.training import TrainConfig, evaluate, make_optimizer, train
 from fedcomp.config import AppConfig
 from fedcomp.data import DataConfig, load_partition, load_test_set
 from fedcomp.lm import build_transformer, transformer_config
@@ -18,6 +17,7 @@ from fedcomp.server.app import build_inner, privacy_options
 from fedcomp.simulation import InProcessGrid
 from fedcomp.statedict import to_state_dict
 from fedcomp.strategies import CompressedStrategy
+from fedcomp.training import TrainConfig, evaluate, make_optimizer, train
 
 logging.getLogger("flwr").setLevel(logging.WARNING)
 NODES = 2

@@ -91,7 +91,7 @@ def _federation(base_dir, codec, downstream, nodes=3, fraction=1.0, **params):
 
 @pytest.mark.parametrize("codec", ["sign", "stc", "topk", "int8", "qsgd", "eden", "none"])
 def test_only_compressed_adapters_travel_and_the_base_stays_frozen(base_dir, codec):
-    s, grid, strategy, arrays = _federation(base_dir, codec, "sign", density=0.1)
+    s, grid, strategy, arrays = _federation(base_dir, codec, "sign", nodes=2, density=0.1)
     model = lora_model(s)
     before = base_fingerprint(model)
     adapter_keys = set(arrays.keys())
@@ -112,11 +112,11 @@ def test_only_compressed_adapters_travel_and_the_base_stays_frozen(base_dir, cod
         arrays, _ = strategy.aggregate_train(rnd, replies)
         assert set(arrays.keys()) == adapter_keys
     assert base_fingerprint(model) == before  # the frozen base is untouched, bit for bit
-    assert max(sent_log[:3]) == 8 * len(adapter_keys)  # round 1: one bound per tensor
-    assert max(sent_log[3:]) < dense / 20  # round 2: a 1-bit payload of the change
+    assert max(sent_log[:2]) == 8 * len(adapter_keys)  # round 1: one bound per tensor
+    assert max(sent_log[2:]) < dense / 20  # round 2: a 1-bit payload of the change
     h = strategy.history[2]
     bits = {"sign": 1.1, "stc": 1, "topk": 5, "int8": 9, "qsgd": 6, "eden": 1.3, "none": 33}[codec]
-    assert h["upload-bytes"] < 3 * (dense * bits / 32 + 8 * 48)  # 3 clients, at most 8 payload headers each
+    assert h["upload-bytes"] < 2 * (dense * bits / 32 + 8 * 48)  # 2 clients, at most 8 payload headers each
 
 
 def test_fine_tuning_lowers_the_loss_and_lagging_clients_catch_up_cheaply(base_dir):

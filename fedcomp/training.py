@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from ..objective import loss_and_hits
+from .objective import loss_and_hits
 
 OPTIMIZERS = ("sgd", "adamw")
 PRECISIONS = ("fp32", "bf16")

@@ -79,15 +79,14 @@ def _zoo():
 
 
 def test_checkpoint_keeps_every_shape_and_dtype(tmp_path):
-    import types
 
     import numpy as np
 
     from fedcomp.server import checkpoint
 
     zoo = _zoo()
-    checkpoint.save(tmp_path, 3, zoo, types.SimpleNamespace(), [{"round": 3}])
-    rnd, back, _ = checkpoint.load(tmp_path, types.SimpleNamespace(), {k: v.shape for k, v in zoo.items()})
+    checkpoint.save(tmp_path, 3, zoo, None, [{"round": 3}])
+    rnd, back, _ = checkpoint.load(tmp_path, None, {k: v.shape for k, v in zoo.items()})
     assert rnd == 3 and list(back) == list(zoo)
     for k, v in zoo.items():
         assert back[k].shape == v.shape and back[k].dtype == v.dtype, k
@@ -97,13 +96,12 @@ def test_checkpoint_keeps_every_shape_and_dtype(tmp_path):
 
 def test_a_crash_between_the_two_files_leaves_a_pair_that_is_refused(tmp_path, monkeypatch):
     import os
-    import types
 
     import numpy as np
 
     from fedcomp.server import checkpoint
 
-    s = types.SimpleNamespace()
+    s = None
     checkpoint.save(tmp_path, 1, {"w": np.zeros(4, np.float32)}, s, [{"round": 1}])
     real, calls = os.replace, []
 
@@ -113,10 +111,10 @@ def test_a_crash_between_the_two_files_leaves_a_pair_that_is_refused(tmp_path, m
             raise KeyboardInterrupt("killed")  # the server dies after the weights file was replaced
         real(src, dst)
 
-    monkeypatch.setattr(checkpoint.os, "replace", crash_on_the_manifest)
+    monkeypatch.setattr(os, "replace", crash_on_the_manifest)
     with pytest.raises(KeyboardInterrupt):
         checkpoint.save(tmp_path, 2, {"w": np.ones(4, np.float32)}, s, [{"round": 1}, {"round": 2}])
-    monkeypatch.setattr(checkpoint.os, "replace", real)
+    monkeypatch.setattr(os, "replace", real)
     assert calls[0].endswith(checkpoint.WEIGHTS)
     with pytest.raises(ValueError, match=r"torn checkpoint .* holds round 2 .* written for round 1"):
         checkpoint.load(tmp_path, s)
@@ -124,13 +122,12 @@ def test_a_crash_between_the_two_files_leaves_a_pair_that_is_refused(tmp_path, m
 
 def test_a_checkpoint_without_a_checksum_or_with_an_edited_weights_file_is_refused(tmp_path):
     import json
-    import types
 
     import numpy as np
 
     from fedcomp.server import checkpoint
 
-    s = types.SimpleNamespace()
+    s = None
     checkpoint.save(tmp_path, 1, {"w": np.zeros(4, np.float32)}, s, [{"round": 1}])
     meta = json.loads((tmp_path / checkpoint.META).read_text())
     np.savez(tmp_path / checkpoint.WEIGHTS, **{"w/w": np.ones(4, np.float32)})  # same round, other weights
@@ -180,6 +177,7 @@ def test_fp16_residual_saturation_is_reported_and_warned_once_per_client(caplog)
     from flwr.serverapp.strategy import FedAvg
 
     from fedcomp.client import compression_mod
+    from fedcomp.statedict import FlatModel
     from fedcomp.strategies import CompressedStrategy
 
     from .helpers import make_ctx, reply_with, train_msg
@@ -204,7 +202,7 @@ def test_fp16_residual_saturation_is_reported_and_warned_once_per_client(caplog)
     # ... and the server sums it per round (the value metrics.json records).
     s = CompressedStrategy(FedAvg(fraction_evaluate=0.0, min_available_nodes=1, min_train_nodes=1),
                            compressor="topk", density=0.01)
-    s._sent = {1: {"w": g["w"].copy()}}
+    s.remember(1, FlatModel.from_numpy({"w": g["w"]}))
     replies = []
     for node in (1, 2):
         c = make_ctx(node_id=node)

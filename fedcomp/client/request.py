@@ -1,0 +1,137 @@
+"""What one train message asks of this node, read once: the codec (node config may override),
+local-DP settings checked against the node's own floor, Flower's client-side clipping norm, the
+round and the seed of stochastic codecs (downstream model versions are read by
+:func:`.downstream.rebuild`, which owns them)."""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+from flwr.app import ArrayRecord, Context, Message, RecordDict
+
+from ..config import CODEC_DEFAULTS, DP_MODES, CodecConfig
+from ..privacy import LocalDP
+from .update import CompositionError
+
+
+def only_record(content: RecordDict, kind: str) -> tuple[str, Any]:
+    """The one ``kind`` ("array" or "config") record of ``content``, with its key.
+
+    Raises
+    ------
+    CompositionError
+        Not exactly one such record.
+    """
+    recs = content.array_records if kind == "array" else content.config_records
+    if len(recs) != 1:
+        raise CompositionError(f"compression_mod expects exactly one {kind} record in the message, found {len(recs)}")
+    return next(iter(recs.items()))
+
+
+@dataclass
+class TrainRequest:
+    """One train message, parsed.
+
+    Attributes
+    ----------
+    config : dict
+        The train ConfigRecord's entries ({} when the message has none).
+    array_key : str
+        Key of the message's ArrayRecord.
+    arrays : ArrayRecord
+        As received: dense weights, or a downstream payload record.
+    server_round : int
+        ``server-round`` (0 if absent).
+    codec : CodecConfig
+        The codec the server asked for, node-config keys of the same names applied over it.
+    seed : int
+        Seed of stochastic codecs: a hash of run seed, partition (or node id) and round. Never
+        used for privacy noise.
+    local_dp : LocalDP or None
+        Local DP the server asked for (never below the node's own floor).
+    clipping_norm : float or None
+        Flower's client-side ``clipping_norm`` in the train config, if any.
+    """
+
+    config: dict
+    array_key: str
+    arrays: ArrayRecord
+    server_round: int
+    codec: CodecConfig
+    seed: int
+    local_dp: LocalDP | None
+    clipping_norm: float | None
+
+    @classmethod
+    def parse(cls, msg: Message, context: Context) -> TrainRequest:
+        """Read ``msg`` (a train message) in the node's ``context``.
+
+        Raises
+        ------
+        CompositionError
+            Not exactly one ArrayRecord (or more than one ConfigRecord).
+        ValueError
+            A codec key out of range, an unknown ``dp`` mode in the node's or run config, or
+            local DP below the node's own floor (the client refuses to train; Flower sends an
+            error reply).
+        """
+        config = dict(only_record(msg.content, "config")[1]) if msg.content.config_records else {}
+        codec = _codec(config, context)
+        array_key, arrays = only_record(msg.content, "array")
+        rnd = config.get("server-round", 0)
+        rnd = int(rnd) if isinstance(rnd, (int, float)) and not isinstance(rnd, bool) else 0
+        clip = config.get("clipping_norm")
+        clip = None if isinstance(clip, bool) or not isinstance(clip, (int, float)) else float(clip)
+        return cls(config, array_key, arrays, rnd, codec, _stream_seed(context, rnd), _local_dp(config, context),
+                   clip)
+
+
+def _codec(config: dict, context: Context) -> CodecConfig:
+    merged = {k: v for k, v in config.items() if k in CODEC_DEFAULTS}
+    merged.update({k: v for k, v in context.node_config.items() if k in CODEC_DEFAULTS})
+    return CodecConfig.from_mapping(merged, source="train/node config")
+
+
+def _stream_seed(context: Context, server_round: int) -> int:
+    node = context.node_config.get("partition-id", context.node_id)
+    key = f"{context.run_config.get('seed', 0)}:{node}:{server_round}"
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little") >> 1
+
+
+def _own_local_dp(context: Context) -> LocalDP | None:
+    """This client's own local-DP floor: node config ``dp = "local"`` (with its ``noise-multiplier``
+    and ``clipping-norm``), else the run config's; None if neither asks for local DP.
+
+    Raises
+    ------
+    ValueError
+        A ``dp`` value that is not one of :data:`fedcomp.config.DP_MODES` (``"Local"``, ``"locl"``):
+        the client refuses rather than train with its privacy floor silently off."""
+    for where, cfg in (("node config", context.node_config), ("run config", context.run_config)):
+        if "dp" in cfg and cfg["dp"] not in DP_MODES:  # a slip ("Local") must not switch the privacy floor off
+            close = difflib.get_close_matches(str(cfg["dp"]).lower(), DP_MODES, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(f"{where} 'dp' must be one of {list(DP_MODES)}, got {cfg['dp']!r}{hint}; "
+                             "this client does not train with an unknown privacy setting")
+        if cfg.get("dp") == "local":
+            return LocalDP(cfg.get("clipping-norm", 1.0), cfg.get("noise-multiplier", 1.0))
+        if "dp" in cfg:
+            return None
+    return None
+
+
+def _local_dp(config: dict, context: Context) -> LocalDP | None:
+    """The server's local-DP request, checked against this client's own floor: the privacy of a
+    Gaussian release depends on the noise multiplier alone, so the server may pick the clipping
+    norm, but never a noise multiplier below the client's own."""
+    server = (LocalDP(config["local-dp-clipping-norm"], config.get("local-dp-noise-multiplier", 0.0))
+              if "local-dp-clipping-norm" in config else None)
+    own = _own_local_dp(context)
+    if own is not None and (server is None or server.noise_multiplier < own.noise_multiplier):
+        asked = "no local DP" if server is None else f"noise multiplier {server.noise_multiplier}"
+        raise ValueError(f"privacy floor: this client's config sets dp = 'local' with noise multiplier "
+                         f"{own.noise_multiplier}, the server asked for {asked}; the client does not train")
+    return server

@@ -1,0 +1,140 @@
+"""What a client keeps between rounds: the error-feedback residuals (and codec state) and the
+DP-SGD accountant's history.
+
+Both live in ``context.state`` (Flower keeps it per node across the rounds of one run) and,
+when node config ``state-dir`` (or run config ``client-state-dir``) names a folder, in files
+there, so that a restarted SuperNode or a resumed run continues where it stopped:
+``residual-<partition-id or node id>.npz`` and ``accountant-<partition-id or node id>.json``.
+Every file is written by :func:`fedcomp.files.write_atomically` and read back without pickle.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from dataclasses import dataclass
+from logging import WARNING
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, Context, MetricRecord
+from flwr.common.logger import log
+
+from ..files import write_atomically
+from ..privacy import STATE_KEYS
+from ..protocol import RESIDUAL_STATE_KEY
+
+#: Key in ``context.state`` of the DP-SGD accountant's history (a MetricRecord of float lists).
+DP_ACCOUNTANT_KEY = "fedcomp.dp-accountant"
+
+
+@dataclass(frozen=True)
+class StateFiles:
+    """This node's state files (see the module docstring)."""
+
+    residual: pathlib.Path
+    accountant: pathlib.Path
+
+
+def state_files(context: Context) -> StateFiles | None:
+    """The node's state files if node config ``state-dir`` (or run config ``client-state-dir``)
+    names a folder, else None."""
+    folder = context.node_config.get("state-dir") or context.run_config.get("client-state-dir") or ""
+    if not isinstance(folder, str) or not folder:
+        return None
+    who = context.node_config.get("partition-id", context.node_id)
+    base = pathlib.Path(folder).expanduser()
+    return StateFiles(base / f"residual-{who}.npz", base / f"accountant-{who}.json")
+
+
+# -- error-feedback residuals ---------------------------------------------------------------------
+def save_residuals(path: pathlib.Path, residuals: dict[str, np.ndarray], server_round: int) -> None:
+    """Persist error-feedback residuals: plain ``.npz`` of numeric arrays plus the round they were
+    computed in (read back with ``allow_pickle=False``)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    arrays = {"__round__": np.array(server_round, dtype=np.int64), **{f"r/{k}": v for k, v in residuals.items()}}
+    write_atomically(path, lambda f: np.savez(f, **arrays))
+
+
+def load_residuals(path: pathlib.Path, before_round: int) -> dict[str, np.ndarray]:
+    """Residuals saved by :func:`save_residuals` in a round before ``before_round`` ({} if none,
+    unreadable, or from a later round, e.g. after the server resumed from an older checkpoint)."""
+    if not path.exists():
+        return {}
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            saved_round = int(z["__round__"].reshape(()))
+            res = {k[2:]: z[k] for k in z.files if k.startswith("r/")}
+        if not all(np.issubdtype(v.dtype, np.floating) and np.isfinite(v).all() for v in res.values()):
+            raise ValueError("non-finite or non-float residual")
+    except Exception as exc:  # noqa: BLE001 - a bad local file must not stop the node: start from zero
+        log(WARNING, "fedcomp: ignoring unreadable residual file %s (%s: %s)", path, type(exc).__name__, exc)
+        return {}
+    return res if saved_round < before_round or before_round == 0 else {}
+
+
+def residuals_of(context: Context, files: StateFiles | None, server_round: int) -> dict[str, np.ndarray]:
+    """The residuals of the earlier rounds: ``context.state``, else the node's file, else none."""
+    if RESIDUAL_STATE_KEY in context.state:
+        return {k: a.numpy() for k, a in context.state[RESIDUAL_STATE_KEY].items()}
+    if files is not None:
+        return load_residuals(files.residual, before_round=server_round)
+    return {}
+
+
+def keep_residuals(context: Context, files: StateFiles | None, residuals: dict[str, np.ndarray],
+                   server_round: int) -> None:
+    """Keep the new residuals in ``context.state`` and the node's file (a failed write is logged:
+    the in-memory residual stays consistent with what is sent)."""
+    context.state[RESIDUAL_STATE_KEY] = ArrayRecord({k: Array(v) for k, v in residuals.items()})
+    if files is not None:
+        try:
+            save_residuals(files.residual, residuals, server_round)
+        except OSError as exc:
+            log(WARNING, "fedcomp: cannot persist the residual to %s (%s)", files.residual, exc)
+
+
+# -- the DP-SGD accountant ------------------------------------------------------------------------
+def load_accountant(path: pathlib.Path) -> dict:
+    """A persisted DP-SGD accountant history; an unreadable one stops training (epsilon must never
+    silently restart from zero).
+
+    Raises
+    ------
+    ValueError
+        The file is not a JSON object of equal-length number lists.
+    """
+    try:
+        state = json.loads(path.read_text())
+        lists = [state[k] for k in STATE_KEYS]
+        ok = all(isinstance(v, list) and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v)
+                 for v in lists) and len({len(v) for v in lists}) == 1
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        raise ValueError(f"privacy accountant file {path} is unreadable ({exc}); refusing to train") from None
+    if not ok:
+        raise ValueError(f"privacy accountant file {path} is malformed; refusing to train")
+    return state
+
+
+def accountant_of(context: Context, files: StateFiles | None) -> dict | None:
+    """The accountant history of the earlier rounds: ``context.state``, else the node's file, else
+    None (the first round).
+
+    Raises
+    ------
+    ValueError
+        As :func:`load_accountant`.
+    """
+    if DP_ACCOUNTANT_KEY in context.state:
+        return dict(context.state[DP_ACCOUNTANT_KEY])
+    if files is not None and files.accountant.exists():
+        return load_accountant(files.accountant)
+    return None
+
+
+def keep_accountant(context: Context, files: StateFiles | None, state: dict[str, list[float]]) -> None:
+    """Keep the accountant history in ``context.state`` and the node's file (a failed write raises:
+    an accountant that is not kept would restart epsilon from zero after a restart)."""
+    context.state[DP_ACCOUNTANT_KEY] = MetricRecord(state)
+    if files is not None:
+        files.accountant.parent.mkdir(parents=True, exist_ok=True)
+        write_atomically(files.accountant, json.dumps(state).encode())
