@@ -366,10 +366,16 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         model = sent.model
         # One node, one vote (duplicates and strangers refused, :mod:`.admission`), then a fixed order
         # (by node id): float sums, and so runs, do not depend on arrival order.
-        replies, refused = admit(list(replies), lambda r: r.metadata.src_node_id, sent.nodes)
+        # Error replies carry no update (no vote) and count as failed clients with their reason: Flower answers
+        # a task it lost (e.g. a ClientApp the OOM killer took) from the SuperLink's node id, which the stranger
+        # check would misreport as a reply "not sent a message this round".
+        replies = list(replies)
+        errors = [r for r in replies if r.has_error()]
+        replies, refused = admit([r for r in replies if not r.has_error()], lambda r: r.metadata.src_node_id,
+                                 sent.nodes)
         for node, why in refused:
             log(WARNING, "round %s: rejected reply from node %s: %s", server_round, node, why)
-        replies = sorted(replies, key=lambda r: r.metadata.src_node_id)
+        replies = errors + sorted(replies, key=lambda r: r.metadata.src_node_id)
         got = self._fold(server_round, replies, model)
         got.rejected += len(refused)
         if self.ef21 is not None:  # EF21: the round's update is the server's estimate h (+= mean of the sends)

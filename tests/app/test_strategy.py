@@ -112,6 +112,21 @@ def test_error_replies_counted_as_failed():
     assert np.allclose(arrays["w"].numpy(), t["w"], atol=1e-6)
 
 
+def test_error_reply_from_an_unexpected_node_is_a_failed_client_not_a_stranger(caplog):
+    """Flower answers a lost task (e.g. a ClientApp the OOM killer took) with an error reply from the
+    SuperLink's node id: a failed client with its reason, not a refused 'stranger'."""
+    g, t = weights(0), weights(1)
+    s = CompressedStrategy(fedavg(), compressor="none")
+    s.remember(1, FlatModel.from_numpy(g), nodes={7, 8})
+    ok = compressed_reply(g, t, 7)
+    lost = Message(Error(code=0, reason="task lost: no heartbeat"), reply_to=train_msg(g, dst=1))
+    assert lost.metadata.src_node_id == 1
+    arrays, m = s.aggregate_train(1, [ok, lost])
+    assert m["failed-clients"] == 1 and m["rejected-replies"] == 0 and m["num-replies"] == 1
+    assert "task lost: no heartbeat" in caplog.text and "not sent a message" not in caplog.text
+    assert np.allclose(arrays["w"].numpy(), t["w"], atol=1e-6)
+
+
 def test_all_rejected_leaves_model_unchanged():
     g, t = weights(0), weights(1)
     s = CompressedStrategy(fedavg(), compressor="none")
