@@ -125,7 +125,7 @@ def run_secagg(grid, context, cfg: AppConfig, out_dir) -> list[dict]:
     density = cfg.codec.density if cfg.codec.compressor == "randomk" else 1.0
     strategy = SharedRandomKStrategy(build_legacy_inner(cfg, recorder, initial), density, rotation=sa.rotation,
                                      error_feedback=cfg.codec.error_feedback, seed=cfg.seed, keys=recorder.keys,
-                                     pack=sa.pack,
+                                     pack=sa.pack, max_weight=sa.max_weight,
                                      client_dp=ClientLevelDP(cfg.clipping_norm, cfg.noise_multiplier, cfg.target_delta)
                                      if cfg.dp == "client-level" else None)
     workflow = CompressedSecAggPlusWorkflow(sa.shares, sa.threshold, modulus_bits=sa.modulus_bits,

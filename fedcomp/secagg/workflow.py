@@ -100,6 +100,9 @@ class CompressedSecAggPlusWorkflow(SecAggPlusWorkflow):
         self.round_bytes = {"upload-bytes": 0.0, "secagg-protocol-bytes": 0.0, "malformed-replies": 0}
         self._mod_bits = None
         self._ctx = context
+        strategy = getattr(context, "strategy", None)
+        if hasattr(strategy, "max_weight") and strategy.max_weight is None:  # SharedRandomKStrategy's bound
+            strategy.max_weight = float(self.max_weight)
         super().__call__(_CountingGrid(grid, self), context)
 
     def setup_stage(self, grid, context, state) -> bool:

@@ -51,3 +51,65 @@ def test_secagg_malformed_masked_vector_is_a_dropout_not_a_crash(monkeypatch, fn
     assert strategy.history[1]["num-replies"] == 4
     assert workflow.round_bytes["malformed-replies"] == 1
     assert all(np.isfinite(v).all() for v in new.values())
+
+
+def _decoding_strategy(inner, max_weight=None):
+    from fedcomp.secagg import SharedRandomKStrategy
+    from fedcomp.secagg.encoding import SharedProjection
+    s = SharedRandomKStrategy(inner, 1.0, max_weight=max_weight)
+    s._global, s._proj, s._sampled = [np.ones(4, np.float32)], SharedProjection(4, 1.0, 1), 2
+    return s
+
+
+def _fitres(n, value=0.1):
+    from flwr.common import Code, FitRes, Status, ndarrays_to_parameters
+    return FitRes(Status(Code.OK, ""), ndarrays_to_parameters([np.full(4, value)]), n, {})
+
+
+@pytest.mark.parametrize("inner", ["FedAvg", "FedAvgM"])
+@pytest.mark.parametrize("ns", [(500, -500), (500, 0), (500, 10**6), (500, 1.5)], ids=["negative", "zero", "above-max",
+                                                                                          "float"])
+def test_secagg_server_refuses_num_examples_outside_1_max_weight(inner, ns):
+    import flwr.server.strategy as legacy
+    s = _decoding_strategy(getattr(legacy, inner)(), max_weight=1000.0)
+    agg, _ = s.aggregate_fit(1, [(None, _fitres(n)) for n in ns], [])
+    assert agg is None
+
+
+def test_secagg_without_max_weight_still_refuses_non_positive_num_examples():
+    from flwr.server.strategy import FedAvgM
+    agg, _ = _decoding_strategy(FedAvgM()).aggregate_fit(1, [(None, _fitres(500)), (None, _fitres(-500))], [])
+    assert agg is None
+
+
+def test_secagg_accepts_num_examples_within_bounds():
+    from flwr.common import parameters_to_ndarrays
+    from flwr.server.strategy import FedAvg
+    agg, _ = _decoding_strategy(FedAvg(), 1000.0).aggregate_fit(1, [(None, _fitres(1)), (None, _fitres(1000))], [])
+    np.testing.assert_allclose(parameters_to_ndarrays(agg)[0], np.full(4, 1.1, np.float32))
+
+
+def test_secagg_non_finite_aggregate_drops_the_round_not_the_run():
+    from flwr.server.strategy import FedAvg
+    s = _decoding_strategy(FedAvg(), 1000.0)
+    agg, _ = s.aggregate_fit(1, [(None, _fitres(10, np.nan))], [])
+    assert agg is None
+    agg, _ = s.aggregate_fit(1, [(None, _fitres(10, 1e300))], [])   # overflows float32
+    assert agg is None
+
+
+def test_secagg_non_finite_inner_aggregate_drops_the_round():
+    from flwr.common import ndarrays_to_parameters
+    from flwr.server.strategy import FedAvg
+
+    class Bad(FedAvg):
+        def aggregate_fit(self, rnd, results, failures):
+            return ndarrays_to_parameters([np.full(4, np.inf)]), {}
+    agg, _ = _decoding_strategy(Bad(), 1000.0).aggregate_fit(1, [(None, _fitres(10))], [])
+    assert agg is None
+
+
+def test_workflow_gives_the_strategy_its_max_weight():
+    new, strategy, workflow, _ = helpers.run_round(3, 0.5)
+    assert strategy.max_weight == workflow.max_weight == 1000.0
+    assert strategy.history[1]["num-replies"] == 3
