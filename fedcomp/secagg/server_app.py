@@ -33,8 +33,17 @@ from .workflow import CompressedSecAggPlusWorkflow
 
 
 def secagg_requested(run_config: Mapping[str, Any]) -> bool:
-    """Whether the run config asks for ``secagg = true`` (validated by :func:`run_secagg`)."""
-    return run_config.get("secagg", False) is True
+    """Whether the run config asks for ``secagg = true`` (validated by :func:`run_secagg`).
+
+    Raises
+    ------
+    ValueError
+        ``secagg`` is not a bool (``"true"`` or ``1`` must not run without secure aggregation).
+    """
+    value = run_config.get("secagg", False)
+    if not isinstance(value, bool):
+        raise ValueError(f"run config 'secagg' must be true or false, got {value!r}")
+    return value
 
 
 def check_secagg_config(run_config: Mapping[str, Any]) -> SecAggConfig:

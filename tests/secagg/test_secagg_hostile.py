@@ -113,3 +113,25 @@ def test_workflow_gives_the_strategy_its_max_weight():
     new, strategy, workflow, _ = helpers.run_round(3, 0.5)
     assert strategy.max_weight == workflow.max_weight == 1000.0
     assert strategy.history[1]["num-replies"] == 3
+
+
+@pytest.mark.parametrize("value", ["true", 1, "false", 0])
+def test_secagg_flag_must_be_a_boolean(value):
+    from fedcomp.config import AppConfig
+    from fedcomp.secagg.server_app import secagg_requested
+    with pytest.raises(ValueError, match="'secagg' must be true or false"):
+        AppConfig.from_run_config({"secagg": value, "compressor": "randomk"})
+    with pytest.raises(ValueError, match="'secagg' must be true or false"):
+        secagg_requested({"secagg": value})
+
+
+def test_secagg_flag_is_checked_by_the_simulation_precheck():
+    import pathlib
+
+    from fedcomp.simulate import check_run_config
+    root = pathlib.Path(__file__).resolve().parents[2]
+    with pytest.raises(ValueError, match="'secagg' must be true or false"):
+        check_run_config(root, 'secagg="true" compressor="randomk"')
+    with pytest.raises(ValueError, match="'compressor' = 'stc' cannot work under secure aggregation"):
+        check_run_config(root, 'secagg=true compressor="stc"')
+    assert check_run_config(root, 'secagg=true compressor="randomk"')["secagg"] is True
