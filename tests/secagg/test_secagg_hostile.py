@@ -135,3 +135,11 @@ def test_secagg_flag_is_checked_by_the_simulation_precheck():
     with pytest.raises(ValueError, match="'compressor' = 'stc' cannot work under secure aggregation"):
         check_run_config(root, 'secagg=true compressor="stc"')
     assert check_run_config(root, 'secagg=true compressor="randomk"')["secagg"] is True
+
+
+def test_secagg_clipping_range_beyond_float64_resolution_is_refused():
+    from fedcomp.secagg.config import SecAggConfig
+    for c, bits in ((1e30, 16), (2.0 ** 36, 16), (2.0 ** 51, 1)):
+        with pytest.raises(ValueError, match="'secagg-clipping-range'"):
+            SecAggConfig.from_run_config({"secagg-clipping-range": c, "secagg-quantization-bits": bits})
+    assert SecAggConfig.from_run_config({"secagg-clipping-range": 2.0 ** 35}).clipping_range == 2.0 ** 35
