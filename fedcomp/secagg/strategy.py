@@ -38,6 +38,7 @@ from flwr.server.client_proxy import ClientProxy
 from flwr.server.strategy import Strategy
 
 from ..privacy import ClientLevelDP
+from ..strategies.round_metrics import bounded_metrics
 from ..protocol import SECAGG_DP_CLIP_KEY, SECAGG_KEYS_KEY, SECAGG_PACK_KEY, SECAGG_ROTATION_KEY, SECAGG_SEED_KEY
 from .encoding import SharedProjection, round_seed
 
@@ -222,7 +223,7 @@ class SharedRandomKStrategy(Strategy):
         return agg, metrics
 
     def _round_metrics(self, results, failures) -> dict[str, Scalar]:
-        ms = [fr.metrics for _, fr in results]
+        ms = [bounded_metrics(fr.metrics) for _, fr in results]  # untrusted: finite, clamped like the plain path
         n = [fr.num_examples for _, fr in results]
 
         def num(m, key):

@@ -154,3 +154,20 @@ def test_secagg_refuses_settings_the_secure_path_ignores(key, value):
                                        "small-tensor-compressor": "none", "require-compression": False}[key]})
     with pytest.raises(ValueError, match=f"'{key}' = {value!r} is not supported with secagg"):
         check_secagg_config({**base, key: value})
+
+
+@pytest.mark.parametrize("loss", [1e308, float("inf"), float("nan"), -1e308])
+def test_secagg_metrics_are_bounded_like_the_plain_path(loss):
+    from flwr.common import Code, FitRes, Status, ndarrays_to_parameters
+    from flwr.server.strategy import FedAvg
+
+    from fedcomp.secagg import SharedRandomKStrategy
+    from fedcomp.secagg.encoding import SharedProjection
+    from fedcomp.strategies.round_metrics import METRIC_BOUND
+    s = SharedRandomKStrategy(FedAvg(), 0.5)
+    s._proj, s._sampled = SharedProjection(10, 0.5, 1), 2
+    fr = lambda m: FitRes(Status(Code.OK, ""), ndarrays_to_parameters([np.zeros(5)]), 500, m)
+    m = s._round_metrics([(None, fr({"train-loss": loss, "compression-error": loss})),
+                          (None, fr({"train-loss": 1.0, "compression-error": 1.0}))], [])
+    for key in ("train-loss", "compression-error"):
+        assert np.isfinite(m[key]) and abs(m[key]) <= METRIC_BOUND
