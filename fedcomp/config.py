@@ -476,6 +476,12 @@ class AppConfig:
             finetune=_str(cfg, "finetune", d["finetune"], ("full", "lora")),
             codec=CodecConfig.from_mapping(cfg),
         )
+        if out.codec.error_feedback == "ef21" and (out.fraction_train < 1.0 or out.client_sampling != "fraction"):
+            raise ValueError("run config error-feedback = 'ef21' needs every client in every round: 'fraction-train' "
+                             "= 1.0 and 'client-sampling' = 'fraction' (and 'min-train-nodes' = "
+                             "'min-available-nodes' = all nodes); the server's single estimate h keeps a "
+                             f"departed client's last h_i, got fraction-train = {out.fraction_train}, "
+                             f"client-sampling = {out.client_sampling!r}")
         if out.downstream in TENSOR_ONLY_CODECS:
             raise ValueError(f"run config 'downstream' cannot be {out.downstream!r}: the server sends the model "
                              "change as one flat vector, which has no matrix to approximate")
