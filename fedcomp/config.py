@@ -432,6 +432,7 @@ class AppConfig:
             valid name (:func:`check_known_keys`).
         """
         check_known_keys(cfg)
+        _bool(cfg, "secagg", False)  # "true" or 1 would otherwise run silently WITHOUT secure aggregation
         d = {f.name: f.default for f in fields(cls)}
         out = cls(
             num_server_rounds=_num(cfg, "num-server-rounds", d["num_server_rounds"], lo=1, integer=True),

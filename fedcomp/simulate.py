@@ -83,7 +83,11 @@ def check_run_config(app: pathlib.Path, overrides: str) -> dict[str, Any]:
     check_known_keys(extra, frozenset(defaults))  # what Flower refuses with "[code: 15]" only
     fused = {**defaults, **extra}
     if _is_fedcomp_app(app):
-        cfg = AppConfig.from_run_config(fused)
+        cfg = AppConfig.from_run_config(fused)  # refuses a non-bool 'secagg'
+        from .secagg.server_app import check_secagg_config, secagg_requested
+
+        if secagg_requested(fused):
+            check_secagg_config(fused)
         if cfg.dp == "dp-sgd":
             from .client.dp_sgd import DPSGDConfig
 

@@ -7,7 +7,7 @@ Keys (defaults in ``pyproject.toml``):
   ``reconstruction_threshold``: an integer count (shares > 2, threshold < shares) or a float
   fraction (shares of the sampled clients, threshold of the shares), as in Flower.
 - ``secagg-clipping-range`` (1.0): c; every weighted update entry is clipped to [-c, c] (error
-  feedback keeps what clipping removes).
+  feedback keeps what clipping removes); c * 2**secagg-quantization-bits must stay < 2**52.
 - ``secagg-quantization-bits`` (16): Q = 2**bits levels over [-c, c].
 - ``secagg-modulus-bits`` (0 = auto): masks and sums live modulo 2**bits; auto takes, each round,
   the smallest that cannot overflow: ``ceil(log2(n * Q + 1))`` for n sampled clients.
@@ -108,6 +108,11 @@ class SecAggConfig:
         if c <= 0:
             raise ValueError(f"run config 'secagg-clipping-range' must be > 0, got {c}")
         qbits = _int(cfg, "secagg-quantization-bits", 1, MAX_MODULUS_BITS - 2)
+        if c * 2.0 ** qbits >= 2.0 ** 52:
+            raise ValueError(f"run config 'secagg-clipping-range' = {c:g} is too large for "
+                             f"secagg-quantization-bits = {qbits}: c * 2**bits must stay < 2**52 (what float64 "
+                             "resolves); the rounding noise per value is ~c / 2**bits, so pick c near the largest "
+                             "update entry")
         mbits = _int(cfg, "secagg-modulus-bits", 0, MAX_MODULUS_BITS)
         if mbits and mbits <= qbits + 1:
             raise ValueError(f"run config 'secagg-modulus-bits' = {mbits} must exceed secagg-quantization-bits + 1 "

@@ -33,8 +33,17 @@ from .workflow import CompressedSecAggPlusWorkflow
 
 
 def secagg_requested(run_config: Mapping[str, Any]) -> bool:
-    """Whether the run config asks for ``secagg = true`` (validated by :func:`run_secagg`)."""
-    return run_config.get("secagg", False) is True
+    """Whether the run config asks for ``secagg = true`` (validated by :func:`run_secagg`).
+
+    Raises
+    ------
+    ValueError
+        ``secagg`` is not a bool (``"true"`` or ``1`` must not run without secure aggregation).
+    """
+    value = run_config.get("secagg", False)
+    if not isinstance(value, bool):
+        raise ValueError(f"run config 'secagg' must be true or false, got {value!r}")
+    return value
 
 
 def check_secagg_config(run_config: Mapping[str, Any]) -> SecAggConfig:
@@ -125,7 +134,7 @@ def run_secagg(grid, context, cfg: AppConfig, out_dir) -> list[dict]:
     density = cfg.codec.density if cfg.codec.compressor == "randomk" else 1.0
     strategy = SharedRandomKStrategy(build_legacy_inner(cfg, recorder, initial), density, rotation=sa.rotation,
                                      error_feedback=cfg.codec.error_feedback, seed=cfg.seed, keys=recorder.keys,
-                                     pack=sa.pack,
+                                     pack=sa.pack, max_weight=sa.max_weight,
                                      client_dp=ClientLevelDP(cfg.clipping_norm, cfg.noise_multiplier, cfg.target_delta)
                                      if cfg.dp == "client-level" else None)
     workflow = CompressedSecAggPlusWorkflow(sa.shares, sa.threshold, modulus_bits=sa.modulus_bits,

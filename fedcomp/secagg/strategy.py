@@ -17,6 +17,8 @@ rounded to 1/Q of ``max_weight``). The inner strategy gets one FitRes with those
 
 from __future__ import annotations
 
+from logging import ERROR
+
 import numpy as np
 from flwr.common import (
     Code,
@@ -30,6 +32,7 @@ from flwr.common import (
     ndarrays_to_parameters,
     parameters_to_ndarrays,
 )
+from flwr.common.logger import log
 from flwr.server.client_manager import ClientManager
 from flwr.server.client_proxy import ClientProxy
 from flwr.server.strategy import Strategy
@@ -69,6 +72,11 @@ class SharedRandomKStrategy(Strategy):
         (OS CSPRNG) to the k values, accounted by RDP per round (McMahan et al. 2018, DP-FedAvg).
         The server sees the exact sum before adding the noise: the guarantee holds for whoever sees
         the released models (clients, the public), with an honest server.
+    max_weight : float, optional
+        SecAgg+'s ``max_weight`` (run config ``secagg-max-weight``): a round in which any client
+        reports ``num_examples`` outside ``[1, max_weight]`` is refused (the masked sum is already
+        scaled by that client's weight, so it cannot be dropped alone). None: only the lower bound
+        is checked here; :class:`fedcomp.secagg.CompressedSecAggPlusWorkflow` fills in its own.
 
     Attributes
     ----------
@@ -79,8 +87,9 @@ class SharedRandomKStrategy(Strategy):
 
     def __init__(self, strategy: Strategy, density: float, *, rotation: bool = False, error_feedback: bool = True,
                  seed: int = 0, keys: list[str] | None = None, pack: bool = False,
-                 client_dp: ClientLevelDP | None = None) -> None:
+                 client_dp: ClientLevelDP | None = None, max_weight: float | None = None) -> None:
         super().__init__()
+        self.max_weight = None if max_weight is None else float(max_weight)
         if client_dp is not None and error_feedback:
             raise ValueError("client-level DP under SecAgg+ needs error-feedback = false: with error feedback the "
                              "residual carries the clipped excess into later rounds and voids the clipping bound")
@@ -147,12 +156,25 @@ class SharedRandomKStrategy(Strategy):
                       failures) -> tuple[Parameters | None, dict[str, Scalar]]:
         """Decode SecAgg+'s weighted mean of the k values into a model and hand it to the inner strategy.
 
+        Returns ``(None, {})`` (the round is refused, the model kept, an ERROR logged naming the
+        nodes) when a client's plain-text ``num_examples`` is not an integer in ``[1, max_weight]``,
+        or when the secure aggregate, the decoded model or the inner strategy's aggregate is not finite.
+
         Raises
         ------
         ValueError
-            The aggregate is not one vector of the round's k values, or is non-finite.
+            The aggregate is not one vector of the round's k values.
         """
         if not results or self._proj is None or self._global is None:
+            return None, {}
+        hi = self.max_weight if self.max_weight is not None else float("inf")
+        bad = [(getattr(p, "node_id", p), fr.num_examples) for p, fr in results
+               if isinstance(fr.num_examples, bool) or not isinstance(fr.num_examples, (int, np.integer))
+               or not 1 <= fr.num_examples <= hi]
+        if bad:
+            log(ERROR, "fedcomp secagg round %d refused (model kept): num-examples outside [1, %g] from (node, "
+                "num-examples) %s; the masked sum carries their weight (raise 'secagg-max-weight' if honest)",
+                server_round, hi, bad[:10])
             return None, {}
         vec = parameters_to_ndarrays(results[0][1].parameters)
         if len(vec) != 1:
@@ -163,24 +185,38 @@ class SharedRandomKStrategy(Strategy):
                                                     max(self._sampled, len(results)))
             dp_info.pop("max-update-norm")
             dp_info.pop("clipped-fraction")
-        delta = self._proj.decode(values)
+        try:
+            delta = self._proj.decode(values)
+        except ValueError as exc:  # non-finite or wrong-size aggregate: drop the round, keep the run
+            log(ERROR, "fedcomp secagg round %d refused (model kept): %s", server_round, exc)
+            return None, {}
         new, off = [], 0
         for g in self._global:
             if g.dtype.kind == "f":
                 upd = (g.astype(np.float64) + delta[off : off + g.size].reshape(g.shape)).astype(g.dtype)
                 if not np.isfinite(upd).all():
-                    raise ValueError("the aggregated model is not finite in its own dtype")
+                    log(ERROR, "fedcomp secagg round %d refused (model kept): the aggregated model is not finite "
+                        "in its own dtype", server_round)
+                    return None, {}
                 new.append(upd)
                 off += g.size
             else:
                 new.append(g.copy())
-        total = sum(fr.num_examples for _, fr in results)
+        total = sum(int(fr.num_examples) for _, fr in results)
         res = FitRes(Status(Code.OK, ""), ndarrays_to_parameters(new), total, {})
         agg, _ = self.inner.aggregate_fit(server_round, [(results[0][0], res)], failures)
         if agg is not None:  # inner strategies compute in float64: back to each tensor's dtype
             out = parameters_to_ndarrays(agg)
+            if not all(np.isfinite(o).all() for o, g in zip(out, self._global) if g.dtype.kind == "f"):
+                log(ERROR, "fedcomp secagg round %d refused (model kept): the inner strategy's aggregate is not "
+                    "finite", server_round)
+                return None, {}
             agg = ndarrays_to_parameters([o.astype(g.dtype) if g.dtype.kind == "f" else g
                                           for o, g in zip(out, self._global)])
+            if not all(np.isfinite(a).all() for a in parameters_to_ndarrays(agg) if a.dtype.kind == "f"):
+                log(ERROR, "fedcomp secagg round %d refused (model kept): the aggregate overflows its dtype",
+                    server_round)
+                return None, {}
         metrics = {**self._round_metrics(results, failures), **dp_info}
         self.history[server_round] = metrics
         return agg, metrics

@@ -7,18 +7,22 @@ The four protocol stages, the masks, the secret sharing and the dropout recovery
 - sizes ``modulus_range`` each round (``secagg-modulus-bits = 0``): the smallest power of two that
   holds the sum of the available clients' quantized values, ``ceil(log2(n * Q + 1))`` bits, and
   halts the round (Flower's own "halted" path) if more clients were sampled than it can hold;
-- unpacks masked vectors packed by :func:`fedcomp.secagg.client.packing_secaggplus_mod` back to
-  the int64 arrays Flower sums (a malformed one turns that reply into an error: SecAgg+ then
-  recovers that client as dropped);
+- checks every masked vector before Flower sums it (2 blobs, int64, shapes ``(1,)`` and
+  ``(k,)``, values in ``[0, modulus_range)``; raw ``.npy`` parsed without pickle) and unpacks those
+  packed by :func:`fedcomp.secagg.client.packing_secaggplus_mod` back to the int64 arrays Flower
+  sums (a malformed one turns that reply into an error: SecAgg+ then recovers that client as
+  dropped);
 - counts bytes: ``upload-bytes`` (masked vectors, as they travelled) and
   ``secagg-protocol-bytes`` (public keys, encrypted shares and unmasking shares of all stages).
 """
 
 from __future__ import annotations
 
+import io
 from collections.abc import Iterable
 from logging import ERROR
 
+import numpy as np
 from flwr.app import Error, Message
 from flwr.common import ndarray_to_bytes
 from flwr.common.logger import log
@@ -74,6 +78,7 @@ class CompressedSecAggPlusWorkflow(SecAggPlusWorkflow):
                  **kwargs) -> None:
         self._fixed_bits = modulus_bits
         self._available = 2
+        self._ctx = None
         super().__init__(num_shares, reconstruction_threshold,
                          modulus_range=1 << (modulus_bits or 32), **kwargs)
         self.round_bytes: dict[str, float] = {}
@@ -94,6 +99,10 @@ class CompressedSecAggPlusWorkflow(SecAggPlusWorkflow):
         """One SecAgg+ round (Flower's four stages) through a counting, unpacking grid proxy."""
         self.round_bytes = {"upload-bytes": 0.0, "secagg-protocol-bytes": 0.0, "malformed-replies": 0}
         self._mod_bits = None
+        self._ctx = context
+        strategy = getattr(context, "strategy", None)
+        if hasattr(strategy, "max_weight") and strategy.max_weight is None:  # SharedRandomKStrategy's bound
+            strategy.max_weight = float(self.max_weight)
         super().__call__(_CountingGrid(grid, self), context)
 
     def setup_stage(self, grid, context, state) -> bool:
@@ -120,13 +129,54 @@ class CompressedSecAggPlusWorkflow(SecAggPlusWorkflow):
             self.round_bytes["upload-bytes" if key == Key.MASKED_PARAMETERS else "secagg-protocol-bytes"] += n
         if Key.MASKED_PARAMETERS in rec and self._mod_bits is not None:
             try:
-                rec[Key.MASKED_PARAMETERS] = [ndarray_to_bytes(unpack_masked(b, self._mod_bits))
-                                              if b.startswith(PACK_MAGIC) else b for b in rec[Key.MASKED_PARAMETERS]]
+                rec[Key.MASKED_PARAMETERS] = self._checked_masked(rec[Key.MASKED_PARAMETERS])
             except PayloadError as exc:
                 self.round_bytes["malformed-replies"] += 1
                 log(ERROR, "fedcomp secagg: node %s sent a malformed masked vector (%s): treated as dropped",
                     reply.metadata.src_node_id, exc)
                 if sent is None:
                     raise
-                return Message(Error(code=_MALFORMED, reason=f"malformed packed masked vector: {exc}"), reply_to=sent)
+                return Message(Error(code=_MALFORMED, reason=f"malformed masked vector: {exc}"), reply_to=sent)
         return reply
+
+    def _expected_k(self) -> int | None:
+        """The round's number of masked values (``strategy._proj.k``), None if the strategy has no projection."""
+        proj = getattr(getattr(self._ctx, "strategy", None), "_proj", None)
+        return None if proj is None else int(proj.k)
+
+    def _checked_masked(self, value) -> list[bytes]:
+        """A reply's masked vector as the int64 ``.npy`` blobs Flower sums, after checking it.
+
+        Expected: a list of 2 blobs (packed by :func:`~fedcomp.secagg.client.pack_masked` or raw
+        ``.npy``, parsed without pickle), int64 arrays of shapes ``(1,)`` (the weight) and ``(k,)``
+        (the round's k values; shape unchecked when the strategy has no ``_proj``), every value in
+        ``[0, modulus_range)``.
+
+        Raises
+        ------
+        PayloadError
+            Anything else (wrong count, type, dtype, shape or range; not ``.npy``; pickled data).
+        """
+        if not isinstance(value, list) or len(value) != 2 or not all(isinstance(b, bytes) for b in value):
+            raise PayloadError("masked vector: expected 2 byte blobs (weight, k values)")
+        k = self._expected_k()
+        out = []
+        for i, blob in enumerate(value):
+            if blob.startswith(PACK_MAGIC):
+                arr = unpack_masked(blob, self._mod_bits)
+            else:
+                try:
+                    arr = np.load(io.BytesIO(blob), allow_pickle=False)
+                except Exception as exc:  # noqa: BLE001 - any parse failure is a malformed reply
+                    raise PayloadError(f"masked vector blob {i}: not packed, not a plain .npy ({exc})") from None
+                if not isinstance(arr, np.ndarray):
+                    raise PayloadError(f"masked vector blob {i}: not a single array")
+            if arr.dtype != np.int64:
+                raise PayloadError(f"masked vector blob {i}: dtype {arr.dtype}, expected int64")
+            want = (1,) if i == 0 else ((k,) if k is not None else None)
+            if (want is not None and arr.shape != want) or arr.ndim != 1:
+                raise PayloadError(f"masked vector blob {i}: shape {arr.shape}, expected {want or '(k,)'}")
+            if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= (1 << self._mod_bits)):
+                raise PayloadError(f"masked vector blob {i}: values outside [0, 2**{self._mod_bits})")
+            out.append(ndarray_to_bytes(np.ascontiguousarray(arr)))
+        return out

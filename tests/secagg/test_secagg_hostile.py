@@ -1,0 +1,145 @@
+"""Hostile clients and operator mistakes on the SecAgg+ path (review of 2026-12-01)."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+from flwr.common import ndarray_to_bytes
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key
+
+from fedcomp.secagg.client import pack_masked
+from tests.secagg import helpers
+
+
+def _tampering_grid(fn, victim=4):
+    class G(helpers.RecordingGrid):
+        def send_and_receive(self, messages, *, timeout=None):
+            out = list(super().send_and_receive(messages, timeout=timeout))
+            pid = {nid: c.node_config["partition-id"] for nid, c in self.contexts.items()}
+            for r in out:
+                rec = r.content.config_records.get(RECORD_KEY_CONFIGS, {}) if not r.has_error() else {}
+                if Key.MASKED_PARAMETERS in rec and pid[r.metadata.src_node_id] == victim:
+                    rec[Key.MASKED_PARAMETERS] = fn(list(rec[Key.MASKED_PARAMETERS]))
+            return out
+    return G
+
+
+class _Pickled:
+    pass
+
+
+def _pickled_npy(n: int) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, np.array([_Pickled()] * n, dtype=object), allow_pickle=True)
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("fn", [
+    lambda bl: [bl[0]],                                                    # one blob instead of two
+    lambda bl: [bl[0], ndarray_to_bytes(np.zeros(7, np.int64))],           # well-formed npy, wrong length
+    lambda bl: [bl[0], ndarray_to_bytes(np.zeros(1025, np.float64))],      # float masked vector
+    lambda bl: [bl[0], b"hello"],                                          # not npy, not packed
+    lambda bl: [bl[0], ndarray_to_bytes(np.full(1025, -1, np.int64))],     # right shape, values out of range
+    lambda bl: [bl[0], _pickled_npy(1025)],  # pickled objects
+    lambda bl: [bl[0], pack_masked(np.zeros(1, np.int64), bl[1][5])],      # packed, wrong shape
+], ids=["one-blob", "npy-wrong-length", "float64", "not-npy", "out-of-range", "pickle", "packed-wrong-shape"])
+def test_secagg_malformed_masked_vector_is_a_dropout_not_a_crash(monkeypatch, fn):
+    monkeypatch.setattr(helpers, "RecordingGrid", _tampering_grid(fn))
+    new, strategy, workflow, _ = helpers.run_round(5, 0.5)
+    assert strategy.history[1]["num-replies"] == 4
+    assert workflow.round_bytes["malformed-replies"] == 1
+    assert all(np.isfinite(v).all() for v in new.values())
+
+
+def _decoding_strategy(inner, max_weight=None):
+    from fedcomp.secagg import SharedRandomKStrategy
+    from fedcomp.secagg.encoding import SharedProjection
+    s = SharedRandomKStrategy(inner, 1.0, max_weight=max_weight)
+    s._global, s._proj, s._sampled = [np.ones(4, np.float32)], SharedProjection(4, 1.0, 1), 2
+    return s
+
+
+def _fitres(n, value=0.1):
+    from flwr.common import Code, FitRes, Status, ndarrays_to_parameters
+    return FitRes(Status(Code.OK, ""), ndarrays_to_parameters([np.full(4, value)]), n, {})
+
+
+@pytest.mark.parametrize("inner", ["FedAvg", "FedAvgM"])
+@pytest.mark.parametrize("ns", [(500, -500), (500, 0), (500, 10**6), (500, 1.5)], ids=["negative", "zero", "above-max",
+                                                                                          "float"])
+def test_secagg_server_refuses_num_examples_outside_1_max_weight(inner, ns):
+    import flwr.server.strategy as legacy
+    s = _decoding_strategy(getattr(legacy, inner)(), max_weight=1000.0)
+    agg, _ = s.aggregate_fit(1, [(None, _fitres(n)) for n in ns], [])
+    assert agg is None
+
+
+def test_secagg_without_max_weight_still_refuses_non_positive_num_examples():
+    from flwr.server.strategy import FedAvgM
+    agg, _ = _decoding_strategy(FedAvgM()).aggregate_fit(1, [(None, _fitres(500)), (None, _fitres(-500))], [])
+    assert agg is None
+
+
+def test_secagg_accepts_num_examples_within_bounds():
+    from flwr.common import parameters_to_ndarrays
+    from flwr.server.strategy import FedAvg
+    agg, _ = _decoding_strategy(FedAvg(), 1000.0).aggregate_fit(1, [(None, _fitres(1)), (None, _fitres(1000))], [])
+    np.testing.assert_allclose(parameters_to_ndarrays(agg)[0], np.full(4, 1.1, np.float32))
+
+
+def test_secagg_non_finite_aggregate_drops_the_round_not_the_run():
+    from flwr.server.strategy import FedAvg
+    s = _decoding_strategy(FedAvg(), 1000.0)
+    agg, _ = s.aggregate_fit(1, [(None, _fitres(10, np.nan))], [])
+    assert agg is None
+    agg, _ = s.aggregate_fit(1, [(None, _fitres(10, 1e300))], [])   # overflows float32
+    assert agg is None
+
+
+def test_secagg_non_finite_inner_aggregate_drops_the_round():
+    from flwr.common import ndarrays_to_parameters
+    from flwr.server.strategy import FedAvg
+
+    class Bad(FedAvg):
+        def aggregate_fit(self, rnd, results, failures):
+            return ndarrays_to_parameters([np.full(4, np.inf)]), {}
+    agg, _ = _decoding_strategy(Bad(), 1000.0).aggregate_fit(1, [(None, _fitres(10))], [])
+    assert agg is None
+
+
+def test_workflow_gives_the_strategy_its_max_weight():
+    new, strategy, workflow, _ = helpers.run_round(3, 0.5)
+    assert strategy.max_weight == workflow.max_weight == 1000.0
+    assert strategy.history[1]["num-replies"] == 3
+
+
+@pytest.mark.parametrize("value", ["true", 1, "false", 0])
+def test_secagg_flag_must_be_a_boolean(value):
+    from fedcomp.config import AppConfig
+    from fedcomp.secagg.server_app import secagg_requested
+    with pytest.raises(ValueError, match="'secagg' must be true or false"):
+        AppConfig.from_run_config({"secagg": value, "compressor": "randomk"})
+    with pytest.raises(ValueError, match="'secagg' must be true or false"):
+        secagg_requested({"secagg": value})
+
+
+def test_secagg_flag_is_checked_by_the_simulation_precheck():
+    import pathlib
+
+    from fedcomp.simulate import check_run_config
+    root = pathlib.Path(__file__).resolve().parents[2]
+    with pytest.raises(ValueError, match="'secagg' must be true or false"):
+        check_run_config(root, 'secagg="true" compressor="randomk"')
+    with pytest.raises(ValueError, match="'compressor' = 'stc' cannot work under secure aggregation"):
+        check_run_config(root, 'secagg=true compressor="stc"')
+    assert check_run_config(root, 'secagg=true compressor="randomk"')["secagg"] is True
+
+
+def test_secagg_clipping_range_beyond_float64_resolution_is_refused():
+    from fedcomp.secagg.config import SecAggConfig
+    for c, bits in ((1e30, 16), (2.0 ** 36, 16), (2.0 ** 51, 1)):
+        with pytest.raises(ValueError, match="'secagg-clipping-range'"):
+            SecAggConfig.from_run_config({"secagg-clipping-range": c, "secagg-quantization-bits": bits})
+    assert SecAggConfig.from_run_config({"secagg-clipping-range": 2.0 ** 35}).clipping_range == 2.0 ** 35
