@@ -143,3 +143,14 @@ def test_secagg_clipping_range_beyond_float64_resolution_is_refused():
         with pytest.raises(ValueError, match="'secagg-clipping-range'"):
             SecAggConfig.from_run_config({"secagg-clipping-range": c, "secagg-quantization-bits": bits})
     assert SecAggConfig.from_run_config({"secagg-clipping-range": 2.0 ** 35}).clipping_range == 2.0 ** 35
+
+
+@pytest.mark.parametrize("key,value", [("finetune", "lora"), ("selection", "model"), ("min-compress-numel", 100),
+                                       ("small-tensor-compressor", "fp16"), ("require-compression", True)])
+def test_secagg_refuses_settings_the_secure_path_ignores(key, value):
+    from fedcomp.secagg.server_app import check_secagg_config
+    base = {"secagg": True, "compressor": "randomk"}
+    check_secagg_config({**base, key: {"finetune": "full", "selection": "auto", "min-compress-numel": 0,
+                                       "small-tensor-compressor": "none", "require-compression": False}[key]})
+    with pytest.raises(ValueError, match=f"'{key}' = {value!r} is not supported with secagg"):
+        check_secagg_config({**base, key: value})
