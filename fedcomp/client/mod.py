@@ -16,7 +16,14 @@ from flwr.app import ArrayRecord, Context, Message, MetricRecord
 
 from ..compression.error_feedback import warn_saturation_once
 from ..device import peak_rss_mb
-from ..protocol import DEFAULT_DOWNLINK_MBPS, DEFAULT_UPLINK_MBPS, PAYLOAD_STYPE, SECAGG_SEED_KEY, payload_array
+from ..protocol import (
+    DEFAULT_DOWNLINK_MBPS,
+    DEFAULT_UPLINK_MBPS,
+    MIN_LINK_MBPS,
+    PAYLOAD_STYPE,
+    SECAGG_SEED_KEY,
+    payload_array,
+)
 from ..statedict import numpy_dict
 from .downstream import rebuild
 from .request import TrainRequest, only_record
@@ -128,8 +135,9 @@ def _link_speeds(context: Context) -> dict[str, float]:
     out = {}
     for key, default in DEFAULT_LINK_MBPS.items():
         v = context.node_config.get(key, context.run_config.get(key, default))
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf"):
-            raise ValueError(f"node config '{key}' must be a finite number > 0 (megabits per second), got {v!r}")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not MIN_LINK_MBPS <= v < float("inf"):
+            raise ValueError(f"node config '{key}' must be a finite number > 0 (megabits per second, at least "
+                             f"{MIN_LINK_MBPS}), got {v!r}")
         out[key] = float(v)
     return out
 

@@ -91,7 +91,13 @@ class TrainRequest:
 
 def _codec(config: dict, context: Context) -> CodecConfig:
     merged = {k: v for k, v in config.items() if k in CODEC_DEFAULTS}
-    merged.update({k: v for k, v in context.node_config.items() if k in CODEC_DEFAULTS})
+    node = {k: v for k, v in context.node_config.items() if k in CODEC_DEFAULTS}
+    sent_ef, own_ef = config.get("error-feedback", CODEC_DEFAULTS["error-feedback"]), node.get("error-feedback")
+    if "error-feedback" in node and own_ef != sent_ef and "ef21" in (own_ef, sent_ef):
+        # EF21 pairs every client's h_i with the server's estimate h: a client on another EF mode corrupts h
+        raise ValueError(f"node config 'error-feedback' = {own_ef!r} differs from the server's {sent_ef!r}: "
+                         "error-feedback cannot be overridden per node when either side is 'ef21'")
+    merged.update(node)
     return CodecConfig.from_mapping(merged, source="train/node config")
 
 

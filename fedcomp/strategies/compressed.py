@@ -164,11 +164,16 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         What clients that missed rounds get: the smaller of the missed payloads and a per-client
         compressed diff (default), or the missed payloads whenever they exist ("exact": every client
         trains from a broadcast version; steadier with sparse downstream codecs such as STC).
+    downstream_max_copies : float
+        With ``downstream``: most model copies the server keeps for nodes (older versions, per-node
+        catch-up copies, payloads); least recently replying nodes are forgotten first and then treated
+        as new. Default 8 (:class:`.downstream.Downstream`).
     require_compression : bool
         Refuse dense replies (plain weights from a client without ``compression_mod``). Default
         False: a mixed fleet works, each dense reply is validated like a payload (the model's keys,
         shapes and dtypes; finite) and counted as an uncompressed update at its real bytes under
-        ``upload-bytes-dense``. Dense replies are always refused under local DP and EF21.
+        ``upload-bytes-dense``. Dense replies are always refused under local DP, EF21 and
+        ``downstream`` (the node was sent a compressed copy, not the global weights).
     **params
         Codec parameters by their Python or run-config names: ``density``, ``levels``,
         ``block_size``, ``value_dtype``, ``residual_dtype``.
@@ -195,7 +200,7 @@ class CompressedStrategy(ForwardsToInner, Strategy):
                  local_dp: LocalDP | None = None, max_epsilon: float | None = None, downstream: str | None = None,
                  client_sampling: float | None = None, seed: int | None = None, aggregation: str = "auto",
                  downstream_init: SeededInit | None = None, require_compression: bool = False,
-                 downstream_catchup: str = "smallest", **params) -> None:
+                 downstream_catchup: str = "smallest", downstream_max_copies: float = 8, **params) -> None:
         if aggregation not in ("auto", "dense"):
             raise ValueError(f"aggregation must be 'auto' or 'dense', got {aggregation!r}")
         if not isinstance(inner, Strategy):
@@ -220,12 +225,15 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         if self.ef21 is not None and (client_dp is not None or aggregation != "auto" or not streams(inner)):
             raise ValueError("error_feedback='ef21' needs a weighted-mean inner strategy (FedAvg and its family), "
                              "aggregation='auto' and no client_dp: the server keeps EF21's estimate of the mean update")
+        if self.ef21 is not None and float(getattr(inner, "fraction_train", 1.0)) < 1.0:
+            raise ValueError("error_feedback='ef21' needs every client in every round (fraction_train = 1.0, run config "
+                             "'fraction-train'): the server's single estimate h keeps a departed client's last h_i")
         self.aggregation = aggregation
         if downstream not in (None, "none") and downstream not in available_compressors():
             raise ValueError(f"downstream must be 'none' or one of {available_compressors()}, got {downstream!r}")
         self.downstream = (None if downstream in (None, "none")
                            else Downstream(self.codec, downstream, init=downstream_init,
-                                           catchup=downstream_catchup))
+                                           catchup=downstream_catchup, max_copies=downstream_max_copies))
         self.sampling = None if client_sampling is None else PoissonSampling(client_sampling, seed)
         self.budget = PrivacyBudget(client_dp, local_dp, max_epsilon)
         #: The global model sent in the current round (set by :meth:`configure_train`).
@@ -378,13 +386,21 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         replies = errors + sorted(replies, key=lambda r: r.metadata.src_node_id)
         got = self._fold(server_round, replies, model)
         got.rejected += len(refused)
+        ef21_missing = None
         if self.ef21 is not None:  # EF21: the round's update is the server's estimate h (+= mean of the sends)
             self.ef21.fold(got.fold.running)
+            asked = len(sent.nodes) if sent.nodes is not None else len(replies) + len(refused)
+            ef21_missing = max(asked - len(got.stats), 0)
+            if ef21_missing:
+                log(WARNING, "round %s: EF21: %s sampled client(s) sent no accepted update; their last h_i stays in "
+                    "the server's estimate h (drift until they return)", server_round, ef21_missing)
         self.budget.note_refusals(server_round, replies)
         common_metric_keys(got.metric_contents)
         arrays, agg_metrics, dp_info = self._hand_over(server_round, model, got, sent.sampled)
         ours = round_metrics(got.stats, got.codec_bytes, len(got.metric_contents), got.rejected, got.failed)
         ours.update(dp_info)
+        if ef21_missing is not None:
+            ours["ef21-missing-clients"] = float(ef21_missing)
         self.budget.account(server_round, bool(replies), got.stats, ours)
         self.history[server_round] = ours
         self.client_history[server_round] = got.stats
@@ -410,7 +426,9 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         wkey = self._weight_key()
         refuse_dense = ("require_compression is set" if self.require_compression else
                         "local DP needs every client to clip and noise its update" if self.local_dp is not None else
-                        "EF21's server estimate mirrors the clients' compressed sends" if self.ef21 is not None else "")
+                        "EF21's server estimate mirrors the clients' compressed sends" if self.ef21 is not None else
+                        "downstream compression: the server cannot tell which model a dense reply is relative to "
+                        "(the node was sent a compressed copy)" if self.downstream is not None else "")
         for reply in replies:
             node = reply.metadata.src_node_id
             if reply.has_error():

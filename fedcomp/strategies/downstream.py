@@ -33,7 +33,10 @@ a node that was sent something and did not reply is treated as new next time (it
 
 Server memory: B and G, one float32 vector of the compressed part per older version that some node
 still holds, one per node that holds a catch-up (``diff``) copy, and the broadcast payloads still
-needed for chains. For LoRA adapters that is a few adapter copies per client.
+needed for chains. Bounded by ``max_copies`` (model copies of the compressed part, payload bytes
+included): past it the server forgets the least recently replying nodes first (their copy, and the
+versions and payloads no other node needs); a forgotten node is treated as new (seeded ``init`` +
+catch-up, or ``dense``), as after a missed reply.
 """
 
 from __future__ import annotations
@@ -73,12 +76,27 @@ class Downstream:
     catchup : {"smallest", "exact"}
         Lagging clients get the smaller of the missed payloads and a per-client compressed diff
         ("smallest", default), or the missed payloads whenever the server still has them ("exact").
+    max_copies : float
+        Most model copies (float32 vectors of the compressed part) kept for nodes: stored versions,
+        per-node catch-up copies and broadcast payloads (their bytes / the vector's bytes) together,
+        besides B and G. Default 8; at least 2 (this version and the previous one). Least recently
+        replying nodes are forgotten first.
+
+    Raises
+    ------
+    ValueError
+        ``catchup`` not one of the two, or ``max_copies`` < 2.
     """
 
     def __init__(self, codec: CodecConfig, compressor: str, seed: int = 0, init: SeededInit | None = None,
-                 catchup: str = "smallest") -> None:
+                 catchup: str = "smallest", max_copies: float = 8) -> None:
         if catchup not in ("smallest", "exact"):
             raise ValueError(f"downstream catch-up must be 'smallest' or 'exact', got {catchup!r}")
+        if isinstance(max_copies, bool) or not isinstance(max_copies, (int, float)) or not max_copies >= 2:
+            raise ValueError(f"downstream max_copies must be a number >= 2, got {max_copies!r}")
+        self.max_copies = float(max_copies)
+        self._last_seen: dict[int, int] = {}  # node -> receipt counter (least recently replying evicted first)
+        self._receipts = 0
         self.codec, self.compressor, self.seed, self.init = codec, compressor, seed, init
         self.model: FlatModel | None = None  # B_v: every tensor
         self.version = 0
@@ -133,7 +151,32 @@ class Downstream:
         for node in self._pending:
             self.node_version.pop(node, None)
             self._private.pop(node, None)
+            self._last_seen.pop(node, None)
         self._pending = {}
+        self._drop_unheld()
+        self._evict(self.max_copies - 1)  # room for the version this round adds
+
+    def _copies(self) -> float:
+        """Stored model copies: versions, per-node copies and payload bytes in vectors of the compressed part."""
+        vec_bytes = 4 * max(getattr(self, "num_lossy", 0), 1)
+        return len(self._versions) + len(self._private) + sum(len(p) for p in self._payloads.values()) / vec_bytes
+
+    def _evict(self, budget: float, keep: int | None = None) -> None:
+        """Forget the least recently replying nodes (not ``keep``, not those holding exactly this version
+        without a private copy: they cost nothing) until at most ``budget`` copies are stored."""
+        while self._copies() > budget:
+            cands = [n for n, v in self.node_version.items()
+                     if n != keep and (n in self._private or v != self.version)]
+            if not cands:
+                return
+            node = min(cands, key=lambda n: (self._last_seen.get(n, -1), n))
+            self.node_version.pop(node, None)
+            self._private.pop(node, None)
+            self._last_seen.pop(node, None)
+            self._drop_unheld()
+
+    def _drop_unheld(self) -> None:
+        """Drop the versions and payloads that no node needs any more."""
         held = {v for n, v in self.node_version.items() if n not in self._private}
         if self.exact_catchup and self._init_vec is not None:
             held.add(1)  # nodes not seen yet start from the seeded B_1
@@ -279,6 +322,11 @@ class Downstream:
                 self._private.pop(node, None)
             else:
                 self._private[node] = held
+            self._receipts += 1
+            self._last_seen[node] = self._receipts
+            if self._copies() > self.max_copies:  # over budget: first what nobody needs, then the oldest nodes
+                self._drop_unheld()
+                self._evict(self.max_copies, keep=node)
 
     def held(self, node: int) -> np.ndarray | None:
         """Every float tensor (flat, model order) the server believes ``node`` holds (None: unknown)."""

@@ -8,7 +8,7 @@ import statistics
 import numpy as np
 from flwr.app import MetricRecord, RecordDict
 
-from ..protocol import DEFAULT_DOWNLINK_MBPS, DEFAULT_UPLINK_MBPS
+from ..protocol import DEFAULT_DOWNLINK_MBPS, DEFAULT_UPLINK_MBPS, MIN_LINK_MBPS
 
 #: Largest magnitude a client-reported number keeps (larger ones are clamped to it): sums and
 #: weighted means over a million clients with weights up to 1e9 then stay far below float64's
@@ -73,8 +73,8 @@ def client_stats(node: int, metrics: dict, upload_bytes: int, dense_bytes: int, 
         "decode-seconds": decode_seconds,
         "train-seconds": reported_number(metrics, "train-seconds"),
         "compress-seconds": reported_number(metrics, "compress-seconds"),
-        "uplink-mbps": up if up > 0 else DEFAULT_UPLINK_MBPS,
-        "downlink-mbps": down if down > 0 else DEFAULT_DOWNLINK_MBPS,
+        "uplink-mbps": max(up, MIN_LINK_MBPS) if up > 0 else DEFAULT_UPLINK_MBPS,
+        "downlink-mbps": max(down, MIN_LINK_MBPS) if down > 0 else DEFAULT_DOWNLINK_MBPS,
         "residual-bytes": reported_number(metrics, "residual-bytes"),
         "residual-saturated": reported_number(metrics, "residual-saturated"),
         "upload-bytes": float(upload_bytes),
@@ -99,10 +99,11 @@ def client_seconds(c: dict, uplink_mbps: float | None = None, downlink_mbps: flo
         A ``client_history`` entry (``train-seconds``, ``compress-seconds``, ``upload-bytes``,
         ``download-bytes``, ``uplink-mbps``, ``downlink-mbps``).
     uplink_mbps, downlink_mbps : float, optional
-        Override the client's declared link speeds (megabits per second).
+        Override the client's declared link speeds (megabits per second). Speeds below
+        :data:`~fedcomp.protocol.MIN_LINK_MBPS` count as that speed (the result stays finite).
     """
-    up = uplink_mbps or c["uplink-mbps"]
-    down = downlink_mbps or c["downlink-mbps"]
+    up = max(uplink_mbps or c["uplink-mbps"], MIN_LINK_MBPS)
+    down = max(downlink_mbps or c["downlink-mbps"], MIN_LINK_MBPS)
     compute = c["train-seconds"] + c["compress-seconds"]
     return compute + c["upload-bytes"] * 8 / (up * 1e6) + c["download-bytes"] * 8 / (down * 1e6)
 

@@ -149,3 +149,34 @@ def test_exact_catch_ups_keep_every_client_on_a_broadcast_version():
     assert fed.ds.sent_kind[1] == "chain" and fed.ds.sent_kind[2] == "init+chain"
     for n in (0, 1, 2):
         assert np.array_equal(_flat(got[n]), fed.ds.history[fed.ds.version])  # exactly B_v, bit for bit
+
+
+@pytest.mark.parametrize("codec,tol", [("fp16", 1e-3), ("stc", None)])
+def test_server_memory_is_bounded_and_evicted_nodes_start_again(codec, tol):
+    """Many new nodes over many rounds (issue: one model copy per node ever seen, one payload per round):
+    the stored copies stay within ``max_copies``, forgotten nodes are treated as new, and every client
+    holds what the server records for it (fp16: within fp16 rounding of the global model)."""
+    init, seq = _walk(rounds=40)
+    fed = Fed(codec, 60, init=init, density=0.05)
+    fed.ds.max_copies = 4.0
+    rng = np.random.default_rng(1)
+    kinds = set()
+    for w in seq:
+        nodes = sorted(rng.choice(60, 5, replace=False).tolist())
+        got = fed.round(w, nodes)
+        kinds |= set(fed.ds.sent_kind.values())
+        assert fed.ds._copies() <= 4.0
+        g = np.concatenate([w[k].ravel() for k in SHAPES])
+        for n, rec in got.items():
+            held = fed.ds.held(n)
+            if held is not None:
+                assert np.array_equal(_flat(rec), held)
+            if tol is not None:
+                assert np.abs(_flat(rec) - g).max() <= tol
+    assert any(k.startswith("init+") for k in kinds)  # forgotten / new nodes after round 1 start from the seed
+    assert len(fed.ds._versions) + len(fed.ds._private) <= 4
+
+
+def test_max_copies_is_validated():
+    with pytest.raises(ValueError, match="max_copies"):
+        Downstream(CodecConfig(), "stc", max_copies=1)

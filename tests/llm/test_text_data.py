@@ -79,7 +79,8 @@ def test_roles_splits_and_minimum_lines(tmp_path):
         text = r.train + r.test
         assert len(r.train) == int(len(text) * 0.9)  # the first 90 % of the role's characters train
         assert text.count(b"\n") == r.num_lines - 1
-    assert "beta/Fool" in [r.name for r in partition_roles(texts, min_lines=3)]
+    # beta/Fool has 3 lines but 43 bytes: no 81-byte window to train on, so no client even at min_lines=3
+    assert [r.name for r in partition_roles(texts, min_lines=3)] == [r.name for r in roles]
     again = partition_roles(read_texts(write_corpus(tmp_path / "again")), min_lines=32)
     assert again == roles  # deterministic
     info = describe_partition(roles)
