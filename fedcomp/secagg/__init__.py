@@ -10,11 +10,11 @@ from .client import packing_secaggplus_mod, secagg_mod, shared_randomk_mod
 from .config import SECAGG_CODECS, SecAggConfig, check_codec_under_secagg
 from .encoding import SharedProjection
 from .strategy import SharedRandomKStrategy
-from .workflow import CompressedSecAggPlusWorkflow
+from .workflow import CompressedSecAggPlusWorkflow, SecAggHalted
 
 __all__ = [
            "SECAGG_CODECS",
-           "CompressedSecAggPlusWorkflow",
+           "CompressedSecAggPlusWorkflow", "SecAggHalted",
            "SecAggConfig",
            "SharedProjection",
            "SharedRandomKStrategy",

@@ -127,6 +127,9 @@ def run_secagg(grid, context, cfg: AppConfig, out_dir) -> list[dict]:
     ------
     ValueError
         A codec or feature that cannot work under masking, or a bad ``secagg-*`` key.
+    fedcomp.secagg.SecAggHalted
+        A round halted because the fixed ``secagg-modulus-bits`` cannot hold the sampled clients'
+        sum (the run stops after that round; the message names the fix).
     """
     sa = check_secagg_config(context.run_config)
     recorder = SecAggRecorder(cfg, sa, out_dir, dict(context.run_config))

@@ -12,12 +12,14 @@ FedAvg weighting is SecAgg+'s: each client's vector is multiplied by
 divides the unmasked sum by ``sum(w_i)``: the result is the num-examples-weighted mean (weights
 rounded to 1/Q of ``max_weight``). The inner strategy gets one FitRes with those weights and
 ``num_examples = sum(num_examples_i)``: FedAvg returns it unchanged, FedAvgM / FedAdam treat
-``global - it`` as their pseudo-gradient. Integer and bool tensors keep the global values.
+``global - it`` as their pseudo-gradient. Integer and bool tensors keep the global values; BatchNorm
+``*running_var`` tensors (named through ``keys``) are clamped at 0 (SecAgg+'s stochastic
+quantization can push a small variance below 0).
 """
 
 from __future__ import annotations
 
-from logging import ERROR
+from logging import ERROR, WARNING
 
 import numpy as np
 from flwr.common import (
@@ -212,8 +214,16 @@ class SharedRandomKStrategy(Strategy):
                 log(ERROR, "fedcomp secagg round %d refused (model kept): the inner strategy's aggregate is not "
                     "finite", server_round)
                 return None, {}
-            agg = ndarrays_to_parameters([o.astype(g.dtype) if g.dtype.kind == "f" else g
-                                          for o, g in zip(out, self._global)])
+            out = [o.astype(g.dtype) if g.dtype.kind == "f" else g for o, g in zip(out, self._global)]
+            clamped = 0
+            for i, name in enumerate(self.keys or []):  # quantization noise must not make a variance negative
+                if name.endswith("running_var") and out[i].dtype.kind == "f":
+                    clamped += int(np.count_nonzero(out[i] < 0))
+                    out[i] = np.maximum(out[i], 0).astype(out[i].dtype)
+            if clamped:
+                log(WARNING, "fedcomp secagg round %d: %d BatchNorm running_var entries below 0 after the secure "
+                    "aggregate (quantization noise) clamped to 0", server_round, clamped)
+            agg = ndarrays_to_parameters(out)
             if not all(np.isfinite(a).all() for a in parameters_to_ndarrays(agg) if a.dtype.kind == "f"):
                 log(ERROR, "fedcomp secagg round %d refused (model kept): the aggregate overflows its dtype",
                     server_round)

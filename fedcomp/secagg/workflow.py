@@ -6,7 +6,8 @@ The four protocol stages, the masks, the secret sharing and the dropout recovery
 
 - sizes ``modulus_range`` each round (``secagg-modulus-bits = 0``): the smallest power of two that
   holds the sum of the available clients' quantized values, ``ceil(log2(n * Q + 1))`` bits, and
-  halts the round (Flower's own "halted" path) if more clients were sampled than it can hold;
+  halts the round (Flower's own "halted" path) if more clients were sampled than it can hold, then
+  raises :class:`SecAggHalted` with the reason (every later round would halt too);
 - checks every masked vector before Flower sums it (2 blobs, int64, shapes ``(1,)`` and
   ``(k,)``, values in ``[0, modulus_range)``; raw ``.npy`` parsed without pickle) and unpacks those
   packed by :func:`fedcomp.secagg.client.packing_secaggplus_mod` back to the int64 arrays Flower
@@ -52,6 +53,11 @@ class _CountingGrid:
         for reply in self._grid.send_and_receive(list(sent.values()), timeout=timeout):
             out.append(self._wf._on_reply(reply, sent.get(reply.metadata.src_node_id)))
         return out
+
+
+class SecAggHalted(RuntimeError):
+    """A SecAgg+ round was halted because the fixed modulus cannot hold the sampled clients' sum:
+    every later round would halt too, so the run stops (the message names the fix)."""
 
 
 class CompressedSecAggPlusWorkflow(SecAggPlusWorkflow):
@@ -100,10 +106,13 @@ class CompressedSecAggPlusWorkflow(SecAggPlusWorkflow):
         self.round_bytes = {"upload-bytes": 0.0, "secagg-protocol-bytes": 0.0, "malformed-replies": 0}
         self._mod_bits = None
         self._ctx = context
+        self.halted: str | None = None
         strategy = getattr(context, "strategy", None)
         if hasattr(strategy, "max_weight") and strategy.max_weight is None:  # SharedRandomKStrategy's bound
             strategy.max_weight = float(self.max_weight)
         super().__call__(_CountingGrid(grid, self), context)
+        if self.halted:
+            raise SecAggHalted(self.halted)
 
     def setup_stage(self, grid, context, state) -> bool:
         """Flower's setup stage with the modulus sized from the available clients; halts the round if
@@ -113,9 +122,10 @@ class CompressedSecAggPlusWorkflow(SecAggPlusWorkflow):
         n = len(state.sampled_node_ids)
         self._mod_bits = state.mod_range.bit_length() - 1
         if n * state.quantization_range >= state.mod_range:
-            log(ERROR, "fedcomp secagg: %d sampled clients can overflow modulus 2**%d with quantization range %d: "
-                "round halted (raise 'secagg-modulus-bits' or use 0 = auto)", n, self._mod_bits,
-                state.quantization_range)
+            self.halted = (f"{n} sampled clients can overflow modulus 2**{self._mod_bits} with quantization range "
+                           f"{state.quantization_range}: round halted, run stopped (raise 'secagg-modulus-bits' or "
+                           "use 0 = auto)")
+            log(ERROR, "fedcomp secagg: %s", self.halted)
             return False
         return ok
 

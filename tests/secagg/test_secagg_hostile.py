@@ -171,3 +171,28 @@ def test_secagg_metrics_are_bounded_like_the_plain_path(loss):
                           (None, fr({"train-loss": 1.0, "compression-error": 1.0}))], [])
     for key in ("train-loss", "compression-error"):
         assert np.isfinite(m[key]) and abs(m[key]) <= METRIC_BOUND
+
+
+def test_secagg_batchnorm_running_var_is_clamped_at_zero():
+    from flwr.common import Code, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays
+    from flwr.server.strategy import FedAvg
+
+    from fedcomp.secagg import SharedRandomKStrategy
+    from fedcomp.secagg.encoding import SharedProjection
+    s = SharedRandomKStrategy(FedAvg(), 1.0, keys=["bn.weight", "bn.running_var"], max_weight=1000.0)
+    s._global = [np.ones(2, np.float32), np.full(2, 1e-4, np.float32)]
+    s._proj, s._sampled = SharedProjection(4, 1.0, 1), 1
+    fr = FitRes(Status(Code.OK, ""), ndarrays_to_parameters([np.array([-0.5, 0.5, -5e-4, 5e-4])]), 10, {})
+    w, rv = parameters_to_ndarrays(s.aggregate_fit(1, [(None, fr)], [])[0])
+    np.testing.assert_allclose(w, [0.5, 1.5])                       # other tensors may go below 0
+    np.testing.assert_allclose(rv, [0.0, 6e-4], rtol=1e-6)
+
+
+def test_a_round_halted_for_modulus_overflow_stops_the_run_with_the_reason(monkeypatch):
+    import functools
+
+    from fedcomp.secagg import CompressedSecAggPlusWorkflow, SecAggHalted
+    monkeypatch.setattr(helpers, "CompressedSecAggPlusWorkflow",
+                        functools.partial(CompressedSecAggPlusWorkflow, modulus_bits=18))  # 5 * 2**16 >= 2**18
+    with pytest.raises(SecAggHalted, match=r"5 sampled clients can overflow modulus 2\*\*18.*'secagg-modulus-bits'"):
+        helpers.run_round(5, 0.5)
