@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", default="", help="FLWR_HOME, logs and results live here (default: a temp dir)")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds before the run is stopped")
     ap.add_argument("--node-wrapper", action="append", metavar="INDEX=COMMAND",
-                    help="run SuperNode INDEX through COMMAND, e.g. 0='scripts/arm64_rootfs.sh exec /tmp/fedcomp-arm64'")
+                    help="run SuperNode INDEX through COMMAND, e.g. 0='scripts/arm64_rootfs.sh exec build/arm64-root'")
     ap.add_argument("--node-config", action="append", metavar="INDEX=CONFIG",
                     help="extra node config of SuperNode INDEX, e.g. 0=\"data-file='/data/partition-0.npz'\"")
     ap.add_argument("--kill-supernode-after-round", type=int, default=None, help=argparse.SUPPRESS)

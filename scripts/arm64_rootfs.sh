@@ -12,12 +12,12 @@
 #                                               network (127.0.0.1 is the host's)
 #   scripts/arm64_rootfs.sh umount ROOT         unmount ROOT/proc and ROOT/sys (after the last exec)
 #
-# ROOT defaults to $FEDCOMP_ARM64_ROOT or /tmp/fedcomp-arm64. On a real arm64 device none of this is
+# ROOT defaults to $FEDCOMP_ARM64_ROOT or build/arm64-root in the repository (ignored by git). On a real arm64 device none of this is
 # needed: `pip install -c constraints.txt .` there (README, "Edge devices").
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 cmd=${1:-setup}; shift || true
-ROOT=${1:-${FEDCOMP_ARM64_ROOT:-/tmp/fedcomp-arm64}}; if [ $# -gt 0 ]; then shift; fi
+ROOT=${1:-${FEDCOMP_ARM64_ROOT:-$here/build/arm64-root}}; if [ $# -gt 0 ]; then shift; fi
 SUITE=bookworm MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
 SITE=opt/fedcomp/lib/python3.11/site-packages
 # PyPI's aarch64 wheel of torch 2.13.0 is a CUDA 13 build that requires several GB of NVIDIA libraries on

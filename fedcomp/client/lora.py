@@ -56,7 +56,7 @@ def train_adapters(model: torch.nn.Module, data: Dataset, steps: int, batch_size
 def eval_lm(model: torch.nn.Module, data: Dataset, batch_size: int = 64,
             device: torch.device | str = "cpu") -> tuple[float, float]:
     """Mean next-token loss (nats) and accuracy in [0, 1] over every position of ``data``."""
-    model.eval()
+    model.train(False)  # evaluation mode (dropout off)
     total, hits, n = 0.0, 0, 0
     for x, y in DataLoader(data, batch_size=batch_size):
         loss, h = lm_loss(model, x.to(device), y.to(device))

@@ -3,7 +3,7 @@ under qemu-user emulation) joins a real amd64 SuperLink next to an amd64 SuperNo
 of the default federation with STC; the server's metrics.json shows which machines replied.
 
 Runs only with ``FEDCOMP_ARM64=1``: it needs root, Debian's mirror and PyPI (the first setup; later runs reuse
-``$FEDCOMP_ARM64_ROOT``, default /tmp/fedcomp-arm64), and the setup and the emulated run take minutes.
+``$FEDCOMP_ARM64_ROOT``, default build/arm64-root in the repository), and the setup and the emulated run take minutes.
 Marker ``arm64``: ``FEDCOMP_ARM64=1 pytest -m arm64``.
 """
 
@@ -32,7 +32,7 @@ def test_arm64_supernode_joins_an_amd64_superlink(tmp_path, capsys):
         pytest.skip("emulated arm64 run: set FEDCOMP_ARM64=1 (root; minutes)")
     if os.geteuid() != 0:
         pytest.skip("qemu binfmt registration and chroot need root")
-    root = pathlib.Path(os.environ.get("FEDCOMP_ARM64_ROOT", "/tmp/fedcomp-arm64"))
+    root = pathlib.Path(os.environ.get("FEDCOMP_ARM64_ROOT", SCRIPT.parents[1] / "build" / "arm64-root"))
     t0 = time.monotonic()
     setup = subprocess.run([str(SCRIPT), "setup", str(root)], capture_output=True, text=True, timeout=1800,
                            check=False)
