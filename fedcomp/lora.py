@@ -149,6 +149,26 @@ def _source(name: str) -> str:
     return where
 
 
+def check_base_model(name: str) -> None:
+    """Check ``base-model`` before a run starts, without loading anything (``fedcomp-simulation``).
+
+    A hub id passes (whether it resolves is only known when it loads). A path-like name must be an
+    absolute path (``~`` allowed) to an existing directory, because the ServerApp and the ClientApps
+    run in the SuperLink's working directory, not in the caller's.
+
+    Raises
+    ------
+    ValueError
+        One line naming the key: a relative path, no such directory, or a file instead of a directory.
+    """
+    if not _looks_like_path(name):
+        return
+    if not os.path.isabs(os.path.expanduser(name)):
+        raise ValueError(f"run config 'base-model' = {name!r} is a relative path: give an absolute one (the apps "
+                         "run in the SuperLink's working directory, not in yours)")
+    _source(name)
+
+
 def _local_only(name: str) -> dict[str, Any]:
     """``from_pretrained`` keywords: a local directory is read from disk only (no hub look-up)."""
     return {"local_files_only": True} if _looks_like_path(name) else {}

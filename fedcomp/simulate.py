@@ -88,6 +88,10 @@ def check_run_config(app: pathlib.Path, overrides: str) -> dict[str, Any]:
 
         if secagg_requested(fused):
             check_secagg_config(fused)
+        if cfg.finetune == "lora":
+            from .lora import check_base_model
+
+            check_base_model(fused["base-model"])
         if cfg.dp == "dp-sgd":
             from .client.dp_sgd import DPSGDConfig
 

@@ -69,3 +69,21 @@ def test_the_flwr_command_carries_the_size_and_overrides():
     assert cmd[1:4] == ["run", str(REPO), "--stream"]
     assert cmd[4:6] == ["--federation-config", "num-supernodes=7 client-resources-num-cpus=1"]
     assert cmd[6:] == ["--run-config", "num-server-rounds=2", "--format", "default"]
+
+
+@pytest.mark.parametrize("base,says", [
+    ("./nope", "is a relative path: give an absolute one"),
+    ("/nonexistent-fedcomp-base", "cannot be loaded: no such directory /nonexistent-fedcomp-base"),
+])
+def test_a_lora_base_model_that_cannot_load_is_refused_before_anything_starts(base, says, nothing_starts, capsys):
+    overrides = f"finetune='lora' dataset='shakespeare' model='transformer' base-model='{base}'"
+    assert simulate.main(["--app", str(REPO), "--run-config", overrides]) == 2
+    out = capsys.readouterr().out.strip()
+    assert out.startswith("fedcomp-simulation: ") and says in out and out.endswith("nothing was started")
+    assert "\n" not in out
+
+
+def test_a_lora_base_model_directory_passes_the_precheck(tmp_path):
+    overrides = f"finetune='lora' dataset='shakespeare' model='transformer' base-model='{tmp_path}'"
+    fused = simulate.check_run_config(REPO, overrides)
+    assert fused["base-model"] == str(tmp_path) and fused["finetune"] == "lora"
