@@ -124,8 +124,8 @@ class CompressedSecAggPlusWorkflow(SecAggPlusWorkflow):
         n = len(state.sampled_node_ids)
         self.round_modulus_bits = state.mod_range.bit_length() - 1
         if n * state.quantization_range >= state.mod_range:
-            self.halted = (f"{n} sampled clients can overflow modulus 2**{self.round_modulus_bits} with quantization range "
-                           f"{state.quantization_range}: round halted, run stopped (raise 'secagg-modulus-bits' or "
+            self.halted = (f"{n} sampled clients can overflow modulus 2**{self.round_modulus_bits} with "
+                           f"quantization range {state.quantization_range}: round halted, run stopped (raise 'secagg-modulus-bits' or "
                            "use 0 = auto)")
             log(ERROR, "fedcomp secagg: %s", self.halted)
             return False
