@@ -61,3 +61,37 @@ def reported_machine(content) -> str | None:
     if not isinstance(v, str) or not re.fullmatch(rf"[A-Za-z0-9_.-]{{1,{MAX_MACHINE_CHARS}}}", v):
         return None
     return v
+
+
+#: ``sys.argv[0]`` of the process Flower starts for each message a SuperNode receives (its default
+#: ``--isolation subprocess``): the whole life of that process belongs to one round.
+CLIENTAPP_PROCESS = "flwr-clientapp"
+
+
+def clientapp_seconds() -> float:
+    """Seconds this ClientApp process has lived, when Flower started it for the one message it
+    handles (``flwr-clientapp``: a SuperNode starts one per message), else 0.0.
+
+    In a deployment the process start, imports (torch, fedcomp), pulling the message from the
+    SuperNode and loading the partition come on top of ``train-seconds`` in every round (tens of
+    seconds on a loaded two-core machine: ``benchmarks/links.py``); ``compression_mod`` reports this
+    at the end of its work as ``clientapp-seconds`` and the round-time model counts the larger of it
+    and train + compress seconds. In Flower's simulation and in-process runs the worker process
+    serves many messages, and 0.0 is returned. Linux ``/proc`` (start time in clock ticks since
+    boot, 10 ms steps); 0.0 where it cannot be read.
+    """
+    import os
+    import sys
+
+    if os.path.basename(sys.argv[0] if sys.argv else "") != CLIENTAPP_PROCESS:
+        return 0.0
+    try:
+        with open("/proc/self/stat") as fh:
+            stat = fh.read()
+        with open("/proc/uptime") as fh:
+            uptime = float(fh.read().split()[0])
+        # field 22 (starttime); the command name (field 2) may hold spaces: count from its ")"
+        start_ticks = int(stat.rsplit(")", 1)[1].split()[19])
+        return max(uptime - start_ticks / os.sysconf("SC_CLK_TCK"), 0.0)
+    except (OSError, ValueError, IndexError):
+        return 0.0
