@@ -62,6 +62,7 @@ CODECS = {  # name -> run config of the codec (defaults otherwise: error feedbac
 }
 UPLINKS = (1.0, 10.0, 100.0)  # Mbit/s; downlink = DOWN_FACTOR x uplink
 DOWN_FACTOR = 10.0
+RELAY_PORT = 9190  # inside each client namespace (``--rtt-ms``)
 
 
 class StampedProcesses(Processes):
@@ -133,9 +134,15 @@ def run_one(codec: str, up: float | None, down: float | None, args, work: pathli
             link = procs.start([*nice, _bin(link_cmd[0]), *link_cmd[1:]], env, work / "superlink.log")
             wait_for_port(topo.host_ip, port, link, timeout=60)
             for i in range(args.supernodes):
+                target = address
+                if args.rtt_ms > 0:  # the SuperNode reaches the SuperLink through a delaying relay in its namespace
+                    procs.start([*topo.exec_prefix(i), *nice, sys.executable, str(REPO / "benchmarks" / "netshape.py"),
+                                 "relay", str(RELAY_PORT), topo.host_ip, str(port), str(args.rtt_ms)], env,
+                                work / f"relay-{i}.log")
+                    target = f"127.0.0.1:{RELAY_PORT}"
                 # speeds as node config too: what the client reports is what the link is shaped to
                 speeds = f"uplink-mbps={up or 1e6} downlink-mbps={down or 1e6}"
-                cmd = supernode_command(i, args.supernodes, address, 9094, extra_node_config=speeds)
+                cmd = supernode_command(i, args.supernodes, target, 9094, extra_node_config=speeds)
                 procs.start([*topo.exec_prefix(i), *nice, _bin(cmd[0]), *cmd[1:]], env, work / f"supernode-{i}.log")
             run_config = (f"results-dir='{results}' num-server-rounds={args.max_rounds} min-available-nodes="
                           f"{args.supernodes} min-train-nodes={args.supernodes} partitioner='{args.partitioner}' "
@@ -159,6 +166,7 @@ def run_one(codec: str, up: float | None, down: float | None, args, work: pathli
     row = summarize(codec, up, down, rounds, args.target, time.monotonic() - t_start, stats)
     row["breakdown"] = round_breakdown(rounds, phases, nodes, up, down)
     row["netns-tag"] = topo.tag
+    row["rtt-ms"] = args.rtt_ms
     first = [m for ms in nodes for m in ms[:1] if "t-received" in m]
     row["first-receive-seconds"] = [m["t-received"] - m["t-receiving"] for m in first]  # includes the FAB
     return row
@@ -304,6 +312,8 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         c = compare(r)
         speed = "unshaped" if r["uplink-mbps"] is None else f"{r['uplink-mbps']:g} / {r['downlink-mbps']:g}"
+        if r.get("rtt-ms"):
+            speed += f", RTT {r['rtt-ms']:g} ms"
         lines.append(f"| {r['codec']} | {speed} | {r['rounds-to-target'] or 'not in ' + str(r['rounds-run'])} | "
                      f"{f(c['measured'])} | {f(c['computed'])} | {f(c['ratio'], '{:.2f}')} | {f(c['old'])} | "
                      f"{f(c['ratio-old'], '{:.2f}')} | {f(c['link-measured'], '{:.2f}')} | "
@@ -357,7 +367,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--run-config", default="fraction-evaluate=0.0",
                     help="extra run config for every run (default: no federated evaluation phase)")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per run before it is stopped")
-    ap.add_argument("--nice", type=int, default=0)
+    ap.add_argument("--nice", type=int, default=0, help="niceness of the SuperLink and SuperNodes")
+    ap.add_argument("--rtt-ms", type=float, default=0.0,
+                    help="round-trip time added by a relay in each client namespace (netshape.relay); 0 = none")
     ap.add_argument("--quick", action="store_true", help="fp32 at 10 Mbit/s, 2 rounds, to $TMPDIR")
     ap.add_argument("--out", default="")
     ap.add_argument("--plot-only", default="", metavar="FILE", help="print the table and draw the figure of FILE")
@@ -373,6 +385,8 @@ def main(argv: list[str] | None = None) -> int:
     if reason:
         print(f"links: cannot shape links here: {reason}", flush=True)
         return 2
+    if args.rtt_ms < 0:
+        ap.error("--rtt-ms must be >= 0")
     if args.quick:
         args.codecs, args.uplinks, args.max_rounds, args.target = "fp32", "10", 2, 2.0
     out = pathlib.Path(args.out) if args.out else (
@@ -385,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
         for u in (float(x) for x in args.uplinks.split(",")):
             up, down = (u, u * DOWN_FACTOR) if u > 0 else (None, None)
             print(f"links: {codec} up {up} down {down} Mbit/s ...", flush=True)
-            row = run_one(codec, up, down, args, base / f"{codec}-{u:g}")
+            row = run_one(codec, up, down, args, base / f"{codec}-{u:g}-rtt{args.rtt_ms:g}")
             rows.append(row)
             print(f"links: {codec} up {up}: rounds {row['rounds-to-target']} measured {row['measured-seconds']} s "
                   f"computed {row['computed-seconds']:.2f} s", flush=True)

@@ -12,8 +12,9 @@ Topology (``Topology(2, up_mbps=1, down_mbps=10)``)::
 The uplink is the egress of the client's veth end (client -> root), the downlink the egress of
 the root's end (root -> client): shaping on egress needs no ``ifb``. ``tc`` counts layer-2 bytes
 (Ethernet + IP + TCP headers: about 4.6 % on top of the payload at MTU 1500), and ``mbit`` is
-10^6 bit/s. No delay is added (``sch_netem`` is not needed; see ``benchmarks/links.py`` for the
-round-trip time). All traffic stays on this machine: the bridge has no other port and no route out.
+10^6 bit/s. ``tc``'s delay (``sch_netem``) is not available in every kernel (not here): a round-trip
+time comes from :func:`relay`, a user-space TCP relay run inside the client's namespace that holds
+each chunk RTT/2 in each direction before passing it on. All traffic stays on this machine: the bridge has no other port and no route out.
 
 Errors: :func:`unavailable` says why shaping cannot run here (not root, no ``ip``/``tc``, no
 network namespaces); :class:`Topology` raises ``subprocess.CalledProcessError`` when a command
@@ -22,6 +23,7 @@ fails and removes what it created (also on interpreter exit, see :meth:`Topology
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import contextlib
 import ipaddress
@@ -29,6 +31,8 @@ import os
 import secrets
 import shutil
 import subprocess
+import sys
+import time
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -178,3 +182,63 @@ class Topology:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, delay: float, chunk: int,
+                depth: int) -> None:
+    """Copy ``reader`` to ``writer``, each chunk ``delay`` seconds after it was read, in order; at most
+    ``depth`` chunks wait (bounded memory: reading pauses when the queue is full)."""
+    queue: asyncio.Queue = asyncio.Queue(maxsize=depth)
+
+    async def read() -> None:
+        try:
+            while data := await reader.read(chunk):
+                await queue.put((time.monotonic() + delay, data))
+        finally:
+            await queue.put(None)
+
+    async def write() -> None:
+        while (item := await queue.get()) is not None:
+            due, data = item
+            if (wait := due - time.monotonic()) > 0:
+                await asyncio.sleep(wait)
+            writer.write(data)
+            await writer.drain()
+        with contextlib.suppress(OSError):
+            writer.write_eof()
+
+    await asyncio.gather(read(), write())
+
+
+async def _serve(port: int, host: str, target_port: int, delay: float) -> None:
+    async def handle(r_client: asyncio.StreamReader, w_client: asyncio.StreamWriter) -> None:
+        try:
+            r_up, w_up = await asyncio.open_connection(host, target_port)
+        except OSError:
+            w_client.close()
+            return
+        try:
+            await asyncio.gather(_pump(r_client, w_up, delay, 65536, 64), _pump(r_up, w_client, delay, 65536, 64))
+        except (OSError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            for w in (w_up, w_client):
+                w.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", port)
+    async with server:
+        await server.serve_forever()
+
+
+def relay(port: int, host: str, target_port: int, rtt_ms: float) -> None:
+    """Listen on 127.0.0.1:``port`` and relay every connection to ``host:target_port``, delaying each
+    chunk by ``rtt_ms`` / 2 milliseconds in each direction (a request/response exchange then takes one
+    RTT longer). Not a full link emulation: the relay's own TCP connections see no delay, so TCP's
+    window growth is not slowed; what it adds is the latency of every exchange, which is what a
+    polling, request-based protocol such as Flower's Fleet API pays per round. Runs until killed.
+    Command line: ``python netshape.py relay PORT HOST TARGET_PORT RTT_MS``."""
+    asyncio.run(_serve(port, host, target_port, rtt_ms / 2000.0))
+
+
+if __name__ == "__main__" and len(sys.argv) == 6 and sys.argv[1] == "relay":
+    relay(int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), float(sys.argv[5]))

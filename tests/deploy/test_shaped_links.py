@@ -145,3 +145,53 @@ def test_links_quick_runs_a_shaped_deployment(tmp_path):
     assert (ref.read_bytes() if ref.exists() else None) == before
     left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False).stdout
     assert row["netns-tag"] not in left
+
+
+def test_relay_adds_the_round_trip_time_and_keeps_the_bytes():
+    """netshape.relay (the RTT where tc's netem is missing): a request/response exchange through it
+    takes one RTT more, and 1 MB crosses it unchanged in both directions."""
+    import threading
+
+    def echo(srv):
+        conn, _ = srv.accept()
+        with conn:
+            while data := conn.recv(65536):
+                conn.sendall(data)
+
+    with socket.socket() as srv, socket.socket() as probe:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(1)
+        probe.bind(("127.0.0.1", 0))
+        relay_port = probe.getsockname()[1]
+        probe.close()
+        threading.Thread(target=echo, args=(srv,), daemon=True).start()
+        relay = subprocess.Popen([sys.executable, str(REPO / "benchmarks" / "netshape.py"), "relay", str(relay_port),
+                                  "127.0.0.1", str(srv.getsockname()[1]), "200"])
+        try:
+            deadline = time.monotonic() + 60
+            while True:  # bounded: until the relay listens or 60 s
+                try:
+                    conn = socket.create_connection(("127.0.0.1", relay_port), timeout=60)
+                    break
+                except OSError:
+                    assert time.monotonic() < deadline and relay.poll() is None
+                    time.sleep(0.1)
+            with conn:
+                times = []
+                for _ in range(3):
+                    t0 = time.monotonic()
+                    conn.sendall(b"ping")
+                    assert conn.recv(16) == b"ping"
+                    times.append(time.monotonic() - t0)
+                assert 0.2 <= min(times) < 0.2 + 0.3
+                blob = os.urandom(1_000_000)
+                sender = threading.Thread(target=conn.sendall, args=(blob,))
+                sender.start()
+                got = bytearray()
+                while len(got) < len(blob):
+                    got += conn.recv(65536)
+                sender.join(60)
+                assert bytes(got) == blob
+        finally:
+            relay.terminate()
+            relay.wait(30)
