@@ -84,6 +84,8 @@ def client_stats(node: int, metrics: dict, upload_bytes: int, dense_bytes: int, 
         "download-bytes": reported_number(metrics, "download-bytes"),
         "density": reported_number(metrics, "density"),
         "client-peak-rss-mb": reported_number(metrics, "client-peak-rss-mb"),
+        "client-memory-limit-mb": reported_number(metrics, "client-memory-limit-mb"),
+        "client-oom-kills": reported_number(metrics, "client-oom-kills"),
         "machine": machine,
         "epsilon": reported_epsilon(metrics.get("epsilon")),
         "epsilon-next": reported_epsilon(metrics.get("epsilon-next")),
@@ -165,6 +167,13 @@ def round_metrics(stats: list[dict], codec_bytes: dict, n_good: int, rejected: i
     for name, nbytes in sorted(codec_bytes.items()):
         out[f"upload-bytes-{name}"] = float(nbytes)
     return out
+
+
+def per_client(stats: list[dict], key: str) -> dict[str, float]:
+    """One reported figure of every client of a round by node id (as a string, metrics.json's keys),
+    sorted by node id; e.g. ``per_client(stats, "client-peak-rss-mb")`` is ``client-peak-rss`` in
+    metrics.json (MiB). Clients that report 0 (no such figure) are left out."""
+    return {str(s["node"]): s[key] for s in sorted(stats, key=lambda s: s["node"]) if s.get(key)}
 
 
 def machine_counts(stats: list[dict]) -> dict[str, int]:
