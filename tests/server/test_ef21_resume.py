@@ -39,6 +39,7 @@ def assert_same_run(full, part):
             np.testing.assert_array_equal(za[k], zb[k])  # weights and h, bit for bit
 
 
+@pytest.mark.slow
 def test_ef21_resume_after_the_clients_saved_a_round_the_server_did_not_checkpoint(tmp_path):
     """Resumed twice: from round 2 to 3, then (the server stopped in round 3 after the clients
     saved their h_i of round 3) from round 2 again: the resumed round 3 starts from the clients'
