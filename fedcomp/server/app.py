@@ -231,16 +231,16 @@ def _resume(cfg: AppConfig, out_dir, strategy: CompressedStrategy, recorder: Rou
     Raises
     ------
     ValueError
-        No ``results-dir``, dp-sgd without ``client-state-dir``, a bad checkpoint, or privacy or
+        No ``results-dir``, dp-sgd or EF21 without ``client-state-dir``, a bad checkpoint, or privacy or
         codec settings that differ from the checkpoint's.
     FileNotFoundError
         No checkpoint in ``out_dir``.
     """
     if not cfg.results_dir:
         raise ValueError("run config 'resume' = true needs 'results-dir' set to the folder of the run to resume")
-    if cfg.codec.error_feedback == "ef21":
-        raise ValueError("run config 'resume' does not support error-feedback = 'ef21' yet: the server's EF21 "
-                         "estimate is not in the checkpoint")
+    if cfg.codec.error_feedback == "ef21" and not cfg.client_state_dir:
+        raise ValueError("run config 'resume' with error-feedback = 'ef21' needs 'client-state-dir': the server's "
+                         "estimate h (in the checkpoint) is the mean of the clients' h_i, which they keep there")
     if cfg.dp == "dp-sgd" and not cfg.client_state_dir:
         raise ValueError("run config 'resume' with dp = 'dp-sgd' needs 'client-state-dir': clients keep their "
                          "privacy accountants there, otherwise epsilon would restart from zero")

@@ -297,9 +297,11 @@ class CompressedStrategy(ForwardsToInner, Strategy):
     def state_dict(self) -> dict[str, Any]:
         """Everything a resumed run needs: ``{"privacy": JSON-serialisable accounting,
         "optimizer": {name: np.ndarray} of the inner strategy's server optimizer,
-        "int-remainders": {tensor: float64 np.ndarray} of the integer rule}``."""
+        "int-remainders": {tensor: float64 np.ndarray} of the integer rule,
+        "ef21": {tensor: flat float64 np.ndarray} EF21's server estimate h (empty without EF21)}``."""
         return {"privacy": self.budget.state_dict(), "optimizer": optimizer_state(self.inner),
-                "int-remainders": {k: np.array(v, copy=True) for k, v in self.int_remainders.items()}}
+                "int-remainders": {k: np.array(v, copy=True) for k, v in self.int_remainders.items()},
+                "ef21": self.ef21.state_dict() if self.ef21 is not None else {}}
 
     def load_state_dict(self, state: dict[str, Any], shapes: dict[str, tuple]) -> None:
         """Restore :meth:`state_dict`; ``shapes``: the model's tensor shapes (model order).
@@ -307,9 +309,15 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         Raises
         ------
         ValueError
-            Optimizer state the inner strategy does not have or that does not fit ``shapes``.
+            Optimizer state the inner strategy does not have or that does not fit ``shapes``; an
+            EF21 estimate without EF21, or one that does not fit ``shapes``.
         """
         load_optimizer_state(self.inner, state.get("optimizer", {}), shapes)
+        ef21 = state.get("ef21", {})
+        if ef21 and self.ef21 is None:
+            raise ValueError("the checkpoint holds EF21's server estimate h but error-feedback is not 'ef21'")
+        if self.ef21 is not None:
+            self.ef21.load_state_dict(ef21, shapes)
         self.budget.load_state_dict(state.get("privacy", {}))
         self.int_remainders = dict(state.get("int-remainders", {}))
 
