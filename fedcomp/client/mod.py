@@ -15,7 +15,7 @@ import numpy as np
 from flwr.app import ArrayRecord, Context, Message, MetricRecord
 
 from ..compression.error_feedback import warn_saturation_once
-from ..device import clientapp_seconds, peak_rss_mb
+from ..device import clientapp_seconds, memory_report
 from ..protocol import (
     DEFAULT_DOWNLINK_MBPS,
     DEFAULT_UPLINK_MBPS,
@@ -125,7 +125,7 @@ def _compress(request: TrainRequest, context: Context, received: dict, trained: 
     stats["compress-seconds"] = time.perf_counter() - t0
     warn_saturation_once(context.node_id, stats["residual-saturated"], stats["residual-saturated-loss"])
     stats["residual-bytes"] = float(sum(r.nbytes for r in new_res.values()))
-    stats["client-peak-rss-mb"] = peak_rss_mb()  # after training and compressing: the round's peak
+    stats.update(memory_report())  # after training and compressing: the round's peak RSS
     stats.update(_link_speeds(context))
     if request.codec.error_feedback:
         keep_residuals(context, files, new_res, request.server_round)

@@ -85,6 +85,8 @@ def client_stats(node: int, metrics: dict, upload_bytes: int, dense_bytes: int, 
         "download-bytes": reported_number(metrics, "download-bytes"),
         "density": reported_number(metrics, "density"),
         "client-peak-rss-mb": reported_number(metrics, "client-peak-rss-mb"),
+        "client-memory-limit-mb": reported_number(metrics, "client-memory-limit-mb"),
+        "client-oom-kills": reported_number(metrics, "client-oom-kills"),
         "machine": machine,
         "epsilon": reported_epsilon(metrics.get("epsilon")),
         "epsilon-next": reported_epsilon(metrics.get("epsilon-next")),
@@ -96,9 +98,10 @@ def client_seconds(c: dict, uplink_mbps: float | None = None, downlink_mbps: flo
 
     compute is ``train-seconds + compress-seconds``, or the ClientApp process's life
     (``clientapp-seconds``) where that is larger: a SuperNode starts one ``flwr-clientapp`` process
-    per message, and its start, imports and data loading cost every round (measured with shaped
-    links, ``benchmarks/links.py``: 15-20 s a round on a loaded two-core machine against 10-15 s of
-    training; without that term the model gave a third of the wall clock). Not modelled: Flower's
+    per message, and its start, imports and data loading cost every round (measured over shaped
+    links by ``benchmarks/links.py``, see the README's table: on a loaded two-core machine that
+    process lived 2-3x its training time, and without this term the model gave under half of the
+    measured wall clock). Not modelled: Flower's
     polling (a SuperNode asks for work every 3 s when idle: 1.5 s mean wait), a federated-evaluation
     phase, per-request latency (no round-trip time term), protocol bytes on top of the payloads.
 
@@ -175,6 +178,13 @@ def round_metrics(stats: list[dict], codec_bytes: dict, n_good: int, rejected: i
     for name, nbytes in sorted(codec_bytes.items()):
         out[f"upload-bytes-{name}"] = float(nbytes)
     return out
+
+
+def per_client(stats: list[dict], key: str) -> dict[str, float]:
+    """One reported figure of every client of a round by node id (as a string, metrics.json's keys),
+    sorted by node id; e.g. ``per_client(stats, "client-peak-rss-mb")`` is ``client-peak-rss`` in
+    metrics.json (MiB). Clients that report 0 (no such figure) are left out."""
+    return {str(s["node"]): s[key] for s in sorted(stats, key=lambda s: s["node"]) if s.get(key)}
 
 
 def machine_counts(stats: list[dict]) -> dict[str, int]:
