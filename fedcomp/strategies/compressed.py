@@ -115,9 +115,10 @@ class CompressedStrategy(ForwardsToInner, Strategy):
        ``dense-bytes``, ``compression-ratio`` (dense / upload), ``compression-error`` and
        ``residual-norm`` (means over clients), ``download-bytes``, ``num-replies``,
        ``rejected-replies``, ``failed-clients``, ``upload-bytes-<codec>`` per codec, and
-       ``round-seconds-simulated``: the slowest client's compute time + upload bytes·8 /
-       uplink + download bytes·8 / downlink, at the link speeds each client declared
-       (node config ``uplink-mbps``/``downlink-mbps``). Client-reported numbers are
+       ``round-seconds-simulated``: the slowest client's compute time (in a deployment its
+       ClientApp process's life) + upload bytes·8 / uplink + download bytes·8 / downlink, at
+       the link speeds each client declared (node config ``uplink-mbps``/``downlink-mbps``),
+       + Flower's polling in a deployment (:func:`.round_metrics.client_seconds`). Client-reported numbers are
        untrusted: non-numbers and non-finite values count as 0.
 
     Parameters

@@ -10,6 +10,12 @@ from flwr.app import MetricRecord, RecordDict
 
 from ..protocol import DEFAULT_DOWNLINK_MBPS, DEFAULT_UPLINK_MBPS, MIN_LINK_MBPS
 
+#: Mean seconds a deployed round waits on Flower's polling (flwr 1.42): a SuperNode with no work asks
+#: the SuperLink again after 3 s (``flwr/supernode/start_client_internal.py``) and the ServerApp's
+#: grid looks for replies every 3 s (``flwr/superlink/grid/http_grid.py``, ``send_and_receive``):
+#: half of each on average. Measured over shaped links (``benchmarks/links.py``): 2-3 s a round.
+FLOWER_POLL_SECONDS = 3.0
+
 #: Largest magnitude a client-reported number keeps (larger ones are clamped to it): sums and
 #: weighted means over a million clients with weights up to 1e9 then stay far below float64's
 #: 1.8e308, so no client value can make the server raise (``OverflowError`` in ``fsum``, issue 21
@@ -101,9 +107,10 @@ def client_seconds(c: dict, uplink_mbps: float | None = None, downlink_mbps: flo
     per message, and its start, imports and data loading cost every round (measured over shaped
     links by ``benchmarks/links.py``, see the README's table: on a loaded two-core machine that
     process lived 2-3x its training time, and without this term the model gave under half of the
-    measured wall clock). Not modelled: Flower's
-    polling (a SuperNode asks for work every 3 s when idle: 1.5 s mean wait), a federated-evaluation
-    phase, per-request latency (no round-trip time term), protocol bytes on top of the payloads.
+    measured wall clock). Flower's polling is added per round by :func:`round_metrics`
+    (:data:`FLOWER_POLL_SECONDS`). Not modelled: a federated-evaluation phase, the app bundle (FAB)
+    each SuperNode downloads once per run, per-request latency (no round-trip time term) and
+    protocol bytes on top of the payloads.
 
     Parameters
     ----------
@@ -163,8 +170,11 @@ def round_metrics(stats: list[dict], codec_bytes: dict, n_good: int, rejected: i
         "residual-saturated": float(sum(s.get("residual-saturated", 0.0) for s in stats)),  # fp16 residual clamps
     }
     if stats:
-        # Simulated wall-clock time of the round: the slowest client's compute + transfer time.
-        out["round-seconds-simulated"] = max(client_seconds(s) for s in stats)
+        # Simulated wall-clock time of the round: the slowest client's compute + transfer time, and in
+        # a deployment (clients in per-message flwr-clientapp processes) Flower's polling on top.
+        deployed = any(s.get("clientapp-seconds", 0.0) > 0 for s in stats)
+        out["round-poll-seconds"] = FLOWER_POLL_SECONDS if deployed else 0.0
+        out["round-seconds-simulated"] = max(client_seconds(s) for s in stats) + out["round-poll-seconds"]
         out["train-seconds-max"] = max(s["train-seconds"] for s in stats)
         out["compress-seconds"] = statistics.fmean(s["compress-seconds"] for s in stats)
         out["clientapp-seconds-max"] = max(s.get("clientapp-seconds", 0.0) for s in stats)

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from fedcomp.device import CLIENTAPP_PROCESS, clientapp_seconds
-from fedcomp.strategies.round_metrics import client_seconds, client_stats, round_metrics
+from fedcomp.strategies.round_metrics import FLOWER_POLL_SECONDS, client_seconds, client_stats, round_metrics
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
@@ -36,8 +36,19 @@ def test_round_time_is_the_slowest_client_with_its_process_life():
     a = stats(1, train=10.0, clientapp=30.0, up_bytes=125_000, down_bytes=1_250_000)
     b = stats(2, train=20.0, clientapp=21.0, up_bytes=250_000, down_bytes=1_250_000)
     out = round_metrics([a, b], {}, n_good=2, rejected=0, failed=0)
-    assert out["round-seconds-simulated"] == pytest.approx(max(30.0 + 2.0, 21.0 + 2.0 + 1.0), rel=1e-12)
+    # deployed (per-message ClientApp processes): Flower's polling, 1.5 s + 1.5 s on average, on top
+    assert FLOWER_POLL_SECONDS == out["round-poll-seconds"] == 3.0
+    assert out["round-seconds-simulated"] == pytest.approx(max(30.0 + 2.0, 21.0 + 2.0 + 1.0) + 3.0, rel=1e-12)
     assert out["clientapp-seconds-max"] == 30.0
+
+
+def test_no_polling_term_without_per_message_processes():
+    """Simulation and in-process runs: clients report clientapp-seconds 0, the round is as before."""
+    a = stats(1, train=10.0, clientapp=0.0, up_bytes=125_000, down_bytes=1_250_000)
+    b = stats(2, train=20.0, clientapp=0.0, up_bytes=250_000, down_bytes=1_250_000)
+    out = round_metrics([a, b], {}, n_good=2, rejected=0, failed=0)
+    assert out["round-poll-seconds"] == 0.0
+    assert out["round-seconds-simulated"] == pytest.approx(20.5 + 2.0 + 1.0, rel=1e-12)
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -5.0, "30", True])

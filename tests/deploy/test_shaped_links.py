@@ -116,10 +116,18 @@ def test_node_messages_and_breakdown_from_logs(tmp_path):
     assert b["download"] == pytest.approx(1.5) and b["upload"] == pytest.approx(2.0)
     assert b["clientapp"] == pytest.approx(17.5) and b["pickup"] == pytest.approx(0.5, abs=1e-3)
     assert b["upload-computed"] == pytest.approx(1.0) and b["download-computed"] == pytest.approx(1.0)
-    row = {"measured-seconds": 23.0, "computed-seconds": 18.0, "breakdown": [b]}
-    c = links.compare(row)
-    assert c["ratio"] == pytest.approx(23 / 18) and c["old"] == pytest.approx(12.0)
-    assert c["ratio-link"] == pytest.approx(3.5 / 2.0)
+    # a second round like the first; round 1 (app bundle download) stays out of the link part
+    row = {"measured-seconds": 46.0, "rounds-to-target": 2, "rounds-run": 2, "uplink-mbps": 1.0,
+           "rounds": [*rounds, {**rounds[0], "round": 2}], "breakdown": [b, {**b, "round": 2}], "codec": "fp32"}
+    # the run's metrics predate the polling term: the model now adds 3 s a round
+    assert links.current_model_seconds(row) == pytest.approx(2 * (18.0 + 3.0))
+    c = links.compare(row, floor=0.5)
+    assert c["ratio"] == pytest.approx(46 / 42) and c["old"] == pytest.approx(2 * 12.0)
+    assert c["link-measured"] == pytest.approx(3.5 - 0.5) and c["link-computed"] == pytest.approx(2.0)
+    assert c["ratio-link"] == pytest.approx(3.0 / 2.0)
+    assert links.link_floor([row], "fp32") == pytest.approx(3.5 - 2.0)
+    assert "| fp32 | 1 / 10 | 2 | 46.0 | 42.0 | 1.10 | 24.0 | 1.92 |" in links.table(
+        [{**row, "downlink-mbps": 10.0}])
 
 
 @pytest.mark.slow
