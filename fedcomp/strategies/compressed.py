@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from logging import INFO, WARNING
 from typing import Any, Iterable
 
@@ -26,7 +26,7 @@ from .ef21 import EF21Aggregate
 from .forward import ForwardsToInner
 from .handover import hand_over, record_key, weight_key
 from .privacy import PoissonSampling, PrivacyBudget
-from .replies import fold_replies
+from .replies import fold_replies, note_failures
 from .round_metrics import common_metric_keys, layers_mean, round_metrics
 from .wrapping import load_optimizer_state, optimizer_state, wraps
 
@@ -41,6 +41,9 @@ class SentRound:
     sampled: float = 0.0
     #: Node ids sent a train message (one node, one vote: replies from others are refused); None: unknown.
     nodes: set[int] | None = None
+    #: The train messages as sent (Flower sets their message ids when it pushes them): error replies
+    #: name the message they answer, and through it the failed node (:mod:`.failures`).
+    messages: list[Message] = field(default_factory=list)
 
 
 class CompressedStrategy(ForwardsToInner, Strategy):
@@ -68,9 +71,10 @@ class CompressedStrategy(ForwardsToInner, Strategy):
        ``dense-bytes``, ``compression-ratio`` (dense / upload), ``compression-error`` and
        ``residual-norm`` (means over clients), ``download-bytes``, ``num-replies``,
        ``rejected-replies``, ``failed-clients``, ``upload-bytes-<codec>`` per codec, and
-       ``round-seconds-simulated``: the slowest client's compute time + upload bytes·8 /
-       uplink + download bytes·8 / downlink, at the link speeds each client declared
-       (node config ``uplink-mbps``/``downlink-mbps``). Client-reported numbers are
+       ``round-seconds-simulated``: the slowest client's compute time (in a deployment its
+       ClientApp process's life) + upload bytes·8 / uplink + download bytes·8 / downlink, at
+       the link speeds each client declared (node config ``uplink-mbps``/``downlink-mbps``),
+       + Flower's polling in a deployment (:func:`.round_metrics.client_seconds`). Client-reported numbers are
        untrusted: non-numbers and non-finite values count as 0.
 
     Parameters
@@ -208,6 +212,9 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         self.layer_history: dict[int, dict[str, dict[str, float]]] = {}
         #: Per-round, per-client figures (round -> list of dicts with node, bytes, seconds, link speeds).
         self.client_history: dict[int, list[dict]] = {}
+        #: Per-round failed clients (round -> list of {node, code, error, reason}, :mod:`.failures`).
+        self.failure_history: dict[int, list[dict]] = {}
+        self._oom_seen: dict[int, int] = {}  # node -> the last client-oom-kills count it reported
         self._start_forwarding()  # from here on, settings of the inner strategy reach it (:mod:`.forward`)
 
     @classmethod
@@ -247,9 +254,11 @@ class CompressedStrategy(ForwardsToInner, Strategy):
     def state_dict(self) -> dict[str, Any]:
         """Everything a resumed run needs: ``{"privacy": JSON-serialisable accounting,
         "optimizer": {name: np.ndarray} of the inner strategy's server optimizer,
-        "int-remainders": {tensor: float64 np.ndarray} of the integer rule}``."""
+        "int-remainders": {tensor: float64 np.ndarray} of the integer rule,
+        "ef21": {tensor: flat float64 np.ndarray} EF21's server estimate h (empty without EF21)}``."""
         return {"privacy": self.budget.state_dict(), "optimizer": optimizer_state(self.inner),
-                "int-remainders": {k: np.array(v, copy=True) for k, v in self.int_remainders.items()}}
+                "int-remainders": {k: np.array(v, copy=True) for k, v in self.int_remainders.items()},
+                "ef21": self.ef21.state_dict() if self.ef21 is not None else {}}
 
     def load_state_dict(self, state: dict[str, Any], shapes: dict[str, tuple]) -> None:
         """Restore :meth:`state_dict`; ``shapes``: the model's tensor shapes (model order).
@@ -257,9 +266,15 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         Raises
         ------
         ValueError
-            Optimizer state the inner strategy does not have or that does not fit ``shapes``.
+            Optimizer state the inner strategy does not have or that does not fit ``shapes``; an
+            EF21 estimate without EF21, or one that does not fit ``shapes``.
         """
         load_optimizer_state(self.inner, state.get("optimizer", {}), shapes)
+        ef21 = state.get("ef21", {})
+        if ef21 and self.ef21 is None:
+            raise ValueError("the checkpoint holds EF21's server estimate h but error-feedback is not 'ef21'")
+        if self.ef21 is not None:
+            self.ef21.load_state_dict(ef21, shapes)
         self.budget.load_state_dict(state.get("privacy", {}))
         self.int_remainders = dict(state.get("int-remainders", {}))
 
@@ -301,6 +316,7 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         if self.sampling is not None:
             msgs, self.sent_round.sampled = self.sampling.sample(msgs)
         self.sent_round.nodes = {m.metadata.dst_node_id for m in msgs}
+        self.sent_round.messages = msgs
         if self.downstream is not None and msgs:
             self.downstream.prepare(server_round, arrays, msgs)
         return msgs
@@ -345,7 +361,10 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         replies = errors + sorted(replies, key=lambda r: r.metadata.src_node_id)
         # local DP: the server keeps its own integer/bool values, whatever a client sent
         got = fold_replies(server_round, replies, self._new_fold(model, len(replies)), model, weight_key(self.inner),
-                           self.max_num_examples, self._dense_refusal(), keep_exact=self.local_dp is None)
+                           self.max_num_examples, self._dense_refusal(), keep_exact=self.local_dp is None,
+                           sent_to={m.metadata.message_id: m.metadata.dst_node_id for m in sent.messages})
+        note_failures(server_round, sent.nodes, replies, [r for r, _ in refused], got, self._oom_seen)
+        self.failure_history[server_round] = got.failures
         got.rejected += len(refused)
         if self.downstream is not None:
             for stat in got.stats:

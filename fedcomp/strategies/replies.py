@@ -2,7 +2,7 @@
 
 A reply is decoded completely (:func:`.decode.decode_train_reply`) before anything of it reaches
 the fold, so a reply that fails anywhere leaves the aggregate untouched. Error replies (a client
-that failed) and refused replies are logged with their node id and counted; what the round's
+that failed, :mod:`.failures`) and refused replies are logged with their node id and counted; what the round's
 metrics need of the accepted ones (bytes per codec, per-client and per-layer figures) is kept
 beside the fold. Used by :class:`fedcomp.strategies.CompressedStrategy`.
 """
@@ -20,6 +20,7 @@ from ..compression import PayloadError
 from ..device import reported_machine
 from ..statedict import FlatModel
 from .decode import decode_train_reply
+from .failures import failed_client, missing_clients, oom_confirmations
 from .round_metrics import client_stats
 
 
@@ -42,7 +43,10 @@ class RoundReplies:
     codec_bytes : dict of str to int
         Payload bytes received per codec name.
     rejected, failed : int
-        Replies refused (malformed, duplicate, stranger) and error replies (failed clients).
+        Replies refused (malformed, duplicate, stranger) and failed clients (error replies, and
+        sampled nodes that sent nothing).
+    failures : list of dict
+        One per failed client (:func:`.failures.failed_client`).
     """
 
     fold: Any
@@ -53,10 +57,12 @@ class RoundReplies:
     codec_bytes: dict[str, int] = field(default_factory=dict)
     rejected: int = 0
     failed: int = 0
+    failures: list[dict] = field(default_factory=list)
 
 
 def fold_replies(server_round: int, replies: list[Message], fold: Any, model: FlatModel, weight_key: str,
-                 max_num_examples: int, refuse_dense: str = "", keep_exact: bool = True) -> RoundReplies:
+                 max_num_examples: int, refuse_dense: str = "", keep_exact: bool = True,
+                 sent_to: dict[str, int] | None = None) -> RoundReplies:
     """Decode every reply in the given order and fold the good ones into ``fold``.
 
     Parameters
@@ -77,6 +83,9 @@ def fold_replies(server_round: int, replies: list[Message], fold: Any, model: Fl
         Why a dense reply is refused ("": accepted).
     keep_exact : bool
         False: a reply's integer/bool tensors are dropped (local DP: the server keeps its own).
+    sent_to : dict, optional
+        Message id -> node id of the round's train messages (names the node an error reply that
+        the SuperLink sent for it stands for, :func:`.failures.failed_client`).
 
     Returns
     -------
@@ -87,7 +96,10 @@ def fold_replies(server_round: int, replies: list[Message], fold: Any, model: Fl
         node = reply.metadata.src_node_id
         if reply.has_error():
             got.failed += 1
-            log(WARNING, "round %s: client (node %s) failed: %s", server_round, node, failure_reason(reply))
+            failure = failed_client(reply, sent_to or {})
+            got.failures.append(failure)
+            log(WARNING, "round %s: client (node %s) failed: %s", server_round, failure["node"],
+                failure_reason(reply) if reply.error.code not in (4, 5, 8) else failure["reason"])
             continue
         try:  # everything is validated before anything is folded in
             decoded = decode_train_reply(reply, model, weight_key, max_num_examples, refuse_dense,
@@ -107,6 +119,38 @@ def fold_replies(server_round: int, replies: list[Message], fold: Any, model: Fl
     return got
 
 
+def note_failures(server_round: int, sent_nodes: set[int] | None, replies: list[Message], refused: list[Message],
+                  got: RoundReplies, oom_seen: dict[int, int]) -> None:
+    """Count the sampled nodes that sent nothing as failed too (no silent dropouts) and name a node
+    whose container's OOM-kill count went up (:func:`.failures.oom_confirmations`).
+
+    Parameters
+    ----------
+    sent_nodes : set of int or None
+        The nodes sent a train message this round (None: unknown, no node counts as silent).
+    replies, refused : list of Message
+        The round's admitted replies (error replies included) and those refused by admission.
+    got : RoundReplies
+        Of :func:`fold_replies`; ``failed`` and ``failures`` grow by the silent nodes.
+    oom_seen : dict
+        Node -> the last ``client-oom-kills`` it reported; updated in place.
+    """
+    answered = {f["node"] for f in got.failures} | {r.metadata.src_node_id for r in replies if not r.has_error()}
+    answered |= {r.metadata.src_node_id for r in refused}
+    # an error reply we could not trace to its node (answered from the SuperLink's id for a message
+    # we did not see sent) stands for one of the silent nodes: then which one is unknown
+    unknown = sent_nodes is not None and any(f["node"] not in sent_nodes for f in got.failures)
+    for f in [] if unknown else missing_clients(sent_nodes, answered):
+        got.failed += 1
+        got.failures.append(f)
+        log(WARNING, "round %s: client (node %s) failed: %s", server_round, f["node"], f["reason"])
+    for c in oom_confirmations(oom_seen, got.stats):
+        log(WARNING, "round %s: node %s: the kernel's out-of-memory killer killed %s process(es) in its "
+            "container since the server last heard from it (oom_kill count %s -> %s): its ClientApp ran out "
+            "of memory", server_round, c["node"], c["oom-kills"] - c["oom-kills-before"], c["oom-kills-before"],
+            c["oom-kills"])
+
+
 def failure_reason(reply: Message) -> str:
     """A failed client's error reason, with a hint when it looks like a mis-assembled app."""
     reason = reply.error.reason or ""
@@ -116,4 +160,4 @@ def failure_reason(reply: Message) -> str:
     return reason
 
 
-__all__ = ["RoundReplies", "failure_reason", "fold_replies"]
+__all__ = ["RoundReplies", "failure_reason", "fold_replies", "note_failures"]
