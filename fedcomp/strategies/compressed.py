@@ -34,6 +34,7 @@ from .aggregate import (
 from .decode import decode_train_reply
 from .downstream import Downstream
 from .ef21 import EF21Aggregate
+from .failures import failed_client, missing_clients, oom_confirmations
 from .forward import ForwardsToInner
 from .privacy import PoissonSampling, PrivacyBudget
 from .round_metrics import client_stats, common_metric_keys, layers_mean, round_metrics
@@ -69,6 +70,9 @@ class SentRound:
     sampled: float = 0.0
     #: Node ids sent a train message (one node, one vote: replies from others are refused); None: unknown.
     nodes: set[int] | None = None
+    #: The train messages as sent (Flower sets their message ids when it pushes them): error replies
+    #: name the message they answer, and through it the failed node (:mod:`.failures`).
+    messages: list[Message] = field(default_factory=list)
 
 
 @dataclass
@@ -83,6 +87,7 @@ class RoundReplies:
     codec_bytes: dict[str, int] = field(default_factory=dict)
     rejected: int = 0
     failed: int = 0
+    failures: list[dict] = field(default_factory=list)  # one per failed client (:func:`.failures.failed_client`)
 
 
 class CompressedStrategy(ForwardsToInner, Strategy):
@@ -110,9 +115,10 @@ class CompressedStrategy(ForwardsToInner, Strategy):
        ``dense-bytes``, ``compression-ratio`` (dense / upload), ``compression-error`` and
        ``residual-norm`` (means over clients), ``download-bytes``, ``num-replies``,
        ``rejected-replies``, ``failed-clients``, ``upload-bytes-<codec>`` per codec, and
-       ``round-seconds-simulated``: the slowest client's compute time + upload bytes·8 /
-       uplink + download bytes·8 / downlink, at the link speeds each client declared
-       (node config ``uplink-mbps``/``downlink-mbps``). Client-reported numbers are
+       ``round-seconds-simulated``: the slowest client's compute time (in a deployment its
+       ClientApp process's life) + upload bytes·8 / uplink + download bytes·8 / downlink, at
+       the link speeds each client declared (node config ``uplink-mbps``/``downlink-mbps``),
+       + Flower's polling in a deployment (:func:`.round_metrics.client_seconds`). Client-reported numbers are
        untrusted: non-numbers and non-finite values count as 0.
 
     Parameters
@@ -250,6 +256,9 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         self.layer_history: dict[int, dict[str, dict[str, float]]] = {}
         #: Per-round, per-client figures (round -> list of dicts with node, bytes, seconds, link speeds).
         self.client_history: dict[int, list[dict]] = {}
+        #: Per-round failed clients (round -> list of {node, code, error, reason}, :mod:`.failures`).
+        self.failure_history: dict[int, list[dict]] = {}
+        self._oom_seen: dict[int, int] = {}  # node -> the last client-oom-kills count it reported
         self._start_forwarding()  # from here on, settings of the inner strategy reach it (:mod:`.forward`)
 
     @classmethod
@@ -289,9 +298,11 @@ class CompressedStrategy(ForwardsToInner, Strategy):
     def state_dict(self) -> dict[str, Any]:
         """Everything a resumed run needs: ``{"privacy": JSON-serialisable accounting,
         "optimizer": {name: np.ndarray} of the inner strategy's server optimizer,
-        "int-remainders": {tensor: float64 np.ndarray} of the integer rule}``."""
+        "int-remainders": {tensor: float64 np.ndarray} of the integer rule,
+        "ef21": {tensor: flat float64 np.ndarray} EF21's server estimate h (empty without EF21)}``."""
         return {"privacy": self.budget.state_dict(), "optimizer": optimizer_state(self.inner),
-                "int-remainders": {k: np.array(v, copy=True) for k, v in self.int_remainders.items()}}
+                "int-remainders": {k: np.array(v, copy=True) for k, v in self.int_remainders.items()},
+                "ef21": self.ef21.state_dict() if self.ef21 is not None else {}}
 
     def load_state_dict(self, state: dict[str, Any], shapes: dict[str, tuple]) -> None:
         """Restore :meth:`state_dict`; ``shapes``: the model's tensor shapes (model order).
@@ -299,9 +310,15 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         Raises
         ------
         ValueError
-            Optimizer state the inner strategy does not have or that does not fit ``shapes``.
+            Optimizer state the inner strategy does not have or that does not fit ``shapes``; an
+            EF21 estimate without EF21, or one that does not fit ``shapes``.
         """
         load_optimizer_state(self.inner, state.get("optimizer", {}), shapes)
+        ef21 = state.get("ef21", {})
+        if ef21 and self.ef21 is None:
+            raise ValueError("the checkpoint holds EF21's server estimate h but error-feedback is not 'ef21'")
+        if self.ef21 is not None:
+            self.ef21.load_state_dict(ef21, shapes)
         self.budget.load_state_dict(state.get("privacy", {}))
         self.int_remainders = dict(state.get("int-remainders", {}))
 
@@ -343,6 +360,7 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         if self.sampling is not None:
             msgs, self.sent_round.sampled = self.sampling.sample(msgs)
         self.sent_round.nodes = {m.metadata.dst_node_id for m in msgs}
+        self.sent_round.messages = msgs
         if self.downstream is not None and msgs:
             self.downstream.prepare(server_round, arrays, msgs)
         return msgs
@@ -385,6 +403,7 @@ class CompressedStrategy(ForwardsToInner, Strategy):
             log(WARNING, "round %s: rejected reply from node %s: %s", server_round, node, why)
         replies = errors + sorted(replies, key=lambda r: r.metadata.src_node_id)
         got = self._fold(server_round, replies, model)
+        self._note_failures(server_round, sent, replies, refused, got)
         got.rejected += len(refused)
         ef21_missing = None
         if self.ef21 is not None:  # EF21: the round's update is the server's estimate h (+= mean of the sends)
@@ -408,6 +427,26 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         merged = dict(agg_metrics) if agg_metrics is not None else {}
         merged.update(ours)
         return arrays, MetricRecord(merged)
+
+    def _note_failures(self, server_round: int, sent: SentRound, replies: list[Message], refused: list,
+                       got: RoundReplies) -> None:
+        """Sampled nodes that sent nothing count as failed too (no silent dropouts); a node whose
+        container's OOM-kill count went up is named (:func:`.failures.oom_confirmations`)."""
+        answered = {f["node"] for f in got.failures} | {r.metadata.src_node_id for r in replies if not r.has_error()}
+        answered |= {node for node, _ in refused}
+        # an error reply we could not trace to its node (answered from the SuperLink's id for a message
+        # we did not see sent) stands for one of the silent nodes: then which one is unknown
+        unknown = sent.nodes is not None and any(f["node"] not in sent.nodes for f in got.failures)
+        for f in [] if unknown else missing_clients(sent.nodes, answered):
+            got.failed += 1
+            got.failures.append(f)
+            log(WARNING, "round %s: client (node %s) failed: %s", server_round, f["node"], f["reason"])
+        for c in oom_confirmations(self._oom_seen, got.stats):
+            log(WARNING, "round %s: node %s: the kernel's out-of-memory killer killed %s process(es) in its "
+                "container since the server last heard from it (oom_kill count %s -> %s): its ClientApp ran out "
+                "of memory", server_round, c["node"], c["oom-kills"] - c["oom-kills-before"], c["oom-kills-before"],
+                c["oom-kills"])
+        self.failure_history[server_round] = got.failures
 
     def _new_fold(self, model: FlatModel, clients: int):
         """The folding policy of the round: clipped (client-level DP), weighted mean, or dense."""
@@ -433,7 +472,10 @@ class CompressedStrategy(ForwardsToInner, Strategy):
             node = reply.metadata.src_node_id
             if reply.has_error():
                 got.failed += 1
-                log(WARNING, "round %s: client (node %s) failed: %s", server_round, node, _failure_reason(reply))
+                got.failures.append(failed_client(reply, {m.metadata.message_id: m.metadata.dst_node_id
+                                                          for m in self.sent_round.messages}))
+                log(WARNING, "round %s: client (node %s) failed: %s", server_round, got.failures[-1]["node"],
+                    _failure_reason(reply) if reply.error.code not in (4, 5, 8) else got.failures[-1]["reason"])
                 continue
             try:  # everything is validated before anything is folded in
                 # local DP: the server keeps its own integer/bool values, whatever a client sent

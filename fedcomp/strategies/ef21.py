@@ -54,5 +54,26 @@ class EF21Aggregate:
             h += acc / running.total
             np.multiply(h, running.total, out=acc)
 
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """A copy of :attr:`h` (for a checkpoint: a resumed run continues with the same estimate)."""
+        return {k: np.array(v, copy=True) for k, v in self.h.items()}
+
+    def load_state_dict(self, h: dict[str, np.ndarray], shapes: dict[str, tuple]) -> None:
+        """Restore :meth:`state_dict`; ``shapes``: the model's tensor shapes.
+
+        Raises
+        ------
+        ValueError
+            A tensor the model does not have, or an estimate that is not a finite flat float64
+            array with the tensor's number of entries (the estimate is left unchanged).
+        """
+        for k, v in h.items():
+            size = int(np.prod(shapes[k])) if k in shapes else None
+            if size is None or not isinstance(v, np.ndarray) or v.dtype != np.float64 or v.shape != (size,) \
+                    or not np.isfinite(v).all():
+                raise ValueError(f"EF21's server estimate of '{k}' is not a finite float64 vector of the tensor's "
+                                 f"{size if size is not None else 'unknown (no such tensor)'} entries")
+        self.h = {k: np.array(v, copy=True) for k, v in h.items()}
+
 
 __all__ = ["EF21Aggregate"]
