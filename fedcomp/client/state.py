@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import pathlib
 from dataclasses import dataclass
-from logging import WARNING
+from logging import INFO, WARNING
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, Context, MetricRecord
@@ -47,29 +47,77 @@ def state_files(context: Context) -> StateFiles | None:
 
 
 # -- error-feedback residuals ---------------------------------------------------------------------
+def previous_path(path: pathlib.Path) -> pathlib.Path:
+    """Where :func:`save_residuals` keeps the residuals of the round before (``residual-3.prev.npz``)."""
+    return path.with_name(path.name.removesuffix(".npz") + ".prev.npz")
+
+
+def _saved_round(path: pathlib.Path) -> int | None:
+    """The round a residual file was written in (None: no file, or not readable)."""
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            return int(z["__round__"].reshape(()))
+    except Exception:  # noqa: BLE001 - a missing or bad file has no round
+        return None
+
+
 def save_residuals(path: pathlib.Path, residuals: dict[str, np.ndarray], server_round: int) -> None:
     """Persist error-feedback residuals: plain ``.npz`` of numeric arrays plus the round they were
-    computed in (read back with ``allow_pickle=False``)."""
+    computed in (read back with ``allow_pickle=False``).
+
+    The file of an earlier round is first renamed to :func:`previous_path`: a server that stops
+    after the clients saved round R+1 but before its checkpoint of R+1 resumes at round R+1, and
+    the clients then continue from their round-R state (what the server's checkpoint matches:
+    EF21's estimate h is the mean of the clients' h_i). A rerun of the same round keeps the
+    previous file as it is."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    saved = _saved_round(path)
+    if saved is not None and saved < server_round:
+        path.replace(previous_path(path))
     arrays = {"__round__": np.array(server_round, dtype=np.int64), **{f"r/{k}": v for k, v in residuals.items()}}
     write_atomically(path, lambda f: np.savez(f, **arrays))
 
 
+def _read_residuals(path: pathlib.Path) -> tuple[int, dict[str, np.ndarray]]:
+    """(round, residuals) of a residual file.
+
+    Raises
+    ------
+    Exception
+        Unreadable, or non-float or non-finite residuals."""
+    with np.load(path, allow_pickle=False) as z:
+        saved_round = int(z["__round__"].reshape(()))
+        res = {k[2:]: z[k] for k in z.files if k.startswith("r/")}
+    if not all(np.issubdtype(v.dtype, np.floating) and np.isfinite(v).all() for v in res.values()):
+        raise ValueError("non-finite or non-float residual")
+    return saved_round, res
+
+
 def load_residuals(path: pathlib.Path, before_round: int) -> dict[str, np.ndarray]:
-    """Residuals saved by :func:`save_residuals` in a round before ``before_round`` ({} if none,
-    unreadable, or from a later round, e.g. after the server resumed from an older checkpoint)."""
+    """Residuals saved by :func:`save_residuals` in a round before ``before_round``: the node's
+    file, else (the file is from ``before_round`` or later: the server resumed from an older
+    checkpoint) the previous round's file if that one is before ``before_round``; {} if none
+    fits or the file is unreadable (logged). ``before_round`` 0: the file as it is."""
     if not path.exists():
         return {}
     try:
-        with np.load(path, allow_pickle=False) as z:
-            saved_round = int(z["__round__"].reshape(()))
-            res = {k[2:]: z[k] for k in z.files if k.startswith("r/")}
-        if not all(np.issubdtype(v.dtype, np.floating) and np.isfinite(v).all() for v in res.values()):
-            raise ValueError("non-finite or non-float residual")
+        saved_round, res = _read_residuals(path)
     except Exception as exc:  # noqa: BLE001 - a bad local file must not stop the node: start from zero
         log(WARNING, "fedcomp: ignoring unreadable residual file %s (%s: %s)", path, type(exc).__name__, exc)
         return {}
-    return res if saved_round < before_round or before_round == 0 else {}
+    if saved_round < before_round or before_round == 0:
+        return res
+    prev = previous_path(path)
+    try:
+        prev_round, prev_res = _read_residuals(prev) if prev.exists() else (None, {})
+    except Exception as exc:  # noqa: BLE001
+        log(WARNING, "fedcomp: ignoring unreadable residual file %s (%s: %s)", prev, type(exc).__name__, exc)
+        return {}
+    if prev_round is not None and prev_round < before_round:
+        log(INFO, "fedcomp: round %d: %s is from round %d (the server resumed from an earlier checkpoint); "
+            "continuing from round %d's residuals in %s", before_round, path.name, saved_round, prev_round, prev.name)
+        return prev_res
+    return {}
 
 
 def residuals_of(context: Context, files: StateFiles | None, server_round: int) -> dict[str, np.ndarray]:

@@ -21,7 +21,7 @@ from ..secagg.server_app import check_secagg_config, run_secagg, secagg_requeste
 from ..statedict import copy_array, to_record
 from ..strategies import CompressedStrategy
 from ..strategies.offset import RoundOffset
-from ..strategies.round_metrics import machine_counts
+from ..strategies.round_metrics import machine_counts, per_client
 from ..training import evaluate
 from . import checkpoint
 from .console import route_flower_logs
@@ -120,7 +120,12 @@ class RoundRecorder:
                 rec["epsilon-round"] = math.inf if math.isinf(now) else now - self.last_eps
                 self.last_eps = now
             rec["layers"] = self.strategy.layer_history.get(server_round, {})
-            rec["client-machines"] = machine_counts(self.strategy.client_history.get(server_round, []))
+            clients = self.strategy.client_history.get(server_round, [])
+            rec["client-machines"] = machine_counts(clients)
+            # per node id: peak RSS and container memory limit (MiB), failed clients with the reason
+            rec["client-peak-rss"] = per_client(clients, "client-peak-rss-mb")
+            rec["client-memory-limit"] = per_client(clients, "client-memory-limit-mb")
+            rec["failures"] = getattr(self.strategy, "failure_history", {}).get(server_round, [])
         fed = self.strategy.evaluate_history.get(server_round)
         if fed is not None:  # federated evaluation: sampled clients on their own data, weighted by examples
             rec.update({"federated-accuracy": fed.get("eval-acc"), "federated-loss": fed.get("eval-loss"),
@@ -226,16 +231,16 @@ def _resume(cfg: AppConfig, out_dir, strategy: CompressedStrategy, recorder: Rou
     Raises
     ------
     ValueError
-        No ``results-dir``, dp-sgd without ``client-state-dir``, a bad checkpoint, or privacy or
+        No ``results-dir``, dp-sgd or EF21 without ``client-state-dir``, a bad checkpoint, or privacy or
         codec settings that differ from the checkpoint's.
     FileNotFoundError
         No checkpoint in ``out_dir``.
     """
     if not cfg.results_dir:
         raise ValueError("run config 'resume' = true needs 'results-dir' set to the folder of the run to resume")
-    if cfg.codec.error_feedback == "ef21":
-        raise ValueError("run config 'resume' does not support error-feedback = 'ef21' yet: the server's EF21 "
-                         "estimate is not in the checkpoint")
+    if cfg.codec.error_feedback == "ef21" and not cfg.client_state_dir:
+        raise ValueError("run config 'resume' with error-feedback = 'ef21' needs 'client-state-dir': the server's "
+                         "estimate h (in the checkpoint) is the mean of the clients' h_i, which they keep there")
     if cfg.dp == "dp-sgd" and not cfg.client_state_dir:
         raise ValueError("run config 'resume' with dp = 'dp-sgd' needs 'client-state-dir': clients keep their "
                          "privacy accountants there, otherwise epsilon would restart from zero")

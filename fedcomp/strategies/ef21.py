@@ -13,7 +13,10 @@ participation variant keeps per-client weights; not done here).
 
 from __future__ import annotations
 
+from logging import WARNING
+
 import numpy as np
+from flwr.common.logger import log
 
 from .aggregate import RunningSum
 
@@ -53,6 +56,37 @@ class EF21Aggregate:
                 raise ValueError(f"EF21: '{k}' has {acc.size} entries, the server's estimate {h.size}")
             h += acc / running.total
             np.multiply(h, running.total, out=acc)
+
+    def round_update(self, server_round: int, running: RunningSum, asked: int, accepted: int) -> int:
+        """:meth:`fold` the round's sends in; return (and log) how many of the ``asked`` clients sent
+        no accepted update: their last ``h_i`` stays in ``h``, a drift until they return."""
+        self.fold(running)
+        missing = max(asked - accepted, 0)
+        if missing:
+            log(WARNING, "round %s: EF21: %s sampled client(s) sent no accepted update; their last h_i stays in "
+                "the server's estimate h (drift until they return)", server_round, missing)
+        return missing
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """A copy of :attr:`h` (for a checkpoint: a resumed run continues with the same estimate)."""
+        return {k: np.array(v, copy=True) for k, v in self.h.items()}
+
+    def load_state_dict(self, h: dict[str, np.ndarray], shapes: dict[str, tuple]) -> None:
+        """Restore :meth:`state_dict`; ``shapes``: the model's tensor shapes.
+
+        Raises
+        ------
+        ValueError
+            A tensor the model does not have, or an estimate that is not a finite flat float64
+            array with the tensor's number of entries (the estimate is left unchanged).
+        """
+        for k, v in h.items():
+            size = int(np.prod(shapes[k])) if k in shapes else None
+            if size is None or not isinstance(v, np.ndarray) or v.dtype != np.float64 or v.shape != (size,) \
+                    or not np.isfinite(v).all():
+                raise ValueError(f"EF21's server estimate of '{k}' is not a finite float64 vector of the tensor's "
+                                 f"{size if size is not None else 'unknown (no such tensor)'} entries")
+        self.h = {k: np.array(v, copy=True) for k, v in h.items()}
 
 
 __all__ = ["EF21Aggregate"]
