@@ -173,10 +173,10 @@ class ErrorFeedback:
             v.add_(mom.to(device=v.device, dtype=torch.float32), alpha=self.momentum)
         u = v.clone() if self.momentum > 0 else None
         if self.residual is not None:
-            v += self.residual.to(device=v.device, dtype=torch.float32)
+            v += self.residual.to(device=v.device)  # fp16 added in place, promoted per entry: no fp32 copy
             if not bool(torch.isfinite(v.sum())) and not bool(torch.isfinite(v).all()):
                 if shared:
-                    v -= self.residual.to(device=v.device, dtype=torch.float32)  # give x back as it was
+                    v -= self.residual.to(device=v.device)  # give x back as it was
                 raise ValueError("input + residual overflows float32; residual left unchanged")
         flat = v.reshape(-1)
         sizes = [flat.numel()] if segments is None else list(segments)
