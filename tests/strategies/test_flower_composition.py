@@ -51,7 +51,7 @@ def evaluate(msg: Message, context: Context) -> Message:
 
 
 def _train_msg() -> Message:
-    from tests.app.helpers import make_msg
+    from tests.messages import make_msg
 
     return make_msg(RecordDict({"arrays": initial(), "config": ConfigRecord()}))
 

@@ -19,7 +19,7 @@ from fedcomp.simulation import InProcessGrid
 from fedcomp.statedict import FlatModel
 from fedcomp.strategies import CompressedStrategy
 
-from .helpers import make_ctx, reply_with, train_msg, weights
+from tests.messages import make_ctx, reply_with, train_msg, weights
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))

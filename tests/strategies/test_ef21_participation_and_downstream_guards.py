@@ -101,7 +101,7 @@ def test_downstream_server_memory_is_bounded_with_many_clients():
     from fedcomp.config import CodecConfig
     from fedcomp.statedict import to_record
     from fedcomp.strategies.downstream import Downstream
-    from tests.app.helpers import make_msg
+    from tests.messages import make_msg
     D, ds, rng = 50_000, Downstream(CodecConfig.from_mapping({"density": 0.01}), "stc"), np.random.default_rng(0)
     w = rng.standard_normal(D).astype(np.float32)
     for r in range(1, 61):

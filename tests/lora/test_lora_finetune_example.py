@@ -16,7 +16,7 @@ from flwr.app import Context, RecordDict
 
 from fedcomp.deploy import stop_local_superlink
 from fedcomp.simulation import InProcessGrid
-from tests.llm.conftest import corpus  # noqa: F401 - the small local Shakespeare-like corpus fixture
+from tests.lm.conftest import corpus  # noqa: F401 - the small local Shakespeare-like corpus fixture
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "lora-finetune"

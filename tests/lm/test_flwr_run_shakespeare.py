@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from tests.app.test_e2e import _flwr_run
+from tests.test_e2e import _flwr_run
 
 
 def _free_ports(n: int) -> tuple[str, ...]:

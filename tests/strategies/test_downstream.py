@@ -65,7 +65,7 @@ def test_payload_for_a_node_without_a_copy_is_a_clear_client_error():
     from fedcomp.client import CompositionError, compression_mod
     from fedcomp.protocol import MODEL_KEY
 
-    from .helpers import make_ctx, make_msg
+    from tests.messages import make_ctx, make_msg
 
     msg = make_msg(RecordDict({"arrays": ArrayRecord({MODEL_KEY: Array(dtype="bytes", shape=(4,),
                                                                        stype="fedcomp.payload.v1", data=b"FCMP")}),

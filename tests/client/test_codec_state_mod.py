@@ -13,7 +13,7 @@ from fedcomp.protocol import MODEL_KEY, RESIDUAL_STATE_KEY
 from fedcomp.simulation import InProcessGrid
 from fedcomp.strategies import CompressedStrategy
 
-from .helpers import make_ctx, reply_with, train_msg
+from tests.messages import make_ctx, reply_with, train_msg
 
 
 def model_weights(seed):
@@ -102,9 +102,9 @@ def test_federation_in_process(codec):
 @pytest.mark.parametrize("codec", ["powersgd", "eden"])
 def test_zoo_models_round_trip(codec):
     """BatchNorm/LayerNorm/GroupNorm, 0-d and empty parameters, integer buffers, fp16/bf16 models
-    (the zoo of tests/app/test_zoo.py) through mod and strategy with the new codecs."""
+    (the zoo of tests/test_statedict_zoo.py) through mod and strategy with the new codecs."""
     from fedcomp.statedict import to_state_dict
-    from tests.app.test_zoo import ZOO, _expected_exact, _round, _zoo
+    from tests.test_statedict_zoo import ZOO, _expected_exact, _round, _zoo
 
     for name in ZOO:
         model = _zoo()[name]

@@ -89,7 +89,7 @@ def test_flwr_run_existing_app(tmp_path):
     env["FLWR_HOME"] = str(tmp_path / "flwr-home")
     env["FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION"] = "1"
     env["PATH"] = f"{pathlib.Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    env["FLWR_LOCAL_SUPERLINK_HTTP_API_PORT"] = "39491"  # not the ports of tests/app/test_e2e.py
+    env["FLWR_LOCAL_SUPERLINK_HTTP_API_PORT"] = "39491"  # not the ports of tests/test_e2e.py
     env["FLWR_LOCAL_CONTROL_API_PORT"] = "39493"
     results = tmp_path / "metrics.json"
     flwr = shutil.which("flwr", path=env["PATH"])

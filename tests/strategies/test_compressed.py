@@ -12,7 +12,7 @@ from fedcomp.simulation import InProcessGrid
 from fedcomp.statedict import FlatModel
 from fedcomp.strategies import CompressedStrategy
 
-from .helpers import make_ctx, reply_with, train_msg, weights
+from tests.messages import make_ctx, reply_with, train_msg, weights
 
 
 def compressed_reply(global_w, trained_w, node=7, codec=None, n=10):

@@ -14,7 +14,7 @@ from fedcomp.seeded_init import lora_init
 from fedcomp.statedict import to_record
 from fedcomp.strategies.downstream import Downstream
 
-from .helpers import make_ctx, make_msg
+from tests.messages import make_ctx, make_msg
 
 SHAPES = {"q.lora_A.weight": (4, 64), "q.lora_B.weight": (64, 4), "v.lora_A.weight": (4, 64),
           "v.lora_B.weight": (64, 4)}

@@ -14,8 +14,8 @@ from fedcomp.compression.wire import pack_header
 from fedcomp.config import AppConfig
 from fedcomp.strategies import CompressedStrategy
 
-from .helpers import weights
-from .test_strategy import compressed_reply, fedavg, setup
+from tests.messages import weights
+from .test_compressed import compressed_reply, fedavg, setup
 
 
 def _set_metrics(reply, **kv):

@@ -23,7 +23,7 @@ from fedcomp.client import CompositionError
 from fedcomp.client.legacy import LEGACY_RESIDUAL_STATE_KEY, CompressedNumPyClient
 from fedcomp.strategies.legacy import LegacyCompressedStrategy, decode_legacy_update, payloads_from_parameters
 
-from .common import LinRegClient, NumPyProxy, init_weights
+from .legacy_helpers import LinRegClient, NumPyProxy, init_weights
 
 N = 3
 
@@ -296,7 +296,7 @@ from flwr.server.strategy import FedAvg
 from flwr.simulation import start_simulation
 from fedcomp.client.legacy import CompressedNumPyClient
 from fedcomp.strategies.legacy import LegacyCompressedStrategy
-from tests.legacy.common import LinRegClient, init_weights
+from tests.strategies.legacy_helpers import LinRegClient, init_weights
 
 inner = FedAvg(min_fit_clients=2, min_available_clients=2, fraction_evaluate=0.0,
                initial_parameters=ndarrays_to_parameters(init_weights()))

@@ -7,7 +7,7 @@ import pytest
 
 from fedcomp.config import APP_KEYS, AppConfig, CodecConfig, check_known_keys, run_config_keys
 
-PYPROJECT = pathlib.Path(__file__).resolve().parents[2] / "pyproject.toml"
+PYPROJECT = pathlib.Path(__file__).resolve().parents[1] / "pyproject.toml"
 
 
 def test_pyproject_defaults_parse_and_hold_every_key():

@@ -18,8 +18,8 @@ from fedcomp.simulation import InProcessGrid
 from fedcomp.statedict import FlatModel
 from fedcomp.strategies import CompressedStrategy
 from fedcomp.strategies.legacy import LegacyCompressedStrategy
-from tests.app.helpers import make_ctx, reply_with, train_msg, weights
-from tests.legacy.common import LinRegClient, NumPyProxy, init_weights
+from tests.messages import make_ctx, reply_with, train_msg, weights
+from tests.strategies.legacy_helpers import LinRegClient, NumPyProxy, init_weights
 
 logging.getLogger("flwr").setLevel(logging.WARNING)
 

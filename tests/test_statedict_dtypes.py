@@ -16,7 +16,7 @@ from fedcomp.client import compression_mod
 from fedcomp.server import checkpoint
 from fedcomp.statedict import FlatModel, to_record, to_state_dict
 from fedcomp.strategies import CompressedStrategy
-from tests.app.helpers import make_ctx, make_msg
+from tests.messages import make_ctx, make_msg
 
 logging.getLogger("flwr").setLevel(logging.WARNING)
 

@@ -12,7 +12,7 @@ import pytest
 
 from fedcomp.deploy import stop_local_superlink
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
+REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
 def test_in_process_federation_learns_and_counts_bytes():

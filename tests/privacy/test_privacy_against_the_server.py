@@ -11,7 +11,7 @@ from flwr.serverapp.strategy import FedAvg
 import fedcomp.compression as fc
 from fedcomp.client import compression_mod
 from fedcomp.strategies import CompressedStrategy
-from tests.app.helpers import make_ctx, reply_with, train_msg, weights
+from tests.messages import make_ctx, reply_with, train_msg, weights
 
 logging.getLogger("flwr").setLevel(logging.WARNING)
 FLOOR = {"dp": "local", "noise-multiplier": 1.0, "clipping-norm": 1.0}
@@ -64,7 +64,7 @@ class _Grid:
         return [1, 2]
 
     def create_message(self, content, message_type, dst_node_id, group_id, ttl=None):
-        from tests.app.helpers import make_msg
+        from tests.messages import make_msg
 
         return make_msg(content, message_type, dst_node_id)
 

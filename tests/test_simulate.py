@@ -8,7 +8,7 @@ import pytest
 
 from fedcomp import simulate
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
+REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture

@@ -180,7 +180,7 @@ def test_fp16_residual_saturation_is_reported_and_warned_once_per_client(caplog)
     from fedcomp.statedict import FlatModel
     from fedcomp.strategies import CompressedStrategy
 
-    from .helpers import make_ctx, reply_with, train_msg
+    from tests.messages import make_ctx, reply_with, train_msg
 
     g = {"w": np.zeros(1000, np.float32)}
     t = {"w": np.full(1000, 2e4, np.float32)}  # an update of 2e4 per entry, every round
@@ -253,7 +253,7 @@ def test_a_node_config_link_speed_must_be_finite(value):
 
     from fedcomp.client import compression_mod
 
-    from .helpers import make_ctx, reply_with, train_msg
+    from tests.messages import make_ctx, reply_with, train_msg
 
     g = {"w": np.zeros(10, np.float32)}
     with pytest.raises(ValueError, match="node config 'uplink-mbps' must be a finite number > 0"):

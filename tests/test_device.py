@@ -11,7 +11,7 @@ from fedcomp.statedict import FlatModel
 from fedcomp.strategies import CompressedStrategy
 from fedcomp.strategies.round_metrics import machine_counts
 
-from .helpers import make_ctx, reply_with, train_msg, weights
+from tests.messages import make_ctx, reply_with, train_msg, weights
 
 
 def _reply(g, t, node, machine):

@@ -10,7 +10,7 @@ import fedcomp.compression as fc
 from fedcomp.client import CompositionError, compression_mod
 from fedcomp.protocol import MODEL_KEY, PAYLOAD_STYPE, RESIDUAL_STATE_KEY
 
-from .helpers import make_ctx, make_msg, reply_with, train_msg, weights
+from tests.messages import make_ctx, make_msg, reply_with, train_msg, weights
 
 
 def run_mod(global_w, trained_w, config=None, ctx=None):
