@@ -224,10 +224,10 @@ class ErrorFeedback:
             v.add_(mom.to(device=v.device, dtype=torch.float32), alpha=self.momentum)
         u = v.clone() if self.momentum > 0 else None
         if self.residual is not None:
-            v += self.residual.to(device=v.device, dtype=torch.float32)
+            v += self.residual.to(device=v.device)  # fp16 added in place, promoted per entry: no fp32 copy
             if not bool(torch.isfinite(v.sum())) and not bool(torch.isfinite(v).all()):
                 if shared:
-                    v -= self.residual.to(device=v.device, dtype=torch.float32)  # give x back as it was
+                    v -= self.residual.to(device=v.device)  # give x back as it was
                 raise ValueError("input + residual overflows float32; residual left unchanged")
         payload, norms, errors, sent = encode_and_subtract(self.compressor, v, segments, sent=u is not None)
         self.last_sq_error, self.last_sq_norm = float(sum(errors)), float(sum(norms))
