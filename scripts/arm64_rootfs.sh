@@ -161,7 +161,7 @@ setup() {
   # one setup at a time per ROOT (.ci/run may start one in the background while it installs; the test's own waits)
   mkdir -p "$(dirname "$ROOT")"
   exec 9>"$ROOT.lock"
-  flock 9
+  flock -n 9 || { flock 9; stamp "waited for another setup of $ROOT:"; }
   emulation
   stamp "qemu-user + binfmt_misc ready:"
   if ! [ -f "$ROOT/.debian-files" ]; then
