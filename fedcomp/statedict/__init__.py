@@ -34,6 +34,8 @@ from .arrays import (
     is_float_dtype,
     numpy_dict,
     numpy_to_array,
+    numpy_view,
+    numpy_views,
     to_record,
     to_state_dict,
 )
@@ -42,4 +44,4 @@ from .flat import FlatModel, Spec
 
 __all__ = ["BF16", "BF16_STYPE", "FlatModel", "Spec", "array_to_numpy", "bool_majority", "cast_checked",
            "copy_array", "dtype_limit", "exact_cast", "exact_weight", "integer_delta", "integer_mean", "is_float_dtype",
-           "numpy_dict", "numpy_to_array", "to_record", "to_state_dict", "weighted_add"]
+           "numpy_dict", "numpy_to_array", "numpy_view", "numpy_views", "to_record", "to_state_dict", "weighted_add"]

@@ -4,6 +4,7 @@ values back to a tensor's own dtype (finite after the cast)."""
 
 from __future__ import annotations
 
+import io
 from collections.abc import Mapping
 
 import numpy as np
@@ -88,6 +89,40 @@ def to_state_dict(record: ArrayRecord) -> dict[str, torch.Tensor]:
     return out
 
 
+def numpy_view(arr: Array) -> np.ndarray:
+    """The values of a numpy-serialised Flower ``Array`` without a copy: a read-only view of its bytes
+    (``np.save``'s layout: a format 1.0/2.0 header, then the data), so a model-sized message costs no
+    second model in memory. Other layouts (bf16 patterns, format 3.0, a short or odd buffer) go
+    through :func:`array_to_numpy` (a copy; its errors).
+
+    Returns
+    -------
+    np.ndarray
+        Shape and dtype of the serialised array; ``flags.writeable`` is False for a view.
+    """
+    if arr.stype != "numpy.ndarray":
+        return array_to_numpy(arr)
+    head = io.BytesIO(arr.data)  # shares the bytes (CPython copies a BytesIO's buffer only when written)
+    try:
+        version = np.lib.format.read_magic(head)
+        read = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}[version]
+        shape, fortran, dtype = read(head)
+        if dtype.hasobject:
+            raise ValueError("object arrays are not read")
+        n = int(np.prod(shape)) if shape else 1
+        view = np.frombuffer(arr.data, dtype=dtype, count=n, offset=head.tell())
+    except (ValueError, KeyError):
+        return array_to_numpy(arr)
+    return view.reshape(shape, order="F" if fortran else "C")
+
+
+def numpy_views(record: ArrayRecord) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """:func:`numpy_dict` without copies where it can (:func:`numpy_view`: read-only views of the
+    record's bytes, valid while the record lives). For the client, which only reads them."""
+    values = {k: numpy_view(a) for k, a in record.items()}
+    return values, {k: (BF16 if a.stype == BF16_STYPE else a.dtype or str(values[k].dtype)) for k, a in record.items()}
+
+
 def numpy_dict(record: ArrayRecord) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """Values (bf16 as float32) and dtype names of every Array of ``record``, in its key order."""
     return ({k: array_to_numpy(a) for k, a in record.items()},
@@ -121,4 +156,4 @@ def cast_checked(key: str, w: np.ndarray, dtype: str) -> np.ndarray:
 
 
 __all__ = ["BF16", "BF16_STYPE", "array_to_numpy", "cast_checked", "copy_array", "dtype_limit", "is_float_dtype",
-           "numpy_dict", "numpy_to_array", "to_record", "to_state_dict"]
+           "numpy_dict", "numpy_to_array", "numpy_view", "numpy_views", "to_record", "to_state_dict"]

@@ -10,6 +10,7 @@ import numpy as np
 
 from .arrays import copy_array
 
+
 def exact_cast(key: str, value, dtype) -> np.ndarray:
     """An integer/bool tensor returned by the app, in the model's ``dtype``, never wrapped around.
 

@@ -11,6 +11,7 @@ from flwr.app import Array, ArrayRecord
 
 from .arrays import BF16, cast_checked, copy_array, dtype_limit, is_float_dtype, numpy_dict, numpy_to_array
 
+
 @dataclass(frozen=True)
 class Spec:
     """Shape and dtype name (numpy name or ``"bfloat16"``) of one model tensor."""
