@@ -13,6 +13,7 @@ from typing import Any, Mapping
 
 from .compression import CODECS, Compressor, available_compressors
 from .compression.qsgd import MAX_EXPONENTIAL_LEVELS, SPACINGS
+from .low_density import resolve_schedule, resolve_strategy
 from .protocol import DEFAULT_DOWNLINK_MBPS, DEFAULT_UPLINK_MBPS, MIN_LINK_MBPS
 from .training import TrainConfig
 from .validate import check_number
@@ -80,7 +81,7 @@ SPARSE_CODECS = ("stc", "topk", "randomk")
 #: ``dp`` modes: none; sample-level DP-SGD on clients (Opacus); client-level DP-FedAvg on the
 #: server; local clip + noise of each update on the client before compression.
 DP_MODES = ("none", "dp-sgd", "client-level", "local")
-DENSITY_SCHEDULES = ("constant", "exponential", "linear", "adaptive")
+DENSITY_SCHEDULES = ("auto", "constant", "exponential", "linear", "adaptive")
 #: Codecs that work per tensor only ("selection" must resolve to "tensor").
 TENSOR_ONLY_CODECS = ("powersgd",)
 
@@ -168,7 +169,9 @@ class CodecConfig:
     ``batchnorm-affine = "small"`` (default "codec": measured on ``model = "resnet"``, sending them
     dense did not pay for its bytes; see :mod:`fedcomp.model_policy`).
     Schedules (applied by the server each round): ``warmup-rounds`` rounds with
-    ``warmup-compressor``, then ``density-schedule`` "constant", "exponential" or "linear"
+    ``warmup-compressor``, then ``density-schedule`` "auto" (the default: "exponential" for
+    stc/topk with error feedback below density 1/400, else "constant"; :mod:`fedcomp.low_density`),
+    "constant", "exponential" or "linear"
     from ``density-start`` to ``density`` over ``schedule-rounds`` rounds (DGC's warm-up,
     Lin et al. ICLR 2018), or "adaptive": each client picks the smallest density in
     [``density-min``, ``density-max``] whose relative compression error on its current
@@ -198,7 +201,7 @@ class CodecConfig:
     layer_codecs: str = ""
     warmup_rounds: int = 0
     warmup_compressor: str = "none"
-    density_schedule: str = "constant"
+    density_schedule: str = "auto"
     density_start: float = 0.25
     schedule_rounds: int = 10
     target_error: float = 0.5
@@ -208,6 +211,11 @@ class CodecConfig:
     unbiased: bool = False
     spacing: str = "uniform"
     momentum_correction: float = 0.0
+
+    def __post_init__(self) -> None:
+        # "auto": DGC's warm-up for stc/topk below 1/400, else constant (fedcomp.low_density)
+        object.__setattr__(self, "density_schedule", resolve_schedule(
+            self.density_schedule, self.compressor, self.density, self.error_feedback, self.warmup_rounds))
 
     @property
     def scope(self) -> str:
@@ -377,14 +385,19 @@ CODEC_DEFAULTS: dict[str, Any] = {f.name.replace("_", "-"): f.default for f in f
 
 @dataclass(frozen=True)
 class AppConfig:
-    """Everything the ServerApp and ClientApp read from the run config."""
+    """Everything the ServerApp and ClientApp read from the run config.
+
+    ``strategy`` "auto" (the default) is resolved when parsing: "fedavgm" with server learning rate
+    1.0 and momentum 0.5 for stc/topk below density 1/400 with classic error feedback, no momentum
+    correction and no DP, else "fedavg" (:mod:`fedcomp.low_density`, measured in issue 25).
+    """
 
     num_server_rounds: int = 50
     fraction_train: float = 1.0
     fraction_evaluate: float = 0.5
     min_train_nodes: int = 2
     min_available_nodes: int = 2
-    strategy: str = "fedavg"
+    strategy: str = "auto"
     server_lr: float = 0.1
     server_momentum: float = 0.9
     lr: float = TrainConfig.lr
@@ -440,7 +453,7 @@ class AppConfig:
             fraction_evaluate=_num(cfg, "fraction-evaluate", d["fraction_evaluate"], lo=0.0, hi=1.0),
             min_train_nodes=_num(cfg, "min-train-nodes", d["min_train_nodes"], lo=1, integer=True),
             min_available_nodes=_num(cfg, "min-available-nodes", d["min_available_nodes"], lo=1, integer=True),
-            strategy=_str(cfg, "strategy", d["strategy"], ("fedavg", "fedadam", "fedavgm")),
+            strategy=_str(cfg, "strategy", d["strategy"], ("auto", "fedavg", "fedadam", "fedavgm")),
             server_momentum=_num(cfg, "server-momentum", d["server_momentum"], lo=0.0, hi=1.0, hi_open=True),
             server_lr=_num(cfg, "server-lr", d["server_lr"], lo=0.0, lo_open=True),
             lr=_num(cfg, "lr", d["lr"], lo=0.0, lo_open=True),
@@ -477,6 +490,10 @@ class AppConfig:
             finetune=_str(cfg, "finetune", d["finetune"], ("full", "lora")),
             codec=CodecConfig.from_mapping(cfg),
         )
+        # "auto": FedAvgM for stc/topk below 1/400, else FedAvg (fedcomp.low_density)
+        strategy, server_lr, server_momentum = resolve_strategy(out.strategy, out.server_lr, out.server_momentum,
+                                                                out.codec, out.dp)
+        out = replace(out, strategy=strategy, server_lr=server_lr, server_momentum=server_momentum)
         if out.codec.error_feedback == "ef21" and (out.fraction_train < 1.0 or out.client_sampling != "fraction"):
             raise ValueError("run config error-feedback = 'ef21' needs every client in every round: 'fraction-train' "
                              "= 1.0 and 'client-sampling' = 'fraction' (and 'min-train-nodes' = "
