@@ -84,7 +84,7 @@ EXTRA_CASES = list(CASES)[12:]
 #: issue 25, accuracy per byte where it is hard: the BatchNorm ResNet (12 rounds) with the defaults
 #: and with BatchNorm's affine parameters sent dense ("bn-affine": batchnorm-affine = "small"), and
 #: the CNN at density 1/1000 (50 rounds): "default" = the "auto" defaults (fedcomp.low_density: the
-#: density warm-up and server momentum below 1/400), "plain" = density-schedule "constant" and
+#: density warm-up from 25 % over 30 rounds and server momentum below 1/400), "plain" = density-schedule "constant" and
 #: FedAvg (the defaults before), and the settings tried: DGC's momentum correction ("mc"), server
 #: momentum (FedAvgM, server lr 1.0, momentum 0.5: "avgm"), exponential density schedules from 25 %
 #: over 10/20/30 rounds ("schedN"), EF21. ``--suite accuracy`` runs these (not part of the default run).
@@ -113,7 +113,7 @@ ACCURACY_CASES = {
     "cnn stc 0.001+EF mc+avgm": {**_STC1000, **_PLAIN, "momentum-correction": 0.5, **_AVGM},
     "cnn stc 0.001+EF sched10+avgm": {**_STC1000, **_sched(10), **_AVGM},
     "cnn stc 0.001+EF sched20+avgm": {**_STC1000, **_sched(20), **_AVGM},
-    "cnn stc 0.001+EF sched30+avgm": {**_STC1000, **_sched(30), **_AVGM},
+    "cnn stc 0.001+EF sched20+avgm0.7": {**_STC1000, **_sched(20), **_AVGM, "server-momentum": 0.7},
     "cnn stc 0.001+EF21 sched10": {**_STC1000, **_sched(10), "error-feedback": "ef21", "strategy": "fedavg"},
 }
 CASES.update(ACCURACY_CASES)

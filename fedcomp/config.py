@@ -203,7 +203,7 @@ class CodecConfig:
     warmup_compressor: str = "none"
     density_schedule: str = "auto"
     density_start: float = 0.25
-    schedule_rounds: int = 10
+    schedule_rounds: int = 30
     target_error: float = 0.5
     density_min: float = 0.001
     density_max: float = 0.25

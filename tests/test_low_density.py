@@ -98,3 +98,26 @@ def test_the_server_says_it_once(tmp_path, caplog):
     said = [r for r in caplog.records if "'auto' defaults chose" in r.getMessage()]
     assert len(said) == 1
     assert "(density exponential)" in (tmp_path / "metrics.json").read_text()  # the codec recorded as run
+
+
+def test_the_legacy_wrapper_sends_the_round_s_density():
+    """LegacyCompressedStrategy sent the codec without its schedule (an "exponential" schedule,
+    explicit or from "auto", was reported but never applied)."""
+    from tests.legacy.test_legacy import N, LinRegClient, fit_all, make_inner, manager
+
+    from fedcomp.client.legacy import CompressedNumPyClient
+    from fedcomp.strategies.legacy import LegacyCompressedStrategy
+
+    seen = []
+
+    class Spy(LinRegClient):
+        def fit(self, parameters, config):
+            seen.append(config["density"])
+            return super().fit(parameters, config)
+
+    s = LegacyCompressedStrategy(make_inner("fedavg"), compressor="topk", density=0.001)
+    cm = manager([CompressedNumPyClient(Spy(i)) for i in range(N)])  # the inner strategy waits for N
+    params = s.initialize_parameters(cm)
+    for rnd in (1, 10, 40):
+        fit_all(s, rnd, params, cm)
+    assert seen == [0.25] * N + [s.codec.scheduled_density(10)] * N + [0.001] * N and 0.001 < seen[N] < 0.25
