@@ -2,7 +2,7 @@
 float32 output (tracemalloc: every decoder allocates numpy arrays only, which tracemalloc sees).
 
 Run: ``python benchmarks/decode_memory.py [--n 1000000]``; prints a table and writes
-``benchmarks/results/decode_memory.json``. The bound the tests hold (tests/compression/test_bombs.py)
+``benchmarks/results/decode_memory.json``. The bound the tests hold (tests/compression/test_decompression_bombs.py)
 is 4x the output.
 """
 

@@ -194,7 +194,7 @@ def exact_weight(weight) -> int | Fraction:
 def integer_delta(value: np.ndarray, global_value: np.ndarray) -> np.ndarray:
     """``value - global_value`` of two integer arrays, exactly: int64 when every difference fits
     (always for dtypes up to 32 bits), else an object array of Python ints (64-bit extremes, such as
-    ``2**63 - 1 - (-2**63)``). Never goes through float64 (exact at any size, issue 21 item 3)."""
+    ``2**63 - 1 - (-2**63)``). Never goes through float64 (exact at any size)."""
     v, g = np.asarray(value), np.asarray(global_value)
     if v.dtype.itemsize <= 4 and g.dtype.itemsize <= 4:
         return v.astype(np.int64) - g.astype(np.int64)
@@ -365,7 +365,7 @@ class FlatModel:
             self.offsets[k] = off
             off += self.specs[k].numel
         self.num_float = off
-        #: float32, or float64 when the model has a float64 tensor (then kept exactly: issue 21, item 6).
+        #: float32, or float64 when the model has a float64 tensor (then kept exactly).
         self.wide = any(self.specs[k].dtype == "float64" for k in self.float_keys)
         self.flat = np.empty(off, dtype=np.float64 if self.wide else np.float32)
         for k in self.float_keys:

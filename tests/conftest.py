@@ -1,5 +1,5 @@
 """Fixtures shared by the test packages (plain helper functions for hand-built Flower messages
-are in ``tests/app/helpers.py``)."""
+are in ``tests/messages.py``)."""
 
 import pytest
 from flwr.app import Context, RecordDict

@@ -15,7 +15,7 @@ import numpy as np
 from flwr.app import ArrayRecord, Context, Message, MetricRecord
 
 from ..compression.error_feedback import warn_saturation_once
-from ..device import peak_rss_mb
+from ..device import clientapp_seconds, memory_report
 from ..protocol import (
     DEFAULT_DOWNLINK_MBPS,
     DEFAULT_UPLINK_MBPS,
@@ -46,7 +46,8 @@ def compression_mod(msg: Message, context: Context, call_next) -> Message:
     ``context.state`` across rounds). Adds metrics ``upload-bytes`` (payload bytes),
     ``dense-bytes`` (fp32 cost), ``download-bytes`` (bytes of the received arrays),
     ``compression-error``, ``residual-norm``, ``residual-bytes`` (memory of the residual),
-    ``compress-seconds`` and the node's ``uplink-mbps``/``downlink-mbps`` (node config, else
+    ``compress-seconds``, ``clientapp-seconds`` (:func:`fedcomp.device.clientapp_seconds`: the
+    age of a per-message ``flwr-clientapp`` process, else 0) and the node's ``uplink-mbps``/``downlink-mbps`` (node config, else
     run config; defaults 1 and 10) to the reply's MetricRecord. Other
     message types pass through untouched. Error replies pass through unchanged. So does a train
     message whose config carries the SecAgg+ shared seed (``fedcomp-secagg-seed``): under
@@ -78,6 +79,7 @@ def compression_mod(msg: Message, context: Context, call_next) -> Message:
 
     payloads, stats = _compress(request, context, received, trained, dtypes)
     stats["download-bytes"] = float(download)
+    stats["clientapp-seconds"] = clientapp_seconds()  # a per-message ClientApp process: its whole life so far
     _write_reply(reply, arr_key, payloads, stats)
     return reply
 
@@ -123,7 +125,7 @@ def _compress(request: TrainRequest, context: Context, received: dict, trained: 
     stats["compress-seconds"] = time.perf_counter() - t0
     warn_saturation_once(context.node_id, stats["residual-saturated"], stats["residual-saturated-loss"])
     stats["residual-bytes"] = float(sum(r.nbytes for r in new_res.values()))
-    stats["client-peak-rss-mb"] = peak_rss_mb()  # after training and compressing: the round's peak
+    stats.update(memory_report())  # after training and compressing: the round's peak RSS
     stats.update(_link_speeds(context))
     if request.codec.error_feedback:
         keep_residuals(context, files, new_res, request.server_round)

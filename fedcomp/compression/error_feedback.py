@@ -56,7 +56,7 @@ RESIDUAL, MOMENTUM = "residual", "momentum"
 STATE_SEP = "#"
 
 
-def _segment_sq_norms(flat: torch.Tensor, sizes: list[int]) -> list[float]:
+def segment_sq_norms(flat: torch.Tensor, sizes: list[int]) -> list[float]:
     """Squared L2 norms of consecutive segments of a float32 vector (fp32 reduction, float results)."""
     out, off = [], 0
     for n in sizes:
@@ -180,7 +180,7 @@ class ErrorFeedback:
                 raise ValueError("input + residual overflows float32; residual left unchanged")
         flat = v.reshape(-1)
         sizes = [flat.numel()] if segments is None else list(segments)
-        norms = _segment_sq_norms(flat, sizes)
+        norms = segment_sq_norms(flat, sizes)
         payload = self.compressor.compress(v)
         # The error v - v_hat, in place in v: O(k) for sparse payloads, one decode otherwise.
         sparse = decompress_sparse(payload, max_numel=max(v.numel(), 1))
@@ -193,7 +193,7 @@ class ErrorFeedback:
             v -= v_hat
             sent = torch.nonzero(v_hat.reshape(-1)).reshape(-1) if u is not None else None
             del v_hat
-        errors = _segment_sq_norms(flat, sizes)
+        errors = segment_sq_norms(flat, sizes)
         self.last_sq_error, self.last_sq_norm = float(sum(errors)), float(sum(norms))
         self.last_segment_sq_norms, self.last_segment_sq_errors = norms, errors
         self.last_error = (self.last_sq_error / self.last_sq_norm) ** 0.5 if self.last_sq_norm else 0.0

@@ -22,7 +22,7 @@ from ..secagg.server_app import check_secagg_config, run_secagg, secagg_requeste
 from ..statedict import copy_array, to_record
 from ..strategies import CompressedStrategy
 from ..strategies.offset import RoundOffset
-from ..strategies.round_metrics import machine_counts
+from ..strategies.round_metrics import machine_counts, per_client
 from ..training import evaluate
 from . import checkpoint
 from .console import route_flower_logs
@@ -121,7 +121,12 @@ class RoundRecorder:
                 rec["epsilon-round"] = math.inf if math.isinf(now) else now - self.last_eps
                 self.last_eps = now
             rec["layers"] = self.strategy.layer_history.get(server_round, {})
-            rec["client-machines"] = machine_counts(self.strategy.client_history.get(server_round, []))
+            clients = self.strategy.client_history.get(server_round, [])
+            rec["client-machines"] = machine_counts(clients)
+            # per node id: peak RSS and container memory limit (MiB), failed clients with the reason
+            rec["client-peak-rss"] = per_client(clients, "client-peak-rss-mb")
+            rec["client-memory-limit"] = per_client(clients, "client-memory-limit-mb")
+            rec["failures"] = getattr(self.strategy, "failure_history", {}).get(server_round, [])
         fed = self.strategy.evaluate_history.get(server_round)
         if fed is not None:  # federated evaluation: sampled clients on their own data, weighted by examples
             rec.update({"federated-accuracy": fed.get("eval-acc"), "federated-loss": fed.get("eval-loss"),

@@ -10,10 +10,16 @@ from flwr.app import MetricRecord, RecordDict
 
 from ..protocol import DEFAULT_DOWNLINK_MBPS, DEFAULT_UPLINK_MBPS, MIN_LINK_MBPS
 
+#: Mean seconds a deployed round waits on Flower's polling (flwr 1.42): a SuperNode with no work asks
+#: the SuperLink again after 3 s (``flwr/supernode/start_client_internal.py``) and the ServerApp's
+#: grid looks for replies every 3 s (``flwr/superlink/grid/http_grid.py``, ``send_and_receive``):
+#: half of each on average. Measured over shaped links (``benchmarks/links.py``): 2-3 s a round.
+FLOWER_POLL_SECONDS = 3.0
+
 #: Largest magnitude a client-reported number keeps (larger ones are clamped to it): sums and
 #: weighted means over a million clients with weights up to 1e9 then stay far below float64's
-#: 1.8e308, so no client value can make the server raise (``OverflowError`` in ``fsum``, issue 21
-#: item 1) or publish an infinite mean. No honest metric comes near it.
+#: 1.8e308, so no client value can make the server raise (``OverflowError`` in ``fsum``)
+#: or publish an infinite mean. No honest metric comes near it.
 METRIC_BOUND = 1e100
 
 
@@ -73,6 +79,7 @@ def client_stats(node: int, metrics: dict, upload_bytes: int, dense_bytes: int, 
         "decode-seconds": decode_seconds,
         "train-seconds": reported_number(metrics, "train-seconds"),
         "compress-seconds": reported_number(metrics, "compress-seconds"),
+        "clientapp-seconds": max(reported_number(metrics, "clientapp-seconds"), 0.0),
         "uplink-mbps": max(up, MIN_LINK_MBPS) if up > 0 else DEFAULT_UPLINK_MBPS,
         "downlink-mbps": max(down, MIN_LINK_MBPS) if down > 0 else DEFAULT_DOWNLINK_MBPS,
         "residual-bytes": reported_number(metrics, "residual-bytes"),
@@ -84,6 +91,8 @@ def client_stats(node: int, metrics: dict, upload_bytes: int, dense_bytes: int, 
         "download-bytes": reported_number(metrics, "download-bytes"),
         "density": reported_number(metrics, "density"),
         "client-peak-rss-mb": reported_number(metrics, "client-peak-rss-mb"),
+        "client-memory-limit-mb": reported_number(metrics, "client-memory-limit-mb"),
+        "client-oom-kills": reported_number(metrics, "client-oom-kills"),
         "machine": machine,
         "epsilon": reported_epsilon(metrics.get("epsilon")),
         "epsilon-next": reported_epsilon(metrics.get("epsilon-next")),
@@ -93,18 +102,28 @@ def client_stats(node: int, metrics: dict, upload_bytes: int, dense_bytes: int, 
 def client_seconds(c: dict, uplink_mbps: float | None = None, downlink_mbps: float | None = None) -> float:
     """Simulated seconds of one client's round: compute + upload·8/uplink + download·8/downlink.
 
+    compute is ``train-seconds + compress-seconds``, or the ClientApp process's life
+    (``clientapp-seconds``) where that is larger: a SuperNode starts one ``flwr-clientapp`` process
+    per message, and its start, imports and data loading cost every round (measured over shaped
+    links by ``benchmarks/links.py``, see the README's table: on a loaded two-core machine that
+    process lived 2-3x its training time, and without this term the model gave under half of the
+    measured wall clock). Flower's polling is added per round by :func:`round_metrics`
+    (:data:`FLOWER_POLL_SECONDS`). Not modelled: a federated-evaluation phase, the app bundle (FAB)
+    each SuperNode downloads once per run, per-request latency (no round-trip time term) and
+    protocol bytes on top of the payloads.
+
     Parameters
     ----------
     c : dict
         A ``client_history`` entry (``train-seconds``, ``compress-seconds``, ``upload-bytes``,
-        ``download-bytes``, ``uplink-mbps``, ``downlink-mbps``).
+        ``download-bytes``, ``uplink-mbps``, ``downlink-mbps``; ``clientapp-seconds`` optional).
     uplink_mbps, downlink_mbps : float, optional
         Override the client's declared link speeds (megabits per second). Speeds below
         :data:`~fedcomp.protocol.MIN_LINK_MBPS` count as that speed (the result stays finite).
     """
     up = max(uplink_mbps or c["uplink-mbps"], MIN_LINK_MBPS)
     down = max(downlink_mbps or c["downlink-mbps"], MIN_LINK_MBPS)
-    compute = c["train-seconds"] + c["compress-seconds"]
+    compute = max(c["train-seconds"] + c["compress-seconds"], c.get("clientapp-seconds", 0.0))
     return compute + c["upload-bytes"] * 8 / (up * 1e6) + c["download-bytes"] * 8 / (down * 1e6)
 
 
@@ -151,10 +170,14 @@ def round_metrics(stats: list[dict], codec_bytes: dict, n_good: int, rejected: i
         "residual-saturated": float(sum(s.get("residual-saturated", 0.0) for s in stats)),  # fp16 residual clamps
     }
     if stats:
-        # Simulated wall-clock time of the round: the slowest client's compute + transfer time.
-        out["round-seconds-simulated"] = max(client_seconds(s) for s in stats)
+        # Simulated wall-clock time of the round: the slowest client's compute + transfer time, and in
+        # a deployment (clients in per-message flwr-clientapp processes) Flower's polling on top.
+        deployed = any(s.get("clientapp-seconds", 0.0) > 0 for s in stats)
+        out["round-poll-seconds"] = FLOWER_POLL_SECONDS if deployed else 0.0
+        out["round-seconds-simulated"] = max(client_seconds(s) for s in stats) + out["round-poll-seconds"]
         out["train-seconds-max"] = max(s["train-seconds"] for s in stats)
         out["compress-seconds"] = statistics.fmean(s["compress-seconds"] for s in stats)
+        out["clientapp-seconds-max"] = max(s.get("clientapp-seconds", 0.0) for s in stats)
         out["decode-seconds"] = float(sum(s["decode-seconds"] for s in stats))
         out["residual-bytes"] = max(s["residual-bytes"] for s in stats)
         out["client-peak-rss-mb"] = max(s.get("client-peak-rss-mb", 0.0) for s in stats)
@@ -165,6 +188,13 @@ def round_metrics(stats: list[dict], codec_bytes: dict, n_good: int, rejected: i
     for name, nbytes in sorted(codec_bytes.items()):
         out[f"upload-bytes-{name}"] = float(nbytes)
     return out
+
+
+def per_client(stats: list[dict], key: str) -> dict[str, float]:
+    """One reported figure of every client of a round by node id (as a string, metrics.json's keys),
+    sorted by node id; e.g. ``per_client(stats, "client-peak-rss-mb")`` is ``client-peak-rss`` in
+    metrics.json (MiB). Clients that report 0 (no such figure) are left out."""
+    return {str(s["node"]): s[key] for s in sorted(stats, key=lambda s: s["node"]) if s.get(key)}
 
 
 def machine_counts(stats: list[dict]) -> dict[str, int]:

@@ -5,8 +5,8 @@ import shutil
 
 import pytest
 
-from tests.app.test_e2e import _flwr_run
-from tests.llm.conftest import corpus  # noqa: F401 - the small local Shakespeare-like corpus fixture
+from tests.test_e2e import _flwr_run
+from tests.lm.conftest import corpus  # noqa: F401 - the small local Shakespeare-like corpus fixture
 
 
 @pytest.mark.skipif(shutil.which("pgrep") is None, reason="needs pgrep to stop the local SuperLink")

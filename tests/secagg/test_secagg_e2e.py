@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from tests.app.test_e2e import _flwr_run
+from tests.test_e2e import _flwr_run
 
 N_PARAMS = 38282  # float entries of the default CNN
 

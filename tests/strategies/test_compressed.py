@@ -1,0 +1,243 @@
+"""CompressedStrategy with hand-built replies and the in-process grid."""
+
+import numpy as np
+import pytest
+from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MetricRecord
+from flwr.serverapp.strategy import DifferentialPrivacyServerSideFixedClipping, FedAdam, FedAvg
+
+import fedcomp.compression as fc
+from fedcomp.client import compression_mod
+from fedcomp.protocol import MODEL_KEY, PAYLOAD_DTYPE, PAYLOAD_STYPE
+from fedcomp.simulation import InProcessGrid
+from fedcomp.statedict import FlatModel
+from fedcomp.strategies import CompressedStrategy
+
+from tests.messages import make_ctx, reply_with, train_msg, weights
+
+
+def compressed_reply(global_w, trained_w, node=7, codec=None, n=10):
+    msg = train_msg(global_w, codec or {"compressor": "none"}, dst=node)
+    return compression_mod(msg, make_ctx(node_id=node), lambda m, c: reply_with(m, trained_w, n=n))
+
+
+def setup(strategy, global_w, rnd=1):
+    # configure_train needs sampled nodes; call only the remembering part through a grid stub
+    strategy.remember(rnd, FlatModel.from_numpy(global_w))
+
+
+def fedavg():
+    return FedAvg(fraction_evaluate=0.0, min_available_nodes=1, min_train_nodes=1)
+
+
+def test_none_codec_equals_plain_fedavg():
+    g = weights(0)
+    t1, t2 = weights(1), weights(2)
+    s = CompressedStrategy(fedavg(), compressor="none")
+    setup(s, g)
+    arrays, metrics = s.aggregate_train(1, [compressed_reply(g, t1, 1, n=10), compressed_reply(g, t2, 2, n=30)])
+    for k in g:
+        expect = (10 * t1[k] + 30 * t2[k]) / 40
+        assert np.allclose(arrays[k].numpy(), expect, atol=1e-6)
+    assert metrics["num-replies"] == 2 and metrics["rejected-replies"] == 0
+
+
+def test_metrics_sum_real_bytes():
+    g, t = weights(0), weights(1)
+    s = CompressedStrategy(fedavg(), compressor="sign")
+    setup(s, g)
+    r1 = compressed_reply(g, t, 1, {"compressor": "sign"})
+    r2 = compressed_reply(g, t, 2, {"compressor": "sign"})
+    size = sum(len(a.data) for a in r1.content["arrays"].values()) + sum(len(a.data) for a in r2.content["arrays"].values())
+    _, m = s.aggregate_train(1, [r1, r2])
+    assert m["upload-bytes"] == float(size)
+    assert m["upload-bytes-sign"] == float(size)
+    assert m["dense-bytes"] == 2 * 4.0 * 210
+    assert m["compression-ratio"] == pytest.approx(2 * 4.0 * 210 / size)
+
+
+def corrupt(reply, how):
+    rec = reply.content["arrays"]
+    data = bytearray(rec["w"].data)
+    if how == "truncate":
+        data = data[:-3]
+    elif how == "magic":
+        data[0] ^= 0xFF
+    elif how == "nan":
+        data = bytearray(fc.get_compressor("none").compress(__import__("torch").zeros(20, 10)))
+        data[-4:] = np.array([np.nan], dtype=np.float32).tobytes()
+    elif how == "shape":
+        data = bytearray(fc.get_compressor("none").compress(__import__("torch").zeros(10, 20)))
+    elif how == "bomb":
+        data = bytearray(fc.get_compressor("none").compress(__import__("torch").zeros(400)))
+    rec["w"] = Array(dtype=PAYLOAD_DTYPE, shape=(len(data),), stype=PAYLOAD_STYPE, data=bytes(data))
+    if how == "dense":
+        rec["w"] = Array(np.zeros((20, 10), np.float32))
+    if how == "missing":
+        del rec["b"]
+    if how == "extra":
+        rec["zzz"] = rec["w"]
+    return reply
+
+
+@pytest.mark.parametrize("how", ["truncate", "magic", "nan", "shape", "bomb", "dense", "missing", "extra"])
+def test_bad_reply_is_dropped_and_global_model_unaffected(how, caplog):
+    g, t1, t2 = weights(0), weights(1), weights(2)
+    s = CompressedStrategy(fedavg(), compressor="none")
+    setup(s, g)
+    clean, _ = s.aggregate_train(1, [compressed_reply(g, t1, 1)])
+    setup(s, g)
+    arrays, m = s.aggregate_train(1, [compressed_reply(g, t1, 1), corrupt(compressed_reply(g, t2, 2), how)])
+    assert m["rejected-replies"] == 1 and m["num-replies"] == 1
+    for k in g:
+        assert np.array_equal(arrays[k].numpy(), clean[k].numpy())
+    assert "rejected reply from node 2" in caplog.text
+
+
+def test_dense_reply_error_says_how_to_fix(caplog):
+    g, t = weights(0), weights(1)
+    s = CompressedStrategy(fedavg(), compressor="none")
+    setup(s, g)
+    s.aggregate_train(1, [corrupt(compressed_reply(g, t, 3), "dense")])
+    assert "add compression_mod as the FIRST mod" in caplog.text
+
+
+def test_error_replies_counted_as_failed():
+    g, t = weights(0), weights(1)
+    s = CompressedStrategy(fedavg(), compressor="none")
+    setup(s, g)
+    ok = compressed_reply(g, t, 1)
+    failed = Message(Error(code=2, reason="boom"), reply_to=train_msg(g, dst=5))
+    arrays, m = s.aggregate_train(1, [ok, failed])
+    assert m["failed-clients"] == 1 and m["num-replies"] == 1
+    assert np.allclose(arrays["w"].numpy(), t["w"], atol=1e-6)
+
+
+def test_error_reply_from_an_unexpected_node_is_a_failed_client_not_a_stranger(caplog):
+    """Flower answers a lost task (e.g. a ClientApp the OOM killer took) with an error reply from the
+    SuperLink's node id: a failed client with its reason, not a refused 'stranger'."""
+    g, t = weights(0), weights(1)
+    s = CompressedStrategy(fedavg(), compressor="none")
+    s.remember(1, FlatModel.from_numpy(g), nodes={7, 8})
+    ok = compressed_reply(g, t, 7)
+    lost = Message(Error(code=0, reason="task lost: no heartbeat"), reply_to=train_msg(g, dst=1))
+    assert lost.metadata.src_node_id == 1
+    arrays, m = s.aggregate_train(1, [ok, lost])
+    assert m["failed-clients"] == 1 and m["rejected-replies"] == 0 and m["num-replies"] == 1
+    assert "task lost: no heartbeat" in caplog.text and "not sent a message" not in caplog.text
+    assert np.allclose(arrays["w"].numpy(), t["w"], atol=1e-6)
+
+
+def test_all_rejected_leaves_model_unchanged():
+    g, t = weights(0), weights(1)
+    s = CompressedStrategy(fedavg(), compressor="none")
+    setup(s, g)
+    arrays, m = s.aggregate_train(1, [corrupt(compressed_reply(g, t, 1), "magic")])
+    assert arrays is None and m["rejected-replies"] == 1
+
+
+def test_configure_train_adds_codec_to_config():
+    from fedcomp.client.app import app as client_app
+
+    grid = InProcessGrid(client_app, 2, {})
+    s = CompressedStrategy(fedavg(), compressor="stc", density=0.05)
+    cfg = ConfigRecord()
+    msgs = list(s.configure_train(1, ArrayRecord(weights_as_state()), cfg, grid))
+    assert len(msgs) == 2
+    c = msgs[0].content["config"]
+    assert c["compressor"] == "stc" and c["density"] == 0.05 and c["error-feedback"] is True
+
+
+def weights_as_state():
+    from fedcomp.models import build_model
+
+    return build_model().state_dict()
+
+
+def test_constructor_validation():
+    with pytest.raises(ValueError, match="compressor"):
+        CompressedStrategy(fedavg(), compressor="zip")
+    with pytest.raises(ValueError, match="density"):
+        CompressedStrategy(fedavg(), compressor="stc", density=0.0)
+    with pytest.raises(TypeError, match="unknown codec parameter"):
+        CompressedStrategy(fedavg(), compressor="stc", denisty=0.1)
+    with pytest.raises(TypeError, match="Strategy"):
+        CompressedStrategy(object())
+
+
+@pytest.mark.parametrize("inner_name", ["fedavg", "fedadam", "dp"])
+def test_wraps_flower_strategies_in_process(inner_name):
+    """Real ClientApp + mod + wrapper around FedAvg, FedAdam and Flower's server-side DP."""
+    from fedcomp.client.app import app as client_app
+    from fedcomp.models import build_model
+
+    common = dict(fraction_evaluate=0.0, min_available_nodes=3, min_train_nodes=3)
+    inner = {
+        "fedavg": lambda: FedAvg(**common),
+        "fedadam": lambda: FedAdam(**common, eta=0.01, eta_l=0.05),
+        "dp": lambda: DifferentialPrivacyServerSideFixedClipping(FedAvg(**common), noise_multiplier=0.0,
+                                                                 clipping_norm=0.5, num_sampled_clients=3),
+    }[inner_name]()
+    grid = InProcessGrid(client_app, 3, {"num-server-rounds": 2})
+    s = CompressedStrategy(inner, compressor="sign")
+    start = ArrayRecord(build_model().state_dict())
+    init = {k: v.numpy().copy() for k, v in start.items()}
+    res = s.start(grid=grid, initial_arrays=start, num_rounds=2, train_config=ConfigRecord({"seed": 1}))
+    assert s.history[2]["num-replies"] == 3 and s.history[2]["rejected-replies"] == 0
+    moved = np.sqrt(sum(float(((res.arrays[k].numpy() - init[k]) ** 2).sum()) for k in init))
+    assert moved > 0
+    if inner_name == "dp":  # two rounds, each clipped mean update of norm <= 0.5
+        assert moved <= 2 * 0.5 + 1e-5
+
+
+def test_model_scope_payload_is_split_back_into_parameters():
+    g, t = weights(0), weights(1)
+    s = CompressedStrategy(fedavg(), compressor="topk", density=1.0)
+    setup(s, g)
+    arrays, m = s.aggregate_train(1, [compressed_reply(g, t, 1, {"compressor": "topk", "density": 1.0})])
+    for k in g:
+        assert arrays[k].numpy().shape == g[k].shape
+        assert np.allclose(arrays[k].numpy(), t[k], atol=1e-6)
+    assert m["upload-bytes-topk"] == m["upload-bytes"]
+
+
+def test_model_scope_payload_of_wrong_length_is_rejected():
+    import torch
+
+    g, t = weights(0), weights(1)
+    s = CompressedStrategy(fedavg(), compressor="topk")
+    setup(s, g)
+    reply = compressed_reply(g, t, 1, {"compressor": "topk"})
+    data = fc.get_compressor("topk").compress(torch.ones(209))
+    reply.content["arrays"][MODEL_KEY] = Array(dtype=PAYLOAD_DTYPE, shape=(len(data),), stype=PAYLOAD_STYPE, data=data)
+    arrays, m = s.aggregate_train(1, [reply])
+    assert arrays is None and m["rejected-replies"] == 1
+
+
+def test_simulated_round_time_is_slowest_client_compute_plus_transfer():
+    g, t = weights(0), weights(1)
+    s = CompressedStrategy(fedavg(), compressor="none")
+    setup(s, g)
+    r1 = compressed_reply(g, t, 1)
+    r2 = compressed_reply(g, t, 2)
+    for r, secs, up in ((r1, 2.0, 1.0), (r2, 0.5, 0.1)):
+        m = dict(r.content["metrics"])
+        m.update({"train-seconds": secs, "compress-seconds": 0.0, "uplink-mbps": up, "downlink-mbps": 10.0})
+        r.content["metrics"] = MetricRecord(m)
+    up_bytes = sum(len(a.data) for a in r1.content["arrays"].values())
+    down = float(r1.content["metrics"]["download-bytes"])
+    _, m = s.aggregate_train(1, [r1, r2])
+    expect = max(2.0 + up_bytes * 8 / 1e6, 0.5 + up_bytes * 8 / 1e5) + down * 8 / 1e7
+    assert m["round-seconds-simulated"] == pytest.approx(expect)
+
+
+def test_hostile_client_metrics_do_not_break_the_round():
+    g, t = weights(0), weights(1)
+    s = CompressedStrategy(fedavg(), compressor="none")
+    setup(s, g)
+    r = compressed_reply(g, t, 1)
+    m = dict(r.content["metrics"])
+    m.update({"train-seconds": float("nan"), "uplink-mbps": -1.0, "compression-error": float("inf")})
+    r.content["metrics"] = MetricRecord(m)
+    arrays, out = s.aggregate_train(1, [r])
+    assert arrays is not None and out["compression-error"] == 0.0
+    assert 0 < out["round-seconds-simulated"] < 10  # bad speed replaced by the 1 Mbps default

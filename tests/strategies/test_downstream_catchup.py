@@ -1,0 +1,182 @@
+"""Downstream under partial participation: lagging clients get the missed payloads or a compressed
+difference from the copy they hold (whichever is smaller), new clients build a seeded initial model
+themselves, and every client's copy is what the server records for it, bit for bit."""
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import ConfigRecord, RecordDict
+
+from fedcomp.client.downstream import rebuild
+from fedcomp.config import CodecConfig
+from fedcomp.protocol import MODEL_STATE_KEY
+from fedcomp.seeded_init import lora_init
+from fedcomp.statedict import to_record
+from fedcomp.strategies.downstream import Downstream
+
+from tests.messages import make_ctx, make_msg
+
+SHAPES = {"q.lora_A.weight": (4, 64), "q.lora_B.weight": (64, 4), "v.lora_A.weight": (4, 64),
+          "v.lora_B.weight": (64, 4)}
+
+
+def _flat(rec) -> np.ndarray:
+    return np.concatenate([a.numpy().ravel() for a in rec.values()])
+
+
+class Fed:
+    """A server Downstream and the clients' contexts, driven round by round without training."""
+
+    def __init__(self, compressor: str, nodes: int, init=None, **codec):
+        self.ds = Downstream(CodecConfig.from_mapping(codec), compressor, init=init)
+        self.ctx = {n: make_ctx(node_id=n) for n in range(nodes)}
+        self.rnd = 0
+
+    def round(self, weights: dict, nodes: list[int], reply: bool = True) -> dict:
+        self.rnd += 1
+        rec = to_record({k: torch.from_numpy(v) for k, v in weights.items()})
+        msgs = [make_msg(RecordDict({"arrays": rec, "config": ConfigRecord({"server-round": self.rnd})}), dst=n)
+                for n in nodes]
+        self.ds.prepare(self.rnd, rec, msgs)
+        out = {}
+        for m, n in zip(msgs, nodes):
+            out[n] = rebuild(m, self.ctx[n], "arrays", m.content["arrays"], dict(m.content["config"]))
+            if reply:
+                self.ds.received(n)
+        return out
+
+
+def _walk(seed=0, rounds=8):
+    """A sequence of global adapters: seeded start, then random steps."""
+    init = lora_init(SHAPES, seed=123)
+    w = init.values(SHAPES)
+    g = np.random.default_rng(seed)
+    seq = [dict(w)]
+    for _ in range(rounds - 1):
+        w = {k: (v + 0.01 * g.standard_normal(v.shape)).astype(np.float32) for k, v in w.items()}
+        seq.append(w)
+    return init, seq
+
+
+def test_new_client_builds_the_seeded_start_itself():
+    init, seq = _walk()
+    fed = Fed("sign", 2, init=init)
+    got = fed.round(seq[0], [0, 1])
+    assert fed.ds.sent_kind == {0: "init", 1: "init"}
+    assert max(fed.ds.sent_bytes.values()) == 8 * len(SHAPES)  # one float64 bound per tensor, no values
+    for rec in got.values():
+        for k, v in seq[0].items():
+            assert np.array_equal(rec[k].numpy(), v)  # bit for bit
+    assert float(np.abs(got[0]["q.lora_A.weight"].numpy()).max()) <= 1 / 8  # 1/sqrt(fan_in = 64)
+    assert not got[0]["q.lora_B.weight"].numpy().any()  # LoRA's B starts at zero
+
+
+@pytest.mark.parametrize("codec", ["sign", "stc", "topk", "int8", "qsgd", "eden", "fp16"])
+def test_lagging_client_gets_a_small_diff_and_holds_what_the_server_records(codec):
+    init, seq = _walk(rounds=8)
+    fed = Fed(codec, 3, init=init, density=0.05)
+    dense = 4 * sum(int(np.prod(s)) for s in SHAPES.values())
+    fed.round(seq[0], [0, 1])
+    for r in range(1, 6):  # node 1 misses rounds 2..6, node 2 is new at round 7
+        fed.round(seq[r], [0])
+    before = _flat(fed.ctx[1].state[MODEL_STATE_KEY])
+    got = fed.round(seq[6], [0, 1, 2])
+    assert fed.ds.sent_kind[0] == "payload"
+    assert fed.ds.sent_kind[1] in ("diff", "chain") and fed.ds.sent_kind[2].startswith("init+")
+    cap = dense / {"fp16": 1.9, "int8": 3.5, "qsgd": 5}.get(codec, 10)  # bits per entry of each codec
+    assert fed.ds.sent_bytes[1] < cap and fed.ds.sent_bytes[2] < cap + 8 * len(SHAPES)
+    target = np.concatenate([seq[6][k].ravel() for k in SHAPES])
+    for n in (0, 1, 2):
+        assert np.array_equal(_flat(got[n]), fed.ds.held(n))  # what the server records, bit for bit
+    after = _flat(got[1])
+    gap_before, gap_after = np.linalg.norm(target - before), np.linalg.norm(target - after)
+    assert gap_after < gap_before  # the catch-up moved the copy towards the server's adapters
+    if codec == "fp16":  # within the codec's bound: fp16 rounding of the difference
+        assert np.abs(after - target).max() <= 2**-10 * np.abs(target - before).max() + 1e-7
+
+
+def test_missed_payloads_travel_when_smaller_than_a_diff():
+    init, seq = _walk(rounds=5)
+
+    class FatDiffs(Downstream):  # per-node diffs in fp32: the chain of sign payloads is smaller
+        def _codec(self, server_round, node=None):
+            return super()._codec(server_round) if node is None else CodecConfig(compressor="none").build()
+
+    fed = Fed("sign", 2)
+    fed.ds = FatDiffs(CodecConfig(), "sign", init=init)
+    fed.round(seq[0], [0, 1])
+    for r in (1, 2):
+        fed.round(seq[r], [0])
+    got = fed.round(seq[3], [0, 1])
+    assert fed.ds.sent_kind[1] == "chain"
+    assert fed.ds.sent_bytes[1] == sum(len(fed.ds._payloads[u]) for u in (2, 3, 4))  # versions 2, 3, 4
+    assert np.array_equal(_flat(got[1]), fed.ds.history[fed.ds.version])  # exactly B_v
+    assert np.array_equal(_flat(got[0]), _flat(got[1]))
+
+
+def test_a_client_that_did_not_reply_is_treated_as_new():
+    init, seq = _walk(rounds=4)
+    fed = Fed("stc", 2, init=init, density=0.1)
+    fed.round(seq[0], [0, 1])
+    fed.round(seq[1], [1], reply=False)  # node 1 got version 2 but its reply never came
+    got = fed.round(seq[2], [1])  # no "holds version 2, payload applies to 1" error
+    assert fed.ds.sent_kind[1].startswith("init")
+    assert np.array_equal(_flat(got[1]), fed.ds.held(1))
+
+
+def test_unknown_catchup_is_refused():
+    with pytest.raises(ValueError, match="catch-up"):
+        Downstream(CodecConfig(), "stc", catchup="dense")
+
+
+def test_without_a_seeded_start_new_clients_get_the_model_dense():
+    init, seq = _walk(rounds=2)
+    fed = Fed("sign", 2)
+    fed.round(seq[0], [0])
+    got = fed.round(seq[1], [1])
+    assert fed.ds.sent_kind[1] == "dense"
+    assert np.array_equal(_flat(got[1]), fed.ds.history[fed.ds.version])
+
+
+def test_exact_catch_ups_keep_every_client_on_a_broadcast_version():
+    init, seq = _walk(rounds=6)
+    fed = Fed("stc", 3, init=init, density=0.05)
+    fed.ds = Downstream(CodecConfig.from_mapping({"density": 0.05}), "stc", init=init, catchup="exact")
+    fed.round(seq[0], [0, 1])
+    for r in (1, 2, 3):
+        fed.round(seq[r], [0])
+    got = fed.round(seq[4], [0, 1, 2])  # node 1 lags 3 rounds, node 2 is new
+    assert fed.ds.sent_kind[1] == "chain" and fed.ds.sent_kind[2] == "init+chain"
+    for n in (0, 1, 2):
+        assert np.array_equal(_flat(got[n]), fed.ds.history[fed.ds.version])  # exactly B_v, bit for bit
+
+
+@pytest.mark.parametrize("codec,tol", [("fp16", 1e-3), ("stc", None)])
+def test_server_memory_is_bounded_and_evicted_nodes_start_again(codec, tol):
+    """Many new nodes over many rounds (issue: one model copy per node ever seen, one payload per round):
+    the stored copies stay within ``max_copies``, forgotten nodes are treated as new, and every client
+    holds what the server records for it (fp16: within fp16 rounding of the global model)."""
+    init, seq = _walk(rounds=40)
+    fed = Fed(codec, 60, init=init, density=0.05)
+    fed.ds.max_copies = 4.0
+    rng = np.random.default_rng(1)
+    kinds = set()
+    for w in seq:
+        nodes = sorted(rng.choice(60, 5, replace=False).tolist())
+        got = fed.round(w, nodes)
+        kinds |= set(fed.ds.sent_kind.values())
+        assert fed.ds._copies() <= 4.0
+        g = np.concatenate([w[k].ravel() for k in SHAPES])
+        for n, rec in got.items():
+            held = fed.ds.held(n)
+            if held is not None:
+                assert np.array_equal(_flat(rec), held)
+            if tol is not None:
+                assert np.abs(_flat(rec) - g).max() <= tol
+    assert any(k.startswith("init+") for k in kinds)  # forgotten / new nodes after round 1 start from the seed
+    assert len(fed.ds._versions) + len(fed.ds._private) <= 4
+
+
+def test_max_copies_is_validated():
+    with pytest.raises(ValueError, match="max_copies"):
+        Downstream(CodecConfig(), "stc", max_copies=1)

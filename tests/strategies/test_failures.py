@@ -1,0 +1,109 @@
+"""A client that fails is named with its reason in the log and metrics.json, never a silent dropout:
+Flower's error replies (a ClientApp that died: code 8; a node gone: code 5, answered by the SuperLink
+from its own node id), sampled nodes with no reply, and OOM kills the client's container counted."""
+
+import logging
+import time
+
+from flwr.app import Error, Message, Metadata
+from flwr.app.message import make_message
+from flwr.serverapp.strategy import FedAvg
+
+from fedcomp.client import compression_mod
+from fedcomp.device import memory_limit_mb, oom_kills
+from fedcomp.statedict import FlatModel
+from fedcomp.strategies import CompressedStrategy
+from fedcomp.strategies.failures import CRASHED_REASON, GONE_REASON, NO_REPLY_REASON
+
+from .helpers import make_ctx, reply_with, train_msg, weights
+
+
+def _ok(g, t, msg, oom=0.0):
+    def app(m, c):
+        return reply_with(m, t, n=10)
+
+    r = compression_mod(msg, make_ctx(node_id=msg.metadata.dst_node_id), app)
+    r.content["metrics"]["client-oom-kills"] = oom
+    return r
+
+
+def _superlink_error(msg, code, reason):
+    md = Metadata(run_id=1, message_id="", src_node_id=1, dst_node_id=1, reply_to_message_id=msg.metadata.message_id,
+                  group_id="1", created_at=time.time(), ttl=10.0, message_type="train")
+    return make_message(metadata=md, error=Error(code, reason))
+
+
+def _round(s, g, nodes):
+    msgs = [train_msg(g, {"compressor": "stc", "density": 0.5}, dst=n) for n in nodes]
+    s.remember(1 if not s.history else max(s.history) + 1, FlatModel.from_numpy(g), nodes=set(nodes))
+    s.sent_round.messages = msgs
+    s.history.setdefault(s.sent_round.server_round, {})
+    return msgs
+
+
+def test_dead_clientapp_gone_node_and_silent_node_are_named_with_reasons(caplog):
+    g, t = weights(0), weights(1)
+    s = CompressedStrategy(FedAvg(fraction_evaluate=0.0, min_available_nodes=1, min_train_nodes=1), compressor="stc")
+    m = _round(s, g, [11, 12, 13, 14])
+    crashed = Message(Error(8, "ClientApp stopped responding."), reply_to=m[1])  # the node answers for its ClientApp
+    gone = _superlink_error(m[2], 5, "Error: Node Unavailable - The destination node is currently unavailable.")
+    with caplog.at_level(logging.WARNING, logger="flwr"):
+        _, metrics = s.aggregate_train(1, [_ok(g, t, m[0]), crashed, gone])  # node 14: nothing at all
+    assert metrics["num-replies"] == 1 and metrics["failed-clients"] == 3
+    assert s.failure_history[1] == [
+        {"node": 12, "code": 8, "error": "CLIENT_APP_CRASHED",
+         "reason": f"{CRASHED_REASON} (Flower: 'ClientApp stopped responding.')"},
+        {"node": 13, "code": 5, "error": "NODE_UNAVAILABLE",
+         "reason": f"{GONE_REASON} (Flower: 'Error: Node Unavailable - The destination node is currently unavailable.')"},
+        {"node": 14, "code": -1, "error": "NO_REPLY", "reason": NO_REPLY_REASON}]
+    text = caplog.text
+    assert ("round 1: client (node 12) failed: the ClientApp process ended without replying: killed by a signal "
+            "(SIGKILL, exit code 137 in a container) — likely out of memory") in text
+    assert "round 1: client (node 13) failed: the SuperNode went away" in text
+    assert "round 1: client (node 14) failed: no reply before the round's timeout" in text
+    assert "node 1)" not in text  # never the SuperLink's own id
+
+
+def test_raised_exception_keeps_flowers_reason():
+    g = weights(0)
+    s = CompressedStrategy(FedAvg(fraction_evaluate=0.0, min_available_nodes=1, min_train_nodes=1), compressor="stc")
+    m = _round(s, g, [21])
+    s.aggregate_train(1, [Message(Error(2, "ValueError: boom"), reply_to=m[0])])
+    assert s.failure_history[1] == [{"node": 21, "code": 2, "error": "CLIENT_APP_RAISED_EXCEPTION",
+                                     "reason": "ValueError: boom"}]
+
+
+def test_oom_kills_in_a_nodes_container_are_named_when_it_reports_again(caplog):
+    g, t = weights(0), weights(1)
+    s = CompressedStrategy(FedAvg(fraction_evaluate=0.0, min_available_nodes=1, min_train_nodes=1), compressor="stc")
+    m = _round(s, g, [31, 32])
+    with caplog.at_level(logging.WARNING, logger="flwr"):
+        s.aggregate_train(1, [_ok(g, t, m[0]), Message(Error(8, "ClientApp stopped responding."), reply_to=m[1])])
+        m = _round(s, g, [31, 32])
+        s.aggregate_train(2, [_ok(g, t, m[0]), _ok(g, t, m[1], oom=1.0)])
+        m = _round(s, g, [31, 32])
+        s.aggregate_train(3, [_ok(g, t, m[0]), _ok(g, t, m[1], oom=1.0)])  # no new kill: said once
+    lines = [r.getMessage() for r in caplog.records if "out-of-memory killer" in r.getMessage()]
+    assert lines == ["round 2: node 32: the kernel's out-of-memory killer killed 1 process(es) in its container since "
+                     "the server last heard from it (oom_kill count 0 -> 1): its ClientApp ran out of memory"]
+    assert s.failure_history[2] == [] and s.failure_history[3] == []
+
+
+def test_cgroup_memory_limit_and_oom_count_files(tmp_path):
+    v2max, v1lim, none = tmp_path / "memory.max", tmp_path / "limit_in_bytes", tmp_path / "absent"
+    v2max.write_text("536870912\n")
+    assert memory_limit_mb((str(none), str(v2max))) == 512.0
+    v2max.write_text("max\n")
+    assert memory_limit_mb((str(v2max),)) == 0.0
+    v1lim.write_text("9223372036854771712\n")  # cgroup v1 without a limit
+    assert memory_limit_mb((str(v1lim),)) == 0.0
+    v1lim.write_text("1073741824\n")
+    assert memory_limit_mb((str(v1lim),)) == 1024.0
+    assert memory_limit_mb((str(none),)) == 0.0
+    events = tmp_path / "memory.events"
+    events.write_text("low 0\nhigh 0\nmax 12\noom 3\noom_kill 2\noom_group_kill 0\n")
+    assert oom_kills((str(none), str(events))) == 2
+    ctl = tmp_path / "memory.oom_control"
+    ctl.write_text("oom_kill_disable 0\nunder_oom 0\noom_kill 7\n")
+    assert oom_kills((str(ctl),)) == 7
+    assert oom_kills((str(none),)) == 0

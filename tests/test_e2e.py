@@ -1,0 +1,121 @@
+"""End to end: the in-process federation, and a real `flwr run .` local simulation."""
+
+import json
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from fedcomp.deploy import stop_local_superlink
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_in_process_federation_learns_and_counts_bytes():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from federated import run_one
+
+    rounds = run_one({"num-server-rounds": 6, "compressor": "stc", "density": 0.05, "lr": 0.1, "seed": 1}, 3)
+    acc = [r["accuracy"] for r in rounds]
+    assert len(rounds) == 7 and rounds[0]["round"] == 0
+    assert max(acc[-2:]) > acc[0] + 0.15
+    for r in rounds[1:]:
+        assert r["num-replies"] == 3 and r["rejected-replies"] == 0
+        assert r["upload-bytes"] == r["upload-bytes-stc"]
+        assert 20 < r["compression-ratio"] < 200
+
+
+def _flwr_env(tmp_path):
+    env = dict(os.environ)
+    env["FLWR_HOME"] = str(tmp_path / "flwr-home")
+    env["FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION"] = "1"
+    env["PATH"] = f"{pathlib.Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    # our own ports, so a SuperLink another process left running is never reused
+    env["FLWR_LOCAL_SUPERLINK_HTTP_API_PORT"] = "39391"
+    env["FLWR_LOCAL_CONTROL_API_PORT"] = "39393"
+    return env
+
+
+def _stop_local_superlink(flwr_home: pathlib.Path) -> None:
+    stop_local_superlink(flwr_home)
+
+
+def _flwr_run(tmp_path, nodes: int, run_config: str, ports: tuple[str, str] = ("39391", "39393")):
+    """`flwr run .` on a private SuperLink (own FLWR_HOME and ports), stopped by PID afterwards.
+    Returns (log, metrics.json path); `flwr run` exits 0 even when the run failed, so callers judge
+    by the results file."""
+    log, metrics, _ = _private_run(tmp_path, nodes, run_config, ports, wrapper=False)
+    return log, metrics
+
+
+def _private_run(tmp_path, nodes: int, run_config: str, ports: tuple[str, str], wrapper: bool):
+    """`flwr run .`, or with ``wrapper`` `fedcomp-simulation` (which runs it): (log, metrics.json, exit code)."""
+    env = _flwr_env(tmp_path)
+    env["FLWR_LOCAL_SUPERLINK_HTTP_API_PORT"], env["FLWR_LOCAL_CONTROL_API_PORT"] = ports
+    results = tmp_path / "results"
+    flwr = shutil.which("flwr", path=env["PATH"])
+    overrides = f"{run_config} results-dir='{results}'"
+    if wrapper:
+        cmd = [sys.executable, "-m", "fedcomp.simulate", "--app", str(REPO), "--supernodes", str(nodes),
+               "--run-config", overrides]
+    else:
+        cmd = [flwr or sys.executable, *([] if flwr else ["-m", "flwr.cli.app"]), "run", str(REPO), "--stream",
+               "--federation-config", f"num-supernodes={nodes} client-resources-num-cpus=1", "--run-config", overrides]
+    try:
+        proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=400)
+    finally:
+        _stop_local_superlink(tmp_path / "flwr-home")
+    return proc.stdout + proc.stderr, results / "metrics.json", proc.returncode
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("pgrep") is None, reason="needs pgrep to stop the local SuperLink")
+def test_flwr_run_local_simulation(tmp_path):
+    log, metrics_file, code = _private_run(tmp_path, 3, "num-server-rounds=2 compressor='sign' lr=0.1",
+                                           ("39391", "39393"), wrapper=True)
+    assert code == 0, log[-3000:]  # fedcomp-simulation: 0 only when the run wrote its results
+    results = metrics_file.parent
+    assert metrics_file.exists(), log[-3000:]
+    data = json.loads(metrics_file.read_text())
+    rounds = data["rounds"]
+    assert [r["round"] for r in rounds] == [0, 1, 2]
+    assert all(r["num-replies"] == 3 for r in rounds[1:])
+    # federated evaluation (fraction-evaluate 0.5 of 3 nodes: 1) next to the server-side one
+    assert all(r["federated-num-replies"] == 1 and 0 <= r["federated-accuracy"] <= 1 for r in rounds[1:])
+    n_params = 38282
+    for r in rounds[1:]:
+        # sign: 1 bit/param + per-tensor headers and scales, 3 clients
+        assert 3 * n_params / 8 < r["upload-bytes"] < 3 * (n_params / 8 + 8 * 60)
+    assert (results / "plot.png").stat().st_size > 1000
+    assert "fedcomp  results written to" in log
+    # each round line once, no DEBUG lines (Opacus' logging.basicConfig at import doubled every line)
+    for rnd in (0, 1, 2):
+        assert len(re.findall(rf"fedcomp +{rnd} +\d\.\d{{4}} ", log)) == 1, log[-3000:]
+    assert "DEBUG" not in log
+    # one line per round (issue 24: the default run printed 1557 lines for 50 rounds): the table, the final
+    # two lines and Flower's start-up/shut-down lines, none of Flower's per-round lines or "Final results"
+    lines = [ln for ln in log.splitlines() if ln.strip()]
+    ours = [ln for ln in lines if "fedcomp  " in ln]
+    assert len(ours) == 1 + 3 + 2, log[-3000:]  # header, rounds 0-2, final accuracy, results written to
+    assert len(lines) - len(ours) <= 16, log[-3000:]
+    assert "[ROUND" not in log and "Final results" not in log and "Aggregated MetricRecord" not in log
+    kept = (results / "flower.log").read_text()
+    assert "[ROUND 2/2]" in kept and "Final results" in kept and "Aggregated MetricRecord" in kept
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("pgrep") is None, reason="needs pgrep to stop the local SuperLink")
+def test_flwr_run_trains_the_batchnorm_resnet(tmp_path):
+    """`flwr run . --run-config "model='resnet'"` end to end (BatchNorm, int64 num_batches_tracked)."""
+    log, metrics_file = _flwr_run(tmp_path, 2, "num-server-rounds=3 model='resnet' compressor='stc' density=0.05",
+                                  ("39395", "39397"))
+    assert metrics_file.exists(), log[-3000:]
+    rounds = json.loads(metrics_file.read_text())["rounds"]
+    assert [r["round"] for r in rounds] == [0, 1, 2, 3]
+    assert all(r["num-replies"] == 2 and r["rejected-replies"] == 0 and r["failed-clients"] == 0 for r in rounds[1:])
+    assert max(r["accuracy"] for r in rounds[1:]) > rounds[0]["accuracy"] + 0.1
+    assert all(r["upload-bytes-exact"] > 0 for r in rounds[1:])  # num_batches_tracked travel exactly
