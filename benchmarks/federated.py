@@ -114,6 +114,7 @@ ACCURACY_CASES = {
     "cnn stc 0.001+EF sched10+avgm": {**_STC1000, **_sched(10), **_AVGM},
     "cnn stc 0.001+EF sched20+avgm": {**_STC1000, **_sched(20), **_AVGM},
     "cnn stc 0.001+EF sched20+avgm0.7": {**_STC1000, **_sched(20), **_AVGM, "server-momentum": 0.7},
+    "cnn stc 0.001+EF sched30": {**_STC1000, **_sched(30), "strategy": "fedavg"},
     "cnn stc 0.001+EF21 sched10": {**_STC1000, **_sched(10), "error-feedback": "ef21", "strategy": "fedavg"},
 }
 CASES.update(ACCURACY_CASES)

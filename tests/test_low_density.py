@@ -86,6 +86,16 @@ def test_a_checkpoint_of_the_plain_default_resumes_only_with_the_plain_setting()
     check_same_codec(saved, AppConfig.from_run_config({"density": 0.001}))
 
 
+def test_a_checkpoint_of_the_old_schedule_rounds_default_resumes_while_nothing_ramps():
+    """schedule-rounds' default went from 10 to 30: it does nothing under a constant schedule, so a
+    checkpoint written with 10 resumes; under a ramp it changes the densities and is refused."""
+    saved = AppConfig.from_run_config({"schedule-rounds": 10}).codec.to_mapping()
+    check_same_codec(saved, AppConfig.from_run_config({}))
+    saved = AppConfig.from_run_config({"density": 0.001, "schedule-rounds": 10}).codec.to_mapping()
+    with pytest.raises(ValueError, match="'schedule-rounds' = 30 \\(checkpoint: 10\\)"):
+        check_same_codec(saved, AppConfig.from_run_config({"density": 0.001}))
+
+
 def test_the_server_says_it_once(tmp_path, caplog):
     from fedcomp.client.app import app as client_app
     from fedcomp.server.app import main

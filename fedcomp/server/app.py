@@ -191,8 +191,12 @@ def check_same_codec(saved: dict | None, cfg: AppConfig) -> None:
     if saved.get("density-schedule") == "auto":  # a default "auto" resolves from the checkpoint's own codec
         saved["density-schedule"] = resolve_schedule("auto", saved.get("compressor"), saved.get("density", 1.0),
                                                      saved.get("error-feedback"), saved.get("warmup-rounds", 0))
+    ramps = ("exponential", "linear")
+    # the ramp's keys do nothing while neither schedule ramps (a changed default must not block a resume)
+    unused = () if now.get("density-schedule") in ramps or saved.get("density-schedule") in ramps \
+        else ("density-start", "schedule-rounds")
     diff = [f"'{k}' = {now.get(k)!r} (checkpoint: {saved.get(k)!r})" for k in sorted(set(now) | set(saved))
-            if now.get(k) != saved.get(k)]
+            if now.get(k) != saved.get(k) and k not in unused]
     if diff:
         raise ValueError("run config 'resume': the codec settings differ from the checkpoint's: " + ", ".join(diff)
                          + ". The clients' error-feedback residuals and the codec recorded for past rounds belong "
