@@ -239,7 +239,7 @@ def plot(results: list[dict], path: pathlib.Path) -> None:
 
 def plot_accuracy(results: list[dict], path: pathlib.Path) -> None:
     """Issue 25's figure: per model, accuracy per round and accuracy against cumulative uploaded MB
-    (log x), mean over seeds; the settings tried on top of the defaults ("+EF <remedy>") dashed."""
+    (log x), mean over seeds; the settings tried ("+EF <remedy>") dashed, the defaults solid."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -252,7 +252,8 @@ def plot_accuracy(results: list[dict], path: pathlib.Path) -> None:
         for i, r in enumerate(rows):
             acc = [statistics.fmean(v) for v in zip(*r["curves"])]
             mb = [statistics.fmean(v) for v in zip(*r["cumulative_upload_mb"])]
-            style = {"color": f"C{i}", "linestyle": "--" if "+EF " in r["case"] else "-",
+            tried = "+EF " in r["case"] and not r["case"].endswith(" default")
+            style = {"color": f"C{i}", "linestyle": "--" if tried else "-", "linewidth": 1.2 if tried else 2.0,
                      "label": r["case"]}
             row[0].plot(range(len(acc)), acc, **style)
             row[1].plot(mb[1:], acc[1:], **style)
