@@ -14,8 +14,7 @@ from fedcomp.device import memory_limit_mb, oom_kills
 from fedcomp.statedict import FlatModel
 from fedcomp.strategies import CompressedStrategy
 from fedcomp.strategies.failures import CRASHED_REASON, GONE_REASON, NO_REPLY_REASON
-
-from .helpers import make_ctx, reply_with, train_msg, weights
+from tests.messages import make_ctx, reply_with, train_msg, weights
 
 
 def _ok(g, t, msg, oom=0.0):
