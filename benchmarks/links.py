@@ -10,21 +10,23 @@ federation (digits, CNN) with the codec under test and the same link speeds as r
 (``uplink-mbps`` / ``downlink-mbps``, so the computed figures use the shaped speeds). The run is
 stopped once the server's accuracy reaches the target (or after ``--max-rounds``).
 
-Reported per run (medians/totals over the rounds up to the target):
+Reported per run (see :func:`compare`):
 
 - ``measured-seconds``: wall clock from the round-0 evaluation to the first round at the target
   (``elapsed-seconds`` in ``metrics.json``: the ServerApp's own clock);
-- ``computed-seconds``: the sum of ``round-seconds-simulated`` over the same rounds (the slowest
-  client's reported compute + upload bytes x 8 / uplink + download bytes x 8 / downlink);
-- ``floor-seconds`` (per round, from the unshaped run of the same codec): what a round costs beyond
-  the model with no link limit (polling, a ClientApp process per message, the server's evaluation);
-  ``computed + floor`` is compared with ``measured``, and the link-dependent part
-  ``measured - floor_measured`` with ``computed - computed_unshaped``.
+- ``computed``: the sum of ``round-seconds-simulated`` over the same rounds, as fedcomp's model
+  computes it now (:func:`current_model_seconds`), from the same run's client reports;
+- ``breakdown`` per round: the train phase split into poll wait, download, ClientApp process,
+  upload and server pick-up, from the stamped SuperNode logs and ``flower.log``; the link part
+  (upload + download) is compared with bytes x 8 / speed after taking off the per-round floor that
+  the same codec's transfers cost on its fastest link (:func:`link_floor`).
 
-Usage: ``python benchmarks/links.py`` (root; writes ``benchmarks/results/links.json`` and
+``--rtt-ms`` adds a round-trip time with :func:`netshape.relay` (``tc``'s netem is missing here).
+
+Usage: ``sudo python benchmarks/links.py`` (root; writes ``benchmarks/results/links.json`` and
 ``docs/links.png``); ``--quick`` runs one codec at one speed for 2 rounds and writes to
 ``$TMPDIR/fedcomp-benchmarks/`` (never over the committed results). Every process is started by this
-script and stopped by PID, the namespaces and veths are removed at the end (also on Ctrl-C).
+script and stopped by PID, the namespaces and veths are removed at the end (also on Ctrl-C or SIGTERM).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import os
 import pathlib
 import platform
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
@@ -418,6 +421,10 @@ def main(argv: list[str] | None = None) -> int:
         ref = src.resolve() == (REPO / "benchmarks" / "results" / "links.json").resolve()
         plot(rows, REPO / "docs" / "links.png" if ref else src.with_suffix(".png"))
         return 0
+    def on_sigterm(signum, frame):  # the same clean-up as Ctrl-C: processes by PID, then namespaces
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_sigterm)
     reason = netshape.unavailable()
     if reason:
         print(f"links: cannot shape links here: {reason}", flush=True)

@@ -3,7 +3,7 @@
 - ``batchnorm-affine = "small"``: BatchNorm's affine parameters (``<bn>.weight`` / ``<bn>.bias``,
   recognised by the running statistics the same module registers) travel through
   ``small-tensor-compressor`` with the sparse codecs (stc, topk, randomk); the server says so once
-  in the log. Why it was tried (issue 25, ``model = "resnet"``): with STC at density 0.01 over
+  in the log. Measured on ``model = "resnet"``: with STC at density 0.01 over
   the whole model, top-k almost never picks them (relative compression error 0.90-1.0 on the
   BatchNorm weights and biases in rounds 1-3, against 0.54-0.76 for ``fc`` and ``conv1``). They are under 1 %
   of the parameters (672 of 77,754 entries), but sending them dense costs about 2.7 KB per client

@@ -22,6 +22,7 @@ checkpoints alike. The rules (stated in the README, "Use with your existing Flow
 
 from __future__ import annotations
 
+import io
 from collections.abc import Mapping
 from dataclasses import dataclass
 from fractions import Fraction
@@ -106,6 +107,40 @@ def to_state_dict(record: ArrayRecord) -> dict[str, torch.Tensor]:
         v = torch.from_numpy(copy_array(array_to_numpy(a)))
         out[k] = v.to(torch.bfloat16) if a.stype == BF16_STYPE else v
     return out
+
+
+def numpy_view(arr: Array) -> np.ndarray:
+    """The values of a numpy-serialised Flower ``Array`` without a copy: a read-only view of its bytes
+    (``np.save``'s layout: a format 1.0/2.0 header, then the data), so a model-sized message costs no
+    second model in memory. Other layouts (bf16 patterns, format 3.0, a short or odd buffer) go
+    through :func:`array_to_numpy` (a copy; its errors).
+
+    Returns
+    -------
+    np.ndarray
+        Shape and dtype of the serialised array; ``flags.writeable`` is False for a view.
+    """
+    if arr.stype != "numpy.ndarray":
+        return array_to_numpy(arr)
+    head = io.BytesIO(arr.data)  # shares the bytes (CPython copies a BytesIO's buffer only when written)
+    try:
+        version = np.lib.format.read_magic(head)
+        read = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}[version]
+        shape, fortran, dtype = read(head)
+        if dtype.hasobject:
+            raise ValueError("object arrays are not read")
+        n = int(np.prod(shape)) if shape else 1
+        view = np.frombuffer(arr.data, dtype=dtype, count=n, offset=head.tell())
+    except (ValueError, KeyError):
+        return array_to_numpy(arr)
+    return view.reshape(shape, order="F" if fortran else "C")
+
+
+def numpy_views(record: ArrayRecord) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """:func:`numpy_dict` without copies where it can (:func:`numpy_view`: read-only views of the
+    record's bytes, valid while the record lives). For the client, which only reads them."""
+    values = {k: numpy_view(a) for k, a in record.items()}
+    return values, {k: (BF16 if a.stype == BF16_STYPE else a.dtype or str(values[k].dtype)) for k, a in record.items()}
 
 
 def numpy_dict(record: ArrayRecord) -> tuple[dict[str, np.ndarray], dict[str, str]]:
@@ -194,7 +229,7 @@ def exact_weight(weight) -> int | Fraction:
 def integer_delta(value: np.ndarray, global_value: np.ndarray) -> np.ndarray:
     """``value - global_value`` of two integer arrays, exactly: int64 when every difference fits
     (always for dtypes up to 32 bits), else an object array of Python ints (64-bit extremes, such as
-    ``2**63 - 1 - (-2**63)``). Never goes through float64 (exact at any size, issue 21 item 3)."""
+    ``2**63 - 1 - (-2**63)``). Never goes through float64 (exact at any size)."""
     v, g = np.asarray(value), np.asarray(global_value)
     if v.dtype.itemsize <= 4 and g.dtype.itemsize <= 4:
         return v.astype(np.int64) - g.astype(np.int64)
@@ -365,7 +400,7 @@ class FlatModel:
             self.offsets[k] = off
             off += self.specs[k].numel
         self.num_float = off
-        #: float32, or float64 when the model has a float64 tensor (then kept exactly: issue 21, item 6).
+        #: float32, or float64 when the model has a float64 tensor (then kept exactly).
         self.wide = any(self.specs[k].dtype == "float64" for k in self.float_keys)
         self.flat = np.empty(off, dtype=np.float64 if self.wide else np.float32)
         for k in self.float_keys:
@@ -479,5 +514,5 @@ class FlatModel:
 
 
 __all__ = ["BF16", "BF16_STYPE", "FlatModel", "Spec", "array_to_numpy", "bool_majority", "cast_checked",
-           "copy_array", "dtype_limit", "exact_cast", "exact_weight", "integer_delta", "integer_mean", "is_float_dtype", "numpy_dict", "numpy_to_array",
+           "copy_array", "dtype_limit", "exact_cast", "exact_weight", "integer_delta", "integer_mean", "is_float_dtype", "numpy_dict", "numpy_to_array", "numpy_view", "numpy_views",
            "to_record", "to_state_dict", "weighted_add"]

@@ -1,10 +1,13 @@
 """The one validator of numbers from configs and constructor arguments (run config, node config,
-codec parameters, DP settings): a clear ``ValueError`` naming the setting and its allowed range."""
+codec parameters, DP settings), and the typed readers of config keys built on it: a clear
+``ValueError`` naming the setting and its allowed range."""
 
 from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Mapping
+from typing import Any
 
 
 def check_number(value, what: str, *, lo: float | None = None, hi: float | None = None, lo_open: bool = False,
@@ -51,4 +54,47 @@ def check_number(value, what: str, *, lo: float | None = None, hi: float | None 
         left, right = "(" if lo_open else "[", ")" if hi_open else "]"
         raise ValueError(f"{what} must be in {left}{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}"
                          f"{right}, got {value!r}")
+    return value
+
+
+def read_number(cfg: Mapping[str, Any], key: str, default, *, lo=None, hi=None, lo_open=False, hi_open=False,
+                integer=False, src: str = "run config") -> int | float:
+    """``cfg[key]`` (``default`` when absent) checked by :func:`check_number`, named ``<src> '<key>'``.
+
+    Raises
+    ------
+    ValueError
+        See :func:`check_number`.
+    """
+    return check_number(cfg.get(key, default), f"{src} '{key}'", lo=lo, hi=hi, lo_open=lo_open, hi_open=hi_open,
+                        integer=integer)
+
+
+def read_string(cfg: Mapping[str, Any], key: str, default: str, choices=None, src: str = "run config") -> str:
+    """``cfg[key]`` (``default`` when absent) as a string, one of ``choices`` when given.
+
+    Raises
+    ------
+    ValueError
+        ``"<src> '<key>' must be a string"`` or ``"... must be one of [...]"``.
+    """
+    value = cfg.get(key, default)
+    if not isinstance(value, str):
+        raise ValueError(f"{src} '{key}' must be a string, got {value!r}")
+    if choices is not None and value not in choices:
+        raise ValueError(f"{src} '{key}' must be one of {sorted(choices)}, got {value!r}")
+    return value
+
+
+def read_bool(cfg: Mapping[str, Any], key: str, default: bool, src: str = "run config") -> bool:
+    """``cfg[key]`` (``default`` when absent) as a bool: ``"true"`` or 1 are refused, not read as true.
+
+    Raises
+    ------
+    ValueError
+        ``"<src> '<key>' must be true or false"``.
+    """
+    value = cfg.get(key, default)
+    if not isinstance(value, bool):
+        raise ValueError(f"{src} '{key}' must be true or false, got {value!r}")
     return value

@@ -10,6 +10,7 @@ the server asked) -> compress with error feedback (:func:`.update.compress_updat
 from __future__ import annotations
 
 import time
+import warnings
 
 import numpy as np
 from flwr.app import ArrayRecord, Context, Message, MetricRecord
@@ -24,7 +25,7 @@ from ..protocol import (
     SECAGG_SEED_KEY,
     payload_array,
 )
-from ..statedict import numpy_dict
+from ..statedict import numpy_views
 from .downstream import rebuild
 from .request import TrainRequest, only_record
 from .state import keep_residuals, residuals_of, state_files
@@ -69,7 +70,8 @@ def compression_mod(msg: Message, context: Context, call_next) -> Message:
     request = TrainRequest.parse(msg, context)  # refuses before training if local DP is below this node's floor
     download = sum(len(a.data) for a in request.arrays.values())
     # server-to-client compression: the dense model the message describes (the copy kept in context.state)
-    received, dtypes = numpy_dict(rebuild(msg, context, request.array_key, request.arrays, request.config))
+    # read-only views of the message's bytes, not copies: no second model held through training
+    received, dtypes = numpy_views(rebuild(msg, context, request.array_key, request.arrays, request.config))
 
     reply = call_next(msg, context)
     if reply.has_error():
@@ -95,7 +97,7 @@ def _trained_weights(reply: Message) -> tuple[str, dict[str, np.ndarray]]:
     arr_key, trained_rec = only_record(reply.content, "array")
     if any(a.stype == PAYLOAD_STYPE for a in trained_rec.values()):
         raise CompositionError("reply is already compressed: add compression_mod only once, as the first mod")
-    return arr_key, numpy_dict(trained_rec)[0]
+    return arr_key, numpy_views(trained_rec)[0]
 
 
 def _check_client_clipping(request: TrainRequest, received: dict, trained: dict) -> None:
@@ -120,8 +122,11 @@ def _compress(request: TrainRequest, context: Context, received: dict, trained: 
     files = state_files(context)
     residuals = residuals_of(context, files, request.server_round)
     t0 = time.perf_counter()
-    payloads, new_res, stats = compress_update(received, trained, request.codec, residuals, request.seed,
-                                               request.local_dp, dtypes)
+    with warnings.catch_warnings():  # the old residual: read-only views of context.state, only read
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        payloads, new_res, stats = compress_update(received, trained, request.codec, residuals, request.seed,
+                                                   request.local_dp, dtypes)
+    del residuals  # the old residual's bytes go when context.state lets them go (keep_residuals)
     stats["compress-seconds"] = time.perf_counter() - t0
     warn_saturation_once(context.node_id, stats["residual-saturated"], stats["residual-saturated-loss"])
     stats["residual-bytes"] = float(sum(r.nbytes for r in new_res.values()))

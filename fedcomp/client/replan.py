@@ -8,7 +8,7 @@ codec in force only with some codecs, a node overriding the codec. The residual 
 momentum buffer) is kept per payload key, so a plan change would leave it under keys the new
 plan no longer uses: the residual would be dropped, and ``sum(decoded sends) + residual ==
 sum(updates)`` (the telescoping invariant of error feedback; Stich et al. 2018, Karimireddy
-et al. 2019) would break by the lost residual (issue 21, item 14).
+et al. 2019) would break by the lost residual.
 
 :func:`replan_states` cuts the saved state into per-parameter pieces (views, no copies) and
 reassembles them in the new plan's grouping, so every entry of the residual and of the

@@ -22,6 +22,7 @@ from flwr.common.logger import log
 from ..files import write_atomically
 from ..privacy import STATE_KEYS
 from ..protocol import RESIDUAL_STATE_KEY
+from ..statedict import numpy_view
 
 #: Key in ``context.state`` of the DP-SGD accountant's history (a MetricRecord of float lists).
 DP_ACCOUNTANT_KEY = "fedcomp.dp-accountant"
@@ -122,8 +123,8 @@ def load_residuals(path: pathlib.Path, before_round: int) -> dict[str, np.ndarra
 
 def residuals_of(context: Context, files: StateFiles | None, server_round: int) -> dict[str, np.ndarray]:
     """The residuals of the earlier rounds: ``context.state``, else the node's file, else none."""
-    if RESIDUAL_STATE_KEY in context.state:
-        return {k: a.numpy() for k, a in context.state[RESIDUAL_STATE_KEY].items()}
+    if RESIDUAL_STATE_KEY in context.state:  # read-only views of the kept bytes (no model-sized copy)
+        return {k: numpy_view(a) for k, a in context.state[RESIDUAL_STATE_KEY].items()}
     if files is not None:
         return load_residuals(files.residual, before_round=server_round)
     return {}
@@ -133,6 +134,8 @@ def keep_residuals(context: Context, files: StateFiles | None, residuals: dict[s
                    server_round: int) -> None:
     """Keep the new residuals in ``context.state`` and the node's file (a failed write is logged:
     the in-memory residual stays consistent with what is sent)."""
+    if RESIDUAL_STATE_KEY in context.state:  # the old residual's bytes go before the new ones are made
+        del context.state[RESIDUAL_STATE_KEY]
     context.state[RESIDUAL_STATE_KEY] = ArrayRecord({k: Array(v) for k, v in residuals.items()})
     if files is not None:
         try:

@@ -9,6 +9,7 @@ exactly (:mod:`fedcomp.compression.exact`), except under local DP, where they ar
 from __future__ import annotations
 
 import fnmatch
+from dataclasses import dataclass
 from logging import WARNING
 from typing import Any
 
@@ -16,16 +17,9 @@ import numpy as np
 import torch
 from flwr.common.logger import log
 
-from ..broadcast import is_batchnorm_stat  # noqa: F401 (re-exported)
-from ..compression import (
-    EF21,
-    ErrorFeedback,
-    decompress,
-    decompress_sparse,
-    encode_exact,
-    flatten_states,
-    unflatten_states,
-)
+from ..broadcast import is_batchnorm_stat
+from ..compression import EF21, ErrorFeedback, encode_exact, flatten_states, unflatten_states
+from ..compression.error_feedback import encode_and_subtract, segment_sq_norms
 from ..config import SPARSE_CODECS, CodecConfig
 from ..model_policy import batchnorm_affine_keys
 from ..privacy import LocalDP, clip_and_noise_, secure_generator
@@ -89,7 +83,7 @@ def adaptive_density(v: torch.Tensor, codec_name: str, target: float, lo: float,
     k = torch.arange(1, n + 1, dtype=torch.float64)
     kept = torch.cumsum(mag, 0) ** 2 / k if codec_name == "stc" else torch.cumsum(mag**2, 0)
     err = torch.sqrt(torch.clamp(total - kept, min=0.0) / total)
-    k_lo, k_hi = max(int(round(lo * n)), 1), max(int(round(hi * n)), 1)
+    k_lo, k_hi = max(round(lo * n), 1), max(round(hi * n), 1)
     ok = torch.nonzero(err[k_lo - 1 : k_hi] <= target)
     return (k_lo + int(ok[0])) / n if len(ok) else hi
 
@@ -123,7 +117,7 @@ def _check_pair(received: dict, trained: dict, dtypes: dict) -> dict[str, np.nda
     return ordered
 
 
-def _raise_not_finite(members: list[str], trained: dict, received: dict, units, ukey: str) -> None:
+def _raise_not_finite(members: list[str], trained: dict, received: dict, codec_name: str) -> None:
     """Name the tensor whose update is not finite: NaN/Inf, or a float64 difference beyond float32's
     range (a lossy codec computes in float32).
 
@@ -140,11 +134,227 @@ def _raise_not_finite(members: list[str], trained: dict, received: dict, units, 
     for k in members:
         d = np.abs(np.asarray(trained[k], np.float64) - np.asarray(received[k], np.float64))
         if d.size and float(d.max()) > float(np.finfo(np.float32).max):
-            name = next(n for u, _, n in units if u == ukey)
             raise ValueError(f"update of the float64 tensor '{k}' reaches {float(d.max()):.3g}, beyond the float32 range "
-                             f"(3.4e38) the codec '{name}' computes in; refusing to compress (compressor 'none' "
+                             f"(3.4e38) the codec '{codec_name}' computes in; refusing to compress (compressor 'none' "
                              "sends float64 tensors exactly in float64)")
     raise ValueError(f"the update of {members} is not finite in float32; refusing to compress")  # pragma: no cover
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One payload of the update: its key, member parameters (model order), codec and layout.
+
+    ``sizes`` are the members' element counts (a 0-d tensor counts 1); ``shape`` is the
+    payload's tensor shape (the parameter's own, or ``(sum(sizes),)`` for the whole-model
+    payload); ``wide``: sent exactly in float64 (codec "none" with a float64 member, classic
+    error feedback or none), so its buffer is float64.
+    """
+
+    key: str
+    members: list[str]
+    codec: str
+    sizes: list[int]
+    shape: tuple[int, ...]
+    wide: bool
+
+
+@dataclass
+class UnitResult:
+    """What encoding one :class:`Unit` produced: payload bytes, the codec state to keep (residual,
+    momentum, codec memory; empty without error feedback), per-member squared norms of what was
+    compressed (update + residual) and of its compression error (fp32 reductions), and the fp16
+    residual's saturation (entries clamped, relative L2 lost)."""
+
+    payload: bytes
+    state: dict[str, np.ndarray]
+    sq_norms: list[float]
+    sq_errors: list[float]
+    saturated: int = 0
+    lost: float = 0.0
+
+
+def plan_update(received: dict, trained: dict, codec: CodecConfig,
+                dtypes: dict[str, str] | None) -> tuple[list[Unit], list[str], dict]:
+    """Check ``trained`` against ``received`` and lay out the payloads.
+
+    Returns
+    -------
+    (units, exact_keys, trained)
+        The float payload units (:func:`plan_units` order), the integer/bool tensor names (model
+        order) and ``trained`` in ``received``'s key order.
+
+    Raises
+    ------
+    CompositionError
+        As :func:`_check_pair`.
+    """
+    trained = _check_pair(received, trained, dtypes)
+    float_keys = [k for k in received if is_float_dtype(dtypes[k])]
+    shapes = {k: tuple(np.shape(received[k])) for k in float_keys}
+    sizes = {k: int(np.prod(s)) if s else 1 for k, s in shapes.items()}
+    units = []
+    for ukey, members, name in plan_units(shapes, codec):
+        # (EF21 keeps an estimate the server mirrors: its units stay on the float32 path.)
+        wide = (name == "none" and codec.error_feedback != "ef21" and any(dtypes[k] == "float64" for k in members))
+        seg = [sizes[k] for k in members]
+        units.append(Unit(ukey, members, name, seg, (sum(seg),) if ukey == MODEL_KEY else shapes[ukey], wide))
+    return units, [k for k in received if not is_float_dtype(dtypes[k])], trained
+
+
+def encode_exact_tensors(keys: list[str], received: dict, trained: dict) -> dict[str, bytes]:
+    """Integer and bool tensors as exact payloads in the model's own dtype (run first: a value that
+    does not fit fails before any state moves).
+
+    Raises
+    ------
+    ValueError
+        A value outside the model's dtype (:func:`fedcomp.statedict.exact_cast`: never wrapped).
+    """
+    return {k: encode_exact(exact_cast(k, trained[k], np.asarray(received[k]).dtype)) for k in keys}
+
+
+def write_delta(unit: Unit, received: dict, trained: dict, dtypes: dict[str, str]) -> torch.Tensor:
+    """``trained - received`` of a unit's members, written once into one new buffer.
+
+    Returns
+    -------
+    torch.Tensor
+        Shape ``unit.shape``; float64 for a wide unit, else float32 (a float64 member's difference
+        is taken in float64, then rounded); the members flattened in order.
+
+    Raises
+    ------
+    ValueError
+        The update holds NaN/Inf, or a float64 difference beyond the float32 range
+        (:func:`_raise_not_finite` names the tensor).
+    """
+    buf = np.empty(sum(unit.sizes), dtype=np.float64 if unit.wide else np.float32)
+    off = 0
+    for k, size in zip(unit.members, unit.sizes):
+        seg = buf[off: off + size]
+        t_k, r_k = np.asarray(trained[k]).reshape(-1), np.asarray(received[k]).reshape(-1)
+        if dtypes[k] == "float64" and buf.dtype == np.float32:  # the difference in float64, then rounded
+            with np.errstate(over="ignore", invalid="ignore"):
+                seg[...] = np.subtract(t_k, r_k, dtype=np.float64)
+        else:
+            np.subtract(t_k, r_k, out=seg, dtype=buf.dtype, casting="unsafe")
+        off += size
+    t = torch.from_numpy(buf)
+    # One finiteness check of the update (a finite sum proves every entry finite), before any residual moves.
+    if t.numel() and not bool(torch.isfinite(t.sum())) and not bool(torch.isfinite(t).all()):
+        _raise_not_finite(unit.members, trained, received, unit.codec)
+    return t.reshape(unit.shape)
+
+
+def privatize(buffers: list[torch.Tensor], local_dp: LocalDP) -> None:
+    """Local DP in place: clip the whole float update (all buffers together) to the clipping norm and
+    add Gaussian noise from the OS CSPRNG (:func:`fedcomp.privacy.clip_and_noise_`)."""
+    clip_and_noise_(buffers, local_dp.clipping_norm, local_dp.noise_multiplier, secure_generator())
+
+
+def restore_states(residuals: dict[str, np.ndarray], units: list[Unit], codec: CodecConfig,
+                   shapes: dict[str, tuple[int, ...]]) -> dict[str, dict[str, np.ndarray]]:
+    """Saved client state per payload key (:func:`fedcomp.compression.unflatten_states`), regrouped for
+    this round's plan when error feedback is on (:func:`fedcomp.client.replan.replan_states`; what does
+    not fit is dropped with a warning and restarts at zero)."""
+    states = unflatten_states(residuals)
+    if codec.error_feedback:  # a warm-up codec or rule may have grouped the payloads otherwise last round
+        states, dropped = replan_states(states, [(u.key, u.members, u.codec) for u in units], shapes)
+        for skey in dropped:
+            log(WARNING, "fedcomp: saved state of '%s' does not fit the model's parameters: starting from zero", skey)
+    return states
+
+
+def unit_density(unit: Unit, x: torch.Tensor, prev: np.ndarray | None, codec: CodecConfig) -> float | None:
+    """The density of a unit's sparse codec: ``density``, or the adaptive one measured on what is
+    compressed (update + residual; update - estimate with EF21); None for the other codecs."""
+    if unit.codec != codec.compressor or unit.codec not in SPARSE_CODECS:
+        return None
+    if codec.density_schedule != "adaptive":
+        return codec.density
+    v = x if prev is None else x + torch.as_tensor(prev).float() * (-1.0 if codec.error_feedback == "ef21" else 1.0)
+    return adaptive_density(v, unit.codec, codec.target_error, codec.density_min, codec.density_max)
+
+
+def encode_wide(unit: Unit, x: torch.Tensor, state: dict, codec: CodecConfig, seed: int | None) -> UnitResult:
+    """A float64 unit sent exactly: nothing to feed back; a residual left by a lossy codec (an earlier
+    round's plan) is added and sent now. Its compression error is 0."""
+    prev = state.get("residual") if codec.error_feedback else None
+    if prev is not None and tuple(prev.shape) == tuple(x.shape):
+        x += torch.as_tensor(np.asarray(prev)).to(torch.float64)
+    payload = codec.build(seed=seed, compressor=unit.codec).compress(x)
+    norms = segment_sq_norms(x.reshape(-1), unit.sizes)
+    return UnitResult(payload, {}, norms, [0.0] * len(norms))
+
+
+def encode_with_feedback(unit: Unit, x: torch.Tensor, state: dict, compressor, codec: CodecConfig) -> UnitResult:
+    """Classic error feedback (or EF21, or DGC's momentum correction): the state object compresses
+    ``x`` with its memory (:class:`fedcomp.compression.ErrorFeedback` owns the residual add and the
+    error subtraction); ``x`` (float32) is consumed as its workspace."""
+    ef = (EF21(compressor, residual_dtype=codec.residual_dtype) if codec.error_feedback == "ef21" else
+          ErrorFeedback(compressor, residual_dtype=codec.residual_dtype, momentum=codec.momentum_correction))
+    for entry in ef.set_state(state, shape=tuple(x.shape), copy=False):
+        if entry != "residual":  # a residual's mismatch is logged by the caller
+            log(WARNING, "fedcomp: saved %s for '%s' has another shape: starting from zero", entry, unit.key)
+    payload = ef.compress(x, inplace=True, segments=unit.sizes)
+    return UnitResult(payload, ef.get_state(copy=False), ef.last_segment_sq_norms, ef.last_segment_sq_errors,
+                      ef.last_saturated, ef.last_saturated_loss)
+
+
+def encode_without_feedback(unit: Unit, x: torch.Tensor, compressor) -> UnitResult:
+    """No error feedback: compress ``x`` and keep nothing; ``x`` (float32) becomes the error, used only
+    for the statistics (:func:`fedcomp.compression.error_feedback.encode_and_subtract`)."""
+    payload, norms, errors, _ = encode_and_subtract(compressor, x, unit.sizes)
+    return UnitResult(payload, {}, norms, errors)
+
+
+def encode_unit(unit: Unit, x: torch.Tensor, state: dict, codec: CodecConfig,
+                seed: int | None) -> tuple[UnitResult, float | None]:
+    """Encode one unit's update ``x`` (its buffer, consumed) with the codec and the saved ``state``.
+
+    Returns
+    -------
+    (UnitResult, density)
+        The result and the density its sparse codec used (None for other codecs).
+    """
+    if unit.wide:
+        return encode_wide(unit, x, state, codec, seed), None
+    prev = state.get("residual") if codec.error_feedback else None
+    if prev is not None and tuple(prev.shape) != tuple(x.shape):
+        log(WARNING, "fedcomp: residual for '%s' has shape %s, the update %s: starting from zero", unit.key,
+            tuple(prev.shape), tuple(x.shape))
+        prev = None
+    density = unit_density(unit, x, prev, codec)
+    compressor = codec.build(seed=seed, compressor=unit.codec, density=density)
+    if codec.error_feedback:
+        return encode_with_feedback(unit, x, state, compressor, codec), density
+    return encode_without_feedback(unit, x, compressor), density
+
+
+def summarize(units: list[Unit], results: dict[str, UnitResult], payloads: dict[str, bytes],
+              update_sq: dict[str, float], exact_bytes: int, density: float, codec: CodecConfig) -> dict[str, Any]:
+    """The reply's statistics (see :func:`compress_update`, Returns) from the units' results."""
+    layer_sq_norm = {k: n2 for u in units for k, n2 in zip(u.members, results[u.key].sq_norms)}
+    layer_sq_err = {k: e2 for u in units for k, e2 in zip(u.members, results[u.key].sq_errors)}
+    float_keys = [k for k in update_sq]
+    sq_err, sq_norm = sum(layer_sq_err.values()), sum(layer_sq_norm.values())
+    if codec.error_feedback is True and codec.residual_dtype == "fp32":
+        res_sq = sq_err  # an fp32 residual is the compression error itself: no extra pass
+    else:
+        res_sq = sum(float(torch.linalg.vector_norm(torch.from_numpy(r.state["residual"]).float())) ** 2
+                     for r in results.values() if "residual" in r.state)
+    return {
+        "upload-bytes": float(sum(len(p) for p in payloads.values())),
+        "dense-bytes": float(4 * sum(sum(u.sizes) for u in units) + exact_bytes),
+        "compression-error": (sq_err / sq_norm) ** 0.5 if sq_norm > 0 else 0.0,
+        "residual-norm": res_sq**0.5,
+        "density": float(density),
+        "residual-saturated": float(sum(r.saturated for r in results.values())),  # fp16 residual clamp
+        "residual-saturated-loss": max((r.lost for r in results.values()), default=0.0),
+        "layer-update-norm": [update_sq[k] ** 0.5 for k in float_keys],
+        "layer-compression-error": [(layer_sq_err[k] / layer_sq_norm[k]) ** 0.5 if layer_sq_norm[k] > 0 else 0.0
+                                    for k in float_keys],
+    }
 
 
 def compress_update(
@@ -154,6 +364,10 @@ def compress_update(
 ) -> tuple[dict[str, bytes], dict[str, np.ndarray], dict[str, Any]]:
     """Compress ``trained - received`` with error feedback: float tensors per parameter or as one
     model vector, integer/bool tensors exactly.
+
+    Stages: :func:`plan_update` -> :func:`encode_exact_tensors` -> :func:`write_delta` (per unit,
+    finiteness checked) -> :func:`privatize` (local DP) -> :func:`restore_states` ->
+    :func:`encode_unit` (error feedback + codec) -> :func:`summarize`.
 
     Parameters
     ----------
@@ -202,126 +416,26 @@ def compress_update(
         a value outside the model's dtype (:func:`fedcomp.statedict.exact_cast`: never wrapped).
     """
     dtypes = dtypes or {k: str(np.asarray(v).dtype) for k, v in received.items()}
-    trained = _check_pair(received, trained, dtypes)
-    float_keys = [k for k in received if is_float_dtype(dtypes[k])]
-    exact_keys = [k for k in received if k not in set(float_keys)]
-    sizes = {k: int(np.prod(np.shape(received[k]))) if np.shape(received[k]) else 1 for k in float_keys}
-    units = plan_units({k: tuple(np.shape(received[k])) for k in float_keys}, codec)
-    # Integer/bool tensors first: a value that does not fit the model's dtype fails before any state moves.
-    exact_payloads = {} if local_dp is not None else {
-        k: encode_exact(exact_cast(k, trained[k], np.asarray(received[k]).dtype)) for k in exact_keys}
-
-    # The update, written once into one buffer per payload (no per-key copies, no concat): float32, or
-    # float64 where the codec is the exact `none` and a member is float64 (float64 stays float64).
-    buffers: dict[str, torch.Tensor] = {}
-    # (EF21 keeps an estimate the server mirrors: its units stay on the float32 path.)
-    wide_units = {ukey for ukey, members, name in units if name == "none" and codec.error_feedback != "ef21"
-                  and any(dtypes[k] == "float64" for k in members)}
-    for ukey, members, _ in units:
-        buf = np.empty(sum(sizes[k] for k in members), dtype=np.float64 if ukey in wide_units else np.float32)
-        off = 0
-        for k in members:
-            seg = buf[off: off + sizes[k]]
-            t_k, r_k = np.asarray(trained[k]).reshape(-1), np.asarray(received[k]).reshape(-1)
-            if dtypes[k] == "float64" and buf.dtype == np.float32:  # the difference in float64, then rounded
-                with np.errstate(over="ignore", invalid="ignore"):
-                    seg[...] = np.subtract(t_k, r_k, dtype=np.float64)
-            else:
-                np.subtract(t_k, r_k, out=seg, dtype=buf.dtype, casting="unsafe")
-            off += sizes[k]
-        t = torch.from_numpy(buf)
-        # One finiteness check of the update (a finite sum proves every entry finite), before any residual moves.
-        if t.numel() and not bool(torch.isfinite(t.sum())) and not bool(torch.isfinite(t).all()):
-            _raise_not_finite(members, trained, received, units, ukey)
-        buffers[ukey] = t.reshape(np.shape(received[ukey])) if ukey != MODEL_KEY else t
+    units, exact_keys, trained = plan_update(received, trained, codec, dtypes)
+    exact_payloads = {} if local_dp is not None else encode_exact_tensors(exact_keys, received, trained)
+    buffers = {u.key: write_delta(u, received, trained, dtypes) for u in units}
     if local_dp is not None:
-        clip_and_noise_(list(buffers.values()), local_dp.clipping_norm, local_dp.noise_multiplier, secure_generator())
-    update_sq: dict[str, float] = {}  # of what is sent: under local DP, of the noisy update
-    for ukey, members, _ in units:
-        for k, s in zip(members, torch.split(buffers[ukey].reshape(-1), [sizes[k] for k in members])):
-            update_sq[k] = float(torch.linalg.vector_norm(s)) ** 2 if s.numel() else 0.0
-
-    payloads: dict[str, bytes] = {}
-    states = unflatten_states(residuals)  # residual (+ DGC momentum, codec memory) per payload key
-    if codec.error_feedback:  # a warm-up codec or rule may have grouped the payloads otherwise last round
-        states, dropped = replan_states(states, units, {k: tuple(np.shape(received[k])) for k in float_keys})
-        for skey in dropped:
-            log(WARNING, "fedcomp: saved state of '%s' does not fit the model's parameters: starting from zero", skey)
-    new_states: dict[str, dict[str, np.ndarray]] = {}
-    layer_sq_err: dict[str, float] = {}
-    layer_sq_norm: dict[str, float] = {}
-    used_density, saturated, lost = 1.0, 0, 0.0  # 1.0: a dense codec sends every entry
-    for ukey, members, name in units:
-        x = buffers.pop(ukey)
-        seg_sizes = [sizes[k] for k in members]
-        if ukey in wide_units:  # exact float64: nothing to feed back; a residual left by a lossy codec is sent now
-            prev = states.get(ukey, {}).get("residual") if codec.error_feedback else None
-            if prev is not None and tuple(prev.shape) == tuple(x.shape):
-                x += torch.as_tensor(np.asarray(prev)).to(torch.float64)
-            payloads[ukey] = codec.build(seed=seed, compressor=name).compress(x)
-            norms = [float(torch.linalg.vector_norm(s)) ** 2 for s in torch.split(x.reshape(-1), seg_sizes)]
-            for k, n2 in zip(members, norms):
-                layer_sq_norm[k], layer_sq_err[k] = n2, 0.0
-            new_states[ukey] = {}
-            continue
-        prev = states.get(ukey, {}).get("residual") if codec.error_feedback else None
-        if prev is not None and tuple(prev.shape) != tuple(x.shape):
-            log(WARNING, "fedcomp: residual for '%s' has shape %s, the update %s: starting from zero", ukey,
-                tuple(prev.shape), tuple(x.shape))
-            prev = None
-        density = None
-        if name == codec.compressor and name in SPARSE_CODECS:
-            density = codec.density
-            if codec.density_schedule == "adaptive":
-                # what is compressed: update + residual (classic EF), update - estimate (EF21)
-                v = x if prev is None else x + torch.as_tensor(prev).float() * (-1.0 if codec.error_feedback == "ef21"
-                                                                              else 1.0)
-                density = adaptive_density(v, name, codec.target_error, codec.density_min, codec.density_max)
-            used_density = density
-        compressor = codec.build(seed=seed, compressor=name, density=density)
-        if codec.error_feedback:
-            ef = (EF21(compressor, residual_dtype=codec.residual_dtype) if codec.error_feedback == "ef21" else
-                  ErrorFeedback(compressor, residual_dtype=codec.residual_dtype, momentum=codec.momentum_correction))
-            for entry in ef.set_state(states.get(ukey, {}), shape=tuple(x.shape), copy=False):
-                if entry != "residual":  # the residual's mismatch was logged above
-                    log(WARNING, "fedcomp: saved %s for '%s' has another shape: starting from zero", entry, ukey)
-            payloads[ukey] = ef.compress(x, inplace=True, segments=seg_sizes)
-            new_states[ukey] = ef.get_state(copy=False)
-            norms, errs = ef.last_segment_sq_norms, ef.last_segment_sq_errors
-            saturated, lost = saturated + ef.last_saturated, max(lost, ef.last_saturated_loss)
-        else:
-            payloads[ukey] = compressor.compress(x)
-            flat = x.reshape(-1)
-            norms = [float(torch.linalg.vector_norm(s)) ** 2 for s in torch.split(flat, seg_sizes)]
-            sparse = decompress_sparse(payloads[ukey], max_numel=max(x.numel(), 1))
-            if sparse is not None:
-                flat[torch.from_numpy(sparse[0])] -= torch.from_numpy(sparse[1])
-            else:
-                flat -= decompress(payloads[ukey], max_numel=max(x.numel(), 1)).reshape(-1)
-            errs = [float(torch.linalg.vector_norm(s)) ** 2 for s in torch.split(flat, seg_sizes)]
-        for k, n2, e2 in zip(members, norms, errs):
-            layer_sq_norm[k], layer_sq_err[k] = n2, e2
-    exact_bytes = sum(np.asarray(received[k]).nbytes for k in exact_keys)
+        privatize(list(buffers.values()), local_dp)
+    update_sq = {k: n2 for u in units for k, n2 in zip(u.members, segment_sq_norms(buffers[u.key].reshape(-1), u.sizes))}
+    update_sq = {k: update_sq[k] for k in received if k in update_sq}  # model order
+    states = restore_states(residuals, units, codec, {k: tuple(np.shape(received[k])) for k in update_sq})
+    results: dict[str, UnitResult] = {}
+    used_density = 1.0  # a dense codec sends every entry
+    for u in units:
+        results[u.key], density = encode_unit(u, buffers.pop(u.key), states.get(u.key, {}), codec, seed)
+        used_density = used_density if density is None else density
+    payloads = {key: r.payload for key, r in results.items()}
     payloads.update(exact_payloads)
-    sq_err, sq_norm = sum(layer_sq_err.values()), sum(layer_sq_norm.values())
-    if codec.error_feedback is True and codec.residual_dtype == "fp32":
-        res_sq = sq_err  # an fp32 residual is the compression error itself: no extra pass
-    else:
-        res_sq = sum(float(torch.linalg.vector_norm(torch.from_numpy(st["residual"]).float())) ** 2
-                     for st in new_states.values() if "residual" in st)
-    new_res = flatten_states(new_states)
-    stats: dict[str, Any] = {
-        "upload-bytes": float(sum(len(p) for p in payloads.values())),
-        "dense-bytes": float(4 * sum(sizes.values()) + exact_bytes),
-        "compression-error": (sq_err / sq_norm) ** 0.5 if sq_norm > 0 else 0.0,
-        "residual-norm": res_sq**0.5,
-        "density": float(used_density),
-        "residual-saturated": float(saturated), "residual-saturated-loss": lost,  # fp16 residual clamp
-        "layer-update-norm": [update_sq[k] ** 0.5 for k in float_keys],
-        "layer-compression-error": [(layer_sq_err[k] / layer_sq_norm[k]) ** 0.5 if layer_sq_norm[k] > 0 else 0.0
-                                    for k in float_keys],
-    }
-    return payloads, new_res, stats
+    exact_bytes = sum(np.asarray(received[k]).nbytes for k in exact_keys)
+    stats = summarize(units, results, payloads, update_sq, exact_bytes, used_density, codec)
+    return payloads, flatten_states({key: r.state for key, r in results.items()}), stats
 
 
-__all__ = ["CompositionError", "adaptive_density", "compress_update", "plan_units", "secure_generator"]
+__all__ = ["CompositionError", "Unit", "UnitResult", "adaptive_density", "compress_update", "encode_exact_tensors",
+           "encode_unit", "plan_units", "plan_update", "privatize", "restore_states", "summarize",
+           "write_delta"]

@@ -52,9 +52,8 @@ class NoCompression(_Cast):
     """``none``: the values as they are; exact. 32 bits/parameter + header.
 
     Payload body: n little-endian float32; for a float64 tensor, n little-endian float64 (64
-    bits/parameter, parameter block ``b"\\x08"``) so that float64 models stay float64 end to end
-    (issue 21, item 6): such a payload decodes to float64. An empty parameter block means a
-    float32 body (as every earlier version wrote). The reference point every ratio is taken
+    bits/parameter, parameter block ``b"\\x08"``) so that float64 models stay float64 end to end:
+    such a payload decodes to float64. An empty parameter block means a float32 body. The reference point every ratio is taken
     against (plain FedAvg, McMahan et al. 2017).
     """
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from .base import check_input, decompress, decompress_sparse
-from .error_feedback import ErrorFeedback, _segment_sq_norms
+from .error_feedback import ErrorFeedback, segment_sq_norms
 
 
 class EF21(ErrorFeedback):
@@ -83,7 +83,7 @@ class EF21(ErrorFeedback):
         v -= h
         flat = v.reshape(-1)
         sizes = [flat.numel()] if segments is None else list(segments)
-        norms = _segment_sq_norms(flat, sizes)
+        norms = segment_sq_norms(flat, sizes)
         payload = self.compressor.compress(v)
         hflat = h.reshape(-1)
         sparse = decompress_sparse(payload, max_numel=max(v.numel(), 1))
@@ -95,7 +95,7 @@ class EF21(ErrorFeedback):
             c_hat = decompress(payload, max_numel=max(v.numel(), 1)).to(v.device).reshape(-1)
             flat -= c_hat
             hflat += c_hat
-        errors = _segment_sq_norms(flat, sizes)
+        errors = segment_sq_norms(flat, sizes)
         self.last_sq_error, self.last_sq_norm = float(sum(errors)), float(sum(norms))
         self.last_segment_sq_norms, self.last_segment_sq_errors = norms, errors
         self.last_error = (self.last_sq_error / self.last_sq_norm) ** 0.5 if self.last_sq_norm else 0.0

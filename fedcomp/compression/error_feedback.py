@@ -56,13 +56,64 @@ RESIDUAL, MOMENTUM = "residual", "momentum"
 STATE_SEP = "#"
 
 
-def _segment_sq_norms(flat: torch.Tensor, sizes: list[int]) -> list[float]:
+def segment_sq_norms(flat: torch.Tensor, sizes: list[int]) -> list[float]:
     """Squared L2 norms of consecutive segments of a float32 vector (fp32 reduction, float results)."""
     out, off = [], 0
     for n in sizes:
         out.append(float(torch.linalg.vector_norm(flat[off: off + n])) ** 2 if n else 0.0)
         off += n
     return out
+
+
+def encode_and_subtract(compressor: Compressor, v: torch.Tensor, segments: list[int] | None = None, *,
+                        sent: bool = False) -> tuple[bytes, list[float], list[float], torch.Tensor | None]:
+    """Compress ``v`` and overwrite it with the compression error ``v - decompress(payload)``.
+
+    The one place that turns a payload back into what the receiver sees and subtracts it: used by
+    :meth:`ErrorFeedback.compress` (the error becomes the residual) and by a client without error
+    feedback (the error only feeds its statistics).
+
+    Parameters
+    ----------
+    compressor : Compressor
+        Any codec.
+    v : torch.Tensor
+        float32, any shape and device, finite; overwritten in place with the error.
+    segments : list of int, optional
+        Sizes of consecutive segments of the flattened ``v`` (summing to ``v.numel()``); default
+        one segment.
+    sent : bool
+        Also return the flat positions the decoded payload makes non-zero (DGC's momentum masking).
+
+    Returns
+    -------
+    (payload, sq_norms, sq_errors, positions)
+        The payload; per segment ``||v||**2`` before and ``||v - v_hat||**2`` after (fp32
+        reductions, Python floats); int64 positions of the non-zero decoded entries (on
+        ``v.device``) when ``sent``, else None.
+
+    Raises
+    ------
+    ValueError
+        From the codec: NaN/Inf in ``v`` (``v`` is then unchanged).
+    """
+    flat = v.reshape(-1)
+    sizes = [flat.numel()] if segments is None else list(segments)
+    norms = segment_sq_norms(flat, sizes)
+    payload = compressor.compress(v)
+    # The error v - v_hat, in place in v: O(k) for sparse payloads, one decode otherwise.
+    sparse = decompress_sparse(payload, max_numel=max(v.numel(), 1))
+    positions = None
+    if sparse is not None:
+        pos, vals = (torch.from_numpy(a).to(v.device) for a in sparse)
+        flat[pos] -= vals
+        positions = pos[vals != 0] if sent else None
+    else:
+        v_hat = decompress(payload, max_numel=max(v.numel(), 1)).to(v.device)
+        v -= v_hat
+        positions = torch.nonzero(v_hat.reshape(-1)).reshape(-1) if sent else None
+        del v_hat
+    return payload, norms, segment_sq_norms(flat, sizes), positions
 
 
 class ErrorFeedback:
@@ -173,27 +224,12 @@ class ErrorFeedback:
             v.add_(mom.to(device=v.device, dtype=torch.float32), alpha=self.momentum)
         u = v.clone() if self.momentum > 0 else None
         if self.residual is not None:
-            v += self.residual.to(device=v.device, dtype=torch.float32)
+            v += self.residual.to(device=v.device)  # fp16 added in place, promoted per entry: no fp32 copy
             if not bool(torch.isfinite(v.sum())) and not bool(torch.isfinite(v).all()):
                 if shared:
-                    v -= self.residual.to(device=v.device, dtype=torch.float32)  # give x back as it was
+                    v -= self.residual.to(device=v.device)  # give x back as it was
                 raise ValueError("input + residual overflows float32; residual left unchanged")
-        flat = v.reshape(-1)
-        sizes = [flat.numel()] if segments is None else list(segments)
-        norms = _segment_sq_norms(flat, sizes)
-        payload = self.compressor.compress(v)
-        # The error v - v_hat, in place in v: O(k) for sparse payloads, one decode otherwise.
-        sparse = decompress_sparse(payload, max_numel=max(v.numel(), 1))
-        if sparse is not None:
-            pos, vals = (torch.from_numpy(a).to(v.device) for a in sparse)
-            flat[pos] -= vals
-            sent = pos[vals != 0]
-        else:
-            v_hat = decompress(payload, max_numel=max(v.numel(), 1)).to(v.device)
-            v -= v_hat
-            sent = torch.nonzero(v_hat.reshape(-1)).reshape(-1) if u is not None else None
-            del v_hat
-        errors = _segment_sq_norms(flat, sizes)
+        payload, norms, errors, sent = encode_and_subtract(self.compressor, v, segments, sent=u is not None)
         self.last_sq_error, self.last_sq_norm = float(sum(errors)), float(sum(norms))
         self.last_segment_sq_norms, self.last_segment_sq_errors = norms, errors
         self.last_error = (self.last_sq_error / self.last_sq_norm) ** 0.5 if self.last_sq_norm else 0.0

@@ -40,9 +40,9 @@ def orthogonalize(p: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     """Orthonormalise the columns of ``p`` in place by a Householder QR (``torch.linalg.qr``).
 
     The paper orthogonalises by Gram-Schmidt; with an epsilon in each division, a linearly
-    dependent column (a rank-deficient M, e.g. the rank-1 gradient of one example) became an
+    dependent column (a rank-deficient M, e.g. the rank-1 gradient of one example) becomes an
     amplified rounding-noise direction with a large component along the earlier columns, and a
-    rank-1 matrix at rank 2 decoded with relative error 0.61 (issue 21, item 19). Householder QR
+    rank-1 matrix at rank 2 decodes with relative error 0.61. Householder QR
     returns columns orthonormal to working precision whatever the rank of ``p``: a dependent
     column becomes some unit direction orthogonal to the others, on which M^T P then has (almost)
     nothing, so ``P Q^T = P P^T M`` stays a projection of M and a rank-d matrix is recovered

@@ -41,7 +41,7 @@ class SignCompressor(Compressor):
     def _encode(self, flat: torch.Tensor) -> tuple[bytes, bytes]:
         n = flat.numel()
         # mean |x| by torch's pairwise (cascade) summation: ~1e-7 relative at 11M entries, where
-        # the fp32 ord-1 norm divided by n drifts by ~2e-3 (issue 21, item 18).
+        # the fp32 ord-1 norm divided by n drifts by ~2e-3.
         scale = float(flat.abs().mean()) if n else 0.0
         if not np.isfinite(scale):  # the fp32 sum overflowed: redo it in float64
             scale = min(float(flat.abs().mean(dtype=torch.float64)), _FP32_MAX)

@@ -98,7 +98,7 @@ class SecAggRecorder:
             rec.update({**h, **wire, "upload-mb": up / MB, "cumulative-upload-mb": self.cum_mb,
                         "compression-ratio": h["dense-bytes"] / up if up else 0.0,
                         "bits-per-parameter": 8 * up / (h["num-replies"] * h["dimension"]),
-                        "modulus-bits": self.workflow._mod_bits})
+                        "modulus-bits": self.workflow.round_modulus_bits})
         rec["elapsed-seconds"] = time.perf_counter() - self.t0
         dp = self.cfg.dp != "none"
         if server_round == 0:

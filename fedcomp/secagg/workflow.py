@@ -88,6 +88,8 @@ class CompressedSecAggPlusWorkflow(SecAggPlusWorkflow):
         super().__init__(num_shares, reconstruction_threshold,
                          modulus_range=1 << (modulus_bits or 32), **kwargs)
         self.round_bytes: dict[str, float] = {}
+        #: Bits of the modulus of the current or last round (None until its setup stage has run).
+        self.round_modulus_bits: int | None = None
 
     @property
     def modulus_range(self) -> int:  # type: ignore[override]
@@ -104,7 +106,7 @@ class CompressedSecAggPlusWorkflow(SecAggPlusWorkflow):
     def __call__(self, grid, context) -> None:
         """One SecAgg+ round (Flower's four stages) through a counting, unpacking grid proxy."""
         self.round_bytes = {"upload-bytes": 0.0, "secagg-protocol-bytes": 0.0, "malformed-replies": 0}
-        self._mod_bits = None
+        self.round_modulus_bits = None
         self._ctx = context
         self.halted: str | None = None
         strategy = getattr(context, "strategy", None)
@@ -120,10 +122,10 @@ class CompressedSecAggPlusWorkflow(SecAggPlusWorkflow):
         self._available = context.client_manager.num_available()
         ok = super().setup_stage(grid, context, state)
         n = len(state.sampled_node_ids)
-        self._mod_bits = state.mod_range.bit_length() - 1
+        self.round_modulus_bits = state.mod_range.bit_length() - 1
         if n * state.quantization_range >= state.mod_range:
-            self.halted = (f"{n} sampled clients can overflow modulus 2**{self._mod_bits} with quantization range "
-                           f"{state.quantization_range}: round halted, run stopped (raise 'secagg-modulus-bits' or "
+            self.halted = (f"{n} sampled clients can overflow modulus 2**{self.round_modulus_bits} with "
+                           f"quantization range {state.quantization_range}: round halted, run stopped (raise 'secagg-modulus-bits' or "
                            "use 0 = auto)")
             log(ERROR, "fedcomp secagg: %s", self.halted)
             return False
@@ -137,7 +139,7 @@ class CompressedSecAggPlusWorkflow(SecAggPlusWorkflow):
             blobs = value if isinstance(value, list) else [value]
             n = float(sum(len(b) for b in blobs if isinstance(b, bytes)))
             self.round_bytes["upload-bytes" if key == Key.MASKED_PARAMETERS else "secagg-protocol-bytes"] += n
-        if Key.MASKED_PARAMETERS in rec and self._mod_bits is not None:
+        if Key.MASKED_PARAMETERS in rec and self.round_modulus_bits is not None:
             try:
                 rec[Key.MASKED_PARAMETERS] = self._checked_masked(rec[Key.MASKED_PARAMETERS])
             except PayloadError as exc:
@@ -173,7 +175,7 @@ class CompressedSecAggPlusWorkflow(SecAggPlusWorkflow):
         out = []
         for i, blob in enumerate(value):
             if blob.startswith(PACK_MAGIC):
-                arr = unpack_masked(blob, self._mod_bits)
+                arr = unpack_masked(blob, self.round_modulus_bits)
             else:
                 try:
                     arr = np.load(io.BytesIO(blob), allow_pickle=False)
@@ -186,7 +188,7 @@ class CompressedSecAggPlusWorkflow(SecAggPlusWorkflow):
             want = (1,) if i == 0 else ((k,) if k is not None else None)
             if (want is not None and arr.shape != want) or arr.ndim != 1:
                 raise PayloadError(f"masked vector blob {i}: shape {arr.shape}, expected {want or '(k,)'}")
-            if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= (1 << self._mod_bits)):
-                raise PayloadError(f"masked vector blob {i}: values outside [0, 2**{self._mod_bits})")
+            if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= (1 << self.round_modulus_bits)):
+                raise PayloadError(f"masked vector blob {i}: values outside [0, 2**{self.round_modulus_bits})")
             out.append(ndarray_to_bytes(np.ascontiguousarray(arr)))
         return out

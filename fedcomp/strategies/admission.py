@@ -1,4 +1,4 @@
-"""One node, one vote: which replies of a round may be counted at all (issue 21, item 2).
+"""One node, one vote: which replies of a round may be counted at all.
 
 A round's aggregate must count each node at most once and only nodes that were sent a message in
 that round: a node's reply counted twice doubles its weight (under client-level DP it doubles the
@@ -18,7 +18,7 @@ T = TypeVar("T")
 
 
 def admit(replies: Iterable[T], node_of: Callable[[T], Hashable],
-          expected: set | None) -> tuple[list[T], list[tuple[Hashable, str]]]:
+          expected: set | None) -> tuple[list[T], list[tuple[T, str]]]:
     """Split ``replies`` into those that may be counted and those refused, in the given order.
 
     Parameters
@@ -33,7 +33,7 @@ def admit(replies: Iterable[T], node_of: Callable[[T], Hashable],
     Returns
     -------
     (admitted, refused)
-        ``admitted``: the first reply of each expected node; ``refused``: ``(node, reason)`` for
+        ``admitted``: the first reply of each expected node; ``refused``: ``(reply, reason)`` for
         every further reply of a node already seen this round ("duplicate") and every reply from a
         node that was not sent a message ("stranger").
     """
@@ -42,9 +42,9 @@ def admit(replies: Iterable[T], node_of: Callable[[T], Hashable],
     for r in replies:
         node = node_of(r)
         if expected is not None and node not in expected:
-            refused.append((node, "it was not sent a message this round (one node, one vote)"))
+            refused.append((r, "it was not sent a message this round (one node, one vote)"))
         elif node in seen:
-            refused.append((node, "a second reply from the same node this round (one node, one vote)"))
+            refused.append((r, "a second reply from the same node this round (one node, one vote)"))
         else:
             seen.add(node)
             admitted.append(r)

@@ -2,62 +2,33 @@
 
 from __future__ import annotations
 
-import fnmatch
 from dataclasses import dataclass, field
-from logging import ERROR, INFO, WARNING
+from logging import INFO, WARNING
 from typing import Any, Iterable
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
-from ..compression import PayloadError, available_compressors
+from ..compression import available_compressors
 from .. import model_policy
 from ..config import CodecConfig
-from ..device import reported_machine
 from ..privacy import ClientLevelDP, LocalDP
 from ..protocol import MODEL_KEY
 from ..seeded_init import SeededInit
 from ..statedict import FlatModel
 from .admission import admit, check_max_num_examples
-from .aggregate import (
-    ClippedFold,
-    DenseFold,
-    MeanFold,
-    dense_memory_note,
-    identity_on_one_reply,
-    in_model_dtypes,
-    streams,
-)
-from .decode import decode_train_reply
+from .aggregate import ClippedFold, DenseFold, MeanFold, dense_memory_note, streams
 from .downstream import Downstream
 from .ef21 import EF21Aggregate
-from .failures import failed_client, missing_clients, oom_confirmations
 from .forward import ForwardsToInner
+from .handover import hand_over, record_key, weight_key
 from .privacy import PoissonSampling, PrivacyBudget
-from .round_metrics import client_stats, common_metric_keys, layers_mean, round_metrics
-from .wrapping import find_attr, load_optimizer_state, optimizer_state, wraps
-
-
-def _check_rules_match(codec: CodecConfig, keys: list[str]) -> None:
-    """Every ``layer-codecs`` pattern must match at least one parameter name.
-
-    Raises
-    ------
-    ValueError
-        Naming the rule that matches nothing, and the model's parameter names.
-    """
-    for pattern, name in codec.rules:
-        if not any(fnmatch.fnmatchcase(k, pattern) for k in keys):
-            raise ValueError(f"run config 'layer-codecs': rule '{pattern}={name}' matches no parameter; "
-                             f"parameters are {keys}")
-
-
-def _as_weight(total: float) -> int | float:
-    """A total weight as Flower's metrics take it (an int when it is one)."""
-    return int(total) if float(total).is_integer() else float(total)
+from .replies import fold_replies, note_failures
+from .round_metrics import common_metric_keys, layers_mean, round_metrics
+from .wrapping import load_optimizer_state, optimizer_state, wraps
 
 
 @dataclass
@@ -73,21 +44,6 @@ class SentRound:
     #: The train messages as sent (Flower sets their message ids when it pushes them): error replies
     #: name the message they answer, and through it the failed node (:mod:`.failures`).
     messages: list[Message] = field(default_factory=list)
-
-
-@dataclass
-class RoundReplies:
-    """The accepted replies of a round, folded, with what the round's metrics need."""
-
-    fold: Any
-    carrier: Message | None = None  # an accepted reply whose Message carries a pre-aggregated one
-    metric_contents: list[RecordDict] = field(default_factory=list)
-    stats: list[dict] = field(default_factory=list)
-    layer_stats: list[dict] = field(default_factory=list)
-    codec_bytes: dict[str, int] = field(default_factory=dict)
-    rejected: int = 0
-    failed: int = 0
-    failures: list[dict] = field(default_factory=list)  # one per failed client (:func:`.failures.failed_client`)
 
 
 class CompressedStrategy(ForwardsToInner, Strategy):
@@ -341,7 +297,7 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         """
         codec = self.codec.for_round(server_round)
         if server_round == 1:
-            _check_rules_match(codec, list(arrays.keys()))
+            codec.check_rules_match(list(arrays.keys()))
             note = model_policy.describe(arrays.keys(), {k: int(np.prod(a.shape)) for k, a in arrays.items()}, self.codec)
             if note:  # per-model defaults, said once
                 log(INFO, "%s", note)
@@ -382,8 +338,9 @@ class CompressedStrategy(ForwardsToInner, Strategy):
     def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Decode and validate every reply, fold it into the aggregate, hand the result to ``inner``.
 
-        Orchestration only: decode -> validate (:func:`.decode.decode_train_reply`) -> fold (a
-        policy of :mod:`.aggregate`) -> hand over -> restore dtypes and the integer/bool rule ->
+        Orchestration only: admit (:mod:`.admission`) -> decode, validate and fold
+        (:func:`.replies.fold_replies`, a policy of :mod:`.aggregate`) -> hand over
+        (:func:`.handover.hand_over`: the inner strategy, dtypes, the integer/bool rule) ->
         metrics and the privacy accounting of the round.
         """
         sent = self.sent_round
@@ -399,23 +356,27 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         errors = [r for r in replies if r.has_error()]
         replies, refused = admit([r for r in replies if not r.has_error()], lambda r: r.metadata.src_node_id,
                                  sent.nodes)
-        for node, why in refused:
-            log(WARNING, "round %s: rejected reply from node %s: %s", server_round, node, why)
+        for reply, why in refused:
+            log(WARNING, "round %s: rejected reply from node %s: %s", server_round, reply.metadata.src_node_id, why)
         replies = errors + sorted(replies, key=lambda r: r.metadata.src_node_id)
-        got = self._fold(server_round, replies, model)
-        self._note_failures(server_round, sent, replies, refused, got)
+        # local DP: the server keeps its own integer/bool values, whatever a client sent
+        got = fold_replies(server_round, replies, self._new_fold(model, len(replies)), model, weight_key(self.inner),
+                           self.max_num_examples, self._dense_refusal(), keep_exact=self.local_dp is None,
+                           sent_to={m.metadata.message_id: m.metadata.dst_node_id for m in sent.messages})
+        note_failures(server_round, sent.nodes, replies, [r for r, _ in refused], got, self._oom_seen)
+        self.failure_history[server_round] = got.failures
         got.rejected += len(refused)
+        if self.downstream is not None:
+            for stat in got.stats:
+                self.downstream.received(stat["node"])
+                stat["download-bytes"] = float(self.downstream.sent_bytes.get(stat["node"], 0))
         ef21_missing = None
         if self.ef21 is not None:  # EF21: the round's update is the server's estimate h (+= mean of the sends)
-            self.ef21.fold(got.fold.running)
             asked = len(sent.nodes) if sent.nodes is not None else len(replies) + len(refused)
-            ef21_missing = max(asked - len(got.stats), 0)
-            if ef21_missing:
-                log(WARNING, "round %s: EF21: %s sampled client(s) sent no accepted update; their last h_i stays in "
-                    "the server's estimate h (drift until they return)", server_round, ef21_missing)
+            ef21_missing = self.ef21.round_update(server_round, got.fold.running, asked, len(got.stats))
         self.budget.note_refusals(server_round, replies)
         common_metric_keys(got.metric_contents)
-        arrays, agg_metrics, dp_info = self._hand_over(server_round, model, got, sent.sampled)
+        arrays, agg_metrics, dp_info = hand_over(self.inner, server_round, model, got, sent.sampled)
         ours = round_metrics(got.stats, got.codec_bytes, len(got.metric_contents), got.rejected, got.failed)
         ours.update(dp_info)
         if ef21_missing is not None:
@@ -428,26 +389,6 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         merged.update(ours)
         return arrays, MetricRecord(merged)
 
-    def _note_failures(self, server_round: int, sent: SentRound, replies: list[Message], refused: list,
-                       got: RoundReplies) -> None:
-        """Sampled nodes that sent nothing count as failed too (no silent dropouts); a node whose
-        container's OOM-kill count went up is named (:func:`.failures.oom_confirmations`)."""
-        answered = {f["node"] for f in got.failures} | {r.metadata.src_node_id for r in replies if not r.has_error()}
-        answered |= {node for node, _ in refused}
-        # an error reply we could not trace to its node (answered from the SuperLink's id for a message
-        # we did not see sent) stands for one of the silent nodes: then which one is unknown
-        unknown = sent.nodes is not None and any(f["node"] not in sent.nodes for f in got.failures)
-        for f in [] if unknown else missing_clients(sent.nodes, answered):
-            got.failed += 1
-            got.failures.append(f)
-            log(WARNING, "round %s: client (node %s) failed: %s", server_round, f["node"], f["reason"])
-        for c in oom_confirmations(self._oom_seen, got.stats):
-            log(WARNING, "round %s: node %s: the kernel's out-of-memory killer killed %s process(es) in its "
-                "container since the server last heard from it (oom_kill count %s -> %s): its ClientApp ran out "
-                "of memory", server_round, c["node"], c["oom-kills"] - c["oom-kills-before"], c["oom-kills-before"],
-                c["oom-kills"])
-        self.failure_history[server_round] = got.failures
-
     def _new_fold(self, model: FlatModel, clients: int):
         """The folding policy of the round: clipped (client-level DP), weighted mean, or dense."""
         if self.client_dp is not None:
@@ -457,115 +398,17 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         if not self._dense_noted:
             log(INFO, "%s", dense_memory_note(self.inner, clients, model))
             self._dense_noted = True
-        return DenseFold(model, self._record_key(), self.int_remainders)
+        return DenseFold(model, record_key(self.inner), self.int_remainders)
 
-    def _fold(self, server_round: int, replies: list[Message], model: FlatModel) -> RoundReplies:
-        """Decode every reply and fold the good ones in; failed and rejected ones are logged and counted."""
-        got = RoundReplies(self._new_fold(model, len(replies)))
-        wkey = self._weight_key()
-        refuse_dense = ("require_compression is set" if self.require_compression else
-                        "local DP needs every client to clip and noise its update" if self.local_dp is not None else
-                        "EF21's server estimate mirrors the clients' compressed sends" if self.ef21 is not None else
-                        "downstream compression: the server cannot tell which model a dense reply is relative to "
-                        "(the node was sent a compressed copy)" if self.downstream is not None else "")
-        for reply in replies:
-            node = reply.metadata.src_node_id
-            if reply.has_error():
-                got.failed += 1
-                got.failures.append(failed_client(reply, {m.metadata.message_id: m.metadata.dst_node_id
-                                                          for m in self.sent_round.messages}))
-                log(WARNING, "round %s: client (node %s) failed: %s", server_round, got.failures[-1]["node"],
-                    _failure_reason(reply) if reply.error.code not in (4, 5, 8) else got.failures[-1]["reason"])
-                continue
-            try:  # everything is validated before anything is folded in
-                # local DP: the server keeps its own integer/bool values, whatever a client sent
-                decoded = decode_train_reply(reply, model, wkey, self.max_num_examples, refuse_dense,
-                                             keep_exact=self.local_dp is None)
-            except (PayloadError, ValueError, TypeError, KeyError, OverflowError) as exc:
-                got.rejected += 1
-                log(WARNING, "round %s: rejected reply from node %s: %s", server_round, node, exc)
-                continue
-            got.fold.add(reply, decoded)
-            got.carrier = reply
-            got.metric_contents.append(RecordDict({"metrics": MetricRecord(decoded.metrics)}))
-            for name, nbytes in decoded.update.codecs.items():
-                got.codec_bytes[name] = got.codec_bytes.get(name, 0) + nbytes
-            stat = client_stats(node, decoded.reported, decoded.update.upload_bytes, model.dense_bytes,
-                                decoded.decode_seconds, reported_machine(reply.content))
-            if self.downstream is not None:
-                self.downstream.received(node)
-                stat["download-bytes"] = float(self.downstream.sent_bytes.get(node, 0))
-            got.stats.append(stat)
-            got.layer_stats.append(decoded.layers)
-        return got
-
-    def _hand_over(self, server_round: int, model: FlatModel, got: RoundReplies,
-                   sampled: float) -> tuple[ArrayRecord | None, MetricRecord | None, dict]:
-        """The aggregate in the model's dtypes: client-level DP's noisy mean, the inner strategy's
-        result on one pre-aggregated reply (weighted mean) or on every dense reply; integer/bool
-        tensors by fedcomp's rule. A result that is not finite in the model's dtypes is dropped."""
-        if not got.metric_contents:
-            return None, None, {}
-        fold, dp_info, metrics = got.fold, {}, None
-        if isinstance(fold, ClippedFold):
-            agg, dp_info = fold.finish(sampled)
-            arrays, exact = model.record(agg, check=False), model.exact
-        elif isinstance(fold, MeanFold) and identity_on_one_reply(self.inner):
-            # FedAvg of one reply is that reply (weight factor w / w = 1.0 exactly): no copies to hand over.
-            exact = fold.votes.result()
-            arrays = fold.running.mean_record(exact, portable=True)
-            metrics = self._mean_metrics(got.metric_contents)
-        else:
-            exact = fold.votes.result()
-            arrays, metrics = self._inner_aggregate(server_round, fold, exact, got)
-        if arrays is None:
-            return None, metrics, dp_info
-        try:
-            return in_model_dtypes(arrays, model, exact), metrics, dp_info
-        except ValueError as exc:
-            log(ERROR, "round %s: the aggregated model is not finite (%s); keeping the previous global model",
-                server_round, exc)
-            return None, metrics, dp_info
-
-    def _inner_aggregate(self, server_round: int, fold, exact: dict[str, np.ndarray],
-                         got: RoundReplies) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """The inner strategy's aggregate of every dense reply, or of one pre-aggregated reply (an
-        accepted reply's Message, its content replaced) carrying the total weight."""
-        wkey = self._weight_key()
-        if isinstance(fold, DenseFold):
-            replies = fold.replies
-        else:
-            mean_metrics = self._mean_metrics(got.metric_contents)
-            got.carrier.content = RecordDict({
-                self._record_key(): fold.running.mean_record(exact, portable=True),
-                "metrics": MetricRecord({**dict(mean_metrics), wkey: _as_weight(fold.running.total)})})
-            replies = [got.carrier]
-        arrays, metrics = self.inner.aggregate_train(server_round, replies)
-        if isinstance(fold, MeanFold) and metrics is not None and wkey in mean_metrics:
-            metrics[wkey] = mean_metrics[wkey]  # what the inner strategy reports over every reply
-        for reply in replies:  # drop the dense copies now (memory)
-            reply.content = RecordDict()
-        return arrays, metrics
-
-    def _mean_metrics(self, metric_contents: list[RecordDict]) -> MetricRecord:
-        """What the inner strategy's metric aggregation gives over every reply (its
-        ``train_metrics_aggr_fn``, Flower's weighted mean by default)."""
-        fn = find_attr(self.inner, "train_metrics_aggr_fn", None)
-        return MetricRecord(dict(fn(metric_contents, self._weight_key()))) if callable(fn) else MetricRecord({})
-
-    def _weight_key(self) -> str:
-        """The metric the inner strategy weights replies by (Flower's ``weighted_by_key``)."""
-        return find_attr(self.inner, "weighted_by_key", "num-examples")
-
-    def _record_key(self) -> str:
-        """Where the inner strategy reads weights in a reply (Flower's ``arrayrecord_key``)."""
-        return find_attr(self.inner, "arrayrecord_key", "arrays")
-
-
-def _failure_reason(reply: Message) -> str:
-    """A failed client's error reason, with a hint when it looks like a mis-assembled app."""
-    reason = reply.error.reason or ""
-    if "fedcomp.payload" in reason or "clipping_mod expects the keys" in reason:
-        reason += (" (hint: compression_mod must be the first mod of the ClientApp, Flower's DP mods go "
-                   "in @app.train(mods=[...]), and the server strategy must be wrapped in CompressedStrategy)")
-    return reason
+    def _dense_refusal(self) -> str:
+        """Why a dense reply (plain weights, no fedcomp payload) is refused this run ("": accepted)."""
+        if self.require_compression:
+            return "require_compression is set"
+        if self.local_dp is not None:
+            return "local DP needs every client to clip and noise its update"
+        if self.ef21 is not None:
+            return "EF21's server estimate mirrors the clients' compressed sends"
+        if self.downstream is not None:
+            return ("downstream compression: the server cannot tell which model a dense reply is relative to "
+                    "(the node was sent a compressed copy)")
+        return ""

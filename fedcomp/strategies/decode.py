@@ -98,7 +98,7 @@ def is_dense_reply(record: ArrayRecord) -> bool:
 
 def decode_dense_reply(record: ArrayRecord, model: FlatModel) -> DecodedUpdate:
     """A dense reply (plain weights, as a client without ``compression_mod`` sends them) as an
-    uncompressed update ``weights - global`` (issue 21, item 20: a server upgraded before its
+    uncompressed update ``weights - global`` (so that a server upgraded before its
     clients keeps counting them).
 
     Validated like any payload: exactly the model's keys, each Array numpy-serialised (or bf16 as

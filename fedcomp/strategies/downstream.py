@@ -12,7 +12,7 @@ What travels, per message (self-describing; :mod:`fedcomp.client.downstream` reb
 - **Exempt part**: BatchNorm ``running_mean``/``running_var`` travel as exact fp32 payloads in every
   message, and integer/bool tensors as exact payloads, so every client's copy of them *is* the
   global model's (a lossy running variance can turn negative, and a client's update of a running
-  average taken against a stale copy corrupts the global one: issue 21, item 13).
+  average taken against a stale copy corrupts the global one).
 
 The server keeps the *broadcast model* B_v (version v) and the true global G. Each round it sends
 ``C(G - B_{v-1})`` and sets ``B_v = B_{v-1} + decompress(...)`` (server-side error feedback: what

@@ -13,7 +13,10 @@ participation variant keeps per-client weights; not done here).
 
 from __future__ import annotations
 
+from logging import WARNING
+
 import numpy as np
+from flwr.common.logger import log
 
 from .aggregate import RunningSum
 
@@ -53,6 +56,16 @@ class EF21Aggregate:
                 raise ValueError(f"EF21: '{k}' has {acc.size} entries, the server's estimate {h.size}")
             h += acc / running.total
             np.multiply(h, running.total, out=acc)
+
+    def round_update(self, server_round: int, running: RunningSum, asked: int, accepted: int) -> int:
+        """:meth:`fold` the round's sends in; return (and log) how many of the ``asked`` clients sent
+        no accepted update: their last ``h_i`` stays in ``h``, a drift until they return."""
+        self.fold(running)
+        missing = max(asked - accepted, 0)
+        if missing:
+            log(WARNING, "round %s: EF21: %s sampled client(s) sent no accepted update; their last h_i stays in "
+                "the server's estimate h (drift until they return)", server_round, missing)
+        return missing
 
     def state_dict(self) -> dict[str, np.ndarray]:
         """A copy of :attr:`h` (for a checkpoint: a resumed run continues with the same estimate)."""

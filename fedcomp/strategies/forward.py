@@ -1,4 +1,4 @@
-"""Settings of a wrapped strategy stay reachable through the wrapper (issue 21, item 21).
+"""Settings of a wrapped strategy stay reachable through the wrapper.
 
 ``CompressedStrategy(FedAvgM(...))`` is the object a ServerApp holds; without forwarding,
 ``strategy.server_learning_rate = 0.5`` would land on the wrapper and never reach FedAvgM,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 import statistics
+from dataclasses import dataclass
 from logging import INFO, WARNING
 
 import numpy as np
@@ -35,7 +36,7 @@ from numpy.lib import format as npy_format
 from ..compression import PayloadError, parse_header
 from ..config import CodecConfig
 from ..protocol import MODEL_KEY, PAYLOAD_STYPE, payload_array
-from .admission import check_max_num_examples
+from .admission import admit, check_max_num_examples
 from .decode import decode_update
 from .forward import ForwardsToInner
 from .round_metrics import reported_number
@@ -148,6 +149,14 @@ def _is_flat_model_payload(payload: bytes, g: np.ndarray) -> bool:
     return shape != tuple(g.shape) and shape == (g.size,)
 
 
+@dataclass
+class LegacySentRound:
+    """What ``configure_fit`` sent in one round: the global arrays each client (by ``cid``) got."""
+
+    server_round: int
+    arrays: dict[str, list[np.ndarray]]
+
+
 class LegacyCompressedStrategy(ForwardsToInner, Strategy):
     """Wrap a legacy ``flwr.server.strategy.Strategy`` so that clients send compressed updates.
 
@@ -221,10 +230,11 @@ class LegacyCompressedStrategy(ForwardsToInner, Strategy):
         if self.codec.error_feedback == "ef21":
             raise ValueError("error_feedback='ef21' needs the server's estimate: use fedcomp.strategies.CompressedStrategy")
         self.max_num_examples = check_max_num_examples(max_num_examples)
-        self._sent: dict[int, dict[str, list[np.ndarray]]] = {}
+        #: The arrays sent in the current round (set by :meth:`configure_fit`).
+        self.sent_round: LegacySentRound | None = None
         #: Per-round metrics computed by this wrapper (round -> dict).
         self.history: dict[int, dict[str, float]] = {}
-        self._start_forwarding()  # settings of the wrapped strategy reach it (issue 21, item 21)
+        self._start_forwarding()  # from here on, settings of the wrapped strategy reach it (:mod:`.forward`)
 
     _INNER = "strategy"
 
@@ -266,35 +276,31 @@ class LegacyCompressedStrategy(ForwardsToInner, Strategy):
                 decoded[key] = [a.copy() for a in parameters_to_ndarrays(ins.parameters)]
             sent[proxy.cid] = decoded[key]
             out.append((proxy, FitIns(ins.parameters, {**ins.config, **codec})))
-        self._sent = {server_round: sent}
+        self.sent_round = LegacySentRound(server_round, sent)
         return out
 
     def aggregate_fit(self, server_round: int, results: list[tuple[ClientProxy, FitRes]],
                       failures: list) -> tuple[Parameters | None, dict[str, Scalar]]:
         """Decode every result, drop the bad ones into ``failures``, delegate the dense ones."""
-        sent = self._sent.get(server_round)
-        if sent is None:
+        sent = self.sent_round
+        if sent is None or sent.server_round != server_round:
             raise RuntimeError(f"aggregate_fit for round {server_round} without configure_fit")
         failures = list(failures)
         n_failed = len(failures)
+        results, refused = admit(results, lambda r: r[0].cid, set(sent.arrays))
+        for (proxy, res), why in refused:
+            log(WARNING, "round %s: rejected fit result from client %s: %s", server_round, proxy.cid, why)
+            failures.append((proxy, res))
         good: list[tuple[ClientProxy, FitRes]] = []
         codec_bytes: dict[str, int] = {}
         up = dense = 0.0
         errors: list[float] = []
-        seen: set[str] = set()
         for proxy, res in results:
             try:
-                if proxy.cid not in sent:
-                    raise PayloadError(f"no parameters were sent to client {proxy.cid} in round {server_round} "
-                                       "(one node, one vote)")
-                if proxy.cid in seen:
-                    raise PayloadError(f"a second fit result from client {proxy.cid} in round {server_round} "
-                                       "(one node, one vote)")
-                seen.add(proxy.cid)
                 n = res.num_examples
                 if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= self.max_num_examples:
                     raise PayloadError(f"num_examples must be an integer in [1, {self.max_num_examples}], got {n!r}")
-                weights, info = decode_legacy_update(payloads_from_parameters(res.parameters), sent[proxy.cid])
+                weights, info = decode_legacy_update(payloads_from_parameters(res.parameters), sent.arrays[proxy.cid])
             except (PayloadError, ValueError, TypeError, KeyError) as exc:
                 log(WARNING, "round %s: rejected fit result from client %s: %s", server_round, proxy.cid, exc)
                 failures.append((proxy, res))

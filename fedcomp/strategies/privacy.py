@@ -155,7 +155,7 @@ class PrivacyBudget:
                 "epsilon-floor": list(self.epsilon_floor)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` (missing keys keep their start values: older checkpoints)."""
+        """Restore :meth:`state_dict` (a key the state lacks keeps its start value)."""
         if state.get("client-dp-rounds") is not None and self.client_dp is not None:
             self.client_dp.rounds = int(state["client-dp-rounds"])
         self.local_rounds = int(state.get("local-dp-rounds") or 0)

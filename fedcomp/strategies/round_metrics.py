@@ -18,8 +18,8 @@ FLOWER_POLL_SECONDS = 3.0
 
 #: Largest magnitude a client-reported number keeps (larger ones are clamped to it): sums and
 #: weighted means over a million clients with weights up to 1e9 then stay far below float64's
-#: 1.8e308, so no client value can make the server raise (``OverflowError`` in ``fsum``, issue 21
-#: item 1) or publish an infinite mean. No honest metric comes near it.
+#: 1.8e308, so no client value can make the server raise (``OverflowError`` in ``fsum``)
+#: or publish an infinite mean. No honest metric comes near it.
 METRIC_BOUND = 1e100
 
 

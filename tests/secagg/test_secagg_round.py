@@ -55,7 +55,7 @@ def test_unmasked_sum_is_the_plain_randomk_aggregate_within_the_quantization_bou
     h = strategy.history[1]
     assert h["num-replies"] == n and h["failures"] == 0 and h["k"] == proj.k == 512 and h["clipped"] == 0
     # packed at the per-round modulus: ceil(log2(4 * 2**16 + 1)) = 19 bits, k values + the weight entry
-    assert workflow._mod_bits == modulus_bits_for(n, Q16) == 19
+    assert workflow.round_modulus_bits == modulus_bits_for(n, Q16) == 19
     head = 5 + 2 + 8  # magic, bits, ndim, one u64 dimension
     per_client = (head + 3) + (head + (512 * 19 + 7) // 8)  # the weight entry, then k values at 19 bits
     assert [sum(len(b) for b in grid.masked[p]) for p in range(n)] == [per_client] * n
@@ -67,7 +67,7 @@ def test_every_reply_is_uniform_modulo_the_modulus():
     the same statistic on the unmasked quantized values is far above the threshold (the test has power)."""
     n, density = 3, 1.0
     _, _, workflow, grid = run_round(n, density, scale=0.05)
-    bits = workflow._mod_bits
+    bits = workflow.round_modulus_bits
     assert bits == modulus_bits_for(n, Q16) == 18
     threshold = 50.0  # chi-square, 15 degrees of freedom: P(X > 50) ~ 1e-5
     for pid in range(n):

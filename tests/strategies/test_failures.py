@@ -83,8 +83,8 @@ def test_oom_kills_in_a_nodes_container_are_named_when_it_reports_again(caplog):
         m = _round(s, g, [31, 32])
         s.aggregate_train(3, [_ok(g, t, m[0]), _ok(g, t, m[1], oom=1.0)])  # no new kill: said once
     lines = [r.getMessage() for r in caplog.records if "out-of-memory killer" in r.getMessage()]
-    assert lines == ["round 2: node 32: the kernel's out-of-memory killer killed 1 process(es) in its container since "
-                     "the server last heard from it (oom_kill count 0 -> 1): its ClientApp ran out of memory"]
+    assert lines == [("round 2: node 32: the kernel's out-of-memory killer killed 1 process(es) in its container since "
+                     "the server last heard from it (oom_kill count 0 -> 1): its ClientApp ran out of memory")]
     assert s.failure_history[2] == [] and s.failure_history[3] == []
 
 

@@ -1,0 +1,125 @@
+"""Handing a round's fold to the inner strategy, and the aggregate back in the model's dtypes.
+
+Three ways, by folding policy (:mod:`.aggregate`):
+
+- client-level DP (``ClippedFold``): the noisy mean is the aggregate; the inner strategy's
+  averaging is replaced;
+- weighted mean (``MeanFold``): the inner strategy gets ONE pre-aggregated reply (an accepted
+  reply's Message, its content replaced by the mean and the total weight), which gives a
+  weighted-mean strategy the same result as every reply would; FedAvg's result on one reply is
+  that reply, so it is used directly;
+- dense (``DenseFold``): the inner strategy gets every reply as dense weights.
+
+Integer/bool tensors come from fedcomp's own rule (``fold.votes``), whatever the inner strategy
+does. What the inner strategy reads is asked of it, never guessed: the weighting metric
+(Flower's ``weighted_by_key``), the record key (``arrayrecord_key``) and its metric aggregation
+(``train_metrics_aggr_fn``), found along the wrapper chain (:func:`.wrapping.find_attr`).
+"""
+
+from __future__ import annotations
+
+from logging import ERROR
+from typing import Any
+
+import numpy as np
+from flwr.app import ArrayRecord, MetricRecord, RecordDict
+from flwr.common.logger import log
+
+from ..statedict import FlatModel
+from .aggregate import ClippedFold, DenseFold, MeanFold, identity_on_one_reply, in_model_dtypes
+from .replies import RoundReplies
+from .wrapping import find_attr
+
+
+def weight_key(inner: Any) -> str:
+    """The metric ``inner`` weights replies by (Flower's ``weighted_by_key``; default ``num-examples``)."""
+    return find_attr(inner, "weighted_by_key", "num-examples")
+
+
+def record_key(inner: Any) -> str:
+    """Where ``inner`` reads the weights in a reply (Flower's ``arrayrecord_key``; default ``arrays``)."""
+    return find_attr(inner, "arrayrecord_key", "arrays")
+
+
+def mean_metrics(inner: Any, metric_contents: list[RecordDict]) -> MetricRecord:
+    """What ``inner``'s metric aggregation gives over every reply (its ``train_metrics_aggr_fn``,
+    Flower's weighted mean by default; empty when it has none)."""
+    fn = find_attr(inner, "train_metrics_aggr_fn", None)
+    return MetricRecord(dict(fn(metric_contents, weight_key(inner)))) if callable(fn) else MetricRecord({})
+
+
+def hand_over(inner: Any, server_round: int, model: FlatModel, got: RoundReplies,
+              sampled: float) -> tuple[ArrayRecord | None, MetricRecord | None, dict]:
+    """The round's aggregate in the model's dtypes and shapes, the inner strategy's metrics, and
+    the DP figures of the round (client-level DP; else empty).
+
+    Parameters
+    ----------
+    inner : flwr.serverapp.strategy.Strategy
+        The wrapped strategy.
+    server_round : int
+    model : FlatModel
+        The global model of the round.
+    got : RoundReplies
+        The round's fold and accepted replies (:func:`.replies.fold_replies`).
+    sampled : float
+        Clients sampled (client-level DP's divisor; ``q * N`` under Poisson sampling).
+
+    Returns
+    -------
+    (arrays, metrics, dp_info)
+        ``arrays`` None when no reply was accepted, when the inner strategy returns none, or when
+        the aggregate is not finite in the model's dtypes (logged; the global model is kept).
+    """
+    if not got.metric_contents:
+        return None, None, {}
+    fold, dp_info, metrics = got.fold, {}, None
+    if isinstance(fold, ClippedFold):
+        agg, dp_info = fold.finish(sampled)
+        arrays, exact = model.record(agg, check=False), model.exact
+    elif isinstance(fold, MeanFold) and identity_on_one_reply(inner):
+        # FedAvg of one reply is that reply (weight factor w / w = 1.0 exactly): no copies to hand over.
+        exact = fold.votes.result()
+        arrays = fold.running.mean_record(exact, portable=True)
+        metrics = mean_metrics(inner, got.metric_contents)
+    else:
+        exact = fold.votes.result()
+        arrays, metrics = _inner_aggregate(inner, server_round, exact, got)
+    if arrays is None:
+        return None, metrics, dp_info
+    try:
+        return in_model_dtypes(arrays, model, exact), metrics, dp_info
+    except ValueError as exc:
+        log(ERROR, "round %s: the aggregated model is not finite (%s); keeping the previous global model",
+            server_round, exc)
+        return None, metrics, dp_info
+
+
+def _inner_aggregate(inner: Any, server_round: int, exact: dict[str, np.ndarray],
+                     got: RoundReplies) -> tuple[ArrayRecord | None, MetricRecord | None]:
+    """The inner strategy's aggregate of every dense reply, or of one pre-aggregated reply (an
+    accepted reply's Message, its content replaced) carrying the total weight."""
+    fold, wkey = got.fold, weight_key(inner)
+    means: MetricRecord | None = None
+    if isinstance(fold, DenseFold):
+        replies = fold.replies
+    else:
+        means = mean_metrics(inner, got.metric_contents)
+        got.carrier.content = RecordDict({
+            record_key(inner): fold.running.mean_record(exact, portable=True),
+            "metrics": MetricRecord({**dict(means), wkey: _as_weight(fold.running.total)})})
+        replies = [got.carrier]
+    arrays, metrics = inner.aggregate_train(server_round, replies)
+    if means is not None and metrics is not None and wkey in means:
+        metrics[wkey] = means[wkey]  # what the inner strategy reports over every reply
+    for reply in replies:  # drop the dense copies now (memory)
+        reply.content = RecordDict()
+    return arrays, metrics
+
+
+def _as_weight(total: float) -> int | float:
+    """A total weight as Flower's metrics take it (an int when it is one)."""
+    return int(total) if float(total).is_integer() else float(total)
+
+
+__all__ = ["hand_over", "mean_metrics", "record_key", "weight_key"]

@@ -1,0 +1,163 @@
+"""One round's train replies: each decoded and validated, then folded in or refused, and counted.
+
+A reply is decoded completely (:func:`.decode.decode_train_reply`) before anything of it reaches
+the fold, so a reply that fails anywhere leaves the aggregate untouched. Error replies (a client
+that failed, :mod:`.failures`) and refused replies are logged with their node id and counted; what the round's
+metrics need of the accepted ones (bytes per codec, per-client and per-layer figures) is kept
+beside the fold. Used by :class:`fedcomp.strategies.CompressedStrategy`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from logging import WARNING
+from typing import Any
+
+from flwr.app import Message, MetricRecord, RecordDict
+from flwr.common.logger import log
+
+from ..compression import PayloadError
+from ..device import reported_machine
+from ..statedict import FlatModel
+from .decode import decode_train_reply
+from .failures import failed_client, missing_clients, oom_confirmations
+from .round_metrics import client_stats
+
+
+@dataclass
+class RoundReplies:
+    """The accepted replies of a round, folded, with what the round's metrics need.
+
+    Attributes
+    ----------
+    fold : MeanFold, ClippedFold or DenseFold
+        The round's folding policy (:mod:`.aggregate`), holding every accepted update.
+    carrier : Message or None
+        An accepted reply, whose Message can carry the pre-aggregated reply to the inner strategy.
+    metric_contents : list of RecordDict
+        One ``{"metrics": MetricRecord}`` per accepted reply (its finite, bounded metrics).
+    stats : list of dict
+        Per accepted client (:func:`.round_metrics.client_stats`).
+    layer_stats : list of dict
+        Per accepted client, the per-layer lists it reported.
+    codec_bytes : dict of str to int
+        Payload bytes received per codec name.
+    rejected, failed : int
+        Replies refused (malformed, duplicate, stranger) and failed clients (error replies, and
+        sampled nodes that sent nothing).
+    failures : list of dict
+        One per failed client (:func:`.failures.failed_client`).
+    """
+
+    fold: Any
+    carrier: Message | None = None
+    metric_contents: list[RecordDict] = field(default_factory=list)
+    stats: list[dict] = field(default_factory=list)
+    layer_stats: list[dict] = field(default_factory=list)
+    codec_bytes: dict[str, int] = field(default_factory=dict)
+    rejected: int = 0
+    failed: int = 0
+    failures: list[dict] = field(default_factory=list)
+
+
+def fold_replies(server_round: int, replies: list[Message], fold: Any, model: FlatModel, weight_key: str,
+                 max_num_examples: int, refuse_dense: str = "", keep_exact: bool = True,
+                 sent_to: dict[str, int] | None = None) -> RoundReplies:
+    """Decode every reply in the given order and fold the good ones into ``fold``.
+
+    Parameters
+    ----------
+    server_round : int
+        For the log.
+    replies : list of Message
+        The admitted replies (error replies included), in the order to fold them.
+    fold : MeanFold, ClippedFold or DenseFold
+        Where accepted updates go (``fold.add(reply, decoded)``).
+    model : FlatModel
+        The global model the clients were sent.
+    weight_key : str
+        The metric the inner strategy weights replies by (``num-examples``).
+    max_num_examples : int
+        Largest weight a reply may claim.
+    refuse_dense : str
+        Why a dense reply is refused ("": accepted).
+    keep_exact : bool
+        False: a reply's integer/bool tensors are dropped (local DP: the server keeps its own).
+    sent_to : dict, optional
+        Message id -> node id of the round's train messages (names the node an error reply that
+        the SuperLink sent for it stands for, :func:`.failures.failed_client`).
+
+    Returns
+    -------
+    RoundReplies
+    """
+    got = RoundReplies(fold)
+    for reply in replies:
+        node = reply.metadata.src_node_id
+        if reply.has_error():
+            got.failed += 1
+            failure = failed_client(reply, sent_to or {})
+            got.failures.append(failure)
+            log(WARNING, "round %s: client (node %s) failed: %s", server_round, failure["node"],
+                failure_reason(reply) if reply.error.code not in (4, 5, 8) else failure["reason"])
+            continue
+        try:  # everything is validated before anything is folded in
+            decoded = decode_train_reply(reply, model, weight_key, max_num_examples, refuse_dense,
+                                         keep_exact=keep_exact)
+        except (PayloadError, ValueError, TypeError, KeyError, OverflowError) as exc:
+            got.rejected += 1
+            log(WARNING, "round %s: rejected reply from node %s: %s", server_round, node, exc)
+            continue
+        got.fold.add(reply, decoded)
+        got.carrier = reply
+        got.metric_contents.append(RecordDict({"metrics": MetricRecord(decoded.metrics)}))
+        for name, nbytes in decoded.update.codecs.items():
+            got.codec_bytes[name] = got.codec_bytes.get(name, 0) + nbytes
+        got.stats.append(client_stats(node, decoded.reported, decoded.update.upload_bytes, model.dense_bytes,
+                                      decoded.decode_seconds, reported_machine(reply.content)))
+        got.layer_stats.append(decoded.layers)
+    return got
+
+
+def note_failures(server_round: int, sent_nodes: set[int] | None, replies: list[Message], refused: list[Message],
+                  got: RoundReplies, oom_seen: dict[int, int]) -> None:
+    """Count the sampled nodes that sent nothing as failed too (no silent dropouts) and name a node
+    whose container's OOM-kill count went up (:func:`.failures.oom_confirmations`).
+
+    Parameters
+    ----------
+    sent_nodes : set of int or None
+        The nodes sent a train message this round (None: unknown, no node counts as silent).
+    replies, refused : list of Message
+        The round's admitted replies (error replies included) and those refused by admission.
+    got : RoundReplies
+        Of :func:`fold_replies`; ``failed`` and ``failures`` grow by the silent nodes.
+    oom_seen : dict
+        Node -> the last ``client-oom-kills`` it reported; updated in place.
+    """
+    answered = {f["node"] for f in got.failures} | {r.metadata.src_node_id for r in replies if not r.has_error()}
+    answered |= {r.metadata.src_node_id for r in refused}
+    # an error reply we could not trace to its node (answered from the SuperLink's id for a message
+    # we did not see sent) stands for one of the silent nodes: then which one is unknown
+    unknown = sent_nodes is not None and any(f["node"] not in sent_nodes for f in got.failures)
+    for f in [] if unknown else missing_clients(sent_nodes, answered):
+        got.failed += 1
+        got.failures.append(f)
+        log(WARNING, "round %s: client (node %s) failed: %s", server_round, f["node"], f["reason"])
+    for c in oom_confirmations(oom_seen, got.stats):
+        log(WARNING, "round %s: node %s: the kernel's out-of-memory killer killed %s process(es) in its "
+            "container since the server last heard from it (oom_kill count %s -> %s): its ClientApp ran out "
+            "of memory", server_round, c["node"], c["oom-kills"] - c["oom-kills-before"], c["oom-kills-before"],
+            c["oom-kills"])
+
+
+def failure_reason(reply: Message) -> str:
+    """A failed client's error reason, with a hint when it looks like a mis-assembled app."""
+    reason = reply.error.reason or ""
+    if "fedcomp.payload" in reason or "clipping_mod expects the keys" in reason:
+        reason += (" (hint: compression_mod must be the first mod of the ClientApp, Flower's DP mods go "
+                   "in @app.train(mods=[...]), and the server strategy must be wrapped in CompressedStrategy)")
+    return reason
+
+
+__all__ = ["RoundReplies", "failure_reason", "fold_replies", "note_failures"]
