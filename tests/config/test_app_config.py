@@ -9,7 +9,7 @@ import pytest
 
 from fedcomp.config import APP_KEYS, AppConfig, CodecConfig, check_known_keys, run_config_keys
 
-PYPROJECT = pathlib.Path(__file__).resolve().parents[1] / "pyproject.toml"
+PYPROJECT = pathlib.Path(__file__).resolve().parents[2] / "pyproject.toml"
 
 
 def _float_keys(cls) -> list[str]:
