@@ -127,6 +127,7 @@ class RoundRecorder:
             rec["client-peak-rss"] = per_client(clients, "client-peak-rss-mb")
             rec["client-memory-limit"] = per_client(clients, "client-memory-limit-mb")
             rec["failures"] = getattr(self.strategy, "failure_history", {}).get(server_round, [])
+            rec["evaluate-failures"] = getattr(self.strategy, "evaluate_failure_history", {}).get(server_round, [])
         fed = self.strategy.evaluate_history.get(server_round)
         if fed is not None:  # federated evaluation: sampled clients on their own data, weighted by examples
             rec.update({"federated-accuracy": fed.get("eval-acc"), "federated-loss": fed.get("eval-loss"),
