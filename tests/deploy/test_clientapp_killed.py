@@ -13,7 +13,7 @@ import pytest
 from fedcomp.deploy import main as deploy_main
 from fedcomp.strategies.failures import CRASHED_REASON
 
-from .test_deployment import free_port_block
+from .helpers import free_port_block
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
