@@ -23,6 +23,7 @@ from .admission import admit, check_max_num_examples
 from .aggregate import ClippedFold, DenseFold, MeanFold, dense_memory_note, streams
 from .downstream import Downstream
 from .ef21 import EF21Aggregate
+from .failures import failed_client
 from .forward import ForwardsToInner
 from .handover import hand_over, record_key, weight_key
 from .privacy import PoissonSampling, PrivacyBudget
@@ -205,6 +206,9 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         self.client_history: dict[int, list[dict]] = {}
         #: Per-round failed clients (round -> list of {node, code, error, reason}, :mod:`.failures`).
         self.failure_history: dict[int, list[dict]] = {}
+        #: The same for federated evaluation (round -> list).
+        self.evaluate_failure_history: dict[int, list[dict]] = {}
+        self._evaluate_sent: list[Message] = []
         self._oom_seen: dict[int, int] = {}  # node -> the last client-oom-kills count it reported
         self._start_forwarding()  # from here on, settings of the inner strategy reach it (:mod:`.forward`)
 
@@ -314,11 +318,17 @@ class CompressedStrategy(ForwardsToInner, Strategy):
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
         """Delegate unchanged (evaluation messages carry dense global weights)."""
-        return self.inner.configure_evaluate(server_round, arrays, config, grid)
+        self._evaluate_sent = list(self.inner.configure_evaluate(server_round, arrays, config, grid))
+        return self._evaluate_sent
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
-        """Delegate unchanged; the result is also kept in ``evaluate_history[server_round]``."""
+        """Delegate unchanged; the result is also kept in ``evaluate_history[server_round]``, and
+        clients that failed to evaluate in ``evaluate_failure_history`` (logged with the reason)."""
         replies = list(replies)
+        sent_to = {m.metadata.message_id: m.metadata.dst_node_id for m in self._evaluate_sent}
+        self.evaluate_failure_history[server_round] = [failed_client(r, sent_to) for r in replies if r.has_error()]
+        for f in self.evaluate_failure_history[server_round]:
+            log(WARNING, "round %s: client (node %s) failed to evaluate: %s", server_round, f["node"], f["reason"])
         metrics = self.inner.aggregate_evaluate(server_round, replies)
         if metrics is not None:
             ok = sum(1 for r in replies if not r.has_error())
