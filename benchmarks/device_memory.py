@@ -147,6 +147,11 @@ def run_one(model: str, codec: str, rounds: int, image: str, parts: pathlib.Path
                      "container-anon-peak-mb": watches[i].anon / 2**20, "programs": watches[i].programs,
                      "oom-kills": watches[i].oom, "failures": fails, "run-seconds": seconds,
                      "deploy-exit-code": proc.returncode})
+    # what the server said about failed clients and out-of-memory kills (the run's log)
+    said = [line.split("fedcomp-deploy")[0].strip() for line in proc.stdout.splitlines()
+            if "failed" in line and "node" in line or "out-of-memory" in line]
+    for row in rows:
+        row["server-log"] = said
     if not recs:
         print(proc.stdout[-3000:], proc.stderr[-2000:], file=sys.stderr)
     return rows

@@ -83,9 +83,20 @@ BASE_CASES = list(CASES)[:12]
 EXTRA_CASES = list(CASES)[12:]
 #: issue 25, accuracy per byte where it is hard: the BatchNorm ResNet (12 rounds) with the defaults
 #: and with BatchNorm's affine parameters sent dense ("bn-affine": batchnorm-affine = "small"), and
-#: the CNN at density 1/1000 (50 rounds), plain, with DGC's momentum correction, and with server
-#: momentum (FedAvgM, server lr 1.0, momentum 0.5) on top of momentum correction or of a density schedule.
-#: ``--suite accuracy`` runs these (not part of the default run).
+#: the CNN at density 1/1000 (50 rounds): "default" = the "auto" defaults (fedcomp.low_density: the
+#: density warm-up from 25 % over 30 rounds and server momentum below 1/400), "plain" = density-schedule "constant" and
+#: FedAvg (the defaults before), and the settings tried: DGC's momentum correction ("mc"), server
+#: momentum (FedAvgM, server lr 1.0, momentum 0.5: "avgm"), exponential density schedules from 25 %
+#: over 10/20/30 rounds ("schedN"), EF21. ``--suite accuracy`` runs these (not part of the default run).
+_PLAIN = {"density-schedule": "constant", "strategy": "fedavg"}
+_AVGM = {"strategy": "fedavgm", "server-lr": 1.0, "server-momentum": 0.5}
+_STC1000 = {"compressor": "stc", "density": 0.001}
+
+
+def _sched(rounds: int) -> dict:
+    return {"density-schedule": "exponential", "density-start": 0.25, "schedule-rounds": rounds}
+
+
 ACCURACY_CASES = {
     "resnet none": {"model": "resnet", "compressor": "none", "num-server-rounds": 12},
     "resnet sign+EF": {"model": "resnet", "compressor": "sign", "num-server-rounds": 12},
@@ -96,13 +107,15 @@ ACCURACY_CASES = {
     "resnet stc 0.0025+EF bn-affine": {"model": "resnet", "compressor": "stc", "density": 0.0025,
                                        "batchnorm-affine": "small", "num-server-rounds": 12},
     "cnn none": {"compressor": "none"},
-    "cnn stc 0.001+EF": {"compressor": "stc", "density": 0.001},
-    "cnn stc 0.001+EF mc": {"compressor": "stc", "density": 0.001, "momentum-correction": 0.5},
-    "cnn stc 0.001+EF mc+avgm": {"compressor": "stc", "density": 0.001, "momentum-correction": 0.5,
-                                 "strategy": "fedavgm", "server-lr": 1.0, "server-momentum": 0.5},
-    "cnn stc 0.001+EF sched+avgm": {"compressor": "stc", "density": 0.001, "density-schedule": "exponential",
-                                    "density-start": 0.25, "schedule-rounds": 10, "strategy": "fedavgm",
-                                    "server-lr": 1.0, "server-momentum": 0.5},
+    "cnn stc 0.001+EF default": dict(_STC1000),
+    "cnn stc 0.001+EF plain": {**_STC1000, **_PLAIN},
+    "cnn stc 0.001+EF mc": {**_STC1000, **_PLAIN, "momentum-correction": 0.5},
+    "cnn stc 0.001+EF mc+avgm": {**_STC1000, **_PLAIN, "momentum-correction": 0.5, **_AVGM},
+    "cnn stc 0.001+EF sched10+avgm": {**_STC1000, **_sched(10), **_AVGM},
+    "cnn stc 0.001+EF sched20+avgm": {**_STC1000, **_sched(20), **_AVGM},
+    "cnn stc 0.001+EF sched20+avgm0.7": {**_STC1000, **_sched(20), **_AVGM, "server-momentum": 0.7},
+    "cnn stc 0.001+EF sched30": {**_STC1000, **_sched(30), "strategy": "fedavg"},
+    "cnn stc 0.001+EF21 sched10": {**_STC1000, **_sched(10), "error-feedback": "ef21", "strategy": "fedavg"},
 }
 CASES.update(ACCURACY_CASES)
 
@@ -226,7 +239,7 @@ def plot(results: list[dict], path: pathlib.Path) -> None:
 
 def plot_accuracy(results: list[dict], path: pathlib.Path) -> None:
     """Issue 25's figure: per model, accuracy per round and accuracy against cumulative uploaded MB
-    (log x), mean over seeds; the settings tried on top of the defaults ("+EF <remedy>") dashed."""
+    (log x), mean over seeds; the settings tried ("+EF <remedy>") dashed, the defaults solid."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -239,7 +252,8 @@ def plot_accuracy(results: list[dict], path: pathlib.Path) -> None:
         for i, r in enumerate(rows):
             acc = [statistics.fmean(v) for v in zip(*r["curves"])]
             mb = [statistics.fmean(v) for v in zip(*r["cumulative_upload_mb"])]
-            style = {"color": f"C{i}", "linestyle": "--" if "+EF " in r["case"] else "-",
+            tried = "+EF " in r["case"] and not r["case"].endswith(" default")
+            style = {"color": f"C{i}", "linestyle": "--" if tried else "-", "linewidth": 1.2 if tried else 2.0,
                      "label": r["case"]}
             row[0].plot(range(len(acc)), acc, **style)
             row[1].plot(mb[1:], acc[1:], **style)

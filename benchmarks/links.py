@@ -373,9 +373,12 @@ def plot(rows: list[dict], path: pathlib.Path) -> None:
         axes[0].scatter([c["computed"] for c in cs], [c["measured"] for c in cs], marker=marker, label=codec)
         axes[0].scatter([c["old"] for c in cs], [c["measured"] for c in cs], marker=marker, facecolors="none",
                         edgecolors="grey")
-        xs = [x for r in rs for x in r["breakdown"] if x["round"] > 1]
-        axes[1].scatter([x["upload-computed"] + x["download-computed"] for x in xs],
-                        [x["upload"] + x["download"] for x in xs], marker=marker, label=codec, s=14)
+        for rtt in sorted({r.get("rtt-ms") or 0.0 for r in rs}):
+            xs = [x for r in rs if (r.get("rtt-ms") or 0.0) == rtt for x in r["breakdown"] if x["round"] > 1]
+            axes[1].scatter([x["upload-computed"] + x["download-computed"] for x in xs],
+                            [x["upload"] + x["download"] for x in xs], marker=marker, s=14 if not rtt else 30,
+                            label=codec + (f", RTT {rtt:g} ms" if rtt else ""),
+                            **({"facecolors": "none", "edgecolors": "C3" if rtt > 100 else "C4"} if rtt else {}))
     lo, hi = axes[0].get_xlim()[0], max(axes[0].get_xlim()[1], axes[0].get_ylim()[1])
     axes[0].plot([lo, hi], [lo, hi], "k-", lw=0.8)
     axes[0].fill_between([lo, hi], [lo * 0.8, hi * 0.8], [lo * 1.2, hi * 1.2], color="grey", alpha=0.15,
@@ -447,8 +450,9 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
             print(f"links: {codec} up {up}: rounds {row['rounds-to-target']} measured {row['measured-seconds']} s "
                   f"computed {row['computed-seconds']:.2f} s", flush=True)
-            out.write_text(json.dumps({"machine": platform.machine(), "load-avg": os.getloadavg(),
-                                       "args": vars(args), "rows": rows}, indent=1))
+            settings = {k: v for k, v in vars(args).items() if k not in ("out", "plot_only")}  # no paths
+            out.write_text(json.dumps({"machine": platform.machine(), "load-avg": os.getloadavg(), "args": settings,
+                                       "rows": rows}, indent=1))
     with contextlib.suppress(OSError):
         shutil.rmtree(base)
     print(table(rows))

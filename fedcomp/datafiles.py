@@ -28,6 +28,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 from .data import DataConfig, load_partition
+from .files import write_atomically
 
 #: Node-config key naming a partition file.
 DATA_FILE_KEY = "data-file"
@@ -61,10 +62,9 @@ def save_partitions(cfg: DataConfig, num_partitions: int, out_dir: str | os.Path
     for pid in range(num_partitions):
         images, labels = load_partition(cfg, pid, num_partitions).tensors
         path = out / f"partition-{pid}.npz"
-        tmp = out / f".partition-{pid}.tmp.npz"
-        np.savez(tmp, images=images.numpy().astype(np.float32), labels=labels.numpy().astype(np.int64),
-                 meta=np.array(json.dumps(_meta(cfg, pid, num_partitions))))
-        os.replace(tmp, path)
+        arrays = {"images": images.numpy().astype(np.float32), "labels": labels.numpy().astype(np.int64),
+                  "meta": np.array(json.dumps(_meta(cfg, pid, num_partitions)))}
+        write_atomically(path, lambda f, arrays=arrays: np.savez(f, **arrays))
         paths.append(path)
     return paths
 

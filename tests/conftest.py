@@ -1,8 +1,15 @@
-"""Fixtures shared by the test packages (plain helper functions for hand-built Flower messages
-are in ``tests/messages.py``)."""
+"""Fixtures shared by the test packages. Plain helper functions live in modules: ``tests/messages.py``
+(hand-built Flower messages), ``tests/flwr_run.py`` (`flwr run` on a private SuperLink),
+``tests/model_zoo.py`` (small models with every kind of state_dict entry) and ``tests/<dir>/helpers.py``."""
+
+import importlib
+import pathlib
+import sys
 
 import pytest
 from flwr.app import Context, RecordDict
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
@@ -18,3 +25,53 @@ def run_server_app():
         main(InProcessGrid(client_app, nodes, run_config), ctx)
 
     return run
+
+
+@pytest.fixture
+def corpus(tmp_path, monkeypatch):
+    """FEDCOMP_DATA_DIR pointing at a small local corpus; fedcomp's data caches cleared before and after."""
+    from fedcomp import data, text_data
+    from tests.lm.helpers import write_corpus
+
+    def clear():
+        text_data.shakespeare_roles.cache_clear()
+        data.load_partition.cache_clear()
+        data.load_test_set.cache_clear()
+
+    write_corpus(tmp_path / "cache")
+    monkeypatch.setenv(text_data.CACHE_ENV, str(tmp_path / "cache"))
+    clear()
+    yield tmp_path / "cache"
+    clear()
+
+
+@pytest.fixture
+def import_example(monkeypatch):
+    """``import_example(folder, package)``: the ``client_app``, ``server_app`` and ``task`` modules of the app in
+    ``examples/<folder>`` (package ``package``) by name; the package leaves ``sys.modules`` afterwards."""
+    packages = []
+
+    def load(folder: str, package: str) -> dict:
+        monkeypatch.syspath_prepend(str(REPO / "examples" / folder))
+        packages.append(package)
+        return {name: importlib.import_module(f"{package}.{name}") for name in ("client_app", "server_app", "task")}
+
+    yield load
+    for package in packages:
+        for name in [m for m in sys.modules if m == package or m.startswith(f"{package}.")]:
+            del sys.modules[name]
+
+
+@pytest.fixture(scope="session")
+def byte_base_dir(tmp_path_factory):
+    """A tiny byte-level Llama (vocab 256, 80 positions) for the Shakespeare windows, saved with
+    save_pretrained (no download): its folder."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=4, max_position_embeddings=80, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    out = tmp_path_factory.mktemp("byte-base")
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(out)
+    return str(out)

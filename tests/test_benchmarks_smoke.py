@@ -98,3 +98,15 @@ def test_secagg_benchmark_quick_runs(tmp_path):
     assert packed["modulus-bits"] == 19
     assert packed["bits-per-parameter"] == 8 * (15 + (k * 19 + 7) // 8 + 15 + 3) / 38282
     assert rows["SecAgg+ randomk d=0.0625, int64"]["bits-per-parameter"] > 4.0
+
+
+@pytest.mark.slow
+def test_memory_share_benchmark_quick_runs(tmp_path):
+    out = tmp_path / "memory_share.json"
+    subprocess.run([sys.executable, str(REPO / "benchmarks" / "memory_share.py"), "--quick", "--codecs", "sign",
+                    "--out", str(out)], check=True, capture_output=True, timeout=600)
+    res = json.loads(out.read_text())
+    rows = {r["residual-dtype"]: r for r in res["rows"]}
+    model = res["plain"][0]["model_bytes"]  # 1/4-width ResNet-18: 4 bytes per float entry
+    assert rows["fp32"]["residual-bytes"] == model and rows["fp16"]["residual-bytes"] == model / 2
+    assert all(r["peak-bytes"] > res["plain"][0]["base_bytes"] for r in rows.values())

@@ -1,16 +1,14 @@
 """End to end: the in-process federation, and a real `flwr run .` local simulation."""
 
 import json
-import os
 import pathlib
 import re
 import shutil
-import subprocess
 import sys
 
 import pytest
 
-from fedcomp.deploy import stop_local_superlink
+from tests.flwr_run import fedcomp_run, flwr_run
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -29,54 +27,11 @@ def test_in_process_federation_learns_and_counts_bytes():
         assert 20 < r["compression-ratio"] < 200
 
 
-def _flwr_env(tmp_path):
-    env = dict(os.environ)
-    env["FLWR_HOME"] = str(tmp_path / "flwr-home")
-    env["FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION"] = "1"
-    env["PATH"] = f"{pathlib.Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    # our own ports, so a SuperLink another process left running is never reused
-    env["FLWR_LOCAL_SUPERLINK_HTTP_API_PORT"] = "39391"
-    env["FLWR_LOCAL_CONTROL_API_PORT"] = "39393"
-    return env
-
-
-def _stop_local_superlink(flwr_home: pathlib.Path) -> None:
-    stop_local_superlink(flwr_home)
-
-
-def _flwr_run(tmp_path, nodes: int, run_config: str, ports: tuple[str, str] = ("39391", "39393")):
-    """`flwr run .` on a private SuperLink (own FLWR_HOME and ports), stopped by PID afterwards.
-    Returns (log, metrics.json path); `flwr run` exits 0 even when the run failed, so callers judge
-    by the results file."""
-    log, metrics, _ = _private_run(tmp_path, nodes, run_config, ports, wrapper=False)
-    return log, metrics
-
-
-def _private_run(tmp_path, nodes: int, run_config: str, ports: tuple[str, str], wrapper: bool):
-    """`flwr run .`, or with ``wrapper`` `fedcomp-simulation` (which runs it): (log, metrics.json, exit code)."""
-    env = _flwr_env(tmp_path)
-    env["FLWR_LOCAL_SUPERLINK_HTTP_API_PORT"], env["FLWR_LOCAL_CONTROL_API_PORT"] = ports
-    results = tmp_path / "results"
-    flwr = shutil.which("flwr", path=env["PATH"])
-    overrides = f"{run_config} results-dir='{results}'"
-    if wrapper:
-        cmd = [sys.executable, "-m", "fedcomp.simulate", "--app", str(REPO), "--supernodes", str(nodes),
-               "--run-config", overrides]
-    else:
-        cmd = [flwr or sys.executable, *([] if flwr else ["-m", "flwr.cli.app"]), "run", str(REPO), "--stream",
-               "--federation-config", f"num-supernodes={nodes} client-resources-num-cpus=1", "--run-config", overrides]
-    try:
-        proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=400)
-    finally:
-        _stop_local_superlink(tmp_path / "flwr-home")
-    return proc.stdout + proc.stderr, results / "metrics.json", proc.returncode
-
-
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("pgrep") is None, reason="needs pgrep to stop the local SuperLink")
 def test_flwr_run_local_simulation(tmp_path):
-    log, metrics_file, code = _private_run(tmp_path, 3, "num-server-rounds=2 compressor='sign' lr=0.1",
-                                           ("39391", "39393"), wrapper=True)
+    log, metrics_file, code = fedcomp_run(tmp_path, 3, "num-server-rounds=2 compressor='sign' lr=0.1",
+                                          ("39391", "39393"), wrapper=True)
     assert code == 0, log[-3000:]  # fedcomp-simulation: 0 only when the run wrote its results
     results = metrics_file.parent
     assert metrics_file.exists(), log[-3000:]
@@ -111,8 +66,8 @@ def test_flwr_run_local_simulation(tmp_path):
 @pytest.mark.skipif(shutil.which("pgrep") is None, reason="needs pgrep to stop the local SuperLink")
 def test_flwr_run_trains_the_batchnorm_resnet(tmp_path):
     """`flwr run . --run-config "model='resnet'"` end to end (BatchNorm, int64 num_batches_tracked)."""
-    log, metrics_file = _flwr_run(tmp_path, 2, "num-server-rounds=3 model='resnet' compressor='stc' density=0.05",
-                                  ("39395", "39397"))
+    log, metrics_file = flwr_run(tmp_path, 2, "num-server-rounds=3 model='resnet' compressor='stc' density=0.05",
+                                 ("39395", "39397"))
     assert metrics_file.exists(), log[-3000:]
     rounds = json.loads(metrics_file.read_text())["rounds"]
     assert [r["round"] for r in rounds] == [0, 1, 2, 3]

@@ -1,4 +1,4 @@
-"""``batchnorm-affine = "small"`` (issue 25): BatchNorm's affine parameters skip the sparse codecs, said once
+"""``batchnorm-affine = "small"``: BatchNorm's affine parameters skip the sparse codecs, said once
 in the log; off by default (measured: it did not pay for its bytes on ``model = "resnet"``)."""
 
 import logging

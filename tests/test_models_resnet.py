@@ -1,5 +1,5 @@
 """``model = "resnet"`` (BatchNorm, int64 ``num_batches_tracked``) trains in the in-process federation
-with every codec, downstream compression, checkpoint/resume and each DP mode (issue 12)."""
+with every codec, downstream compression, checkpoint/resume and each DP mode."""
 
 import logging
 import math

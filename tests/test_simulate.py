@@ -1,4 +1,4 @@
-"""`fedcomp-simulation` (issue 24): the run config is checked before anything starts, a failed run
+"""`fedcomp-simulation`: the run config is checked before anything starts, a failed run
 exits non-zero with its reason, a finished one exits 0."""
 
 import pathlib

@@ -5,10 +5,11 @@ for type and range, and the combinations that cannot run refused before anything
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from ..compression import available_compressors
+from ..low_density import resolve_strategy
 from ..protocol import DEFAULT_DOWNLINK_MBPS, DEFAULT_UPLINK_MBPS, MIN_LINK_MBPS
 from ..training import TrainConfig
 from ..validate import read_bool, read_number, read_string
@@ -22,14 +23,19 @@ DP_MODES = ("none", "dp-sgd", "client-level", "local")
 
 @dataclass(frozen=True)
 class AppConfig:
-    """Everything the ServerApp and ClientApp read from the run config."""
+    """Everything the ServerApp and ClientApp read from the run config.
+
+    ``strategy`` "auto" (the default) is resolved when parsing: "fedavgm" with server learning rate
+    1.0 and momentum 0.5 for stc/topk below density 1/400 with classic error feedback, no momentum
+    correction and no DP, else "fedavg" (:mod:`fedcomp.low_density`, measured in issue 25).
+    """
 
     num_server_rounds: int = 50
     fraction_train: float = 1.0
     fraction_evaluate: float = 0.5
     min_train_nodes: int = 2
     min_available_nodes: int = 2
-    strategy: str = "fedavg"
+    strategy: str = "auto"
     server_lr: float = 0.1
     server_momentum: float = 0.9
     lr: float = TrainConfig.lr
@@ -85,7 +91,7 @@ class AppConfig:
             fraction_evaluate=read_number(cfg, "fraction-evaluate", d["fraction_evaluate"], lo=0.0, hi=1.0),
             min_train_nodes=read_number(cfg, "min-train-nodes", d["min_train_nodes"], lo=1, integer=True),
             min_available_nodes=read_number(cfg, "min-available-nodes", d["min_available_nodes"], lo=1, integer=True),
-            strategy=read_string(cfg, "strategy", d["strategy"], ("fedavg", "fedadam", "fedavgm")),
+            strategy=read_string(cfg, "strategy", d["strategy"], ("auto", "fedavg", "fedadam", "fedavgm")),
             server_momentum=read_number(cfg, "server-momentum", d["server_momentum"], lo=0.0, hi=1.0, hi_open=True),
             server_lr=read_number(cfg, "server-lr", d["server_lr"], lo=0.0, lo_open=True),
             lr=read_number(cfg, "lr", d["lr"], lo=0.0, lo_open=True),
@@ -122,6 +128,10 @@ class AppConfig:
             finetune=read_string(cfg, "finetune", d["finetune"], ("full", "lora")),
             codec=CodecConfig.from_mapping(cfg),
         )
+        # "auto": FedAvgM for stc/topk below 1/400, else FedAvg (fedcomp.low_density)
+        strategy, server_lr, server_momentum = resolve_strategy(out.strategy, out.server_lr, out.server_momentum,
+                                                                out.codec, out.dp)
+        out = replace(out, strategy=strategy, server_lr=server_lr, server_momentum=server_momentum)
         if out.codec.error_feedback == "ef21" and (out.fraction_train < 1.0 or out.client_sampling != "fraction"):
             raise ValueError("run config error-feedback = 'ef21' needs every client in every round: 'fraction-train' "
                              "= 1.0 and 'client-sampling' = 'fraction' (and 'min-train-nodes' = "

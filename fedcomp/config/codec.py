@@ -14,11 +14,12 @@ from typing import Any
 
 from ..compression import CODECS, Compressor, available_compressors
 from ..compression.qsgd import MAX_EXPONENTIAL_LEVELS, SPACINGS
+from ..low_density import resolve_schedule
 from ..validate import read_bool, read_number, read_string
 
 #: Codecs that choose entries (their k is taken over the whole model with selection "auto").
 SPARSE_CODECS = ("stc", "topk", "randomk")
-DENSITY_SCHEDULES = ("constant", "exponential", "linear", "adaptive")
+DENSITY_SCHEDULES = ("auto", "constant", "exponential", "linear", "adaptive")
 #: Codecs that work per tensor only ("selection" must resolve to "tensor").
 TENSOR_ONLY_CODECS = ("powersgd",)
 
@@ -86,7 +87,9 @@ class CodecConfig:
     ``batchnorm-affine = "small"`` (default "codec": measured on ``model = "resnet"``, sending them
     dense did not pay for its bytes; see :mod:`fedcomp.model_policy`).
     Schedules (applied by the server each round): ``warmup-rounds`` rounds with
-    ``warmup-compressor``, then ``density-schedule`` "constant", "exponential" or "linear"
+    ``warmup-compressor``, then ``density-schedule`` "auto" (the default: "exponential" for
+    stc/topk with error feedback below density 1/400, else "constant"; :mod:`fedcomp.low_density`),
+    "constant", "exponential" or "linear"
     from ``density-start`` to ``density`` over ``schedule-rounds`` rounds (DGC's warm-up,
     Lin et al. ICLR 2018), or "adaptive": each client picks the smallest density in
     [``density-min``, ``density-max``] whose relative compression error on its current
@@ -116,9 +119,9 @@ class CodecConfig:
     layer_codecs: str = ""
     warmup_rounds: int = 0
     warmup_compressor: str = "none"
-    density_schedule: str = "constant"
+    density_schedule: str = "auto"
     density_start: float = 0.25
-    schedule_rounds: int = 10
+    schedule_rounds: int = 30
     target_error: float = 0.5
     density_min: float = 0.001
     density_max: float = 0.25
@@ -126,6 +129,11 @@ class CodecConfig:
     unbiased: bool = False
     spacing: str = "uniform"
     momentum_correction: float = 0.0
+
+    def __post_init__(self) -> None:
+        # "auto": DGC's warm-up for stc/topk below 1/400, else constant (fedcomp.low_density)
+        object.__setattr__(self, "density_schedule", resolve_schedule(
+            self.density_schedule, self.compressor, self.density, self.error_feedback, self.warmup_rounds))
 
     @property
     def scope(self) -> str:

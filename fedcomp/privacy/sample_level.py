@@ -11,16 +11,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..validate import check_number
+from ..validate import read_number
 from .accounting import ACCOUNTANTS, epsilon_spent, restore_accountant
 from .calibration import calibrate_noise_multiplier, logical_batch_size, sample_rate, steps_per_epoch
 
 if TYPE_CHECKING:
     from ..training import TrainConfig
-
-
-def _number(cfg: Mapping[str, Any], key: str, default: Any) -> float:
-    return float(check_number(cfg.get(key, default), f"run config '{key}'"))
 
 
 def secure_rng_available() -> bool:
@@ -146,10 +142,10 @@ class DPSGDConfig:
         if isinstance(rounds, float) and rounds.is_integer():
             rounds = int(rounds)
         return cls(
-            noise_multiplier=_number(cfg, "noise-multiplier", cls.noise_multiplier),
-            max_grad_norm=_number(cfg, "max-grad-norm", cls.max_grad_norm),
-            target_delta=_number(cfg, "target-delta", cls.target_delta),
-            target_epsilon=None if target is None else _number(cfg, "target-epsilon", None),
+            noise_multiplier=float(read_number(cfg, "noise-multiplier", cls.noise_multiplier)),
+            max_grad_norm=float(read_number(cfg, "max-grad-norm", cls.max_grad_norm)),
+            target_delta=float(read_number(cfg, "target-delta", cls.target_delta)),
+            target_epsilon=None if target is None else float(read_number(cfg, "target-epsilon", None)),
             planned_rounds=rounds,
             accountant=accountant,
             secure_rng=secure,

@@ -24,6 +24,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ..validate import read_bool
+
 #: Codecs that survive masked summation: shared-seed random-k (``randomk``) and dense (``none``).
 SECAGG_CODECS = ("randomk", "none")
 #: Flower's limit: ``modulus_range`` below 2**32 (its quantizer and masks use 32/64-bit integers).
@@ -46,13 +48,6 @@ def _number(cfg: Mapping[str, Any], key: str) -> float | int:
     v = cfg.get(key, SECAGG_DEFAULTS[key])
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
         raise ValueError(f"run config '{key}' must be a finite number, got {v!r}")
-    return v
-
-
-def _flag(cfg: Mapping[str, Any], key: str) -> bool:
-    v = cfg.get(key, SECAGG_DEFAULTS[key])
-    if not isinstance(v, bool):
-        raise ValueError(f"run config '{key}' must be true or false, got {v!r}")  # noqa: TRY004 (as config.py)
     return v
 
 
@@ -120,9 +115,10 @@ class SecAggConfig:
         mw = float(_number(cfg, "secagg-max-weight"))
         if mw <= 0:
             raise ValueError(f"run config 'secagg-max-weight' must be > 0, got {mw}")
-        return cls(enabled=_flag(cfg, "secagg"), shares=shares, threshold=threshold, clipping_range=c,
+        flags = {k: read_bool(cfg, k, SECAGG_DEFAULTS[k]) for k in ("secagg", "secagg-rotation", "secagg-pack")}
+        return cls(enabled=flags["secagg"], shares=shares, threshold=threshold, clipping_range=c,
                    quantization_bits=qbits, modulus_bits=mbits, max_weight=mw,
-                   rotation=_flag(cfg, "secagg-rotation"), pack=_flag(cfg, "secagg-pack"))
+                   rotation=flags["secagg-rotation"], pack=flags["secagg-pack"])
 
 
 def check_codec_under_secagg(run_config: Mapping[str, Any]) -> None:
@@ -157,6 +153,6 @@ def check_codec_under_secagg(run_config: Mapping[str, Any]) -> None:
                    "finetune": "full", "selection": "auto", "min-compress-numel": 0,
                    "small-tensor-compressor": "none", "require-compression": False}
     for key, ok in unsupported.items():
-        if key in run_config and run_config[key] != ok:
+        if key in run_config and run_config[key] != ok and not (key == "density-schedule" and run_config[key] == "auto"):
             raise ValueError(f"run config '{key}' = {run_config[key]!r} is not supported with secagg = true "
                              f"(use {ok!r})")

@@ -15,6 +15,7 @@ from flwr.serverapp.strategy import FedAdam, FedAvg, FedAvgM, Strategy
 from ..config import CODEC_DEFAULTS, AppConfig
 from ..data import DataConfig, load_test_set
 from ..lora import LoraSettings, initial_adapters, load_weights, lora_model
+from ..low_density import auto_note, resolve_schedule
 from ..models import build_model
 from ..privacy import NO_AMPLIFICATION, ClientLevelDP, DPSGDConfig, LocalDP, check_accountable
 from ..secagg.server_app import check_secagg_config, run_secagg, secagg_requested
@@ -126,6 +127,7 @@ class RoundRecorder:
             rec["client-peak-rss"] = per_client(clients, "client-peak-rss-mb")
             rec["client-memory-limit"] = per_client(clients, "client-memory-limit-mb")
             rec["failures"] = getattr(self.strategy, "failure_history", {}).get(server_round, [])
+            rec["evaluate-failures"] = getattr(self.strategy, "evaluate_failure_history", {}).get(server_round, [])
         fed = self.strategy.evaluate_history.get(server_round)
         if fed is not None:  # federated evaluation: sampled clients on their own data, weighted by examples
             rec.update({"federated-accuracy": fed.get("eval-acc"), "federated-loss": fed.get("eval-loss"),
@@ -187,8 +189,15 @@ def check_same_codec(saved: dict | None, cfg: AppConfig) -> None:
     now = cfg.codec.to_mapping()
     # A key the checkpoint lacks is newer than the checkpoint: that run used the key's default.
     saved = {**{k: v for k, v in CODEC_DEFAULTS.items() if k not in saved}, **saved}
+    if saved.get("density-schedule") == "auto":  # a default "auto" resolves from the checkpoint's own codec
+        saved["density-schedule"] = resolve_schedule("auto", saved.get("compressor"), saved.get("density", 1.0),
+                                                     saved.get("error-feedback"), saved.get("warmup-rounds", 0))
+    ramps = ("exponential", "linear")
+    # the ramp's keys do nothing while neither schedule ramps (a changed default must not block a resume)
+    unused = () if now.get("density-schedule") in ramps or saved.get("density-schedule") in ramps \
+        else ("density-start", "schedule-rounds")
     diff = [f"'{k}' = {now.get(k)!r} (checkpoint: {saved.get(k)!r})" for k in sorted(set(now) | set(saved))
-            if now.get(k) != saved.get(k)]
+            if now.get(k) != saved.get(k) and k not in unused]
     if diff:
         raise ValueError("run config 'resume': the codec settings differ from the checkpoint's: " + ", ".join(diff)
                          + ". The clients' error-feedback residuals and the codec recorded for past rounds belong "
@@ -214,7 +223,7 @@ def privacy_statement(cfg: AppConfig, run_config: dict | None = None) -> dict | 
              "local": "client-level, local: each client clips and noises its own update before compressing"}[cfg.dp]
     accountant = "rdp"  # client-level and local DP: Rényi DP of the Gaussian mechanism, per round
     if cfg.dp == "dp-sgd":
-        accountant = run_config.get("accountant", "rdp") if run_config is not None else "rdp"
+        accountant = (run_config or {}).get("accountant", DPSGDConfig.accountant)
     return {"mode": cfg.dp, "level": level, "delta": cfg.target_delta, "accountant": accountant,
             "assumption": (NO_AMPLIFICATION if cfg.client_sampling != "poisson" or cfg.dp != "client-level" else
                            f"clients Poisson-sampled by the server with probability q = {cfg.fraction_train} per round "
@@ -271,6 +280,8 @@ def main(grid: Grid, context: Context) -> None:
     torch.manual_seed(cfg.seed)
     out_dir = writable_results_dir(cfg.results_dir, cfg.codec.compressor)
     route_flower_logs(out_dir, cfg.verbose)
+    if note := auto_note(context.run_config, cfg):  # once per run: what the "auto" defaults chose
+        log(INFO, "fedcomp  %s", note)
     if secagg_requested(context.run_config):
         run_secagg(grid, context, cfg, out_dir)
         return

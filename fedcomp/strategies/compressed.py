@@ -23,6 +23,7 @@ from .admission import admit, check_max_num_examples
 from .aggregate import ClippedFold, DenseFold, MeanFold, dense_memory_note, streams
 from .downstream import Downstream
 from .ef21 import EF21Aggregate
+from .failures import failed_client
 from .forward import ForwardsToInner
 from .handover import hand_over, record_key, weight_key
 from .privacy import PoissonSampling, PrivacyBudget
@@ -179,17 +180,9 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         if not isinstance(require_compression, bool):
             raise ValueError(f"require_compression must be True or False, got {require_compression!r}")
         self.require_compression = require_compression
-        if max_epsilon is not None and (isinstance(max_epsilon, bool) or not isinstance(max_epsilon, (int, float))
-                                        or not max_epsilon > 0 or not np.isfinite(max_epsilon)):
-            raise ValueError(f"max_epsilon (run config 'max-epsilon') must be a finite number > 0, or None for no "
-                             f"budget; got {max_epsilon!r}")
-        self.ef21 = EF21Aggregate() if self.codec.error_feedback == "ef21" else None
-        if self.ef21 is not None and (client_dp is not None or aggregation != "auto" or not streams(inner)):
-            raise ValueError("error_feedback='ef21' needs a weighted-mean inner strategy (FedAvg and its family), "
-                             "aggregation='auto' and no client_dp: the server keeps EF21's estimate of the mean update")
-        if self.ef21 is not None and float(getattr(inner, "fraction_train", 1.0)) < 1.0:
-            raise ValueError("error_feedback='ef21' needs every client in every round (fraction_train = 1.0, run config "
-                             "'fraction-train'): the server's single estimate h keeps a departed client's last h_i")
+        self.budget = PrivacyBudget(client_dp, local_dp, max_epsilon)
+        self.ef21 = (EF21Aggregate.for_strategy(inner, client_dp, aggregation)
+                     if self.codec.error_feedback == "ef21" else None)
         self.aggregation = aggregation
         if downstream not in (None, "none") and downstream not in available_compressors():
             raise ValueError(f"downstream must be 'none' or one of {available_compressors()}, got {downstream!r}")
@@ -197,7 +190,6 @@ class CompressedStrategy(ForwardsToInner, Strategy):
                            else Downstream(self.codec, downstream, init=downstream_init,
                                            catchup=downstream_catchup, max_copies=downstream_max_copies))
         self.sampling = None if client_sampling is None else PoissonSampling(client_sampling, seed)
-        self.budget = PrivacyBudget(client_dp, local_dp, max_epsilon)
         #: The global model sent in the current round (set by :meth:`configure_train`).
         self.sent_round: SentRound | None = None
         #: Rounding remainder of the integer rule per integer tensor, carried from round to round
@@ -214,6 +206,9 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         self.client_history: dict[int, list[dict]] = {}
         #: Per-round failed clients (round -> list of {node, code, error, reason}, :mod:`.failures`).
         self.failure_history: dict[int, list[dict]] = {}
+        #: The same for federated evaluation (round -> list).
+        self.evaluate_failure_history: dict[int, list[dict]] = {}
+        self._evaluate_sent: list[Message] = []
         self._oom_seen: dict[int, int] = {}  # node -> the last client-oom-kills count it reported
         self._start_forwarding()  # from here on, settings of the inner strategy reach it (:mod:`.forward`)
 
@@ -323,11 +318,17 @@ class CompressedStrategy(ForwardsToInner, Strategy):
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
         """Delegate unchanged (evaluation messages carry dense global weights)."""
-        return self.inner.configure_evaluate(server_round, arrays, config, grid)
+        self._evaluate_sent = list(self.inner.configure_evaluate(server_round, arrays, config, grid))
+        return self._evaluate_sent
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
-        """Delegate unchanged; the result is also kept in ``evaluate_history[server_round]``."""
+        """Delegate unchanged; the result is also kept in ``evaluate_history[server_round]``, and
+        clients that failed to evaluate in ``evaluate_failure_history`` (logged with the reason)."""
         replies = list(replies)
+        sent_to = {m.metadata.message_id: m.metadata.dst_node_id for m in self._evaluate_sent}
+        self.evaluate_failure_history[server_round] = [failed_client(r, sent_to) for r in replies if r.has_error()]
+        for f in self.evaluate_failure_history[server_round]:
+            log(WARNING, "round %s: client (node %s) failed to evaluate: %s", server_round, f["node"], f["reason"])
         metrics = self.inner.aggregate_evaluate(server_round, replies)
         if metrics is not None:
             ok = sum(1 for r in replies if not r.has_error())

@@ -264,9 +264,10 @@ class LegacyCompressedStrategy(ForwardsToInner, Strategy):
     # -- the one concern ---------------------------------------------------------------
     def configure_fit(self, server_round: int, parameters: Parameters,
                       client_manager: ClientManager) -> list[tuple[ClientProxy, FitIns]]:
-        """Delegate, then add the codec to every ``FitIns.config`` and remember what each client gets."""
+        """Delegate, then add the round's codec (warm-up, scheduled density) to every ``FitIns.config``
+        and remember what each client gets."""
         instructions = self.strategy.configure_fit(server_round, parameters, client_manager)
-        codec = self.codec.to_mapping()
+        codec = self.codec.for_round(server_round).to_mapping()
         decoded: dict[int, list[np.ndarray]] = {}  # FedAvg sends one Parameters object to all: decode it once
         sent: dict[str, list[np.ndarray]] = {}
         out = []

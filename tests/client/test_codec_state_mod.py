@@ -12,7 +12,6 @@ from fedcomp.client import compression_mod
 from fedcomp.protocol import MODEL_KEY, RESIDUAL_STATE_KEY
 from fedcomp.simulation import InProcessGrid
 from fedcomp.strategies import CompressedStrategy
-
 from tests.messages import make_ctx, reply_with, train_msg
 
 
@@ -102,19 +101,19 @@ def test_federation_in_process(codec):
 @pytest.mark.parametrize("codec", ["powersgd", "eden"])
 def test_zoo_models_round_trip(codec):
     """BatchNorm/LayerNorm/GroupNorm, 0-d and empty parameters, integer buffers, fp16/bf16 models
-    (the zoo of tests/test_statedict_zoo.py) through mod and strategy with the new codecs."""
+    (the zoo of tests/model_zoo.py) through mod and strategy with the new codecs."""
     from fedcomp.statedict import to_state_dict
-    from tests.test_statedict_zoo import ZOO, _expected_exact, _round, _zoo
+    from tests.model_zoo import ZOO, expected_exact, zoo, zoo_round
 
     for name in ZOO:
-        model = _zoo()[name]
-        sd, arrays, metrics = _round(model, codec, "tensor")
+        model = zoo()[name]
+        sd, arrays, metrics = zoo_round(model, codec, "tensor")
         assert arrays is not None and metrics["rejected-replies"] == 0, name
         out = to_state_dict(arrays)
         for k, t in sd.items():
             assert out[k].dtype == t.dtype and tuple(out[k].shape) == tuple(t.shape), (name, k)
             if t.is_floating_point():
                 assert bool(torch.isfinite(out[k].float()).all()), (name, k)
-        for k, want in _expected_exact(sd).items():
+        for k, want in expected_exact(sd).items():
             assert out[k].tolist() == want, (name, k)
         model.load_state_dict(out)

@@ -9,7 +9,6 @@ from flwr.clientapp.mod import fixedclipping_mod
 import fedcomp.compression as fc
 from fedcomp.client import CompositionError, compression_mod
 from fedcomp.protocol import MODEL_KEY, PAYLOAD_STYPE, RESIDUAL_STATE_KEY
-
 from tests.messages import make_ctx, make_msg, reply_with, train_msg, weights
 
 
@@ -153,3 +152,42 @@ def test_sign_defaults_to_one_scale_per_tensor():
     g, t = weights(0), weights(1)
     reply, _ = run_mod(g, t, {"compressor": "sign"})
     assert list(reply.content["arrays"].keys()) == ["w", "b"]
+
+
+def test_fp16_residual_saturation_is_reported_and_warned_once_per_client(caplog):
+    import logging
+
+    from flwr.serverapp.strategy import FedAvg
+
+    from fedcomp.statedict import FlatModel
+    from fedcomp.strategies import CompressedStrategy
+
+    g = {"w": np.zeros(1000, np.float32)}
+    t = {"w": np.full(1000, 2e4, np.float32)}  # an update of 2e4 per entry, every round
+    codec = {"compressor": "topk", "density": 0.01, "residual-dtype": "fp16"}
+    ctx = make_ctx(node_id=4242)
+    got = []
+    with caplog.at_level(logging.WARNING, logger="flwr"):
+        for _ in range(5):
+            reply = compression_mod(train_msg(g, codec, dst=4242), ctx, lambda m, c: reply_with(m, t))
+            got.append(reply.content["metrics"]["residual-saturated"])
+    # Top-k sends 10 entries a round; the other residuals grow by 2e4 a round and pass 65504 in
+    # round 4 (8e4): 970 entries hold 8e4 there, 10 of them are sent, 960 saturate.
+    assert got[:3] == [0.0, 0.0, 0.0] and got[3] == 960.0 and got[4] > 0
+    warned = [r for r in caplog.records if "saturated" in r.getMessage() and "4242" in r.getMessage()]
+    assert len(warned) == 1 and "960 entries" in warned[0].getMessage()
+    loss = (960 * (8e4 - 65504) ** 2 / (970 * 8e4**2 + 10 * (6e4**2 + 4e4**2 + 2e4**2))) ** 0.5
+    assert f"{100 * loss:.1f} %" in warned[0].getMessage()
+
+    # ... and the server sums it per round (the value metrics.json records).
+    s = CompressedStrategy(FedAvg(fraction_evaluate=0.0, min_available_nodes=1, min_train_nodes=1),
+                           compressor="topk", density=0.01)
+    s.remember(1, FlatModel.from_numpy({"w": g["w"]}))
+    replies = []
+    for node in (1, 2):
+        c = make_ctx(node_id=node)
+        c.state = ctx.state  # the saturated residual of round 4
+        replies.append(compression_mod(train_msg(g, codec, dst=node), c, lambda m, c_: reply_with(m, t)))
+    _, metrics = s.aggregate_train(1, replies)
+    assert metrics["residual-saturated"] == sum(r.content["metrics"]["residual-saturated"] for r in replies) > 0
+    assert s.history[1]["residual-saturated"] == metrics["residual-saturated"]

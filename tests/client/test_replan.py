@@ -1,4 +1,4 @@
-"""Issue 21 item 14: error feedback keeps its residual across every codec change the library makes.
+"""Error feedback keeps its residual across every codec change the library makes.
 
 Telescoping invariant of error feedback: after any sequence of rounds,
 ``sum(decoded sends) + residual == sum(updates)`` per parameter (float32 rounding), also when the

@@ -1,4 +1,4 @@
-"""Issue 21, items 15-19: the standalone decoding API and the codecs' numerics."""
+"""The standalone decoding API and the codecs' numerics."""
 
 import struct
 import tracemalloc
@@ -20,7 +20,7 @@ def _with_dtype_code(payload: bytes, code: int) -> bytes:
     return bytes(b)
 
 
-# -- item 15: decompress_sparse raises as decompress does -------------------------------------
+# -- Decompress_sparse raises as decompress does -------------------------------------
 
 def test_decompress_sparse_refuses_an_unknown_codec_id():
     p = bytearray(fc.get_compressor("topk", density=0.5).compress(torch.arange(8.0)))
@@ -41,7 +41,7 @@ def test_decompress_sparse_still_answers_none_for_a_dense_codec():
     assert fc.decompress_sparse(fc.get_compressor("sign").compress(torch.ones(4))) is None
 
 
-# -- item 16: the header's dtype is validated against the codec -------------------------------
+# -- The header's dtype is validated against the codec -------------------------------
 
 @pytest.mark.parametrize("name", ["sign", "topk", "int8", "none"])
 @pytest.mark.parametrize("dt", [np.int64, np.uint8, np.bool_])
@@ -53,7 +53,7 @@ def test_a_float_codec_header_that_declares_an_integer_dtype_is_refused(name, dt
         fc.decompress_sparse(p)
 
 
-# -- item 17: randomk's sparse decode is O(k) ---------------------------------------------------
+# -- Randomk's sparse decode is O(k) ---------------------------------------------------
 
 def test_randomk_sparse_decode_of_one_entry_in_2_pow_24_allocates_o_k():
     n = 2**24
@@ -86,7 +86,7 @@ def test_randomk_sparse_and_dense_decodes_agree():
     np.testing.assert_array_equal(vals, x.numpy()[pos] * np.float32(1000.0))
 
 
-# -- item 18: the sign scale is mean |x| at model size ------------------------------------------
+# -- The sign scale is mean |x| at model size ------------------------------------------
 
 def test_sign_scale_is_mean_abs_within_1e_6_at_4m_entries():
     x = torch.randn(2**22, generator=torch.Generator().manual_seed(0))
@@ -95,7 +95,7 @@ def test_sign_scale_is_mean_abs_within_1e_6_at_4m_entries():
     assert abs(scale - true) / true < 1e-6  # the fp32 ord-1 norm / n was off by 3.1e-4
 
 
-# -- item 19: PowerSGD on rank-deficient matrices -----------------------------------------------
+# -- PowerSGD on rank-deficient matrices -----------------------------------------------
 
 def _rank_d(m: int, n: int, d: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)

@@ -1,4 +1,4 @@
-"""Issue 14 item 7: decompression bombs. A position stream is bounded from the header before it
+"""Decompression bombs. A position stream is bounded from the header before it
 is expanded, and decoding any codec at any density peaks at <= 4x the decoded output (n = 1e6)."""
 
 import hashlib

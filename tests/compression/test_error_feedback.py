@@ -125,3 +125,10 @@ def test_saturation_warning_is_logged_once_per_client(caplog):
         assert warn_saturation_once("node-b", 3, 0.001)
     msgs = [r.getMessage() for r in caplog.records if "saturated" in r.getMessage()]
     assert len(msgs) == 2 and "970 entries" in msgs[0] and "43.5 %" in msgs[0] and "node-b" in msgs[1]
+
+
+def test_fp16_residual_saturates_instead_of_becoming_inf():
+    ef = fc.ErrorFeedback(fc.get_compressor("topk", density=0.1), residual_dtype="fp16")
+    ef.compress(torch.full((10,), 1e6))
+    assert bool(torch.isfinite(ef.residual).all()) and float(ef.residual.max()) == 65504.0
+    ef.compress(torch.zeros(10))  # the next round still works

@@ -11,6 +11,8 @@ from hypothesis import strategies as st
 import fedcomp.compression as fc
 from fedcomp.compression.wire import MAGIC, pack_header, parse_header
 
+from .helpers import decodes_or_payload_error, flip_and_cut
+
 
 def payload(name="stc", n=4000, **params):
     x = torch.randn(n, generator=torch.Generator().manual_seed(0))
@@ -150,36 +152,21 @@ def test_header_starts_with_magic_and_is_small():
 VALID = [payload(n, n=200) for n in fc.available_compressors()] + [payload("stc", n=5000, density=0.01)]
 
 
-def _decode_only_payload_error(data: bytes) -> None:
-    try:
-        out = fc.decompress(data, max_numel=1 << 20)
-    except fc.PayloadError:
-        return
-    # float32, or float64 for a `none` payload of a float64 tensor (issue 21, item 6)
-    wide = out.dtype == torch.float64 and fc.parse_header(data, max_numel=1 << 20).dtype == torch.float64
-    assert (out.dtype == torch.float32 or wide) and bool(torch.isfinite(out).all())
-
-
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.sampled_from(VALID), st.data())
 def test_fuzz_bitflips_and_truncations_raise_only_payload_error(p, data):
-    b = bytearray(p)
-    for _ in range(data.draw(st.integers(1, 4))):
-        i = data.draw(st.integers(0, len(b) - 1))
-        b[i] ^= 1 << data.draw(st.integers(0, 7))
-    cut = data.draw(st.integers(0, len(b)))
-    _decode_only_payload_error(bytes(b[:cut]) if data.draw(st.booleans()) else bytes(b))
+    decodes_or_payload_error(flip_and_cut(p, data))
 
 
 @settings(max_examples=300, deadline=None)
 @given(st.binary(max_size=300))
 def test_fuzz_random_bytes_raise_only_payload_error(raw):
-    _decode_only_payload_error(raw)
-    _decode_only_payload_error(MAGIC + bytes([1]) + raw)
+    decodes_or_payload_error(raw)
+    decodes_or_payload_error(MAGIC + bytes([1]) + raw)
 
 
 @settings(max_examples=300, deadline=None)
 @given(st.integers(0, 8), st.integers(0, 3), st.lists(st.integers(0, 300), max_size=3), st.binary(max_size=64), st.binary(max_size=400))
 def test_fuzz_well_formed_headers_with_random_bodies(codec, dtype, shape, params, body):
     hdr = pack_header(codec, [torch.float32, torch.float16, torch.bfloat16, torch.float64][dtype], tuple(shape), params)
-    _decode_only_payload_error(hdr + body)
+    decodes_or_payload_error(hdr + body)

@@ -21,7 +21,7 @@ from fedcomp.data import DataConfig
 from fedcomp.datafiles import save_partitions
 from fedcomp.deploy import main as deploy_main
 
-from .test_deployment import free_port_block
+from .helpers import free_port_block
 
 pytestmark = [pytest.mark.arm64, pytest.mark.slow]
 

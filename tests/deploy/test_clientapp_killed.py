@@ -13,7 +13,7 @@ import pytest
 from fedcomp.deploy import main as deploy_main
 from fedcomp.strategies.failures import CRASHED_REASON
 
-from .test_deployment import free_port_block
+from .helpers import free_port_block
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
@@ -55,6 +55,9 @@ def test_sigkilled_clientapp_is_a_named_failure(tmp_path, capsys, monkeypatch):
     r1, r2 = rounds[1], rounds[2]
     assert r1["num-replies"] == 1 and r1["failed-clients"] == 1 and r2["num-replies"] == 2 and r2["failures"] == []
     killed = int((set(r2["client-peak-rss"]) - set(r1["client-peak-rss"])).pop())  # back in round 2
+    # each client's own peak RSS by node id (MiB: a process with torch loaded); no container limit here
+    assert len(r2["client-peak-rss"]) == 2 and all(100 < v < 4096 for v in r2["client-peak-rss"].values())
+    assert r2["client-peak-rss-mb"] == max(r2["client-peak-rss"].values())
     assert r1["failures"] == [{"node": killed, "code": 8, "error": "CLIENT_APP_CRASHED",
                                "reason": f"{CRASHED_REASON} (Flower: 'ClientApp stopped responding.')"}]
     assert re.search(rf"round 1: client \(node {killed}\) failed: the ClientApp process ended without replying: "

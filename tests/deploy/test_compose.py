@@ -20,6 +20,8 @@ import sys
 
 import pytest
 
+from .helpers import BASE_IMAGE, build_failure, engine_script
+
 REPO = pathlib.Path(__file__).resolve().parents[2]
 ROUNDS = 2  # STC at density 0.01 (the default codec): 3 clients get from ~15 % to ~35 % in 2 rounds
 pytestmark = [pytest.mark.docker, pytest.mark.timeout(1800)]
@@ -27,31 +29,6 @@ pytestmark = [pytest.mark.docker, pytest.mark.timeout(1800)]
 #: what the build context and the compose files need (copied into a private project folder)
 PROJECT_FILES = ["Dockerfile", ".dockerignore", "docker-compose.yml", "docker-compose.tls.yml", "pyproject.toml", "constraints.txt",
                  "README.md", "fedcomp", "scripts", "deploy"]
-
-
-def engine_script() -> pathlib.Path | None:
-    """The shared engine script, or None."""
-    for cand in (os.environ.get("FEDCOMP_DOCKER_ENGINE"), REPO.parent / "shared" / "tools" / "docker-engine.sh"):
-        if cand and pathlib.Path(cand).is_file():
-            return pathlib.Path(cand)
-    return None
-
-
-#: the image the Dockerfile builds from (the engine script builds a local stand-in: nothing is pulled)
-BASE_IMAGE = "python:3.11-slim"
-
-
-def build_failure(log: str) -> str:
-    """One line saying why an image build failed: the missing base image, the missing torch wheel,
-    or the build's last error line."""
-    lines = [ln.strip() for ln in log.splitlines() if ln.strip()]
-    if any(BASE_IMAGE in ln and ("pull" in ln or "not found" in ln or "resolve" in ln) for ln in lines):
-        return (f"the base image {BASE_IMAGE} is missing and cannot be pulled: build the local stand-in with "
-                "docker-engine.sh start")
-    if any("torch" in ln and ("No matching distribution" in ln or "Could not find" in ln) for ln in lines):
-        return "no torch 2.13.0 wheel reached the build: put one in wheels/ (TORCH_WHEELS)"
-    errors = [ln for ln in lines if "error" in ln.lower()]
-    return (errors or lines or ["no output"])[-1][:300]
 
 
 def _docker_ok() -> bool:

@@ -1,9 +1,9 @@
-"""What the Docker Compose tests say when the engine cannot build (issue 24: ~4,000 characters of
+"""What the Docker Compose tests say when the engine cannot build (not ~4,000 characters of
 build log per test): one line naming what is missing; and no machine path to the engine script."""
 
 import pathlib
 
-from tests.deploy.test_compose import BASE_IMAGE, build_failure, engine_script
+from .helpers import BASE_IMAGE, build_failure, engine_script
 
 BASE_MISSING = """#1 [internal] load build definition from Dockerfile
 #2 [internal] load metadata for docker.io/library/python:3.11-slim

@@ -4,7 +4,6 @@ import json
 import os
 import pathlib
 import platform
-import random
 import re
 import shutil
 import subprocess
@@ -15,7 +14,9 @@ import pytest
 import yaml
 
 from fedcomp.deploy import main as deploy_main
-from fedcomp.deploy import port_is_free, superlink_command, supernode_command, write_connection
+from fedcomp.deploy import superlink_command, supernode_command, write_connection
+
+from .helpers import free_port_block, run_launcher
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
@@ -120,28 +121,10 @@ def test_dockerignore_keeps_the_context_small():
     assert {"!fedcomp/", "!pyproject.toml", "!wheels/torch-*.whl"} <= set(lines)
 
 
-def free_port_block(n: int) -> int:
-    """First of ``n`` consecutive ports that are free on 127.0.0.1 now (random start, retried)."""
-    rng = random.Random()
-    for _ in range(200):
-        base = rng.randrange(20000, 60000 - n)
-        if all(port_is_free("127.0.0.1", base + i) for i in range(n)):
-            return base
-    raise RuntimeError(f"no {n} consecutive free ports found")
-
-
-def _run_launcher(tmp_path, capsys, *extra):
-    base = free_port_block(5)  # SuperLink at base, SuperNodes from base + 1: every port the launcher binds
-    code = deploy_main(["--app", str(REPO), "--port", str(base), "--base-node-port", str(base + 1),
-                        "--workdir", str(tmp_path), "--timeout", "400", *extra])
-    out = capsys.readouterr().out
-    return code, out
-
-
 @pytest.mark.slow
 def test_launcher_two_supernodes_two_rounds(tmp_path, capsys):
-    code, out = _run_launcher(tmp_path, capsys, "--supernodes", "2", "--run-config",
-                              "num-server-rounds=2 compressor='stc' density=0.05")
+    code, out = run_launcher(tmp_path, capsys, "--supernodes", "2", "--run-config",
+                             "num-server-rounds=2 compressor='stc' density=0.05")
     data = json.loads((tmp_path / "results" / "metrics.json").read_text())
     assert code == 0, out[-2000:]
     rounds = data["rounds"]
@@ -158,7 +141,7 @@ def test_launcher_two_supernodes_two_rounds(tmp_path, capsys):
 @pytest.mark.slow
 def test_bad_run_config_fails_at_once_with_one_line(tmp_path, capsys):
     t0 = time.monotonic()
-    code, out = _run_launcher(tmp_path, capsys, "--supernodes", "1", "--run-config", "density=2.0")
+    code, out = run_launcher(tmp_path, capsys, "--supernodes", "1", "--run-config", "density=2.0")
     assert code == 1  # no results: the launcher says FAILED although `flwr run` exited 0
     lines = [ln for ln in out.splitlines() if "run config 'density'" in ln]
     assert len(lines) == 1 and "must be in (0.0, 1.0], got 2.0" in lines[0], out[-3000:]
@@ -168,8 +151,8 @@ def test_bad_run_config_fails_at_once_with_one_line(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_killed_supernode_does_not_stop_the_run(tmp_path, capsys):
-    code, out = _run_launcher(tmp_path, capsys, "--supernodes", "3", "--kill-supernode-after-round", "1",
-                              "--run-config", "num-server-rounds=2 compressor='sign' round-timeout=45.0")
+    code, out = run_launcher(tmp_path, capsys, "--supernodes", "3", "--kill-supernode-after-round", "1",
+                             "--run-config", "num-server-rounds=2 compressor='sign' round-timeout=45.0")
     assert "killing SuperNode 0" in out
     data = json.loads((tmp_path / "results" / "metrics.json").read_text())
     assert code == 0, out[-2000:]

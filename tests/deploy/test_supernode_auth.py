@@ -16,7 +16,7 @@ import pytest
 
 from fedcomp.deploy import Processes, superlink_command, supernode_command, wait_for_port
 
-from .test_deployment import free_port_block
+from .helpers import free_port_block
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.timeout(600),

@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import pathlib
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 from flwr.app import ArrayRecord, ConfigRecord, Context, RecordDict
 
-from fedcomp.deploy import stop_local_superlink
 from fedcomp.simulation import InProcessGrid
+from tests.flwr_run import flwr_run_app
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "existing-app"
@@ -24,12 +21,8 @@ RUN_CONFIG = {"num-server-rounds": 2, "fraction-train": 1.0, "fraction-evaluate"
 
 
 @pytest.fixture()
-def example(monkeypatch):
-    monkeypatch.syspath_prepend(str(EXAMPLE))
-    mods = {name: importlib.import_module(f"existingapp.{name}") for name in ("client_app", "server_app", "task")}
-    yield mods
-    for name in [m for m in sys.modules if m == "existingapp" or m.startswith("existingapp.")]:
-        del sys.modules[name]
+def example(import_example):
+    return import_example("existing-app", "existingapp")
 
 
 def test_the_diff_is_two_marked_lines_plus_their_imports():
@@ -75,32 +68,15 @@ def test_existing_serverapp_main_runs_on_the_in_process_grid(example, tmp_path, 
     assert all(train[r]["upload-bytes-sign"] > 0 for r in ("1", "2"))
 
 
-def _stop_local_superlink(flwr_home: pathlib.Path) -> None:
-    stop_local_superlink(flwr_home)
-
-
 @pytest.mark.skipif(os.environ.get("FEDCOMP_SLOW_TESTS") != "1",
                     reason="about 60 s on 2 cores (Ray + a local SuperLink): set FEDCOMP_SLOW_TESTS=1")
 @pytest.mark.skipif(shutil.which("pgrep") is None, reason="needs pgrep to stop the local SuperLink")
 def test_flwr_run_existing_app(tmp_path):
     app_dir = tmp_path / "existing-app"  # a copy: nothing of the run lands in the repository
     shutil.copytree(EXAMPLE, app_dir, ignore=shutil.ignore_patterns("__pycache__"))
-    env = dict(os.environ)
-    env["FLWR_HOME"] = str(tmp_path / "flwr-home")
-    env["FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION"] = "1"
-    env["PATH"] = f"{pathlib.Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    env["FLWR_LOCAL_SUPERLINK_HTTP_API_PORT"] = "39491"  # not the ports of tests/test_e2e.py
-    env["FLWR_LOCAL_CONTROL_API_PORT"] = "39493"
     results = tmp_path / "metrics.json"
-    flwr = shutil.which("flwr", path=env["PATH"])
-    cmd = [flwr] if flwr else [sys.executable, "-m", "flwr.cli.app"]
-    cmd += ["run", str(app_dir), "--stream", "--federation-config", "num-supernodes=2 client-resources-num-cpus=1",
-            "--run-config", f"num-server-rounds=2 results-file='{results}'"]
-    try:
-        proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                              check=False)
-    finally:
-        _stop_local_superlink(tmp_path / "flwr-home")
+    proc = flwr_run_app(app_dir, tmp_path, 2, f"num-server-rounds=2 results-file='{results}'",
+                        ("39491", "39493"), timeout=300)  # not the ports of fedcomp's own app run
     assert results.exists(), (proc.stdout + proc.stderr)[-3000:]  # `flwr run` exits 0 even when the run failed
     train = json.loads(results.read_text())["train"]
     for r in ("1", "2"):

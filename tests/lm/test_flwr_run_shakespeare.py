@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from tests.test_e2e import _flwr_run
+from tests.flwr_run import flwr_run
 
 
 def _free_ports(n: int) -> tuple[str, ...]:
@@ -23,7 +23,7 @@ def _free_ports(n: int) -> tuple[str, ...]:
 
 @pytest.mark.skipif(shutil.which("pgrep") is None, reason="needs pgrep to stop the local SuperLink")
 def test_flwr_run_trains_the_transformer_on_shakespeare_roles(tmp_path, corpus):
-    log, metrics_file = _flwr_run(
+    log, metrics_file = flwr_run(
         tmp_path, 2, "num-server-rounds=2 dataset='shakespeare' model='transformer' optimizer='adamw' lr=0.003 "
                      "batch-size=8 compressor='stc' density=0.05 precision='bf16'", _free_ports(2))
     assert metrics_file.exists(), log[-3000:]

@@ -19,7 +19,7 @@ from fedcomp.text_data import (
     windows,
 )
 
-from .conftest import make_play, write_corpus
+from .helpers import make_play, write_corpus
 
 HAMLET = """HAMLET
 

@@ -1,5 +1,5 @@
-"""Attack-round fixes: roles without a window are no clients, an empty test set is an error (F13);
-a FEDCOMP_DATA_DIR that is a file, and a stray README.txt in the texts folder (F15)."""
+"""Roles without a window are no clients, an empty test set is an error;
+a FEDCOMP_DATA_DIR that is a file, and a stray README.txt in the texts folder."""
 
 import pathlib
 
@@ -9,7 +9,7 @@ from torch.utils.data import TensorDataset
 
 from fedcomp import text_data as T
 
-from .conftest import make_play
+from .helpers import make_play
 
 
 def test_a_role_without_a_training_window_is_not_a_client():

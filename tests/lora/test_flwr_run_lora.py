@@ -5,13 +5,12 @@ import shutil
 
 import pytest
 
-from tests.test_e2e import _flwr_run
-from tests.lm.conftest import corpus  # noqa: F401 - the small local Shakespeare-like corpus fixture
+from tests.flwr_run import flwr_run
 
 
 @pytest.mark.skipif(shutil.which("pgrep") is None, reason="needs pgrep to stop the local SuperLink")
-def test_flwr_run_lora_mode(tmp_path, corpus, byte_base_dir):  # noqa: F811
-    log, metrics_file = _flwr_run(
+def test_flwr_run_lora_mode(tmp_path, corpus, byte_base_dir):
+    log, metrics_file = flwr_run(
         tmp_path, 2, f"num-server-rounds=2 dataset='shakespeare' model='transformer' finetune='lora' "
                      f"base-model='{byte_base_dir}' lora-r=4 lora-alpha=8 optimizer='adamw' lr=0.01 batch-size=8 "
                      "compressor='sign' downstream='sign'", ("39691", "39693"))

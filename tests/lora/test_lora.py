@@ -1,4 +1,4 @@
-"""LoRA fine-tuning (issue 19 section 2): only adapters travel, compressed both ways, the frozen base
+"""LoRA fine-tuning: only adapters travel, compressed both ways, the frozen base
 is untouched, the server starts from a seed instead of a dense broadcast, lagging clients get a
 small catch-up, and a base model that cannot be loaded is a clear error."""
 
@@ -26,7 +26,7 @@ from fedcomp.simulation import InProcessGrid
 from fedcomp.statedict import to_record
 from fedcomp.strategies import CompressedStrategy
 
-from .conftest import windows
+from .helpers import windows
 
 logging.getLogger("flwr").setLevel(logging.WARNING)
 

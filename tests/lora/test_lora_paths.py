@@ -1,4 +1,4 @@
-"""Attack-round fixes (F11): a path-like ``base-model`` is a local directory only, a file such as
+"""A path-like ``base-model`` is a local directory only, a file such as
 config.json is refused, and ``lora-r`` is bounded at config time."""
 
 import os

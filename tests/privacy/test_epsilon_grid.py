@@ -1,4 +1,4 @@
-"""Issue 14 item 3: every accepted target-delta gives a finite epsilon >= 0 that never decreases
+"""Every accepted target-delta gives a finite epsilon >= 0 that never decreases
 over rounds, for client-level DP, local DP and DP-SGD (both accountants)."""
 
 import itertools

@@ -1,4 +1,4 @@
-"""No DP mode prints a log line twice (issue 24): Opacus' module-level ``logging.basicConfig``
+"""No DP mode prints a log line twice: Opacus' module-level ``logging.basicConfig``
 (``opacus/utils/module_utils.py``, reached by every ``import opacus...``, the accountants too) gave
 the root logger a handler, so every record of Flower's propagating ``flwr`` logger printed twice,
 DEBUG included. Each mode runs in a fresh interpreter: an import happens once per process."""

@@ -1,4 +1,4 @@
-"""Regressions of issue 14 items 2 and 4: the client enforces its own local-DP floor, and one client's
+"""The client enforces its own local-DP floor, and one client's
 epsilon report cannot stop the federation."""
 
 import logging

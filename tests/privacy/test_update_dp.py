@@ -146,25 +146,36 @@ def test_decoded_sign_updates_are_clipped_on_the_server_both_ways(way):
         assert s.history[2]["epsilon"] == math.inf
 
 
-def test_max_epsilon_stops_the_run_before_the_budget_is_exceeded():
-    dp = ClientLevelDP(clipping_norm=1.0, noise_multiplier=2.0)
+# epsilon depends on the noise multiplier alone; under local DP a small clipping norm keeps the noise (std 0.02)
+# from blowing up local training (with std 2 a client's round-2 update was sometimes NaN)
+@pytest.mark.parametrize("mode,dp,compressor", [
+    ("client_dp", ClientLevelDP(clipping_norm=1.0, noise_multiplier=2.0), "stc"),
+    ("local_dp", LocalDP(clipping_norm=0.01, noise_multiplier=2.0), "sign"),
+], ids=["client-level", "local"])
+def test_max_epsilon_stops_the_run_before_the_budget_is_exceeded(mode, dp, compressor):
     budget = (dp.epsilon(2) + dp.epsilon(3)) / 2  # round 3 would exceed it
-    s = CompressedStrategy(FedAvg(min_available_nodes=2, fraction_evaluate=0.0), compressor="stc",
-                           client_dp=dp, max_epsilon=budget)
+    s = CompressedStrategy(FedAvg(min_available_nodes=2, fraction_evaluate=0.0), compressor=compressor,
+                           **{mode: dp}, max_epsilon=budget)
     _run(s, rounds=4, nodes=2)
     assert [s.history[r].get("num-replies", 0) for r in (1, 2, 3, 4)] == [2, 2, 0, 0]
     assert s.history[2]["epsilon"] <= budget < dp.epsilon(3)
+    assert s.history[2]["epsilon"] == pytest.approx(dp.epsilon(2))
     assert "would raise epsilon" in s.stopped_reason
 
 
-def test_dp_sgd_epsilon_accumulates_across_rounds_in_the_federation():
-    from fedcomp.config import AppConfig
+def _run_from_run_config(rc: dict, rounds: int):
+    """The ServerApp's strategy for run config ``rc``, after ``rounds`` rounds on 2 in-process nodes."""
     from fedcomp.server.app import build_inner, privacy_options
 
-    rc = {"dp": "dp-sgd", "noise-multiplier": 1.0, "max-grad-norm": 1.0, "num-server-rounds": 3}
     cfg = AppConfig.from_run_config(rc)
     s = CompressedStrategy.from_codec_config(build_inner(cfg), cfg.codec, **privacy_options(cfg))
-    _run(s, rounds=3, nodes=2, run_config=rc)
+    _run(s, rounds=rounds, nodes=2, run_config=rc)
+    return s
+
+
+def test_dp_sgd_epsilon_accumulates_across_rounds_in_the_federation():
+    s = _run_from_run_config({"dp": "dp-sgd", "noise-multiplier": 1.0, "max-grad-norm": 1.0, "num-server-rounds": 3},
+                             rounds=3)
     eps = [s.history[r]["epsilon-max"] for r in (1, 2, 3)]
     assert 0 < eps[0] < eps[1] < eps[2] < math.inf
     assert s.history[3]["epsilon-median"] <= eps[2]
@@ -203,26 +214,9 @@ def test_serverapp_reports_epsilon_per_round_in_metrics_json(tmp_path, mode):
     assert (tmp_path / "plot.png").exists()
 
 
-def test_local_dp_respects_max_epsilon():
-    # epsilon depends on the noise multiplier alone; a small clipping norm keeps the noise (std 0.02)
-    # from blowing up local training (with std 2 a client's round-2 update was sometimes NaN)
-    dp = LocalDP(clipping_norm=0.01, noise_multiplier=2.0)
-    budget = (dp.epsilon(2) + dp.epsilon(3)) / 2
-    s = CompressedStrategy(FedAvg(min_available_nodes=2, fraction_evaluate=0.0), compressor="sign",
-                           local_dp=dp, max_epsilon=budget)
-    _run(s, rounds=4, nodes=2)
-    assert [s.history[r].get("num-replies", 0) for r in (1, 2, 3, 4)] == [2, 2, 0, 0]
-    assert s.history[2]["epsilon"] == pytest.approx(dp.epsilon(2)) and "would raise epsilon" in s.stopped_reason
-
-
 def test_dp_sgd_client_refuses_a_round_past_the_budget():
-    from fedcomp.config import AppConfig
-    from fedcomp.server.app import build_inner, privacy_options
-
-    rc = {"dp": "dp-sgd", "noise-multiplier": 1.0, "num-server-rounds": 3, "max-epsilon": 0.5}
-    cfg = AppConfig.from_run_config(rc)
-    s = CompressedStrategy.from_codec_config(build_inner(cfg), cfg.codec, **privacy_options(cfg))
-    _run(s, rounds=2, nodes=2, run_config=rc)
+    s = _run_from_run_config({"dp": "dp-sgd", "noise-multiplier": 1.0, "num-server-rounds": 3, "max-epsilon": 0.5},
+                             rounds=2)
     # the first round alone would exceed 0.5: every client refuses before touching its data
     assert s.history[1]["failed-clients"] == 2 and s.history[1]["num-replies"] == 0
     assert "every client refused round 1" in s.stopped_reason

@@ -6,15 +6,15 @@ import shutil
 
 import pytest
 
-from tests.test_e2e import _flwr_run
+from tests.flwr_run import flwr_run
 
 N_PARAMS = 38282  # float entries of the default CNN
 
 
 @pytest.mark.skipif(shutil.which("pgrep") is None, reason="needs pgrep to stop the local SuperLink")
 def test_flwr_run_secagg_randomk_on_ten_supernodes(tmp_path):
-    log, metrics_file = _flwr_run(tmp_path, 10, "num-server-rounds=2 secagg=true compressor='randomk' density=0.015625",
-                                  ("39401", "39403"))
+    log, metrics_file = flwr_run(tmp_path, 10, "num-server-rounds=2 secagg=true compressor='randomk' density=0.015625",
+                                 ("39401", "39403"))
     assert metrics_file.exists(), log[-3000:]
     data = json.loads(metrics_file.read_text())
     rounds = data["rounds"]
@@ -37,10 +37,10 @@ def test_flwr_run_secagg_randomk_on_ten_supernodes(tmp_path):
 def test_local_deployment_launcher_runs_secagg(tmp_path, capsys):
     """The same through fedcomp-local-deployment: a real SuperLink and 2 SuperNode processes, one round
     (each SecAgg+ stage is a message to every SuperNode: kept short for CI)."""
-    from tests.deploy.test_deployment import _run_launcher
+    from tests.deploy.helpers import run_launcher
 
-    code, out = _run_launcher(tmp_path, capsys, "--supernodes", "2", "--run-config",
-                              "num-server-rounds=1 secagg=true compressor='randomk' density=0.015625")
+    code, out = run_launcher(tmp_path, capsys, "--supernodes", "2", "--run-config",
+                             "num-server-rounds=1 secagg=true compressor='randomk' density=0.015625")
     assert code == 0, out[-3000:]
     rounds = json.loads((tmp_path / "results" / "metrics.json").read_text())["rounds"]
     assert [r["round"] for r in rounds] == [0, 1]

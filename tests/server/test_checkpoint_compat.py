@@ -7,7 +7,7 @@ import shutil
 
 import numpy as np
 import pytest
-from flwr.serverapp.strategy import FedAdam, FedAvgM
+from flwr.serverapp.strategy import FedAdam, FedAvg, FedAvgM
 
 from fedcomp.privacy import ClientLevelDP, LocalDP
 from fedcomp.server import checkpoint
@@ -18,6 +18,7 @@ RUNS = {
     "fedadam": {"strategy": "fedadam", "compressor": "stc", "density": 0.1, "model": "mlp", "server-lr": 0.01},
     "fedavg-client-level": {"strategy": "fedavg", "dp": "client-level", "compressor": "sign", "model": "mlp"},
     "fedavgm-local": {"strategy": "fedavgm", "dp": "local", "compressor": "stc", "density": 0.1, "model": "mlp"},
+    "fedavg-resnet-8e2956f": {"strategy": "fedavg", "compressor": "stc", "density": 0.1, "model": "resnet"},
 }
 
 
@@ -53,7 +54,23 @@ def test_an_old_fedavgm_local_dp_checkpoint_restores_momentum_and_local_rounds(t
         np.testing.assert_array_equal(s.inner.momentum_vector[0], z["momentum/0"])
 
 
-@pytest.mark.parametrize("name", sorted(RUNS))
+def test_a_state_dict_checkpoint_restores_the_integer_rules_remainders(tmp_path):
+    d = _copy(tmp_path, "fedavg-resnet-8e2956f")
+    s = CompressedStrategy(FedAvg(), compressor="stc", density=0.1)
+    rnd, weights, _ = checkpoint.load(d, s)
+    bn_counters = [k for k in weights if k.endswith("num_batches_tracked")]
+    assert rnd == 1 and len(bn_counters) == 9 and sorted(s.int_remainders) == sorted(bn_counters)
+    with np.load(d / checkpoint.WEIGHTS) as z:
+        for k in bn_counters:
+            assert s.int_remainders[k].dtype == np.float64
+            np.testing.assert_array_equal(s.int_remainders[k], z[f"int-remainder/{k}"])
+            assert -0.5 <= float(s.int_remainders[k]) <= 0.5
+        for k, w in weights.items():
+            np.testing.assert_array_equal(w, z[f"w/{k}"])
+            assert w.dtype == z[f"w/{k}"].dtype and w.shape == z[f"w/{k}"].shape
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if "resnet" in n else n for n in sorted(RUNS)])
 def test_an_old_checkpoint_resumes_and_its_epsilon_continues(tmp_path, name, run_server_app):
     d = _copy(tmp_path, name)
     run_server_app({**RUNS[name], "seed": 3, "num-server-rounds": 2, "results-dir": str(d), "resume": True})

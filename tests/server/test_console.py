@@ -1,4 +1,4 @@
-"""What a run prints (issue 24): one line per round on the console, Flower's own lines in
+"""What a run prints: one line per round on the console, Flower's own lines in
 ``flower.log``; a resumed run prints the table header; refusing a resume is one line."""
 
 import io

@@ -15,10 +15,10 @@ from fedcomp.server.app import main
 from fedcomp.simulation import InProcessGrid
 from fedcomp.strategies.ef21 import EF21Aggregate
 
-BASE = {"compressor": "stc", "density": 0.05, "seed": 7, "error-feedback": "ef21"}
+BASE = {"compressor": "stc", "density": 0.05, "seed": 7, "error-feedback": "ef21", "model": "mlp", "fraction-evaluate": 0.0}
 
 
-def run(rc, nodes=3):
+def run(rc, nodes=2):
     ctx = Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config=rc)
     main(InProcessGrid(client_app, nodes, rc), ctx)  # a fresh grid: fresh SuperNodes, empty context.state
 

@@ -1,4 +1,4 @@
-"""Federated (client-side) evaluation in the default app (issue 24): with ``fraction-evaluate`` the
+"""Federated (client-side) evaluation in the default app: with ``fraction-evaluate`` the
 sampled clients evaluate the global model on their own data each round, and ``metrics.json`` holds
 it next to the server-side evaluation; off under DP."""
 

@@ -1,4 +1,4 @@
-"""The streaming aggregation (one running sum, O(model) memory) gives the dense path's results (issue 13).
+"""The streaming aggregation (one running sum, O(model) memory) gives the dense path's results.
 
 Each federation runs 20 rounds of the in-process grid with the streaming strategy; every round, a
 twin strategy with ``aggregation = "dense"`` (today's path: every reply decoded to dense weights

@@ -2,31 +2,19 @@
 
 import numpy as np
 import pytest
+import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MetricRecord
 from flwr.serverapp.strategy import DifferentialPrivacyServerSideFixedClipping, FedAdam, FedAvg
 
 import fedcomp.compression as fc
-from fedcomp.client import compression_mod
+from fedcomp.config import AppConfig
 from fedcomp.protocol import MODEL_KEY, PAYLOAD_DTYPE, PAYLOAD_STYPE
 from fedcomp.simulation import InProcessGrid
 from fedcomp.statedict import FlatModel
 from fedcomp.strategies import CompressedStrategy
+from tests.messages import train_msg, weights
 
-from tests.messages import make_ctx, reply_with, train_msg, weights
-
-
-def compressed_reply(global_w, trained_w, node=7, codec=None, n=10):
-    msg = train_msg(global_w, codec or {"compressor": "none"}, dst=node)
-    return compression_mod(msg, make_ctx(node_id=node), lambda m, c: reply_with(m, trained_w, n=n))
-
-
-def setup(strategy, global_w, rnd=1):
-    # configure_train needs sampled nodes; call only the remembering part through a grid stub
-    strategy.remember(rnd, FlatModel.from_numpy(global_w))
-
-
-def fedavg():
-    return FedAvg(fraction_evaluate=0.0, min_available_nodes=1, min_train_nodes=1)
+from .helpers import compressed_reply, fedavg, setup
 
 
 def test_none_codec_equals_plain_fedavg():
@@ -201,8 +189,6 @@ def test_model_scope_payload_is_split_back_into_parameters():
 
 
 def test_model_scope_payload_of_wrong_length_is_rejected():
-    import torch
-
     g, t = weights(0), weights(1)
     s = CompressedStrategy(fedavg(), compressor="topk")
     setup(s, g)
@@ -241,3 +227,15 @@ def test_hostile_client_metrics_do_not_break_the_round():
     arrays, out = s.aggregate_train(1, [r])
     assert arrays is not None and out["compression-error"] == 0.0
     assert 0 < out["round-seconds-simulated"] < 10  # bad speed replaced by the 1 Mbps default
+
+
+def test_selection_from_run_config_reaches_the_clients():
+    from fedcomp.client.app import app as client_app
+    from fedcomp.models import build_model
+
+    cfg = AppConfig.from_run_config({"compressor": "topk", "selection": "tensor"})
+    s = CompressedStrategy.from_codec_config(FedAvg(min_available_nodes=2), cfg.codec)
+    assert s.codec.scope == "tensor"
+    msgs = list(s.configure_train(1, ArrayRecord(build_model().state_dict()), ConfigRecord(),
+                                  InProcessGrid(client_app, 2, {})))
+    assert msgs[0].content["config"]["selection"] == "tensor"

@@ -5,7 +5,8 @@ import logging
 
 import numpy as np
 import pytest
-from flwr.app import ArrayRecord, ConfigRecord
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp.strategy import FedAvg
 
 from fedcomp.client.app import app as client_app
@@ -64,7 +65,6 @@ def test_payload_for_a_node_without_a_copy_is_a_clear_client_error():
 
     from fedcomp.client import CompositionError, compression_mod
     from fedcomp.protocol import MODEL_KEY
-
     from tests.messages import make_ctx, make_msg
 
     msg = make_msg(RecordDict({"arrays": ArrayRecord({MODEL_KEY: Array(dtype="bytes", shape=(4,),
@@ -77,3 +77,45 @@ def test_payload_for_a_node_without_a_copy_is_a_clear_client_error():
 def test_unknown_downstream_codec_is_rejected():
     with pytest.raises(ValueError, match="downstream"):
         CompressedStrategy(FedAvg(), downstream="zip")
+
+
+def test_dense_reply_under_downstream_is_rejected():
+    from fedcomp.statedict import FlatModel
+    grid = InProcessGrid(client_app, 3, {"lr": 0.1})
+    s = CompressedStrategy(FedAvg(min_available_nodes=3, fraction_evaluate=0.0), compressor="stc", density=0.05,
+                           downstream="stc")
+    arrays = ArrayRecord(build_model().state_dict())
+    for rnd in range(1, 4):
+        arrays, _ = s.aggregate_train(rnd, grid.send_and_receive(list(s.configure_train(rnd, arrays, ConfigRecord({"seed": 1}), grid))))
+    x = sorted(grid.contexts)[0]
+    s.downstream.node_version.pop(x)
+    msgs = list(s.configure_train(4, arrays, ConfigRecord({"seed": 1}), grid))
+    mx = next(m for m in msgs if m.metadata.dst_node_id == x)
+    others = [m for m in msgs if m is not mx]
+    same = Message(RecordDict({"arrays": ArrayRecord(dict(mx.content["arrays"].items())),
+                               "metrics": MetricRecord({"num-examples": 10**6})}), reply_to=mx)
+    new, metrics = s.aggregate_train(4, grid.send_and_receive(others) + [same])
+    assert metrics["rejected-replies"] == 1.0
+    # x's dense reply did not move the model towards what it was sent; the two others are the round's mean
+    assert np.isfinite(FlatModel.from_record(new).flat).all()
+
+
+def test_downstream_server_memory_is_bounded_with_many_clients():
+    from fedcomp.config import CodecConfig
+    from fedcomp.statedict import to_record
+    from fedcomp.strategies.downstream import Downstream
+    from tests.messages import make_msg
+    D, ds, rng = 50_000, Downstream(CodecConfig.from_mapping({"density": 0.01}), "stc"), np.random.default_rng(0)
+    w = rng.standard_normal(D).astype(np.float32)
+    for r in range(1, 61):
+        w = (w + 0.01 * rng.standard_normal(D)).astype(np.float32)
+        rec = to_record({"w": torch.from_numpy(w)})
+        nodes = sorted(rng.choice(300, 10, replace=False).tolist())
+        msgs = [make_msg(RecordDict({"arrays": rec, "config": ConfigRecord({"server-round": r})}), dst=n)
+                for n in nodes]
+        ds.prepare(r, rec, msgs)
+        for n in nodes:
+            ds.received(n)
+        assert ds._copies() <= ds.max_copies == 8
+    copies = (sum(v.nbytes for v in ds._versions.values()) + sum(v.nbytes for v in ds._private.values())) / (4 * D)
+    assert copies <= 8  # before the fix: ~250 model copies after 100 rounds

@@ -1,4 +1,4 @@
-"""Issue 21 item 13: downstream compression must not corrupt BatchNorm. The running statistics
+"""Downstream compression must not corrupt BatchNorm. The running statistics
 travel exactly downstream (as upstream with ``batchnorm-stats = "small"``), so every client's copy
 of them is the global model's, and the global running variance stays positive."""
 

@@ -73,3 +73,33 @@ def test_server_estimate_is_the_weighted_mean_of_the_clients_and_is_applied():
     applied = np.concatenate([(seen[3][k].astype(np.float64) - seen[2][k]).reshape(-1) for k in keys])
     np.testing.assert_allclose(applied, h, atol=1e-5)  # the server applies its estimate
     assert np.count_nonzero(applied) > 0.04 * applied.size  # h holds every send so far, not one round's 2 %
+
+
+@pytest.mark.parametrize("extra", [{"fraction-train": 0.3}, {"client-sampling": "poisson"}])
+def test_ef21_with_client_sampling_is_refused(extra):
+    from fedcomp.config import AppConfig
+    with pytest.raises(ValueError, match="ef21.*fraction-train.*client-sampling"):
+        AppConfig.from_run_config({"error-feedback": "ef21", **extra})
+    AppConfig.from_run_config({"error-feedback": "ef21"})  # full participation: accepted
+
+
+def test_ef21_strategy_refuses_fraction_train_below_one():
+    with pytest.raises(ValueError, match="fraction_train"):
+        CompressedStrategy(FedAvg(fraction_train=0.5), compressor="topk", density=0.1, error_feedback="ef21")
+
+
+def test_ef21_missing_client_is_counted_in_the_round_metrics():
+    from fedcomp.client.app import app as client_app
+    from fedcomp.models import build_model
+    from fedcomp.simulation import InProcessGrid
+    grid = InProcessGrid(client_app, 3, {"lr": 0.05})
+    s = CompressedStrategy(FedAvg(min_available_nodes=3, fraction_evaluate=0.0), compressor="topk", density=0.1,
+                           error_feedback="ef21")
+    arrays = ArrayRecord(build_model().state_dict())
+    msgs = list(s.configure_train(1, arrays, ConfigRecord({"seed": 1}), grid))
+    replies = grid.send_and_receive(msgs[:2])  # the third sampled node never replies
+    _, metrics = s.aggregate_train(1, replies)
+    assert metrics["ef21-missing-clients"] == 1.0
+    replies = grid.send_and_receive(list(s.configure_train(2, arrays, ConfigRecord({"seed": 1}), grid)))
+    _, metrics = s.aggregate_train(2, replies)
+    assert metrics["ef21-missing-clients"] == 0.0

@@ -5,7 +5,7 @@ from its own node id), sampled nodes with no reply, and OOM kills the client's c
 import logging
 import time
 
-from flwr.app import Error, Message, Metadata
+from flwr.app import Error, Message, Metadata, MetricRecord, RecordDict
 from flwr.app.message import make_message
 from flwr.serverapp.strategy import FedAvg
 
@@ -106,3 +106,17 @@ def test_cgroup_memory_limit_and_oom_count_files(tmp_path):
     ctl.write_text("oom_kill_disable 0\nunder_oom 0\noom_kill 7\n")
     assert oom_kills((str(ctl),)) == 7
     assert oom_kills((str(none),)) == 0
+
+
+def test_a_client_that_fails_to_evaluate_is_named():
+    g = weights(0)
+    s = CompressedStrategy(FedAvg(fraction_evaluate=1.0, min_available_nodes=1, min_evaluate_nodes=1),
+                           compressor="stc")
+    msgs = [train_msg(g, dst=n) for n in (41, 42)]
+    s._evaluate_sent = msgs  # what configure_evaluate keeps
+    dead = _superlink_error(msgs[1], 5, "Node Unavailable")
+    ok = Message(content=RecordDict({"metrics": MetricRecord({"num-examples": 5, "eval-loss": 0.5, "eval-acc": 0.9})}),
+                 reply_to=msgs[0])
+    s.aggregate_evaluate(3, [ok, dead])
+    assert s.evaluate_failure_history[3] == [{"node": 42, "code": 5, "error": "NODE_UNAVAILABLE",
+                                              "reason": f"{GONE_REASON} (Flower: 'Node Unavailable')"}]

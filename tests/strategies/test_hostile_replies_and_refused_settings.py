@@ -1,4 +1,4 @@
-"""Issue 21, items 1, 2, 8-12, 20 and 21: hostile numbers, one node one vote, refused
+"""Hostile numbers, one node one vote, refused
 configurations, local DP's integer tensors, a mixed fleet, settings changed after wrapping."""
 
 import logging
@@ -8,43 +8,30 @@ import pytest
 from flwr.app import ArrayRecord, ConfigRecord
 from flwr.common import ndarrays_to_parameters
 from flwr.server.strategy import FedAvgM as LegacyFedAvgM
-from flwr.serverapp.strategy import FedAvg, FedAvgM
+from flwr.serverapp.strategy import FedAvgM
 
 from fedcomp.client import compression_mod
 from fedcomp.config import AppConfig, CodecConfig
 from fedcomp.privacy import LocalDP
 from fedcomp.server.app import privacy_options
 from fedcomp.simulation import InProcessGrid
-from fedcomp.statedict import FlatModel
 from fedcomp.strategies import CompressedStrategy
 from fedcomp.strategies.legacy import LegacyCompressedStrategy
 from tests.messages import make_ctx, reply_with, train_msg, weights
 from tests.strategies.legacy_helpers import LinRegClient, NumPyProxy, init_weights
 
+from .helpers import compressed_reply, fedavg, setup
+
 logging.getLogger("flwr").setLevel(logging.WARNING)
 
 
-def _fedavg():
-    return FedAvg(fraction_evaluate=0.0, min_available_nodes=1, min_train_nodes=1)
-
-
-def _reply(global_w, trained_w, node, n=10, metrics=None, codec=None):
-    msg = train_msg(global_w, codec or {"compressor": "none"}, dst=node)
-    return compression_mod(msg, make_ctx(node_id=node), lambda m, c: reply_with(m, trained_w, n=n,
-                                                                                 extra_metrics=metrics))
-
-
-def _setup(strategy, g, rnd=1):
-    strategy.remember(rnd, FlatModel.from_numpy(g))
-
-
-# -- item 1: finite but huge client metrics ------------------------------------------------------
+# -- Finite but huge client metrics ------------------------------------------------------
 
 def test_huge_client_metrics_neither_crash_the_round_nor_become_infinite():
     g, t = weights(0), weights(1)
-    s = CompressedStrategy(_fedavg(), compressor="none")
-    _setup(s, g)
-    replies = [_reply(g, t, 1), _reply(g, t, 2)]
+    s = CompressedStrategy(fedavg(), compressor="none")
+    setup(s, g)
+    replies = [compressed_reply(g, t, 1), compressed_reply(g, t, 2)]
     for r in replies:  # what a hostile client reports, after the mod
         r.content["metrics"]["compression-error"] = 1.7e308
         r.content["metrics"]["residual-norm"] = -1.7e308
@@ -85,15 +72,16 @@ def test_huge_client_metrics_do_not_crash_the_legacy_wrapper():
     assert params is not None and m["compression-error"] == 1e100
 
 
-# -- item 2: one node, one vote ----------------------------------------------------------------
+# -- One node, one vote ----------------------------------------------------------------
 
 def test_a_nodes_second_reply_is_refused_and_counted_as_rejected():
     g, t1, t2 = weights(0), weights(1), weights(2)
-    s = CompressedStrategy(_fedavg(), compressor="none")
-    _setup(s, g)
-    once, _ = s.aggregate_train(1, [_reply(g, t1, 1, n=10), _reply(g, t2, 2, n=10)])
-    _setup(s, g)
-    arrays, m = s.aggregate_train(1, [_reply(g, t1, 1, n=10), _reply(g, t2, 2, n=10), _reply(g, t2, 2, n=10)])
+    s = CompressedStrategy(fedavg(), compressor="none")
+    setup(s, g)
+    once, _ = s.aggregate_train(1, [compressed_reply(g, t1, 1, n=10), compressed_reply(g, t2, 2, n=10)])
+    setup(s, g)
+    arrays, m = s.aggregate_train(1, [compressed_reply(g, t1, 1, n=10), compressed_reply(g, t2, 2, n=10),
+                                      compressed_reply(g, t2, 2, n=10)])
     assert m["rejected-replies"] == 1 and m["num-replies"] == 2
     for k in g:  # node 2 counted once: the plain mean, not (t1 + 2 t2) / 3
         np.testing.assert_array_equal(arrays[k].numpy(), once[k].numpy())
@@ -104,13 +92,13 @@ def test_a_reply_from_a_node_that_was_not_asked_is_refused():
     from fedcomp.models import build_model
 
     grid = InProcessGrid(client_app, 2, {})
-    s = CompressedStrategy(_fedavg(), compressor="none")
+    s = CompressedStrategy(fedavg(), compressor="none")
     sd = {k: v.numpy() for k, v in build_model().state_dict().items()}
     msgs = list(s.configure_train(1, ArrayRecord(build_model().state_dict()), ConfigRecord(), grid))
     asked = sorted(m.metadata.dst_node_id for m in msgs)
     assert asked == [1000, 1001]
     moved = {k: (v + 0.01 if v.dtype.kind == "f" else v) for k, v in sd.items()}
-    replies = [_reply(sd, moved, node) for node in (*asked, 4242)]
+    replies = [compressed_reply(sd, moved, node) for node in (*asked, 4242)]
     _, m = s.aggregate_train(1, replies)
     assert m["num-replies"] == 2 and m["rejected-replies"] == 1
 
@@ -129,7 +117,7 @@ def test_the_legacy_wrapper_counts_a_duplicated_fit_result_once():
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)  # counted twice, client 0 moved the mean by > 1e-3
 
 
-# -- items 8, 9, 11: configurations refused at start-up -----------------------------------------
+# -- Configurations refused at start-up -----------------------------------------
 
 @pytest.mark.parametrize("codec", ["sign", "powersgd", "int8", "none"])
 def test_momentum_correction_with_a_codec_that_sends_every_entry_is_refused(codec):
@@ -140,13 +128,13 @@ def test_momentum_correction_with_a_codec_that_sends_every_entry_is_refused(code
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), -1.0, 0.0, "1"])
 def test_max_epsilon_must_be_a_finite_positive_number(value):
     with pytest.raises(ValueError, match="max_epsilon .* must be a finite number > 0"):
-        CompressedStrategy(_fedavg(), compressor="none", max_epsilon=value)
+        CompressedStrategy(fedavg(), compressor="none", max_epsilon=value)
 
 
 @pytest.mark.parametrize("value", [0, float("inf"), float("nan"), 2.5, -3, True])
 def test_max_num_examples_must_be_an_integer_of_at_least_1(value):
     with pytest.raises(ValueError, match="max_num_examples must be an integer >= 1"):
-        CompressedStrategy(_fedavg(), compressor="none", max_num_examples=value)
+        CompressedStrategy(fedavg(), compressor="none", max_num_examples=value)
     with pytest.raises(ValueError, match="max_num_examples must be an integer >= 1"):
         _legacy(max_num_examples=value)
 
@@ -159,7 +147,7 @@ def test_a_noise_multiplier_the_accountant_cannot_handle_is_refused_at_start_up(
     privacy_options(AppConfig.from_run_config({"dp": dp, "noise-multiplier": 1e-20}))  # computable: accepted
 
 
-# -- item 10: the client's own privacy setting ---------------------------------------------------
+# -- The client's own privacy setting ---------------------------------------------------
 
 @pytest.mark.parametrize("value,hint", [("Local", "did you mean 'local'"), ("locl", "did you mean 'local'"),
                                         ("yes", "")])
@@ -173,22 +161,22 @@ def test_an_unknown_value_of_the_clients_own_dp_setting_is_refused(value, hint):
     assert trained == []  # refused before training
 
 
-# -- item 12: local DP keeps the server's integer and bool tensors -------------------------------
+# -- Local DP keeps the server's integer and bool tensors -------------------------------
 
 def test_under_local_dp_the_server_keeps_its_own_integer_and_bool_values():
     g = {"w": np.zeros(4, np.float32), "cnt": np.array(5, np.int64), "mask": np.array([True, False])}
-    s = CompressedStrategy(_fedavg(), compressor="none", local_dp=LocalDP(1.0, 0.0))
-    _setup(s, g)
+    s = CompressedStrategy(fedavg(), compressor="none", local_dp=LocalDP(1.0, 0.0))
+    setup(s, g)
     # A client that ignores local DP and sends its exact counters anyway (as a plain compression_mod would).
-    cheat = _reply(g, {"w": np.ones(4, np.float32), "cnt": np.array(105, np.int64), "mask": np.array([False, True])},
-                   1, codec={"compressor": "none"})
+    cheat = compressed_reply(g, {"w": np.ones(4, np.float32), "cnt": np.array(105, np.int64),
+                                 "mask": np.array([False, True])}, 1, codec={"compressor": "none"})
     assert "cnt" in cheat.content["arrays"]
     arrays, m = s.aggregate_train(1, [cheat])
     assert m["num-replies"] == 1
     assert int(arrays["cnt"].numpy()) == 5 and arrays["mask"].numpy().tolist() == [True, False]  # was 105
 
 
-# -- item 20: a mixed fleet -----------------------------------------------------------------------
+# -- A mixed fleet -----------------------------------------------------------------------
 
 def _dense_reply(global_w, trained_w, node, n=10):
     msg = train_msg(global_w, {"compressor": "stc"}, dst=node)
@@ -197,11 +185,11 @@ def _dense_reply(global_w, trained_w, node, n=10):
 
 def test_dense_replies_are_counted_as_uncompressed_updates_next_to_compressed_ones():
     g, t1, t2 = weights(0), weights(1), weights(2)
-    s = CompressedStrategy(_fedavg(), compressor="none")
-    _setup(s, g)
+    s = CompressedStrategy(fedavg(), compressor="none")
+    setup(s, g)
     dense = _dense_reply(g, t2, 2, n=30)
     dense_bytes = sum(len(a.data) for a in dense.content["arrays"].values())
-    arrays, m = s.aggregate_train(1, [_reply(g, t1, 1, n=10), dense])
+    arrays, m = s.aggregate_train(1, [compressed_reply(g, t1, 1, n=10), dense])
     assert m["num-replies"] == 2 and m["rejected-replies"] == 0  # rejected before
     assert m["upload-bytes-dense"] == float(dense_bytes) == 4.0 * 210 + 2 * 128  # two .npy headers
     for k in g:
@@ -210,8 +198,8 @@ def test_dense_replies_are_counted_as_uncompressed_updates_next_to_compressed_on
 
 def test_a_fleet_of_only_dense_clients_trains_with_the_models_dtypes():
     g = {"w": np.zeros(3, np.float32), "cnt": np.array(2, np.int64)}
-    s = CompressedStrategy(_fedavg(), compressor="stc", density=0.5)
-    _setup(s, g)
+    s = CompressedStrategy(fedavg(), compressor="stc", density=0.5)
+    setup(s, g)
     arrays, m = s.aggregate_train(1, [_dense_reply(g, {"w": np.ones(3, np.float32), "cnt": np.array(6, np.int64)}, 1),
                                       _dense_reply(g, {"w": np.ones(3, np.float32), "cnt": np.array(4, np.int64)}, 2)])
     assert m["num-replies"] == 2
@@ -230,16 +218,16 @@ def test_a_dense_reply_is_validated_like_a_payload(bad, caplog):
         t["zzz"] = t.pop("w")
     else:
         t["w"][3, 3] = np.nan
-    s = CompressedStrategy(_fedavg(), compressor="none")
-    _setup(s, g)
+    s = CompressedStrategy(fedavg(), compressor="none")
+    setup(s, g)
     arrays, m = s.aggregate_train(1, [_dense_reply(g, t, 1)])
     assert arrays is None and m["rejected-replies"] == 1
 
 
 def test_the_operator_can_require_compression():
     g, t = weights(0), weights(1)
-    s = CompressedStrategy(_fedavg(), compressor="none", require_compression=True)
-    _setup(s, g)
+    s = CompressedStrategy(fedavg(), compressor="none", require_compression=True)
+    setup(s, g)
     arrays, m = s.aggregate_train(1, [_dense_reply(g, t, 1)])
     assert arrays is None and m["rejected-replies"] == 1
     cfg = AppConfig.from_run_config({"require-compression": True})
@@ -247,7 +235,7 @@ def test_the_operator_can_require_compression():
     assert AppConfig.from_run_config({}).require_compression is False
 
 
-# -- item 21: settings changed after wrapping --------------------------------------------------
+# -- Settings changed after wrapping --------------------------------------------------
 
 def test_settings_of_the_inner_strategy_reach_it_through_the_wrapper():
     inner = FedAvgM(server_learning_rate=1.0, server_momentum=0.0)

@@ -1,5 +1,6 @@
-"""Attack-round fix (F16): a link speed of 1e-310 Mbps made a client's simulated seconds inf; link
-speeds are bounded below by MIN_LINK_MBPS (1e-6 Mbps) in the config, the node check, and on use."""
+"""Link speeds are bounded below by MIN_LINK_MBPS (1e-6 Mbps) in the run config, in the node config check
+and on use, so a client's simulated seconds stay finite (1e-310 Mbps gave inf); a node config link speed
+must be a finite number > 0."""
 
 import math
 
@@ -32,3 +33,17 @@ def test_link_speeds_below_the_floor_are_refused_in_configs():
     ctx = Context(run_id=1, node_id=1, node_config={"uplink-mbps": 1e-310}, state=RecordDict(), run_config={})
     with pytest.raises(ValueError, match=r"node config 'uplink-mbps' must be a finite number > 0 .*at least 1e-06"):
         _link_speeds(ctx)
+
+
+@pytest.mark.parametrize("value", [math.inf, math.nan, 0.0])
+def test_a_node_config_link_speed_must_be_finite(value):
+    # Per node: uplink-mbps = inf made the simulated upload time 0 instead of an error.
+    import numpy as np
+
+    from fedcomp.client import compression_mod
+    from tests.messages import make_ctx, reply_with, train_msg
+
+    g = {"w": np.zeros(10, np.float32)}
+    with pytest.raises(ValueError, match="node config 'uplink-mbps' must be a finite number > 0"):
+        compression_mod(train_msg(g, {"compressor": "none"}), make_ctx(node_config={"uplink-mbps": value}),
+                        lambda m, c: reply_with(m, g))

@@ -1,4 +1,4 @@
-"""Numbers a run reports (issue 24): sign's density is 1.0 (every entry sent), not 0.0; link speeds
+"""Numbers a run reports: sign's density is 1.0 (every entry sent), not 0.0; link speeds
 are the clients' values without float noise (Flower's weighted mean of ten 10.0s: 10.000000000000002)."""
 
 import numpy as np

@@ -1,5 +1,5 @@
 """The simulated round time counts a per-message ClientApp process's life (issue 23 section 3: with
-shaped links the model without it gave about a third of the measured wall clock)."""
+shaped links the model without it gave under half of the measured wall clock)."""
 
 import math
 import os

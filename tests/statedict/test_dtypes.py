@@ -1,4 +1,4 @@
-"""Issue 21, items 3-6: integer tensors beyond 2**53, wider integer dtypes, the integer rule's
+"""Integer tensors beyond 2**53, wider integer dtypes, the integer rule's
 carried remainder, and float64 models kept float64 end to end."""
 
 import logging
@@ -39,7 +39,7 @@ def _round(strategy, sd: dict, trained: list[dict], weights: list[int], server_r
     return to_state_dict(arrays)
 
 
-# -- item 3: int64 beyond 2**53 moves exactly -----------------------------------------------
+# -- Int64 beyond 2**53 moves exactly -----------------------------------------------
 
 @pytest.mark.parametrize("codec", ["none", "stc"])
 def test_int64_counters_beyond_2_pow_53_move_exactly(codec):
@@ -60,7 +60,7 @@ def test_int64_extremes_in_opposite_directions_are_exact_and_clamped():
     assert out["cnt"].tolist() == [-(2**63) + step, 2**63 - 1 - step]
 
 
-# -- item 4: a wider integer dtype is never wrapped -------------------------------------------
+# -- A wider integer dtype is never wrapped -------------------------------------------
 
 @pytest.mark.parametrize("model_dtype,sent,value", [(torch.int8, torch.int16, 300), (torch.uint8, torch.int64, 263),
                                                     (torch.uint8, torch.int16, -1), (torch.bool, torch.int64, 2)])
@@ -80,7 +80,7 @@ def test_a_wider_integer_dtype_whose_values_fit_is_cast_exactly():
     assert out["buf"].dtype == torch.int8 and out["buf"].tolist() == [-128, 127]
 
 
-# -- item 5: the integer rule carries its rounding remainder -----------------------------------
+# -- The integer rule carries its rounding remainder -----------------------------------
 
 def test_num_batches_tracked_stays_within_half_of_the_true_cumulative_mean_for_8_rounds():
     sd = {"w": torch.zeros(3), "bn.num_batches_tracked": torch.tensor(0)}
@@ -105,7 +105,7 @@ def test_the_integer_remainder_survives_a_checkpoint(tmp_path):
     assert fresh.int_remainders["cnt"].tolist() == [0.25, -0.5]
 
 
-# -- item 6: float64 stays float64 ---------------------------------------------------------
+# -- Float64 stays float64 ---------------------------------------------------------
 
 def _f64_sd():
     return {"w": torch.tensor([math.pi, 1e9 + 0.5, 3.0, 0.7], dtype=torch.float64)}

@@ -3,32 +3,24 @@ and by `flwr run` (the LoRA mode end to end)."""
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import pathlib
 import shutil
-import subprocess
-import sys
 
 import pytest
 from flwr.app import Context, RecordDict
 
-from fedcomp.deploy import stop_local_superlink
 from fedcomp.simulation import InProcessGrid
-from tests.lm.conftest import corpus  # noqa: F401 - the small local Shakespeare-like corpus fixture
+from tests.flwr_run import flwr_run_app
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "lora-finetune"
 
 
 @pytest.fixture()
-def example(monkeypatch):
-    monkeypatch.syspath_prepend(str(EXAMPLE))
-    mods = {name: importlib.import_module(f"lorafinetune.{name}") for name in ("client_app", "server_app", "task")}
-    yield mods
-    for name in [m for m in sys.modules if m == "lorafinetune" or m.startswith("lorafinetune.")]:
-        del sys.modules[name]
+def example(import_example):
+    return import_example("lora-finetune", "lorafinetune")
 
 
 def _config(base: str, **kw) -> dict:
@@ -44,7 +36,7 @@ def test_the_fedcomp_lines_are_few_and_marked():
     assert "fedcomp" not in (EXAMPLE / "lorafinetune" / "task.py").read_text().replace("fedcomp.text_data", "")
 
 
-def test_example_runs_in_process_with_small_downloads(example, corpus, byte_base_dir, tmp_path, capsys):  # noqa: F811
+def test_example_runs_in_process_with_small_downloads(example, corpus, byte_base_dir, tmp_path, capsys):
     out = tmp_path / "metrics.json"
     cfg = _config(byte_base_dir, **{"results-file": str(out)})
     grid = InProcessGrid(example["client_app"].app, 4, cfg)
@@ -63,25 +55,13 @@ def test_example_runs_in_process_with_small_downloads(example, corpus, byte_base
                     reason="about 60 s on 2 cores (Ray + a local SuperLink; tests/lora/test_flwr_run_lora.py runs "
                            "LoRA mode by flwr run in CI): set FEDCOMP_SLOW_TESTS=1")
 @pytest.mark.skipif(shutil.which("pgrep") is None, reason="needs pgrep to stop the local SuperLink")
-def test_flwr_run_lora_example(tmp_path, corpus, byte_base_dir):  # noqa: F811
+def test_flwr_run_lora_example(tmp_path, corpus, byte_base_dir):
     app_dir = tmp_path / "lora-finetune"  # a copy: nothing of the run lands in the repository
     shutil.copytree(EXAMPLE, app_dir, ignore=shutil.ignore_patterns("__pycache__"))
-    env = dict(os.environ)
-    env["FLWR_HOME"] = str(tmp_path / "flwr-home")
-    env["FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION"] = "1"
-    env["PATH"] = f"{pathlib.Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    env["FLWR_LOCAL_SUPERLINK_HTTP_API_PORT"] = "39591"  # not the ports of the other flwr run tests
-    env["FLWR_LOCAL_CONTROL_API_PORT"] = "39593"
     results = tmp_path / "metrics.json"
-    flwr = shutil.which("flwr", path=env["PATH"])
-    cmd = [flwr] if flwr else [sys.executable, "-m", "flwr.cli.app"]
-    cmd += ["run", str(app_dir), "--stream", "--federation-config", "num-supernodes=2 client-resources-num-cpus=1",
-            "--run-config", f"num-server-rounds=2 min-nodes=2 fraction-train=1.0 base-model='{byte_base_dir}' "
-                            f"results-file='{results}'"]
-    try:
-        proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=400, check=False)
-    finally:
-        stop_local_superlink(tmp_path / "flwr-home")
+    proc = flwr_run_app(app_dir, tmp_path, 2, f"num-server-rounds=2 min-nodes=2 fraction-train=1.0 "
+                        f"base-model='{byte_base_dir}' results-file='{results}'",
+                        ("39591", "39593"), timeout=400)  # not the ports of the other flwr run tests
     assert results.exists(), (proc.stdout + proc.stderr)[-3000:]  # `flwr run` exits 0 even when the run failed
     rounds = json.loads(results.read_text())["rounds"]
     assert [rounds[r]["num-replies"] for r in ("1", "2")] == [2, 2]

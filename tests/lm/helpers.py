@@ -1,8 +1,7 @@
-"""A small local Shakespeare-like corpus in place of the real texts (no network)."""
+"""A small local Shakespeare-like corpus in place of the real texts (no network): plays in the Gutenberg
+layout and the cache folder that holds them."""
 
 import random
-
-import pytest
 
 WORDS = ["thou", "art", "the", "king", "and", "i", "am", "thy", "servant", "good", "my", "lord", "what", "news",
          "from", "rome", "o", "heaven", "speak", "to", "me", "let", "us", "go", "hence", "fair", "lady", "sweet",
@@ -35,20 +34,3 @@ def write_corpus(root):
                                         + "\nFool.\nNuncle, nuncle.\nA walk-on line.\nAnd a third.\n")
     (texts / "beta_gut_f.txt").write_text("  Lear. The same play in Folio spelling, left out.\n")
     return texts
-
-
-@pytest.fixture
-def corpus(tmp_path, monkeypatch):
-    """FEDCOMP_DATA_DIR pointing at a small local corpus; fedcomp's data caches cleared before and after."""
-    from fedcomp import data, text_data
-
-    def clear():
-        text_data.shakespeare_roles.cache_clear()
-        data.load_partition.cache_clear()
-        data.load_test_set.cache_clear()
-
-    write_corpus(tmp_path / "cache")
-    monkeypatch.setenv(text_data.CACHE_ENV, str(tmp_path / "cache"))
-    clear()
-    yield tmp_path / "cache"
-    clear()

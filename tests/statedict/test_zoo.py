@@ -1,4 +1,4 @@
-"""Every state_dict a PyTorch model can have goes through mod -> strategy -> downstream exactly (issue 12).
+"""Every state_dict a PyTorch model can have goes through mod -> strategy -> downstream exactly.
 
 A zoo of small models: BatchNorm1d/2d, LayerNorm, GroupNorm, a 0-d parameter, a zero-element
 parameter, int64/uint8/bool buffers, an fp16 and a bf16 model. Two clients "train" (float
@@ -19,103 +19,20 @@ from fedcomp.client import compression_mod
 from fedcomp.statedict import FlatModel, to_record, to_state_dict
 from fedcomp.strategies import CompressedStrategy
 from tests.messages import make_ctx, make_msg
+from tests.model_zoo import ZOO, expected_exact, trained_state, zoo, zoo_round
 
 logging.getLogger("flwr").setLevel(logging.WARNING)
 
 
-class Buffers(nn.Module):
-    """Integer and bool buffers next to a 0-d and a zero-element parameter."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(6, 4)
-        self.scale = nn.Parameter(torch.tensor(0.5))  # shape ()
-        self.empty = nn.Parameter(torch.zeros(0, 5))  # zero elements
-        self.register_buffer("counter", torch.tensor(2**24 + 1, dtype=torch.int64))
-        self.register_buffer("levels", torch.tensor([255, 255, 255, 200], dtype=torch.uint8))
-        self.register_buffer("mask", torch.tensor([False, True, True, False]))
-
-
-def _zoo():
-    return {
-        "batchnorm1d": nn.Sequential(nn.Linear(6, 4), nn.BatchNorm1d(4)),
-        "batchnorm2d": nn.Sequential(nn.Conv2d(1, 3, 3), nn.BatchNorm2d(3), nn.Flatten(), nn.Linear(12, 2)),
-        "layernorm": nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8)),
-        "groupnorm": nn.Sequential(nn.Conv2d(1, 4, 3), nn.GroupNorm(2, 4)),
-        "buffers": Buffers(),
-        "fp16": nn.Sequential(nn.Linear(6, 4), nn.BatchNorm1d(4)).half(),
-        "bf16": nn.Sequential(nn.Linear(6, 4), nn.LayerNorm(4)).to(torch.bfloat16),
-    }
-
-
-ZOO = list(_zoo())
 CODECS = ["none", "fp16", "sign", "stc", "topk", "randomk", "qsgd", "int8"]
-WEIGHTS = (10, 30)
-
-
-def _trained(sd: dict, client: int) -> dict:
-    """Client ``client``'s new state_dict: floats + small noise, integers/bools set to known values."""
-    g = torch.Generator().manual_seed(client)
-    out = {}
-    for k, t in sd.items():
-        if t.is_floating_point():
-            out[k] = (t.float() + 0.01 * torch.randn(t.shape, generator=g)).to(t.dtype)
-        elif k.endswith("num_batches_tracked"):
-            out[k] = t + (5 if client == 0 else 9)
-        elif k == "counter":
-            out[k] = t + (4 if client == 0 else 8)
-        elif k == "levels":
-            out[k] = torch.tensor([255, 255, 255, 0] if client == 0 else [255, 255, 250, 10], dtype=torch.uint8)
-        elif k == "mask":
-            out[k] = torch.tensor([True, True, False, False] if client == 0 else [False, True, True, True])
-        else:
-            out[k] = t.clone()
-    return out
-
-
-def _expected_exact(sd: dict) -> dict:
-    """The documented rules with weights 10 and 30."""
-    exp = {}
-    for k, t in sd.items():
-        if k.endswith("num_batches_tracked"):
-            exp[k] = int(t) + round((10 * 5 + 30 * 9) / 40)  # +8
-        elif k == "counter":
-            exp[k] = 2**24 + 1 + round((10 * 4 + 30 * 8) / 40)  # +7, exactly (no float32 on the way)
-        elif k == "levels":  # weighted mean of the values, rounded half to even, clamped, no wrap-around
-            exp[k] = [255, 255, int(np.rint((255 * 10 + 250 * 30) / 40)), int(np.rint((0 * 10 + 10 * 30) / 40))]
-        elif k == "mask":  # weighted majority (30 > 10); no ties here
-            exp[k] = [False, True, True, True]
-    return exp
-
-
-def _round(model: nn.Module, codec: str, selection: str):
-    sd = model.state_dict()
-    global_rec = to_record(sd)
-    strategy = CompressedStrategy(FedAvg(fraction_evaluate=0.0), compressor=codec, selection=selection,
-                                  density=0.5)
-    config = {"server-round": 1, **strategy.codec.to_mapping()}
-    strategy.remember(1, FlatModel.from_record(global_rec))
-    replies = []
-    for client, n in enumerate(WEIGHTS):
-        msg = make_msg(RecordDict({"arrays": to_record(sd), "config": ConfigRecord(config)}), dst=10 + client)
-        trained = _trained(sd, client)
-
-        def handler(m, c, trained=trained, n=n):
-            content = RecordDict({"arrays": to_record(trained), "metrics": MetricRecord({"num-examples": n})})
-            return Message(content=content, reply_to=m)
-
-        replies.append(compression_mod(msg, make_ctx(node_id=10 + client), handler))
-    assert not any(r.has_error() for r in replies)
-    arrays, metrics = strategy.aggregate_train(1, replies)
-    return sd, arrays, metrics
 
 
 @pytest.mark.parametrize("selection", ["tensor", "model"])
 @pytest.mark.parametrize("codec", CODECS)
 @pytest.mark.parametrize("name", ZOO)
 def test_zoo_round_trip_keeps_dtypes_shapes_and_exact_integers(name, codec, selection):
-    model = _zoo()[name]
-    sd, arrays, metrics = _round(model, codec, selection)
+    model = zoo()[name]
+    sd, arrays, metrics = zoo_round(model, codec, selection)
     assert arrays is not None and metrics["rejected-replies"] == 0
     out = to_state_dict(arrays)
     assert list(out) == list(sd)
@@ -124,16 +41,16 @@ def test_zoo_round_trip_keeps_dtypes_shapes_and_exact_integers(name, codec, sele
         assert tuple(out[k].shape) == tuple(t.shape), k
         if t.is_floating_point():
             assert bool(torch.isfinite(out[k].float()).all()), k
-    for k, want in _expected_exact(sd).items():
+    for k, want in expected_exact(sd).items():
         assert out[k].tolist() == want, k
     model.load_state_dict(out)  # fits the model as it is
 
 
 @pytest.mark.parametrize("name", ZOO)
 def test_zoo_uncompressed_round_is_the_weighted_mean(name):
-    sd, arrays, _ = _round(_zoo()[name], "none", "tensor")
+    sd, arrays, _ = zoo_round(zoo()[name], "none", "tensor")
     out = to_state_dict(arrays)
-    t0, t1 = _trained(sd, 0), _trained(sd, 1)
+    t0, t1 = trained_state(sd, 0), trained_state(sd, 1)
     for k, t in sd.items():
         if t.is_floating_point():
             want = (10 * t0[k].float() + 30 * t1[k].float()) / 40
@@ -147,10 +64,10 @@ def test_zoo_downstream_rebuilds_every_tensor_exactly(name):
     from fedcomp.config import CodecConfig
     from fedcomp.strategies.downstream import Downstream
 
-    sd = _zoo()[name].state_dict()
+    sd = zoo()[name].state_dict()
     ds = Downstream(CodecConfig(compressor="none"), "fp16")
     ctx = make_ctx(node_id=5)
-    for rnd, weights in ((1, sd), (2, _trained(sd, 1))):
+    for rnd, weights in ((1, sd), (2, trained_state(sd, 1))):
         msg = make_msg(RecordDict({"arrays": to_record(weights), "config": ConfigRecord({"server-round": rnd})}),
                        dst=5)
         ds.prepare(rnd, to_record(weights), [msg])
@@ -214,7 +131,7 @@ def test_zoo_checkpoint_keeps_every_tensor(tmp_path, name):
     from fedcomp.server import checkpoint
     from fedcomp.statedict import numpy_dict
 
-    sd = _trained(_zoo()[name].state_dict(), 1)
+    sd = trained_state(zoo()[name].state_dict(), 1)
     weights, dtypes = numpy_dict(to_record(sd))
     strategy = CompressedStrategy(FedAvg(fraction_evaluate=0.0), compressor="none")
     checkpoint.save(tmp_path, 3, weights, strategy, [{"round": 3}])

@@ -1,5 +1,7 @@
 """Run-config validation names the key and the allowed range; defaults match pyproject."""
 
+import dataclasses
+import math
 import pathlib
 import tomllib
 
@@ -7,7 +9,14 @@ import pytest
 
 from fedcomp.config import APP_KEYS, AppConfig, CodecConfig, check_known_keys, run_config_keys
 
-PYPROJECT = pathlib.Path(__file__).resolve().parents[1] / "pyproject.toml"
+PYPROJECT = pathlib.Path(__file__).resolve().parents[2] / "pyproject.toml"
+
+
+def _float_keys(cls) -> list[str]:
+    return [f.name.replace("_", "-") for f in dataclasses.fields(cls) if f.type == "float"]
+
+
+FLOAT_KEYS = _float_keys(AppConfig) + _float_keys(CodecConfig)
 
 
 def test_pyproject_defaults_parse_and_hold_every_key():
@@ -58,3 +67,21 @@ def test_known_keys_pass_and_a_custom_set_is_honoured():
     check_known_keys({k: None for k in run_config_keys()})
     with pytest.raises(ValueError, match="node config key 'colour' is unknown; did you mean 'color'"):
         check_known_keys({"colour": 1}, frozenset({"color"}), source="node config")
+
+
+def test_every_float_key_is_found():
+    # The enumeration must see the keys the issue names (and every other float key).
+    assert {"lr", "server-lr", "dirichlet-alpha", "density", "target-delta", "round-timeout"} <= set(FLOAT_KEYS)
+
+
+@pytest.mark.parametrize("key", FLOAT_KEYS)
+@pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan])
+def test_non_finite_float_values_are_refused_at_start_up_naming_the_key(key, value):
+    with pytest.raises(ValueError, match=f"run config '{key}' must be a finite number"):
+        AppConfig.from_run_config({key: value})
+
+
+@pytest.mark.parametrize("key", ["lr", "server-lr", "dirichlet-alpha"])
+def test_large_finite_rates_are_still_accepted(key):
+    cfg = AppConfig.from_run_config({key: 1e30})
+    assert getattr(cfg, key.replace("-", "_")) == 1e30
