@@ -223,7 +223,7 @@ def privacy_statement(cfg: AppConfig, run_config: dict | None = None) -> dict | 
              "local": "client-level, local: each client clips and noises its own update before compressing"}[cfg.dp]
     accountant = "rdp"  # client-level and local DP: Rényi DP of the Gaussian mechanism, per round
     if cfg.dp == "dp-sgd":
-        accountant = run_config.get("accountant", "rdp") if run_config is not None else "rdp"
+        accountant = (run_config or {}).get("accountant", DPSGDConfig.accountant)
     return {"mode": cfg.dp, "level": level, "delta": cfg.target_delta, "accountant": accountant,
             "assumption": (NO_AMPLIFICATION if cfg.client_sampling != "poisson" or cfg.dp != "client-level" else
                            f"clients Poisson-sampled by the server with probability q = {cfg.fraction_train} per round "

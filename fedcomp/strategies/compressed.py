@@ -180,17 +180,9 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         if not isinstance(require_compression, bool):
             raise ValueError(f"require_compression must be True or False, got {require_compression!r}")
         self.require_compression = require_compression
-        if max_epsilon is not None and (isinstance(max_epsilon, bool) or not isinstance(max_epsilon, (int, float))
-                                        or not max_epsilon > 0 or not np.isfinite(max_epsilon)):
-            raise ValueError(f"max_epsilon (run config 'max-epsilon') must be a finite number > 0, or None for no "
-                             f"budget; got {max_epsilon!r}")
-        self.ef21 = EF21Aggregate() if self.codec.error_feedback == "ef21" else None
-        if self.ef21 is not None and (client_dp is not None or aggregation != "auto" or not streams(inner)):
-            raise ValueError("error_feedback='ef21' needs a weighted-mean inner strategy (FedAvg and its family), "
-                             "aggregation='auto' and no client_dp: the server keeps EF21's estimate of the mean update")
-        if self.ef21 is not None and float(getattr(inner, "fraction_train", 1.0)) < 1.0:
-            raise ValueError("error_feedback='ef21' needs every client in every round (fraction_train = 1.0, run config "
-                             "'fraction-train'): the server's single estimate h keeps a departed client's last h_i")
+        self.budget = PrivacyBudget(client_dp, local_dp, max_epsilon)
+        self.ef21 = (EF21Aggregate.for_strategy(inner, client_dp, aggregation)
+                     if self.codec.error_feedback == "ef21" else None)
         self.aggregation = aggregation
         if downstream not in (None, "none") and downstream not in available_compressors():
             raise ValueError(f"downstream must be 'none' or one of {available_compressors()}, got {downstream!r}")
@@ -198,7 +190,6 @@ class CompressedStrategy(ForwardsToInner, Strategy):
                            else Downstream(self.codec, downstream, init=downstream_init,
                                            catchup=downstream_catchup, max_copies=downstream_max_copies))
         self.sampling = None if client_sampling is None else PoissonSampling(client_sampling, seed)
-        self.budget = PrivacyBudget(client_dp, local_dp, max_epsilon)
         #: The global model sent in the current round (set by :meth:`configure_train`).
         self.sent_round: SentRound | None = None
         #: Rounding remainder of the integer rule per integer tensor, carried from round to round

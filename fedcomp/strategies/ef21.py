@@ -14,11 +14,12 @@ participation variant keeps per-client weights; not done here).
 from __future__ import annotations
 
 from logging import WARNING
+from typing import Any
 
 import numpy as np
 from flwr.common.logger import log
 
-from .aggregate import RunningSum
+from .aggregate import RunningSum, streams
 
 
 class EF21Aggregate:
@@ -32,6 +33,25 @@ class EF21Aggregate:
 
     def __init__(self) -> None:
         self.h: dict[str, np.ndarray] = {}
+
+    @classmethod
+    def for_strategy(cls, inner: Any, client_dp: Any, aggregation: str) -> EF21Aggregate:
+        """A new estimate for ``CompressedStrategy(inner, ...)``, once the settings allow EF21.
+
+        Raises
+        ------
+        ValueError
+            ``inner`` does not aggregate by a weighted mean, ``aggregation`` is not "auto", client-level
+            DP is on, or ``inner`` samples a fraction of the clients (``fraction_train < 1``).
+        """
+        if client_dp is not None or aggregation != "auto" or not streams(inner):
+            raise ValueError("error_feedback='ef21' needs a weighted-mean inner strategy (FedAvg and its family), "
+                             "aggregation='auto' and no client_dp: the server keeps EF21's estimate of the mean update")
+        if float(getattr(inner, "fraction_train", 1.0)) < 1.0:
+            raise ValueError("error_feedback='ef21' needs every client in every round (fraction_train = 1.0, run "
+                             "config 'fraction-train'): the server's single estimate h keeps a departed client's last "
+                             "h_i")
+        return cls()
 
     def fold(self, running: RunningSum) -> None:
         """``h <- h + sum / total``, then make ``running`` hold ``h * total`` (so that its mean is ``h``).

@@ -69,6 +69,10 @@ class PrivacyBudget:
 
     def __init__(self, client_dp: ClientLevelDP | None = None, local_dp: LocalDP | None = None,
                  max_epsilon: float | None = None) -> None:
+        if max_epsilon is not None and (isinstance(max_epsilon, bool) or not isinstance(max_epsilon, (int, float))
+                                        or not max_epsilon > 0 or not math.isfinite(max_epsilon)):
+            raise ValueError(f"max_epsilon (run config 'max-epsilon') must be a finite number > 0, or None for no "
+                             f"budget; got {max_epsilon!r}")
         self.client_dp = client_dp
         self.local_dp = local_dp
         self.max_epsilon = max_epsilon
