@@ -115,6 +115,7 @@ ACCURACY_CASES = {
     "cnn stc 0.001+EF sched20+avgm": {**_STC1000, **_sched(20), **_AVGM},
     "cnn stc 0.001+EF sched20+avgm0.7": {**_STC1000, **_sched(20), **_AVGM, "server-momentum": 0.7},
     "cnn stc 0.001+EF sched30": {**_STC1000, **_sched(30), "strategy": "fedavg"},
+    "cnn stc 0.001+EF sched10": {**_STC1000, **_sched(10), "strategy": "fedavg"},
     "cnn stc 0.001+EF21 sched10": {**_STC1000, **_sched(10), "error-feedback": "ef21", "strategy": "fedavg"},
 }
 CASES.update(ACCURACY_CASES)
@@ -252,7 +253,7 @@ def plot_accuracy(results: list[dict], path: pathlib.Path) -> None:
         for i, r in enumerate(rows):
             acc = [statistics.fmean(v) for v in zip(*r["curves"])]
             mb = [statistics.fmean(v) for v in zip(*r["cumulative_upload_mb"])]
-            tried = "+EF " in r["case"] and not r["case"].endswith(" default")
+            tried = ("+EF " in r["case"] or "+EF21" in r["case"]) and not r["case"].endswith(" default")
             style = {"color": f"C{i}", "linestyle": "--" if tried else "-", "linewidth": 1.2 if tried else 2.0,
                      "label": r["case"]}
             row[0].plot(range(len(acc)), acc, **style)

@@ -20,7 +20,7 @@ Everywhere else "auto" is "constant" and "fedavg" (what they were before). Measu
 default CNN on digits, 10 clients, Dirichlet 0.5, 50 rounds, density 1/1000, round 50, mean of
 seeds 42-44: plain 88.0 % at 1527x fewer bytes than fp32, the "auto" setting 96.9 % at 178x
 (fp32 97.2 %); a 10-round warm-up 94.9 % (406x), 20 rounds 96.2 % (247x); the warm-up costs
-bytes: 88 % of the upload over 50 rounds is in its 30 rounds (README, "Accuracy per byte ... at
+bytes: 95 % of the upload over 50 rounds is in its first 30 rounds (README, "Accuracy per byte ... at
 1/1000"). The decision depends on the codec and the density, not on the model: the BatchNorm
 ResNet rows run at densities of 1/100 and 1/400 and keep the plain settings; the warm-up was not
 measured on a BatchNorm model at 1/1000.

@@ -113,7 +113,7 @@ def test_the_server_says_it_once(tmp_path, caplog):
 def test_the_legacy_wrapper_sends_the_round_s_density():
     """LegacyCompressedStrategy sent the codec without its schedule (an "exponential" schedule,
     explicit or from "auto", was reported but never applied)."""
-    from tests.strategies.test_legacy import N, LinRegClient, fit_all, make_inner, manager
+    from tests.strategies.legacy_helpers import N, LinRegClient, fit_all, make_inner, manager
 
     from fedcomp.client.legacy import CompressedNumPyClient
     from fedcomp.strategies.legacy import LegacyCompressedStrategy

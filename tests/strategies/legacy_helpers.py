@@ -12,8 +12,11 @@ from flwr.common import (
     GetPropertiesRes,
     Status,
     ndarrays_to_parameters,
+    parameters_to_ndarrays,
 )
+from flwr.server import SimpleClientManager
 from flwr.server.client_proxy import ClientProxy
+from flwr.server.strategy import FedAdam, FedAvg, FedProx
 
 SIZES = (10, 20, 30)  # examples per client: unequal, so weighting matters
 
@@ -72,3 +75,40 @@ class NumPyProxy(ClientProxy):
 
     def reconnect(self, ins, timeout, group_id):
         return DisconnectRes("")
+
+
+N = 3  #: clients in a legacy round
+
+
+def make_inner(name: str):
+    """Flower's legacy FedAvg, FedProx or FedAdam that fits all N clients from ``init_weights()``."""
+    common = {"fraction_fit": 1.0, "fraction_evaluate": 0.0, "min_fit_clients": N, "min_available_clients": N,
+              "initial_parameters": ndarrays_to_parameters(init_weights())}
+    return {
+        "fedavg": lambda: FedAvg(**common),
+        "fedprox": lambda: FedProx(**common, proximal_mu=0.1),
+        "fedadam": lambda: FedAdam(**common, eta=0.05, eta_l=0.1),
+    }[name]()
+
+
+def manager(clients) -> SimpleClientManager:
+    """A client manager holding ``clients`` behind in-process proxies (cids "0", "1", ...)."""
+    cm = SimpleClientManager()
+    for i, c in enumerate(clients):
+        cm.register(NumPyProxy(str(i), c))
+    return cm
+
+
+def fit_all(strategy, rnd, params, cm, *, corrupt_cid=None):
+    """One round of ``fit`` on every proxy ``strategy`` configures: [(proxy, FitRes)]; the payload of
+    ``corrupt_cid``'s reply has its magic broken."""
+    results = []
+    for proxy, ins in strategy.configure_fit(rnd, params, cm):
+        res = proxy.fit(ins, None, rnd)
+        if proxy.cid == corrupt_cid:
+            arrays = parameters_to_ndarrays(res.parameters)
+            arrays[0] = arrays[0].copy()
+            arrays[0][:4] = 0  # break the payload's magic
+            res.parameters = ndarrays_to_parameters(arrays)
+        results.append((proxy, res))
+    return results

@@ -15,47 +15,14 @@ import pytest
 import torch
 from flwr.app import Context, RecordDict
 from flwr.common import ndarrays_to_parameters, parameters_to_ndarrays
-from flwr.server import SimpleClientManager
-from flwr.server.strategy import FedAdam, FedAvg, FedProx
+from flwr.server.strategy import FedAvg
 
 import fedcomp.compression as fc
 from fedcomp.client import CompositionError
 from fedcomp.client.legacy import LEGACY_RESIDUAL_STATE_KEY, CompressedNumPyClient
 from fedcomp.strategies.legacy import LegacyCompressedStrategy, decode_legacy_update, payloads_from_parameters
 
-from .legacy_helpers import LinRegClient, NumPyProxy, init_weights
-
-N = 3
-
-
-def make_inner(name: str):
-    common = {"fraction_fit": 1.0, "fraction_evaluate": 0.0, "min_fit_clients": N, "min_available_clients": N,
-              "initial_parameters": ndarrays_to_parameters(init_weights())}
-    return {
-        "fedavg": lambda: FedAvg(**common),
-        "fedprox": lambda: FedProx(**common, proximal_mu=0.1),
-        "fedadam": lambda: FedAdam(**common, eta=0.05, eta_l=0.1),
-    }[name]()
-
-
-def manager(clients) -> SimpleClientManager:
-    cm = SimpleClientManager()
-    for i, c in enumerate(clients):
-        cm.register(NumPyProxy(str(i), c))
-    return cm
-
-
-def fit_all(strategy, rnd, params, cm, *, corrupt_cid=None):
-    results = []
-    for proxy, ins in strategy.configure_fit(rnd, params, cm):
-        res = proxy.fit(ins, None, rnd)
-        if proxy.cid == corrupt_cid:
-            arrays = parameters_to_ndarrays(res.parameters)
-            arrays[0] = arrays[0].copy()
-            arrays[0][:4] = 0  # break the payload's magic
-            res.parameters = ndarrays_to_parameters(arrays)
-        results.append((proxy, res))
-    return results
+from .legacy_helpers import LinRegClient, N, fit_all, init_weights, make_inner, manager
 
 
 def nd(params):
