@@ -26,9 +26,10 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 cmd=${1:-setup}; shift || true
 ROOT=${1:-${FEDCOMP_ARM64_ROOT:-$here/build/arm64-root}}; if [ $# -gt 0 ]; then shift; fi
-ROOT=${ROOT%/}
-case "$ROOT" in /*) ;; *) ROOT=$PWD/$ROOT ;; esac
-[ "$ROOT" != "" ] && [ "$ROOT" != "/" ] || { echo "arm64_rootfs: refusing ROOT '/'" >&2; exit 2; }
+# setup starts with `rm -rf ROOT`: an empty ROOT or the host's / is refused before anything runs
+[ -n "$ROOT" ] || { echo "arm64_rootfs: refusing an empty ROOT" >&2; exit 2; }
+ROOT=$(realpath -m -- "$ROOT")
+[ "$ROOT" != "/" ] || { echo "arm64_rootfs: refusing ROOT '/'" >&2; exit 2; }
 SUITE=bookworm MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
 KEYRING=${DEBIAN_KEYRING:-/usr/share/keyrings/debian-archive-keyring.gpg}
 SITE=opt/fedcomp/lib/python3.11/site-packages

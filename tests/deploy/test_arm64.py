@@ -23,7 +23,7 @@ from fedcomp.deploy import main as deploy_main
 
 from .helpers import free_port_block
 
-pytestmark = [pytest.mark.arm64, pytest.mark.slow]
+pytestmark = [pytest.mark.arm64]
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "arm64_rootfs.sh"
@@ -44,6 +44,7 @@ def arm64_wanted() -> tuple[bool, str]:
     return True, "root, qemu-aarch64 registered"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(2700)
 def test_arm64_supernode_joins_an_amd64_superlink(tmp_path, capsys):
     run, reason = arm64_wanted()
@@ -83,3 +84,12 @@ def test_arm64_supernode_joins_an_amd64_superlink(tmp_path, capsys):
         print(f"\narm64 ({reason}): setup {setup_s:.0f} s; federation {time.monotonic() - t1:.0f} s, rounds done at "
               f"{done} s (load {os.getloadavg()[0]:.1f})")
         print("\n".join(line for line in setup.stdout.splitlines() if line.startswith("arm64_rootfs:")))
+
+
+@pytest.mark.parametrize("args", [["setup", "/"], ["umount", "//"], ["nonsense", "build/x"]])
+def test_rootfs_script_refuses_the_host_root_and_unknown_commands(args, tmp_path):
+    """``setup`` starts with ``rm -rf ROOT``: the host's / is refused before anything runs (any user)."""
+    out = subprocess.run([str(SCRIPT), *args], capture_output=True, text=True, timeout=30, cwd=tmp_path, check=False)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert ("refusing ROOT '/'" if args[0] != "nonsense" else "usage:") in out.stderr
+    assert not (tmp_path / "build").exists()
