@@ -9,12 +9,15 @@ run in the same invocation. Replies reuse a few distinct client updates (their b
 building 1000 of them is cheap; the aggregation cannot tell.
 
 Client: ``compress_update`` time and peak RSS growth per codec, against the codec alone (encode +
-the error-feedback decode) and one ``torch.sum`` pass over the model, in the same process.
+the error-feedback decode) and one ``torch.sum`` pass over the model, in the same process and
+thread (one torch thread), timed in thread CPU seconds (``time.thread_time``: user + system time,
+page faults included, but not the time other processes on a shared machine take the core away).
 
 Cross-device (``--flwr``): ``flwr run .`` with 100 SuperNodes and fraction-train 0.1 for 5 rounds on
 the default data, private FLWR_HOME and ports; reports the wall time per round.
 
-Run: ``python benchmarks/scale.py`` (about 15 min on 2 cores), ``--smoke`` (a small model, seconds);
+Run: ``python benchmarks/scale.py`` (about 15 min on 2 cores), ``--smoke`` (a small model, seconds),
+``--only-client`` (the client table alone at full size, merged into the results file, about a minute);
 prints tables and writes ``benchmarks/results/scale.json`` (``--smoke``: a file in the temporary folder). Medians over ``--repeats`` runs.
 """
 
@@ -117,9 +120,9 @@ _, res, _ = compress_update(g, t, codec, {})
 times = []
 for _ in range(spec["repeats"]):
     base = rss_mib(); reset_peak()
-    t0 = time.perf_counter()
+    t0 = time.thread_time()
     _, new, stats = compress_update(g, t, codec, res)
-    times.append(time.perf_counter() - t0)
+    times.append(time.thread_time() - t0)
     growth = (peak_mib() - base) * 2**20
     res = new
 resid = sum(r.nbytes for r in res.values())
@@ -131,18 +134,28 @@ for ukey, members, name in units:
     vecs.append((torch.from_numpy(np.concatenate([(t[k] - g[k]).ravel() for k in members])), name))
 codec_times = []
 for _ in range(spec["repeats"]):
-    t0 = time.perf_counter()
+    t0 = time.thread_time()
     for x, name in vecs:
         p = codec.build(seed=1, compressor=name).compress(x)
         if fc.decompress_sparse(p) is None:
             fc.decompress(p)
-    codec_times.append(time.perf_counter() - t0)
+    codec_times.append(time.thread_time() - t0)
+main_times = []  # the default codec's payloads alone (stc/topk: the whole-model vector)
+for _ in range(spec["repeats"]):
+    t0 = time.thread_time()
+    for x, name in vecs:
+        if name == codec.compressor:
+            p = codec.build(seed=1, compressor=name).compress(x)
+            if fc.decompress_sparse(p) is None:
+                fc.decompress(p)
+    main_times.append(time.thread_time() - t0)
 flat = torch.from_numpy(np.concatenate([v.ravel() for v in g.values() if v.dtype == np.float32]))
 sum_times = []
 for _ in range(spec["repeats"]):
-    t0 = time.perf_counter(); float(flat.sum()); sum_times.append(time.perf_counter() - t0)
+    t0 = time.thread_time(); float(flat.sum()); sum_times.append(time.thread_time() - t0)
 med = statistics.median
 print(json.dumps({"seconds": med(times), "codec_seconds": med(codec_times), "sum_seconds": med(sum_times),
+                  "default_codec_seconds": med(main_times), "sum_over_default_codec": med(sum_times) / med(main_times),
                   "ratio_to_codec": med(times) / med(codec_times),
                   "peak_growth_x_model": growth / model_bytes, "residual_x_model": resid / model_bytes}))
 """
@@ -232,7 +245,8 @@ def client_rows(width: int, codecs: list[str], repeats: int) -> list[dict]:
         r = _child(CLIENT_CHILD, {"width": width, "codec": CODECS[name], "repeats": repeats})
         rows.append({"codec": name, **r})
         print(f"client {name:5s} compress_update {r['seconds']:.3f} s = {r['ratio_to_codec']:.2f}x codec "
-              f"({r['codec_seconds']:.3f} s), torch.sum {r['sum_seconds'] * 1e3:.1f} ms, peak RSS growth "
+              f"({r['codec_seconds']:.3f} s), torch.sum {r['sum_seconds'] * 1e3:.1f} ms = {r['sum_over_default_codec']:.3f}x "
+              f"the {name} payloads' encode + decode, peak RSS growth "
               f"{r['peak_growth_x_model']:.2f}x model (the new residual is {r['residual_x_model']:.2f}x)", flush=True)
     return rows
 
@@ -276,6 +290,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--flwr", action="store_true", help="also run the 100-SuperNode flwr run simulation")
     ap.add_argument("--only-flwr", action="store_true", help="only the flwr run simulation (merged into --out)")
+    ap.add_argument("--only-client", action="store_true",
+                    help="only the client table at full size (merged into --out; with --smoke, a file in the temporary folder)")
     ap.add_argument("--out", default=None, help="JSON to write (default: the reference benchmarks/results/scale.json; "
                     "with --smoke a file in the temporary folder)")
     args = ap.parse_args()
@@ -283,6 +299,13 @@ def main() -> None:
                                                                  args.repeats)
     codecs = args.codecs.split(",")
     args.out = str(output_path("scale", args.out, args.smoke))
+    if args.only_client:
+        result = json.loads(pathlib.Path(args.out).read_text()) if pathlib.Path(args.out).exists() else {}
+        result["client"] = client_rows(width, codecs, max(repeats, 3))
+        pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        pathlib.Path(args.out).write_text(json.dumps(result, indent=1))
+        print(f"wrote {shown(pathlib.Path(args.out))}")
+        return
     if args.only_flwr:
         result = json.loads(pathlib.Path(args.out).read_text()) if pathlib.Path(args.out).exists() else {}
         result["cross_device"] = cross_device()

@@ -9,6 +9,7 @@ exactly (:mod:`fedcomp.compression.exact`), except under local DP, where they ar
 from __future__ import annotations
 
 import fnmatch
+import math
 from dataclasses import dataclass
 from logging import WARNING
 from typing import Any
@@ -213,14 +214,16 @@ def encode_exact_tensors(keys: list[str], received: dict, trained: dict) -> dict
     return {k: encode_exact(exact_cast(k, trained[k], np.asarray(received[k]).dtype)) for k in keys}
 
 
-def write_delta(unit: Unit, received: dict, trained: dict, dtypes: dict[str, str]) -> torch.Tensor:
-    """``trained - received`` of a unit's members, written once into one new buffer.
+def write_delta(unit: Unit, received: dict, trained: dict, dtypes: dict[str, str]) -> tuple[torch.Tensor, list[float]]:
+    """``trained - received`` of a unit's members, written once into one new buffer, and its members'
+    squared norms (which double as the finiteness check: finite norms prove every entry finite).
 
     Returns
     -------
-    torch.Tensor
+    (torch.Tensor, list of float)
         Shape ``unit.shape``; float64 for a wide unit, else float32 (a float64 member's difference
-        is taken in float64, then rounded); the members flattened in order.
+        is taken in float64, then rounded); the members flattened in order. Squared L2 norm per
+        member (the buffer's dtype's reduction).
 
     Raises
     ------
@@ -240,10 +243,11 @@ def write_delta(unit: Unit, received: dict, trained: dict, dtypes: dict[str, str
             np.subtract(t_k, r_k, out=seg, dtype=buf.dtype, casting="unsafe")
         off += size
     t = torch.from_numpy(buf)
-    # One finiteness check of the update (a finite sum proves every entry finite), before any residual moves.
-    if t.numel() and not bool(torch.isfinite(t.sum())) and not bool(torch.isfinite(t).all()):
+    sq_norms = segment_sq_norms(t, unit.sizes)
+    # Checked before any residual moves; only non-finite norms (possibly a mere overflow) need the full check.
+    if not math.isfinite(sum(sq_norms)) and not bool(torch.isfinite(t).all()):
         _raise_not_finite(unit.members, trained, received, unit.codec)
-    return t.reshape(unit.shape)
+    return t.reshape(unit.shape), sq_norms
 
 
 def privatize(buffers: list[torch.Tensor], local_dp: LocalDP) -> None:
@@ -418,10 +422,13 @@ def compress_update(
     dtypes = dtypes or {k: str(np.asarray(v).dtype) for k, v in received.items()}
     units, exact_keys, trained = plan_update(received, trained, codec, dtypes)
     exact_payloads = {} if local_dp is not None else encode_exact_tensors(exact_keys, received, trained)
-    buffers = {u.key: write_delta(u, received, trained, dtypes) for u in units}
+    buffers, norms = {}, {}
+    for u in units:
+        buffers[u.key], norms[u.key] = write_delta(u, received, trained, dtypes)
     if local_dp is not None:
         privatize(list(buffers.values()), local_dp)
-    update_sq = {k: n2 for u in units for k, n2 in zip(u.members, segment_sq_norms(buffers[u.key].reshape(-1), u.sizes))}
+        norms = {u.key: segment_sq_norms(buffers[u.key].reshape(-1), u.sizes) for u in units}  # of the noisy update
+    update_sq = {k: n2 for u in units for k, n2 in zip(u.members, norms[u.key])}
     update_sq = {k: update_sq[k] for k in received if k in update_sq}  # model order
     states = restore_states(residuals, units, codec, {k: tuple(np.shape(received[k])) for k in update_sq})
     results: dict[str, UnitResult] = {}

@@ -11,6 +11,7 @@ factor masking).
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Mapping
 
 import numpy as np
@@ -66,7 +67,8 @@ def segment_sq_norms(flat: torch.Tensor, sizes: list[int]) -> list[float]:
 
 
 def encode_and_subtract(compressor: Compressor, v: torch.Tensor, segments: list[int] | None = None, *,
-                        sent: bool = False) -> tuple[bytes, list[float], list[float], torch.Tensor | None]:
+                        sent: bool = False, sq_norms: list[float] | None = None,
+                        ) -> tuple[bytes, list[float], list[float], torch.Tensor | None]:
     """Compress ``v`` and overwrite it with the compression error ``v - decompress(payload)``.
 
     The one place that turns a payload back into what the receiver sees and subtracts it: used by
@@ -84,6 +86,8 @@ def encode_and_subtract(compressor: Compressor, v: torch.Tensor, segments: list[
         one segment.
     sent : bool
         Also return the flat positions the decoded payload makes non-zero (DGC's momentum masking).
+    sq_norms : list of float, optional
+        The segments' squared norms of ``v`` when the caller has them already (one pass fewer).
 
     Returns
     -------
@@ -99,7 +103,7 @@ def encode_and_subtract(compressor: Compressor, v: torch.Tensor, segments: list[
     """
     flat = v.reshape(-1)
     sizes = [flat.numel()] if segments is None else list(segments)
-    norms = segment_sq_norms(flat, sizes)
+    norms = segment_sq_norms(flat, sizes) if sq_norms is None else sq_norms
     payload = compressor.compress(v)
     # The error v - v_hat, in place in v: O(k) for sparse payloads, one decode otherwise.
     sparse = decompress_sparse(payload, max_numel=max(v.numel(), 1))
@@ -223,13 +227,17 @@ class ErrorFeedback:
         if mom is not None:  # DGC: u <- beta * u + x
             v.add_(mom.to(device=v.device, dtype=torch.float32), alpha=self.momentum)
         u = v.clone() if self.momentum > 0 else None
+        norms = None
         if self.residual is not None:
             v += self.residual.to(device=v.device)  # fp16 added in place, promoted per entry: no fp32 copy
-            if not bool(torch.isfinite(v.sum())) and not bool(torch.isfinite(v).all()):
+            # The norms of v are needed anyway; finite norms prove every entry finite (no pass of its own).
+            norms = segment_sq_norms(v.reshape(-1), [v.numel()] if segments is None else list(segments))
+            if not math.isfinite(sum(norms)) and not bool(torch.isfinite(v).all()):
                 if shared:
                     v -= self.residual.to(device=v.device)  # give x back as it was
                 raise ValueError("input + residual overflows float32; residual left unchanged")
-        payload, norms, errors, sent = encode_and_subtract(self.compressor, v, segments, sent=u is not None)
+        payload, norms, errors, sent = encode_and_subtract(self.compressor, v, segments, sent=u is not None,
+                                                           sq_norms=norms)
         self.last_sq_error, self.last_sq_norm = float(sum(errors)), float(sum(norms))
         self.last_segment_sq_norms, self.last_segment_sq_errors = norms, errors
         self.last_error = (self.last_sq_error / self.last_sq_norm) ** 0.5 if self.last_sq_norm else 0.0
@@ -268,11 +276,13 @@ class ErrorFeedback:
         out = self.residual.detach().cpu().numpy()
         return out.copy() if copy else out
 
-    def set_residual(self, residual: np.ndarray | torch.Tensor | None, copy: bool = True) -> None:
+    def set_residual(self, residual: np.ndarray | torch.Tensor | None, copy: bool = True, *,
+                     check: bool = True) -> None:
         """Restore a residual saved with :meth:`get_residual` (or any array of the input shape).
 
         ``copy=False`` keeps a reference when the dtype already matches (the next :meth:`compress`
-        only reads it, then replaces it), saving a model-sized copy.
+        only reads it, then replaces it), saving a model-sized copy. ``check=False`` skips the
+        finiteness check when the caller has made it (:meth:`set_state`).
 
         Raises
         ------
@@ -283,7 +293,7 @@ class ErrorFeedback:
             self.residual = None
             return
         t = torch.as_tensor(residual).detach().to(_RESIDUAL_DTYPES[self.residual_dtype])
-        if t.numel() and not bool(torch.isfinite(t.sum())) and not bool(torch.isfinite(t).all()):
+        if check and t.numel() and not bool(torch.isfinite(t.sum())) and not bool(torch.isfinite(t).all()):
             raise ValueError("residual holds non-finite values")
         self.residual = t.clone() if copy else t
 
@@ -334,15 +344,15 @@ class ErrorFeedback:
             An entry holds NaN/Inf or is not a float array (the state is left unchanged).
         """
         arrays = {k: np.asarray(v) for k, v in state.items()}
-        for k, a in arrays.items():  # a finite sum proves every entry finite
-            if not np.issubdtype(a.dtype, np.floating) or (
-                    a.size and not np.isfinite(a.sum(dtype=np.float64)) and not np.isfinite(a).all()):
+        for k, a in arrays.items():  # a finite sum proves every entry finite (fp32 sum: one cheap pass)
+            if not np.issubdtype(a.dtype, np.floating) or (a.size and not np.isfinite(
+                    a.sum(dtype=np.float32 if a.itemsize <= 4 else np.float64)) and not np.isfinite(a).all()):
                 raise ValueError(f"state entry {k!r} is not a finite float array")
         dropped = [k for k in (RESIDUAL, MOMENTUM)
                    if k in arrays and shape is not None and tuple(arrays[k].shape) != tuple(shape)]
         prefix = f"{self.compressor.name}/"
         self.compressor.set_state({k[len(prefix):]: a for k, a in arrays.items() if k.startswith(prefix)})
-        self.set_residual(None if RESIDUAL in dropped else arrays.get(RESIDUAL), copy=copy)
+        self.set_residual(None if RESIDUAL in dropped else arrays.get(RESIDUAL), copy=copy, check=False)
         mom = None if MOMENTUM in dropped else arrays.get(MOMENTUM)
         self.momentum_buffer = None if mom is None else torch.as_tensor(
             np.array(mom, copy=True) if copy else mom).to(_RESIDUAL_DTYPES[self.residual_dtype])
