@@ -335,6 +335,15 @@ def encode_unit(unit: Unit, x: torch.Tensor, state: dict, codec: CodecConfig,
     return encode_without_feedback(unit, x, compressor), density
 
 
+def chunked_sq_norm(a: np.ndarray, chunk: int = 1 << 20) -> float:
+    """Squared L2 norm of any float array ``a`` (any shape; fp16/bf16/fp32/fp64), accumulated in fp32 (fp64 for
+    fp64) over flat chunks of ``chunk`` entries, so an fp16 residual is never copied whole to fp32 (at most
+    ``chunk`` entries, 4 MiB, at a time). Returns a Python float (units of ``a`` squared)."""
+    flat = torch.from_numpy(np.ascontiguousarray(a)).reshape(-1)
+    wide = torch.float64 if flat.dtype == torch.float64 else torch.float32
+    return sum(float(torch.linalg.vector_norm(flat[i:i + chunk].to(wide))) ** 2 for i in range(0, flat.numel(), chunk))
+
+
 def summarize(units: list[Unit], results: dict[str, UnitResult], payloads: dict[str, bytes],
               update_sq: dict[str, float], exact_bytes: int, density: float, codec: CodecConfig) -> dict[str, Any]:
     """The reply's statistics (see :func:`compress_update`, Returns) from the units' results."""
@@ -345,8 +354,7 @@ def summarize(units: list[Unit], results: dict[str, UnitResult], payloads: dict[
     if codec.error_feedback is True and codec.residual_dtype == "fp32":
         res_sq = sq_err  # an fp32 residual is the compression error itself: no extra pass
     else:
-        res_sq = sum(float(torch.linalg.vector_norm(torch.from_numpy(r.state["residual"]).float())) ** 2
-                     for r in results.values() if "residual" in r.state)
+        res_sq = sum(chunked_sq_norm(r.state["residual"]) for r in results.values() if "residual" in r.state)
     return {
         "upload-bytes": float(sum(len(p) for p in payloads.values())),
         "dense-bytes": float(4 * sum(sum(u.sizes) for u in units) + exact_bytes),
