@@ -21,6 +21,7 @@ def _free_ports(n: int) -> tuple[str, ...]:
             s.close()
 
 
+@pytest.mark.slow  # a real `flwr run` / SuperLink: 1-3 minutes
 @pytest.mark.skipif(shutil.which("pgrep") is None, reason="needs pgrep to stop the local SuperLink")
 def test_flwr_run_trains_the_transformer_on_shakespeare_roles(tmp_path, corpus):
     log, metrics_file = flwr_run(

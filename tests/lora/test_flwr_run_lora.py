@@ -8,6 +8,7 @@ import pytest
 from tests.flwr_run import flwr_run
 
 
+@pytest.mark.slow  # a real `flwr run` / SuperLink: 1-3 minutes
 @pytest.mark.skipif(shutil.which("pgrep") is None, reason="needs pgrep to stop the local SuperLink")
 def test_flwr_run_lora_mode(tmp_path, corpus, byte_base_dir):
     log, metrics_file = flwr_run(

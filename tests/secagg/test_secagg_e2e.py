@@ -11,6 +11,7 @@ from tests.flwr_run import flwr_run
 N_PARAMS = 38282  # float entries of the default CNN
 
 
+@pytest.mark.slow  # a real `flwr run` / SuperLink: 1-3 minutes
 @pytest.mark.skipif(shutil.which("pgrep") is None, reason="needs pgrep to stop the local SuperLink")
 def test_flwr_run_secagg_randomk_on_ten_supernodes(tmp_path):
     log, metrics_file = flwr_run(tmp_path, 10, "num-server-rounds=2 secagg=true compressor='randomk' density=0.015625",
@@ -34,6 +35,7 @@ def test_flwr_run_secagg_randomk_on_ten_supernodes(tmp_path):
         assert len(re.findall(rf"fedcomp +{rnd} +\d\.\d{{4}} ", log)) == 1, log[-3000:]
 
 
+@pytest.mark.slow  # a real `flwr run` / SuperLink: 1-3 minutes
 def test_local_deployment_launcher_runs_secagg(tmp_path, capsys):
     """The same through fedcomp-local-deployment: a real SuperLink and 2 SuperNode processes, one round
     (each SecAgg+ stage is a message to every SuperNode: kept short for CI)."""
