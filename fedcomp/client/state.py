@@ -118,6 +118,10 @@ def load_residuals(path: pathlib.Path, before_round: int) -> dict[str, np.ndarra
         log(INFO, "fedcomp: round %d: %s is from round %d (the server resumed from an earlier checkpoint); "
             "continuing from round %d's residuals in %s", before_round, path.name, saved_round, prev_round, prev.name)
         return prev_res
+    log(WARNING, "fedcomp: round %d: %s is from round %d and no saved residual is from before round %d (the "
+        "server started again or resumed from a checkpoint more than one round back): starting from a zero "
+        "residual; under EF21 the server's estimate still holds this client's earlier share", before_round,
+        path.name, saved_round, before_round)
     return {}
 
 

@@ -20,7 +20,7 @@ from ..compression import PayloadError
 from ..device import reported_machine
 from ..statedict import FlatModel
 from .decode import decode_train_reply
-from .failures import failed_client, missing_clients, oom_confirmations
+from .failures import MAX_REASON_CHARS, failed_client, missing_clients, oom_confirmations
 from .round_metrics import client_stats
 
 
@@ -152,8 +152,11 @@ def note_failures(server_round: int, sent_nodes: set[int] | None, replies: list[
 
 
 def failure_reason(reply: Message) -> str:
-    """A failed client's error reason, with a hint when it looks like a mis-assembled app."""
-    reason = reply.error.reason or ""
+    """A failed client's error reason for the server's log: the first ``MAX_REASON_CHARS`` (500)
+    characters of what the client sent, control characters escaped (``\\n``, ``\\x1b``: one log line,
+    no forged lines or terminal escapes), with a hint when it looks like a mis-assembled app."""
+    sent = (reply.error.reason or "")[:MAX_REASON_CHARS]
+    reason = "".join(c if c.isprintable() else repr(c)[1:-1] for c in sent)
     if "fedcomp.payload" in reason or "clipping_mod expects the keys" in reason:
         reason += (" (hint: compression_mod must be the first mod of the ClientApp, Flower's DP mods go "
                    "in @app.train(mods=[...]), and the server strategy must be wrapped in CompressedStrategy)")

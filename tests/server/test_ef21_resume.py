@@ -2,6 +2,7 @@
 client state dir, and a resumed run equals an uninterrupted one, also when the server stopped
 after the clients had saved a round it never checkpointed."""
 
+import logging
 import json
 import shutil
 
@@ -96,3 +97,15 @@ def test_residual_files_keep_the_previous_round(tmp_path):
     save_residuals(path, {"a": np.full(2, 3.0, np.float32)}, 2)  # round 2 again: round 1's file stays
     assert load_residuals(path, before_round=2)["a"].tolist() == [1.0, 1.0]
     assert load_residuals(path, before_round=3)["a"].tolist() == [3.0, 3.0]
+
+
+def test_a_resume_more_than_one_round_back_is_said_not_silent(tmp_path, caplog):
+    path = tmp_path / "residual-1.npz"
+    for r in (1, 2, 3, 4):
+        save_residuals(path, {"a": np.full(2, float(r), np.float32)}, r)
+    with caplog.at_level(logging.WARNING, logger="flwr"):
+        assert load_residuals(path, before_round=3) == {}  # files hold rounds 4 and 3: none before round 3
+    (line,) = [r.getMessage() for r in caplog.records if "zero residual" in r.getMessage()]
+    assert line.startswith("fedcomp: round 3: residual-1.npz is from round 4 and no saved residual is from "
+                           "before round 3 (the server started again or resumed from a checkpoint more than one "
+                           "round back)")

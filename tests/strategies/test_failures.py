@@ -120,3 +120,22 @@ def test_a_client_that_fails_to_evaluate_is_named():
     s.aggregate_evaluate(3, [ok, dead])
     assert s.evaluate_failure_history[3] == [{"node": 42, "code": 5, "error": "NODE_UNAVAILABLE",
                                               "reason": f"{GONE_REASON} (Flower: 'Node Unavailable')"}]
+
+
+def test_a_hostile_error_reason_is_one_bounded_log_line(caplog):
+    g = weights(0)
+    s = CompressedStrategy(FedAvg(fraction_evaluate=0.0, min_available_nodes=1, min_train_nodes=1), compressor="stc")
+    m = _round(s, g, [51])
+    hostile = "A" * 10_000_000 + "\nINFO : forged line\x1b[31m"
+    with caplog.at_level(logging.WARNING, logger="flwr"):
+        s.aggregate_train(1, [Message(Error(2, hostile), reply_to=m[0])])
+    (line,) = [r.getMessage() for r in caplog.records if "failed:" in r.getMessage()]
+    assert line == "round 1: client (node 51) failed: " + "A" * 500
+    assert s.failure_history[1][0]["reason"] == "A" * 500
+    s2 = CompressedStrategy(FedAvg(fraction_evaluate=0.0, min_available_nodes=1, min_train_nodes=1), compressor="stc")
+    m = _round(s2, g, [52])
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="flwr"):
+        s2.aggregate_train(1, [Message(Error(2, "boom\nINFO : forged\x1b[31m"), reply_to=m[0])])
+    (line,) = [r.getMessage() for r in caplog.records if "failed:" in r.getMessage()]
+    assert line == "round 1: client (node 52) failed: boom\\nINFO : forged\\x1b[31m"
