@@ -54,17 +54,22 @@ def unavailable() -> str | None:
     for tool in ("ip", "tc"):
         if shutil.which(tool) is None:
             return f"'{tool}' is not installed (iproute2)"
-    tag = "fcp" + secrets.token_hex(2)
+    tag = "fcp" + secrets.token_hex(4)
+    made_ns = made_link = False  # only what this probe created is removed (a name clash leaves others' alone)
     try:
         _ip("netns", "add", tag)
+        made_ns = True
         _ip("link", "add", tag + "a", "type", "veth", "peer", "name", tag + "b")
+        made_link = True
         _tc("qdisc", "add", "dev", tag + "a", "root", "tbf", "rate", "1mbit", "burst", "4kb", "latency", "100ms")
         _ip("link", "set", tag + "b", "netns", tag)
     except (subprocess.CalledProcessError, OSError) as e:
         return f"cannot build a shaped veth pair in a network namespace: {getattr(e, 'stderr', e)}".strip()
     finally:
-        _ip("link", "del", tag + "a", check=False)
-        _ip("netns", "del", tag, check=False)
+        if made_link:
+            _ip("link", "del", tag + "a", check=False)
+        if made_ns:
+            _ip("netns", "del", tag, check=False)
     return None
 
 
@@ -118,8 +123,9 @@ class Topology:
     def __init__(self, n: int, up_mbps: float | None, down_mbps: float | None) -> None:
         if not 1 <= n <= 200:
             raise ValueError(f"1 <= n <= 200 client namespaces, got {n}")
-        self.tag = "fcl" + secrets.token_hex(3)  # interface names <= 15 characters
+        self.tag = "fcl" + secrets.token_hex(4)  # interface names <= 15 characters ("h199" last)
         self.bridge = self.tag + "br"
+        self._bridge_made = False  # close() removes only what was created here
         self.namespaces: list[str] = []
         self._veths: list[str] = []
         atexit.register(self.close)
@@ -129,6 +135,7 @@ class Topology:
             self.host_ip = str(hosts[0])
             self.client_ips = [str(hosts[i + 1]) for i in range(n)]
             _ip("link", "add", self.bridge, "type", "bridge")
+            self._bridge_made = True
             _ip("addr", "add", f"{self.host_ip}/{net.prefixlen}", "dev", self.bridge)
             _ip("link", "set", self.bridge, "up")
             for i in range(n):
@@ -172,9 +179,10 @@ class Topology:
             _ip("link", "del", h, check=False)
         for ns in self.namespaces:
             _ip("netns", "del", ns, check=False)
-        with contextlib.suppress(Exception):
-            _ip("link", "del", self.bridge, check=False)
-        self._veths, self.namespaces = [], []
+        if self._bridge_made:
+            with contextlib.suppress(Exception):
+                _ip("link", "del", self.bridge, check=False)
+        self._veths, self.namespaces, self._bridge_made = [], [], False
         atexit.unregister(self.close)
 
     def __enter__(self) -> Topology:

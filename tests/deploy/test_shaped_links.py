@@ -203,3 +203,22 @@ def test_relay_adds_the_round_trip_time_and_keeps_the_bytes():
         finally:
             relay.terminate()
             relay.wait(30)
+
+
+@needs_shaping
+def test_a_name_clash_removes_nothing_it_did_not_create(monkeypatch):
+    """A namespace or bridge that already exists under the probe's / topology's name is someone else's:
+    the failed build must leave it in place."""
+    monkeypatch.setattr(netshape.secrets, "token_hex", lambda n: "d" * (2 * n))
+    theirs_ns, theirs_br = "fcp" + "d" * 8, "fcl" + "d" * 8 + "br"
+    subprocess.run(["ip", "netns", "add", theirs_ns], check=True)
+    subprocess.run(["ip", "link", "add", theirs_br, "type", "bridge"], check=True)
+    try:
+        assert "File exists" in (netshape.unavailable() or "")
+        with pytest.raises(subprocess.CalledProcessError):
+            netshape.Topology(1, 1.0, 10.0)
+        assert theirs_ns in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        assert subprocess.run(["ip", "link", "show", theirs_br], capture_output=True).returncode == 0
+    finally:
+        subprocess.run(["ip", "link", "del", theirs_br], check=False)
+        subprocess.run(["ip", "netns", "del", theirs_ns], check=False)
