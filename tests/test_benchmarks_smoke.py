@@ -12,12 +12,17 @@ import pytest
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
+def run_benchmark(tmp_path: pathlib.Path, script: str, *args: str, timeout: int = 600) -> dict:
+    """Run ``benchmarks/<script>`` with ``args`` and ``--out`` in ``tmp_path``; its JSON results."""
+    out = tmp_path / pathlib.Path(script).with_suffix(".json").name
+    subprocess.run([sys.executable, str(REPO / "benchmarks" / script), *args, "--out", str(out)], check=True,
+                   capture_output=True, timeout=timeout)
+    return json.loads(out.read_text())
+
+
 @pytest.mark.slow
 def test_codecs_benchmark_runs(tmp_path):
-    out = tmp_path / "codecs.json"
-    subprocess.run([sys.executable, str(REPO / "benchmarks" / "codecs.py"), "--sizes", "20000", "--repeats", "1",
-                    "--real-rounds", "1", "--out", str(out)], check=True, capture_output=True, timeout=300)
-    res = json.loads(out.read_text())
+    res = run_benchmark(tmp_path, "codecs.py", "--sizes", "20000", "--repeats", "1", "--real-rounds", "1", timeout=300)
     rows = res["rows"]
     assert {r["codec"] for r in rows} == {"none", "fp16", "bf16", "int8", "qsgd", "sign", "topk", "stc", "randomk",
                                           "eden", "powersgd"}
@@ -75,10 +80,7 @@ def test_quick_outputs_never_name_a_reference():
 
 @pytest.mark.slow
 def test_scale_benchmark_smoke_runs(tmp_path):
-    out = tmp_path / "scale.json"
-    subprocess.run([sys.executable, str(REPO / "benchmarks" / "scale.py"), "--smoke", "--codecs", "stc,sign",
-                    "--out", str(out)], check=True, capture_output=True, timeout=600)
-    res = json.loads(out.read_text())
+    res = run_benchmark(tmp_path, "scale.py", "--smoke", "--codecs", "stc,sign")
     rows = {(r["codec"], r["clients"], r["path"]): r for r in res["server"]}
     assert set(rows) == {(c, n, p) for c in ("stc", "sign") for n in (4, 12) for p in ("streaming", "dense")}
     for c in ("stc", "sign"):  # the dense path grows with the clients, the streaming one does not
@@ -88,10 +90,7 @@ def test_scale_benchmark_smoke_runs(tmp_path):
 
 
 def test_secagg_benchmark_quick_runs(tmp_path):
-    out = tmp_path / "secagg.json"
-    subprocess.run([sys.executable, str(REPO / "benchmarks" / "secagg.py"), "--quick", "--skip-dense", "--out", str(out)],
-                   check=True, capture_output=True, timeout=600)
-    rows = {r["label"]: r for r in json.loads(out.read_text())["rows"]}
+    rows = {r["label"]: r for r in run_benchmark(tmp_path, "secagg.py", "--quick", "--skip-dense")["rows"]}
     assert len(rows) == 4
     k = round(0.0625 * 38282)  # 4 clients: modulus 2**19 (4 * 2**16 + 1 > 2**18), 15-byte headers, weight entry
     packed = rows["SecAgg+ randomk d=0.0625, packed"]
@@ -102,10 +101,7 @@ def test_secagg_benchmark_quick_runs(tmp_path):
 
 @pytest.mark.slow
 def test_memory_share_benchmark_quick_runs(tmp_path):
-    out = tmp_path / "memory_share.json"
-    subprocess.run([sys.executable, str(REPO / "benchmarks" / "memory_share.py"), "--quick", "--codecs", "sign",
-                    "--out", str(out)], check=True, capture_output=True, timeout=600)
-    res = json.loads(out.read_text())
+    res = run_benchmark(tmp_path, "memory_share.py", "--quick", "--codecs", "sign")
     rows = {r["residual-dtype"]: r for r in res["rows"]}
     model = res["plain"][0]["model_bytes"]  # 1/4-width ResNet-18: 4 bytes per float entry
     assert rows["fp32"]["residual-bytes"] == model and rows["fp16"]["residual-bytes"] == model / 2
