@@ -96,5 +96,23 @@ def auto_note(run_config: Mapping[str, Any], cfg: Any) -> str:
             + " and ".join(parts) + "; set density-schedule = \"constant\" / strategy = \"fedavg\" to turn them off")
 
 
+def short_ramp_note(cfg: Any) -> str:
+    """A warning ("" if none) when the density schedule is longer than the run: its last round still sends
+    more than the requested ``density`` (e.g. 3 rounds of a 30-round ramp from 0.25 end at ~0.17).
+
+    Parameters
+    ----------
+    cfg : fedcomp.config.AppConfig
+        The parsed (resolved) configuration (``num_server_rounds``, ``codec.schedule_rounds``, ...).
+    """
+    codec = cfg.codec
+    last = codec.scheduled_density(cfg.num_server_rounds)
+    if last == codec.density:
+        return ""
+    return (f"density-schedule {codec.density_schedule!r} takes schedule-rounds = {codec.schedule_rounds} rounds, "
+            f"more than num-server-rounds = {cfg.num_server_rounds}: the last round sends density {last:.4g}, "
+            f"not {codec.density:g}; set schedule-rounds <= num-server-rounds or density-schedule = \"constant\"")
+
+
 __all__ = ["AUTO_SERVER_LR", "AUTO_SERVER_MOMENTUM", "LOW_DENSITY", "RAMP_CODECS", "auto_note", "is_low_density",
-           "resolve_schedule", "resolve_strategy"]
+           "resolve_schedule", "resolve_strategy", "short_ramp_note"]

@@ -131,3 +131,19 @@ def test_the_legacy_wrapper_sends_the_round_s_density():
     for rnd in (1, 10, 40):
         fit_all(s, rnd, params, cm)
     assert seen == [0.25] * N + [s.codec.scheduled_density(10)] * N + [0.001] * N and 0.001 < seen[N] < 0.25
+
+
+def test_a_ramp_longer_than_the_run_is_warned_with_the_last_rounds_density():
+    from fedcomp.config import AppConfig
+    from fedcomp.low_density import short_ramp_note
+
+    short = AppConfig.from_run_config({"density": 0.001, "num-server-rounds": 3})
+    assert short.codec.density_schedule == "exponential" and short.codec.schedule_rounds == 30
+    last = short.codec.scheduled_density(3)
+    assert 0.17 < last < 0.18
+    assert short_ramp_note(short) == (
+        "density-schedule 'exponential' takes schedule-rounds = 30 rounds, more than num-server-rounds = 3: "
+        f"the last round sends density {last:.4g}, not 0.001; set schedule-rounds <= num-server-rounds or "
+        "density-schedule = \"constant\"")
+    assert short_ramp_note(AppConfig.from_run_config({"density": 0.001, "num-server-rounds": 30})) == ""
+    assert short_ramp_note(AppConfig.from_run_config({"density": 0.01, "num-server-rounds": 3})) == ""

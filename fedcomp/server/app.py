@@ -15,7 +15,7 @@ from flwr.serverapp.strategy import FedAdam, FedAvg, FedAvgM, Strategy
 from ..config import CODEC_DEFAULTS, AppConfig
 from ..data import DataConfig, load_test_set
 from ..lora import LoraSettings, initial_adapters, load_weights, lora_model
-from ..low_density import auto_note, resolve_schedule
+from ..low_density import auto_note, resolve_schedule, short_ramp_note
 from ..models import build_model
 from ..privacy import NO_AMPLIFICATION, ClientLevelDP, DPSGDConfig, LocalDP, check_accountable
 from ..secagg.server_app import check_secagg_config, run_secagg, secagg_requested
@@ -282,6 +282,8 @@ def main(grid: Grid, context: Context) -> None:
     route_flower_logs(out_dir, cfg.verbose)
     if note := auto_note(context.run_config, cfg):  # once per run: what the "auto" defaults chose
         log(INFO, "fedcomp  %s", note)
+    if note := short_ramp_note(cfg):
+        log(WARNING, "fedcomp  %s", note)
     if secagg_requested(context.run_config):
         run_secagg(grid, context, cfg, out_dir)
         return
