@@ -16,6 +16,7 @@ import contextlib
 import json
 import os
 import pathlib
+import re
 import shlex
 import shutil
 import signal
@@ -172,7 +173,9 @@ def run(args: argparse.Namespace) -> int:
             nodes.append(procs.start(cmd, env, work / f"supernode-{i}.log"))
         if link.poll() is not None:
             raise RuntimeError(f"the SuperLink exited (code {link.returncode}); see {work / 'superlink.log'}")
-        nodes_cfg = "".join(f"{k}={v} " for k, v in (("min-available-nodes", args.supernodes),
+        waited = wait_for_supernodes(work / "superlink.log", args.supernodes, nodes, timeout=args.timeout)
+        print(f"fedcomp-deploy: {args.supernodes} SuperNode(s) joined in {waited:.0f} s", flush=True)
+        nodes_cfg = "".join(f"{k}={v} " for k, v in (("min-available-nodes", min(args.supernodes, 2)),
                                                       ("min-train-nodes", min(args.supernodes, 2)))
                             if k not in args.run_config)
         run_config = f"results-dir='{results}' " + nodes_cfg + args.run_config
@@ -205,6 +208,8 @@ def run(args: argparse.Namespace) -> int:
             time.sleep(0.5)
         submit.wait(30)
         forward.join(10)
+    except RuntimeError as e:  # a process that did not start or join: one line, then the clean-up below
+        print(f"fedcomp-deploy: {e}", flush=True)
     except KeyboardInterrupt:
         interrupted = True
         print("fedcomp-deploy: interrupted, stopping all processes", flush=True)
@@ -237,6 +242,41 @@ def _forward(stream) -> None:
     """Copy the submitting ``flwr run``'s output to our stdout, line by line."""
     for line in stream:
         print(line, end="", flush=True)
+
+
+#: the SuperLink's log line when a SuperNode joins (Flower 1.42's Fleet API)
+_ACTIVATED = re.compile(r"Activated node_id=(\d+)")
+
+
+def wait_for_supernodes(log: pathlib.Path, count: int, nodes: list[subprocess.Popen], timeout: float) -> float:
+    """Block until the SuperLink's log ``log`` names ``count`` distinct activated SuperNodes; returns the
+    seconds waited.
+
+    The launcher submits the run only then, so the first round samples every SuperNode it started while
+    ``min-available-nodes`` stays at most 2: Flower waits for that minimum at *every* sampling, and a
+    minimum equal to all nodes would hold the run forever once a dead node's heartbeat expires.
+
+    Raises
+    ------
+    RuntimeError
+        A SuperNode process exits first, or ``timeout`` seconds pass.
+    """
+    t0 = time.monotonic()
+    while True:
+        try:
+            seen = set(_ACTIVATED.findall(log.read_text(errors="replace")))
+        except OSError:
+            seen = set()
+        if len(seen) >= count:
+            return time.monotonic() - t0
+        for i, p in enumerate(nodes):
+            if p.poll() is not None:
+                raise RuntimeError(f"SuperNode {i} exited with code {p.returncode} before joining; see "
+                                   f"{log.parent / f'supernode-{i}.log'}")
+        if time.monotonic() - t0 > timeout:
+            raise RuntimeError(f"{len(seen)} of {count} SuperNodes joined the SuperLink in {timeout:.0f} s; "
+                               f"see the supernode-*.log files in {log.parent}")
+        time.sleep(0.5)
 
 
 def _rounds_done(path: pathlib.Path, default: int = 0) -> int:

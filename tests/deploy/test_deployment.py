@@ -154,7 +154,11 @@ def test_killed_supernode_does_not_stop_the_run(tmp_path, capsys):
     code, out = run_launcher(tmp_path, capsys, "--supernodes", "3", "--kill-supernode-after-round", "1",
                              "--run-config", "num-server-rounds=2 compressor='sign' round-timeout=45.0")
     assert "killing SuperNode 0" in out
+    # the launcher waited for all three, then asked for at most two: a dead node's expired heartbeat
+    # used to hold round 2's evaluation sampling until the launcher's timeout (CI, flwr 1.42)
+    assert "fedcomp-deploy: 3 SuperNode(s) joined in" in out and "run exceeded" not in out
     data = json.loads((tmp_path / "results" / "metrics.json").read_text())
+    assert data["run-config"]["min-available-nodes"] == 2
     assert code == 0, out[-2000:]
     rounds = data["rounds"]
     assert [r["round"] for r in rounds] == [0, 1, 2]
@@ -202,3 +206,31 @@ def test_launcher_argument_errors(argv, msg, capsys):
     with pytest.raises(SystemExit):
         deploy_main(["--app", str(REPO), *argv])
     assert msg in capsys.readouterr().err
+
+
+def test_wait_for_supernodes_counts_distinct_activations_and_names_a_dead_node(tmp_path):
+    from fedcomp.deploy import wait_for_supernodes
+
+    log = tmp_path / "superlink.log"
+    line = "INFO :      [Fleet.ActivateNode] Activated node_id={}\n"
+    log.write_text(line.format(11) + line.format(11) + line.format(22))
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert wait_for_supernodes(log, 2, [alive], timeout=5) < 1.0
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"^2 of 3 SuperNodes joined the SuperLink in 1 s"):
+            wait_for_supernodes(log, 3, [alive], timeout=1)  # node 11 activated twice counts once
+        assert time.monotonic() - t0 < 5
+    finally:
+        alive.kill()
+        alive.wait()
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    dead = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    dead.wait()
+    try:
+        with pytest.raises(RuntimeError, match=r"^SuperNode 1 exited with code 3 before joining; see "
+                                               r".*supernode-1\.log$"):
+            wait_for_supernodes(log, 3, [alive, dead], timeout=60)
+    finally:
+        alive.kill()
+        alive.wait()
