@@ -75,8 +75,8 @@ def _flower_exit_message(code: int) -> str:
 
 def test_flowers_exit_block_after_a_run_config_error_is_dropped_and_any_other_kept(caplog):
     logger = logging.getLogger("flwr")
-    filt = OneLineRunConfigError()
-    logger.addFilter(filt)
+    saved = list(logger.filters)  # the process-wide one a ServerApp run in another test installed: not this one
+    logger.filters[:] = [OneLineRunConfigError()]
     try:
         with caplog.at_level(logging.DEBUG, logger="flwr"):
             log(logging.ERROR, _flower_exit_message(700))  # no run-config error before it: kept
@@ -87,7 +87,7 @@ def test_flowers_exit_block_after_a_run_config_error_is_dropped_and_any_other_ke
             log(logging.ERROR, _flower_exit_message(700))  # Flower's flwr_exit right after: dropped
             log(logging.ERROR, _flower_exit_message(201))  # a later one: kept
     finally:
-        logger.removeFilter(filt)
+        logger.filters[:] = saved
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert errors == [_flower_exit_message(700),
                       ("fedcomp  run config 'density' must be in (0.0, 1.0], got 1.5 (the run stopped; `flwr run` "
