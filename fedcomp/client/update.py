@@ -20,7 +20,7 @@ from flwr.common.logger import log
 
 from ..broadcast import is_batchnorm_stat
 from ..compression import EF21, ErrorFeedback, encode_exact, flatten_states, unflatten_states
-from ..compression.error_feedback import encode_and_subtract, segment_sq_norms
+from ..compression.error_feedback import RESIDUAL, encode_and_subtract, segment_sq_norms
 from ..config import SPARSE_CODECS, CodecConfig
 from ..model_policy import batchnorm_affine_keys
 from ..privacy import LocalDP, clip_and_noise_, secure_generator
@@ -214,16 +214,35 @@ def encode_exact_tensors(keys: list[str], received: dict, trained: dict) -> dict
     return {k: encode_exact(exact_cast(k, trained[k], np.asarray(received[k]).dtype)) for k in keys}
 
 
-def write_delta(unit: Unit, received: dict, trained: dict, dtypes: dict[str, str]) -> tuple[torch.Tensor, list[float]]:
+def write_delta(unit: Unit, received: dict, trained: dict, dtypes: dict[str, str],
+                residual: np.ndarray | None = None,
+                add_residual: bool = False) -> tuple[torch.Tensor, list[float], list[float] | None]:
     """``trained - received`` of a unit's members, written once into one new buffer, and its members'
-    squared norms (which double as the finiteness check: finite norms prove every entry finite).
+    squared norms (which double as the finiteness check: finite norms prove every entry finite); with
+    ``add_residual``, the error-feedback residual is added in the same pass, member by member while the
+    member's entries are still in cache (the fused pass of classic error feedback,
+    :meth:`fedcomp.compression.ErrorFeedback.compress_summed`).
+
+    Parameters
+    ----------
+    unit : Unit
+        The payload's layout.
+    received, trained, dtypes
+        As :func:`compress_update` has them (``trained`` in ``received``'s key order).
+    residual : np.ndarray, optional
+        With ``add_residual``: the saved residual, ``unit.shape``, float32 or float16 (added
+        entry by entry in float32, as ``ErrorFeedback.compress`` adds it), or None (none saved).
+    add_residual : bool
+        Form ``update + residual`` and return its norms too (float32 units only).
 
     Returns
     -------
-    (torch.Tensor, list of float)
+    (torch.Tensor, list of float, list of float or None)
         Shape ``unit.shape``; float64 for a wide unit, else float32 (a float64 member's difference
-        is taken in float64, then rounded); the members flattened in order. Squared L2 norm per
-        member (the buffer's dtype's reduction).
+        is taken in float64, then rounded); the members flattened in order; with ``add_residual``
+        it holds ``update + residual``. Squared L2 norm per member of the update (the buffer's
+        dtype's reduction), and with ``add_residual`` of ``update + residual`` (possibly not
+        finite: an overflow or a non-finite residual, which :func:`encode_unit` reports), else None.
 
     Raises
     ------
@@ -232,6 +251,10 @@ def write_delta(unit: Unit, received: dict, trained: dict, dtypes: dict[str, str
         (:func:`_raise_not_finite` names the tensor).
     """
     buf = np.empty(sum(unit.sizes), dtype=np.float64 if unit.wide else np.float32)
+    t = torch.from_numpy(buf)
+    res = None if residual is None else np.asarray(residual).reshape(-1)
+    sq_norms: list[float] = []
+    sum_norms: list[float] | None = [] if add_residual else None
     off = 0
     for k, size in zip(unit.members, unit.sizes):
         seg = buf[off: off + size]
@@ -241,13 +264,50 @@ def write_delta(unit: Unit, received: dict, trained: dict, dtypes: dict[str, str
                 seg[...] = np.subtract(t_k, r_k, dtype=np.float64)
         else:
             np.subtract(t_k, r_k, out=seg, dtype=buf.dtype, casting="unsafe")
+        if add_residual:  # norms of the same slices as segment_sq_norms takes: the same fp32 reductions
+            n2 = float(torch.linalg.vector_norm(t[off: off + size])) ** 2 if size else 0.0
+            sq_norms.append(n2)
+            # Checked before any residual moves; only a non-finite norm (possibly a mere overflow) needs the full check.
+            if not math.isfinite(n2) and not bool(np.isfinite(seg).all()):
+                _raise_not_finite(unit.members, trained, received, unit.codec)
+            if res is not None:
+                with np.errstate(over="ignore", invalid="ignore"):  # an overflow is reported by encode_summed
+                    np.add(seg, res[off: off + size], out=seg)
+                sum_norms.append(float(torch.linalg.vector_norm(t[off: off + size])) ** 2 if size else 0.0)
+            else:
+                sum_norms.append(n2)
         off += size
-    t = torch.from_numpy(buf)
-    sq_norms = segment_sq_norms(t, unit.sizes)
-    # Checked before any residual moves; only non-finite norms (possibly a mere overflow) need the full check.
-    if not math.isfinite(sum(sq_norms)) and not bool(torch.isfinite(t).all()):
-        _raise_not_finite(unit.members, trained, received, unit.codec)
-    return t.reshape(unit.shape), sq_norms
+    if not add_residual:
+        sq_norms = segment_sq_norms(t, unit.sizes)
+        # Checked before any residual moves; only non-finite norms (possibly a mere overflow) need the full check.
+        if not math.isfinite(sum(sq_norms)) and not bool(torch.isfinite(t).all()):
+            _raise_not_finite(unit.members, trained, received, unit.codec)
+    return t.reshape(unit.shape), sq_norms, sum_norms
+
+
+def summable_residual(unit: Unit, state: dict, codec: CodecConfig) -> tuple[bool, np.ndarray | None]:
+    """Whether :func:`write_delta` may add this unit's residual in its own pass, and that residual.
+
+    Only classic error feedback without momentum correction on a float32 unit, with a residual of
+    the unit's shape already in the storage dtype (``residual-dtype``), or none: everything else
+    (EF21, DGC's momentum, a wide unit, a residual to convert or of another shape) takes
+    ``ErrorFeedback.compress``.
+
+    Returns
+    -------
+    (bool, np.ndarray or None)
+        Fusable, and the residual to add (None: none saved).
+    """
+    if unit.wide or codec.error_feedback is not True or codec.momentum_correction:
+        return False, None
+    prev = state.get(RESIDUAL)
+    if prev is None:
+        return True, None
+    prev = np.asarray(prev)
+    if tuple(prev.shape) != tuple(unit.shape) or prev.dtype != (np.float16 if codec.residual_dtype == "fp16"
+                                                                else np.float32):
+        return False, None
+    return True, prev
 
 
 def privatize(buffers: list[torch.Tensor], local_dp: LocalDP) -> None:
@@ -312,9 +372,38 @@ def encode_without_feedback(unit: Unit, x: torch.Tensor, compressor) -> UnitResu
     return UnitResult(payload, {}, norms, errors)
 
 
+def encode_summed(unit: Unit, v: torch.Tensor, sum_norms: list[float], state: dict, compressor,
+                  codec: CodecConfig) -> UnitResult:
+    """Classic error feedback on ``v = update + residual`` that :func:`write_delta` formed in its own
+    pass (:func:`summable_residual`): the same checks, payload and new state as
+    :func:`encode_with_feedback`, without the residual add and its passes.
+
+    Raises
+    ------
+    ValueError
+        The saved residual is not finite, or update + residual overflows float32 (the messages of
+        ``ErrorFeedback.set_state`` and ``ErrorFeedback.compress``).
+    """
+    if not math.isfinite(sum(sum_norms)) and not bool(torch.isfinite(v).all()):
+        prev = state.get(RESIDUAL)
+        if prev is not None and not np.isfinite(np.asarray(prev)).all():
+            raise ValueError(f"state entry {RESIDUAL!r} is not a finite float array")
+        raise ValueError("input + residual overflows float32; residual left unchanged")
+    ef = ErrorFeedback(compressor, residual_dtype=codec.residual_dtype)
+    others = {k: a for k, a in state.items() if k != RESIDUAL}  # the residual is in v already
+    for entry in ef.set_state(others, shape=tuple(v.shape), copy=False):
+        log(WARNING, "fedcomp: saved %s for '%s' has another shape: starting from zero", entry, unit.key)
+    payload = ef.compress_summed(v, sum_norms, segments=unit.sizes)
+    return UnitResult(payload, ef.get_state(copy=False), ef.last_segment_sq_norms, ef.last_segment_sq_errors,
+                      ef.last_saturated, ef.last_saturated_loss)
+
+
 def encode_unit(unit: Unit, x: torch.Tensor, state: dict, codec: CodecConfig,
-                seed: int | None) -> tuple[UnitResult, float | None]:
+                seed: int | None, sum_norms: list[float] | None = None) -> tuple[UnitResult, float | None]:
     """Encode one unit's update ``x`` (its buffer, consumed) with the codec and the saved ``state``.
+
+    ``sum_norms``: ``x`` holds update + residual already (:func:`write_delta` with
+    ``add_residual``), these are its members' squared norms.
 
     Returns
     -------
@@ -328,6 +417,13 @@ def encode_unit(unit: Unit, x: torch.Tensor, state: dict, codec: CodecConfig,
         log(WARNING, "fedcomp: residual for '%s' has shape %s, the update %s: starting from zero", unit.key,
             tuple(prev.shape), tuple(x.shape))
         prev = None
+    if sum_norms is not None:
+        if not math.isfinite(sum(sum_norms)) and not bool(torch.isfinite(x).all()):
+            density = None  # encode_summed raises
+        else:
+            density = unit_density(unit, x, None, codec)  # x is update + residual already
+        compressor = codec.build(seed=seed, compressor=unit.codec, density=density)
+        return encode_summed(unit, x, sum_norms, state, compressor, codec), density
     density = unit_density(unit, x, prev, codec)
     compressor = codec.build(seed=seed, compressor=unit.codec, density=density)
     if codec.error_feedback:
@@ -377,8 +473,9 @@ def compress_update(
     """Compress ``trained - received`` with error feedback: float tensors per parameter or as one
     model vector, integer/bool tensors exactly.
 
-    Stages: :func:`plan_update` -> :func:`encode_exact_tensors` -> :func:`write_delta` (per unit,
-    finiteness checked) -> :func:`privatize` (local DP) -> :func:`restore_states` ->
+    Stages: :func:`plan_update` -> :func:`encode_exact_tensors` -> :func:`restore_states` ->
+    :func:`write_delta` (per unit, finiteness checked; under classic error feedback the residual is
+    added in the same pass, :func:`summable_residual`) -> :func:`privatize` (local DP) ->
     :func:`encode_unit` (error feedback + codec) -> :func:`summarize`.
 
     Parameters
@@ -430,19 +527,22 @@ def compress_update(
     dtypes = dtypes or {k: str(np.asarray(v).dtype) for k, v in received.items()}
     units, exact_keys, trained = plan_update(received, trained, codec, dtypes)
     exact_payloads = {} if local_dp is not None else encode_exact_tensors(exact_keys, received, trained)
-    buffers, norms = {}, {}
-    for u in units:
-        buffers[u.key], norms[u.key] = write_delta(u, received, trained, dtypes)
+    float_keys = [k for k in received if is_float_dtype(dtypes[k])]
+    states = restore_states(residuals, units, codec, {k: tuple(np.shape(received[k])) for k in float_keys})
+    buffers, norms, sums = {}, {}, {}
+    for u in units:  # classic error feedback: the residual is added in the delta's own pass
+        fused, prev = summable_residual(u, states.get(u.key, {}), codec) if local_dp is None else (False, None)
+        buffers[u.key], norms[u.key], sums[u.key] = write_delta(u, received, trained, dtypes, prev, fused)
     if local_dp is not None:
         privatize(list(buffers.values()), local_dp)
         norms = {u.key: segment_sq_norms(buffers[u.key].reshape(-1), u.sizes) for u in units}  # of the noisy update
     update_sq = {k: n2 for u in units for k, n2 in zip(u.members, norms[u.key])}
     update_sq = {k: update_sq[k] for k in received if k in update_sq}  # model order
-    states = restore_states(residuals, units, codec, {k: tuple(np.shape(received[k])) for k in update_sq})
     results: dict[str, UnitResult] = {}
     used_density = 1.0  # a dense codec sends every entry
     for u in units:
-        results[u.key], density = encode_unit(u, buffers.pop(u.key), states.get(u.key, {}), codec, seed)
+        results[u.key], density = encode_unit(u, buffers.pop(u.key), states.get(u.key, {}), codec, seed,
+                                              sums.pop(u.key))
         used_density = used_density if density is None else density
     payloads = {key: r.payload for key, r in results.items()}
     payloads.update(exact_payloads)
@@ -452,5 +552,5 @@ def compress_update(
 
 
 __all__ = ["CompositionError", "Unit", "UnitResult", "adaptive_density", "compress_update", "encode_exact_tensors",
-           "encode_unit", "plan_units", "plan_update", "privatize", "restore_states", "summarize",
-           "write_delta"]
+           "encode_summed", "encode_unit", "plan_units", "plan_update", "privatize", "restore_states",
+           "summable_residual", "summarize", "write_delta"]

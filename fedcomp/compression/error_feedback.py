@@ -236,6 +236,47 @@ class ErrorFeedback:
                 if shared:
                     v -= self.residual.to(device=v.device)  # give x back as it was
                 raise ValueError("input + residual overflows float32; residual left unchanged")
+        return self._send(v, u, norms, segments)
+
+    def compress_summed(self, v: torch.Tensor, sq_norms: list[float], *, segments: list[int] | None = None) -> bytes:
+        """Compress ``v = x + e``, which the caller has formed already, and keep its error as the residual.
+
+        For a caller that writes the update and adds the residual in one pass of its own
+        (:func:`fedcomp.client.update.write_delta`): the result, payload and new state are those of
+        :meth:`compress` on ``x`` with the residual ``e`` this object would have held, bit for bit.
+
+        Parameters
+        ----------
+        v : torch.Tensor
+            float32, any shape, finite (the caller has checked it), ``x`` plus the residual
+            (``x`` alone when there is none); consumed: it becomes the new residual.
+        sq_norms : list of float
+            The segments' squared L2 norms of ``v`` (fp32 reductions, as
+            :func:`segment_sq_norms` computes them).
+        segments : list of int, optional
+            As in :meth:`compress`.
+
+        Returns
+        -------
+        bytes
+            The payload of ``v``.
+
+        Raises
+        ------
+        ValueError
+            With momentum correction (its buffer enters before the residual: use :meth:`compress`),
+            or ``v`` not float32.
+        """
+        if self.momentum > 0:
+            raise ValueError("compress_summed: momentum correction needs compress()")
+        if v.dtype != torch.float32:
+            raise ValueError(f"compress_summed: v must be float32, got {v.dtype}")
+        return self._send(v.detach(), None, list(sq_norms), segments)
+
+    def _send(self, v: torch.Tensor, u: torch.Tensor | None, norms: list[float] | None,
+              segments: list[int] | None) -> bytes:
+        """Encode ``v`` (update + residual, float32, finite), keep its error as the residual (and mask
+        the momentum buffer ``u`` where entries were sent)."""
         payload, norms, errors, sent = encode_and_subtract(self.compressor, v, segments, sent=u is not None,
                                                            sq_norms=norms)
         self.last_sq_error, self.last_sq_norm = float(sum(errors)), float(sum(norms))

@@ -25,7 +25,7 @@ from ..strategies.offset import RoundOffset
 from ..strategies.round_metrics import machine_counts, per_client
 from ..training import evaluate
 from . import checkpoint
-from .console import route_flower_logs
+from .console import quiet_known_noise, route_flower_logs
 from .results import DP_HEADER, HEADER, MB, format_row, plot_rounds, write_json
 from .startup import RunConfigError, one_line_config_errors, writable_results_dir
 from .strategy_record import EXTRA_KEY, check_same_strategy, strategy_settings
@@ -272,6 +272,7 @@ def _resume(cfg: AppConfig, out_dir, strategy: CompressedStrategy, recorder: Rou
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     """Run the federation described by the run config and write ``metrics.json`` and ``plot.png``."""
+    quiet_known_noise()
     one_line_config_errors()
     try:
         cfg = AppConfig.from_run_config(context.run_config)
