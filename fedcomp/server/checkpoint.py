@@ -43,6 +43,9 @@ _INT_REMAINDER = "int-remainder"
 _EF21 = "ef21"
 #: Prefix of the round EF21 last folded each node's send (``nodes`` uint64, ``rounds`` int64).
 _EF21_FOLDED = "ef21-folded"
+#: Settings the ServerApp records in the manifest's ``extra`` and compares on resume
+#: (``fedcomp.server.app``: privacy and codec; :mod:`.strategy_record`): each must be a JSON object.
+_EXTRA_RECORDS = ("privacy-settings", "codec-settings", "strategy-settings")
 
 
 def _sha256(path: pathlib.Path) -> str:
@@ -123,8 +126,16 @@ def _check_meta(meta: dict, out_dir: pathlib.Path) -> None:
         problems.append("'rounds' must be a list of round records")
     elif meta["rounds"] and meta["rounds"][-1]["round"] != meta["round"]:
         problems.append("'round' disagrees with the last round record")
-    if not isinstance(meta.get("extra", {}), dict):
+    extra = meta.get("extra", {})
+    if not isinstance(extra, dict):
         problems.append("'extra' must be an object")
+        extra = {}
+    for key in _EXTRA_RECORDS:
+        if key in extra and not isinstance(extra[key], dict):
+            problems.append(f"'extra' '{key}' must be an object (the run's recorded settings)")
+    for key in ("cum-mb", "cum-down-mb", "last-eps"):
+        if key in extra and not (epsilon(extra[key]) and (extra[key] is not None or key == "last-eps")):
+            problems.append(f"'extra' '{key}' must be a number >= 0")
     for key in ("client-dp-rounds", "local-dp-rounds"):
         meta.setdefault(key, 0 if key == "local-dp-rounds" else None)
         if meta[key] is not None and not nonneg_int(meta[key]):

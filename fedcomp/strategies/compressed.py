@@ -23,11 +23,10 @@ from .admission import admit, check_max_num_examples
 from .aggregate import ClippedFold, DenseFold, MeanFold, dense_memory_note, streams
 from .downstream import Downstream
 from .ef21 import EF21Aggregate
-from .failures import failed_client
 from .forward import ForwardsToInner
 from .handover import hand_over, record_key, weight_key
 from .privacy import PoissonSampling, PrivacyBudget
-from .replies import fold_replies, note_failures
+from .replies import evaluate_replies, fold_replies, note_failures
 from .round_metrics import common_metric_keys, layers_mean, round_metrics
 from .wrapping import load_optimizer_state, optimizer_state, wraps
 
@@ -324,13 +323,12 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         return self._evaluate_sent
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
-        """Delegate unchanged; the result is also kept in ``evaluate_history[server_round]``, and
-        clients that failed to evaluate in ``evaluate_failure_history`` (logged with the reason)."""
-        replies = list(replies)
+        """Delegate, one reply per node sent an evaluate message (:func:`.replies.evaluate_replies`); the
+        result is also kept in ``evaluate_history[server_round]``, and clients that failed to evaluate
+        (error replies charged to their sender, sampled nodes that sent nothing) in
+        ``evaluate_failure_history`` (logged with the reason)."""
         sent_to = {m.metadata.message_id: m.metadata.dst_node_id for m in self._evaluate_sent}
-        self.evaluate_failure_history[server_round] = [failed_client(r, sent_to) for r in replies if r.has_error()]
-        for f in self.evaluate_failure_history[server_round]:
-            log(WARNING, "round %s: client (node %s) failed to evaluate: %s", server_round, f["node"], f["reason"])
+        replies, self.evaluate_failure_history[server_round] = evaluate_replies(server_round, sent_to, list(replies))
         metrics = self.inner.aggregate_evaluate(server_round, replies)
         if metrics is not None:
             ok = sum(1 for r in replies if not r.has_error())

@@ -19,6 +19,7 @@ from flwr.common.logger import log
 from ..compression import PayloadError
 from ..device import reported_machine
 from ..statedict import FlatModel
+from .admission import admit
 from .decode import decode_train_reply
 from .failures import MAX_REASON_CHARS, misaddressed_note, oom_confirmations, round_failures
 from .round_metrics import client_stats
@@ -135,27 +136,70 @@ def note_failures(server_round: int, sent_nodes: set[int] | None, sent_to: dict[
         Node -> the last ``client-oom-kills`` it reported; updated in place.
     """
     answered = {r.metadata.src_node_id for r in replies + refused if not r.has_error()}
-    charged, uncharged, silent = round_failures([r for r in replies if r.has_error()], sent_to, sent_nodes, answered)
-    for reply, f in charged:
-        got.failures.append(f)
-        log(WARNING, "round %s: client (node %s) failed: %s", server_round, f["node"],
-            failure_reason(reply) + misaddressed_note(reply, sent_to) if f["code"] not in (4, 5, 8) else f["reason"])
-    for reply, why in uncharged:
-        got.uncharged += 1
-        named = sent_to.get(reply.metadata.reply_to_message_id)
-        log(WARNING, "round %s: error reply from node %s (answering %s) not counted: %s; its reason: %s",
-            server_round, reply.metadata.src_node_id,
-            f"the message sent to node {named}" if named is not None else "a message this round did not send",
-            why, failure_reason(reply))
-    for f in silent:
-        got.failures.append(f)
-        log(WARNING, "round %s: client (node %s) failed: %s", server_round, f["node"], f["reason"])
+    failures, uncharged = _named_failures(server_round, [r for r in replies if r.has_error()], sent_to, sent_nodes,
+                                          answered, "failed")
+    got.failures.extend(failures)
+    got.uncharged += uncharged
     got.failed = len(got.failures)
     for c in oom_confirmations(oom_seen, got.stats):
         log(WARNING, "round %s: node %s: the kernel's out-of-memory killer killed %s process(es) in its "
             "container since the server last heard from it (oom_kill count %s -> %s): its ClientApp ran out "
             "of memory", server_round, c["node"], c["oom-kills"] - c["oom-kills-before"], c["oom-kills-before"],
             c["oom-kills"])
+
+
+def evaluate_replies(server_round: int, sent_to: dict[str, int], replies: list[Message]) -> tuple[list[Message], list[dict]]:
+    """The evaluation replies the inner strategy may count, and the clients that failed to evaluate,
+    by the train round's rules: one node, one vote (:func:`.admission.admit`: a second reply of a node
+    and a reply from a node not sent an evaluate message are refused, logged), each failed client
+    named once with its reason escaped to one log line (:func:`.failures.round_failures`: an error reply
+    charged to its sender, one from a node not sampled or untraceable charged to nobody, a sampled node
+    that sent nothing counted as ``NO_REPLY``).
+
+    Parameters
+    ----------
+    sent_to : dict
+        Message id -> destination node id of the round's evaluate messages (empty: not known; then
+        no reply is a stranger and no node counts as silent).
+    replies : list of Message
+        The round's evaluate replies, error replies included.
+
+    Returns
+    -------
+    (kept, failures)
+        ``kept``: the error replies and the admitted replies, in the given order (for the inner
+        strategy); ``failures``: one :func:`.failures.failed_client` record per failed client.
+    """
+    sent_nodes = set(sent_to.values()) or None
+    errors = [r for r in replies if r.has_error()]
+    admitted, refused = admit([r for r in replies if not r.has_error()], lambda r: r.metadata.src_node_id, sent_nodes)
+    for reply, why in refused:
+        log(WARNING, "round %s: evaluation reply from node %s not counted: %s", server_round,
+            reply.metadata.src_node_id, why)
+    answered = {r.metadata.src_node_id for r in replies if not r.has_error()}
+    failures, _ = _named_failures(server_round, errors, sent_to, sent_nodes, answered, "failed to evaluate")
+    kept = set(map(id, errors + admitted))
+    return [r for r in replies if id(r) in kept], failures
+
+
+def _named_failures(server_round: int, errors: list[Message], sent_to: dict[str, int], sent_nodes: set[int] | None,
+                    answered: set[int], failed: str) -> tuple[list[dict], int]:
+    """:func:`.failures.round_failures`, each failed client and each uncharged error reply logged as one
+    WARNING line (``"round R: client (node N) <failed>: <reason>"``); returns the failure records (charged,
+    then silent) and the number of error replies charged to nobody."""
+    charged, uncharged, silent = round_failures(errors, sent_to, sent_nodes, answered)
+    for reply, f in charged:
+        log(WARNING, "round %s: client (node %s) %s: %s", server_round, f["node"], failed,
+            failure_reason(reply) + misaddressed_note(reply, sent_to) if f["code"] not in (4, 5, 8) else f["reason"])
+    for reply, why in uncharged:
+        named = sent_to.get(reply.metadata.reply_to_message_id)
+        log(WARNING, "round %s: error reply from node %s (answering %s) not counted: %s; its reason: %s",
+            server_round, reply.metadata.src_node_id,
+            f"the message sent to node {named}" if named is not None else "a message this round did not send",
+            why, failure_reason(reply))
+    for f in silent:
+        log(WARNING, "round %s: client (node %s) %s: %s", server_round, f["node"], failed, f["reason"])
+    return [f for _, f in charged] + silent, len(uncharged)
 
 
 def failure_reason(reply: Message) -> str:
@@ -170,4 +214,4 @@ def failure_reason(reply: Message) -> str:
     return reason
 
 
-__all__ = ["RoundReplies", "failure_reason", "fold_replies", "note_failures"]
+__all__ = ["RoundReplies", "evaluate_replies", "failure_reason", "fold_replies", "note_failures"]

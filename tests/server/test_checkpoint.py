@@ -130,3 +130,34 @@ def test_a_batchnorm_model_resumes_with_its_integer_buffers(tmp_path):
     assert [r["round"] for r in json.loads((tmp_path / "metrics.json").read_text())["rounds"]] == [0, 1, 2]
     second = counters()
     assert all(int(second[k]) > int(first[k]) > 0 for k in first)  # counted on from the checkpoint's value
+
+
+@pytest.mark.parametrize("key, value, problem", [
+    ("strategy-settings", "fedavg", "'extra' 'strategy-settings' must be an object (the run's recorded settings)"),
+    ("strategy-settings", None, "'extra' 'strategy-settings' must be an object (the run's recorded settings)"),
+    ("codec-settings", ["stc"], "'extra' 'codec-settings' must be an object (the run's recorded settings)"),
+    ("privacy-settings", 5, "'extra' 'privacy-settings' must be an object (the run's recorded settings)"),
+    ("cum-mb", "12", "'extra' 'cum-mb' must be a number >= 0"),
+    ("cum-down-mb", None, "'extra' 'cum-down-mb' must be a number >= 0"),
+    ("last-eps", -1.0, "'extra' 'last-eps' must be a number >= 0"),
+])
+def test_a_hand_edited_settings_record_is_refused_naming_it(tmp_path, key, value, problem):
+    """Attack finding: a manifest whose recorded strategy/codec/privacy settings are not objects (or whose
+    running totals are not numbers) crashed the resume with AttributeError/TypeError ('str' object has no
+    attribute 'items'); now it is the checkpoint's ValueError naming the field."""
+    import json
+
+    import numpy as np
+
+    from fedcomp.server import checkpoint
+
+    checkpoint.save(tmp_path, 1, {"w": np.zeros(4, np.float32)}, None, [{"round": 1}],
+                    {"cum-mb": 1.0, "cum-down-mb": 2.0, "last-eps": None, "strategy-settings": {"strategy": "fedavg"},
+                     "codec-settings": {"compressor": "stc"}, "privacy-settings": {"dp": "none"}})
+    assert checkpoint.load(tmp_path, None)[0] == 1  # the written one loads
+    meta = json.loads((tmp_path / checkpoint.META).read_text())
+    meta["extra"][key] = value
+    (tmp_path / checkpoint.META).write_text(json.dumps(meta))
+    with pytest.raises(ValueError) as err:
+        checkpoint.load(tmp_path, None)
+    assert str(err.value) == f"{tmp_path / checkpoint.META}: {problem}"

@@ -206,3 +206,43 @@ def test_round_failures_each_sampled_node_once():
     assert silent == [{"node": 83, "code": -1, "error": "NO_REPLY", "reason": NO_REPLY_REASON}]
     charged, uncharged, silent = round_failures(errs[:1], {}, None, answered=set())
     assert [f["node"] for _, f in charged] == [81] and uncharged == [] and silent == []
+
+
+def test_evaluation_failures_follow_the_train_rules(caplog):
+    """Attack finding: aggregate_evaluate logged a client's error reason raw (a newline and an escape sequence
+    forged a second console line), counted a node's second error reply as a second failure, charged an error
+    reply from a node never sent an evaluate message, hid a node that sent nothing, and let the inner strategy
+    average a duplicate and a stranger's metrics in. Now: the train round's rules."""
+    g = weights(0)
+    s = CompressedStrategy(FedAvg(fraction_evaluate=1.0, min_available_nodes=1, min_evaluate_nodes=1),
+                           compressor="stc")
+    msgs = [train_msg(g, dst=n) for n in (41, 42, 43)]
+    s._evaluate_sent = msgs  # what configure_evaluate keeps
+
+    def ok(msg, loss, src=None):
+        content = RecordDict({"metrics": MetricRecord({"num-examples": 5, "eval-loss": loss, "eval-acc": 0.9})})
+        if src is None:
+            return Message(content=content, reply_to=msg)
+        md = Metadata(run_id=1, message_id="", src_node_id=src, dst_node_id=1,
+                      reply_to_message_id=msg.metadata.message_id, group_id="1", created_at=time.time(), ttl=10.0,
+                      message_type="evaluate")
+        return make_message(metadata=md, content=content)
+
+    replies = [ok(msgs[0], 0.5), ok(msgs[0], 90.0), ok(msgs[0], 90.0, src=99),
+               Message(Error(2, "boom\nINFO : forged\x1b[31m"), reply_to=msgs[1]),
+               Message(Error(2, "again"), reply_to=msgs[1]), _superlink_error(msgs[1], 2, "not me", src=98)]
+    with caplog.at_level(logging.WARNING, logger="flwr"):
+        metrics = s.aggregate_evaluate(3, replies)
+    assert metrics["eval-loss"] == 0.5 and s.evaluate_history[3]["num-replies"] == 1.0
+    assert s.evaluate_failure_history[3] == [
+        {"node": 42, "code": 2, "error": "CLIENT_APP_RAISED_EXCEPTION", "reason": "boom\nINFO : forged\x1b[31m"},
+        {"node": 43, "code": -1, "error": "NO_REPLY", "reason": NO_REPLY_REASON}]
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("round 3")]
+    assert lines == [
+        "round 3: evaluation reply from node 41 not counted: a second reply from the same node this round "
+        "(one node, one vote)",
+        "round 3: evaluation reply from node 99 not counted: it was not sent a message this round (one node, one vote)",
+        "round 3: client (node 42) failed to evaluate: boom\\nINFO : forged\\x1b[31m",
+        f"round 3: error reply from node 98 (answering the message sent to node 42) not counted: {STRANGER_REASON}; "
+        "its reason: not me",
+        "round 3: client (node 43) failed to evaluate: no reply before the round's timeout"]
