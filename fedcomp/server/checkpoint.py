@@ -148,6 +148,15 @@ def _check_meta(meta: dict, out_dir: pathlib.Path) -> None:
         raise ValueError(f"{out_dir / META}: " + "; ".join(problems))
 
 
+def _check_folded_rounds(rounds: Any, last_round: int) -> None:
+    """EF21's record names no round after the checkpoint's own: a node recorded as folded in a later
+    round would be refused for the rest of the run (its h_i can never be from that round)."""
+    if isinstance(rounds, np.ndarray) and rounds.size and np.issubdtype(rounds.dtype, np.integer) \
+            and int(rounds.max()) > last_round:
+        raise ValueError(f"EF21's record of folded sends names round {int(rounds.max())}, after the checkpoint's "
+                         f"round {last_round}")
+
+
 def load(out_dir: pathlib.Path, strategy: Any,
          model_shapes: dict[str, tuple] | None = None) -> tuple[int, dict[str, np.ndarray], dict]:
     """Read a checkpoint and restore the strategy's state.
@@ -206,6 +215,7 @@ def load(out_dir: pathlib.Path, strategy: Any,
         try:
             ef21 = {k.split("/", 1)[1]: v for k, v in data.items() if k.startswith(_EF21 + "/")}
             folded = {k.split("/", 1)[1]: v for k, v in data.items() if k.startswith(_EF21_FOLDED + "/")}
+            _check_folded_rounds(folded.get("rounds"), meta["round"])
             strategy.load_state_dict({"optimizer": optimizer, "privacy": meta, "int-remainders": remainders,
                                       "ef21": ef21, "ef21-folded": folded},
                                      {k: tuple(v.shape) for k, v in weights.items()})

@@ -166,16 +166,16 @@ class EF21Aggregate:
         ValueError
             A tensor the model does not have, or an estimate that is not a finite flat float64
             array with the tensor's number of entries, or node ids and rounds that are not two flat
-            uint64 / int64 (>= 0) arrays of one length (the estimate is left unchanged). A state
+            uint64 (no node twice) / int64 (>= 0) arrays of one length (the estimate is left unchanged). A state
             without them (an older checkpoint) checks no node until it is folded again.
         """
         folded = folded or {}
         nodes, rounds = folded.get("nodes", np.zeros(0, np.uint64)), folded.get("rounds", np.zeros(0, np.int64))
         if not (isinstance(nodes, np.ndarray) and isinstance(rounds, np.ndarray) and nodes.dtype == np.uint64
                 and rounds.dtype == np.int64 and nodes.ndim == rounds.ndim == 1 and nodes.shape == rounds.shape
-                and (rounds >= 0).all()):
-            raise ValueError("EF21's record of folded sends is not node ids (uint64) and rounds (int64 >= 0) "
-                             "of one length")
+                and (rounds >= 0).all() and np.unique(nodes).size == nodes.size):
+            raise ValueError("EF21's record of folded sends is not node ids (uint64, each once) and rounds "
+                             "(int64 >= 0) of one length")
         for k, v in h.items():
             size = int(np.prod(shapes[k])) if k in shapes else None
             if size is None or not isinstance(v, np.ndarray) or v.dtype != np.float64 or v.shape != (size,) \

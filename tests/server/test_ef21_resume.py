@@ -109,3 +109,33 @@ def test_a_resume_more_than_one_round_back_is_said_not_silent(tmp_path, caplog):
     assert line.startswith("fedcomp: round 3: residual-1.npz is from round 4 and no saved residual is from "
                            "before round 3 (the server started again or resumed from a checkpoint more than one "
                            "round back)")
+
+
+def test_a_tampered_record_of_folded_sends_is_refused(tmp_path):
+    """Attack finding: a checkpoint whose EF21 record names a node twice (the last round silently won) or a
+    round after the checkpoint's own (that node refused as EF21_STATE_MISMATCH for the rest of the run)
+    loaded without a word; now each is the checkpoint's ValueError."""
+    from flwr.serverapp.strategy import FedAvg
+
+    from fedcomp.server import checkpoint
+    from fedcomp.strategies import CompressedStrategy
+
+    def strategy():
+        return CompressedStrategy(FedAvg(fraction_evaluate=0.0), compressor="stc", error_feedback="ef21")
+
+    s = strategy()
+    s.ef21.h, s.ef21.folded = {"w": np.zeros(4)}, {5: 2, 6: 2}
+    checkpoint.save(tmp_path, 2, {"w": np.zeros(4, np.float32)}, s, [{"round": 2}])
+    back = strategy()
+    assert checkpoint.load(tmp_path, back)[0] == 2 and back.ef21.folded == {5: 2, 6: 2}
+    s.ef21.folded = {5: 3, 6: 2}
+    checkpoint.save(tmp_path, 2, {"w": np.zeros(4, np.float32)}, s, [{"round": 2}])
+    with pytest.raises(ValueError) as err:
+        checkpoint.load(tmp_path, strategy())
+    assert str(err.value) == (f"checkpoint in {tmp_path}: EF21's record of folded sends names round 3, after the "
+                              "checkpoint's round 2")
+    twice = {"nodes": np.array([5, 5], np.uint64), "rounds": np.array([1, 2], np.int64)}
+    with pytest.raises(ValueError) as err:
+        EF21Aggregate().load_state_dict({"w": np.zeros(4)}, {"w": (4,)}, twice)
+    assert str(err.value) == ("EF21's record of folded sends is not node ids (uint64, each once) and rounds "
+                              "(int64 >= 0) of one length")
