@@ -24,7 +24,8 @@ class OneLineRunConfigError(logging.Filter):
     line with the message; the traceback is logged at DEBUG. The next record that starts with
     ``Exit Code: `` (Flower's closing block for any exception of the app: ``Exit Code: 700`` /
     ``An unhandled exception occurred when running the simulation.`` / a link; 201 for a
-    deployed ServerApp, from ``flwr_exit``) is dropped: the one line already said the run stopped."""
+    deployed ServerApp, from ``flwr_exit``) is dropped: the one line already said the run stopped,
+    unless a record carrying another exception came between them (that exit block is its own)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -39,6 +40,8 @@ class OneLineRunConfigError(logging.Filter):
             record.exc_info, record.exc_text = None, None
             logging.getLogger(record.name).debug("fedcomp  traceback of the run-config error:\n%s", trace)
             self.reported = True
+        elif exc is not None:  # another exception: the exit block that follows is its own
+            self.reported = False
         elif self.reported and str(record.msg).startswith("Exit Code: "):
             self.reported = False
             return False

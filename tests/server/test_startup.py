@@ -96,6 +96,31 @@ def test_flowers_exit_block_after_a_run_config_error_is_dropped_and_any_other_ke
     assert "An unhandled exception occurred when running the simulation." in errors[0]
 
 
+def test_the_exit_block_of_a_later_crash_is_kept(caplog):
+    """Attack finding: the filter stays installed for the process, and a run-config error whose exit block
+    never came (a ServerApp run in-process) left it armed: the exit block of a later, real crash was dropped.
+    A record carrying another exception disarms it."""
+    logger = logging.getLogger("flwr")
+    saved = list(logger.filters)
+    logger.filters[:] = [OneLineRunConfigError()]
+    try:
+        with caplog.at_level(logging.DEBUG, logger="flwr"):
+            try:
+                raise RunConfigError("run config 'density' must be in (0.0, 1.0], got 1.5")
+            except RunConfigError as err:
+                log(logging.ERROR, "%s raised an exception", "ServerApp", exc_info=err)
+            try:
+                raise RuntimeError("a real crash")
+            except RuntimeError as err:
+                log(logging.ERROR, "%s raised an exception", "ServerApp", exc_info=err)
+            log(logging.ERROR, _flower_exit_message(700))
+    finally:
+        logger.filters[:] = saved
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert errors == [("fedcomp  run config 'density' must be in (0.0, 1.0], got 1.5 (the run stopped; `flwr run` "
+                       "still exits 0)"), "ServerApp raised an exception", _flower_exit_message(700)]
+
+
 def test_other_errors_keep_their_traceback(caplog):
     with caplog.at_level(logging.DEBUG, logger="flwr"):
         try:
