@@ -17,7 +17,8 @@ Cross-device (``--flwr``): ``flwr run .`` with 100 SuperNodes and fraction-train
 the default data, private FLWR_HOME and ports; reports the wall time per round.
 
 Run: ``python benchmarks/scale.py`` (about 15 min on 2 cores), ``--smoke`` (a small model, seconds),
-``--only-client`` (the client table alone at full size, merged into the results file, about a minute);
+``--only-client`` (the client table alone at full size, merged into the results file, about a minute),
+``--only-server`` (the server rows of ``--codecs`` and ``--clients`` alone, merged into the results file);
 prints tables and writes ``benchmarks/results/scale.json`` (``--smoke``: a file in the temporary folder). Medians over ``--repeats`` runs.
 """
 
@@ -292,6 +293,8 @@ def main() -> None:
     ap.add_argument("--only-flwr", action="store_true", help="only the flwr run simulation (merged into --out)")
     ap.add_argument("--only-client", action="store_true",
                     help="only the client table at full size (merged into --out; with --smoke, a file in the temporary folder)")
+    ap.add_argument("--only-server", action="store_true",
+                    help="only the server rows of --codecs and --clients (merged into --out by codec, clients and path)")
     ap.add_argument("--out", default=None, help="JSON to write (default: the reference benchmarks/results/scale.json; "
                     "with --smoke a file in the temporary folder)")
     args = ap.parse_args()
@@ -302,6 +305,15 @@ def main() -> None:
     if args.only_client:
         result = json.loads(pathlib.Path(args.out).read_text()) if pathlib.Path(args.out).exists() else {}
         result["client"] = client_rows(width, codecs, max(repeats, 3))
+        pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        pathlib.Path(args.out).write_text(json.dumps(result, indent=1))
+        print(f"wrote {shown(pathlib.Path(args.out))}")
+        return
+    if args.only_server:
+        result = json.loads(pathlib.Path(args.out).read_text()) if pathlib.Path(args.out).exists() else {"width": width}
+        rows = server_rows(width, clients, codecs, repeats, dense_max=32)
+        new = {(r["codec"], r["clients"], r["path"]) for r in rows}
+        result["server"] = [r for r in result.get("server", []) if (r["codec"], r["clients"], r["path"]) not in new] + rows
         pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         pathlib.Path(args.out).write_text(json.dumps(result, indent=1))
         print(f"wrote {shown(pathlib.Path(args.out))}")
