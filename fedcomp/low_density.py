@@ -14,7 +14,8 @@ classic error feedback,
   ``server-lr``/``server-momentum``, whose defaults are FedAdam's eta and a FedAvgM momentum
   of 0.9 that diverged here), unless DGC's momentum correction, EF21 or DP is on (measured:
   momentum correction + server momentum 74.7 %, EF21 + server momentum 72.8 %, both worse
-  than either alone).
+  than either alone), or ``warmup-rounds`` is set (the user's own warm-up replaces DGC's, and
+  server momentum was measured only with DGC's).
 
 Everywhere else "auto" is "constant" and "fedavg" (what they were before). Measured on the
 default CNN on digits, 10 clients, Dirichlet 0.5, 50 rounds, density 1/1000, round 50, mean of
@@ -58,7 +59,11 @@ def resolve_schedule(requested: str, compressor: str, density: float, error_feed
 def resolve_strategy(requested: str, server_lr: float, server_momentum: float, codec: Any,
                      dp: str) -> tuple[str, float, float]:
     """``strategy``: "auto" becomes FedAvgM (:data:`AUTO_SERVER_LR`, :data:`AUTO_SERVER_MOMENTUM`)
-    at low density without momentum correction or DP, else "fedavg".
+    at low density without momentum correction, DP or ``warmup-rounds``, else "fedavg".
+
+    Server momentum was measured only together with DGC's density warm-up (the table in the module
+    docstring); ``warmup-rounds`` > 0 (the user's own warm-up codec) turns that warm-up off
+    (:func:`resolve_schedule`), so "auto" steps aside for both: FedAvg, as before "auto" existed.
 
     Returns
     -------
@@ -68,7 +73,7 @@ def resolve_strategy(requested: str, server_lr: float, server_momentum: float, c
     if requested != "auto":
         return requested, server_lr, server_momentum
     if is_low_density(codec.compressor, codec.density, codec.error_feedback) and not codec.momentum_correction \
-            and dp == "none":
+            and dp == "none" and not codec.warmup_rounds:
         return "fedavgm", AUTO_SERVER_LR, AUTO_SERVER_MOMENTUM
     return "fedavg", server_lr, server_momentum
 
@@ -97,22 +102,45 @@ def auto_note(run_config: Mapping[str, Any], cfg: Any) -> str:
 
 
 def short_ramp_note(cfg: Any) -> str:
-    """A warning ("" if none) when the density schedule is longer than the run: its last round still sends
-    more than the requested ``density`` (e.g. 3 rounds of a 30-round ramp from 0.25 end at ~0.17).
+    """A warning ("" if none) when the density schedule (after ``warmup-rounds``) is longer than the run: its
+    last round still sends more than the requested ``density`` (e.g. 3 rounds of a 30-round ramp from 0.25
+    end at ~0.17), or ``warmup-rounds`` covers the whole run (the codec never runs).
 
     Parameters
     ----------
     cfg : fedcomp.config.AppConfig
         The parsed (resolved) configuration (``num_server_rounds``, ``codec.schedule_rounds``, ...).
     """
-    codec = cfg.codec
-    last = codec.scheduled_density(cfg.num_server_rounds)
+    codec, rounds = cfg.codec, cfg.num_server_rounds
+    if codec.warmup_rounds >= rounds:
+        return (f"warmup-rounds = {codec.warmup_rounds} covers all num-server-rounds = {rounds}: every round sends "
+                f"{codec.warmup_compressor!r}, {codec.compressor!r} never runs; set warmup-rounds < num-server-rounds")
+    last = codec.scheduled_density(rounds)
     if last == codec.density:
         return ""
-    return (f"density-schedule {codec.density_schedule!r} takes schedule-rounds = {codec.schedule_rounds} rounds, "
-            f"more than num-server-rounds = {cfg.num_server_rounds}: the last round sends density {last:.4g}, "
+    takes = (f"warmup-rounds + schedule-rounds = {codec.warmup_rounds} + {codec.schedule_rounds} rounds"
+             if codec.warmup_rounds else f"schedule-rounds = {codec.schedule_rounds} rounds")
+    return (f"density-schedule {codec.density_schedule!r} takes {takes}, "
+            f"more than num-server-rounds = {rounds}: the last round sends density {last:.4g}, "
             f"not {codec.density:g}; set schedule-rounds <= num-server-rounds or density-schedule = \"constant\"")
 
 
-__all__ = ["AUTO_SERVER_LR", "AUTO_SERVER_MOMENTUM", "LOW_DENSITY", "RAMP_CODECS", "auto_note", "is_low_density",
-           "resolve_schedule", "resolve_strategy", "short_ramp_note"]
+def check_ramp_direction(codec: Any) -> None:
+    """Refuse a density schedule that would raise the density: DGC's warm-up falls from ``density-start``
+    to ``density`` (a ``density-start`` below ``density`` sends ever more entries, never what was asked
+    at the start).
+
+    Raises
+    ------
+    ValueError
+        ``density-schedule`` (resolved) is "exponential" or "linear" and ``density-start`` < ``density``.
+    """
+    if codec.density_schedule in ("exponential", "linear") and codec.density_start < codec.density:
+        raise ValueError(f"run config 'density-start' ({codec.density_start:g}) is below 'density' ({codec.density:g}): "
+                         f"density-schedule {codec.density_schedule!r} falls from density-start to density over "
+                         "schedule-rounds rounds (DGC's warm-up); set density-start >= density or "
+                         "density-schedule = \"constant\"")
+
+
+__all__ = ["AUTO_SERVER_LR", "AUTO_SERVER_MOMENTUM", "LOW_DENSITY", "RAMP_CODECS", "auto_note", "check_ramp_direction",
+           "is_low_density", "resolve_schedule", "resolve_strategy", "short_ramp_note"]

@@ -14,6 +14,11 @@ PAYLOAD_STYPE = "fedcomp.payload.v1"
 PAYLOAD_DTYPE = "bytes"
 #: Key in ``context.state`` of the error-feedback residuals (an ArrayRecord, one per parameter).
 RESIDUAL_STATE_KEY = "fedcomp.residual"
+#: Key in ``context.state`` of the round the kept residuals were computed in (``{"round": int}``).
+RESIDUAL_ROUND_KEY = "fedcomp.residual-round"
+#: Reply metric under EF21: the server round of the last send the client's estimate ``h_i`` holds (0:
+#: none); the server refuses a node whose value is not the round it last folded (:mod:`fedcomp.strategies.ef21`).
+ESTIMATE_ROUND_METRIC = "ef21-estimate-round"
 #: ArrayRecord key of a whole-model payload (selection scope "model"): the update of every
 #: parameter, flattened in the global model's key order and concatenated.
 MODEL_KEY = "fedcomp.model"

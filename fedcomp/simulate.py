@@ -31,8 +31,10 @@ import subprocess
 import sys
 from typing import Any
 
-#: Flower lines that say nothing about this run (printed by the simulation before the app loads).
-NOISE = ("default simulated SuperNodes changed from",)
+#: Flower lines that say nothing about this run (printed by the simulation before the app loads): a
+#: warning about the default size whatever the size is, and how to change the size (given by --supernodes).
+NOISE = ("default simulated SuperNodes changed from", "To change federation size, use the following command:",
+         "flwr federation simulation-config ")
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _STOPPED = " (the run stopped; `flwr run` still exits 0)"
 _RESULTS = re.compile(r"fedcomp  results written to (.+?) \(metrics\.json")
@@ -117,9 +119,11 @@ def flwr_command(app: pathlib.Path, supernodes: int, overrides: str, extra: list
     return cmd + extra
 
 
-def watch(lines, out=sys.stdout) -> tuple[str | None, str | None]:
-    """Forward ``flwr run``'s output (minus :data:`NOISE`); return (results folder, reason of a failure):
-    fedcomp's own first ERROR line (its one-line reason) if any, else Flower's last ERROR line."""
+def watch(lines, out=None) -> tuple[str | None, str | None]:
+    """Forward ``flwr run``'s output (minus :data:`NOISE`) to ``out`` (default: ``sys.stdout`` at the
+    call); return (results folder, reason of a failure): fedcomp's own first ERROR line (its one-line
+    reason) if any, else Flower's last ERROR line."""
+    out = sys.stdout if out is None else out
     results = error = ours = None
     for line in lines:
         plain = _ANSI.sub("", line).rstrip("\n")

@@ -4,10 +4,20 @@ codec parameters, DP settings), and the typed readers of config keys built on it
 
 from __future__ import annotations
 
+import difflib
 import math
 import numbers
 from collections.abc import Mapping
 from typing import Any
+
+
+def closest_hint(name: str, known, what: str = "key") -> str:
+    """How an error about the unknown ``name`` goes on: ``"did you mean 'density'?"`` for the closest
+    of ``known`` by ``difflib`` similarity >= 0.6, else ``"no similar <what>"``. The one source of the
+    suggestion for a misspelt run-config key (:func:`fedcomp.config.unknown_key_message`) and a misspelt
+    codec parameter (:func:`fedcomp.compression.get_compressor`)."""
+    close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.6)
+    return f"did you mean '{close[0]}'?" if close else f"no similar {what}"
 
 
 def check_number(value, what: str, *, lo: float | None = None, hi: float | None = None, lo_open: bool = False,

@@ -74,3 +74,16 @@ def test_flwr_run_trains_the_batchnorm_resnet(tmp_path):
     assert all(r["num-replies"] == 2 and r["rejected-replies"] == 0 and r["failed-clients"] == 0 for r in rounds[1:])
     assert max(r["accuracy"] for r in rounds[1:]) > rounds[0]["accuracy"] + 0.1
     assert all(r["upload-bytes-exact"] > 0 for r in rounds[1:])  # num_batches_tracked travel exactly
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("pgrep") is None, reason="needs pgrep to stop the local SuperLink")
+def test_flwr_run_with_a_bad_value_prints_one_error_line(tmp_path):
+    """A bad run-config value under plain `flwr run`: fedcomp's one line, not also Flower's 5-line
+    "Exit Code: 700 / An unhandled exception occurred ..." block after it (`flwr run` still exits 0)."""
+    log, metrics_file = flwr_run(tmp_path, 2, "density=1.5", ("39791", "39793"))
+    assert not metrics_file.exists()
+    errors = [re.sub(r"\x1b\[[0-9;]*m", "", ln) for ln in log.splitlines() if "ERROR" in ln]
+    assert errors == [("ERROR :     fedcomp  run config 'density' must be in (0.0, 1.0], got 1.5 (the run stopped; "
+                       "`flwr run` still exits 0)")], log[-3000:]
+    assert "Exit Code" not in log and "unhandled exception" not in log and "Traceback" not in log, log[-3000:]

@@ -147,3 +147,43 @@ def test_a_ramp_longer_than_the_run_is_warned_with_the_last_rounds_density():
         "density-schedule = \"constant\"")
     assert short_ramp_note(AppConfig.from_run_config({"density": 0.001, "num-server-rounds": 30})) == ""
     assert short_ramp_note(AppConfig.from_run_config({"density": 0.01, "num-server-rounds": 3})) == ""
+
+
+def test_warmup_rounds_turns_both_auto_defaults_off():
+    """'auto' steps aside for the schedule and the strategy alike when the user sets a warm-up codec:
+    server momentum was measured only together with DGC's warm-up (was: FedAvgM kept, the ramp dropped)."""
+    assert resolved(density=0.001, warmup_rounds=2) == ("constant", "fedavg", 0.1, 0.9)
+    assert resolved(density=0.001, warmup_rounds=2, strategy="fedavgm") == ("constant", "fedavgm", 0.1, 0.9)
+
+
+def test_a_density_start_below_density_is_refused():
+    with pytest.raises(ValueError) as err:
+        AppConfig.from_run_config({"density": 0.002, "density-start": 0.001})
+    assert str(err.value) == (
+        "run config 'density-start' (0.001) is below 'density' (0.002): density-schedule 'exponential' falls from "
+        "density-start to density over schedule-rounds rounds (DGC's warm-up); set density-start >= density or "
+        "density-schedule = \"constant\"")
+    with pytest.raises(ValueError, match="density-schedule 'linear' falls"):
+        AppConfig.from_run_config({"density": 0.5, "density-schedule": "linear"})  # default start 0.25
+    # no ramp, no refusal: the start is unused
+    assert AppConfig.from_run_config({"density": 0.5, "density-start": 0.1}).codec.density_schedule == "constant"
+    assert AppConfig.from_run_config({"density": 0.5, "density-start": 0.5, "density-schedule": "linear"})
+
+
+def test_the_short_ramp_warning_counts_the_warm_up_rounds():
+    from fedcomp.low_density import short_ramp_note
+
+    cfg = AppConfig.from_run_config({"density": 0.001, "warmup-rounds": 2, "density-schedule": "exponential",
+                                     "schedule-rounds": 5, "num-server-rounds": 6})
+    last = cfg.codec.scheduled_density(6)
+    assert cfg.codec.for_round(6).density == last and 0.001 < last < 0.25
+    assert short_ramp_note(cfg) == (
+        "density-schedule 'exponential' takes warmup-rounds + schedule-rounds = 2 + 5 rounds, more than "
+        f"num-server-rounds = 6: the last round sends density {last:.4g}, not 0.001; set schedule-rounds <= "
+        "num-server-rounds or density-schedule = \"constant\"")
+    whole = AppConfig.from_run_config({"warmup-rounds": 3, "num-server-rounds": 3})
+    assert short_ramp_note(whole) == (
+        "warmup-rounds = 3 covers all num-server-rounds = 3: every round sends 'none', 'stc' never runs; set "
+        "warmup-rounds < num-server-rounds")
+    assert short_ramp_note(AppConfig.from_run_config({"density": 0.001, "warmup-rounds": 2, "num-server-rounds": 3,
+                                                      "density-schedule": "exponential", "schedule-rounds": 1})) == ""

@@ -44,7 +44,10 @@ FAILED = """Starting local SuperLink on 127.0.0.1:39091...
 'compressor' = 'sign' (checkpoint: 'stc') (the run stopped; `flwr run` still exits 0)
 \x1b[91mERROR \x1b[0m:     Exit Code: 700
 """
-FINISHED = """\x1b[92mINFO \x1b[0m:      fedcomp  final accuracy 0.3667 after 2 rounds, 0.003 MB uploaded in total
+FINISHED = """\x1b[92mINFO \x1b[0m:      Federation `@none/default` (2 simulated SuperNodes)
+\x1b[92mINFO \x1b[0m:      To change federation size, use the following command:
+\x1b[92mINFO \x1b[0m:      \tflwr federation simulation-config @none/default <superlink> --num-supernodes <N>
+\x1b[92mINFO \x1b[0m:      fedcomp  final accuracy 0.3667 after 2 rounds, 0.003 MB uploaded in total
 \x1b[92mINFO \x1b[0m:      fedcomp  results written to /tmp/r (metrics.json, plot.png, flower.log)
 """
 
@@ -57,6 +60,9 @@ def test_the_exit_code_says_whether_the_run_wrote_its_results(output, code, monk
     assert simulate.main(["--app", str(REPO), "--supernodes", "2"]) == code
     out = capsys.readouterr().out
     assert "default simulated SuperNodes changed" not in out  # Flower's noise is not forwarded
+    assert "federation size" not in out and "simulation-config" not in out  # --supernodes sets the size
+    if output == FINISHED:
+        assert out.splitlines()[0] == "\x1b[92mINFO \x1b[0m:      Federation `@none/default` (2 simulated SuperNodes)"
     if output == FAILED:
         assert out.splitlines()[-1] == ("fedcomp-simulation: the run FAILED: run config 'resume': the codec settings "
                                         "differ from the checkpoint's: 'compressor' = 'sign' (checkpoint: 'stc')")

@@ -20,6 +20,7 @@ from ..device import clientapp_seconds, memory_report
 from ..protocol import (
     DEFAULT_DOWNLINK_MBPS,
     DEFAULT_UPLINK_MBPS,
+    ESTIMATE_ROUND_METRIC,
     MIN_LINK_MBPS,
     PAYLOAD_STYPE,
     SECAGG_SEED_KEY,
@@ -120,7 +121,7 @@ def _compress(request: TrainRequest, context: Context, received: dict, trained: 
     """Payloads of ``trained - received`` with this node's error-feedback state, and the metrics;
     the new state is kept (``context.state`` and the node's state file) with error feedback on."""
     files = state_files(context)
-    residuals = residuals_of(context, files, request.server_round)
+    kept_round, residuals = residuals_of(context, files, request.server_round)
     t0 = time.perf_counter()
     with warnings.catch_warnings():  # the old residual: read-only views of context.state, only read
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
@@ -132,6 +133,8 @@ def _compress(request: TrainRequest, context: Context, received: dict, trained: 
     stats["residual-bytes"] = float(sum(r.nbytes for r in new_res.values()))
     stats.update(memory_report())  # after training and compressing: the round's peak RSS
     stats.update(_link_speeds(context))
+    if request.codec.error_feedback == "ef21":  # the round of the last send h_i holds: the server checks it
+        stats[ESTIMATE_ROUND_METRIC] = float(kept_round)
     if request.codec.error_feedback:
         keep_residuals(context, files, new_res, request.server_round)
     return payloads, stats

@@ -21,7 +21,7 @@ from flwr.common.logger import log
 
 from ..files import write_atomically
 from ..privacy import STATE_KEYS
-from ..protocol import RESIDUAL_STATE_KEY
+from ..protocol import RESIDUAL_ROUND_KEY, RESIDUAL_STATE_KEY
 from ..statedict import numpy_view
 
 #: Key in ``context.state`` of the DP-SGD accountant's history (a MetricRecord of float lists).
@@ -99,39 +99,50 @@ def load_residuals(path: pathlib.Path, before_round: int) -> dict[str, np.ndarra
     file, else (the file is from ``before_round`` or later: the server resumed from an older
     checkpoint) the previous round's file if that one is before ``before_round``; {} if none
     fits or the file is unreadable (logged). ``before_round`` 0: the file as it is."""
+    return load_residuals_of_round(path, before_round)[1]
+
+
+def load_residuals_of_round(path: pathlib.Path, before_round: int) -> tuple[int, dict[str, np.ndarray]]:
+    """:func:`load_residuals` with the round they were saved in: ``(round, residuals)``, ``(0, {})``
+    when none fits."""
     if not path.exists():
-        return {}
+        return 0, {}
     try:
         saved_round, res = _read_residuals(path)
     except Exception as exc:  # noqa: BLE001 - a bad local file must not stop the node: start from zero
         log(WARNING, "fedcomp: ignoring unreadable residual file %s (%s: %s)", path, type(exc).__name__, exc)
-        return {}
+        return 0, {}
     if saved_round < before_round or before_round == 0:
-        return res
+        return saved_round, res
     prev = previous_path(path)
     try:
         prev_round, prev_res = _read_residuals(prev) if prev.exists() else (None, {})
     except Exception as exc:  # noqa: BLE001
         log(WARNING, "fedcomp: ignoring unreadable residual file %s (%s: %s)", prev, type(exc).__name__, exc)
-        return {}
+        return 0, {}
     if prev_round is not None and prev_round < before_round:
         log(INFO, "fedcomp: round %d: %s is from round %d (the server resumed from an earlier checkpoint); "
             "continuing from round %d's residuals in %s", before_round, path.name, saved_round, prev_round, prev.name)
-        return prev_res
+        return prev_round, prev_res
     log(WARNING, "fedcomp: round %d: %s is from round %d and no saved residual is from before round %d (the "
         "server started again or resumed from a checkpoint more than one round back): starting from a zero "
-        "residual; under EF21 the server's estimate still holds this client's earlier share", before_round,
+        "residual; under EF21 the server's estimate still holds this client's earlier share (a server that folded this "
+        "node's sends refuses its replies: EF21_STATE_MISMATCH)", before_round,
         path.name, saved_round, before_round)
-    return {}
+    return 0, {}
 
 
-def residuals_of(context: Context, files: StateFiles | None, server_round: int) -> dict[str, np.ndarray]:
-    """The residuals of the earlier rounds: ``context.state``, else the node's file, else none."""
+def residuals_of(context: Context, files: StateFiles | None, server_round: int) -> tuple[int, dict[str, np.ndarray]]:
+    """The residuals of the earlier rounds and the round they were kept in: ``context.state``, else
+    the node's file, else none (round 0). The round is what EF21's check compares with the server's
+    (:data:`fedcomp.protocol.ESTIMATE_ROUND_METRIC`)."""
     if RESIDUAL_STATE_KEY in context.state:  # read-only views of the kept bytes (no model-sized copy)
-        return {k: numpy_view(a) for k, a in context.state[RESIDUAL_STATE_KEY].items()}
+        kept = context.state.get(RESIDUAL_ROUND_KEY)
+        return (int(kept["round"]) if kept is not None else 0,
+                {k: numpy_view(a) for k, a in context.state[RESIDUAL_STATE_KEY].items()})
     if files is not None:
-        return load_residuals(files.residual, before_round=server_round)
-    return {}
+        return load_residuals_of_round(files.residual, before_round=server_round)
+    return 0, {}
 
 
 def keep_residuals(context: Context, files: StateFiles | None, residuals: dict[str, np.ndarray],
@@ -141,6 +152,7 @@ def keep_residuals(context: Context, files: StateFiles | None, residuals: dict[s
     if RESIDUAL_STATE_KEY in context.state:  # the old residual's bytes go before the new ones are made
         del context.state[RESIDUAL_STATE_KEY]
     context.state[RESIDUAL_STATE_KEY] = ArrayRecord({k: Array(v) for k, v in residuals.items()})
+    context.state[RESIDUAL_ROUND_KEY] = MetricRecord({"round": int(server_round)})
     if files is not None:
         try:
             save_residuals(files.residual, residuals, server_round)

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import ClassVar
 
 import numpy as np
 import torch
 
-from ..validate import check_number
+from ..validate import check_number, closest_hint
 from .errors import PayloadError
 from .exact import EXACT_CODEC_ID, EXACT_NAME
 from .wire import DEFAULT_MAX_NUMEL, DTYPE_CODES, Header, pack_header, parse_header
@@ -164,13 +165,26 @@ def get_compressor(name: str, **params) -> Compressor:
     Raises
     ------
     ValueError
-        Unknown codec name, or a parameter out of its range.
-    TypeError
-        A parameter the codec does not take.
+        Unknown codec name; a parameter out of its range; a parameter the codec does not take:
+        ``compressor 'stc' has no parameter 'densty'; did you mean 'density'? (its parameters: ['density'])``.
     """
     if name not in CODECS:
         raise ValueError(f"unknown compressor {name!r}; choose one of {sorted(CODECS)}")
+    accepted = codec_parameters(name)
+    for key in sorted(params):
+        if key not in accepted and not accepted:
+            raise ValueError(f"compressor {name!r} takes no parameters, got {key!r}")
+        if key not in accepted:
+            raise ValueError(f"compressor {name!r} has no parameter {key!r}; "
+                             f"{closest_hint(key, accepted, 'parameter')} (its parameters: {sorted(accepted)})")
     return CODECS[name](**params)
+
+
+def codec_parameters(name: str) -> frozenset[str]:
+    """The keyword parameters the registered codec ``name`` takes (``frozenset()`` for "sign")."""
+    signature = inspect.signature(CODECS[name])
+    return frozenset(p.name for p in signature.parameters.values()
+                     if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
 
 
 def available_compressors() -> list[str]:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from ..compression import available_compressors
-from ..low_density import resolve_strategy
+from ..low_density import check_ramp_direction, resolve_strategy
 from ..protocol import DEFAULT_DOWNLINK_MBPS, DEFAULT_UPLINK_MBPS, MIN_LINK_MBPS
 from ..training import TrainConfig
 from ..validate import read_bool, read_number, read_string
@@ -132,6 +132,7 @@ class AppConfig:
         strategy, server_lr, server_momentum = resolve_strategy(out.strategy, out.server_lr, out.server_momentum,
                                                                 out.codec, out.dp)
         out = replace(out, strategy=strategy, server_lr=server_lr, server_momentum=server_momentum)
+        check_ramp_direction(out.codec)
         if out.codec.error_feedback == "ef21" and (out.fraction_train < 1.0 or out.client_sampling != "fraction"):
             raise ValueError("run config error-feedback = 'ef21' needs every client in every round: 'fraction-train' "
                              "= 1.0 and 'client-sampling' = 'fraction' (and 'min-train-nodes' = "

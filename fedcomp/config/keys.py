@@ -3,10 +3,10 @@
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Mapping
 from typing import Any
 
+from ..validate import closest_hint
 from .codec import CODEC_DEFAULTS
 
 #: Run-config keys fedcomp's own ServerApp and ClientApp read besides :data:`CODEC_DEFAULTS`
@@ -61,10 +61,8 @@ def check_known_keys(cfg: Mapping[str, Any], known: frozenset[str] | None = None
 
 def unknown_key_message(key: str, known, source: str = "run config") -> str:
     """``"run config key 'densty' is unknown; did you mean 'density'?"`` (one line)."""
-    close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
-    hint = f"did you mean '{close[0]}'?" if close else "no similar key"
-    return (f"{source} key '{key}' is unknown; {hint} (every key, with its default, is in [tool.flwr.app.config] "
-            "of pyproject.toml)")
+    return (f"{source} key '{key}' is unknown; {closest_hint(key, known)} (every key, with its default, is in "
+            "[tool.flwr.app.config] of pyproject.toml)")
 
 
 __all__ = ["APP_KEYS", "check_known_keys", "run_config_keys", "unknown_key_message"]

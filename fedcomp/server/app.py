@@ -25,9 +25,10 @@ from ..strategies.offset import RoundOffset
 from ..strategies.round_metrics import machine_counts, per_client
 from ..training import evaluate
 from . import checkpoint
-from .console import route_flower_logs
+from .console import quiet_known_noise, route_flower_logs
 from .results import DP_HEADER, HEADER, MB, format_row, plot_rounds, write_json
 from .startup import RunConfigError, one_line_config_errors, writable_results_dir
+from .strategy_record import EXTRA_KEY, check_same_strategy, strategy_settings
 
 app = ServerApp()
 
@@ -144,7 +145,8 @@ class RoundRecorder:
             checkpoint.save(self.out_dir, server_round, {k: a.numpy() for k, a in arrays.items()}, self.strategy,
                             self.rounds, {"cum-mb": self.cum_mb, "cum-down-mb": self.cum_down_mb,
                                           "last-eps": self.last_eps, "privacy-settings": privacy_settings(self.cfg),
-                                          "codec-settings": self.cfg.codec.to_mapping()})
+                                          "codec-settings": self.cfg.codec.to_mapping(),
+                                          EXTRA_KEY: strategy_settings(self.cfg)})
         return MetricRecord({"accuracy": acc, "loss": loss})
 
     def restore(self, meta: dict) -> None:
@@ -260,6 +262,7 @@ def _resume(cfg: AppConfig, out_dir, strategy: CompressedStrategy, recorder: Rou
         raise ValueError(f"run config 'resume': the privacy settings differ from the checkpoint's ({saved} vs "
                          f"{privacy_settings(cfg)}); epsilon cannot be accounted across a change")
     check_same_codec(meta.get("extra", {}).get("codec-settings"), cfg)
+    check_same_strategy(meta, cfg, strategy, str(out_dir))
     initial = ArrayRecord({k: Array(copy_array(v)) for k, v in weights.items()})
     recorder.restore(meta)
     log(INFO, "fedcomp  resuming %s after round %d", out_dir, offset)
@@ -269,6 +272,7 @@ def _resume(cfg: AppConfig, out_dir, strategy: CompressedStrategy, recorder: Rou
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     """Run the federation described by the run config and write ``metrics.json`` and ``plot.png``."""
+    quiet_known_noise()
     one_line_config_errors()
     try:
         cfg = AppConfig.from_run_config(context.run_config)

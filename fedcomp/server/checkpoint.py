@@ -12,7 +12,7 @@ What is saved: the global weights (every array with its exact shape and dtype: 0
 bool, fp16 and zero-element arrays included), the round number, the metrics of every round so far,
 and the strategy's :meth:`~fedcomp.strategies.CompressedStrategy.state_dict`: the inner strategy's
 optimizer state where it has one (FedOpt/FedAdam ``m_t``/``v_t``, FedAvgM's momentum) and the
-integer rule's rounding remainders and EF21's server estimate h in the ``.npz``, the privacy accounting (client-level DP rounds,
+integer rule's rounding remainders, EF21's server estimate h and the round it last folded each node's send in the ``.npz``, the privacy accounting (client-level DP rounds,
 local-DP rounds, the epsilon projections of DP-SGD reports) in the manifest. Manifests without the
 newer keys load with their start values.
 """
@@ -41,6 +41,8 @@ _ROUND = "__round__"
 _INT_REMAINDER = "int-remainder"
 #: Prefix of EF21's server estimate h (flat float64 per float tensor, ``EF21Aggregate.h``).
 _EF21 = "ef21"
+#: Prefix of the round EF21 last folded each node's send (``nodes`` uint64, ``rounds`` int64).
+_EF21_FOLDED = "ef21-folded"
 
 
 def _sha256(path: pathlib.Path) -> str:
@@ -72,6 +74,7 @@ def save(out_dir: pathlib.Path, server_round: int, weights: dict[str, np.ndarray
     arrays.update(state.get("optimizer", {}))
     arrays.update({f"{_INT_REMAINDER}/{k}": copy_array(v) for k, v in state.get("int-remainders", {}).items()})
     arrays.update({f"{_EF21}/{k}": copy_array(v) for k, v in state.get("ef21", {}).items()})
+    arrays.update({f"{_EF21_FOLDED}/{k}": copy_array(v) for k, v in state.get("ef21-folded", {}).items()})
     arrays[_ROUND] = np.array(server_round, dtype=np.int64)
     write_atomically(out_dir / WEIGHTS, lambda f: np.savez(f, **arrays))
     meta = {
@@ -191,8 +194,9 @@ def load(out_dir: pathlib.Path, strategy: Any,
         optimizer = {k: v for k, v in data.items() if k.split("/", 1)[0] in OPTIMIZER_PREFIXES}
         try:
             ef21 = {k.split("/", 1)[1]: v for k, v in data.items() if k.startswith(_EF21 + "/")}
+            folded = {k.split("/", 1)[1]: v for k, v in data.items() if k.startswith(_EF21_FOLDED + "/")}
             strategy.load_state_dict({"optimizer": optimizer, "privacy": meta, "int-remainders": remainders,
-                                      "ef21": ef21},
+                                      "ef21": ef21, "ef21-folded": folded},
                                      {k: tuple(v.shape) for k, v in weights.items()})
         except ValueError as exc:
             raise ValueError(f"checkpoint in {out_dir}: {exc}") from None

@@ -6,12 +6,19 @@ default 50-round run). With run config ``verbose = false`` (the default) :func:`
 keeps Flower's INFO records off the console, where fedcomp's own table remains (records whose
 message starts with ``fedcomp``) with every WARNING and ERROR; all records, Flower's included,
 still go to ``flower.log`` in the results folder, and every number is in ``metrics.json``.
+
+:func:`quiet_known_noise` (first thing the ServerApp does, verbose or not) keeps two messages a
+fedcomp user cannot act on off the console, each matched by the start of its own text: Flower's
+``fraction_evaluate is set to 0.0. Federated evaluation will be skipped.`` (fedcomp turns federated
+evaluation off itself under ``dp``; the line still goes to ``flower.log``) and Ray's start-up
+``FutureWarning`` "Tip: In future versions of Ray, ..." about accelerator environment variables.
 """
 
 from __future__ import annotations
 
 import logging
 import pathlib
+import re
 import warnings
 
 from flwr.common.logger import FLOWER_LOGGER, console_handler
@@ -20,6 +27,12 @@ from flwr.common.logger import FLOWER_LOGGER, console_handler
 PREFIX = "fedcomp"
 #: File in the results folder that receives every record of Flower's logger.
 LOG_FILE = "flower.log"
+#: Start of each Flower log message :class:`WithoutKnownNoise` keeps off the console
+#: (flwr/serverapp/strategy/fedavg.py, ``FedAvg.__init__`` with ``fraction_evaluate == 0.0``).
+FLOWER_NOISE = ("fraction_evaluate is set to 0.0. Federated evaluation will be skipped.",)
+#: Start of Ray's ``FutureWarning`` at the end of ``ray.init`` (ray/_private/worker.py) that
+#: :func:`quiet_known_noise` ignores.
+RAY_TIP = "Tip: In future versions of Ray, Ray will no longer override accelerator visible devices"
 
 
 class OwnLinesOnly(logging.Filter):
@@ -28,6 +41,26 @@ class OwnLinesOnly(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         """True when the record should reach the console."""
         return record.levelno >= logging.WARNING or str(record.msg).startswith(PREFIX)
+
+
+class WithoutKnownNoise(logging.Filter):
+    """Console filter: drops the Flower records whose message starts with one of :data:`FLOWER_NOISE`."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        """False for a record in :data:`FLOWER_NOISE`."""
+        return not str(record.msg).startswith(FLOWER_NOISE)
+
+
+def quiet_known_noise() -> None:
+    """Keep :data:`FLOWER_NOISE` off Flower's console handler (``flower.log`` still receives it) and
+    ignore Ray's :data:`RAY_TIP` ``FutureWarning``; every other record and warning passes.
+
+    Called first thing in the ServerApp (before the run config is read, so a run that stops on a bad
+    value is as quiet, and before Ray, started beside the ServerApp, ends its ``ray.init``). Idempotent.
+    """
+    if not any(isinstance(f, WithoutKnownNoise) for f in console_handler.filters):
+        console_handler.addFilter(WithoutKnownNoise())
+    warnings.filterwarnings("ignore", message=re.escape(RAY_TIP), category=FutureWarning)
 
 
 class _RunLogFile(logging.FileHandler):
@@ -39,9 +72,7 @@ def route_flower_logs(out_dir: pathlib.Path, verbose: bool) -> pathlib.Path:
     keep Flower's own INFO lines off the console.
 
     Called once per run at ServerApp start-up; a second call (the next run in the same process)
-    replaces the first one's file and filter. Also hides Ray's start-up ``FutureWarning`` about
-    accelerator environment variables (a tip about a future Ray default that a user of the
-    simulation cannot act on), when Ray is started after this call.
+    replaces the first one's file and filter.
 
     Parameters
     ----------
@@ -67,5 +98,4 @@ def route_flower_logs(out_dir: pathlib.Path, verbose: bool) -> pathlib.Path:
     FLOWER_LOGGER.addHandler(handler)
     if not verbose:
         console_handler.addFilter(OwnLinesOnly())
-    warnings.filterwarnings("ignore", message="Tip: In future versions of Ray", category=FutureWarning)
     return path

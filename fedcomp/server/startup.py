@@ -21,16 +21,27 @@ class RunConfigError(ValueError):
 
 class OneLineRunConfigError(logging.Filter):
     """Filter on Flower's logger: a record carrying a :class:`RunConfigError` becomes one ERROR
-    line with the message; the traceback is logged at DEBUG."""
+    line with the message; the traceback is logged at DEBUG. The next record that starts with
+    ``Exit Code: `` (Flower's closing block for any exception of the app: ``Exit Code: 700`` /
+    ``An unhandled exception occurred when running the simulation.`` / a link; 201 for a
+    deployed ServerApp, from ``flwr_exit``) is dropped: the one line already said the run stopped."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reported = False  # a RunConfigError was logged and Flower's exit block has not come yet
 
     def filter(self, record: logging.LogRecord) -> bool:
-        """Rewrite the record in place; always keep it."""
+        """Rewrite a RunConfigError record in place and keep it; False for the exit block after it."""
         exc = record.exc_info[1] if record.exc_info else None
         if isinstance(exc, RunConfigError):
             trace = "".join(traceback.format_exception(*record.exc_info))
             record.msg, record.args = "fedcomp  %s (the run stopped; `flwr run` still exits 0)", (exc,)
             record.exc_info, record.exc_text = None, None
             logging.getLogger(record.name).debug("fedcomp  traceback of the run-config error:\n%s", trace)
+            self.reported = True
+        elif self.reported and str(record.msg).startswith("Exit Code: "):
+            self.reported = False
+            return False
         return True
 
 

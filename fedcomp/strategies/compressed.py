@@ -250,10 +250,12 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         """Everything a resumed run needs: ``{"privacy": JSON-serialisable accounting,
         "optimizer": {name: np.ndarray} of the inner strategy's server optimizer,
         "int-remainders": {tensor: float64 np.ndarray} of the integer rule,
-        "ef21": {tensor: flat float64 np.ndarray} EF21's server estimate h (empty without EF21)}``."""
+        "ef21": {tensor: flat float64 np.ndarray} EF21's server estimate h (empty without EF21),
+        "ef21-folded": {"nodes", "rounds"} the round each node's send was last folded into h}``."""
         return {"privacy": self.budget.state_dict(), "optimizer": optimizer_state(self.inner),
                 "int-remainders": {k: np.array(v, copy=True) for k, v in self.int_remainders.items()},
-                "ef21": self.ef21.state_dict() if self.ef21 is not None else {}}
+                "ef21": self.ef21.state_dict() if self.ef21 is not None else {},
+                "ef21-folded": self.ef21.folded_state() if self.ef21 is not None else {}}
 
     def load_state_dict(self, state: dict[str, Any], shapes: dict[str, tuple]) -> None:
         """Restore :meth:`state_dict`; ``shapes``: the model's tensor shapes (model order).
@@ -269,7 +271,7 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         if ef21 and self.ef21 is None:
             raise ValueError("the checkpoint holds EF21's server estimate h but error-feedback is not 'ef21'")
         if self.ef21 is not None:
-            self.ef21.load_state_dict(ef21, shapes)
+            self.ef21.load_state_dict(ef21, shapes, state.get("ef21-folded"))
         self.budget.load_state_dict(state.get("privacy", {}))
         self.int_remainders = dict(state.get("int-remainders", {}))
 
@@ -360,11 +362,15 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         for reply, why in refused:
             log(WARNING, "round %s: rejected reply from node %s: %s", server_round, reply.metadata.src_node_id, why)
         replies = errors + sorted(replies, key=lambda r: r.metadata.src_node_id)
+        mismatched = []  # EF21: a node whose h_i is not the one the server's h holds is refused (a named failure)
+        if self.ef21 is not None:
+            replies, mismatched = self.ef21.check_replies(server_round, replies)
         # local DP: the server keeps its own integer/bool values, whatever a client sent
         got = fold_replies(server_round, replies, self._new_fold(model, len(replies)), model, weight_key(self.inner),
-                           self.max_num_examples, self._dense_refusal(), keep_exact=self.local_dp is None,
-                           sent_to={m.metadata.message_id: m.metadata.dst_node_id for m in sent.messages})
-        note_failures(server_round, sent.nodes, replies, [r for r, _ in refused], got, self._oom_seen)
+                           self.max_num_examples, self._dense_refusal(), keep_exact=self.local_dp is None)
+        got.failures.extend(f for _, f in mismatched)
+        note_failures(server_round, sent.nodes, {m.metadata.message_id: m.metadata.dst_node_id for m in sent.messages},
+                      replies, [r for r, _ in refused + mismatched], got, self._oom_seen)
         self.failure_history[server_round] = got.failures
         got.rejected += len(refused)
         if self.downstream is not None:
@@ -374,7 +380,7 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         ef21_missing = None
         if self.ef21 is not None:  # EF21: the round's update is the server's estimate h (+= mean of the sends)
             asked = len(sent.nodes) if sent.nodes is not None else len(replies) + len(refused)
-            ef21_missing = self.ef21.round_update(server_round, got.fold.running, asked, len(got.stats))
+            ef21_missing = self.ef21.round_update(server_round, got.fold.running, asked, [st["node"] for st in got.stats])
         self.budget.note_refusals(server_round, replies)
         common_metric_keys(got.metric_contents)
         arrays, agg_metrics, dp_info = hand_over(self.inner, server_round, model, got, sent.sampled)
@@ -382,6 +388,8 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         ours.update(dp_info)
         if ef21_missing is not None:
             ours["ef21-missing-clients"] = float(ef21_missing)
+        if got.uncharged:
+            ours["uncharged-error-replies"] = float(got.uncharged)
         self.budget.account(server_round, bool(replies), got.stats, ours)
         self.history[server_round] = ours
         self.client_history[server_round] = got.stats

@@ -20,7 +20,7 @@ from ..compression import PayloadError
 from ..device import reported_machine
 from ..statedict import FlatModel
 from .decode import decode_train_reply
-from .failures import MAX_REASON_CHARS, failed_client, missing_clients, oom_confirmations
+from .failures import MAX_REASON_CHARS, misaddressed_note, oom_confirmations, round_failures
 from .round_metrics import client_stats
 
 
@@ -47,6 +47,8 @@ class RoundReplies:
         sampled nodes that sent nothing).
     failures : list of dict
         One per failed client (:func:`.failures.failed_client`).
+    uncharged : int
+        Error replies charged to no node (:func:`.failures.round_failures`).
     """
 
     fold: Any
@@ -58,11 +60,12 @@ class RoundReplies:
     rejected: int = 0
     failed: int = 0
     failures: list[dict] = field(default_factory=list)
+    uncharged: int = 0
 
 
 def fold_replies(server_round: int, replies: list[Message], fold: Any, model: FlatModel, weight_key: str,
                  max_num_examples: int, refuse_dense: str = "", keep_exact: bool = True,
-                 sent_to: dict[str, int] | None = None) -> RoundReplies:
+                 ) -> RoundReplies:
     """Decode every reply in the given order and fold the good ones into ``fold``.
 
     Parameters
@@ -70,7 +73,7 @@ def fold_replies(server_round: int, replies: list[Message], fold: Any, model: Fl
     server_round : int
         For the log.
     replies : list of Message
-        The admitted replies (error replies included), in the order to fold them.
+        The admitted replies, in the order to fold them (error replies are skipped: :func:`note_failures`).
     fold : MeanFold, ClippedFold or DenseFold
         Where accepted updates go (``fold.add(reply, decoded)``).
     model : FlatModel
@@ -83,10 +86,6 @@ def fold_replies(server_round: int, replies: list[Message], fold: Any, model: Fl
         Why a dense reply is refused ("": accepted).
     keep_exact : bool
         False: a reply's integer/bool tensors are dropped (local DP: the server keeps its own).
-    sent_to : dict, optional
-        Message id -> node id of the round's train messages (names the node an error reply that
-        the SuperLink sent for it stands for, :func:`.failures.failed_client`).
-
     Returns
     -------
     RoundReplies
@@ -94,12 +93,7 @@ def fold_replies(server_round: int, replies: list[Message], fold: Any, model: Fl
     got = RoundReplies(fold)
     for reply in replies:
         node = reply.metadata.src_node_id
-        if reply.has_error():
-            got.failed += 1
-            failure = failed_client(reply, sent_to or {})
-            got.failures.append(failure)
-            log(WARNING, "round %s: client (node %s) failed: %s", server_round, failure["node"],
-                failure_reason(reply) if reply.error.code not in (4, 5, 8) else failure["reason"])
+        if reply.has_error():  # counted by :func:`note_failures`
             continue
         try:  # everything is validated before anything is folded in
             decoded = decode_train_reply(reply, model, weight_key, max_num_examples, refuse_dense,
@@ -119,31 +113,44 @@ def fold_replies(server_round: int, replies: list[Message], fold: Any, model: Fl
     return got
 
 
-def note_failures(server_round: int, sent_nodes: set[int] | None, replies: list[Message], refused: list[Message],
-                  got: RoundReplies, oom_seen: dict[int, int]) -> None:
-    """Count the sampled nodes that sent nothing as failed too (no silent dropouts) and name a node
-    whose container's OOM-kill count went up (:func:`.failures.oom_confirmations`).
+def note_failures(server_round: int, sent_nodes: set[int] | None, sent_to: dict[str, int], replies: list[Message],
+                  refused: list[Message], got: RoundReplies, oom_seen: dict[int, int]) -> None:
+    """Count and name each failed client once (:func:`.failures.round_failures`: an error reply
+    charged to the node that sent it, a sampled node that sent nothing), log an error reply charged
+    to nobody as such, and name a node whose container's OOM-kill count went up
+    (:func:`.failures.oom_confirmations`).
 
     Parameters
     ----------
     sent_nodes : set of int or None
         The nodes sent a train message this round (None: unknown, no node counts as silent).
+    sent_to : dict
+        Message id -> destination node id of the round's train messages.
     replies, refused : list of Message
         The round's admitted replies (error replies included) and those refused by admission.
     got : RoundReplies
-        Of :func:`fold_replies`; ``failed`` and ``failures`` grow by the silent nodes.
+        Of :func:`fold_replies`; ``failed`` and ``failures`` grow by the failed clients,
+        ``uncharged`` by the error replies charged to nobody.
     oom_seen : dict
         Node -> the last ``client-oom-kills`` it reported; updated in place.
     """
-    answered = {f["node"] for f in got.failures} | {r.metadata.src_node_id for r in replies if not r.has_error()}
-    answered |= {r.metadata.src_node_id for r in refused}
-    # an error reply we could not trace to its node (answered from the SuperLink's id for a message
-    # we did not see sent) stands for one of the silent nodes: then which one is unknown
-    unknown = sent_nodes is not None and any(f["node"] not in sent_nodes for f in got.failures)
-    for f in [] if unknown else missing_clients(sent_nodes, answered):
-        got.failed += 1
+    answered = {r.metadata.src_node_id for r in replies + refused if not r.has_error()}
+    charged, uncharged, silent = round_failures([r for r in replies if r.has_error()], sent_to, sent_nodes, answered)
+    for reply, f in charged:
+        got.failures.append(f)
+        log(WARNING, "round %s: client (node %s) failed: %s", server_round, f["node"],
+            failure_reason(reply) + misaddressed_note(reply, sent_to) if f["code"] not in (4, 5, 8) else f["reason"])
+    for reply, why in uncharged:
+        got.uncharged += 1
+        named = sent_to.get(reply.metadata.reply_to_message_id)
+        log(WARNING, "round %s: error reply from node %s (answering %s) not counted: %s; its reason: %s",
+            server_round, reply.metadata.src_node_id,
+            f"the message sent to node {named}" if named is not None else "a message this round did not send",
+            why, failure_reason(reply))
+    for f in silent:
         got.failures.append(f)
         log(WARNING, "round %s: client (node %s) failed: %s", server_round, f["node"], f["reason"])
+    got.failed = len(got.failures)
     for c in oom_confirmations(oom_seen, got.stats):
         log(WARNING, "round %s: node %s: the kernel's out-of-memory killer killed %s process(es) in its "
             "container since the server last heard from it (oom_kill count %s -> %s): its ClientApp ran out "

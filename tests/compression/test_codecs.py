@@ -248,8 +248,24 @@ def test_bad_parameters_raise_value_error(name, params):
 def test_unknown_codec_and_unknown_parameter():
     with pytest.raises(ValueError, match="unknown compressor"):
         fc.get_compressor("gzip")
-    with pytest.raises(TypeError):
+    with pytest.raises(ValueError) as err:
         fc.get_compressor("sign", density=0.1)
+    assert str(err.value) == "compressor 'sign' takes no parameters, got 'density'"
+
+
+@pytest.mark.parametrize(
+    ("name", "params", "message"),
+    [("stc", {"densty": 0.1}, ("compressor 'stc' has no parameter 'densty'; did you mean 'density'? "
+                               "(its parameters: ['density'])")),
+     ("qsgd", {"levels": 3, "level": 3}, ("compressor 'qsgd' has no parameter 'level'; did you mean 'levels'? "
+                                          "(its parameters: ['bucket_size', 'levels', 'seed', 'spacing'])")),
+     ("topk", {"colour": 1}, ("compressor 'topk' has no parameter 'colour'; no similar parameter "
+                              "(its parameters: ['density', 'value_dtype'])"))],
+)
+def test_a_misspelt_parameter_names_the_codec_the_closest_and_the_valid_ones(name, params, message):
+    with pytest.raises(ValueError) as err:  # was a raw TypeError from the codec's __init__
+        fc.get_compressor(name, **params)
+    assert str(err.value) == message
 
 
 def test_compression_error_helper():

@@ -3,6 +3,8 @@
 
 import io
 import logging
+import pathlib
+import warnings
 
 import pytest
 from flwr.app import Context, RecordDict
@@ -10,7 +12,7 @@ from flwr.common.logger import FLOWER_LOGGER, console_handler, log
 
 from fedcomp.client.app import app as client_app
 from fedcomp.server.app import main
-from fedcomp.server.console import LOG_FILE, route_flower_logs
+from fedcomp.server.console import LOG_FILE, RAY_TIP, quiet_known_noise, route_flower_logs
 from fedcomp.server.startup import OneLineRunConfigError, RunConfigError
 from fedcomp.simulation import InProcessGrid
 
@@ -76,3 +78,33 @@ def test_a_resumed_run_prints_the_header_and_a_codec_change_is_refused_in_one_li
     line = rec.getMessage()
     assert "\n" not in line and rec.exc_info is None
     assert "'compressor' = 'stc' (checkpoint: 'sign')" in line and "start a new run" in line
+
+
+def test_flowers_fraction_evaluate_warning_stays_off_the_console_and_in_the_log_file(tmp_path, console):
+    from flwr.serverapp.strategy import FedAvg
+
+    path = route_flower_logs(tmp_path, verbose=True)
+    quiet_known_noise()
+    quiet_known_noise()  # idempotent: one filter
+    FedAvg(fraction_evaluate=0.0)  # what build_inner makes under dp: Flower warns in __init__
+    log(logging.WARNING, "fraction_evaluate is set to 0.5 and something a user can act on")
+    assert console.getvalue().splitlines()[-1].endswith("fraction_evaluate is set to 0.5 and something a user can act on")
+    assert "Federated evaluation will be skipped" not in console.getvalue()
+    assert "fraction_evaluate is set to 0.0. Federated evaluation will be skipped." in path.read_text()
+    assert sum(type(f).__name__ == "WithoutKnownNoise" for f in console_handler.filters) == 1
+
+
+def test_rays_accelerator_tip_is_ignored_and_other_warnings_pass():
+    ray_worker = pytest.importorskip("ray._private.worker")
+    tip = (f"{RAY_TIP} env var if num_gpus=0 or num_gpus=None (default). To enable this behavior and turn off "
+           "this error message, set RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO=0")
+    # the text as the installed Ray writes it (its literal continues on the next source lines)
+    assert f'"{tip}"' in pathlib.Path(ray_worker.__file__).read_text().replace('"\n            "', "")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quiet_known_noise()
+        warnings.warn(tip, FutureWarning, stacklevel=1)
+        warnings.warn("Tip: In future versions of numpy, something else", FutureWarning, stacklevel=1)
+        warnings.warn(tip, DeprecationWarning, stacklevel=1)
+    assert [(w.category, str(w.message)) for w in caught] == [
+        (FutureWarning, "Tip: In future versions of numpy, something else"), (DeprecationWarning, tip)]

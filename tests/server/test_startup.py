@@ -65,6 +65,37 @@ def test_a_run_config_error_is_logged_as_one_line(caplog):
     assert len(debug) == 1 and "Traceback" in debug[0].getMessage()
 
 
+def _flower_exit_message(code: int) -> str:
+    """The message ``flwr.supercore.exit.flwr_exit`` logs at ERROR for an error exit code (flwr 1.42)."""
+    from flwr.supercore.exit.exit import _get_code_url
+    from flwr.supercore.exit.exit_code import EXIT_CODE_HELP
+
+    return f"Exit Code: {code}\n\n{EXIT_CODE_HELP[code]}\n\nFor more information, visit: <{_get_code_url(code)}>"
+
+
+def test_flowers_exit_block_after_a_run_config_error_is_dropped_and_any_other_kept(caplog):
+    logger = logging.getLogger("flwr")
+    saved = list(logger.filters)  # the process-wide one a ServerApp run in another test installed: not this one
+    logger.filters[:] = [OneLineRunConfigError()]
+    try:
+        with caplog.at_level(logging.DEBUG, logger="flwr"):
+            log(logging.ERROR, _flower_exit_message(700))  # no run-config error before it: kept
+            try:
+                raise RunConfigError("run config 'density' must be in (0.0, 1.0], got 1.5")
+            except RunConfigError as err:
+                log(logging.ERROR, "%s raised an exception", "Simulation", exc_info=err)  # as Flower does
+            log(logging.ERROR, _flower_exit_message(700))  # Flower's flwr_exit right after: dropped
+            log(logging.ERROR, _flower_exit_message(201))  # a later one: kept
+    finally:
+        logger.filters[:] = saved
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert errors == [_flower_exit_message(700),
+                      ("fedcomp  run config 'density' must be in (0.0, 1.0], got 1.5 (the run stopped; `flwr run` "
+                       "still exits 0)"),
+                      _flower_exit_message(201)]
+    assert "An unhandled exception occurred when running the simulation." in errors[0]
+
+
 def test_other_errors_keep_their_traceback(caplog):
     with caplog.at_level(logging.DEBUG, logger="flwr"):
         try:

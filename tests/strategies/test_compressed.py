@@ -100,9 +100,10 @@ def test_error_replies_counted_as_failed():
     assert np.allclose(arrays["w"].numpy(), t["w"], atol=1e-6)
 
 
-def test_error_reply_from_an_unexpected_node_is_a_failed_client_not_a_stranger(caplog):
-    """Flower answers a lost task (e.g. a ClientApp the OOM killer took) with an error reply from the
-    SuperLink's node id: a failed client with its reason, not a refused 'stranger'."""
+def test_untraceable_superlink_error_reply_is_reported_and_the_silent_node_still_counted(caplog):
+    """Flower answers a lost task from the SuperLink's node id (1): one that names no message this round
+    sent cannot be charged to a node; it is said as such (not a refused 'stranger'), and the sampled node
+    without a reply (8) is still counted and named."""
     g, t = weights(0), weights(1)
     s = CompressedStrategy(fedavg(), compressor="none")
     s.remember(1, FlatModel.from_numpy(g), nodes={7, 8})
@@ -111,6 +112,9 @@ def test_error_reply_from_an_unexpected_node_is_a_failed_client_not_a_stranger(c
     assert lost.metadata.src_node_id == 1
     arrays, m = s.aggregate_train(1, [ok, lost])
     assert m["failed-clients"] == 1 and m["rejected-replies"] == 0 and m["num-replies"] == 1
+    assert m["uncharged-error-replies"] == 1
+    assert [f["node"] for f in s.failure_history[1]] == [8]
+    assert "round 1: client (node 8) failed: no reply before the round's timeout" in caplog.text
     assert "task lost: no heartbeat" in caplog.text and "not sent a message" not in caplog.text
     assert np.allclose(arrays["w"].numpy(), t["w"], atol=1e-6)
 

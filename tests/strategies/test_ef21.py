@@ -103,3 +103,65 @@ def test_ef21_missing_client_is_counted_in_the_round_metrics():
     replies = grid.send_and_receive(list(s.configure_train(2, arrays, ConfigRecord({"seed": 1}), grid)))
     _, metrics = s.aggregate_train(2, replies)
     assert metrics["ef21-missing-clients"] == 0.0
+
+
+def _ef21_round(s, grid, rnd, arrays):
+    msgs = list(s.configure_train(rnd, arrays, ConfigRecord({"seed": 1}), grid))
+    return s.aggregate_train(rnd, grid.send_and_receive(msgs))
+
+
+def test_a_client_that_lost_its_estimate_is_refused_by_name_not_folded(caplog):
+    """A SuperNode restarted without client-state-dir (its context.state emptied) while the server's h keeps
+    its share: its replies are refused as a named failure (was: folded, h silently diverged), in every
+    later round too (its h_i restarted from zero can never match again); the other node is folded."""
+    import logging
+
+    from fedcomp.client.app import app as client_app
+    from fedcomp.models import build_model
+    from fedcomp.simulation import InProcessGrid
+    from flwr.app import RecordDict
+
+    grid = InProcessGrid(client_app, 2, {"lr": 0.05})
+    s = CompressedStrategy(FedAvg(min_available_nodes=2, fraction_evaluate=0.0), compressor="topk", density=0.1,
+                           error_feedback="ef21")
+    arrays = ArrayRecord(build_model().state_dict())
+    _, m = _ef21_round(s, grid, 1, arrays)
+    assert m["failed-clients"] == 0 and s.ef21.folded == {1000: 1, 1001: 1}
+    grid.contexts[1000].state = RecordDict()  # the restarted SuperNode: no h_i
+    with caplog.at_level(logging.WARNING, logger="flwr"):
+        _, m = _ef21_round(s, grid, 2, arrays)
+    why = ("the client holds no estimate (a fresh h_i), but the server's estimate h holds its sends up to round 1 (a "
+           "SuperNode restarted without client-state-dir, or a reply the server never received): its update would "
+           "corrupt h; the node stays refused until the run is restarted or resumed with its state")
+    assert s.failure_history[2] == [{"node": 1000, "code": -2, "error": "EF21_STATE_MISMATCH", "reason": why}]
+    assert f"round 2: EF21: reply of node 1000 refused: {why}" in [r.getMessage() for r in caplog.records]
+    assert m["failed-clients"] == 1 and m["num-replies"] == 1 and m["ef21-missing-clients"] == 1
+    assert s.ef21.folded == {1000: 1, 1001: 2}
+    _, m = _ef21_round(s, grid, 3, arrays)  # its h_i now holds round 2's send, which h never got
+    assert [f["node"] for f in s.failure_history[3]] == [1000] and "as of round 2" in s.failure_history[3][0]["reason"]
+    assert s.ef21.folded == {1000: 1, 1001: 3}
+
+
+def test_the_estimate_round_is_required_and_the_record_survives_a_checkpoint():
+    from fedcomp.strategies.ef21 import EF21Aggregate
+    from tests.messages import reply_with, train_msg, weights
+
+    agg = EF21Aggregate()
+    g = weights(0)
+    silent, said = reply_with(train_msg(g, dst=5), g), reply_with(train_msg(g, dst=6), g, extra_metrics={
+        "ef21-estimate-round": 0.0})
+    kept, refused = agg.check_replies(1, [silent, said])
+    assert kept == [said] and [f["node"] for _, f in refused] == [5]
+    assert refused[0][1]["reason"].startswith("the reply does not say which round its EF21 estimate h_i is from")
+    agg.folded = {5: 3, 2**64 - 1: 7}
+    agg.h = {"w": np.zeros(200), "b": np.zeros(10)}
+    back = EF21Aggregate()
+    back.load_state_dict(agg.state_dict(), {"w": (20, 10), "b": (10,)}, agg.folded_state())
+    assert back.folded == {5: 3, 2**64 - 1: 7} and sorted(back.h) == ["b", "w"]
+    bad = {**agg.folded_state(), "rounds": np.array([-1, 2], dtype=np.int64)}
+    with pytest.raises(ValueError, match="EF21's record of folded sends"):
+        back.load_state_dict(agg.state_dict(), {"w": (20, 10), "b": (10,)}, bad)
+    assert back.folded == {5: 3, 2**64 - 1: 7}  # unchanged
+    old = EF21Aggregate()
+    old.load_state_dict({"w": np.zeros(200)}, {"w": (20, 10)})  # a checkpoint from before the record
+    assert old.folded == {}

@@ -13,7 +13,8 @@ from fedcomp.client import compression_mod
 from fedcomp.device import memory_limit_mb, oom_kills
 from fedcomp.statedict import FlatModel
 from fedcomp.strategies import CompressedStrategy
-from fedcomp.strategies.failures import CRASHED_REASON, GONE_REASON, NO_REPLY_REASON
+from fedcomp.strategies.failures import (CRASHED_REASON, GONE_REASON, NO_REPLY_REASON, STRANGER_REASON, UNTRACED_REASON,
+                                       round_failures)
 from tests.messages import make_ctx, reply_with, train_msg, weights
 
 
@@ -26,8 +27,9 @@ def _ok(g, t, msg, oom=0.0):
     return r
 
 
-def _superlink_error(msg, code, reason):
-    md = Metadata(run_id=1, message_id="", src_node_id=1, dst_node_id=1, reply_to_message_id=msg.metadata.message_id,
+def _superlink_error(msg, code, reason, src=1):
+    """An error reply to ``msg`` from node ``src`` (default: the SuperLink's own id, 1)."""
+    md = Metadata(run_id=1, message_id="", src_node_id=src, dst_node_id=1, reply_to_message_id=msg.metadata.message_id,
                   group_id="1", created_at=time.time(), ttl=10.0, message_type="train")
     return make_message(metadata=md, error=Error(code, reason))
 
@@ -139,3 +141,68 @@ def test_a_hostile_error_reason_is_one_bounded_log_line(caplog):
         s2.aggregate_train(1, [Message(Error(2, "boom\nINFO : forged\x1b[31m"), reply_to=m[0])])
     (line,) = [r.getMessage() for r in caplog.records if "failed:" in r.getMessage()]
     assert line == "round 1: client (node 52) failed: boom\\nINFO : forged\\x1b[31m"
+
+
+def _failure_lines(caplog):
+    return [r.getMessage() for r in caplog.records if "failed:" in r.getMessage() or "not counted" in r.getMessage()]
+
+
+def test_an_untraceable_error_reply_hides_no_silent_node(caplog):
+    """Attack finding F2: a SuperLink error reply that names no message of the round used to hide every
+    silent node from the failure count; now each sampled node without a reply is counted and named once,
+    and the untraceable reply is said as such."""
+    g, t = weights(0), weights(1)
+    s = CompressedStrategy(FedAvg(fraction_evaluate=0.0, min_available_nodes=1, min_train_nodes=1), compressor="stc")
+    m = _round(s, g, [61, 62, 63])
+    stray = _superlink_error(train_msg(g, dst=99), 5, "Node Unavailable")  # answers a message never sent this round
+    with caplog.at_level(logging.WARNING, logger="flwr"):
+        _, metrics = s.aggregate_train(1, [_ok(g, t, m[0]), stray])
+    assert metrics["failed-clients"] == 2 and metrics["num-replies"] == 1 and metrics["uncharged-error-replies"] == 1
+    assert s.failure_history[1] == [{"node": 62, "code": -1, "error": "NO_REPLY", "reason": NO_REPLY_REASON},
+                                    {"node": 63, "code": -1, "error": "NO_REPLY", "reason": NO_REPLY_REASON}]
+    assert _failure_lines(caplog) == [
+        f"round 1: error reply from node 1 (answering a message this round did not send) not counted: {UNTRACED_REASON}; "
+        "its reason: Node Unavailable",
+        "round 1: client (node 62) failed: no reply before the round's timeout",
+        "round 1: client (node 63) failed: no reply before the round's timeout"]
+
+
+def test_an_error_reply_is_charged_to_its_sender_not_to_the_node_its_reply_to_names(caplog):
+    """Attack finding F3: an error reply naming node 72's message, sent by node 71 (sampled), is charged to
+    71; one sent by node 79 (not sampled) is charged to nobody; 72 sent nothing and is counted once as silent;
+    a second error reply of 71 is not counted twice."""
+    g = weights(0)
+    s = CompressedStrategy(FedAvg(fraction_evaluate=0.0, min_available_nodes=1, min_train_nodes=1), compressor="stc")
+    m = _round(s, g, [71, 72])
+    forged = _superlink_error(m[1], 2, "boom", src=71)
+    again = Message(Error(2, "boom again"), reply_to=m[0])
+    stranger = _superlink_error(m[1], 2, "not me", src=79)
+    assert (forged.metadata.src_node_id, forged.metadata.reply_to_message_id) == (71, m[1].metadata.message_id)
+    with caplog.at_level(logging.WARNING, logger="flwr"):
+        _, metrics = s.aggregate_train(1, [forged, again, stranger])
+    charged = "boom (the reply names the message sent to node 72: charged to its sender)"
+    assert metrics["failed-clients"] == 2 and metrics["uncharged-error-replies"] == 1
+    assert s.failure_history[1] == [
+        {"node": 71, "code": 2, "error": "CLIENT_APP_RAISED_EXCEPTION", "reason": charged},
+        {"node": 72, "code": -1, "error": "NO_REPLY", "reason": NO_REPLY_REASON}]
+    assert _failure_lines(caplog) == [
+        f"round 1: client (node 71) failed: {charged}",
+        f"round 1: error reply from node 79 (answering the message sent to node 72) not counted: {STRANGER_REASON}; "
+        "its reason: not me",
+        "round 1: client (node 72) failed: no reply before the round's timeout"]
+
+
+def test_round_failures_each_sampled_node_once():
+    """The pure rule: a node with an update is not failed even if it also sent an error reply; a
+    SuperLink reply for a sent message is charged to that message's node; unknown sampling charges the
+    sender of every error reply and names no silent node."""
+    g = weights(0)
+    msgs = [train_msg(g, dst=n) for n in (81, 82, 83)]
+    sent_to = {x.metadata.message_id: x.metadata.dst_node_id for x in msgs}
+    errs = [Message(Error(2, "x"), reply_to=msgs[0]), _superlink_error(msgs[1], 4, "lost"),
+            _superlink_error(msgs[1], 4, "lost again")]
+    charged, uncharged, silent = round_failures(errs, sent_to, {81, 82, 83}, answered={81})
+    assert [f["node"] for _, f in charged] == [82] and uncharged == []
+    assert silent == [{"node": 83, "code": -1, "error": "NO_REPLY", "reason": NO_REPLY_REASON}]
+    charged, uncharged, silent = round_failures(errs[:1], {}, None, answered=set())
+    assert [f["node"] for _, f in charged] == [81] and uncharged == [] and silent == []
