@@ -2,8 +2,9 @@
 ResNet-18 size (11.7M float32 parameters in 62 tensors plus BatchNorm buffers).
 
 Server: ``CompressedStrategy(FedAvg).aggregate_train`` on N replies of one codec, each in a fresh
-process so that peak RSS is its own (the replies are built first; peak growth is measured from
-there, as a multiple of the model's fp32 bytes). The streaming path (one running sum) and, for
+process so that peak RSS is its own (the replies are built first and the heap memory freed while
+building them is handed back to the OS, :func:`trim_heap`; peak growth is measured from there, as a
+multiple of the model's fp32 bytes). The streaming path (one running sum) and, for
 N <= 32, the dense path (every reply decoded to dense weights, today's path for robust strategies)
 run in the same invocation. Replies reuse a few distinct client updates (their bytes shared), so
 building 1000 of them is cheap; the aggregation cannot tell.
@@ -75,7 +76,7 @@ SERVER_CHILD = r"""
 import json, sys, time, logging
 import numpy as np, torch
 sys.path.insert(0, sys.argv[1])
-from scale import resnet18_shapes, make_replies, rss_mib, reset_peak, peak_mib
+from scale import resnet18_shapes, make_replies, rss_mib, reset_peak, peak_mib, trim_heap
 from flwr.serverapp.strategy import FedAvg
 from fedcomp.strategies import CompressedStrategy
 from fedcomp.statedict import FlatModel
@@ -90,6 +91,7 @@ model_bytes = 4 * sum(int(np.prod(s)) for s, d in shapes.values() if d == "float
 strategy = CompressedStrategy(FedAvg(fraction_evaluate=0.0), aggregation=spec["path"], **spec["codec"])
 replies = make_replies(g, strategy.codec, spec["clients"], distinct=spec["distinct"])
 strategy.remember(1, FlatModel.from_numpy(g))
+trim_heap()
 base = rss_mib(); reset_peak()
 t0 = time.perf_counter()
 arrays, metrics = strategy.aggregate_train(1, replies)
@@ -176,6 +178,20 @@ def reset_peak() -> None:
     """Reset the kernel's peak-RSS counter of this process (Linux ``/proc/self/clear_refs``)."""
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
+
+
+def trim_heap() -> None:
+    """Hand the heap memory freed so far back to the OS (glibc's ``malloc_trim``; nothing elsewhere), so
+    that a peak measured from here counts what the call needs, not only what it could not take from
+    pages freed before it (building the replies frees model-sized buffers)."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _status(field: str) -> float:
