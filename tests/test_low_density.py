@@ -107,6 +107,8 @@ def test_the_server_says_it_once(tmp_path, caplog):
         main(InProcessGrid(client_app, 2, rc), ctx)
     said = [r for r in caplog.records if "'auto' defaults chose" in r.getMessage()]
     assert len(said) == 1
+    ramp = [r for r in caplog.records if "more than num-server-rounds = 2" in r.getMessage()]
+    assert len(ramp) == 1 and ramp[0].levelno == logging.WARNING  # the 30-round ramp in a 2-round run: said once
     assert "(density exponential)" in (tmp_path / "metrics.json").read_text()  # the codec recorded as run
 
 
