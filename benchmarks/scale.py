@@ -2,8 +2,9 @@
 ResNet-18 size (11.7M float32 parameters in 62 tensors plus BatchNorm buffers).
 
 Server: ``CompressedStrategy(FedAvg).aggregate_train`` on N replies of one codec, each in a fresh
-process so that peak RSS is its own (the replies are built first; peak growth is measured from
-there, as a multiple of the model's fp32 bytes). The streaming path (one running sum) and, for
+process so that peak RSS is its own (the replies are built first and the heap memory freed while
+building them is handed back to the OS, :func:`trim_heap`; peak growth is measured from there, as a
+multiple of the model's fp32 bytes). The streaming path (one running sum) and, for
 N <= 32, the dense path (every reply decoded to dense weights, today's path for robust strategies)
 run in the same invocation. Replies reuse a few distinct client updates (their bytes shared), so
 building 1000 of them is cheap; the aggregation cannot tell.
@@ -17,7 +18,8 @@ Cross-device (``--flwr``): ``flwr run .`` with 100 SuperNodes and fraction-train
 the default data, private FLWR_HOME and ports; reports the wall time per round.
 
 Run: ``python benchmarks/scale.py`` (about 15 min on 2 cores), ``--smoke`` (a small model, seconds),
-``--only-client`` (the client table alone at full size, merged into the results file, about a minute);
+``--only-client`` (the client table alone at full size, merged into the results file, about a minute),
+``--only-server`` (the server rows of ``--codecs`` and ``--clients`` alone, merged into the results file);
 prints tables and writes ``benchmarks/results/scale.json`` (``--smoke``: a file in the temporary folder). Medians over ``--repeats`` runs.
 """
 
@@ -74,7 +76,7 @@ SERVER_CHILD = r"""
 import json, sys, time, logging
 import numpy as np, torch
 sys.path.insert(0, sys.argv[1])
-from scale import resnet18_shapes, make_replies, rss_mib, reset_peak, peak_mib
+from scale import resnet18_shapes, make_replies, rss_mib, reset_peak, peak_mib, trim_heap
 from flwr.serverapp.strategy import FedAvg
 from fedcomp.strategies import CompressedStrategy
 from fedcomp.statedict import FlatModel
@@ -89,6 +91,7 @@ model_bytes = 4 * sum(int(np.prod(s)) for s, d in shapes.values() if d == "float
 strategy = CompressedStrategy(FedAvg(fraction_evaluate=0.0), aggregation=spec["path"], **spec["codec"])
 replies = make_replies(g, strategy.codec, spec["clients"], distinct=spec["distinct"])
 strategy.remember(1, FlatModel.from_numpy(g))
+trim_heap()
 base = rss_mib(); reset_peak()
 t0 = time.perf_counter()
 arrays, metrics = strategy.aggregate_train(1, replies)
@@ -175,6 +178,20 @@ def reset_peak() -> None:
     """Reset the kernel's peak-RSS counter of this process (Linux ``/proc/self/clear_refs``)."""
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
+
+
+def trim_heap() -> None:
+    """Hand the heap memory freed so far back to the OS (glibc's ``malloc_trim``; nothing elsewhere), so
+    that a peak measured from here counts what the call needs, not only what it could not take from
+    pages freed before it (building the replies frees model-sized buffers)."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _status(field: str) -> float:
@@ -292,6 +309,8 @@ def main() -> None:
     ap.add_argument("--only-flwr", action="store_true", help="only the flwr run simulation (merged into --out)")
     ap.add_argument("--only-client", action="store_true",
                     help="only the client table at full size (merged into --out; with --smoke, a file in the temporary folder)")
+    ap.add_argument("--only-server", action="store_true",
+                    help="only the server rows of --codecs and --clients (merged into --out by codec, clients and path)")
     ap.add_argument("--out", default=None, help="JSON to write (default: the reference benchmarks/results/scale.json; "
                     "with --smoke a file in the temporary folder)")
     args = ap.parse_args()
@@ -302,6 +321,15 @@ def main() -> None:
     if args.only_client:
         result = json.loads(pathlib.Path(args.out).read_text()) if pathlib.Path(args.out).exists() else {}
         result["client"] = client_rows(width, codecs, max(repeats, 3))
+        pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        pathlib.Path(args.out).write_text(json.dumps(result, indent=1))
+        print(f"wrote {shown(pathlib.Path(args.out))}")
+        return
+    if args.only_server:
+        result = json.loads(pathlib.Path(args.out).read_text()) if pathlib.Path(args.out).exists() else {"width": width}
+        rows = server_rows(width, clients, codecs, repeats, dense_max=32)
+        new = {(r["codec"], r["clients"], r["path"]) for r in rows}
+        result["server"] = [r for r in result.get("server", []) if (r["codec"], r["clients"], r["path"]) not in new] + rows
         pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         pathlib.Path(args.out).write_text(json.dumps(result, indent=1))
         print(f"wrote {shown(pathlib.Path(args.out))}")

@@ -67,7 +67,7 @@ def segment_sq_norms(flat: torch.Tensor, sizes: list[int]) -> list[float]:
 
 
 def encode_and_subtract(compressor: Compressor, v: torch.Tensor, segments: list[int] | None = None, *,
-                        sent: bool = False, sq_norms: list[float] | None = None,
+                        sent: bool = False, sq_norms: list[float] | None = None, finite: bool = False,
                         ) -> tuple[bytes, list[float], list[float], torch.Tensor | None]:
     """Compress ``v`` and overwrite it with the compression error ``v - decompress(payload)``.
 
@@ -88,6 +88,9 @@ def encode_and_subtract(compressor: Compressor, v: torch.Tensor, segments: list[
         Also return the flat positions the decoded payload makes non-zero (DGC's momentum masking).
     sq_norms : list of float, optional
         The segments' squared norms of ``v`` when the caller has them already (one pass fewer).
+    finite : bool
+        The caller has proven ``v`` finite (float32): the codec skips its own finiteness pass
+        (:meth:`Compressor.compress_finite`; the same payload).
 
     Returns
     -------
@@ -104,7 +107,7 @@ def encode_and_subtract(compressor: Compressor, v: torch.Tensor, segments: list[
     flat = v.reshape(-1)
     sizes = [flat.numel()] if segments is None else list(segments)
     norms = segment_sq_norms(flat, sizes) if sq_norms is None else sq_norms
-    payload = compressor.compress(v)
+    payload = compressor.compress_finite(v) if finite else compressor.compress(v)
     # The error v - v_hat, in place in v: O(k) for sparse payloads, one decode otherwise.
     sparse = decompress_sparse(payload, max_numel=max(v.numel(), 1))
     positions = None
@@ -265,20 +268,22 @@ class ErrorFeedback:
         ------
         ValueError
             With momentum correction (its buffer enters before the residual: use :meth:`compress`),
-            or ``v`` not float32.
+            ``v`` not float32, or not finite (the state is left unchanged).
         """
         if self.momentum > 0:
             raise ValueError("compress_summed: momentum correction needs compress()")
         if v.dtype != torch.float32:
             raise ValueError(f"compress_summed: v must be float32, got {v.dtype}")
-        return self._send(v.detach(), None, list(sq_norms), segments)
+        if not math.isfinite(sum(sq_norms)) and not bool(torch.isfinite(v).all()):  # finite norms prove it finite
+            raise ValueError("input + residual is not finite; residual left unchanged")
+        return self._send(v.detach(), None, list(sq_norms), segments, finite=True)
 
     def _send(self, v: torch.Tensor, u: torch.Tensor | None, norms: list[float] | None,
-              segments: list[int] | None) -> bytes:
+              segments: list[int] | None, finite: bool = False) -> bytes:
         """Encode ``v`` (update + residual, float32, finite), keep its error as the residual (and mask
-        the momentum buffer ``u`` where entries were sent)."""
+        the momentum buffer ``u`` where entries were sent); ``finite``: proven by the caller."""
         payload, norms, errors, sent = encode_and_subtract(self.compressor, v, segments, sent=u is not None,
-                                                           sq_norms=norms)
+                                                           sq_norms=norms, finite=finite)
         self.last_sq_error, self.last_sq_norm = float(sum(errors)), float(sum(norms))
         self.last_segment_sq_norms, self.last_segment_sq_errors = norms, errors
         self.last_error = (self.last_sq_error / self.last_sq_norm) ** 0.5 if self.last_sq_norm else 0.0

@@ -40,8 +40,8 @@ from ..statedict import (
 )
 from .decode import DecodedUpdate, TrainReply
 
-#: Entries per chunk of a dense fold (bounds the temporary of ``weight * values`` to 8 MB).
-CHUNK = 1 << 20
+#: Entries per chunk of a dense fold (``weight * values`` goes through one float64 scratch of 2 MiB).
+CHUNK = 1 << 18
 
 # Strategies whose aggregate_train is FedAvg's weighted mean of the clients' arrays, optionally
 # followed by a server optimizer step on that mean (FedAvgM momentum, FedOpt's Adam/Yogi/Adagrad);
@@ -111,14 +111,19 @@ class RunningSum:
             for i in np.flatnonzero(ends > bounds):
                 k, a, b = keys[i], bounds[i], ends[i]
                 self.acc[k][pos[a:b] - offsets[k]] += factor * vals[a:b].astype(np.float64)
-        for start, vals in update.dense:  # each dense part lies in one tensor
+        scratch = None
+        for start, vals in update.dense_parts():  # each dense part lies in one tensor (deferred ones decoded now)
             k = self.model.key_at(start) if vals.size else None
             if k is None:
                 continue
             acc, o = self.acc[k], start - offsets[k]
+            if scratch is None or scratch.size < min(vals.size, CHUNK):
+                scratch = np.empty(min(vals.size, CHUNK), dtype=np.float64)
             for i in range(0, vals.size, CHUNK):
                 part = vals[i: i + CHUNK]
-                acc[o + i: o + i + part.size] += factor * part.astype(np.float64)
+                tmp = scratch[: part.size]
+                np.multiply(part, factor, out=tmp, dtype=np.float64)  # = factor * float64(part), exactly
+                acc[o + i: o + i + part.size] += tmp
         self.total += factor if weight is None else weight
         self.count += 1
 

@@ -4,7 +4,9 @@ A reply's ArrayRecord holds fedcomp payloads: one per float tensor sent on its o
 under ``MODEL_KEY`` for every other float tensor (flattened and concatenated in model order), and
 exact payloads of the integer/bool tensors (absent under local DP). :func:`decode_reply` turns it
 into a :class:`DecodedUpdate` over the global model's flat float vector: sparse parts as
-``(flat positions, values)`` (O(k), never densified), dense parts as float32 segments.
+``(flat positions, values)`` (O(k), never densified), dense parts as float32 segments, except the
+dense payloads of large single tensors, which are validated and then kept as their bytes
+(:class:`DeferredPart`, decoded again as they are folded: a reply never holds its dense update whole).
 """
 
 from __future__ import annotations
@@ -21,6 +23,39 @@ from ..statedict import FlatModel, copy_array, numpy_dict
 from .round_metrics import bounded_metrics
 
 
+#: Dense payloads of one tensor with at least this many entries are kept as their bytes once validated
+#: and decoded again when folded (:class:`DeferredPart`), so a reply never holds its dense float32 update
+#: whole (sign: 1 bit per entry held instead of 32); smaller ones are kept decoded.
+DEFER_MIN_NUMEL = 1 << 16
+
+
+@dataclass(frozen=True)
+class DeferredPart:
+    """A validated dense payload kept as its bytes: :meth:`parts` decodes it again (the same values,
+    bit for bit: decoding is deterministic).
+
+    Attributes
+    ----------
+    data : bytes
+        The payload (a reference to the reply's bytes, not a copy).
+    shape : tuple of int
+        The shape it was validated against.
+    segments : list of (int, int, int)
+        ``(local start, flat start, length)`` of the parts it covers.
+    """
+
+    data: bytes
+    shape: tuple
+    segments: list
+
+    def parts(self):
+        """``(flat start, float32 values)`` per segment, decoded now."""
+        numel = sum(n for _, _, n in self.segments)
+        flat = decompress(self.data, max_numel=max(numel, 1), expected_shape=self.shape).numpy().reshape(-1)
+        for local, start, n in self.segments:
+            yield start, flat[local: local + n]
+
+
 @dataclass
 class DecodedUpdate:
     """One client's decoded update.
@@ -33,6 +68,9 @@ class DecodedUpdate:
     dense : list of (int, np.ndarray)
         ``(flat start, values)``: float32 segments of the update (float64 for ``none`` payloads of
         float64 tensors).
+    deferred : list of DeferredPart
+        Validated dense payloads of single large tensors, decoded again when read
+        (:data:`DEFER_MIN_NUMEL`); :meth:`dense_parts` yields them after ``dense``.
     exact : dict of str to np.ndarray
         Integer/bool tensors' new values, in the model's dtype and shape (only those sent).
     upload_bytes : int
@@ -46,11 +84,19 @@ class DecodedUpdate:
     exact: dict[str, np.ndarray] = field(default_factory=dict)
     upload_bytes: int = 0
     codecs: dict[str, int] = field(default_factory=dict)
+    deferred: list[DeferredPart] = field(default_factory=list)
+
+    def dense_parts(self):
+        """Every dense ``(flat start, values)`` segment: ``dense``, then the deferred payloads' (each
+        decoded as it is reached, so at most one tensor's values exist at a time)."""
+        yield from self.dense
+        for part in self.deferred:
+            yield from part.parts()
 
     def sq_norm(self) -> float:
         """Squared L2 norm of the float update (float64 accumulation; integer tensors excluded)."""
         total = sum(float(np.dot(v.astype(np.float64), v.astype(np.float64))) for _, v in self.sparse)
-        return total + sum(float(np.dot(v, v.astype(np.float64))) for _, v in self.dense)
+        return total + sum(float(np.dot(v, v.astype(np.float64))) for _, v in self.dense_parts())
 
     def to_flat(self, num_float: int, dtype=np.float32) -> np.ndarray:
         """The float update as one dense vector of ``num_float`` entries (dense path only); ``dtype``
@@ -58,7 +104,7 @@ class DecodedUpdate:
         out = np.zeros(num_float, dtype=dtype)
         for pos, vals in self.sparse:
             out[pos] = vals
-        for start, vals in self.dense:
+        for start, vals in self.dense_parts():
             out[start: start + vals.size] = vals
         return out
 
@@ -188,7 +234,7 @@ def decode_reply(record: ArrayRecord, model: FlatModel) -> DecodedUpdate:
     for key in individual:
         spec, data = model.specs[key], _payload_bytes(record[key], key)
         start = model.offsets[key]
-        _decode_unit(model, data, spec.shape, [(0, start, spec.numel)], out)
+        _decode_unit(model, data, spec.shape, [(0, start, spec.numel)], out, defer=spec.numel >= DEFER_MIN_NUMEL)
         count(data)
     if covered:
         data = _payload_bytes(record[MODEL_KEY], MODEL_KEY)
@@ -205,8 +251,9 @@ def decode_reply(record: ArrayRecord, model: FlatModel) -> DecodedUpdate:
 
 
 def _decode_unit(model: FlatModel, data: bytes, shape: tuple, segments: list[tuple[int, int, int]],
-                 out: DecodedUpdate) -> None:
-    """Decode one payload covering ``segments`` (local start, flat start, length) of the flat vector."""
+                 out: DecodedUpdate, defer: bool = False) -> None:
+    """Decode one payload covering ``segments`` (local start, flat start, length) of the flat vector;
+    ``defer``: a dense one is validated, then kept as its bytes (:class:`DeferredPart`)."""
     numel = sum(n for _, _, n in segments)
     sparse = decompress_sparse(data, max_numel=max(numel, 1), expected_shape=shape)
     if sparse is not None:
@@ -224,7 +271,10 @@ def _decode_unit(model: FlatModel, data: bytes, shape: tuple, segments: list[tup
     for local, start, n in segments:
         seg = flat[local: local + n]
         _check_finite(model, None, start, seg)
-        out.dense.append((start, seg))
+        if not defer:
+            out.dense.append((start, seg))
+    if defer:
+        out.deferred.append(DeferredPart(data, tuple(shape), list(segments)))
 
 
 def decode_update(record: ArrayRecord, global_arrays: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], dict]:
@@ -325,5 +375,5 @@ def decode_train_reply(reply: Message, model: FlatModel, weight_key: str, max_we
     return TrainReply(update, float(n), bounded_metrics(reported), reported, layers, decode_seconds)
 
 
-__all__ = ["DENSE_NAME", "DecodedUpdate", "TrainReply", "decode_dense_reply", "decode_reply", "decode_train_reply",
+__all__ = ["DEFER_MIN_NUMEL", "DENSE_NAME", "DecodedUpdate", "DeferredPart", "TrainReply", "decode_dense_reply", "decode_reply", "decode_train_reply",
            "decode_update", "is_dense_reply"]

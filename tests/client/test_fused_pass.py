@@ -130,3 +130,19 @@ def test_the_fused_pass_needs_no_residual_and_skips_what_it_cannot_fuse():
                   CodecConfig(compressor="topk", momentum_correction=0.9),
                   CodecConfig(compressor="stc", error_feedback=False)):
         assert update.summable_residual(big, {}, other) == (False, None)
+
+
+@pytest.mark.parametrize("name", ["stc", "topk", "sign", "int8", "qsgd", "eden", "randomk", "none", "fp16", "powersgd"])
+def test_compress_finite_is_compress_without_the_finiteness_pass(name):
+    import torch
+
+    import fedcomp.compression as fc
+
+    def codec():
+        return fc.get_compressor(name, seed=3) if name in ("int8", "qsgd", "eden", "randomk", "powersgd") else \
+            fc.get_compressor(name)
+
+    x = torch.from_numpy(np.random.default_rng(5).standard_normal((64, 48)).astype(np.float32))
+    assert codec().compress_finite(x) == codec().compress(x)
+    wide = x.double()  # another dtype goes through compress (and its checks)
+    assert codec().compress_finite(wide) == codec().compress(wide)
