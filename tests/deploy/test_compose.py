@@ -213,8 +213,8 @@ print(json.dumps({"absent": absent, "upload": float(reply.content["metrics"]["up
 
 
 def test_supernode_image_is_lean_and_trains_on_a_partition_file(project, tmp_path):
-    """`docker build --target supernode`: the core only, under 1.2 GB here (1.09 GB measured), and a
-    ClientApp train round runs in it on a mounted partition file."""
+    """`docker build --target supernode`: the core only, under 1 GB here (0.96 GB measured, its libraries
+    stripped by scripts/strip_libs.py), and a ClientApp train round runs in it on a mounted partition file."""
     from fedcomp.data import DataConfig
     from fedcomp.datafiles import save_partitions
 
@@ -226,7 +226,7 @@ def test_supernode_image_is_lean_and_trains_on_a_partition_file(project, tmp_pat
     try:
         size = int(subprocess.run(["docker", "image", "inspect", "-f", "{{.Size}}", tag], capture_output=True,
                                   text=True, check=True).stdout)
-        assert size < 1.2e9, size
+        assert size < 1.0e9, size
         save_partitions(DataConfig(), 2, tmp_path)
         tmp_path.chmod(0o755)
         for f in tmp_path.iterdir():
