@@ -19,6 +19,7 @@ from flwr.app import Array, ArrayRecord, RecordDict
 from flwr.client import NumPyClient
 
 from ..config import CODEC_DEFAULTS, CodecConfig
+from ..config.codec import check_codec_kwargs
 from ..protocol import RESIDUAL_STATE_KEY
 from .update import CompositionError, compress_update
 
@@ -83,9 +84,7 @@ class CompressedNumPyClient(NumPyClient):
             forced["compressor"] = compressor
         if error_feedback is not None:
             forced["error-feedback"] = error_feedback
-        unknown = set(forced) - set(CODEC_DEFAULTS)
-        if unknown:
-            raise TypeError(f"unknown codec parameter(s) {sorted(unknown)}")
+        check_codec_kwargs(forced)
         CodecConfig.from_mapping(forced)  # validate now, not in the middle of a round
         self.client = client
         self.forced = forced

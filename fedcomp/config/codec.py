@@ -15,7 +15,7 @@ from typing import Any
 from ..compression import CODECS, Compressor, available_compressors
 from ..compression.qsgd import MAX_EXPONENTIAL_LEVELS, SPACINGS
 from ..low_density import resolve_schedule
-from ..validate import read_bool, read_number, read_string
+from ..validate import closest_hint, read_bool, read_number, read_string
 
 #: Codecs that choose entries (their k is taken over the whole model with selection "auto").
 SPARSE_CODECS = ("stc", "topk", "randomk")
@@ -246,9 +246,7 @@ class CodecConfig:
         """
         mapping = {k.replace("_", "-"): v for k, v in params.items()}
         mapping.update({"compressor": compressor, "error-feedback": error_feedback})
-        unknown = set(mapping) - set(CODEC_DEFAULTS)
-        if unknown:
-            raise TypeError(f"unknown codec parameter(s) {sorted(unknown)}")
+        check_codec_kwargs(mapping)
         return cls.from_mapping(mapping)
 
     def to_mapping(self) -> dict[str, Any]:
@@ -316,3 +314,20 @@ CODEC_DEFAULTS: dict[str, Any] = {f.name.replace("_", "-"): f.default for f in f
 
 __all__ = ["CODEC_DEFAULTS", "DENSITY_SCHEDULES", "SPARSE_CODECS", "TENSOR_ONLY_CODECS", "CodecConfig",
            "parse_layer_codecs"]
+
+
+def check_codec_kwargs(mapping: Mapping[str, Any]) -> None:
+    """Refuse codec keyword arguments that are not codec keys (``mapping``'s keys in run-config form,
+    ``block-size``), naming each with the closest valid one in Python form.
+
+    Raises
+    ------
+    TypeError
+        ``unknown codec parameter(s) ['denisty']: 'denisty': did you mean 'density'?``
+    """
+    unknown = sorted(set(mapping) - set(CODEC_DEFAULTS))
+    if unknown:
+        known = [k.replace("-", "_") for k in CODEC_DEFAULTS]
+        hints = "; ".join(f"'{k.replace('-', '_')}': {closest_hint(k.replace('-', '_'), known, 'parameter')}"
+                          for k in unknown)
+        raise TypeError(f"unknown codec parameter(s) {[k.replace('-', '_') for k in unknown]}: {hints}")

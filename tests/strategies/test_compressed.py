@@ -150,8 +150,13 @@ def test_constructor_validation():
         CompressedStrategy(fedavg(), compressor="zip")
     with pytest.raises(ValueError, match="density"):
         CompressedStrategy(fedavg(), compressor="stc", density=0.0)
-    with pytest.raises(TypeError, match="unknown codec parameter"):
+    with pytest.raises(TypeError) as err:
         CompressedStrategy(fedavg(), compressor="stc", denisty=0.1)
+    assert str(err.value) == "unknown codec parameter(s) ['denisty']: 'denisty': did you mean 'density'?"
+    with pytest.raises(TypeError) as err:
+        CompressedStrategy(fedavg(), compressor="stc", blok_size=4, zzz=1)
+    assert str(err.value) == ("unknown codec parameter(s) ['blok_size', 'zzz']: 'blok_size': did you mean "
+                              "'block_size'?; 'zzz': no similar parameter")
     with pytest.raises(TypeError, match="Strategy"):
         CompressedStrategy(object())
 
