@@ -29,6 +29,21 @@ def _classic(monkeypatch):
     monkeypatch.setattr(update, "summable_residual", lambda unit, state, codec: (False, None))
 
 
+def _errors_on_both_paths(monkeypatch, *calls):
+    """The ValueError texts of each call in ``calls``, on the fused path and then on the classic one."""
+    out = []
+    for path in ("fused", "classic"):
+        if path == "classic":
+            _classic(monkeypatch)
+        texts = []
+        for call in calls:
+            with pytest.raises(ValueError) as err:
+                call()
+            texts.append(str(err.value))
+        out.append(tuple(texts))
+    return out
+
+
 def _rounds(codec, dtype, rounds=3, seed=0):
     rng = np.random.default_rng(seed)
     g = _model(rng, dtype)
@@ -73,15 +88,9 @@ def test_a_non_finite_update_is_refused_with_the_same_error_and_the_residual_kep
     _, res, _ = compress_update(g, t, codec, {})
     before = {k: v.copy() for k, v in res.items()}
     t["fc.weight"][3, 7] = bad
-    msgs = []
-    for path in ("fused", "classic"):
-        if path == "classic":
-            _classic(monkeypatch)
-        with pytest.raises(ValueError) as err:
-            compress_update(g, t, codec, res)
-        msgs.append(str(err.value))
-        assert all(np.array_equal(before[k], res[k]) for k in res)
-    assert msgs[0] == msgs[1] == "update of 'fc.weight' holds non-finite values (NaN or Inf); refusing to compress"
+    msgs = _errors_on_both_paths(monkeypatch, lambda: compress_update(g, t, codec, res))
+    assert all(np.array_equal(before[k], res[k]) for k in res)
+    assert msgs[0] == msgs[1] == ("update of 'fc.weight' holds non-finite values (NaN or Inf); refusing to compress",)
 
 
 def test_a_non_finite_saved_residual_and_an_overflow_are_refused_as_before(monkeypatch):
@@ -92,15 +101,8 @@ def test_a_non_finite_saved_residual_and_an_overflow_are_refused_as_before(monke
     poisoned["fc.weight"][0, 0] = np.inf
     huge = {k: np.full_like(v, 3e38) for k, v in res.items()}
     t_huge = {k: (v + np.float32(3e38) if v.dtype.kind == "f" else v) for k, v in g.items()}
-    out = []
-    for path in ("fused", "classic"):
-        if path == "classic":
-            _classic(monkeypatch)
-        with pytest.raises(ValueError) as e1:
-            compress_update(g, t, codec, poisoned)
-        with pytest.raises(ValueError) as e2:
-            compress_update(g, t_huge, codec, huge)
-        out.append((str(e1.value), str(e2.value)))
+    out = _errors_on_both_paths(monkeypatch, lambda: compress_update(g, t, codec, poisoned),
+                                lambda: compress_update(g, t_huge, codec, huge))
     assert out[0] == out[1] == ("state entry 'residual' is not a finite float array",
                                 "input + residual overflows float32; residual left unchanged")
 
