@@ -3,7 +3,7 @@
 #    with the app and the extras a ServerApp needs (data, plots, dp);
 #  * `supernode` (--target supernode): the lean SuperNode for devices (amd64, arm64): fedcomp's core only,
 #    CPU torch, flwr without Ray, no matplotlib/sklearn/pandas/pyarrow; it trains on a partition file
-#    (node config data-file=..., written by `python -m fedcomp.datafiles`).
+#    (node config data-file=..., written by `python -m fedcomp.task.datafiles`).
 # No compilers or pip caches in the final stages, non-root user `app` (uid 1000).
 #
 #   docker compose build                                   # torch from the PyTorch CPU index
@@ -46,7 +46,7 @@ ENV PATH=/opt/fedcomp/bin:$PATH PYTHONUNBUFFERED=1 FLWR_HOME=/home/app/.flwr \
     FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1
 RUN useradd --create-home --uid 1000 app && mkdir -p /home/app/.flwr /data && chown app:app /home/app/.flwr
 COPY --from=supernode-venv /opt/fedcomp /opt/fedcomp
-# the app's package on the path (python -m fedcomp.datafiles, ...); the ClientApp itself comes in the
+# the app's package on the path (python -m fedcomp.task.datafiles, ...); the ClientApp itself comes in the
 # FAB that the SuperLink sends. A small layer: code changes rebuild only this.
 COPY fedcomp /opt/fedcomp/lib/python3.11/site-packages/fedcomp
 WORKDIR /home/app

@@ -22,8 +22,8 @@ import resource, sys, time, logging
 import torch
 torch.set_num_threads(1)
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, Metadata, RecordDict
-from fedcomp.client.app import app
-from fedcomp.models import build_model
+from fedcomp.app.client_app import app
+from fedcomp.task.models import build_model
 logging.getLogger("flwr").setLevel(logging.WARNING)
 mode, compressor = sys.argv[1], sys.argv[2]
 if mode == "round":

@@ -67,9 +67,9 @@ def position_bits(payload: bytes, name: str, n: int, density: float) -> tuple[in
 
 def real_updates(rounds: list[int], num_clients: int = 10, seed: int = 42) -> dict[int, list[dict[str, torch.Tensor]]]:
     """Client updates (trained - global, per float tensor) of the default federation in ``rounds``."""
-    from fedcomp.training import TrainConfig, train
-    from fedcomp.data import DataConfig, load_partition
-    from fedcomp.models import build_model
+    from fedcomp.task.training import TrainConfig, train
+    from fedcomp.task.data import DataConfig, load_partition
+    from fedcomp.task.models import build_model
 
     torch.manual_seed(seed)
     model = build_model("cnn")

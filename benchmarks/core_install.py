@@ -44,8 +44,8 @@ import json, sys, time, logging
 import torch
 torch.set_num_threads(1)
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, Metadata, RecordDict
-from fedcomp.client.app import app
-from fedcomp.models import build_model
+from fedcomp.app.client_app import app
+from fedcomp.task.models import build_model
 logging.getLogger("flwr").setLevel(logging.WARNING)
 data_file, compressor = sys.argv[1], sys.argv[2]
 md = Metadata(run_id=1, message_id="m1", src_node_id=1, dst_node_id=7, reply_to_message_id="", group_id="1",
@@ -99,8 +99,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "core_install.json"))
     args = ap.parse_args()
-    from fedcomp.data import DataConfig
-    from fedcomp.datafiles import save_partitions
+    from fedcomp.task.data import DataConfig
+    from fedcomp.task.datafiles import save_partitions
 
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="fedcomp-core-"))
     venv = pathlib.Path(args.keep) if args.keep else tmp / "venv"

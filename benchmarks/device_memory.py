@@ -110,7 +110,7 @@ def run_one(model: str, codec: str, rounds: int, image: str, parts: pathlib.Path
             port: int) -> list[dict]:
     """One federation (2 capped SuperNodes); one row per container."""
     names = [f"fedcomp-mem-{os.getpid()}-{suffix}" for suffix, _, _ in LIMITS]
-    cmd = [sys.executable, "-m", "fedcomp.deploy", "--supernodes", "2", "--port", str(port),
+    cmd = [sys.executable, "-m", "fedcomp.run.local_deployment", "--supernodes", "2", "--port", str(port),
            "--base-node-port", str(port + 1), "--workdir", str(work), "--timeout", "1500", "--run-config",
            f"num-server-rounds={rounds} compressor='{codec}' model='{model}' min-train-nodes=2"]
     for i, (suffix, mem, _) in enumerate(LIMITS):
@@ -172,7 +172,7 @@ def main() -> None:
     out = output_path("device_memory", args.out, args.quick)
     with tempfile.TemporaryDirectory(prefix="fedcomp-devmem-") as tmp:
         parts = pathlib.Path(tmp) / "parts"
-        subprocess.run([sys.executable, "-m", "fedcomp.datafiles", "--num-partitions", "2", "--out", str(parts)],
+        subprocess.run([sys.executable, "-m", "fedcomp.task.datafiles", "--num-partitions", "2", "--out", str(parts)],
                        cwd=REPO, check=True, capture_output=True)
         os.chmod(tmp, 0o755)
         rows = []

@@ -20,11 +20,11 @@ import warnings
 
 import torch
 
-from fedcomp.client.dp_sgd import make_private, run_epochs, train_dp_sgd
-from fedcomp.data import DataConfig, load_partition
-from fedcomp.models import build_model
+from fedcomp.privacy.dp_sgd import make_private, run_epochs, train_dp_sgd
+from fedcomp.task.data import DataConfig, load_partition
+from fedcomp.task.models import build_model
 from fedcomp.privacy import DPSGDConfig
-from fedcomp.training import TrainConfig, train
+from fedcomp.task.training import TrainConfig, train
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 """Federated benchmark: accuracy per uploaded byte for each codec on the default digits data.
 
 Drives the real ClientApp (with ``compression_mod``) and ``CompressedStrategy`` through
-``fedcomp.simulation.InProcessGrid`` (no Ray, same code as ``flwr run``).
+``fedcomp.run.inprocess_grid.InProcessGrid`` (no Ray, same code as ``flwr run``).
 
 Run: ``python benchmarks/federated.py [--rounds 50] [--seeds 42 43] [--quick]``.
 Prints a table, writes ``benchmarks/results/federated.json`` and draws ``docs/accuracy_vs_bytes.png``
@@ -25,13 +25,13 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord
 from outputs import REPO, output_path, shown
 
-from fedcomp.client.app import app as client_app
-from fedcomp.training import evaluate
+from fedcomp.app.client_app import app as client_app
+from fedcomp.task.training import evaluate
 from fedcomp.config import AppConfig
-from fedcomp.data import DataConfig, load_test_set
-from fedcomp.models import build_model
-from fedcomp.server.app import build_inner, privacy_options
-from fedcomp.simulation import InProcessGrid
+from fedcomp.task.data import DataConfig, load_test_set
+from fedcomp.task.models import build_model
+from fedcomp.app.server_app import build_inner, privacy_options
+from fedcomp.run.inprocess_grid import InProcessGrid
 from fedcomp.strategies import CompressedStrategy
 from fedcomp.strategies.round_metrics import client_seconds
 
@@ -83,7 +83,7 @@ BASE_CASES = list(CASES)[:12]
 EXTRA_CASES = list(CASES)[12:]
 #: issue 25, accuracy per byte where it is hard: the BatchNorm ResNet (12 rounds) with the defaults
 #: and with BatchNorm's affine parameters sent dense ("bn-affine": batchnorm-affine = "small"), and
-#: the CNN at density 1/1000 (50 rounds): "default" = the "auto" defaults (fedcomp.low_density: the
+#: the CNN at density 1/1000 (50 rounds): "default" = the "auto" defaults (fedcomp.config.low_density: the
 #: density warm-up from 25 % over 30 rounds and server momentum below 1/400), "plain" = density-schedule "constant" and
 #: FedAvg (the defaults before), and the settings tried: DGC's momentum correction ("mc"), server
 #: momentum (FedAvgM, server lr 1.0, momentum 0.5: "avgm"), exponential density schedules from 25 %

@@ -55,7 +55,7 @@ sys.path.insert(0, str(REPO))
 
 import netshape
 
-from fedcomp.deploy import Processes, superlink_command, supernode_command, wait_for_port, write_connection
+from fedcomp.run.local_deployment import Processes, superlink_command, supernode_command, wait_for_port, write_connection
 from fedcomp.strategies.round_metrics import FLOWER_POLL_SECONDS
 
 CODECS = {  # name -> run config of the codec (defaults otherwise: error feedback on, density 1/100)
@@ -70,7 +70,7 @@ RELAY_PORT = 9190  # inside each client namespace (``--rtt-ms``)
 
 
 class StampedProcesses(Processes):
-    """:class:`fedcomp.deploy.Processes` whose logs carry a wall-clock stamp per line
+    """:class:`fedcomp.run.local_deployment.Processes` whose logs carry a wall-clock stamp per line
     (``<unix seconds> <line>``): Flower's console lines have none, and the SuperNodes' lines
     "Receiving:" / "Received successfully" / "Sending:" / "Sent successfully" bracket each transfer."""
 

@@ -10,8 +10,8 @@ results in the file are kept):
   AdamW's beta1 (0.9 against 0.5) under sign and STC.
 
 Drives the real ClientApp (with ``compression_mod``) and ``CompressedStrategy`` through
-``fedcomp.simulation.InProcessGrid`` (the code ``flwr run`` runs, without Ray). The texts are fetched
-into ``$FEDCOMP_DATA_DIR`` on first use (``fedcomp.text_data``).
+``fedcomp.run.inprocess_grid.InProcessGrid`` (the code ``flwr run`` runs, without Ray). The texts are fetched
+into ``$FEDCOMP_DATA_DIR`` on first use (``fedcomp.task.text_data``).
 
 Run: ``python benchmarks/llm.py --part full [--rounds 20] [--nodes 8] [--cases ...] [--quick]``.
 ``python benchmarks/llm.py --part lora [...]`` runs the LoRA part, ``benchmarks/llm_lora.py`` (its own
@@ -37,9 +37,9 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from federated import run_one
 from outputs import output_path, shown
 
-from fedcomp import text_data
-from fedcomp.models import build_model
-from fedcomp.text_data import describe_partition, shakespeare_roles
+from fedcomp.task import text_data
+from fedcomp.task.models import build_model
+from fedcomp.task.text_data import describe_partition, shakespeare_roles
 
 #: Local training of every full-model case: AdamW, one pass over the role's windows per round.
 FULL_BASE = {"dataset": "shakespeare", "model": "transformer", "optimizer": "adamw", "lr": 0.003,

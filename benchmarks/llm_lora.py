@@ -1,7 +1,7 @@
 """LLM benchmark, LoRA part (issue 19 section 3): federated LoRA fine-tuning, FlowerTune-style, with
 compressed adapters in both directions, and the FlowerTune general-NLP projection.
 
-1. Base model: the small Llama-architecture Transformer of ``model = "transformer"`` (fedcomp.lm),
+1. Base model: the small Llama-architecture Transformer of ``model = "transformer"`` (fedcomp.task.lm),
    pretrained here briefly on Shakespeare's comedies (byte-level next-character loss, AdamW), saved
    with ``save_pretrained`` into ``$FEDCOMP_DATA_DIR/lora-base-<steps>-<seed>`` and loaded back
    through ``base-model`` (the code path a hub id takes on a connected machine).
@@ -44,11 +44,11 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from outputs import output_path  # noqa: E402 - quick runs never write over the reference
 
-from fedcomp import text_data  # noqa: E402
-from fedcomp.client.lora import eval_lm, lora_client_app, lora_model  # noqa: E402
-from fedcomp.lm import build_transformer, transformer_config  # noqa: E402
-from fedcomp.lora import LoraSettings, initial_adapters, load_adapters  # noqa: E402
-from fedcomp.simulation import InProcessGrid  # noqa: E402
+from fedcomp.task import text_data  # noqa: E402
+from fedcomp.app.lora_client_app import eval_lm, lora_client_app, lora_model  # noqa: E402
+from fedcomp.task.lm import build_transformer, transformer_config  # noqa: E402
+from fedcomp.task.lora import LoraSettings, initial_adapters, load_adapters  # noqa: E402
+from fedcomp.run.inprocess_grid import InProcessGrid  # noqa: E402
 from fedcomp.statedict import to_record, to_state_dict  # noqa: E402
 from fedcomp.strategies import CompressedStrategy  # noqa: E402
 

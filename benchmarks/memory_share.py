@@ -35,7 +35,7 @@ torch.set_num_threads(1)
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, Metadata, MetricRecord, RecordDict
 sys.path.insert(0, sys.argv[1])
 from fedcomp.client import compression_mod
-from fedcomp.models import BasicBlock
+from fedcomp.task.models import BasicBlock
 
 spec = json.loads(sys.argv[2])
 

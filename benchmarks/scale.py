@@ -209,7 +209,7 @@ def make_replies(g: dict, codec, clients: int, distinct: int = 4) -> list:
     from flwr.app import ArrayRecord, Message, Metadata, MetricRecord, RecordDict
 
     from fedcomp.client.update import compress_update
-    from fedcomp.protocol import payload_array
+    from fedcomp.protocol.messages import payload_array
 
     rng = np.random.default_rng(1)
     records = []
@@ -285,7 +285,7 @@ def cross_device(nodes: int = 100, rounds: int = 5) -> dict:
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     finally:
-        from fedcomp.deploy import stop_local_superlink
+        from fedcomp.run.local_deployment import stop_local_superlink
 
         stop_local_superlink(tmp / "flwr")
     wall = time.perf_counter() - t0

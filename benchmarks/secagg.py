@@ -3,7 +3,7 @@
 Rows: plain (non-secure) random-k at each density, as the accuracy reference; dense SecAgg+ as
 Flower ships it (int64 masked values); shared-seed random-k under SecAgg+ at each density, with
 and without the shared rotation, packed (modulus-bits per value) and as Flower's int64. Every
-federation runs in process on the real ClientApp (fedcomp.simulation.InProcessGrid) with
+federation runs in process on the real ClientApp (fedcomp.run.inprocess_grid.InProcessGrid) with
 Flower's DefaultWorkflow + SecAggPlusWorkflow, default CNN on sklearn digits, 10 clients,
 Dirichlet 0.5. Bytes are those of the masked vectors in the real replies (``upload-bytes``);
 ``secagg-protocol-bytes`` (keys, encrypted shares, unmasking shares) are listed apart.
@@ -36,10 +36,10 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from federated import run_one
 from outputs import output_path, shown
 
-from fedcomp.client.app import app as client_app
+from fedcomp.app.client_app import app as client_app
 from fedcomp.config import AppConfig
-from fedcomp.secagg.server_app import run_secagg
-from fedcomp.simulation import InProcessGrid
+from fedcomp.app.secagg_server_app import run_secagg
+from fedcomp.run.inprocess_grid import InProcessGrid
 
 N_PARAMS = 38282
 

@@ -29,9 +29,9 @@ def _same_python_random_state_in_every_test():
 def run_server_app():
     """Run fedcomp's ServerApp on a fresh in-process grid: ``run_server_app(run_config, nodes=2)``
     (fresh SuperNodes, so an empty ``context.state``, as after a restart)."""
-    from fedcomp.client.app import app as client_app
-    from fedcomp.server.app import main
-    from fedcomp.simulation import InProcessGrid
+    from fedcomp.app.client_app import app as client_app
+    from fedcomp.app.server_app import main
+    from fedcomp.run.inprocess_grid import InProcessGrid
 
     def run(run_config: dict, nodes: int = 2) -> None:
         ctx = Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config=run_config)
@@ -43,7 +43,7 @@ def run_server_app():
 @pytest.fixture
 def corpus(tmp_path, monkeypatch):
     """FEDCOMP_DATA_DIR pointing at a small local corpus; fedcomp's data caches cleared before and after."""
-    from fedcomp import data, text_data
+    from fedcomp.task import data, text_data
     from tests.lm.helpers import write_corpus
 
     def clear():

@@ -7,7 +7,7 @@ import shutil
 import subprocess
 import sys
 
-from fedcomp.deploy import stop_local_superlink
+from fedcomp.run.local_deployment import stop_local_superlink
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 #: the ports of fedcomp's own app run (other apps' tests pass their own, so runs never share a SuperLink)
@@ -49,7 +49,7 @@ def fedcomp_run(tmp_path: pathlib.Path, nodes: int, run_config: str, ports: tupl
     results = tmp_path / "results"
     overrides = f"{run_config} results-dir='{results}'"
     if wrapper:
-        cmd = [sys.executable, "-m", "fedcomp.simulate", "--app", str(REPO), "--supernodes", str(nodes),
+        cmd = [sys.executable, "-m", "fedcomp.run.simulation", "--app", str(REPO), "--supernodes", str(nodes),
                "--run-config", overrides]
         try:
             proc = subprocess.run(cmd, env=flwr_env(tmp_path, ports), cwd=tmp_path, capture_output=True, text=True,

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from fedcomp.data import DIGITS_TEST_SIZE, DataConfig, hf_to_tensor_dataset, load_partition, load_test_set
-from fedcomp.models import build_model
+from fedcomp.task.data import DIGITS_TEST_SIZE, DataConfig, hf_to_tensor_dataset, load_partition, load_test_set
+from fedcomp.task.models import build_model
 
 
 @pytest.mark.parametrize("partitioner", ["iid", "dirichlet"])
@@ -12,7 +12,7 @@ def test_partitions_cover_the_training_split_exactly_once(partitioner):
     cfg = DataConfig(partitioner=partitioner)
     parts = [load_partition(cfg, i, 5) for i in range(5)]
     assert sum(len(p) for p in parts) == 1797 - DIGITS_TEST_SIZE
-    from fedcomp.data import _digits_arrays
+    from fedcomp.task.data import _digits_arrays
 
     x_train = _digits_arrays(cfg.seed)[0].reshape(1797 - DIGITS_TEST_SIZE, -1)
     imgs = np.concatenate([p.tensors[0].numpy().reshape(len(p), -1) for p in parts])

@@ -6,7 +6,7 @@ from flwr.app import ConfigRecord
 from flwr.serverapp.strategy import FedAvg
 
 from fedcomp.client import compression_mod
-from fedcomp.device import CLIENT_INFO_KEY, client_info, peak_rss_mb, reported_machine
+from fedcomp.protocol.device import CLIENT_INFO_KEY, client_info, peak_rss_mb, reported_machine
 from fedcomp.statedict import FlatModel
 from fedcomp.strategies import CompressedStrategy
 from fedcomp.strategies.round_metrics import machine_counts

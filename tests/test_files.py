@@ -1,10 +1,10 @@
-"""The one atomic writer (fedcomp.files): what every results, checkpoint and client-state file goes through."""
+"""The one atomic writer (fedcomp.util.files): what every results, checkpoint and client-state file goes through."""
 
 import os
 
 import pytest
 
-from fedcomp.files import write_atomically
+from fedcomp.util.files import write_atomically
 
 
 def test_write_replaces_the_file_syncs_it_and_leaves_no_temporary(tmp_path, monkeypatch):

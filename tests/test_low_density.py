@@ -10,8 +10,8 @@ import pytest
 from flwr.app import Context, RecordDict
 
 from fedcomp.config import AppConfig, CodecConfig
-from fedcomp.low_density import AUTO_SERVER_LR, AUTO_SERVER_MOMENTUM, LOW_DENSITY, auto_note
-from fedcomp.server.app import check_same_codec
+from fedcomp.config.low_density import AUTO_SERVER_LR, AUTO_SERVER_MOMENTUM, LOW_DENSITY, auto_note
+from fedcomp.app.server_app import check_same_codec
 
 PYPROJECT = pathlib.Path(__file__).resolve().parents[1] / "pyproject.toml"
 
@@ -97,9 +97,9 @@ def test_a_checkpoint_of_the_old_schedule_rounds_default_resumes_while_nothing_r
 
 
 def test_the_server_says_it_once(tmp_path, caplog):
-    from fedcomp.client.app import app as client_app
-    from fedcomp.server.app import main
-    from fedcomp.simulation import InProcessGrid
+    from fedcomp.app.client_app import app as client_app
+    from fedcomp.app.server_app import main
+    from fedcomp.run.inprocess_grid import InProcessGrid
 
     rc = {"num-server-rounds": 2, "density": 0.001, "results-dir": str(tmp_path), "fraction-evaluate": 0.0}
     ctx = Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config=rc)
@@ -117,8 +117,8 @@ def test_the_legacy_wrapper_sends_the_round_s_density():
     explicit or from "auto", was reported but never applied)."""
     from tests.strategies.legacy_helpers import N, LinRegClient, fit_all, make_inner, manager
 
-    from fedcomp.client.legacy import CompressedNumPyClient
-    from fedcomp.strategies.legacy import LegacyCompressedStrategy
+    from fedcomp.client.numpy_client import CompressedNumPyClient
+    from fedcomp.strategies.legacy_strategy import LegacyCompressedStrategy
 
     seen = []
 
@@ -137,7 +137,7 @@ def test_the_legacy_wrapper_sends_the_round_s_density():
 
 def test_a_ramp_longer_than_the_run_is_warned_with_the_last_rounds_density():
     from fedcomp.config import AppConfig
-    from fedcomp.low_density import short_ramp_note
+    from fedcomp.config.low_density import short_ramp_note
 
     short = AppConfig.from_run_config({"density": 0.001, "num-server-rounds": 3})
     assert short.codec.density_schedule == "exponential" and short.codec.schedule_rounds == 30
@@ -173,7 +173,7 @@ def test_a_density_start_below_density_is_refused():
 
 
 def test_the_short_ramp_warning_counts_the_warm_up_rounds():
-    from fedcomp.low_density import short_ramp_note
+    from fedcomp.config.low_density import short_ramp_note
 
     cfg = AppConfig.from_run_config({"density": 0.001, "warmup-rounds": 2, "density-schedule": "exponential",
                                      "schedule-rounds": 5, "num-server-rounds": 6})

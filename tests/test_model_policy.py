@@ -10,9 +10,9 @@ from flwr.serverapp.strategy import FedAvg
 
 from fedcomp.client.update import compress_update, plan_units
 from fedcomp.config import CodecConfig
-from fedcomp.model_policy import batchnorm_affine_keys, describe
-from fedcomp.models import build_model
-from fedcomp.protocol import MODEL_KEY
+from fedcomp.config.model_policy import batchnorm_affine_keys, describe
+from fedcomp.task.models import build_model
+from fedcomp.protocol.messages import MODEL_KEY
 from fedcomp.strategies import CompressedStrategy
 
 RESNET = {k: tuple(v.shape) for k, v in build_model("resnet").state_dict().items() if v.is_floating_point()}
@@ -67,8 +67,8 @@ def test_the_server_says_once_what_the_model_decided(caplog):
     assert describe(sd.keys(), {k: v.numel() for k, v in sd.items()},
                     CodecConfig(compressor="sign", batchnorm_affine="small")) is None
     assert describe(build_model("cnn").state_dict().keys(), {}, small) is None
-    from fedcomp.client.app import app as client_app
-    from fedcomp.simulation import InProcessGrid
+    from fedcomp.app.client_app import app as client_app
+    from fedcomp.run.inprocess_grid import InProcessGrid
 
     s = CompressedStrategy(FedAvg(min_available_nodes=2), compressor="stc", batchnorm_affine="small")
     grid = InProcessGrid(client_app, 2, {})

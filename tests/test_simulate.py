@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from fedcomp import simulate
+from fedcomp.run import simulation as simulate
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 

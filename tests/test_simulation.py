@@ -1,4 +1,4 @@
-"""The in-process grid (fedcomp.simulation.InProcessGrid) gives each message its own records."""
+"""The in-process grid (fedcomp.run.inprocess_grid.InProcessGrid) gives each message its own records."""
 
 
 def test_in_process_grid_gives_each_message_its_own_records():
@@ -8,7 +8,7 @@ def test_in_process_grid_gives_each_message_its_own_records():
     from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
     from flwr.clientapp import ClientApp
 
-    from fedcomp.simulation import InProcessGrid
+    from fedcomp.run.inprocess_grid import InProcessGrid
 
     app = ClientApp()
     seen = []

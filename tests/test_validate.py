@@ -1,9 +1,9 @@
-"""fedcomp.validate.closest_hint: the one suggestion for a misspelt run-config key or codec parameter."""
+"""fedcomp.util.validate.closest_hint: the one suggestion for a misspelt run-config key or codec parameter."""
 
 import pytest
 
 import fedcomp.compression as fc
-from fedcomp.validate import closest_hint
+from fedcomp.util.validate import closest_hint
 
 
 @pytest.mark.parametrize(("name", "hint"), [

@@ -15,9 +15,9 @@ import warnings
 import numpy as np
 from flwr.app import ArrayRecord, Context, Message, MetricRecord
 
-from ..compression.error_feedback import warn_saturation_once
-from ..device import clientapp_seconds, memory_report
-from ..protocol import (
+from fedcomp.compression.error_feedback import warn_saturation_once
+from fedcomp.protocol.device import clientapp_seconds, memory_report
+from fedcomp.protocol.messages import (
     DEFAULT_DOWNLINK_MBPS,
     DEFAULT_UPLINK_MBPS,
     ESTIMATE_ROUND_METRIC,
@@ -26,11 +26,11 @@ from ..protocol import (
     SECAGG_SEED_KEY,
     payload_array,
 )
-from ..statedict import numpy_views
-from .downstream import rebuild
-from .request import TrainRequest, only_record
-from .state import keep_residuals, residuals_of, state_files
-from .update import CompositionError, compress_update
+from fedcomp.statedict import numpy_views
+from fedcomp.client.downstream_receiver import rebuild
+from fedcomp.client.request import TrainRequest, only_record
+from fedcomp.client.state import keep_residuals, residuals_of, state_files
+from fedcomp.client.update import CompositionError, compress_update
 
 #: Link speeds (megabits per second) of a node that declares none.
 DEFAULT_LINK_MBPS = {"uplink-mbps": DEFAULT_UPLINK_MBPS, "downlink-mbps": DEFAULT_DOWNLINK_MBPS}
@@ -48,7 +48,7 @@ def compression_mod(msg: Message, context: Context, call_next) -> Message:
     ``context.state`` across rounds). Adds metrics ``upload-bytes`` (payload bytes),
     ``dense-bytes`` (fp32 cost), ``download-bytes`` (bytes of the received arrays),
     ``compression-error``, ``residual-norm``, ``residual-bytes`` (memory of the residual),
-    ``compress-seconds``, ``clientapp-seconds`` (:func:`fedcomp.device.clientapp_seconds`: the
+    ``compress-seconds``, ``clientapp-seconds`` (:func:`fedcomp.protocol.device.clientapp_seconds`: the
     age of a per-message ``flwr-clientapp`` process, else 0) and the node's ``uplink-mbps``/``downlink-mbps`` (node config, else
     run config; defaults 1 and 10) to the reply's MetricRecord. Other
     message types pass through untouched. Error replies pass through unchanged. So does a train

@@ -23,8 +23,8 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from ..compression.error_feedback import MOMENTUM, RESIDUAL
-from ..protocol import MODEL_KEY
+from fedcomp.compression.error_feedback import MOMENTUM, RESIDUAL
+from fedcomp.protocol.messages import MODEL_KEY
 
 #: State entries that hold one value per parameter entry (moved across plans); the rest is codec memory.
 _PER_ENTRY = (RESIDUAL, MOMENTUM)

@@ -12,9 +12,9 @@ from typing import Any
 
 from flwr.app import ArrayRecord, Context, Message, RecordDict
 
-from ..config import CODEC_DEFAULTS, DP_MODES, CodecConfig
-from ..privacy import LocalDP
-from .update import CompositionError
+from fedcomp.config import CODEC_DEFAULTS, DP_MODES, CodecConfig
+from fedcomp.privacy import LocalDP
+from fedcomp.client.update import CompositionError
 
 
 def only_record(content: RecordDict, kind: str) -> tuple[str, Any]:

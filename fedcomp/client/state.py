@@ -5,7 +5,7 @@ Both live in ``context.state`` (Flower keeps it per node across the rounds of on
 when node config ``state-dir`` (or run config ``client-state-dir``) names a folder, in files
 there, so that a restarted SuperNode or a resumed run continues where it stopped:
 ``residual-<partition-id or node id>.npz`` and ``accountant-<partition-id or node id>.json``.
-Every file is written by :func:`fedcomp.files.write_atomically` and read back without pickle.
+Every file is written by :func:`fedcomp.util.files.write_atomically` and read back without pickle.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, Context, MetricRecord
 from flwr.common.logger import log
 
-from ..files import write_atomically
-from ..privacy import STATE_KEYS
-from ..protocol import RESIDUAL_ROUND_KEY, RESIDUAL_STATE_KEY
-from ..statedict import numpy_view
+from fedcomp.util.files import write_atomically
+from fedcomp.privacy import STATE_KEYS
+from fedcomp.protocol.messages import RESIDUAL_ROUND_KEY, RESIDUAL_STATE_KEY
+from fedcomp.statedict import numpy_view
 
 #: Key in ``context.state`` of the DP-SGD accountant's history (a MetricRecord of float lists).
 DP_ACCOUNTANT_KEY = "fedcomp.dp-accountant"
@@ -135,7 +135,7 @@ def load_residuals_of_round(path: pathlib.Path, before_round: int) -> tuple[int,
 def residuals_of(context: Context, files: StateFiles | None, server_round: int) -> tuple[int, dict[str, np.ndarray]]:
     """The residuals of the earlier rounds and the round they were kept in: ``context.state``, else
     the node's file, else none (round 0). The round is what EF21's check compares with the server's
-    (:data:`fedcomp.protocol.ESTIMATE_ROUND_METRIC`)."""
+    (:data:`fedcomp.protocol.messages.ESTIMATE_ROUND_METRIC`)."""
     if RESIDUAL_STATE_KEY in context.state:  # read-only views of the kept bytes (no model-sized copy)
         kept = context.state.get(RESIDUAL_ROUND_KEY)
         return (int(kept["round"]) if kept is not None else 0,

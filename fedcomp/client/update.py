@@ -18,15 +18,15 @@ import numpy as np
 import torch
 from flwr.common.logger import log
 
-from ..broadcast import is_batchnorm_stat
-from ..compression import EF21, ErrorFeedback, encode_exact, flatten_states, unflatten_states
-from ..compression.error_feedback import RESIDUAL, encode_and_subtract, segment_sq_norms
-from ..config import SPARSE_CODECS, CodecConfig
-from ..model_policy import batchnorm_affine_keys
-from ..privacy import LocalDP, clip_and_noise_, secure_generator
-from ..protocol import MODEL_KEY
-from ..statedict import exact_cast, is_float_dtype
-from .replan import replan_states
+from fedcomp.protocol.broadcast import is_batchnorm_stat
+from fedcomp.compression import EF21, ErrorFeedback, encode_exact, flatten_states, unflatten_states
+from fedcomp.compression.error_feedback import RESIDUAL, encode_and_subtract, segment_sq_norms
+from fedcomp.config import SPARSE_CODECS, CodecConfig
+from fedcomp.config.model_policy import batchnorm_affine_keys
+from fedcomp.privacy import LocalDP, clip_and_noise_, secure_generator
+from fedcomp.protocol.messages import MODEL_KEY
+from fedcomp.statedict import exact_cast, is_float_dtype
+from fedcomp.client.replan import replan_states
 
 
 class CompositionError(RuntimeError):
@@ -42,7 +42,7 @@ def plan_units(shapes: dict[str, tuple[int, ...]], codec: CodecConfig) -> list[t
     ``small-tensor-compressor`` while ``batchnorm-stats = "small"`` (a lossy codec can make a
     running variance negative), and so do BatchNorm's affine parameters with a sparse codec
     (stc, topk, randomk) while ``batchnorm-affine = "small"``
-    (:func:`fedcomp.model_policy.batchnorm_affine_keys`). Default-codec parameters share one payload under
+    (:func:`fedcomp.config.model_policy.batchnorm_affine_keys`). Default-codec parameters share one payload under
     ``MODEL_KEY`` (their updates flattened and concatenated in model order) when the scope is
     "model"; every other parameter gets its own payload under its own name. Pass float tensors
     only: integer and bool tensors never join a codec's payload.

@@ -10,8 +10,8 @@ Pure PyTorch/numpy; nothing here imports Flower.
 10
 """
 
-from . import dense, eden, int8, powersgd, qsgd, randomk, sign, stc, topk  # noqa: F401  (register codecs)
-from .base import (
+from fedcomp.compression import dense, eden, int8, powersgd, qsgd, randomk, sign, stc, topk  # noqa: F401  (register codecs)
+from fedcomp.compression.base import (
     CODECS,
     Compressor,
     available_compressors,
@@ -21,12 +21,12 @@ from .base import (
     decompress_sparse,
     get_compressor,
 )
-from .ef21 import EF21
-from .error_feedback import ErrorFeedback, flatten_states, unflatten_states
-from .errors import PayloadError
-from .exact import EXACT_NAME, decode_exact, encode_exact, is_exact_dtype
-from .positions import information_bound_bits, rice_parameter
-from .wire import DEFAULT_MAX_NUMEL, parse_header
+from fedcomp.compression.ef21 import EF21
+from fedcomp.compression.error_feedback import ErrorFeedback, flatten_states, unflatten_states
+from fedcomp.compression.errors import PayloadError
+from fedcomp.compression.exact import EXACT_NAME, decode_exact, encode_exact, is_exact_dtype
+from fedcomp.compression.positions import information_bound_bits, rice_parameter
+from fedcomp.compression.wire import DEFAULT_MAX_NUMEL, parse_header
 
 __all__ = [
     "CODECS",

@@ -8,10 +8,10 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from ..validate import check_number, closest_hint
-from .errors import PayloadError
-from .exact import EXACT_CODEC_ID, EXACT_NAME
-from .wire import DEFAULT_MAX_NUMEL, DTYPE_CODES, Header, pack_header, parse_header
+from fedcomp.util.validate import check_number, closest_hint
+from fedcomp.compression.errors import PayloadError
+from fedcomp.compression.exact import EXACT_CODEC_ID, EXACT_NAME
+from fedcomp.compression.wire import DEFAULT_MAX_NUMEL, DTYPE_CODES, Header, pack_header, parse_header
 
 #: name -> Compressor subclass
 CODECS: dict[str, type[Compressor]] = {}
@@ -352,6 +352,6 @@ def compression_error(x: torch.Tensor, x_hat: torch.Tensor) -> float:
 
 
 def check_range(name: str, value, lo, hi, *, lo_open: bool = False, integer: bool = False) -> None:
-    """Validate a codec parameter (:func:`fedcomp.validate.check_number`: an ``int`` where
+    """Validate a codec parameter (:func:`fedcomp.util.validate.check_number`: an ``int`` where
     ``integer``, finite, in ``[lo, hi]`` or ``(lo, hi]``); raise ``ValueError`` naming it and its range."""
     check_number(value, name, lo=lo, hi=hi, lo_open=lo_open, integer=integer, exact_type=True)

@@ -13,9 +13,9 @@ import struct
 import numpy as np
 import torch
 
-from .base import Compressor, register
-from .errors import PayloadError
-from .wire import BodyReader, Header, pack_header, unpack_params
+from fedcomp.compression.base import Compressor, register
+from fedcomp.compression.errors import PayloadError
+from fedcomp.compression.wire import BodyReader, Header, pack_header, unpack_params
 
 
 class _Cast(Compressor):

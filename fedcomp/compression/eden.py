@@ -14,11 +14,11 @@ import struct
 import numpy as np
 import torch
 
-from .base import Compressor, check_range, register
-from .bits import nbytes_for_bits, pack_bits_on_device, unpack_bits
-from .errors import PayloadError
-from .hadamard import fwht_, power_of_two_blocks, random_sign_bits
-from .wire import BodyReader, Header, unpack_params
+from fedcomp.compression.base import Compressor, check_range, register
+from fedcomp.compression.bits import nbytes_for_bits, pack_bits_on_device, unpack_bits
+from fedcomp.compression.errors import PayloadError
+from fedcomp.compression.hadamard import fwht_, power_of_two_blocks, random_sign_bits
+from fedcomp.compression.wire import BodyReader, Header, unpack_params
 
 
 @register

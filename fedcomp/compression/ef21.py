@@ -7,7 +7,7 @@ place of its gradient, as in federated EF21 variants).
 Each client i keeps an estimate ``h_i`` of its update; the server keeps ``h = mean_i h_i``.
 Per round the client sends ``c_i = C(x_i - h_i)`` and both sides add the decoded ``c_i``:
 ``h_i <- h_i + c_i`` on the client, ``h <- h + mean_i c_i`` on the server
-(:class:`fedcomp.strategies.ef21.EF21Aggregate`), and the server applies ``h`` as the round's
+(:class:`fedcomp.strategies.ef21_aggregate.EF21Aggregate`), and the server applies ``h`` as the round's
 update. Classic error feedback (:class:`~fedcomp.compression.ErrorFeedback`) sends ``C(x + e)``
 and applies only what was sent; EF21 applies the running estimate, whose error shrinks as
 ``h_i`` follows ``x_i``, which the paper shows is what classic EF lacks on heterogeneous clients.
@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from .base import check_input, decompress, decompress_sparse
-from .error_feedback import ErrorFeedback, segment_sq_norms
+from fedcomp.compression.base import check_input, decompress, decompress_sparse
+from fedcomp.compression.error_feedback import ErrorFeedback, segment_sq_norms
 
 
 class EF21(ErrorFeedback):

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from .base import Compressor, check_input, check_range, decompress, decompress_sparse
+from fedcomp.compression.base import Compressor, check_input, check_range, decompress, decompress_sparse
 
 _RESIDUAL_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 #: Clients already warned about fp16 residual saturation (one warning each per process).

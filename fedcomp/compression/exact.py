@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .errors import PayloadError
-from .wire import DEFAULT_MAX_NUMEL, EXACT_DTYPE_CODES, BodyReader, pack_exact_header, parse_header
+from fedcomp.compression.errors import PayloadError
+from fedcomp.compression.wire import DEFAULT_MAX_NUMEL, EXACT_DTYPE_CODES, BodyReader, pack_exact_header, parse_header
 
 #: Codec id of exact payloads (not a :class:`~fedcomp.compression.Compressor`: no float codec).
 EXACT_CODEC_ID = 64

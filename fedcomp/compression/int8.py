@@ -13,10 +13,10 @@ import struct
 import numpy as np
 import torch
 
-from .base import Compressor, check_range, register
-from .errors import PayloadError
-from .stochastic import StochasticRounder
-from .wire import BodyReader, Header, unpack_params
+from fedcomp.compression.base import Compressor, check_range, register
+from fedcomp.compression.errors import PayloadError
+from fedcomp.compression.stochastic import StochasticRounder
+from fedcomp.compression.wire import BodyReader, Header, unpack_params
 
 MAX_BLOCK = 2**31 - 1
 

@@ -33,8 +33,8 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from .bits import nbytes_for_bits, pack_bits, pack_uint, unpack_uint_range
-from .errors import PayloadError
+from fedcomp.compression.bits import nbytes_for_bits, pack_bits, pack_uint, unpack_uint_range
+from fedcomp.compression.errors import PayloadError
 
 _PHI = (1.0 + math.sqrt(5.0)) / 2.0
 #: Largest Rice parameter a payload may declare (positions are < 2**62).

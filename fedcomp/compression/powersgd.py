@@ -12,9 +12,9 @@ import struct
 import numpy as np
 import torch
 
-from .base import Compressor, check_range, get_compressor, register
-from .errors import PayloadError
-from .wire import VALUE_DTYPE_BY_CODE, VALUE_DTYPES, BodyReader, Header, unpack_params
+from fedcomp.compression.base import Compressor, check_range, get_compressor, register
+from fedcomp.compression.errors import PayloadError
+from fedcomp.compression.wire import VALUE_DTYPE_BY_CODE, VALUE_DTYPES, BodyReader, Header, unpack_params
 
 MAX_RANK = 2**16 - 1
 #: Fallback codecs for tensors where low rank does not pay (the small-tensor codecs).

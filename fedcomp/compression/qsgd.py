@@ -13,12 +13,12 @@ import struct
 import numpy as np
 import torch
 
-from .base import Compressor, check_range, register
-from .bits import nbytes_for_bits, pack_bits, pack_uint, unpack_bits, unpack_uint
-from .errors import PayloadError
-from .int8 import block_scale
-from .stochastic import StochasticRounder
-from .wire import BodyReader, Header, unpack_params
+from fedcomp.compression.base import Compressor, check_range, register
+from fedcomp.compression.bits import nbytes_for_bits, pack_bits, pack_uint, unpack_bits, unpack_uint
+from fedcomp.compression.errors import PayloadError
+from fedcomp.compression.int8 import block_scale
+from fedcomp.compression.stochastic import StochasticRounder
+from fedcomp.compression.wire import BodyReader, Header, unpack_params
 
 MAX_LEVELS = 2**16 - 1
 #: Exponential spacing: the smallest non-zero level 2**(1-s) stays a normal float32.

@@ -14,10 +14,10 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from .base import Compressor, check_range, register
-from .errors import PayloadError
-from .sparse import ChunkedSparseDecoding, check_density, k_for
-from .wire import BodyReader, Header, unpack_params
+from fedcomp.compression.base import Compressor, check_range, register
+from fedcomp.compression.errors import PayloadError
+from fedcomp.compression.sparse import ChunkedSparseDecoding, check_density, k_for
+from fedcomp.compression.wire import BodyReader, Header, unpack_params
 
 #: Random keys / draws generated per step (bounds the temporaries of :func:`random_mask`).
 _STEP = 1 << 16

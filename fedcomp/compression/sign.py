@@ -13,10 +13,10 @@ import struct
 import numpy as np
 import torch
 
-from .base import Compressor, register
-from .bits import nbytes_for_bits, pack_bits_on_device, unpack_bits
-from .errors import PayloadError
-from .wire import BodyReader, Header, unpack_params
+from fedcomp.compression.base import Compressor, register
+from fedcomp.compression.bits import nbytes_for_bits, pack_bits_on_device, unpack_bits
+from fedcomp.compression.errors import PayloadError
+from fedcomp.compression.wire import BodyReader, Header, unpack_params
 
 _FP32_MAX = float(np.finfo(np.float32).max)
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .base import SparseDecoding, check_range
-from .errors import PayloadError
-from .positions import check_stream, encode_positions, iter_positions, positions_nbytes
-from .wire import BodyReader, Header
+from fedcomp.compression.base import SparseDecoding, check_range
+from fedcomp.compression.errors import PayloadError
+from fedcomp.compression.positions import check_stream, encode_positions, iter_positions, positions_nbytes
+from fedcomp.compression.wire import BodyReader, Header
 
 
 def k_for(density: float, n: int) -> int:

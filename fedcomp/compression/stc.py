@@ -12,12 +12,12 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from .base import Compressor, register
-from .bits import nbytes_for_bits, pack_bits, unpack_bits
-from .errors import PayloadError
-from .selection import topk_indices
-from .sparse import ChunkedSparseDecoding, check_density, k_for, positions_to_bytes, read_positions
-from .wire import BodyReader, Header, unpack_params
+from fedcomp.compression.base import Compressor, register
+from fedcomp.compression.bits import nbytes_for_bits, pack_bits, unpack_bits
+from fedcomp.compression.errors import PayloadError
+from fedcomp.compression.selection import topk_indices
+from fedcomp.compression.sparse import ChunkedSparseDecoding, check_density, k_for, positions_to_bytes, read_positions
+from fedcomp.compression.wire import BodyReader, Header, unpack_params
 
 
 @register

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .errors import PayloadError
+from fedcomp.compression.errors import PayloadError
 
 MAGIC = b"FCMP"
 FORMAT_VERSION = 1

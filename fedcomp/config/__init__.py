@@ -9,9 +9,9 @@ turned into plain dataclasses. Errors name the key and its allowed range, e.g.
 - :mod:`.app`: :class:`AppConfig`, every other key of the ServerApp and ClientApp.
 """
 
-from .app import DP_MODES, AppConfig
-from .codec import CODEC_DEFAULTS, DENSITY_SCHEDULES, SPARSE_CODECS, TENSOR_ONLY_CODECS, CodecConfig, parse_layer_codecs
-from .keys import APP_KEYS, check_known_keys, run_config_keys, unknown_key_message
+from fedcomp.config.app import DP_MODES, AppConfig
+from fedcomp.config.codec import CODEC_DEFAULTS, DENSITY_SCHEDULES, SPARSE_CODECS, TENSOR_ONLY_CODECS, CodecConfig, parse_layer_codecs
+from fedcomp.config.keys import APP_KEYS, check_known_keys, run_config_keys, unknown_key_message
 
 __all__ = ["APP_KEYS", "CODEC_DEFAULTS", "DENSITY_SCHEDULES", "DP_MODES", "SPARSE_CODECS", "TENSOR_ONLY_CODECS",
            "AppConfig", "CodecConfig", "check_known_keys", "parse_layer_codecs", "run_config_keys",

@@ -8,13 +8,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from ..compression import available_compressors
-from ..low_density import check_ramp_direction, resolve_strategy
-from ..protocol import DEFAULT_DOWNLINK_MBPS, DEFAULT_UPLINK_MBPS, MIN_LINK_MBPS
-from ..training import TrainConfig
-from ..validate import read_bool, read_number, read_string
-from .codec import TENSOR_ONLY_CODECS, CodecConfig
-from .keys import check_known_keys
+from fedcomp.compression import available_compressors
+from fedcomp.config.low_density import check_ramp_direction, resolve_strategy
+from fedcomp.protocol.messages import DEFAULT_DOWNLINK_MBPS, DEFAULT_UPLINK_MBPS, MIN_LINK_MBPS
+from fedcomp.task.training import TrainConfig
+from fedcomp.util.validate import read_bool, read_number, read_string
+from fedcomp.config.codec import TENSOR_ONLY_CODECS, CodecConfig
+from fedcomp.config.keys import check_known_keys
 
 #: ``dp`` modes: none; sample-level DP-SGD on clients (Opacus); client-level DP-FedAvg on the
 #: server; local clip + noise of each update on the client before compression.
@@ -27,7 +27,7 @@ class AppConfig:
 
     ``strategy`` "auto" (the default) is resolved when parsing: "fedavgm" with server learning rate
     1.0 and momentum 0.5 for stc/topk below density 1/400 with classic error feedback, no momentum
-    correction and no DP, else "fedavg" (:mod:`fedcomp.low_density`, measured in issue 25).
+    correction and no DP, else "fedavg" (:mod:`fedcomp.config.low_density`, measured in issue 25).
     """
 
     num_server_rounds: int = 50
@@ -128,7 +128,7 @@ class AppConfig:
             finetune=read_string(cfg, "finetune", d["finetune"], ("full", "lora")),
             codec=CodecConfig.from_mapping(cfg),
         )
-        # "auto": FedAvgM for stc/topk below 1/400, else FedAvg (fedcomp.low_density)
+        # "auto": FedAvgM for stc/topk below 1/400, else FedAvg (fedcomp.config.low_density)
         strategy, server_lr, server_momentum = resolve_strategy(out.strategy, out.server_lr, out.server_momentum,
                                                                 out.codec, out.dp)
         out = replace(out, strategy=strategy, server_lr=server_lr, server_momentum=server_momentum)
@@ -151,7 +151,7 @@ class AppConfig:
             raise ValueError("run config dataset = 'shakespeare' goes with model = 'transformer' (and only it), "
                              f"got dataset = {out.dataset!r}, model = {out.model!r}")
         if out.finetune == "lora":
-            from ..lora import LoraSettings
+            from fedcomp.task.lora import LoraSettings
 
             LoraSettings.from_mapping(cfg)  # base-model, lora-r, lora-alpha, lora-targets, ... (naming the key)
             if out.dataset != "shakespeare":

@@ -12,10 +12,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from ..compression import CODECS, Compressor, available_compressors
-from ..compression.qsgd import MAX_EXPONENTIAL_LEVELS, SPACINGS
-from ..low_density import resolve_schedule
-from ..validate import closest_hint, read_bool, read_number, read_string
+from fedcomp.compression import CODECS, Compressor, available_compressors
+from fedcomp.compression.qsgd import MAX_EXPONENTIAL_LEVELS, SPACINGS
+from fedcomp.config.low_density import resolve_schedule
+from fedcomp.util.validate import closest_hint, read_bool, read_number, read_string
 
 #: Codecs that choose entries (their k is taken over the whole model with selection "auto").
 SPARSE_CODECS = ("stc", "topk", "randomk")
@@ -85,10 +85,10 @@ class CodecConfig:
     ``bn1.running_var`` at -0.013); ``"codec"`` sends them like any other tensor. BatchNorm's
     affine parameters (``<bn>.weight`` / ``<bn>.bias``) go there too with stc/topk/randomk when
     ``batchnorm-affine = "small"`` (default "codec": measured on ``model = "resnet"``, sending them
-    dense did not pay for its bytes; see :mod:`fedcomp.model_policy`).
+    dense did not pay for its bytes; see :mod:`fedcomp.config.model_policy`).
     Schedules (applied by the server each round): ``warmup-rounds`` rounds with
     ``warmup-compressor``, then ``density-schedule`` "auto" (the default: "exponential" for
-    stc/topk with error feedback below density 1/400, else "constant"; :mod:`fedcomp.low_density`),
+    stc/topk with error feedback below density 1/400, else "constant"; :mod:`fedcomp.config.low_density`),
     "constant", "exponential" or "linear"
     from ``density-start`` to ``density`` over ``schedule-rounds`` rounds (DGC's warm-up,
     Lin et al. ICLR 2018), or "adaptive": each client picks the smallest density in
@@ -131,7 +131,7 @@ class CodecConfig:
     momentum_correction: float = 0.0
 
     def __post_init__(self) -> None:
-        # "auto": DGC's warm-up for stc/topk below 1/400, else constant (fedcomp.low_density)
+        # "auto": DGC's warm-up for stc/topk below 1/400, else constant (fedcomp.config.low_density)
         object.__setattr__(self, "density_schedule", resolve_schedule(
             self.density_schedule, self.compressor, self.density, self.error_feedback, self.warmup_rounds))
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ..validate import closest_hint
-from .codec import CODEC_DEFAULTS
+from fedcomp.util.validate import closest_hint
+from fedcomp.config.codec import CODEC_DEFAULTS
 
 #: Run-config keys fedcomp's own ServerApp and ClientApp read besides :data:`CODEC_DEFAULTS`
 #: (the DP-SGD ones are read by ``fedcomp.privacy.DPSGDConfig``). Together they are exactly
@@ -26,10 +26,10 @@ APP_KEYS: tuple[str, ...] = (
 
 def run_config_keys() -> frozenset[str]:
     """Every run-config key fedcomp's apps know: :data:`APP_KEYS`, :data:`CODEC_DEFAULTS`, the
-    ``secagg*`` keys of :data:`fedcomp.secagg.config.SECAGG_DEFAULTS` and the LoRA keys of
-    :data:`fedcomp.lora.LORA_DEFAULTS`."""
-    from ..lora import LORA_DEFAULTS
-    from ..secagg.config import SECAGG_DEFAULTS  # here: fedcomp.secagg imports Flower
+    ``secagg*`` keys of :data:`fedcomp.config.secagg.SECAGG_DEFAULTS` and the LoRA keys of
+    :data:`fedcomp.task.lora.LORA_DEFAULTS`."""
+    from fedcomp.task.lora import LORA_DEFAULTS
+    from fedcomp.config.secagg import SECAGG_DEFAULTS  # here: fedcomp.secagg imports Flower
 
     return frozenset(APP_KEYS) | frozenset(CODEC_DEFAULTS) | frozenset(SECAGG_DEFAULTS) | frozenset(LORA_DEFAULTS)
 

@@ -7,12 +7,12 @@ DP mode.
 - :mod:`.client_level`: client-level DP-FedAvg on the server (:class:`ClientLevelDP`).
 - :mod:`.local`: local DP, clip-and-noise on each client (:class:`LocalDP`).
 - :mod:`.sample_level`: DP-SGD's settings (:class:`DPSGDConfig`) and one client's plan (steps,
-  noise multiplier, projected epsilon); the Opacus training loop is :mod:`fedcomp.client.dp_sgd`.
+  noise multiplier, projected epsilon); the Opacus training loop is :mod:`fedcomp.privacy.dp_sgd`.
 
 Importing this package does not import Opacus (it calls ``logging.basicConfig`` at import).
 """
 
-from .accounting import (
+from fedcomp.privacy.accounting import (
     ACCOUNTANTS,
     STATE_KEYS,
     accountant_state,
@@ -23,11 +23,11 @@ from .accounting import (
     rdp_orders,
     restore_accountant,
 )
-from .calibration import calibrate_noise_multiplier, logical_batch_size, sample_rate, steps_per_epoch
-from .client_level import NO_AMPLIFICATION, ClientLevelDP, check_accountable
-from .local import LocalDP
-from .mechanisms import clip_and_noise, clip_and_noise_, secure_generator
-from .sample_level import (
+from fedcomp.privacy.calibration import calibrate_noise_multiplier, logical_batch_size, sample_rate, steps_per_epoch
+from fedcomp.privacy.client_level import NO_AMPLIFICATION, ClientLevelDP, check_accountable
+from fedcomp.privacy.local import LocalDP
+from fedcomp.privacy.mechanisms import clip_and_noise, clip_and_noise_, secure_generator
+from fedcomp.privacy.sample_level import (
     DPSGDConfig,
     planned_steps,
     projected_epsilon,

@@ -6,7 +6,7 @@ Sources: Mironov, "Rényi Differential Privacy", CSF 2017; Mironov, Talwar & Zha
 Differential Privacy of the Sampled Gaussian Mechanism", 2019; Gopi, Lee & Wutschitz, "Numerical
 Composition of Differential Privacy", NeurIPS 2021 (PRV); Opacus 1.6's accountants.
 
-Opacus is imported inside the functions, through :func:`fedcomp._opacus.import_opacus` (it calls
+Opacus is imported inside the functions, through :func:`fedcomp.privacy.opacus_import.import_opacus` (it calls
 ``logging.basicConfig`` at import, which would print every log line twice).
 """
 
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .._opacus import import_opacus
+from fedcomp.privacy.opacus_import import import_opacus
 
 if TYPE_CHECKING:
     from opacus.accountants import IAccountant

@@ -12,10 +12,10 @@ import warnings
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
-from .._opacus import import_opacus
+from fedcomp.privacy.opacus_import import import_opacus
 
 if TYPE_CHECKING:
-    from ..training import TrainConfig
+    from fedcomp.task.training import TrainConfig
 
 
 def logical_batch_size(train_cfg: TrainConfig) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .client_level import ClientLevelDP, check_gaussian_parameters
+from fedcomp.privacy.client_level import ClientLevelDP, check_gaussian_parameters
 
 
 @dataclass(frozen=True)

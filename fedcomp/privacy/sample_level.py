@@ -11,12 +11,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..validate import read_number
-from .accounting import ACCOUNTANTS, epsilon_spent, restore_accountant
-from .calibration import calibrate_noise_multiplier, logical_batch_size, sample_rate, steps_per_epoch
+from fedcomp.util.validate import read_number
+from fedcomp.privacy.accounting import ACCOUNTANTS, epsilon_spent, restore_accountant
+from fedcomp.privacy.calibration import calibrate_noise_multiplier, logical_batch_size, sample_rate, steps_per_epoch
 
 if TYPE_CHECKING:
-    from ..training import TrainConfig
+    from fedcomp.task.training import TrainConfig
 
 
 def secure_rng_available() -> bool:

@@ -6,11 +6,11 @@ CompressedSecAggPlusWorkflow(...))`` with ``SharedRandomKStrategy(FedAvg(...), d
 ``LegacyContext``. Masking, key agreement, secret sharing and dropout recovery are Flower's.
 """
 
-from .client import packing_secaggplus_mod, secagg_mod, shared_randomk_mod
-from .config import SECAGG_CODECS, SecAggConfig, check_codec_under_secagg
-from .encoding import SharedProjection
-from .strategy import SharedRandomKStrategy
-from .workflow import CompressedSecAggPlusWorkflow, SecAggHalted
+from fedcomp.secagg.client import packing_secaggplus_mod, secagg_mod, shared_randomk_mod
+from fedcomp.config.secagg import SECAGG_CODECS, SecAggConfig, check_codec_under_secagg
+from fedcomp.secagg.encoding import SharedProjection
+from fedcomp.secagg.strategy import SharedRandomKStrategy
+from fedcomp.secagg.workflow import CompressedSecAggPlusWorkflow, SecAggHalted
 
 __all__ = [
            "SECAGG_CODECS",

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..compression.hadamard import fwht_, power_of_two_blocks, random_sign_bits
-from ..compression.randomk import random_mask
-from ..compression.sparse import k_for
+from fedcomp.compression.hadamard import fwht_, power_of_two_blocks, random_sign_bits
+from fedcomp.compression.randomk import random_mask
+from fedcomp.compression.sparse import k_for
 
 
 def derived_seed(round_seed: int, purpose: str) -> int:

@@ -39,10 +39,10 @@ from flwr.server.client_manager import ClientManager
 from flwr.server.client_proxy import ClientProxy
 from flwr.server.strategy import Strategy
 
-from ..privacy import ClientLevelDP
-from ..strategies.round_metrics import bounded_metrics
-from ..protocol import SECAGG_DP_CLIP_KEY, SECAGG_KEYS_KEY, SECAGG_PACK_KEY, SECAGG_ROTATION_KEY, SECAGG_SEED_KEY
-from .encoding import SharedProjection, round_seed
+from fedcomp.privacy import ClientLevelDP
+from fedcomp.strategies.round_metrics import bounded_metrics
+from fedcomp.protocol.messages import SECAGG_DP_CLIP_KEY, SECAGG_KEYS_KEY, SECAGG_PACK_KEY, SECAGG_ROTATION_KEY, SECAGG_SEED_KEY
+from fedcomp.secagg.encoding import SharedProjection, round_seed
 
 
 class SharedRandomKStrategy(Strategy):

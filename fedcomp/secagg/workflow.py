@@ -30,9 +30,9 @@ from flwr.common.logger import log
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key
 from flwr.server.workflow import SecAggPlusWorkflow
 
-from ..compression import PayloadError
-from .client import PACK_MAGIC, unpack_masked
-from .encoding import modulus_bits_for
+from fedcomp.compression import PayloadError
+from fedcomp.secagg.client import PACK_MAGIC, unpack_masked
+from fedcomp.secagg.encoding import modulus_bits_for
 
 #: Flower's error code for a ClientApp exception (used for a reply whose packed vector is malformed).
 _MALFORMED = 2

@@ -24,7 +24,7 @@ checkpoints alike. The rules (stated in the README, "Use with your existing Flow
 - :mod:`.flat`: :class:`FlatModel`, the flat float vector beside the exact tensors.
 """
 
-from .arrays import (
+from fedcomp.statedict.arrays import (
     BF16,
     BF16_STYPE,
     array_to_numpy,
@@ -39,8 +39,8 @@ from .arrays import (
     to_record,
     to_state_dict,
 )
-from .exact import bool_majority, exact_cast, exact_weight, integer_delta, integer_mean, weighted_add
-from .flat import FlatModel, Spec
+from fedcomp.statedict.integer_rule import bool_majority, exact_cast, exact_weight, integer_delta, integer_mean, weighted_add
+from fedcomp.statedict.flat import FlatModel, Spec
 
 __all__ = ["BF16", "BF16_STYPE", "FlatModel", "Spec", "array_to_numpy", "bool_majority", "cast_checked",
            "copy_array", "dtype_limit", "exact_cast", "exact_weight", "integer_delta", "integer_mean", "is_float_dtype",

@@ -1,6 +1,6 @@
 """Server-side strategies: :class:`CompressedStrategy` wraps any Message-API strategy."""
 
-from .compressed import CompressedStrategy
-from .decode import decode_update
+from fedcomp.strategies.compressed import CompressedStrategy
+from fedcomp.strategies.decode import decode_update
 
 __all__ = ["CompressedStrategy", "decode_update"]

@@ -24,8 +24,8 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, Message, MetricRecord
 from flwr.serverapp.strategy import FedAdagrad, FedAdam, FedAvg, FedAvgM, FedProx, FedYogi
 
-from ..privacy import ClientLevelDP
-from ..statedict import (
+from fedcomp.privacy import ClientLevelDP
+from fedcomp.statedict import (
     BF16,
     FlatModel,
     array_to_numpy,
@@ -38,7 +38,7 @@ from ..statedict import (
     numpy_to_array,
     weighted_add,
 )
-from .decode import DecodedUpdate, TrainReply
+from fedcomp.strategies.decode import DecodedUpdate, TrainReply
 
 #: Entries per chunk of a dense fold (``weight * values`` goes through one float64 scratch of 2 MiB).
 CHUNK = 1 << 18

@@ -12,23 +12,23 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
-from ..compression import available_compressors
-from .. import model_policy
-from ..config import CodecConfig
-from ..privacy import ClientLevelDP, LocalDP
-from ..protocol import MODEL_KEY
-from ..seeded_init import SeededInit
-from ..statedict import FlatModel
-from .admission import admit, check_max_num_examples
-from .aggregate import ClippedFold, DenseFold, MeanFold, dense_memory_note, streams
-from .downstream import Downstream
-from .ef21 import EF21Aggregate
-from .forward import ForwardsToInner
-from .handover import hand_over, record_key, weight_key
-from .privacy import PoissonSampling, PrivacyBudget
-from .replies import evaluate_replies, fold_replies, note_failures
-from .round_metrics import common_metric_keys, layers_mean, round_metrics
-from .wrapping import load_optimizer_state, optimizer_state, wraps
+from fedcomp.compression import available_compressors
+from fedcomp.config import model_policy
+from fedcomp.config import CodecConfig
+from fedcomp.privacy import ClientLevelDP, LocalDP
+from fedcomp.protocol.messages import MODEL_KEY
+from fedcomp.protocol.seeded_init import SeededInit
+from fedcomp.statedict import FlatModel
+from fedcomp.strategies.admission import admit, check_max_num_examples
+from fedcomp.strategies.aggregate import ClippedFold, DenseFold, MeanFold, dense_memory_note, streams
+from fedcomp.strategies.downstream_sender import Downstream
+from fedcomp.strategies.ef21_aggregate import EF21Aggregate
+from fedcomp.strategies.forward import ForwardsToInner
+from fedcomp.strategies.handover import hand_over, record_key, weight_key
+from fedcomp.strategies.privacy_budget import PoissonSampling, PrivacyBudget
+from fedcomp.strategies.replies import evaluate_replies, fold_replies, note_failures
+from fedcomp.strategies.round_metrics import common_metric_keys, layers_mean, round_metrics
+from fedcomp.strategies.wrapping import load_optimizer_state, optimizer_state, wraps
 
 
 @dataclass
@@ -106,7 +106,7 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         (server-side error feedback); new or lagging clients get the broadcast model dense.
         Needs ``compression_mod`` on the clients (it rebuilds and keeps the model copy).
         Clients that missed rounds get the missed payloads or a compressed difference from the
-        copy they hold, whichever is smaller (:mod:`fedcomp.strategies.downstream`).
+        copy they hold, whichever is smaller (:mod:`fedcomp.strategies.downstream_sender`).
     client_sampling : float, optional
         Poisson client sampling: the inner strategy should select every node (fraction 1.0);
         each is then kept independently with this probability q, per round. Needed for
@@ -120,7 +120,7 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         (server memory O(model) for any number of clients; sparse payloads in O(k)); every other
         inner strategy gets each client's dense weights. "dense": always the latter (for checks).
     downstream_init : SeededInit, optional
-        The initial model as a seed and one bound per tensor (:func:`fedcomp.seeded_init.lora_init`):
+        The initial model as a seed and one bound per tensor (:func:`fedcomp.protocol.seeded_init.lora_init`):
         with ``downstream``, new clients build it themselves instead of downloading it dense.
     downstream_catchup : {"smallest", "exact"}
         What clients that missed rounds get: the smaller of the missed payloads and a per-client

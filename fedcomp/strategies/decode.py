@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 import numpy as np
 from flwr.app import ArrayRecord, Message
 
-from ..compression import PayloadError, codec_name, decode_exact, decompress, decompress_sparse
-from ..protocol import MODEL_KEY, PAYLOAD_STYPE
-from ..statedict import FlatModel, copy_array, numpy_dict
-from .round_metrics import bounded_metrics
+from fedcomp.compression import PayloadError, codec_name, decode_exact, decompress, decompress_sparse
+from fedcomp.protocol.messages import MODEL_KEY, PAYLOAD_STYPE
+from fedcomp.statedict import FlatModel, copy_array, numpy_dict
+from fedcomp.strategies.round_metrics import bounded_metrics
 
 
 #: Dense payloads of one tensor with at least this many entries are kept as their bytes once validated

@@ -10,7 +10,7 @@ What Flower 1.42 tells the ServerApp (``flwr.common.constant.ErrorCode``; read f
   SuperNode notices that the process's heartbeat stopped (after ~2 x 30 s) and answers for it. Flower
   does not keep the exit status: a process the kernel's out-of-memory killer took (SIGKILL; exit code
   137 in a container) looks exactly like any other crash, so the reason says "likely out of memory";
-  the node's container confirms it later through its ``oom_kill`` count (:mod:`fedcomp.device`,
+  the node's container confirms it later through its ``oom_kill`` count (:mod:`fedcomp.protocol.device`,
   :func:`oom_confirmations`);
 * the node went away (5) or the reply was lost (4): the SuperLink answers, from its own node id (1),
   so the failed client is found through the message the reply answers.

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .wrapping import chain
+from fedcomp.strategies.wrapping import chain
 
 
 def owner_of(strategy: Any, name: str) -> Any | None:

@@ -25,10 +25,10 @@ import numpy as np
 from flwr.app import ArrayRecord, MetricRecord, RecordDict
 from flwr.common.logger import log
 
-from ..statedict import FlatModel
-from .aggregate import ClippedFold, DenseFold, MeanFold, identity_on_one_reply, in_model_dtypes
-from .replies import RoundReplies
-from .wrapping import find_attr
+from fedcomp.statedict import FlatModel
+from fedcomp.strategies.aggregate import ClippedFold, DenseFold, MeanFold, identity_on_one_reply, in_model_dtypes
+from fedcomp.strategies.replies import RoundReplies
+from fedcomp.strategies.wrapping import find_attr
 
 
 def weight_key(inner: Any) -> str:

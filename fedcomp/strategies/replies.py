@@ -16,13 +16,13 @@ from typing import Any
 from flwr.app import Message, MetricRecord, RecordDict
 from flwr.common.logger import log
 
-from ..compression import PayloadError
-from ..device import reported_machine
-from ..statedict import FlatModel
-from .admission import admit
-from .decode import decode_train_reply
-from .failures import MAX_REASON_CHARS, misaddressed_note, oom_confirmations, round_failures
-from .round_metrics import client_stats
+from fedcomp.compression import PayloadError
+from fedcomp.protocol.device import reported_machine
+from fedcomp.statedict import FlatModel
+from fedcomp.strategies.admission import admit
+from fedcomp.strategies.decode import decode_train_reply
+from fedcomp.strategies.failures import MAX_REASON_CHARS, misaddressed_note, oom_confirmations, round_failures
+from fedcomp.strategies.round_metrics import client_stats
 
 
 @dataclass

@@ -8,7 +8,7 @@ import statistics
 import numpy as np
 from flwr.app import MetricRecord, RecordDict
 
-from ..protocol import DEFAULT_DOWNLINK_MBPS, DEFAULT_UPLINK_MBPS, MIN_LINK_MBPS
+from fedcomp.protocol.messages import DEFAULT_DOWNLINK_MBPS, DEFAULT_UPLINK_MBPS, MIN_LINK_MBPS
 
 #: Mean seconds a deployed round waits on Flower's polling (flwr 1.42): a SuperNode with no work asks
 #: the SuperLink again after 3 s (``flwr/supernode/start_client_internal.py``) and the ServerApp's
@@ -119,7 +119,7 @@ def client_seconds(c: dict, uplink_mbps: float | None = None, downlink_mbps: flo
         ``download-bytes``, ``uplink-mbps``, ``downlink-mbps``; ``clientapp-seconds`` optional).
     uplink_mbps, downlink_mbps : float, optional
         Override the client's declared link speeds (megabits per second). Speeds below
-        :data:`~fedcomp.protocol.MIN_LINK_MBPS` count as that speed (the result stays finite).
+        :data:`~fedcomp.protocol.messages.MIN_LINK_MBPS` count as that speed (the result stays finite).
     """
     up = max(uplink_mbps or c["uplink-mbps"], MIN_LINK_MBPS)
     down = max(downlink_mbps or c["downlink-mbps"], MIN_LINK_MBPS)

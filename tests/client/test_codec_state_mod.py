@@ -9,8 +9,8 @@ from flwr.serverapp.strategy import FedAvg
 
 import fedcomp.compression as fc
 from fedcomp.client import compression_mod
-from fedcomp.protocol import MODEL_KEY, RESIDUAL_STATE_KEY
-from fedcomp.simulation import InProcessGrid
+from fedcomp.protocol.messages import MODEL_KEY, RESIDUAL_STATE_KEY
+from fedcomp.run.inprocess_grid import InProcessGrid
 from fedcomp.strategies import CompressedStrategy
 from tests.messages import make_ctx, reply_with, train_msg
 
@@ -82,8 +82,8 @@ def test_momentum_correction_changes_what_is_sent():
 ])
 def test_federation_in_process(codec):
     """Real ClientApp + mod + CompressedStrategy(FedAvg) on the default CNN, 2 clients, 2 rounds."""
-    from fedcomp.client.app import app as client_app
-    from fedcomp.models import build_model
+    from fedcomp.app.client_app import app as client_app
+    from fedcomp.task.models import build_model
 
     common = {"fraction_evaluate": 0.0, "min_available_nodes": 2, "min_train_nodes": 2}
     grid = InProcessGrid(client_app, 2, {"num-server-rounds": 2})

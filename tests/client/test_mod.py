@@ -8,7 +8,7 @@ from flwr.clientapp.mod import fixedclipping_mod
 
 import fedcomp.compression as fc
 from fedcomp.client import CompositionError, compression_mod
-from fedcomp.protocol import MODEL_KEY, PAYLOAD_STYPE, RESIDUAL_STATE_KEY
+from fedcomp.protocol.messages import MODEL_KEY, PAYLOAD_STYPE, RESIDUAL_STATE_KEY
 from tests.messages import make_ctx, make_msg, reply_with, train_msg, weights
 
 

@@ -10,7 +10,7 @@ from flwr.serverapp.strategy import FedAvg
 import fedcomp.compression as fc
 from fedcomp.client.update import adaptive_density, compress_update, plan_units
 from fedcomp.config import CodecConfig
-from fedcomp.protocol import MODEL_KEY
+from fedcomp.protocol.messages import MODEL_KEY
 from fedcomp.strategies import CompressedStrategy
 
 SHAPES = {"conv1.weight": (16, 1, 3, 3), "conv1.bias": (16,), "fc1.weight": (64, 512), "fc1.bias": (64,),
@@ -36,7 +36,7 @@ def test_payloads_use_the_planned_codecs_and_the_server_rebuilds_them():
         "conv1.weight": "none", "conv1.bias": "none", "fc1.bias": "none", "fc2.bias": "none", MODEL_KEY: "topk"}
     from flwr.app import Array
 
-    from fedcomp.protocol import PAYLOAD_DTYPE, PAYLOAD_STYPE
+    from fedcomp.protocol.messages import PAYLOAD_DTYPE, PAYLOAD_STYPE
     from fedcomp.strategies.decode import decode_update
 
     rec = ArrayRecord({k: Array(dtype=PAYLOAD_DTYPE, shape=(len(p),), stype=PAYLOAD_STYPE, data=p)
@@ -51,9 +51,9 @@ def test_payloads_use_the_planned_codecs_and_the_server_rebuilds_them():
 
 
 def test_rule_matching_no_parameter_is_a_start_up_error():
-    from fedcomp.client.app import app as client_app
-    from fedcomp.models import build_model
-    from fedcomp.simulation import InProcessGrid
+    from fedcomp.app.client_app import app as client_app
+    from fedcomp.task.models import build_model
+    from fedcomp.run.inprocess_grid import InProcessGrid
 
     s = CompressedStrategy(FedAvg(min_available_nodes=2), compressor="stc", layer_codecs="decoder.*=int8")
     with pytest.raises(ValueError, match="'decoder.\\*=int8' matches no parameter"):
@@ -98,9 +98,9 @@ def test_adaptive_density_meets_its_target_with_the_smallest_k():
 
 
 def test_configure_train_sends_the_codec_in_force_each_round():
-    from fedcomp.client.app import app as client_app
-    from fedcomp.models import build_model
-    from fedcomp.simulation import InProcessGrid
+    from fedcomp.app.client_app import app as client_app
+    from fedcomp.task.models import build_model
+    from fedcomp.run.inprocess_grid import InProcessGrid
 
     s = CompressedStrategy(FedAvg(min_available_nodes=2, fraction_evaluate=0.0), compressor="stc", density=0.01,
                            warmup_rounds=1, density_schedule="linear", density_start=0.1, schedule_rounds=2)
@@ -113,9 +113,9 @@ def test_configure_train_sends_the_codec_in_force_each_round():
 def test_mixed_sign_and_topk_federation_trains_and_reports_bytes_per_codec():
     import logging
 
-    from fedcomp.client.app import app as client_app
-    from fedcomp.models import build_model
-    from fedcomp.simulation import InProcessGrid
+    from fedcomp.app.client_app import app as client_app
+    from fedcomp.task.models import build_model
+    from fedcomp.run.inprocess_grid import InProcessGrid
 
     logging.getLogger("flwr").setLevel(logging.WARNING)
     grid = InProcessGrid(client_app, 4, {"lr": 0.1}, node_configs=[{"compressor": "sign"}, {"compressor": "sign"},

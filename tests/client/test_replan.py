@@ -16,7 +16,7 @@ from fedcomp.client.replan import replan_states
 from fedcomp.client.update import compress_update, plan_units
 from fedcomp.compression import unflatten_states
 from fedcomp.config import CodecConfig
-from fedcomp.protocol import MODEL_KEY, PAYLOAD_DTYPE, PAYLOAD_STYPE
+from fedcomp.protocol.messages import MODEL_KEY, PAYLOAD_DTYPE, PAYLOAD_STYPE
 from fedcomp.strategies.decode import decode_update
 
 SHAPES = {"conv1.weight": (16, 1, 3, 3), "bn1.weight": (16,), "bn1.bias": (16,), "bn1.running_mean": (16,),

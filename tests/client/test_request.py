@@ -9,9 +9,9 @@ from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 def test_node_config_cannot_switch_error_feedback_against_ef21(server_ef, node_ef):
     from flwr.serverapp.strategy import FedAvg
 
-    from fedcomp.client.app import app as client_app
-    from fedcomp.models import build_model
-    from fedcomp.simulation import InProcessGrid
+    from fedcomp.app.client_app import app as client_app
+    from fedcomp.task.models import build_model
+    from fedcomp.run.inprocess_grid import InProcessGrid
     from fedcomp.strategies import CompressedStrategy
     grid = InProcessGrid(client_app, 2, {"lr": 0.05}, node_configs=[{"error-feedback": node_ef}] * 2)
     s = CompressedStrategy(FedAvg(min_available_nodes=2, fraction_evaluate=0.0), compressor="topk", density=0.1,

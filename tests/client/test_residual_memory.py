@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from fedcomp.client import compression_mod
-from fedcomp.protocol import RESIDUAL_STATE_KEY
+from fedcomp.protocol.messages import RESIDUAL_STATE_KEY
 from tests.messages import make_ctx, reply_with, train_msg
 
 SHAPES = {"conv.weight": (8, 3, 3, 3), "bn.weight": (8,), "bn.bias": (8,), "bn.running_mean": (8,),

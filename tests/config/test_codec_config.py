@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from fedcomp.training import TrainConfig, train
+from fedcomp.task.training import TrainConfig, train
 from fedcomp.config import AppConfig, CodecConfig
 
 

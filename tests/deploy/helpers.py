@@ -7,8 +7,8 @@ import os
 import pathlib
 import random
 
-from fedcomp.deploy import main as deploy_main
-from fedcomp.deploy import port_is_free
+from fedcomp.run.local_deployment import main as deploy_main
+from fedcomp.run.local_deployment import port_is_free
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 

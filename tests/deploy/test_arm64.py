@@ -17,9 +17,9 @@ import time
 
 import pytest
 
-from fedcomp.data import DataConfig
-from fedcomp.datafiles import save_partitions
-from fedcomp.deploy import main as deploy_main
+from fedcomp.task.data import DataConfig
+from fedcomp.task.datafiles import save_partitions
+from fedcomp.run.local_deployment import main as deploy_main
 
 from .helpers import free_port_block
 

@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from fedcomp.deploy import main as deploy_main
+from fedcomp.run.local_deployment import main as deploy_main
 from fedcomp.strategies.failures import CRASHED_REASON
 
 from .helpers import free_port_block
@@ -21,7 +21,7 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 KILLER = '''
 import os, signal
 from flwr.clientapp import ClientApp
-from fedcomp.client.app import evaluate_handler, train_handler
+from fedcomp.app.client_app import evaluate_handler, train_handler
 from fedcomp.client.mod import compression_mod
 from fedcomp.secagg.client import secagg_mod
 
@@ -43,7 +43,7 @@ def test_sigkilled_clientapp_is_a_named_failure(tmp_path, capsys, monkeypatch):
     app.mkdir()
     (app / "killer.py").write_text(KILLER)
     (app / "pyproject.toml").write_text((REPO / "pyproject.toml").read_text().replace(
-        'clientapp = "fedcomp.client.app:app"', 'clientapp = "killer:app"'))
+        'clientapp = "fedcomp.app.client_app:app"', 'clientapp = "killer:app"'))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     base = free_port_block(3)
     code = deploy_main(["--app", str(app), "--port", str(base), "--base-node-port", str(base + 1), "--workdir",

@@ -191,8 +191,8 @@ def test_plain_docker_run_refuses_an_unwritable_results_folder(project, tmp_path
 LEAN_ROUND = r"""
 import json, platform, sys, time
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, Metadata, RecordDict
-from fedcomp.client.app import app
-from fedcomp.models import build_model
+from fedcomp.app.client_app import app
+from fedcomp.task.models import build_model
 absent = []
 for m in ("ray", "matplotlib", "sklearn", "scipy", "opacus", "flwr_datasets", "datasets", "pandas", "pyarrow", "pip"):
     try:
@@ -215,8 +215,8 @@ print(json.dumps({"absent": absent, "upload": float(reply.content["metrics"]["up
 def test_supernode_image_is_lean_and_trains_on_a_partition_file(project, tmp_path):
     """`docker build --target supernode`: the core only, under 1 GB here (0.96 GB measured, its libraries
     stripped by scripts/strip_libs.py), and a ClientApp train round runs in it on a mounted partition file."""
-    from fedcomp.data import DataConfig
-    from fedcomp.datafiles import save_partitions
+    from fedcomp.task.data import DataConfig
+    from fedcomp.task.datafiles import save_partitions
 
     root, _ = project
     tag = f"fedcomp-supernode-test:{os.getpid()}"

@@ -13,8 +13,8 @@ import time
 import pytest
 import yaml
 
-from fedcomp.deploy import main as deploy_main
-from fedcomp.deploy import superlink_command, supernode_command, write_connection
+from fedcomp.run.local_deployment import main as deploy_main
+from fedcomp.run.local_deployment import superlink_command, supernode_command, write_connection
 
 from .helpers import free_port_block, run_launcher
 
@@ -256,7 +256,7 @@ def test_launcher_argument_errors(argv, msg, capsys):
 
 
 def test_wait_for_supernodes_counts_distinct_activations_and_names_a_dead_node(tmp_path):
-    from fedcomp.deploy import wait_for_supernodes
+    from fedcomp.run.local_deployment import wait_for_supernodes
 
     log = tmp_path / "superlink.log"
     line = "INFO :      [Fleet.ActivateNode] Activated node_id={}\n"

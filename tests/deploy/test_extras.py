@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from fedcomp.data import DataConfig, load_partition
-from fedcomp.datafiles import load_partition_file, save_partitions
-from fedcomp.extras import require
+from fedcomp.task.data import DataConfig, load_partition
+from fedcomp.task.datafiles import load_partition_file, save_partitions
+from fedcomp.util.extras import require
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 EXTRA_MODULES = ("ray", "matplotlib", "sklearn", "scipy", "opacus", "flwr_datasets", "datasets", "pandas", "pyarrow")
@@ -64,7 +64,7 @@ def test_data_without_the_data_extra_says_so(monkeypatch):
 
 
 def test_plot_is_skipped_without_matplotlib(monkeypatch, tmp_path):
-    from fedcomp.server.results import plot_rounds
+    from fedcomp.app.results import plot_rounds
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     assert plot_rounds([{"round": 0, "accuracy": 0.1}], tmp_path / "plot.png", "t") is False
@@ -98,8 +98,8 @@ BLOCK = sys.argv[2].split(",")
 for name in BLOCK:  # a None entry: `import name` raises ModuleNotFoundError, importlib.util.find_spec gives None
     sys.modules[name] = None
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, Metadata, RecordDict
-from fedcomp.client.app import app
-from fedcomp.models import build_model
+from fedcomp.app.client_app import app
+from fedcomp.task.models import build_model
 md = Metadata(run_id=1, message_id="m1", src_node_id=1, dst_node_id=7, reply_to_message_id="", group_id="1",
               created_at=time.time(), ttl=3600.0, message_type="train")
 msg = Message(content=RecordDict({"arrays": ArrayRecord(build_model().state_dict()),
@@ -124,5 +124,5 @@ def test_client_round_runs_with_every_extra_blocked(tmp_path):
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert res["loaded"] == []
     assert res["n"] == len(load_partition(DataConfig(), 0, 3))
-    assert 0 < res["upload"] < 0.05 * 4 * sum(p.numel() for p in __import__("fedcomp.models").models.build_model()
+    assert 0 < res["upload"] < 0.05 * 4 * sum(p.numel() for p in __import__("fedcomp.task.models").models.build_model()
                                                .state_dict().values())

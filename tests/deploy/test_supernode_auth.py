@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from fedcomp.deploy import Processes, superlink_command, supernode_command, wait_for_port
+from fedcomp.run.local_deployment import Processes, superlink_command, supernode_command, wait_for_port
 
 from .helpers import free_port_block
 

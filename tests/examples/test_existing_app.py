@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flwr.app import ArrayRecord, ConfigRecord, Context, RecordDict
 
-from fedcomp.simulation import InProcessGrid
+from fedcomp.run.inprocess_grid import InProcessGrid
 from tests.flwr_run import flwr_run_app
 
 REPO = pathlib.Path(__file__).resolve().parents[2]

@@ -11,7 +11,7 @@ import shutil
 import pytest
 from flwr.app import Context, RecordDict
 
-from fedcomp.simulation import InProcessGrid
+from fedcomp.run.inprocess_grid import InProcessGrid
 from tests.flwr_run import flwr_run_app
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -33,7 +33,7 @@ def test_the_fedcomp_lines_are_few_and_marked():
     marked = [line.strip() for f in sorted((EXAMPLE / "lorafinetune").glob("*.py"))
               for line in f.read_text().splitlines() if "# fedcomp" in line]
     assert len(marked) == 8 and all("fedcomp" in m for m in marked)
-    assert "fedcomp" not in (EXAMPLE / "lorafinetune" / "task.py").read_text().replace("fedcomp.text_data", "")
+    assert "fedcomp" not in (EXAMPLE / "lorafinetune" / "task.py").read_text().replace("fedcomp.task.text_data", "")
 
 
 def test_example_runs_in_process_with_small_downloads(example, corpus, byte_base_dir, tmp_path, capsys):

@@ -5,7 +5,7 @@ Skipped only where the package index cannot be reached (the one-line error says 
 
 import pytest
 
-from fedcomp import text_data
+from fedcomp.task import text_data
 
 
 @pytest.fixture(scope="module")

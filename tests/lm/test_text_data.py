@@ -7,8 +7,8 @@ import sys
 import pytest
 import torch
 
-from fedcomp import text_data
-from fedcomp.text_data import (
+from fedcomp.task import text_data
+from fedcomp.task.text_data import (
     client_role,
     describe_partition,
     load_text_partition,
@@ -119,7 +119,7 @@ def test_client_partitions_and_the_server_test_set(corpus):
 
 
 def test_unreachable_index_gives_one_clear_line(tmp_path):
-    code = ("import fedcomp.text_data as t\ntry:\n    t.texts_dir()\nexcept RuntimeError as e:\n    print(e)\n")
+    code = ("import fedcomp.task.text_data as t\ntry:\n    t.texts_dir()\nexcept RuntimeError as e:\n    print(e)\n")
     repo = pathlib.Path(text_data.__file__).parents[1]
     env = {"PATH": "", "FEDCOMP_DATA_DIR": str(tmp_path), "PIP_INDEX_URL": "http://127.0.0.1:9/simple",
            "PIP_CONFIG_FILE": "/dev/null", "HOME": str(tmp_path), "PYTHONPATH": str(repo)}

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from fedcomp import text_data as T
+from fedcomp.task import text_data as T
 
 from .helpers import make_play
 
@@ -23,8 +23,8 @@ def test_a_role_without_a_training_window_is_not_a_client():
 
 
 def test_an_empty_server_test_set_is_an_error_not_loss_zero():
-    from fedcomp.models import build_model
-    from fedcomp.training import evaluate
+    from fedcomp.task.models import build_model
+    from fedcomp.task.training import evaluate
 
     empty = TensorDataset(torch.zeros((0, 80), dtype=torch.int64), torch.zeros((0, 80), dtype=torch.int64))
     with pytest.raises(ValueError, match="evaluation set is empty"):

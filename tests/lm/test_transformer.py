@@ -7,17 +7,17 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord
 
-from fedcomp.client.app import app as client_app
+from fedcomp.app.client_app import app as client_app
 from fedcomp.config import AppConfig
-from fedcomp.data import DataConfig, load_partition, load_test_set
-from fedcomp.lm import build_transformer, transformer_config
-from fedcomp.models import build_model
-from fedcomp.objective import loss_and_hits
-from fedcomp.server.app import build_inner, privacy_options
-from fedcomp.simulation import InProcessGrid
+from fedcomp.task.data import DataConfig, load_partition, load_test_set
+from fedcomp.task.lm import build_transformer, transformer_config
+from fedcomp.task.models import build_model
+from fedcomp.task.objective import loss_and_hits
+from fedcomp.app.server_app import build_inner, privacy_options
+from fedcomp.run.inprocess_grid import InProcessGrid
 from fedcomp.statedict import to_state_dict
 from fedcomp.strategies import CompressedStrategy
-from fedcomp.training import TrainConfig, evaluate, make_optimizer, train
+from fedcomp.task.training import TrainConfig, evaluate, make_optimizer, train
 
 logging.getLogger("flwr").setLevel(logging.WARNING)
 NODES = 2

@@ -10,8 +10,8 @@ import torch
 from flwr.app import ConfigRecord
 from flwr.serverapp.strategy import FedAvg
 
-from fedcomp.client.lora import eval_lm, lora_client_app, lora_model
-from fedcomp.lora import (
+from fedcomp.app.lora_client_app import eval_lm, lora_client_app, lora_model
+from fedcomp.task.lora import (
     LoraSettings,
     adapter_shapes,
     adapter_state,
@@ -20,9 +20,9 @@ from fedcomp.lora import (
     load_base_model,
     wrap,
 )
-from fedcomp.protocol import MODEL_STATE_KEY, PAYLOAD_STYPE
-from fedcomp.seeded_init import INIT_STYPE
-from fedcomp.simulation import InProcessGrid
+from fedcomp.protocol.messages import MODEL_STATE_KEY, PAYLOAD_STYPE
+from fedcomp.protocol.seeded_init import INIT_STYPE
+from fedcomp.run.inprocess_grid import InProcessGrid
 from fedcomp.statedict import to_record
 from fedcomp.strategies import CompressedStrategy
 
@@ -122,7 +122,7 @@ def test_only_compressed_adapters_travel_and_the_base_stays_frozen(base_dir, cod
 def test_fine_tuning_lowers_the_loss_and_lagging_clients_catch_up_cheaply(base_dir):
     s, grid, strategy, arrays = _federation(base_dir, "sign", "sign", nodes=4, fraction=0.5)
     model = lora_model(s)
-    from fedcomp.lora import load_adapters
+    from fedcomp.task.lora import load_adapters
     from fedcomp.statedict import to_state_dict
 
     test = torch.utils.data.ConcatDataset([windows(p, 16) for p in range(4)])

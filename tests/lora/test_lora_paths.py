@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from fedcomp.lora import MAX_LORA_R, LoraSettings, _source, adapter_shapes, base_config
+from fedcomp.task.lora import MAX_LORA_R, LoraSettings, _source, adapter_shapes, base_config
 
 
 def test_a_missing_dot_slash_base_model_is_not_looked_up_on_the_hub(tmp_path, monkeypatch):

@@ -1,4 +1,4 @@
-"""Sample-level DP-SGD on the client (fedcomp.client.dp_sgd): accounting across rounds,
+"""Sample-level DP-SGD on the client (fedcomp.privacy.dp_sgd): accounting across rounds,
 no double wrapping, exact micro-batch accumulation, config validation, calibration."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from fedcomp import privacy
-from fedcomp.client.dp_sgd import train_dp_sgd
+from fedcomp.privacy.dp_sgd import train_dp_sgd
 from fedcomp.privacy import (
     DPSGDConfig,
     accountant_state,
@@ -22,7 +22,7 @@ from fedcomp.privacy import (
     epsilon_spent,
     restore_accountant,
 )
-from fedcomp.training import TrainConfig
+from fedcomp.task.training import TrainConfig
 
 CPU = torch.device("cpu")
 

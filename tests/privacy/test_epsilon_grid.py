@@ -65,7 +65,7 @@ def test_server_noise_cannot_be_regenerated_from_the_run_config():
     import numpy as np
 
     from fedcomp.config import AppConfig
-    from fedcomp.server.app import privacy_options
+    from fedcomp.app.server_app import privacy_options
 
     cfg = AppConfig.from_run_config({"dp": "client-level", "seed": 5, "noise-multiplier": 1.0})
     zeros = [np.zeros(1000, np.float32)]

@@ -70,7 +70,7 @@ class _Grid:
 
 
 def test_one_huge_epsilon_report_does_not_stop_the_federation():
-    from fedcomp.simulation import _ensure_task_identity
+    from fedcomp.run.inprocess_grid import _ensure_task_identity
 
     _ensure_task_identity()
     g = weights(0)

@@ -14,7 +14,7 @@ import fedcomp.compression as fc
 from fedcomp.client.update import compress_update
 from fedcomp.config import AppConfig, CodecConfig
 from fedcomp.privacy import ClientLevelDP, LocalDP, clip_and_noise
-from fedcomp.protocol import MODEL_KEY
+from fedcomp.protocol.messages import MODEL_KEY
 from fedcomp.strategies import CompressedStrategy
 
 logging.getLogger("flwr").setLevel(logging.WARNING)
@@ -105,9 +105,9 @@ def test_app_config_rejects_bad_dp_values(rc, key):
 
 
 def _run(strategy, rounds=2, nodes=3, run_config=None):
-    from fedcomp.client.app import app as client_app
-    from fedcomp.models import build_model
-    from fedcomp.simulation import InProcessGrid
+    from fedcomp.app.client_app import app as client_app
+    from fedcomp.task.models import build_model
+    from fedcomp.run.inprocess_grid import InProcessGrid
 
     grid = InProcessGrid(client_app, nodes, {"lr": 0.1, **(run_config or {})})
     start = ArrayRecord(build_model().state_dict())
@@ -165,7 +165,7 @@ def test_max_epsilon_stops_the_run_before_the_budget_is_exceeded(mode, dp, compr
 
 def _run_from_run_config(rc: dict, rounds: int):
     """The ServerApp's strategy for run config ``rc``, after ``rounds`` rounds on 2 in-process nodes."""
-    from fedcomp.server.app import build_inner, privacy_options
+    from fedcomp.app.server_app import build_inner, privacy_options
 
     cfg = AppConfig.from_run_config(rc)
     s = CompressedStrategy.from_codec_config(build_inner(cfg), cfg.codec, **privacy_options(cfg))
@@ -184,7 +184,7 @@ def test_dp_sgd_epsilon_accumulates_across_rounds_in_the_federation():
 def test_secure_rng_fails_fast_at_start_up():
     from types import SimpleNamespace
 
-    from fedcomp.server.app import privacy_options
+    from fedcomp.app.server_app import privacy_options
 
     cfg = AppConfig.from_run_config({"dp": "dp-sgd"})
     with pytest.raises(ValueError, match="torchcsprng"):
@@ -197,9 +197,9 @@ def test_serverapp_reports_epsilon_per_round_in_metrics_json(tmp_path, mode):
 
     from flwr.app import Context, RecordDict
 
-    from fedcomp.client.app import app as client_app
-    from fedcomp.server.app import main
-    from fedcomp.simulation import InProcessGrid
+    from fedcomp.app.client_app import app as client_app
+    from fedcomp.app.server_app import main
+    from fedcomp.run.inprocess_grid import InProcessGrid
 
     rc = {"num-server-rounds": 2, "dp": mode, "clipping-norm": 0.5, "noise-multiplier": 1.0,
           "results-dir": str(tmp_path), "compressor": "sign"}

@@ -13,7 +13,7 @@ from flwr.server.strategy import FedAvg
 from flwr.server.workflow import DefaultWorkflow
 
 from fedcomp.secagg import CompressedSecAggPlusWorkflow, SharedRandomKStrategy, secagg_mod
-from fedcomp.simulation import CLIENT_APP_RAISED_EXCEPTION, InProcessGrid
+from fedcomp.run.inprocess_grid import CLIENT_APP_RAISED_EXCEPTION, InProcessGrid
 
 SHAPES = {"w": (40, 50), "b": (50,), "steps": ()}  # 2050 float entries + one int64 0-d buffer
 

@@ -118,7 +118,7 @@ def test_workflow_gives_the_strategy_its_max_weight():
 @pytest.mark.parametrize("value", ["true", 1, "false", 0])
 def test_secagg_flag_must_be_a_boolean(value):
     from fedcomp.config import AppConfig
-    from fedcomp.secagg.server_app import secagg_requested
+    from fedcomp.app.secagg_server_app import secagg_requested
     with pytest.raises(ValueError, match="'secagg' must be true or false"):
         AppConfig.from_run_config({"secagg": value, "compressor": "randomk"})
     with pytest.raises(ValueError, match="'secagg' must be true or false"):
@@ -128,7 +128,7 @@ def test_secagg_flag_must_be_a_boolean(value):
 def test_secagg_flag_is_checked_by_the_simulation_precheck():
     import pathlib
 
-    from fedcomp.simulate import check_run_config
+    from fedcomp.run.simulation import check_run_config
     root = pathlib.Path(__file__).resolve().parents[2]
     with pytest.raises(ValueError, match="'secagg' must be true or false"):
         check_run_config(root, 'secagg="true" compressor="randomk"')
@@ -138,7 +138,7 @@ def test_secagg_flag_is_checked_by_the_simulation_precheck():
 
 
 def test_secagg_clipping_range_beyond_float64_resolution_is_refused():
-    from fedcomp.secagg.config import SecAggConfig
+    from fedcomp.config.secagg import SecAggConfig
     for c, bits in ((1e30, 16), (2.0 ** 36, 16), (2.0 ** 51, 1)):
         with pytest.raises(ValueError, match="'secagg-clipping-range'"):
             SecAggConfig.from_run_config({"secagg-clipping-range": c, "secagg-quantization-bits": bits})
@@ -148,7 +148,7 @@ def test_secagg_clipping_range_beyond_float64_resolution_is_refused():
 @pytest.mark.parametrize("key,value", [("finetune", "lora"), ("selection", "model"), ("min-compress-numel", 100),
                                        ("small-tensor-compressor", "fp16"), ("require-compression", True)])
 def test_secagg_refuses_settings_the_secure_path_ignores(key, value):
-    from fedcomp.secagg.server_app import check_secagg_config
+    from fedcomp.app.secagg_server_app import check_secagg_config
     base = {"secagg": True, "compressor": "randomk"}
     check_secagg_config({**base, key: {"finetune": "full", "selection": "auto", "min-compress-numel": 0,
                                        "small-tensor-compressor": "none", "require-compression": False}[key]})

@@ -13,7 +13,7 @@ from flwr.server.workflow import DefaultWorkflow, SecAggPlusWorkflow
 
 from fedcomp.secagg import SharedRandomKStrategy, shared_randomk_mod
 from fedcomp.secagg.encoding import SharedProjection, flower_weight, quantization_bound, round_seed
-from fedcomp.simulation import InProcessGrid
+from fedcomp.run.inprocess_grid import InProcessGrid
 
 from .helpers import client_delta, global_model, num_examples
 

@@ -185,10 +185,10 @@ def test_serverapp_path_with_client_level_dp_writes_epsilon(tmp_path):
 
     from flwr.app import Context, RecordDict
 
-    from fedcomp.client.app import app
+    from fedcomp.app.client_app import app
     from fedcomp.config import AppConfig
-    from fedcomp.secagg.server_app import run_secagg
-    from fedcomp.simulation import InProcessGrid
+    from fedcomp.app.secagg_server_app import run_secagg
+    from fedcomp.run.inprocess_grid import InProcessGrid
 
     rc = {"num-server-rounds": 1, "secagg": True, "compressor": "randomk", "density": 0.0625, "dp": "client-level",
           "error-feedback": False, "clipping-norm": 0.5, "noise-multiplier": 0.8}

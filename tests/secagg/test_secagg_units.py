@@ -5,7 +5,7 @@ import pytest
 
 from fedcomp.compression import PayloadError
 from fedcomp.secagg.client import pack_masked, unpack_masked
-from fedcomp.secagg.config import SecAggConfig, check_codec_under_secagg
+from fedcomp.config.secagg import SecAggConfig, check_codec_under_secagg
 from fedcomp.secagg.encoding import SharedProjection, flower_weight, modulus_bits_for, prequantize
 
 

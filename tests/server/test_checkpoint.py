@@ -15,7 +15,7 @@ def _zoo():
 def test_checkpoint_keeps_every_shape_and_dtype(tmp_path):
     import numpy as np
 
-    from fedcomp.server import checkpoint
+    from fedcomp.app import checkpoint
 
     zoo = _zoo()
     checkpoint.save(tmp_path, 3, zoo, None, [{"round": 3}])
@@ -32,7 +32,7 @@ def test_a_crash_between_the_two_files_leaves_a_pair_that_is_refused(tmp_path, m
 
     import numpy as np
 
-    from fedcomp.server import checkpoint
+    from fedcomp.app import checkpoint
 
     s = None
     checkpoint.save(tmp_path, 1, {"w": np.zeros(4, np.float32)}, s, [{"round": 1}])
@@ -58,7 +58,7 @@ def test_a_checkpoint_without_a_checksum_or_with_an_edited_weights_file_is_refus
 
     import numpy as np
 
-    from fedcomp.server import checkpoint
+    from fedcomp.app import checkpoint
 
     s = None
     checkpoint.save(tmp_path, 1, {"w": np.zeros(4, np.float32)}, s, [{"round": 1}])
@@ -77,9 +77,9 @@ def test_resume_with_another_codec_is_refused_naming_the_setting(tmp_path):
 
     from flwr.app import Context, RecordDict
 
-    from fedcomp.client.app import app as client_app
-    from fedcomp.server.app import main
-    from fedcomp.simulation import InProcessGrid
+    from fedcomp.app.client_app import app as client_app
+    from fedcomp.app.server_app import main
+    from fedcomp.run.inprocess_grid import InProcessGrid
 
     def run(rc):
         main(InProcessGrid(client_app, 2, rc), Context(run_id=1, node_id=1, node_config={}, state=RecordDict(),
@@ -107,10 +107,10 @@ def test_a_batchnorm_model_resumes_with_its_integer_buffers(tmp_path):
     import numpy as np
     from flwr.app import Context, RecordDict
 
-    from fedcomp.client.app import app as client_app
-    from fedcomp.server import checkpoint
-    from fedcomp.server.app import main
-    from fedcomp.simulation import InProcessGrid
+    from fedcomp.app.client_app import app as client_app
+    from fedcomp.app import checkpoint
+    from fedcomp.app.server_app import main
+    from fedcomp.run.inprocess_grid import InProcessGrid
 
     def run(rc):
         main(InProcessGrid(client_app, 2, rc), Context(run_id=1, node_id=1, node_config={}, state=RecordDict(),
@@ -149,7 +149,7 @@ def test_a_hand_edited_settings_record_is_refused_naming_it(tmp_path, key, value
 
     import numpy as np
 
-    from fedcomp.server import checkpoint
+    from fedcomp.app import checkpoint
 
     checkpoint.save(tmp_path, 1, {"w": np.zeros(4, np.float32)}, None, [{"round": 1}],
                     {"cum-mb": 1.0, "cum-down-mb": 2.0, "last-eps": None, "strategy-settings": {"strategy": "fedavg"},

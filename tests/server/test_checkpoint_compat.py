@@ -10,7 +10,7 @@ import pytest
 from flwr.serverapp.strategy import FedAdam, FedAvg, FedAvgM
 
 from fedcomp.privacy import ClientLevelDP, LocalDP
-from fedcomp.server import checkpoint
+from fedcomp.app import checkpoint
 from fedcomp.strategies import CompressedStrategy
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "checkpoints"
@@ -94,7 +94,7 @@ def test_the_privacy_budget_state_survives_a_checkpoint(tmp_path):
 
 def test_a_codec_key_newer_than_the_checkpoint_counts_as_its_default():
     from fedcomp.config import AppConfig
-    from fedcomp.server.app import check_same_codec
+    from fedcomp.app.server_app import check_same_codec
 
     saved = AppConfig.from_run_config({}).codec.to_mapping()
     newest = sorted(saved)[0]

@@ -10,11 +10,11 @@ import pytest
 from flwr.app import Context, RecordDict
 from flwr.common.logger import FLOWER_LOGGER, console_handler, log
 
-from fedcomp.client.app import app as client_app
-from fedcomp.server.app import main
-from fedcomp.server.console import LOG_FILE, RAY_TIP, quiet_known_noise, route_flower_logs
-from fedcomp.server.startup import OneLineRunConfigError, RunConfigError
-from fedcomp.simulation import InProcessGrid
+from fedcomp.app.client_app import app as client_app
+from fedcomp.app.server_app import main
+from fedcomp.app.console import LOG_FILE, RAY_TIP, quiet_known_noise, route_flower_logs
+from fedcomp.app.startup import OneLineRunConfigError, RunConfigError
+from fedcomp.run.inprocess_grid import InProcessGrid
 
 
 @pytest.fixture

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 from flwr.app import Context, RecordDict
 
-from fedcomp.client.app import app as client_app
+from fedcomp.app.client_app import app as client_app
 from fedcomp.client.state import load_residuals, previous_path, save_residuals
-from fedcomp.server.app import main
-from fedcomp.simulation import InProcessGrid
-from fedcomp.strategies.ef21 import EF21Aggregate
+from fedcomp.app.server_app import main
+from fedcomp.run.inprocess_grid import InProcessGrid
+from fedcomp.strategies.ef21_aggregate import EF21Aggregate
 
 BASE = {"compressor": "stc", "density": 0.05, "seed": 7, "error-feedback": "ef21", "model": "mlp", "fraction-evaluate": 0.0}
 
@@ -117,7 +117,7 @@ def test_a_tampered_record_of_folded_sends_is_refused(tmp_path):
     loaded without a word; now each is the checkpoint's ValueError."""
     from flwr.serverapp.strategy import FedAvg
 
-    from fedcomp.server import checkpoint
+    from fedcomp.app import checkpoint
     from fedcomp.strategies import CompressedStrategy
 
     def strategy():

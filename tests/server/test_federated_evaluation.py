@@ -7,10 +7,10 @@ import json
 import pytest
 from flwr.app import Context, RecordDict
 
-from fedcomp.client.app import app as client_app
+from fedcomp.app.client_app import app as client_app
 from fedcomp.config import AppConfig
-from fedcomp.server.app import build_inner, main
-from fedcomp.simulation import InProcessGrid
+from fedcomp.app.server_app import build_inner, main
+from fedcomp.run.inprocess_grid import InProcessGrid
 
 
 def _run(rc, nodes):

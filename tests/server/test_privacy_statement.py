@@ -4,7 +4,7 @@ import pytest
 
 from fedcomp.config import AppConfig
 from fedcomp.privacy import ClientLevelDP
-from fedcomp.server.app import privacy_statement
+from fedcomp.app.server_app import privacy_statement
 
 
 @pytest.mark.parametrize("dp, run_config, want", [

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 from flwr.app import Context, RecordDict
 
-from fedcomp.client.app import app as client_app
-from fedcomp.server import checkpoint
-from fedcomp.server.app import main
-from fedcomp.simulation import InProcessGrid
+from fedcomp.app.client_app import app as client_app
+from fedcomp.app import checkpoint
+from fedcomp.app.server_app import main
+from fedcomp.run.inprocess_grid import InProcessGrid
 
 
 def run(rc, nodes=3):

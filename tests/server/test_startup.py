@@ -15,18 +15,18 @@ import tempfile
 import pytest
 from flwr.common.logger import log
 
-from fedcomp.server.startup import OneLineRunConfigError, RunConfigError, writable_results_dir
+from fedcomp.app.startup import OneLineRunConfigError, RunConfigError, writable_results_dir
 
 
 def test_importing_the_apps_loads_no_opacus_and_no_dp_sgd_module():
-    code = ("import sys, logging, fedcomp.server.app, fedcomp.client.app\n"
-            "print('opacus' in sys.modules, 'fedcomp.client.dp_sgd' in sys.modules, len(logging.root.handlers))")
+    code = ("import sys, logging, fedcomp.app.server_app, fedcomp.app.client_app\n"
+            "print('opacus' in sys.modules, 'fedcomp.privacy.dp_sgd' in sys.modules, len(logging.root.handlers))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False", "0"]
 
 
 def test_a_flower_log_line_prints_once_after_the_server_app_is_imported():
-    code = ("import fedcomp.server.app\nfrom logging import INFO, DEBUG\nfrom flwr.common.logger import log\n"
+    code = ("import fedcomp.app.server_app\nfrom logging import INFO, DEBUG\nfrom flwr.common.logger import log\n"
             "log(INFO, 'fedcomp      1   0.5000')\nlog(DEBUG, 'a debug line')\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     lines = (out.stdout + out.stderr).splitlines()
@@ -38,7 +38,7 @@ def test_dp_sgd_keys_are_still_validated_when_dp_sgd_runs():
     from types import SimpleNamespace
 
     from fedcomp.config import AppConfig
-    from fedcomp.server.app import privacy_options
+    from fedcomp.app.server_app import privacy_options
 
     cfg = AppConfig.from_run_config({"dp": "dp-sgd"})
     with pytest.raises(ValueError, match="'accountant'"):
@@ -149,7 +149,7 @@ def test_unwritable_results_folder_as_another_uid():
         pytest.skip("needs root to switch uid")
     locked = pathlib.Path(tempfile.mkdtemp(prefix="fedcomp-locked-"))  # root's, mode 0755: not writable by 4242
     locked.chmod(0o755)
-    code = ("import os\nfrom fedcomp.server.app import writable_results_dir, RunConfigError\n"
+    code = ("import os\nfrom fedcomp.app.server_app import writable_results_dir, RunConfigError\n"
             "os.setgid(4242); os.setuid(4242)\n"
             f"try:\n    writable_results_dir({str(locked)!r}, 'stc')\n"
             "except RunConfigError as e:\n    print(e)\n")

@@ -9,11 +9,11 @@ import pytest
 from flwr.app import Context, RecordDict
 from flwr.serverapp.strategy import FedAvg, FedAvgM
 
-from fedcomp.client.app import app as client_app
+from fedcomp.app.client_app import app as client_app
 from fedcomp.config import AppConfig
-from fedcomp.server.app import main
-from fedcomp.server.strategy_record import EXTRA_KEY, check_same_strategy, strategy_settings
-from fedcomp.simulation import InProcessGrid
+from fedcomp.app.server_app import main
+from fedcomp.app.strategy_record import EXTRA_KEY, check_same_strategy, strategy_settings
+from fedcomp.run.inprocess_grid import InProcessGrid
 from fedcomp.strategies import CompressedStrategy
 
 LOW = {"compressor": "stc", "density": 0.001, "model": "mlp", "seed": 1}

@@ -13,7 +13,7 @@ from flwr.serverapp.strategy import FedAvg, FedMedian
 
 import fedcomp.compression as fc
 from fedcomp.client import compression_mod
-from fedcomp.server import checkpoint
+from fedcomp.app import checkpoint
 from fedcomp.statedict import FlatModel, to_record, to_state_dict
 from fedcomp.strategies import CompressedStrategy
 from tests.messages import make_ctx, make_msg

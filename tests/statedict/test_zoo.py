@@ -60,9 +60,9 @@ def test_zoo_uncompressed_round_is_the_weighted_mean(name):
 
 @pytest.mark.parametrize("name", ZOO)
 def test_zoo_downstream_rebuilds_every_tensor_exactly(name):
-    from fedcomp.client.downstream import rebuild
+    from fedcomp.client.downstream_receiver import rebuild
     from fedcomp.config import CodecConfig
-    from fedcomp.strategies.downstream import Downstream
+    from fedcomp.strategies.downstream_sender import Downstream
 
     sd = zoo()[name].state_dict()
     ds = Downstream(CodecConfig(compressor="none"), "fp16")
@@ -128,7 +128,7 @@ def test_a_reply_with_the_keys_in_another_order_is_accepted():
 def test_zoo_checkpoint_keeps_every_tensor(tmp_path, name):
     """Checkpoint save/load of every zoo state_dict: exact values, dtypes and shapes (0-d and (0, 5)
     included). bf16 tensors are saved as their float32 values (numpy has no bfloat16)."""
-    from fedcomp.server import checkpoint
+    from fedcomp.app import checkpoint
     from fedcomp.statedict import numpy_dict
 
     sd = trained_state(zoo()[name].state_dict(), 1)

@@ -15,11 +15,11 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord
 
-from fedcomp.client.app import app as client_app
+from fedcomp.app.client_app import app as client_app
 from fedcomp.config import AppConfig
-from fedcomp.models import build_model
-from fedcomp.server.app import build_inner, privacy_options
-from fedcomp.simulation import InProcessGrid
+from fedcomp.task.models import build_model
+from fedcomp.app.server_app import build_inner, privacy_options
+from fedcomp.run.inprocess_grid import InProcessGrid
 from fedcomp.strategies import CompressedStrategy
 
 logging.getLogger("flwr").setLevel(logging.WARNING)

@@ -8,8 +8,8 @@ from flwr.serverapp.strategy import DifferentialPrivacyServerSideFixedClipping, 
 
 import fedcomp.compression as fc
 from fedcomp.config import AppConfig
-from fedcomp.protocol import MODEL_KEY, PAYLOAD_DTYPE, PAYLOAD_STYPE
-from fedcomp.simulation import InProcessGrid
+from fedcomp.protocol.messages import MODEL_KEY, PAYLOAD_DTYPE, PAYLOAD_STYPE
+from fedcomp.run.inprocess_grid import InProcessGrid
 from fedcomp.statedict import FlatModel
 from fedcomp.strategies import CompressedStrategy
 from tests.messages import train_msg, weights
@@ -128,7 +128,7 @@ def test_all_rejected_leaves_model_unchanged():
 
 
 def test_configure_train_adds_codec_to_config():
-    from fedcomp.client.app import app as client_app
+    from fedcomp.app.client_app import app as client_app
 
     grid = InProcessGrid(client_app, 2, {})
     s = CompressedStrategy(fedavg(), compressor="stc", density=0.05)
@@ -140,7 +140,7 @@ def test_configure_train_adds_codec_to_config():
 
 
 def weights_as_state():
-    from fedcomp.models import build_model
+    from fedcomp.task.models import build_model
 
     return build_model().state_dict()
 
@@ -164,8 +164,8 @@ def test_constructor_validation():
 @pytest.mark.parametrize("inner_name", ["fedavg", "fedadam", "dp"])
 def test_wraps_flower_strategies_in_process(inner_name):
     """Real ClientApp + mod + wrapper around FedAvg, FedAdam and Flower's server-side DP."""
-    from fedcomp.client.app import app as client_app
-    from fedcomp.models import build_model
+    from fedcomp.app.client_app import app as client_app
+    from fedcomp.task.models import build_model
 
     common = dict(fraction_evaluate=0.0, min_available_nodes=3, min_train_nodes=3)
     inner = {
@@ -239,8 +239,8 @@ def test_hostile_client_metrics_do_not_break_the_round():
 
 
 def test_selection_from_run_config_reaches_the_clients():
-    from fedcomp.client.app import app as client_app
-    from fedcomp.models import build_model
+    from fedcomp.app.client_app import app as client_app
+    from fedcomp.task.models import build_model
 
     cfg = AppConfig.from_run_config({"compressor": "topk", "selection": "tensor"})
     s = CompressedStrategy.from_codec_config(FedAvg(min_available_nodes=2), cfg.codec)

@@ -15,7 +15,7 @@ import fedcomp.strategies.decode as decode
 from fedcomp.client.update import compress_update
 from fedcomp.compression import PayloadError
 from fedcomp.config import CodecConfig
-from fedcomp.protocol import payload_array
+from fedcomp.protocol.messages import payload_array
 from fedcomp.statedict import FlatModel
 from fedcomp.strategies.aggregate import RunningSum
 

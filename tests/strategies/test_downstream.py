@@ -9,10 +9,10 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp.strategy import FedAvg
 
-from fedcomp.client.app import app as client_app
-from fedcomp.models import build_model
-from fedcomp.protocol import MODEL_STATE_KEY
-from fedcomp.simulation import InProcessGrid
+from fedcomp.app.client_app import app as client_app
+from fedcomp.task.models import build_model
+from fedcomp.protocol.messages import MODEL_STATE_KEY
+from fedcomp.run.inprocess_grid import InProcessGrid
 from fedcomp.strategies import CompressedStrategy
 
 logging.getLogger("flwr").setLevel(logging.WARNING)
@@ -64,7 +64,7 @@ def test_payload_for_a_node_without_a_copy_is_a_clear_client_error():
     from flwr.app import Array, RecordDict
 
     from fedcomp.client import CompositionError, compression_mod
-    from fedcomp.protocol import MODEL_KEY
+    from fedcomp.protocol.messages import MODEL_KEY
     from tests.messages import make_ctx, make_msg
 
     msg = make_msg(RecordDict({"arrays": ArrayRecord({MODEL_KEY: Array(dtype="bytes", shape=(4,),
@@ -103,7 +103,7 @@ def test_dense_reply_under_downstream_is_rejected():
 def test_downstream_server_memory_is_bounded_with_many_clients():
     from fedcomp.config import CodecConfig
     from fedcomp.statedict import to_record
-    from fedcomp.strategies.downstream import Downstream
+    from fedcomp.strategies.downstream_sender import Downstream
     from tests.messages import make_msg
     D, ds, rng = 50_000, Downstream(CodecConfig.from_mapping({"density": 0.01}), "stc"), np.random.default_rng(0)
     w = rng.standard_normal(D).astype(np.float32)

@@ -13,8 +13,8 @@ from flwr.serverapp.strategy import FedAvg
 from torch import nn
 
 from fedcomp.client import compression_mod
-from fedcomp.protocol import MODEL_STATE_KEY
-from fedcomp.simulation import InProcessGrid
+from fedcomp.protocol.messages import MODEL_STATE_KEY
+from fedcomp.run.inprocess_grid import InProcessGrid
 from fedcomp.strategies import CompressedStrategy
 
 logging.getLogger("flwr").setLevel(logging.WARNING)
@@ -84,7 +84,7 @@ def test_running_statistics_stay_exact_downstream(codec):
 def test_statistics_compressed_only_when_asked():
     """``batchnorm-stats = "codec"`` compresses them downstream too (the user's explicit choice)."""
     from fedcomp.config import CodecConfig
-    from fedcomp.strategies.downstream import Downstream
+    from fedcomp.strategies.downstream_sender import Downstream
 
     d = Downstream(CodecConfig.from_mapping({"batchnorm-stats": "codec"}), "stc")
     from fedcomp.statedict import FlatModel

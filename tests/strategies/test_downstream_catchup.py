@@ -7,12 +7,12 @@ import pytest
 import torch
 from flwr.app import ConfigRecord, RecordDict
 
-from fedcomp.client.downstream import rebuild
+from fedcomp.client.downstream_receiver import rebuild
 from fedcomp.config import CodecConfig
-from fedcomp.protocol import MODEL_STATE_KEY
-from fedcomp.seeded_init import lora_init
+from fedcomp.protocol.messages import MODEL_STATE_KEY
+from fedcomp.protocol.seeded_init import lora_init
 from fedcomp.statedict import to_record
-from fedcomp.strategies.downstream import Downstream
+from fedcomp.strategies.downstream_sender import Downstream
 
 from tests.messages import make_ctx, make_msg
 

@@ -8,7 +8,7 @@ from flwr.serverapp.strategy import FedAvg, FedMedian
 
 import fedcomp.compression as fc
 from fedcomp.config import CodecConfig
-from fedcomp.protocol import MODEL_KEY, RESIDUAL_STATE_KEY
+from fedcomp.protocol.messages import MODEL_KEY, RESIDUAL_STATE_KEY
 from fedcomp.strategies import CompressedStrategy
 
 
@@ -43,9 +43,9 @@ def test_config_accepts_ef21_and_refuses_what_does_not_fit():
 
 def test_server_estimate_is_the_weighted_mean_of_the_clients_and_is_applied():
     """Real ClientApp + mod + CompressedStrategy(FedAvg) on the default CNN, 3 clients, 3 rounds."""
-    from fedcomp.client.app import app as client_app
-    from fedcomp.models import build_model
-    from fedcomp.simulation import InProcessGrid
+    from fedcomp.app.client_app import app as client_app
+    from fedcomp.task.models import build_model
+    from fedcomp.run.inprocess_grid import InProcessGrid
 
     weights: dict[int, float] = {}
 
@@ -89,9 +89,9 @@ def test_ef21_strategy_refuses_fraction_train_below_one():
 
 
 def test_ef21_missing_client_is_counted_in_the_round_metrics():
-    from fedcomp.client.app import app as client_app
-    from fedcomp.models import build_model
-    from fedcomp.simulation import InProcessGrid
+    from fedcomp.app.client_app import app as client_app
+    from fedcomp.task.models import build_model
+    from fedcomp.run.inprocess_grid import InProcessGrid
     grid = InProcessGrid(client_app, 3, {"lr": 0.05})
     s = CompressedStrategy(FedAvg(min_available_nodes=3, fraction_evaluate=0.0), compressor="topk", density=0.1,
                            error_feedback="ef21")
@@ -116,9 +116,9 @@ def test_a_client_that_lost_its_estimate_is_refused_by_name_not_folded(caplog):
     later round too (its h_i restarted from zero can never match again); the other node is folded."""
     import logging
 
-    from fedcomp.client.app import app as client_app
-    from fedcomp.models import build_model
-    from fedcomp.simulation import InProcessGrid
+    from fedcomp.app.client_app import app as client_app
+    from fedcomp.task.models import build_model
+    from fedcomp.run.inprocess_grid import InProcessGrid
     from flwr.app import RecordDict
 
     grid = InProcessGrid(client_app, 2, {"lr": 0.05})
@@ -143,7 +143,7 @@ def test_a_client_that_lost_its_estimate_is_refused_by_name_not_folded(caplog):
 
 
 def test_the_estimate_round_is_required_and_the_record_survives_a_checkpoint():
-    from fedcomp.strategies.ef21 import EF21Aggregate
+    from fedcomp.strategies.ef21_aggregate import EF21Aggregate
     from tests.messages import reply_with, train_msg, weights
 
     agg = EF21Aggregate()

@@ -10,7 +10,7 @@ from flwr.app.message import make_message
 from flwr.serverapp.strategy import FedAvg
 
 from fedcomp.client import compression_mod
-from fedcomp.device import memory_limit_mb, oom_kills
+from fedcomp.protocol.device import memory_limit_mb, oom_kills
 from fedcomp.statedict import FlatModel
 from fedcomp.strategies import CompressedStrategy
 from fedcomp.strategies.failures import (CRASHED_REASON, GONE_REASON, NO_REPLY_REASON, STRANGER_REASON, UNTRACED_REASON,

@@ -21,7 +21,7 @@ from flwr.clientapp.mod import fixedclipping_mod
 from flwr.serverapp.strategy import DifferentialPrivacyClientSideFixedClipping, FedAvg, FedMedian, FedTrimmedAvg
 
 from fedcomp.client import compression_mod
-from fedcomp.simulation import InProcessGrid
+from fedcomp.run.inprocess_grid import InProcessGrid
 from fedcomp.strategies import CompressedStrategy
 
 N = 3

@@ -43,7 +43,7 @@ def test_bad_num_examples_is_rejected(bad):
 
 
 def test_non_finite_client_metrics_are_dropped_and_results_are_strict_json(tmp_path):
-    from fedcomp.server.results import write_json
+    from fedcomp.app.results import write_json
 
     g, t = weights(0), weights(1)
     s = CompressedStrategy(fedavg(), compressor="none")

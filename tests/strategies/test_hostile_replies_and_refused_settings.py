@@ -13,10 +13,10 @@ from flwr.serverapp.strategy import FedAvgM
 from fedcomp.client import compression_mod
 from fedcomp.config import AppConfig, CodecConfig
 from fedcomp.privacy import LocalDP
-from fedcomp.server.app import privacy_options
-from fedcomp.simulation import InProcessGrid
+from fedcomp.app.server_app import privacy_options
+from fedcomp.run.inprocess_grid import InProcessGrid
 from fedcomp.strategies import CompressedStrategy
-from fedcomp.strategies.legacy import LegacyCompressedStrategy
+from fedcomp.strategies.legacy_strategy import LegacyCompressedStrategy
 from tests.messages import make_ctx, reply_with, train_msg, weights
 from tests.strategies.legacy_helpers import LinRegClient, NumPyProxy, init_weights
 
@@ -45,7 +45,7 @@ def test_huge_client_metrics_neither_crash_the_round_nor_become_infinite():
 def _legacy_results(strategy, rnd=1, n=3):
     from flwr.server import SimpleClientManager
 
-    from fedcomp.client.legacy import CompressedNumPyClient
+    from fedcomp.client.numpy_client import CompressedNumPyClient
 
     cm = SimpleClientManager()
     for i in range(n):
@@ -88,8 +88,8 @@ def test_a_nodes_second_reply_is_refused_and_counted_as_rejected():
 
 
 def test_a_reply_from_a_node_that_was_not_asked_is_refused():
-    from fedcomp.client.app import app as client_app
-    from fedcomp.models import build_model
+    from fedcomp.app.client_app import app as client_app
+    from fedcomp.task.models import build_model
 
     grid = InProcessGrid(client_app, 2, {})
     s = CompressedStrategy(fedavg(), compressor="none")

@@ -19,8 +19,8 @@ from flwr.server.strategy import FedAvg
 
 import fedcomp.compression as fc
 from fedcomp.client import CompositionError
-from fedcomp.client.legacy import LEGACY_RESIDUAL_STATE_KEY, CompressedNumPyClient
-from fedcomp.strategies.legacy import LegacyCompressedStrategy, decode_legacy_update, payloads_from_parameters
+from fedcomp.client.numpy_client import LEGACY_RESIDUAL_STATE_KEY, CompressedNumPyClient
+from fedcomp.strategies.legacy_strategy import LegacyCompressedStrategy, decode_legacy_update, payloads_from_parameters
 
 from .legacy_helpers import LinRegClient, N, fit_all, init_weights, make_inner, manager
 
@@ -176,7 +176,7 @@ def test_dense_reply_is_rejected_with_a_hint(caplog):
     with caplog.at_level(logging.WARNING):
         p, m = s.aggregate_fit(1, fit_all(s, 1, s.initialize_parameters(cm), cm), [])
     assert p is not None and m["rejected-replies"] == 1 and m["num-replies"] == 2
-    assert "client 1" in caplog.text and "wrap the client in fedcomp.client.legacy.CompressedNumPyClient" in caplog.text
+    assert "client 1" in caplog.text and "wrap the client in fedcomp.client.numpy_client.CompressedNumPyClient" in caplog.text
 
 
 def test_npy_header_claiming_a_huge_array_is_rejected_without_allocating():
@@ -208,7 +208,7 @@ def test_constructor_validation():
 # -- the legacy runtime: ServerApp(server_fn) + ClientApp(client_fn), in process ---------------
 
 def _legacy_grid(client_app):
-    from fedcomp.simulation import InProcessGrid
+    from fedcomp.run.inprocess_grid import InProcessGrid
 
     class LegacyGrid(InProcessGrid):
         """The compat layer reads ``grid.run.run_id``."""
@@ -262,8 +262,8 @@ from flwr.common import ndarrays_to_parameters
 from flwr.server import ServerConfig
 from flwr.server.strategy import FedAvg
 from flwr.simulation import start_simulation
-from fedcomp.client.legacy import CompressedNumPyClient
-from fedcomp.strategies.legacy import LegacyCompressedStrategy
+from fedcomp.client.numpy_client import CompressedNumPyClient
+from fedcomp.strategies.legacy_strategy import LegacyCompressedStrategy
 from tests.strategies.legacy_helpers import LinRegClient, init_weights
 
 inner = FedAvg(min_fit_clients=2, min_available_clients=2, fraction_evaluate=0.0,

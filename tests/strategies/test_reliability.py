@@ -13,9 +13,9 @@ from flwr.serverapp.strategy import FedAvg
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fedcomp.client.app import app as client_app
-from fedcomp.protocol import MODEL_KEY, PAYLOAD_DTYPE, PAYLOAD_STYPE, RESIDUAL_STATE_KEY
-from fedcomp.simulation import InProcessGrid
+from fedcomp.app.client_app import app as client_app
+from fedcomp.protocol.messages import MODEL_KEY, PAYLOAD_DTYPE, PAYLOAD_STYPE, RESIDUAL_STATE_KEY
+from fedcomp.run.inprocess_grid import InProcessGrid
 from fedcomp.statedict import FlatModel
 from fedcomp.strategies import CompressedStrategy
 
@@ -46,7 +46,7 @@ def test_three_of_ten_clients_failing_every_round():
 
 def test_unsampled_client_keeps_its_residual_across_rounds():
     logging.getLogger("flwr").setLevel(logging.WARNING)
-    from fedcomp.models import build_model
+    from fedcomp.task.models import build_model
 
     grid = InProcessGrid(client_app, 4, {"lr": 0.1})
     s = CompressedStrategy(FedAvg(fraction_train=0.5, fraction_evaluate=0.0, min_train_nodes=2,

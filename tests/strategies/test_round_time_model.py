@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from fedcomp.device import CLIENTAPP_PROCESS, clientapp_seconds
+from fedcomp.protocol.device import CLIENTAPP_PROCESS, clientapp_seconds
 from fedcomp.strategies.round_metrics import FLOWER_POLL_SECONDS, client_seconds, client_stats, round_metrics
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -72,7 +72,7 @@ def test_clientapp_seconds_is_zero_outside_a_per_message_process():
 @pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="needs Linux /proc")
 def test_clientapp_seconds_is_the_process_age_in_a_flwr_clientapp_process():
     code = ("import sys, time; time.sleep(1.0); sys.argv[0] = '/venv/bin/flwr-clientapp'; "
-            "from fedcomp.device import clientapp_seconds; print(clientapp_seconds())")
+            "from fedcomp.protocol.device import clientapp_seconds; print(clientapp_seconds())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120,
                          env={**os.environ, "PYTHONPATH": str(REPO)})
     age = float(out.stdout)

@@ -9,7 +9,7 @@ from flwr.app import ConfigRecord, Context
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg
 
-from fedcomp.lora import LoraSettings, initial_adapters  # fedcomp
+from fedcomp.task.lora import LoraSettings, initial_adapters  # fedcomp
 from fedcomp.statedict import to_record  # fedcomp
 from fedcomp.strategies import CompressedStrategy  # fedcomp
 

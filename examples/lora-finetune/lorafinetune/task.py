@@ -1,4 +1,4 @@
-"""Model and data of the example, as a FlowerTune app has them (the texts come from fedcomp.text_data).
+"""Model and data of the example, as a FlowerTune app has them (the texts come from fedcomp.task.text_data).
 
 The base model is loaded with ``AutoModelForCausalLM.from_pretrained`` (a local directory or a hub
 id), frozen and wrapped with peft's LoRA; only the adapter state dict is exchanged. Each client's
@@ -12,7 +12,7 @@ from peft import LoraConfig, get_peft_model
 from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM
 
-from fedcomp.text_data import load_text_partition
+from fedcomp.task.text_data import load_text_partition
 
 
 @lru_cache(maxsize=1)

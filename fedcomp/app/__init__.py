@@ -1,0 +1,8 @@
+"""The reference Flower apps built on the library: the ServerApp (``server_app``, with the SecAgg+
+path in ``secagg_server_app``), the ClientApps (``client_app``, ``lora_client_app``), and what the
+server writes (``results``, ``checkpoint``, ``strategy_record``) and prints (``console``,
+``startup``).
+
+Components for ``pyproject.toml``: ``fedcomp.app.server_app:app`` and ``fedcomp.app.client_app:app``
+(the old ``fedcomp.server.app:app`` / ``fedcomp.client.app:app`` still load, see ``fedcomp._aliases``).
+"""

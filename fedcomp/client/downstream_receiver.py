@@ -1,0 +1,182 @@
+"""Client side of server-to-client compression: rebuild the model a downstream message describes
+and keep it (with its version) in ``context.state``.
+
+Message forms (written by :mod:`fedcomp.strategies.downstream_sender`; the train config carries
+``fedcomp-model-version`` whenever the server versions the model):
+
+- dense: ordinary weights; kept as they are.
+- payload / chain / diff: ``fedcomp-base-version`` names the copy this node must hold; the record
+  holds the compressed payloads ``fedcomp.model``, ``fedcomp.model/1``, ... (applied in order to the
+  compressed part: every float tensor not sent by name), the BatchNorm statistics as exact fp32
+  payloads and the integer/bool tensors as exact payloads, under their own names.
+- init: ``fedcomp-init-seed`` is set; the compressed part's tensors arrive as seeded-init rules
+  (:mod:`fedcomp.protocol.seeded_init`: dtype, shape, bound), the others as plain arrays; payloads, if any,
+  apply on top of that start.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord
+
+from fedcomp.protocol.broadcast import chain_key, gather, scatter, settle
+from fedcomp.compression import PayloadError, decode_exact, decompress
+from fedcomp.compression.wire import DEFAULT_MAX_NUMEL
+from fedcomp.protocol.messages import BASE_VERSION, MODEL_KEY, MODEL_META_KEY, MODEL_STATE_KEY, MODEL_VERSION, PAYLOAD_STYPE
+from fedcomp.protocol.seeded_init import INIT_SEED, INIT_STYPE, seeded_tensor
+from fedcomp.statedict import FlatModel, is_float_dtype, numpy_dict
+from fedcomp.client.update import CompositionError
+
+
+def _version_keys(cfg) -> None:
+    for key in (MODEL_VERSION, BASE_VERSION, INIT_SEED):
+        v = cfg.get(key, 0)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise CompositionError(f"train config '{key}' must be an integer >= 0, got {v!r}")
+
+
+def _parts(rec: ArrayRecord) -> list[bytes]:
+    """The compressed payloads in application order.
+
+    Raises
+    ------
+    PayloadError
+        A payload key out of sequence, or a payload key that is not a payload.
+    """
+    n = 0
+    while chain_key(n) in rec:
+        n += 1
+    stray = [k for k in rec.keys() if (k == MODEL_KEY or k.startswith(MODEL_KEY + "/"))
+             and k not in {chain_key(i) for i in range(n)}]
+    if stray:
+        raise PayloadError(f"downstream payload keys out of sequence: {stray[:5]}")
+    out = []
+    for i in range(n):
+        a = rec[chain_key(i)]
+        if a.stype != PAYLOAD_STYPE:
+            raise PayloadError(f"'{chain_key(i)}' is not a fedcomp payload (stype {a.stype!r})")
+        out.append(bytes(a.data))
+    return out
+
+
+def _init_base(rec: ArrayRecord, seed: int, part_keys: set[str]) -> tuple[FlatModel, list[str]]:
+    """The seeded start: (model, names of the compressed part).
+
+    Raises
+    ------
+    PayloadError
+        A seeded-init rule that is not 8 bytes, a negative or non-finite bound, a non-float dtype,
+        or more elements than a payload may claim.
+    """
+    values, dtypes, lossy, total = {}, {}, [], 0
+    for k, a in rec.items():
+        if k in part_keys:
+            continue
+        if a.stype == INIT_STYPE:
+            if len(a.data) != 8 or not a.dtype or not is_float_dtype(a.dtype):
+                raise PayloadError(f"seeded-init rule of '{k}' is malformed (dtype {a.dtype!r}, {len(a.data)} bytes)")
+            (bound,) = struct.unpack("<d", a.data)
+            if not math.isfinite(bound) or bound < 0:
+                raise PayloadError(f"seeded-init rule of '{k}': bound {bound!r} is not finite and >= 0")
+            shape = tuple(int(d) for d in a.shape)
+            total += int(np.prod(shape)) if shape else 1
+            if total > DEFAULT_MAX_NUMEL:
+                raise PayloadError(f"seeded-init rules claim more than {DEFAULT_MAX_NUMEL} elements")
+            values[k], dtypes[k] = seeded_tensor(k, shape, bound, seed), a.dtype
+            lossy.append(k)
+        else:
+            v, d = numpy_dict(ArrayRecord({k: a}))
+            values[k], dtypes[k] = v[k], d[k]
+    model = FlatModel(values, dtypes)
+    vec = settle(model, lossy, gather(model, lossy))
+    scatter(model, lossy, vec)
+    return model, lossy
+
+
+def _held_base(rec: ArrayRecord, context: Context, cfg, part_keys: set[str]) -> tuple[FlatModel, list[str]]:
+    """The kept copy with the exactly sent tensors replaced: (model, names of the compressed part).
+
+    Raises
+    ------
+    CompositionError
+        No copy kept, or a copy of another version.
+    PayloadError
+        A tensor sent by name that the model does not have, or a malformed exact payload.
+    """
+    if MODEL_STATE_KEY not in context.state:
+        raise CompositionError("received a compressed model but this node keeps no model copy (new node?)")
+    held = int(context.state[MODEL_META_KEY]["version"])
+    if held != cfg.get(BASE_VERSION):
+        raise CompositionError(f"this node holds model version {held}, the payload applies to {cfg.get(BASE_VERSION)}")
+    base = FlatModel.from_record(context.state[MODEL_STATE_KEY])
+    named = [k for k in rec.keys() if k not in part_keys]
+    unknown = sorted(set(named) - set(base.keys))
+    if unknown:
+        raise PayloadError(f"downstream payload carries unknown keys {unknown[:5]}")
+    for k in named:
+        spec = base.specs[k]
+        if spec.is_float:  # exempt (BatchNorm statistics): the exact fp32 values
+            base.float_view(k)[...] = decompress(rec[k].data, max_numel=max(spec.numel, 1),
+                                                 expected_shape=spec.shape).numpy()
+        else:
+            base.exact[k] = decode_exact(rec[k].data, spec.shape, spec.dtype)
+    return base, [k for k in base.float_keys if k not in named]
+
+
+def rebuild(msg: Message, context: Context, arr_key: str, rec: ArrayRecord, cfg) -> ArrayRecord:
+    """Rebuild the model of a downstream message and keep it in ``context.state``.
+
+    Parameters
+    ----------
+    msg : Message
+        The train message (its ArrayRecord ``arr_key`` is replaced by the rebuilt dense weights).
+    context : Context
+        The node's context (``context.state`` holds the copy and its version).
+    rec : ArrayRecord
+        The received record.
+    cfg : mapping
+        The train config.
+
+    Returns
+    -------
+    ArrayRecord
+        Dense weights, every tensor in its dtype and shape.
+
+    Raises
+    ------
+    CompositionError
+        A payload arrives but this node holds no copy, or a copy of another version.
+    PayloadError
+        A malformed payload or seeded-init rule, unknown keys, another shape or dtype.
+    ValueError
+        The rebuilt model is not finite in its dtypes.
+    """
+    if MODEL_VERSION not in cfg:
+        return rec
+    _version_keys(cfg)
+    parts = _parts(rec)
+    part_keys = {chain_key(i) for i in range(len(parts))}
+    if INIT_SEED in cfg:
+        base, lossy = _init_base(rec, int(cfg[INIT_SEED]), part_keys)
+    elif parts:
+        base, lossy = _held_base(rec, context, cfg, part_keys)
+    else:
+        base = None
+    if base is not None:
+        n = sum(base.specs[k].numel for k in lossy)
+        vec = gather(base, lossy)
+        for p in parts:
+            vec = settle(base, lossy, vec + decompress(p, max_numel=max(n, 1), expected_shape=(n,)).numpy())
+        scatter(base, lossy, vec)
+        rec = base.record(check=True)
+        msg.content[arr_key] = rec
+    context.state[MODEL_STATE_KEY] = ArrayRecord({k: Array(dtype=a.dtype, shape=tuple(a.shape), stype=a.stype,
+                                                           data=bytes(a.data)) for k, a in rec.items()})
+    context.state[MODEL_META_KEY] = MetricRecord({"version": int(cfg[MODEL_VERSION])})
+    return rec
+
+
+__all__ = ["rebuild"]

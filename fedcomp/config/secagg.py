@@ -1,0 +1,158 @@
+"""Run-config keys of secure aggregation (``secagg = true``), validated (Flower-free).
+
+Keys (defaults in ``pyproject.toml``):
+
+- ``secagg`` (false): run Flower's SecAgg+ (``DefaultWorkflow`` + ``SecAggPlusWorkflow``).
+- ``secagg-shares`` (1.0) / ``secagg-threshold`` (0.7): Flower's ``num_shares`` and
+  ``reconstruction_threshold``: an integer count (shares > 2, threshold < shares) or a float
+  fraction (shares of the sampled clients, threshold of the shares), as in Flower.
+- ``secagg-clipping-range`` (1.0): c; every weighted update entry is clipped to [-c, c] (error
+  feedback keeps what clipping removes); c * 2**secagg-quantization-bits must stay < 2**52.
+- ``secagg-quantization-bits`` (16): Q = 2**bits levels over [-c, c].
+- ``secagg-modulus-bits`` (0 = auto): masks and sums live modulo 2**bits; auto takes, each round,
+  the smallest that cannot overflow: ``ceil(log2(n * Q + 1))`` for n sampled clients.
+- ``secagg-max-weight`` (1000.0): Flower's ``max_weight``; a client weighs
+  ``num_examples / max_weight`` (must be <= 1: larger clients are refused, naming this key).
+- ``secagg-rotation`` (false): shared randomised Hadamard rotation before the random-k selection.
+- ``secagg-pack`` (true): masked values travel packed at modulus-bits bits each instead of int64.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from fedcomp.util.validate import read_bool
+
+#: Codecs that survive masked summation: shared-seed random-k (``randomk``) and dense (``none``).
+SECAGG_CODECS = ("randomk", "none")
+#: Flower's limit: ``modulus_range`` below 2**32 (its quantizer and masks use 32/64-bit integers).
+MAX_MODULUS_BITS = 32
+
+SECAGG_DEFAULTS: dict[str, Any] = {
+    "secagg": False,
+    "secagg-shares": 1.0,
+    "secagg-threshold": 0.7,
+    "secagg-clipping-range": 1.0,
+    "secagg-quantization-bits": 16,
+    "secagg-modulus-bits": 0,
+    "secagg-max-weight": 1000.0,
+    "secagg-rotation": False,
+    "secagg-pack": True,
+}
+
+
+def _number(cfg: Mapping[str, Any], key: str) -> float | int:
+    v = cfg.get(key, SECAGG_DEFAULTS[key])
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise ValueError(f"run config '{key}' must be a finite number, got {v!r}")
+    return v
+
+
+def _int(cfg: Mapping[str, Any], key: str, lo: int, hi: int) -> int:
+    v = _number(cfg, key)
+    if isinstance(v, float) and not v.is_integer() or not lo <= v <= hi:
+        raise ValueError(f"run config '{key}' must be an integer in [{lo}, {hi}], got {v!r}")
+    return int(v)
+
+
+@dataclass(frozen=True)
+class SecAggConfig:
+    """SecAgg+ settings of a run; see the module docstring for each key."""
+
+    enabled: bool = False
+    shares: int | float = 1.0
+    threshold: int | float = 0.7
+    clipping_range: float = 1.0
+    quantization_bits: int = 16
+    modulus_bits: int = 0
+    max_weight: float = 1000.0
+    rotation: bool = False
+    pack: bool = True
+
+    @property
+    def quantization_range(self) -> int:
+        """Q = 2**quantization_bits."""
+        return 1 << self.quantization_bits
+
+    @classmethod
+    def from_run_config(cls, cfg: Mapping[str, Any]) -> SecAggConfig:
+        """Parse and validate the ``secagg*`` keys (other keys are ignored).
+
+        Raises
+        ------
+        ValueError
+            Naming the key and its allowed range.
+        """
+        shares, threshold = _number(cfg, "secagg-shares"), _number(cfg, "secagg-threshold")
+        if isinstance(shares, int) and shares not in (1,) and shares <= 2:
+            raise ValueError(f"run config 'secagg-shares' as an integer must be > 2 (or a fraction in (0, 1]), got {shares}")
+        if isinstance(shares, float) and not 0 < shares <= 1:
+            raise ValueError(f"run config 'secagg-shares' as a float is a fraction of the sampled clients in (0, 1], "
+                             f"got {shares}")
+        if isinstance(threshold, float) and not 0 < threshold <= 1:
+            raise ValueError(f"run config 'secagg-threshold' as a float is a fraction of the shares in (0, 1], "
+                             f"got {threshold}")
+        if isinstance(threshold, int) and (threshold < 1 or isinstance(shares, int) and shares > 1
+                                           and threshold >= shares):
+            raise ValueError(f"run config 'secagg-threshold' as an integer must be >= 1 and < 'secagg-shares', "
+                             f"got {threshold}")
+        c = float(_number(cfg, "secagg-clipping-range"))
+        if c <= 0:
+            raise ValueError(f"run config 'secagg-clipping-range' must be > 0, got {c}")
+        qbits = _int(cfg, "secagg-quantization-bits", 1, MAX_MODULUS_BITS - 2)
+        if c * 2.0 ** qbits >= 2.0 ** 52:
+            raise ValueError(f"run config 'secagg-clipping-range' = {c:g} is too large for "
+                             f"secagg-quantization-bits = {qbits}: c * 2**bits must stay < 2**52 (what float64 "
+                             "resolves); the rounding noise per value is ~c / 2**bits, so pick c near the largest "
+                             "update entry")
+        mbits = _int(cfg, "secagg-modulus-bits", 0, MAX_MODULUS_BITS)
+        if mbits and mbits <= qbits + 1:
+            raise ValueError(f"run config 'secagg-modulus-bits' = {mbits} must exceed secagg-quantization-bits + 1 "
+                             f"= {qbits + 1} (the sum of two clients already needs {qbits + 2} bits), or be 0 (auto)")
+        mw = float(_number(cfg, "secagg-max-weight"))
+        if mw <= 0:
+            raise ValueError(f"run config 'secagg-max-weight' must be > 0, got {mw}")
+        flags = {k: read_bool(cfg, k, SECAGG_DEFAULTS[k]) for k in ("secagg", "secagg-rotation", "secagg-pack")}
+        return cls(enabled=flags["secagg"], shares=shares, threshold=threshold, clipping_range=c,
+                   quantization_bits=qbits, modulus_bits=mbits, max_weight=mw,
+                   rotation=flags["secagg-rotation"], pack=flags["secagg-pack"])
+
+
+def check_codec_under_secagg(run_config: Mapping[str, Any]) -> None:
+    """Refuse run-config settings that cannot work when the server only sees a masked sum.
+
+    Raises
+    ------
+    ValueError
+        A codec other than :data:`SECAGG_CODECS` (its per-client positions or scales make a
+        masked sum meaningless), or a feature the secure path does not implement (naming it).
+    """
+    comp = run_config.get("compressor", "stc")
+    if comp not in SECAGG_CODECS:
+        raise ValueError(f"run config 'compressor' = {comp!r} cannot work under secure aggregation: the server only "
+                         f"sees the masked sum, and {comp!r} chooses positions or scales per client. Use one of "
+                         f"{list(SECAGG_CODECS)} ('randomk' uses the round's shared seed, 'none' is dense SecAgg+)")
+    if run_config.get("error-feedback", True) not in (True, False):
+        raise ValueError(f"run config 'error-feedback' = {run_config['error-feedback']!r} is not supported with "
+                         "secagg = true (use true or false: the server only sees the masked sum, not each client's "
+                         "EF21 estimate)")
+    dp = run_config.get("dp", "none")
+    if dp not in ("none", "client-level"):
+        raise ValueError(f"run config 'dp' = {dp!r} is not supported with secagg = true (use 'none' or "
+                         "'client-level': clients clip their shared k values, the server adds the noise to the sum)")
+    if dp == "client-level" and run_config.get("error-feedback", True) is not False:
+        raise ValueError("run config dp = 'client-level' with secagg = true needs error-feedback = false: with error "
+                         "feedback the residual carries the clipped excess into later rounds and voids the clipping "
+                         "bound")
+    unsupported = { "downstream": "none", "client-sampling": "fraction", "layer-codecs": "",
+                   "warmup-rounds": 0, "density-schedule": "constant", "momentum-correction": 0.0, "resume": False,
+                   # the secure path trains the full model and encodes every float entry with the shared seed:
+                   "finetune": "full", "selection": "auto", "min-compress-numel": 0,
+                   "small-tensor-compressor": "none", "require-compression": False}
+    for key, ok in unsupported.items():
+        if key in run_config and run_config[key] != ok and not (key == "density-schedule" and run_config[key] == "auto"):
+            raise ValueError(f"run config '{key}' = {run_config[key]!r} is not supported with secagg = true "
+                             f"(use {ok!r})")

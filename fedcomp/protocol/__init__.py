@@ -1,0 +1,14 @@
+"""What travels between the client mod and the server strategy (Flower-level names, no codecs):
+message keys and the payload ``Array`` (``messages``), the downstream broadcast's layout
+(``broadcast``), initial weights rebuilt from a seed (``seeded_init``) and the client's device report
+(``device``).
+
+``from fedcomp.protocol import payload_array`` (and the other names of ``messages``) keeps working.
+"""
+
+from fedcomp.protocol.messages import (
+    BASE_VERSION, DEFAULT_DOWNLINK_MBPS, DEFAULT_UPLINK_MBPS, ESTIMATE_ROUND_METRIC, MIN_LINK_MBPS,
+    MODEL_KEY, MODEL_META_KEY, MODEL_STATE_KEY, MODEL_VERSION, PAYLOAD_DTYPE, PAYLOAD_STYPE,
+    RESIDUAL_ROUND_KEY, RESIDUAL_STATE_KEY, SECAGG_DP_CLIP_KEY, SECAGG_KEYS_KEY, SECAGG_PACK_KEY,
+    SECAGG_ROTATION_KEY, SECAGG_SEED_KEY, payload_array, server_round,
+)

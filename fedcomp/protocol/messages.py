@@ -1,0 +1,67 @@
+"""Names shared by the client mod and the server strategy (the Flower-level protocol).
+
+A compressed train reply carries one ArrayRecord whose keys are the model's parameter
+names and whose Arrays hold fedcomp payloads as raw bytes:
+``Array(dtype="bytes", shape=(len(payload),), stype=PAYLOAD_STYPE, data=payload)``, so
+``len(Array.data)`` is exactly the payload size in bytes (:func:`payload_array`).
+"""
+
+from flwr.app import Array
+
+#: ``Array.stype`` of a fedcomp payload.
+PAYLOAD_STYPE = "fedcomp.payload.v1"
+#: ``Array.dtype`` of a fedcomp payload.
+PAYLOAD_DTYPE = "bytes"
+#: Key in ``context.state`` of the error-feedback residuals (an ArrayRecord, one per parameter).
+RESIDUAL_STATE_KEY = "fedcomp.residual"
+#: Key in ``context.state`` of the round the kept residuals were computed in (``{"round": int}``).
+RESIDUAL_ROUND_KEY = "fedcomp.residual-round"
+#: Reply metric under EF21: the server round of the last send the client's estimate ``h_i`` holds (0:
+#: none); the server refuses a node whose value is not the round it last folded (:mod:`fedcomp.strategies.ef21_aggregate`).
+ESTIMATE_ROUND_METRIC = "ef21-estimate-round"
+#: ArrayRecord key of a whole-model payload (selection scope "model"): the update of every
+#: parameter, flattened in the global model's key order and concatenated.
+MODEL_KEY = "fedcomp.model"
+#: Keys in ``context.state`` of the client's model copy (downstream compression) and its version.
+MODEL_STATE_KEY = "fedcomp.model-copy"
+MODEL_META_KEY = "fedcomp.model-version"
+#: Link speeds (megabits per second) of a node that declares none (node config ``uplink-mbps`` /
+#: ``downlink-mbps``): a slow uplink, a faster downlink, as on most access links.
+DEFAULT_UPLINK_MBPS = 1.0
+DEFAULT_DOWNLINK_MBPS = 10.0
+#: Slowest link speed (megabits per second) accepted in a config or used for a reported speed
+#: (1 bit/s); a smaller positive speed (e.g. 1e-310) would make a client's simulated seconds inf.
+MIN_LINK_MBPS = 1e-6
+#: Train-config keys of downstream compression: the model version a client will hold after this
+#: message, and (payload messages only) the version the payload applies to.
+MODEL_VERSION = "fedcomp-model-version"
+BASE_VERSION = "fedcomp-base-version"
+
+
+def server_round(msg) -> int:
+    """The ``server-round`` a Flower strategy put in the message's ConfigRecord (0 if absent).
+
+    Parameters
+    ----------
+    msg : flwr.app.Message
+        A message with content.
+    """
+    recs = msg.content.config_records
+    if not recs:
+        return 0
+    value = next(iter(recs.values())).get("server-round", 0)
+    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0
+
+#: Train-config keys of shared-randomness encoding under SecAgg+ (``fedcomp.secagg``): the round's
+#: shared seed (its presence tells ``compression_mod`` that the secure-aggregation mod encodes this
+#: update), the model's parameter names, the rotation flag and whether masked vectors may be packed.
+SECAGG_SEED_KEY = "fedcomp-secagg-seed"
+SECAGG_KEYS_KEY = "fedcomp-secagg-keys"
+SECAGG_ROTATION_KEY = "fedcomp-secagg-rotation"
+SECAGG_PACK_KEY = "fedcomp-secagg-pack"
+#: Client-level DP under SecAgg+: the L2 bound every client clips its k selected values to.
+SECAGG_DP_CLIP_KEY = "fedcomp-secagg-dp-clip"
+
+def payload_array(payload: bytes) -> Array:
+    """A fedcomp payload as a Flower ``Array``: raw bytes, ``len(Array.data) == len(payload)``."""
+    return Array(dtype=PAYLOAD_DTYPE, shape=(len(payload),), stype=PAYLOAD_STYPE, data=payload)

@@ -1,1 +1,0 @@
-"""Server side: the ServerApp (``fedcomp.server.app:app``) and results files."""

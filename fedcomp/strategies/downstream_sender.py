@@ -1,0 +1,342 @@
+"""Server-to-client compression: the server broadcasts the change of the global model compressed,
+with error feedback, and sends clients that missed rounds a small catch-up instead of the model.
+
+Source: Sattler et al., IEEE TNNLS 2019 (STC in both directions, residuals on both sides); for
+partial participation, the same paper's "caching" discussion (a client that missed rounds gets the
+accumulated change).
+
+What travels, per message (self-describing; :mod:`fedcomp.client.downstream_receiver` rebuilds it):
+
+- **Compressed part**: every float tensor except BatchNorm's running statistics (while
+  ``batchnorm-stats = "small"``, the default, as upstream) is one flat float32 vector in model order.
+- **Exempt part**: BatchNorm ``running_mean``/``running_var`` travel as exact fp32 payloads in every
+  message, and integer/bool tensors as exact payloads, so every client's copy of them *is* the
+  global model's (a lossy running variance can turn negative, and a client's update of a running
+  average taken against a stale copy corrupts the global one).
+
+The server keeps the *broadcast model* B_v (version v) and the true global G. Each round it sends
+``C(G - B_{v-1})`` and sets ``B_v = B_{v-1} + decompress(...)`` (server-side error feedback: what
+was not sent stays in ``G - B``). Per destination node, the cheapest of:
+
+1. ``payload``: the node holds B_{v-1} exactly: the broadcast payload.
+2. ``chain``: the node holds an older B_u exactly: the broadcast payloads u+1..v (exact: B_v).
+3. ``diff``: the node holds some H (an older version or an earlier catch-up): ``C(G - H)`` with
+   the downstream codec, per node; the node then holds ``H + decompress(...)``, which the server
+   records, so the next catch-up sends what this one missed (per-node error feedback).
+4. ``init``: a node that holds nothing, when the initial model is seeded (:mod:`fedcomp.protocol.seeded_init`,
+   LoRA's B = 0 and seeded A): the seed and one bound per tensor, then 2 or 3 on top of that start.
+5. ``dense``: B_v in every tensor's dtype (a new node without a seeded start; or whatever is
+   smaller than 2 and 3).
+
+A node counts as holding what it was sent only once its reply arrives (:meth:`Downstream.received`);
+a node that was sent something and did not reply is treated as new next time (its copy is unknown).
+
+Server memory: B and G, one float32 vector of the compressed part per older version that some node
+still holds, one per node that holds a catch-up (``diff``) copy, and the broadcast payloads still
+needed for chains. Bounded by ``max_copies`` (model copies of the compressed part, payload bytes
+included): past it the server forgets the least recently replying nodes first (their copy, and the
+versions and payloads no other node needs); a forgotten node is treated as new (seeded ``init`` +
+catch-up, or ``dense``), as after a missed reply.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from logging import WARNING
+
+import numpy as np
+import torch
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
+from flwr.common.logger import log
+
+from fedcomp.protocol.broadcast import chain_key, gather, is_batchnorm_stat, scatter, settle
+from fedcomp.compression import decompress, encode_exact, get_compressor
+from fedcomp.config import CodecConfig
+from fedcomp.protocol.messages import BASE_VERSION, MODEL_VERSION, payload_array
+from fedcomp.protocol.seeded_init import INIT_SEED, INIT_STYPE, SeededInit
+from fedcomp.statedict import FlatModel
+
+
+class Downstream:
+    """Per-run state of downstream compression.
+
+    Parameters
+    ----------
+    codec : CodecConfig
+        Parameters (density, levels, ...) for the downstream codec; ``batchnorm_stats`` says whether
+        BatchNorm statistics are exempt ("small", the default) or compressed ("codec").
+    compressor : str
+        Downstream codec name ("fp16", "stc", "sign", ...).
+    seed : int
+        Seed of stochastic codecs (mixed with the round and the node).
+    init : SeededInit, optional
+        How clients can build the initial model themselves (LoRA: B = 0, A from a seed). Used only if
+        the first round's global model equals it bit for bit (else a warning and dense first rounds).
+    catchup : {"smallest", "exact"}
+        Lagging clients get the smaller of the missed payloads and a per-client compressed diff
+        ("smallest", default), or the missed payloads whenever the server still has them ("exact").
+    max_copies : float
+        Most model copies (float32 vectors of the compressed part) kept for nodes: stored versions,
+        per-node catch-up copies and broadcast payloads (their bytes / the vector's bytes) together,
+        besides B and G. Default 8; at least 2 (this version and the previous one). Least recently
+        replying nodes are forgotten first.
+
+    Raises
+    ------
+    ValueError
+        ``catchup`` not one of the two, or ``max_copies`` < 2.
+    """
+
+    def __init__(self, codec: CodecConfig, compressor: str, seed: int = 0, init: SeededInit | None = None,
+                 catchup: str = "smallest", max_copies: float = 8) -> None:
+        if catchup not in ("smallest", "exact"):
+            raise ValueError(f"downstream catch-up must be 'smallest' or 'exact', got {catchup!r}")
+        if isinstance(max_copies, bool) or not isinstance(max_copies, (int, float)) or not max_copies >= 2:
+            raise ValueError(f"downstream max_copies must be a number >= 2, got {max_copies!r}")
+        self.max_copies = float(max_copies)
+        self._last_seen: dict[int, int] = {}  # node -> receipt counter (least recently replying evicted first)
+        self._receipts = 0
+        self.codec, self.compressor, self.seed, self.init = codec, compressor, seed, init
+        self.model: FlatModel | None = None  # B_v: every tensor
+        self.version = 0
+        #: node -> version label of the copy it holds (committed when it replied)
+        self.node_version: dict[int, int] = {}
+        self._private: dict[int, np.ndarray] = {}  # node -> compressed part it holds, if not exactly some B_u
+        self._versions: dict[int, np.ndarray] = {}  # u -> compressed part of B_u (held by some node)
+        self._payloads: dict[int, bytes] = {}  # u -> broadcast payload B_{u-1} -> B_u
+        self._pending: dict[int, tuple[int, np.ndarray | None]] = {}
+        self._init_vec: np.ndarray | None = None
+        #: "exact": lagging clients get the chain of missed payloads whenever it exists, never a per-client
+        #: diff, so every client trains from a broadcast version exactly (measured: sparse codecs such as
+        #: STC drift with per-client diffs under 2-of-8 sampling, not with exact catch-ups)
+        self.exact_catchup = catchup == "exact"
+        #: version -> flat B (every float tensor, model order; current and previous version)
+        self.history: dict[int, np.ndarray] = {}
+        #: this round: node -> bytes sent / kind of message ("payload", "chain", "diff", "init", "dense")
+        self.sent_bytes: dict[int, int] = {}
+        self.sent_kind: dict[int, str] = {}
+
+    @property
+    def broadcast(self) -> np.ndarray | None:
+        """B's float tensors, flat float32 (None before the first round)."""
+        return None if self.model is None else self.model.flat
+
+    # -- the compressed part -------------------------------------------------------------
+    def _setup(self, target: FlatModel) -> None:
+        exempt = self.codec.batchnorm_stats == "small"
+        self.exempt_keys = [k for k in target.float_keys if exempt and is_batchnorm_stat(k)]
+        self.lossy_keys = [k for k in target.float_keys if k not in self.exempt_keys]
+        self.num_lossy = sum(target.specs[k].numel for k in self.lossy_keys)
+
+    def _lossy(self, model: FlatModel) -> np.ndarray:
+        """The compressed part of ``model`` (a float32 copy)."""
+        return gather(model, self.lossy_keys)
+
+    def _settle(self, vec: np.ndarray) -> np.ndarray:
+        """Round a compressed-part vector to the tensors' dtypes (fp16/bf16), as the client's copy is."""
+        return settle(self.model, self.lossy_keys, vec)
+
+    def _decode(self, payload: bytes) -> np.ndarray:
+        return decompress(payload, max_numel=max(self.num_lossy, 1), expected_shape=(self.num_lossy,)).numpy()
+
+    def _codec(self, server_round: int, node: int | None = None):
+        extra = 0 if node is None else int.from_bytes(hashlib.sha256(str(node).encode()).digest()[:4], "little")
+        return self.codec.build(seed=self.seed + server_round + extra, compressor=self.compressor)
+
+    # -- one round --------------------------------------------------------------------------
+    def _forget_silent_nodes(self) -> None:
+        """Nodes sent something last round that did not reply: their copy is unknown; and drop what
+        no node needs any more."""
+        for node in self._pending:
+            self.node_version.pop(node, None)
+            self._private.pop(node, None)
+            self._last_seen.pop(node, None)
+        self._pending = {}
+        self._drop_unheld()
+        self._evict(self.max_copies - 1)  # room for the version this round adds
+
+    def _copies(self) -> float:
+        """Stored model copies: versions, per-node copies and payload bytes in vectors of the compressed part."""
+        vec_bytes = 4 * max(getattr(self, "num_lossy", 0), 1)
+        return len(self._versions) + len(self._private) + sum(len(p) for p in self._payloads.values()) / vec_bytes
+
+    def _evict(self, budget: float, keep: int | None = None) -> None:
+        """Forget the least recently replying nodes (not ``keep``, not those holding exactly this version
+        without a private copy: they cost nothing) until at most ``budget`` copies are stored."""
+        while self._copies() > budget:
+            cands = [n for n, v in self.node_version.items()
+                     if n != keep and (n in self._private or v != self.version)]
+            if not cands:
+                return
+            node = min(cands, key=lambda n: (self._last_seen.get(n, -1), n))
+            self.node_version.pop(node, None)
+            self._private.pop(node, None)
+            self._last_seen.pop(node, None)
+            self._drop_unheld()
+
+    def _drop_unheld(self) -> None:
+        """Drop the versions and payloads that no node needs any more."""
+        held = {v for n, v in self.node_version.items() if n not in self._private}
+        if self.exact_catchup and self._init_vec is not None:
+            held.add(1)  # nodes not seen yet start from the seeded B_1
+        for u in [u for u in self._versions if u not in held and u != self.version]:
+            del self._versions[u]
+        oldest = min(held | {self.version})
+        for u in [u for u in self._payloads if u <= oldest]:
+            del self._payloads[u]
+
+    def prepare(self, server_round: int, arrays: ArrayRecord, messages: list[Message]) -> list[Message]:
+        """Advance B to this round's global model and rewrite each message's arrays and config.
+
+        Every message gets its own RecordDict and ArrayRecord (as the real transport gives each
+        node its own copy), so a handler that edits its input affects no other client.
+
+        Returns the messages (modified in place) with a per-message ConfigRecord carrying the version
+        keys (and the init seed for ``init`` messages).
+        """
+        target = FlatModel.from_record(arrays)
+        self._forget_silent_nodes()
+        payload = None
+        if self.model is None:
+            self._setup(target)
+            self.model = target
+            self.version = 1
+            self._versions = {1: self._lossy(target)}
+            self._init_vec = self._check_init(target)
+        else:
+            b = self._versions[self.version]
+            comp = self._codec(server_round)
+            payload = comp.compress(torch.from_numpy(self._lossy(target) - b))
+            b = self._settle(b + self._decode(payload))
+            self.version += 1
+            self._versions[self.version] = b
+            self._payloads[self.version] = payload
+            scatter(self.model, self.lossy_keys, b)
+            for k in self.exempt_keys:
+                self.model.float_view(k)[...] = target.float_view(k)
+            self.model.exact = target.exact
+        self.history = {self.version: self.model.flat.copy(),
+                        **{v: h for v, h in self.history.items() if v == self.version - 1}}
+        g = self._lossy(target)
+        extras = {k: payload_array(get_compressor("none").compress(torch.from_numpy(self.model.float_view(k).copy())))
+                  for k in self.exempt_keys}
+        extras.update({k: payload_array(encode_exact(v)) for k, v in self.model.exact.items()})
+        extra_bytes = sum(len(a.data) for a in extras.values())
+        dense = None
+        self.sent_bytes, self.sent_kind = {}, {}
+        for msg in messages:
+            # Flower's strategies may share one RecordDict between messages: give each its own.
+            msg.content = RecordDict(dict(msg.content.items()))
+            node = msg.metadata.dst_node_id
+            arr_key = next(iter(msg.content.array_records))
+            cfg_key = next(iter(msg.content.config_records), "config")
+            cfg = dict(msg.content[cfg_key]) if cfg_key in msg.content else {}
+            cfg[MODEL_VERSION] = self.version
+            kind, parts, base, held = self._plan(server_round, node, payload, g, extra_bytes)
+            if kind == "dense":
+                dense = dense or self.model.record(check=False)
+                rec = ArrayRecord(dict(dense.items()))
+                self._pending[node] = (self.version, None)
+            else:
+                rec = ArrayRecord()
+                if kind.startswith("init"):
+                    cfg[INIT_SEED] = self.init.seed
+                    for k in self.model.keys:
+                        if k in self.lossy_keys:
+                            spec = self.model.specs[k]
+                            rec[k] = Array(dtype=spec.dtype, shape=spec.shape, stype=INIT_STYPE,
+                                           data=struct.pack("<d", float(self.init.bounds[k])))
+                        else:  # the node knows nothing of the model yet: plain arrays with dtype and shape
+                            dense = dense or self.model.record(check=False)
+                            rec[k] = dense[k]
+                else:
+                    cfg[BASE_VERSION] = base
+                    for k, a in extras.items():
+                        rec[k] = a
+                for i, p in enumerate(parts):
+                    rec[chain_key(i)] = payload_array(p)
+                self._pending[node] = (self.version, held)
+            msg.content[arr_key] = rec
+            self.sent_bytes[node] = sum(len(a.data) for a in rec.values())
+            self.sent_kind[node] = kind
+            msg.content[cfg_key] = ConfigRecord(cfg)
+        return messages
+
+    def _plan(self, server_round: int, node: int, payload: bytes | None, g: np.ndarray,
+              extra_bytes: int) -> tuple[str, list[bytes], int, np.ndarray | None]:
+        """The cheapest message for ``node``: ``(kind, compressed payloads, base version, what the
+        node will hold if not exactly B_v)``."""
+        v = self.version
+        known = node in self.node_version
+        if known:
+            label, private = self.node_version[node], self._private.get(node)
+        elif self._init_vec is not None:
+            label, private = 1, None  # builds B_1 itself from the seed
+        else:
+            return "dense", [], 0, None
+        if not known and v == 1:
+            return "init", [], 0, None  # the seeded start is this round's model
+        if payload is not None and known and private is None and label == v - 1:
+            return "payload", [payload], label, None
+        prefix = "init+" if not known else ""
+        held = private if private is not None else (self._init_vec if not known and label == 1 else
+                                                     self._versions.get(label))
+        options: list[tuple[int, int, str, list[bytes], np.ndarray | None]] = []
+        if private is None and all(u in self._payloads for u in range(label + 1, v + 1)):
+            chain = [self._payloads[u] for u in range(label + 1, v + 1)]
+            options.append((sum(len(p) for p in chain), 0, prefix + "chain", chain, None))
+        if held is not None and not (self.exact_catchup and options):
+            diff = self._codec(server_round, node).compress(torch.from_numpy(g - held))
+            options.append((len(diff), 1, prefix + "diff", [diff], self._settle(held + self._decode(diff))))
+        dense_cost = self.model.dense_bytes - extra_bytes
+        best = min(options, key=lambda o: (o[0], o[1]), default=None)
+        if best is None or best[0] >= dense_cost:
+            return "dense", [], 0, None
+        return best[2], best[3], label, best[4]
+
+    def _check_init(self, target: FlatModel) -> np.ndarray | None:
+        """The compressed part of the seeded initial model if the first global model equals it."""
+        if self.init is None:
+            return None
+        try:
+            vals = self.init.values({k: target.specs[k].shape for k in self.lossy_keys})
+            vec = self._settle(np.concatenate([vals[k].reshape(-1) for k in self.lossy_keys])
+                               if self.lossy_keys else np.zeros(0, np.float32))
+        except (KeyError, ValueError) as exc:
+            log(WARNING, "fedcomp downstream: the seeded init does not describe this model (%s); first downloads "
+                "are dense", exc)
+            return None
+        if not np.array_equal(vec, self._versions[1]):
+            log(WARNING, "fedcomp downstream: the initial global model is not the seeded init; "
+                "first downloads are dense")
+            return None
+        return vec
+
+    def received(self, node: int) -> None:
+        """``node`` replied this round, so it holds what it was sent."""
+        if node in self._pending:
+            label, held = self._pending.pop(node)
+            self.node_version[node] = label
+            if held is None:
+                self._private.pop(node, None)
+            else:
+                self._private[node] = held
+            self._receipts += 1
+            self._last_seen[node] = self._receipts
+            if self._copies() > self.max_copies:  # over budget: first what nobody needs, then the oldest nodes
+                self._drop_unheld()
+                self._evict(self.max_copies, keep=node)
+
+    def held(self, node: int) -> np.ndarray | None:
+        """Every float tensor (flat, model order) the server believes ``node`` holds (None: unknown)."""
+        if node not in self.node_version:
+            return None
+        vec = self._private.get(node)
+        if vec is None:
+            vec = self._versions.get(self.node_version[node])
+        if vec is None:
+            return None
+        out = FlatModel({k: v for k, v in self.model.items()}, {k: s.dtype for k, s in self.model.specs.items()})
+        scatter(out, self.lossy_keys, vec)
+        return out.flat

@@ -1,0 +1,333 @@
+"""``LegacyCompressedStrategy``: compressed updates for Flower's legacy strategy API.
+
+For servers still written against ``flwr.server.strategy`` (``configure_fit`` /
+``aggregate_fit`` with ``Parameters``), run through ``ServerApp(server_fn=...)`` or the
+deprecated ``flwr.simulation.start_simulation``. Clients use
+:class:`fedcomp.client.numpy_client.CompressedNumPyClient` (payloads as 1-D ``uint8`` arrays), or
+a legacy ``ClientApp(client_fn=..., mods=[compression_mod])`` (payloads as raw tensors of
+type ``fedcomp.payload.v1``); this wrapper decodes both.
+"""
+
+from __future__ import annotations
+
+import io
+import statistics
+from dataclasses import dataclass
+from logging import INFO, WARNING
+
+import numpy as np
+from flwr.app import ArrayRecord
+from flwr.common import (
+    EvaluateIns,
+    EvaluateRes,
+    FitIns,
+    FitRes,
+    Parameters,
+    Scalar,
+    ndarrays_to_parameters,
+    parameters_to_ndarrays,
+)
+from flwr.common.logger import log
+from flwr.server.client_manager import ClientManager
+from flwr.server.client_proxy import ClientProxy
+from flwr.server.strategy import Strategy
+from numpy.lib import format as npy_format
+
+from fedcomp.compression import PayloadError, parse_header
+from fedcomp.config import CodecConfig
+from fedcomp.protocol.messages import MODEL_KEY, PAYLOAD_STYPE, payload_array
+from fedcomp.strategies.admission import admit, check_max_num_examples
+from fedcomp.strategies.decode import decode_update
+from fedcomp.strategies.forward import ForwardsToInner
+from fedcomp.strategies.round_metrics import reported_number
+
+#: ``Parameters.tensor_type`` Flower gives to ``np.save``-serialized ndarrays.
+NUMPY_TENSOR_TYPE = "numpy.ndarray"
+
+
+def payloads_from_parameters(parameters: Parameters) -> list[bytes]:
+    """Extract the fedcomp payloads a client sent in a legacy ``FitRes``.
+
+    Parameters
+    ----------
+    parameters : flwr.common.Parameters
+        Either ``tensor_type == "numpy.ndarray"`` with every tensor a 1-D ``uint8`` array
+        (from ``CompressedNumPyClient``; only the ``.npy`` header is parsed, never pickle), or
+        ``tensor_type == "fedcomp.payload.v1"`` with raw payload bytes (from
+        ``compression_mod`` in a legacy ``ClientApp``).
+
+    Returns
+    -------
+    list of bytes
+        The payloads in the order the client sent them.
+
+    Raises
+    ------
+    PayloadError
+        Another tensor type, or an array that is not 1-D ``uint8`` (a dense reply: the
+        message says to wrap the client in ``CompressedNumPyClient``).
+    """
+    if parameters.tensor_type == PAYLOAD_STYPE:
+        return [bytes(t) for t in parameters.tensors]
+    if parameters.tensor_type != NUMPY_TENSOR_TYPE:
+        raise PayloadError(f"unsupported tensor type {parameters.tensor_type!r} in the fit result")
+    return [_uint8_npy_body(t, i) for i, t in enumerate(parameters.tensors)]
+
+
+def _uint8_npy_body(tensor: bytes, index: int) -> bytes:
+    """The bytes of a ``.npy``-serialized 1-D ``uint8`` array, checked against its header.
+
+    Reads only the ``.npy`` header (``numpy.lib.format``: a literal dict, never pickle) and
+    requires ``dtype == uint8``, one dimension and exactly that many bytes after it, so a
+    header claiming a huge array allocates nothing.
+    """
+    fp = io.BytesIO(tensor)
+    try:
+        version = npy_format.read_magic(fp)
+        if version == (1, 0):
+            shape, _, dtype = npy_format.read_array_header_1_0(fp)
+        elif version == (2, 0):
+            shape, _, dtype = npy_format.read_array_header_2_0(fp)
+        else:
+            raise ValueError(f"unsupported .npy version {version}")
+    except ValueError as exc:
+        raise PayloadError(f"array {index} is not a readable .npy array: {exc}") from None
+    if dtype != np.uint8 or len(shape) != 1:
+        raise PayloadError(
+            f"array {index} is a dense {dtype} array of shape {shape}, not a fedcomp payload: wrap the client "
+            "in fedcomp.client.numpy_client.CompressedNumPyClient"
+        )
+    body = tensor[fp.tell():]
+    if len(body) != shape[0]:
+        raise PayloadError(f"array {index}: .npy header claims {shape[0]} bytes, {len(body)} follow")
+    return bytes(body)
+
+
+def decode_legacy_update(payloads: list[bytes], global_arrays: list[np.ndarray]) -> tuple[list[np.ndarray], dict]:
+    """Rebuild a client's dense weights ``global + decoded delta`` from its payloads.
+
+    One payload per array (selection "tensor") or one for the whole flattened model
+    (selection "model"); told apart by their number and, for a one-array model, by the
+    shape in the payload header. Validation is :func:`fedcomp.strategies.decode_update`'s:
+    each payload may claim at most the elements of its array and must have its shape.
+
+    Parameters
+    ----------
+    payloads : list of bytes
+        From :func:`payloads_from_parameters`.
+    global_arrays : list of np.ndarray
+        The global weights this client was sent.
+
+    Returns
+    -------
+    (weights, info)
+        Dense arrays in the global order, dtypes and shapes; ``info`` as ``decode_update``'s
+        (``upload-bytes``, ``codecs``).
+
+    Raises
+    ------
+    PayloadError
+        Wrong number of payloads, or any payload ``decode_update`` rejects.
+    """
+    keys = [str(i) for i in range(len(global_arrays))]
+    if len(payloads) == len(keys) and not (len(keys) == 1 and _is_flat_model_payload(payloads[0], global_arrays[0])):
+        names = keys
+    elif len(payloads) == 1:
+        names = [MODEL_KEY]
+    else:
+        raise PayloadError(f"expected {len(keys)} payloads (one per array) or 1 (whole model), got {len(payloads)}")
+    record = ArrayRecord(
+        {n: payload_array(p) for n, p in zip(names, payloads)}
+    )
+    weights, info = decode_update(record, dict(zip(keys, global_arrays)))
+    return [weights[k] for k in keys], info
+
+
+def _is_flat_model_payload(payload: bytes, g: np.ndarray) -> bool:
+    """True when a lone payload is the whole-model form ``(g.size,)`` of a multi-dim ``g``."""
+    shape = tuple(parse_header(payload, max_numel=max(g.size, 1)).shape)
+    return shape != tuple(g.shape) and shape == (g.size,)
+
+
+@dataclass
+class LegacySentRound:
+    """What ``configure_fit`` sent in one round: the global arrays each client (by ``cid``) got."""
+
+    server_round: int
+    arrays: dict[str, list[np.ndarray]]
+
+
+class LegacyCompressedStrategy(ForwardsToInner, Strategy):
+    """Wrap a legacy ``flwr.server.strategy.Strategy`` so that clients send compressed updates.
+
+    The legacy-API counterpart of :class:`fedcomp.strategies.CompressedStrategy`; it adds
+    one concern and delegates the rest:
+
+    1. ``configure_fit``: adds the codec (``compressor``, ``density``, ``levels``,
+       ``block-size``, ``value-dtype``, ``error-feedback``, ``residual-dtype``,
+       ``selection``) to every client's ``FitIns.config`` and remembers the parameters
+       each client was sent.
+    2. ``aggregate_fit``: reads each ``FitRes``' payloads (:func:`payloads_from_parameters`),
+       decodes and validates them (:func:`decode_legacy_update`: element cap and shape per
+       array, finiteness), replaces the ``FitRes`` parameters by the dense weights
+       ``global + delta`` and hands ordinary results to the wrapped strategy. A result that
+       fails to decode is logged with the client's ``cid`` and moved to ``failures``, so
+       the wrapped strategy's own policy applies (FedAvg with ``accept_failures=False``
+       then skips the round).
+    3. Adds round metrics to what the wrapped strategy returns, and to :attr:`history`:
+       ``upload-bytes`` (payload bytes received, without the ``.npy`` headers Flower adds),
+       ``dense-bytes``, ``compression-ratio``, ``compression-error`` (mean of the clients'
+       reports), ``num-replies``, ``rejected-replies``, ``failed-clients`` and
+       ``upload-bytes-<codec>``.
+
+    ``initialize_parameters``, ``configure_evaluate``, ``aggregate_evaluate`` and
+    ``evaluate`` are delegated unchanged (evaluation uses dense global weights).
+
+    Parameters
+    ----------
+    strategy : flwr.server.strategy.Strategy
+        Any legacy strategy: FedAvg, FedProx, FedAdam, FedMedian, Flower's legacy DP
+        wrappers, ... It only ever receives dense, validated results.
+    compressor : str
+        Codec name (see :func:`fedcomp.compression.available_compressors`). Default "stc".
+    error_feedback : bool
+        Clients keep a residual (Stich et al. 2018; Karimireddy et al. 2019). Default True.
+    max_num_examples : int
+        Largest ``num_examples`` (FedAvg's weight) a result may claim; a result claiming
+        fewer than 1 or more is rejected, so that one client cannot dictate the weighted
+        mean. Default 10**9.
+    **params
+        Codec parameters by their Python or config names: ``density``, ``levels``,
+        ``block_size``, ``value_dtype``, ``residual_dtype``, ``selection``.
+
+    Raises
+    ------
+    TypeError
+        ``strategy`` is not a legacy ``Strategy`` (a Message-API one needs
+        ``CompressedStrategy``), or an unknown parameter name.
+    ValueError
+        Unknown codec or a parameter out of range.
+
+    Notes
+    -----
+    ``aggregate_fit`` raises ``RuntimeError`` when called for a round that
+    ``configure_fit`` did not configure.
+
+    Sources: the legacy ``Strategy`` interface of Flower (``flwr.server.strategy``,
+    https://flower.ai/docs/framework/ref-api/flwr.server.strategy.Strategy.html); wrapper
+    structure after Flower's DP strategy wrappers; codecs and error feedback as in
+    :mod:`fedcomp.compression`.
+    """
+
+    def __init__(self, strategy: Strategy, compressor: str = "stc", error_feedback: bool = True,
+                 max_num_examples: int = 10**9, **params) -> None:
+        if not isinstance(strategy, Strategy):
+            hint = " (use fedcomp.strategies.CompressedStrategy for flwr.serverapp strategies)"
+            raise TypeError(f"strategy must be a flwr.server.strategy.Strategy, got {type(strategy).__name__}{hint}")
+        super().__init__()
+        self.strategy = strategy
+        self.codec = CodecConfig.from_kwargs(compressor, error_feedback, **params)
+        if self.codec.error_feedback == "ef21":
+            raise ValueError("error_feedback='ef21' needs the server's estimate: use fedcomp.strategies.CompressedStrategy")
+        self.max_num_examples = check_max_num_examples(max_num_examples)
+        #: The arrays sent in the current round (set by :meth:`configure_fit`).
+        self.sent_round: LegacySentRound | None = None
+        #: Per-round metrics computed by this wrapper (round -> dict).
+        self.history: dict[int, dict[str, float]] = {}
+        self._start_forwarding()  # from here on, settings of the wrapped strategy reach it (:mod:`.forward`)
+
+    _INNER = "strategy"
+
+    def __repr__(self) -> str:
+        return f"LegacyCompressedStrategy({self.strategy!r}, {self.codec.describe()})"
+
+    # -- delegation -------------------------------------------------------------------
+    def initialize_parameters(self, client_manager: ClientManager) -> Parameters | None:
+        """Delegate unchanged."""
+        log(INFO, "LegacyCompressedStrategy: %s", self.codec.describe())
+        return self.strategy.initialize_parameters(client_manager)
+
+    def configure_evaluate(self, server_round: int, parameters: Parameters,
+                           client_manager: ClientManager) -> list[tuple[ClientProxy, EvaluateIns]]:
+        """Delegate unchanged (evaluation sends dense global weights)."""
+        return self.strategy.configure_evaluate(server_round, parameters, client_manager)
+
+    def aggregate_evaluate(self, server_round: int, results: list[tuple[ClientProxy, EvaluateRes]],
+                           failures: list) -> tuple[float | None, dict[str, Scalar]]:
+        """Delegate unchanged."""
+        return self.strategy.aggregate_evaluate(server_round, results, failures)
+
+    def evaluate(self, server_round: int, parameters: Parameters) -> tuple[float, dict[str, Scalar]] | None:
+        """Delegate unchanged."""
+        return self.strategy.evaluate(server_round, parameters)
+
+    # -- the one concern ---------------------------------------------------------------
+    def configure_fit(self, server_round: int, parameters: Parameters,
+                      client_manager: ClientManager) -> list[tuple[ClientProxy, FitIns]]:
+        """Delegate, then add the round's codec (warm-up, scheduled density) to every ``FitIns.config``
+        and remember what each client gets."""
+        instructions = self.strategy.configure_fit(server_round, parameters, client_manager)
+        codec = self.codec.for_round(server_round).to_mapping()
+        decoded: dict[int, list[np.ndarray]] = {}  # FedAvg sends one Parameters object to all: decode it once
+        sent: dict[str, list[np.ndarray]] = {}
+        out = []
+        for proxy, ins in instructions:
+            key = id(ins.parameters)
+            if key not in decoded:
+                decoded[key] = [a.copy() for a in parameters_to_ndarrays(ins.parameters)]
+            sent[proxy.cid] = decoded[key]
+            out.append((proxy, FitIns(ins.parameters, {**ins.config, **codec})))
+        self.sent_round = LegacySentRound(server_round, sent)
+        return out
+
+    def aggregate_fit(self, server_round: int, results: list[tuple[ClientProxy, FitRes]],
+                      failures: list) -> tuple[Parameters | None, dict[str, Scalar]]:
+        """Decode every result, drop the bad ones into ``failures``, delegate the dense ones."""
+        sent = self.sent_round
+        if sent is None or sent.server_round != server_round:
+            raise RuntimeError(f"aggregate_fit for round {server_round} without configure_fit")
+        failures = list(failures)
+        n_failed = len(failures)
+        results, refused = admit(results, lambda r: r[0].cid, set(sent.arrays))
+        for (proxy, res), why in refused:
+            log(WARNING, "round %s: rejected fit result from client %s: %s", server_round, proxy.cid, why)
+            failures.append((proxy, res))
+        good: list[tuple[ClientProxy, FitRes]] = []
+        codec_bytes: dict[str, int] = {}
+        up = dense = 0.0
+        errors: list[float] = []
+        for proxy, res in results:
+            try:
+                n = res.num_examples
+                if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= self.max_num_examples:
+                    raise PayloadError(f"num_examples must be an integer in [1, {self.max_num_examples}], got {n!r}")
+                weights, info = decode_legacy_update(payloads_from_parameters(res.parameters), sent.arrays[proxy.cid])
+            except (PayloadError, ValueError, TypeError, KeyError) as exc:
+                log(WARNING, "round %s: rejected fit result from client %s: %s", server_round, proxy.cid, exc)
+                failures.append((proxy, res))
+                continue
+            for name, nbytes in info["codecs"].items():
+                codec_bytes[name] = codec_bytes.get(name, 0) + nbytes
+            up += info["upload-bytes"]
+            dense += float(sum(4 * w.size for w in weights))
+            errors.append(reported_number(res.metrics or {}, "compression-error"))
+            dense_res = FitRes(status=res.status, parameters=ndarrays_to_parameters(weights),
+                               num_examples=res.num_examples, metrics=res.metrics)
+            good.append((proxy, dense_res))
+        parameters, metrics = self.strategy.aggregate_fit(server_round, good, failures)
+        ours: dict[str, float] = {
+            "upload-bytes": up,
+            "dense-bytes": dense,
+            "compression-ratio": dense / up if up else 0.0,
+            "compression-error": statistics.fmean(errors) if errors else 0.0,
+            "num-replies": len(good),
+            "rejected-replies": len(failures) - n_failed,
+            "failed-clients": n_failed,
+        }
+        for name, nbytes in sorted(codec_bytes.items()):
+            ours[f"upload-bytes-{name}"] = float(nbytes)
+        self.history[server_round] = ours
+        return parameters, {**dict(metrics or {}), **ours}
+
+
+__all__ = ["LegacyCompressedStrategy", "decode_legacy_update", "payloads_from_parameters"]
