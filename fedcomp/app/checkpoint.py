@@ -12,9 +12,10 @@ What is saved: the global weights (every array with its exact shape and dtype: 0
 bool, fp16 and zero-element arrays included), the round number, the metrics of every round so far,
 and the strategy's :meth:`~fedcomp.strategies.CompressedStrategy.state_dict`: the inner strategy's
 optimizer state where it has one (FedOpt/FedAdam ``m_t``/``v_t``, FedAvgM's momentum) and the
-integer rule's rounding remainders, EF21's server estimate h and the round it last folded each node's send in the ``.npz``, the privacy accounting (client-level DP rounds,
-local-DP rounds, the epsilon projections of DP-SGD reports) in the manifest. Manifests without the
-newer keys load with their start values.
+integer rule's rounding remainders, EF21's server estimate h and the round it last folded each
+node's send in the ``.npz``, the privacy accounting (client-level DP rounds, local-DP rounds, the
+epsilon projections of DP-SGD reports) in the manifest. A manifest or weights file without one of
+these keys (written by an older version) loads that state with its start value.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The server strategy a run resolved to, recorded in its checkpoint and checked on resume.
 
 ``strategy = "auto"`` (:func:`fedcomp.config.low_density.resolve_strategy`) depends on the codec and on
-fedcomp's version: a checkpoint written before the low-density defaults ran FedAvg where "auto" now
-resolves to FedAvgM. A resumed run is the same run, so a strategy (or a server learning rate or
+the fedcomp version: a version without the low-density defaults resolves it to FedAvg where this one
+chooses FedAvgM. A resumed run is the same run, so a strategy (or a server learning rate or
 momentum) that differs from the checkpoint's is refused with both values, like the codec and privacy
 settings (``check_same_codec``): the checkpoint's optimizer state and past rounds belong to its strategy,
 and the run config stays what the run does (the user sets the checkpoint's values or starts a new run).

@@ -43,8 +43,9 @@ def rdp_orders() -> tuple[float, ...]:
 def rdp_one_step(sample_rate: float, noise_multiplier: float) -> np.ndarray:
     """RDP of one Poisson-subsampled Gaussian step (a client-level round at q, or a DP-SGD step) at
     each of :func:`rdp_orders` (Mironov, Talwar & Zhang 2019), shape ``(len(rdp_orders()),)``,
-    read-only. Cached: it depends only on (q, sigma), which stay fixed over a run, and costs
-    ~0.3 s; composition over steps or rounds is a multiplication."""
+    read-only. Cached: it depends only on (q, sigma), which stay fixed over a run, and is the
+    costly part (Opacus' series at every order); composition over steps or rounds is a
+    multiplication."""
     import_opacus()
     from opacus.accountants.analysis import rdp as rdp_analysis
 

@@ -151,8 +151,9 @@ class ClientLevelDP:
 
 
 def check_accountable(noise_multiplier: float, target_delta: float, sample_rate: float = 1.0) -> None:
-    """Start-up check that the RDP accountant can compute epsilon for ``noise_multiplier`` (1e-200
-    passes the range check, then every round would raise ``ZeroDivisionError``).
+    """Start-up check that the RDP accountant can compute epsilon for ``noise_multiplier``: a
+    tiny positive value such as 1e-200 passes the range check, but the accountant raises
+    ``ZeroDivisionError`` on it.
 
     0 (no noise: epsilon = inf) is accepted; any other value must give a number for one round.
 

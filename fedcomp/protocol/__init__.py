@@ -3,7 +3,7 @@ message keys and the payload ``Array`` (``messages``), the downstream broadcast'
 (``broadcast``), initial weights rebuilt from a seed (``seeded_init``) and the client's device report
 (``device``).
 
-``from fedcomp.protocol import payload_array`` (and the other names of ``messages``) keeps working.
+The names of ``messages`` are re-exported here (``from fedcomp.protocol import payload_array``).
 """
 
 from fedcomp.protocol.messages import (

@@ -121,8 +121,8 @@ def clientapp_seconds() -> float:
     handles (``flwr-clientapp``: a SuperNode starts one per message), else 0.0.
 
     In a deployment the process start, imports (torch, fedcomp), pulling the message from the
-    SuperNode and loading the partition come on top of ``train-seconds`` in every round (tens of
-    seconds on a loaded two-core machine: ``benchmarks/links.py``); ``compression_mod`` reports this
+    SuperNode and loading the partition come on top of ``train-seconds`` in every round
+    (``benchmarks/links.py`` measures them); ``compression_mod`` reports this
     at the end of its work as ``clientapp-seconds`` and the round-time model counts the larger of it
     and train + compress seconds. In Flower's simulation and in-process runs the worker process
     serves many messages, and 0.0 is returned. Linux ``/proc`` (start time in clock ticks since

@@ -3,7 +3,7 @@ non-zero, with the reason, when the run fails.
 
 ``flwr run`` itself exits 0 when the run failed, answers an unknown run-config key with only
 ``[code: 15] Invalid run configuration.`` (the key is named in the SuperLink's log) and lets a bad
-value wait 25-45 s for Ray to start before the ServerApp refuses it. This command:
+value wait for Ray to start before the ServerApp refuses it. This command:
 
 1. reads the app's ``[tool.flwr.app.config]`` and the ``--run-config`` overrides (Flower's own
    parser), refuses an unknown key naming the closest valid one, and validates every value with

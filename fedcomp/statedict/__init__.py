@@ -20,7 +20,7 @@ checkpoints alike. The rules (stated in the README, "Use with your existing Flow
   :func:`to_state_dict` restores them; in numpy they are float32 values (exactly representable).
 
 - :mod:`.arrays`: tensors as Flower ``Array``s and back, every dtype, checked casts.
-- :mod:`.exact`: the integer/bool rule.
+- :mod:`.integer_rule`: the integer/bool rule.
 - :mod:`.flat`: :class:`FlatModel`, the flat float vector beside the exact tensors.
 """
 

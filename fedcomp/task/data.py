@@ -131,8 +131,8 @@ def load_test_set(cfg: DataConfig) -> TensorDataset:
 def hf_to_tensor_dataset(ds) -> TensorDataset:
     """Convert a Hugging Face dataset with an image column ("image" or "img") and "label".
 
-    Images become float32 ``(m, C, H, W)`` in [0, 1]. Used for hub datasets and tested
-    with a local in-memory dataset.
+    Images (``(H, W)`` or ``(H, W, C)`` each) become float32 ``(m, C, H, W)`` in [0, 1]: divided
+    by 255 when any pixel exceeds 1, else kept. Labels become int64 ``(m,)``.
     """
     col = "image" if "image" in ds.column_names else "img"
     imgs = np.stack([np.asarray(im, dtype=np.float32) for im in ds[col]])

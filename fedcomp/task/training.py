@@ -31,8 +31,7 @@ class TrainConfig:
     lr : float
         SGD learning rate [``lr``], > 0.
     momentum : float
-        SGD momentum [``momentum``], in [0, 1). Local momentum 0.9 is what makes 20-50
-        rounds enough on the default data.
+        SGD momentum [``momentum``], in [0, 1).
     local_clip_norm : float
         Local gradient clipping [``local-clip-norm``]: before every optimizer step the
         gradient (of the whole model, after accumulation) is rescaled to L2 norm at most this
@@ -123,8 +122,8 @@ def train(
     """Train ``model`` in place with SGD or AdamW and gradient accumulation.
 
     Classifiers (labels ``(batch,)``) and causal language models (targets ``(batch, seq)``,
-    see :mod:`fedcomp.task.objective`) alike. The loss of each micro-batch is scaled by ``1 / accumulation_steps`` so that an
-    optimizer step sees the mean gradient of ``batch_size * accumulation_steps`` samples;
+    see :mod:`fedcomp.task.objective`) alike. The loss of each micro-batch is scaled by
+    ``1 / accumulation_steps`` so that an optimizer step sees the mean gradient of ``batch_size * accumulation_steps`` samples;
     a trailing partial group still steps.
 
     Returns
