@@ -1,10 +1,11 @@
 """What a run prints: one line per round on the console, everything Flower logs in a file.
 
 Flower's strategies log several INFO lines per round (one of them the whole ``Aggregated
-MetricRecord`` dict) and a closing "Final results" dump of every metric of every round. With run config ``verbose = false`` (the default) :func:`route_flower_logs`
-keeps Flower's INFO records off the console, where fedcomp's own table remains (records whose
-message starts with ``fedcomp``) with every WARNING and ERROR; all records, Flower's included,
-still go to ``flower.log`` in the results folder, and every number is in ``metrics.json``.
+MetricRecord`` dict) and a closing "Final results" dump of every metric of every round. With run
+config ``verbose = false`` (the default) :func:`route_flower_logs` keeps Flower's INFO records off
+the console, where fedcomp's own table remains (records whose message starts with ``fedcomp``) with
+every WARNING and ERROR; all records, Flower's included, still go to ``flower.log`` in the results
+folder, and every number is in ``metrics.json``.
 
 :func:`quiet_known_noise` (first thing the ServerApp does, verbose or not) keeps two messages a
 fedcomp user cannot act on off the console, each matched by the start of its own text: Flower's

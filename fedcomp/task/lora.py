@@ -36,8 +36,8 @@ LORA_DEFAULTS: dict[str, Any] = {
 }
 FINETUNE_MODES = ("full", "lora")
 #: Largest accepted ``lora-r``: LoRA ranks are 4-256 in practice; a rank above every hidden size of
-#: any model would allocate ``r * (d_in + d_out)`` floats per adapter for nothing (and a huge one
-#: would exhaust memory before any check of the model could refuse it).
+#: any model would allocate ``r * (d_in + d_out)`` floats per adapter for nothing, and a huge
+#: one would exhaust the node's memory.
 MAX_LORA_R = 65536
 QUANTIZATIONS = ("none", "4bit")
 
