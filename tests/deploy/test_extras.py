@@ -124,5 +124,5 @@ def test_client_round_runs_with_every_extra_blocked(tmp_path):
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert res["loaded"] == []
     assert res["n"] == len(load_partition(DataConfig(), 0, 3))
-    assert 0 < res["upload"] < 0.05 * 4 * sum(p.numel() for p in __import__("fedcomp.task.models").models.build_model()
+    assert 0 < res["upload"] < 0.05 * 4 * sum(p.numel() for p in __import__("fedcomp.task.models").task.models.build_model()
                                                .state_dict().values())
