@@ -14,6 +14,7 @@ import torch
 
 from fedcomp.compression.base import Compressor, check_range, get_compressor, register
 from fedcomp.compression.errors import PayloadError
+from fedcomp.compression.options import SMALL_TENSOR, VALUE_DTYPE, Option
 from fedcomp.compression.wire import VALUE_DTYPE_BY_CODE, VALUE_DTYPES, BodyReader, Header, unpack_params
 
 MAX_RANK = 2**16 - 1
@@ -120,8 +121,10 @@ class PowerSGDCompressor(Compressor):
 
     name = "powersgd"
     codec_id = 9
-    config_keys = {"rank": "rank", "value_dtype": "value-dtype", "fallback": "small-tensor-compressor"}
+    options = (Option("rank", "rank", int, 4, lo=1, hi=MAX_RANK, help="rank r >= 1"), VALUE_DTYPE, SMALL_TENSOR)
     seeded = True
+    per_tensor_only = True
+    requires_error_feedback = "PowerSGD is biased and keeps its warm-start Q with the residual; Vogels et al. 2019"
     _PARAMS = "<IB"  # rank, value dtype code
 
     def __init__(self, rank: int = 4, value_dtype: str = "fp32", fallback: str = "none",
