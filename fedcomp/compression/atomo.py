@@ -18,7 +18,7 @@ import torch
 from fedcomp.compression.base import Compressor, check_range, get_compressor, register
 from fedcomp.compression.errors import PayloadError
 from fedcomp.compression.options import SMALL_TENSOR, Option
-from fedcomp.compression.powersgd import FALLBACKS, MAX_RANK, matrix_shape
+from fedcomp.compression.powersgd import MAX_RANK, check_low_rank_args, matrix_shape
 from fedcomp.compression.wire import BodyReader, Header, unpack_params
 
 
@@ -101,11 +101,7 @@ class AtomoCompressor(Compressor):
     def __init__(self, atoms: int = 2, fallback: str = "none", min_compression_rate: float = 2.0,
                  seed: int | None = None) -> None:
         check_range("atoms", atoms, 1, MAX_RANK, integer=True)
-        check_range("min_compression_rate", min_compression_rate, 1.0, float("inf"))
-        if fallback not in FALLBACKS:
-            raise ValueError(f"fallback must be one of {list(FALLBACKS)}, got {fallback!r}")
-        if seed is not None:
-            check_range("seed", seed, 0, 2**63 - 1, integer=True)
+        check_low_rank_args(fallback, min_compression_rate, seed)
         self.atoms = int(atoms)
         self.fallback = fallback
         self.min_compression_rate = float(min_compression_rate)

@@ -17,8 +17,8 @@ import torch
 from fedcomp.compression.base import Compressor, check_range, register
 from fedcomp.compression.bits import nbytes_for_bits, pack_bits_on_device, unpack_bits
 from fedcomp.compression.errors import PayloadError
-from fedcomp.compression.options import Option
 from fedcomp.compression.hadamard import fwht_, power_of_two_blocks, random_sign_bits
+from fedcomp.compression.options import Option
 from fedcomp.compression.wire import BodyReader, Header, unpack_params
 
 

@@ -16,8 +16,8 @@ import torch
 from fedcomp.compression.base import Compressor, check_range, register
 from fedcomp.compression.bits import nbytes_for_bits, pack_bits, pack_uint, unpack_bits, unpack_uint
 from fedcomp.compression.errors import PayloadError
-from fedcomp.compression.options import Option
 from fedcomp.compression.int8 import block_scale
+from fedcomp.compression.options import Option
 from fedcomp.compression.stochastic import StochasticRounder
 from fedcomp.compression.wire import BodyReader, Header, unpack_params
 

@@ -9,6 +9,7 @@ declarations (``Compressor.options``): a codec takes its constructor arguments f
 from __future__ import annotations
 
 import fnmatch
+import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
@@ -68,7 +69,7 @@ def _option_reads() -> dict:
 def _with_codec_options(cls: type) -> type:
     """Give ``cls`` a field for every registered codec option it does not declare itself (right after
     ``compressor``, default the option's), then make it a frozen dataclass."""
-    own = dict(cls.__dict__["__annotations__"])
+    own = dict(inspect.get_annotations(cls))
     codec_fields = {}
     for opt in codec_options().values():
         if opt.field not in own:

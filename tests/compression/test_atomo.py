@@ -11,7 +11,6 @@ import torch
 import fedcomp.compression as fc
 from fedcomp.compression.atomo import atom_probabilities
 from fedcomp.compression.wire import pack_header
-
 from tests.compression.helpers import decodes_or_payload_error
 
 
