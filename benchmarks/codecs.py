@@ -104,7 +104,7 @@ def real_rows(rounds: list[int]) -> list[dict]:
             for u in ups:
                 sq_err = sq = nbytes = 0.0
                 for k, t in u.items():
-                    c = fc.get_compressor(name, **params, **({"seed": 0} if name in ("qsgd", "eden", "powersgd") else {}))
+                    c = fc.get_compressor(name, **params, **({"seed": 0} if fc.CODECS[name].seeded else {}))
                     p = c.compress(t)
                     sq_err += float(((t.double() - fc.decompress(p).double()) ** 2).sum())
                     sq += float((t.double() ** 2).sum())
@@ -135,7 +135,7 @@ def main() -> None:
         sum_ms = median_ms(lambda: torch.sum(x), args.repeats * 4)
         for name, params in CASES:
             c = fc.get_compressor(name, **params)
-            xin = x.view(1000, -1) if name == "powersgd" else x
+            xin = x.view(1000, -1) if fc.CODECS[name].per_tensor_only else x
             payload = c.compress(xin)
             enc = median_ms(lambda: c.compress(xin), args.repeats)
             dec = median_ms(lambda: fc.decompress(payload), args.repeats)
@@ -146,7 +146,7 @@ def main() -> None:
                 "speed_vs_sum": sum_ms / (enc + dec),
                 "compression_error": fc.compression_error(xin, fc.decompress(payload)),
             }
-            if name in ("stc", "topk"):
+            if fc.CODECS[name].sparse and not fc.CODECS[name].seeded:  # Rice-coded positions travel
                 bits, bound = position_bits(payload, name, n, params["density"])
                 row["position_bits_over_bound"] = bits / bound
             rows.append(row)

@@ -29,8 +29,8 @@ def seeds(rng: np.random.Generator) -> list[bytes]:
     for name in fc.available_compressors():
         for shape in [(0,), (1,), (7,), (3, 5), (257,), (40, 50)]:
             x = torch.from_numpy(rng.standard_normal(shape).astype(np.float32))
-            params = {"seed": 0} if name in ("qsgd", "int8", "randomk") else {}
-            if name in ("stc", "topk", "randomk"):
+            params = {"seed": 0} if fc.CODECS[name].seeded else {}
+            if fc.CODECS[name].sparse:
                 params["density"] = float(rng.choice([0.01, 0.1, 0.5, 1.0]))
             out.append(fc.get_compressor(name, **params).compress(x))
     return out

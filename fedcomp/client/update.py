@@ -19,9 +19,9 @@ import torch
 from flwr.common.logger import log
 
 from fedcomp.protocol.broadcast import is_batchnorm_stat
-from fedcomp.compression import EF21, ErrorFeedback, encode_exact, flatten_states, unflatten_states
+from fedcomp.compression import CODECS, EF21, ErrorFeedback, encode_exact, flatten_states, unflatten_states
 from fedcomp.compression.error_feedback import RESIDUAL, encode_and_subtract, segment_sq_norms
-from fedcomp.config import SPARSE_CODECS, CodecConfig
+from fedcomp.config import CodecConfig
 from fedcomp.config.model_policy import batchnorm_affine_keys
 from fedcomp.privacy import LocalDP, clip_and_noise_, secure_generator
 from fedcomp.protocol.messages import MODEL_KEY
@@ -48,7 +48,7 @@ def plan_units(shapes: dict[str, tuple[int, ...]], codec: CodecConfig) -> list[t
     only: integer and bool tensors never join a codec's payload.
     """
     rules = codec.rules
-    sparse = codec.compressor in SPARSE_CODECS
+    sparse = CODECS[codec.compressor].sparse
     affine = set(batchnorm_affine_keys(shapes)) if codec.batchnorm_affine == "small" and sparse else set()
     default: list[str] = []
     units: list[tuple[str, list[str], str]] = []
@@ -81,8 +81,7 @@ def adaptive_density(v: torch.Tensor, codec_name: str, target: float, lo: float,
     total = float((mag**2).sum())
     if n == 0 or total == 0.0:
         return lo
-    k = torch.arange(1, n + 1, dtype=torch.float64)
-    kept = torch.cumsum(mag, 0) ** 2 / k if codec_name == "stc" else torch.cumsum(mag**2, 0)
+    kept = CODECS[codec_name].kept_energy(mag)
     err = torch.sqrt(torch.clamp(total - kept, min=0.0) / total)
     k_lo, k_hi = max(round(lo * n), 1), max(round(hi * n), 1)
     ok = torch.nonzero(err[k_lo - 1 : k_hi] <= target)
@@ -332,7 +331,7 @@ def restore_states(residuals: dict[str, np.ndarray], units: list[Unit], codec: C
 def unit_density(unit: Unit, x: torch.Tensor, prev: np.ndarray | None, codec: CodecConfig) -> float | None:
     """The density of a unit's sparse codec: ``density``, or the adaptive one measured on what is
     compressed (update + residual; update - estimate with EF21); None for the other codecs."""
-    if unit.codec != codec.compressor or unit.codec not in SPARSE_CODECS:
+    if unit.codec != codec.compressor or not CODECS[unit.codec].sparse:
         return None
     if codec.density_schedule != "adaptive":
         return codec.density

@@ -10,7 +10,6 @@ Pure PyTorch/numpy; nothing here imports Flower.
 10
 """
 
-from fedcomp.compression import dense, eden, int8, powersgd, qsgd, randomk, sign, stc, topk  # noqa: F401  (register codecs)
 from fedcomp.compression.base import (
     CODECS,
     Compressor,
@@ -25,19 +24,26 @@ from fedcomp.compression.ef21 import EF21
 from fedcomp.compression.error_feedback import ErrorFeedback, flatten_states, unflatten_states
 from fedcomp.compression.errors import PayloadError
 from fedcomp.compression.exact import EXACT_NAME, decode_exact, encode_exact, is_exact_dtype
+from fedcomp.compression.options import Option
 from fedcomp.compression.positions import information_bound_bits, rice_parameter
+from fedcomp.compression.registry import codec_options, codecs_with, discover
 from fedcomp.compression.wire import DEFAULT_MAX_NUMEL, parse_header
+
+discover()  # every codec module of this package registers its codec: a new codec is its file
 
 __all__ = [
     "CODECS",
     "DEFAULT_MAX_NUMEL",
     "EXACT_NAME",
     "Compressor",
+    "Option",
     "EF21",
     "ErrorFeedback",
     "PayloadError",
     "available_compressors",
     "codec_name",
+    "codec_options",
+    "codecs_with",
     "compression_error",
     "decode_exact",
     "decompress",

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import inspect
-from typing import ClassVar
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -11,6 +12,7 @@ import torch
 from fedcomp.util.validate import check_number, closest_hint
 from fedcomp.compression.errors import PayloadError
 from fedcomp.compression.exact import EXACT_CODEC_ID, EXACT_NAME
+from fedcomp.compression.options import Option
 from fedcomp.compression.wire import DEFAULT_MAX_NUMEL, DTYPE_CODES, Header, pack_header, parse_header
 
 #: name -> Compressor subclass
@@ -20,7 +22,8 @@ _BY_ID: dict[int, type[Compressor]] = {}
 
 
 def register(cls: type[Compressor]) -> type[Compressor]:
-    """Class decorator: add a codec to the registry under ``cls.name`` and ``cls.codec_id``.
+    """Class decorator: add a codec to the registry under ``cls.name`` and ``cls.codec_id`` (and set
+    its ``config_keys`` from its ``options``).
 
     Raises
     ------
@@ -29,6 +32,7 @@ def register(cls: type[Compressor]) -> type[Compressor]:
     """
     if cls.name in CODECS or cls.codec_id in _BY_ID:
         raise ValueError(f"codec {cls.name!r} / id {cls.codec_id} registered twice")
+    cls.config_keys = {opt.arg: opt.key for opt in cls.options}
     CODECS[cls.name] = cls
     _BY_ID[cls.codec_id] = cls
     return cls
@@ -80,11 +84,58 @@ class Compressor:
 
     name: ClassVar[str] = ""
     codec_id: ClassVar[int] = -1
-    #: Constructor parameter -> the run-config key it is read from (``fedcomp.config.CodecConfig``
-    #: builds a codec from these alone, so a new codec declares its keys here and nowhere else).
+    #: The options the codec reads from a run config (:class:`~fedcomp.compression.options.Option`:
+    #: constructor argument, run-config key, type, default, range). ``fedcomp.config.CodecConfig``
+    #: builds its codec fields and each codec from these alone.
+    options: ClassVar[tuple[Option, ...]] = ()
+    #: Constructor argument -> run-config key, derived from :attr:`options` by :func:`register`.
     config_keys: ClassVar[dict[str, str]] = {}
     #: Whether the constructor takes ``seed`` (stochastic codecs; the client passes a per-round seed).
     seeded: ClassVar[bool] = False
+    #: Sparse: the payload carries k chosen entries (their positions, or the seed that draws them;
+    #: ``_decode_sparse``). With ``selection = "auto"`` such a codec picks its k over the whole
+    #: model; DGC's momentum correction and ``batchnorm-affine = "small"`` apply to it.
+    sparse: ClassVar[bool] = False
+    #: Works per parameter tensor only (a low-rank codec): ``selection = "model"`` is refused.
+    per_tensor_only: ClassVar[bool] = False
+    #: Usable under SecAgg+: clients' payloads add up entry-wise (no per-client positions or scales).
+    secagg: ClassVar[bool] = False
+    #: ``density-schedule = "auto"`` ramps its density down (DGC's warm-up) below density 1/400
+    #: with error feedback (:mod:`fedcomp.config.low_density`).
+    density_ramp: ClassVar[bool] = False
+    #: Fit for ``small-tensor-compressor``: a dense cast, cheap on small tensors and never worse
+    #: than its precision.
+    small_tensor: ClassVar[bool] = False
+    #: Non-empty if the codec only trains with error feedback: the reason, for the error message.
+    requires_error_feedback: ClassVar[str] = ""
+
+    @classmethod
+    def kept_energy(cls, mag: torch.Tensor) -> torch.Tensor:
+        """Squared L2 norm the codec keeps of a vector when it keeps its k largest entries, for every k.
+
+        Parameters
+        ----------
+        mag : torch.Tensor
+            |v| sorted in descending order, float64, shape ``(n,)``.
+
+        Returns
+        -------
+        torch.Tensor
+            float64, shape ``(n,)``: entry ``k-1`` is the energy kept with k entries; here top-k's
+            ``sum_{i<=k} |v|_(i)^2`` (codecs that change the kept values override it).
+        """
+        return torch.cumsum(mag**2, 0)
+
+    @classmethod
+    def check_options(cls, values: Mapping[str, Any]) -> None:
+        """Check combinations of the codec's run-config options (``values``: key -> value, already
+        range-checked one by one); none by default.
+
+        Raises
+        ------
+        ValueError
+            A combination the codec cannot work with, naming the key (``"'levels' must be ..."``).
+        """
 
     def compress(self, x: torch.Tensor) -> bytes:
         """Compress a tensor into a self-describing payload.

@@ -58,6 +58,8 @@ class NoCompression(_Cast):
     """
 
     name = "none"
+    secagg = True
+    small_tensor = True
     codec_id = 0
 
     def compress(self, x: torch.Tensor) -> bytes:
@@ -97,6 +99,7 @@ class FP16(_Cast):
     """
 
     name = "fp16"
+    small_tensor = True
     codec_id = 1
     itemsize = 2
 
@@ -117,6 +120,7 @@ class BF16(_Cast):
     """
 
     name = "bf16"
+    small_tensor = True
     codec_id = 2
     itemsize = 2
 

@@ -18,6 +18,7 @@ from fedcomp.compression.base import Compressor, check_range, register
 from fedcomp.compression.bits import nbytes_for_bits, pack_bits_on_device, unpack_bits
 from fedcomp.compression.errors import PayloadError
 from fedcomp.compression.hadamard import fwht_, power_of_two_blocks, random_sign_bits
+from fedcomp.compression.options import Option
 from fedcomp.compression.wire import BodyReader, Header, unpack_params
 
 
@@ -55,7 +56,8 @@ class EdenCompressor(Compressor):
 
     name = "eden"
     codec_id = 10
-    config_keys = {"unbiased": "unbiased"}
+    options = (Option("unbiased", "unbiased", bool, False,
+                      help="DRIVE's unbiased scale instead of the least-squares one"),)
     seeded = True
     _PARAMS = "<QB"  # rotation seed, unbiased flag
 

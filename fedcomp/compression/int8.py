@@ -15,6 +15,7 @@ import torch
 
 from fedcomp.compression.base import Compressor, check_range, register
 from fedcomp.compression.errors import PayloadError
+from fedcomp.compression.options import Option
 from fedcomp.compression.stochastic import StochasticRounder
 from fedcomp.compression.wire import BodyReader, Header, unpack_params
 
@@ -42,7 +43,7 @@ class Int8Compressor(Compressor):
 
     name = "int8"
     codec_id = 8
-    config_keys = {"block_size": "block-size"}
+    options = (Option("block_size", "block-size", int, 256, lo=1, hi=MAX_BLOCK, help="entries per fp32 scale"),)
     seeded = True
     _PARAMS = "<I"  # block size
 

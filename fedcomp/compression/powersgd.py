@@ -14,6 +14,7 @@ import torch
 
 from fedcomp.compression.base import Compressor, check_range, get_compressor, register
 from fedcomp.compression.errors import PayloadError
+from fedcomp.compression.options import SMALL_TENSOR, VALUE_DTYPE, Option
 from fedcomp.compression.wire import VALUE_DTYPE_BY_CODE, VALUE_DTYPES, BodyReader, Header, unpack_params
 
 MAX_RANK = 2**16 - 1
@@ -34,6 +35,16 @@ def low_rank_pays(m: int, n: int, rank: int, min_compression_rate: float) -> boo
     i.e. unless ``r*(m+n) >= m*n / min_compression_rate``."""
     r = min(rank, m, n)
     return r >= 1 and r * (m + n) * min_compression_rate < m * n
+
+
+def check_low_rank_args(fallback: str, min_compression_rate: float, seed: int | None) -> None:
+    """Check the arguments the low-rank codecs share (``fallback`` one of :data:`FALLBACKS`,
+    ``min_compression_rate`` >= 1, ``seed`` None or in [0, 2**63)); raise ``ValueError`` naming one."""
+    check_range("min_compression_rate", min_compression_rate, 1.0, float("inf"))
+    if fallback not in FALLBACKS:
+        raise ValueError(f"fallback must be one of {list(FALLBACKS)}, got {fallback!r}")
+    if seed is not None:
+        check_range("seed", seed, 0, 2**63 - 1, integer=True)
 
 
 def orthogonalize(p: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
@@ -120,20 +131,18 @@ class PowerSGDCompressor(Compressor):
 
     name = "powersgd"
     codec_id = 9
-    config_keys = {"rank": "rank", "value_dtype": "value-dtype", "fallback": "small-tensor-compressor"}
+    options = (Option("rank", "rank", int, 4, lo=1, hi=MAX_RANK, help="rank r >= 1"), VALUE_DTYPE, SMALL_TENSOR)
     seeded = True
+    per_tensor_only = True
+    requires_error_feedback = "PowerSGD is biased and keeps its warm-start Q with the residual; Vogels et al. 2019"
     _PARAMS = "<IB"  # rank, value dtype code
 
     def __init__(self, rank: int = 4, value_dtype: str = "fp32", fallback: str = "none",
                  min_compression_rate: float = 2.0, seed: int | None = None) -> None:
         check_range("rank", rank, 1, MAX_RANK, integer=True)
-        check_range("min_compression_rate", min_compression_rate, 1.0, float("inf"))
         if value_dtype not in VALUE_DTYPES:
             raise ValueError(f"value_dtype must be one of {sorted(VALUE_DTYPES)}, got {value_dtype!r}")
-        if fallback not in FALLBACKS:
-            raise ValueError(f"fallback must be one of {list(FALLBACKS)}, got {fallback!r}")
-        if seed is not None:
-            check_range("seed", seed, 0, 2**63 - 1, integer=True)
+        check_low_rank_args(fallback, min_compression_rate, seed)
         self.rank = int(rank)
         self.value_dtype = value_dtype
         self.fallback = fallback

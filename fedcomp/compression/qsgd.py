@@ -17,6 +17,7 @@ from fedcomp.compression.base import Compressor, check_range, register
 from fedcomp.compression.bits import nbytes_for_bits, pack_bits, pack_uint, unpack_bits, unpack_uint
 from fedcomp.compression.errors import PayloadError
 from fedcomp.compression.int8 import block_scale
+from fedcomp.compression.options import Option
 from fedcomp.compression.stochastic import StochasticRounder
 from fedcomp.compression.wire import BodyReader, Header, unpack_params
 
@@ -101,7 +102,9 @@ class QSGDCompressor(Compressor):
 
     name = "qsgd"
     codec_id = 7
-    config_keys = {"levels": "levels", "spacing": "spacing"}
+    options = (Option("levels", "levels", int, 15, lo=1, hi=MAX_LEVELS, help="quantization levels s >= 1"),
+               Option("spacing", "spacing", str, "uniform", choices=SPACINGS,
+                      help='level placement: "uniform" (QSGD) or "exponential" (NUQSGD)'))
     seeded = True
     _PARAMS = "<II"  # levels, bucket size (uniform spacing)
     _PARAMS_SPACED = "<IIB"  # levels, bucket size, spacing code 1 (exponential)
@@ -117,6 +120,19 @@ class QSGDCompressor(Compressor):
         self.bucket_size = int(bucket_size)
         self.spacing = spacing
         self._rounder = StochasticRounder(seed)
+
+    @classmethod
+    def check_options(cls, values) -> None:
+        """NUQSGD's exponential spacing takes at most :data:`MAX_EXPONENTIAL_LEVELS` levels.
+
+        Raises
+        ------
+        ValueError
+            ``'levels' must be in [1, 126] with spacing = 'exponential', got 200``.
+        """
+        if values["spacing"] == "exponential" and values["levels"] > MAX_EXPONENTIAL_LEVELS:
+            raise ValueError(f"'levels' must be in [1, {MAX_EXPONENTIAL_LEVELS}] with spacing = 'exponential', "
+                             f"got {values['levels']}")
 
     def config(self) -> dict:
         """``{"levels": s, "bucket_size": d}``, plus ``"spacing"`` when it is exponential."""

@@ -16,6 +16,7 @@ import torch
 
 from fedcomp.compression.base import Compressor, check_range, register
 from fedcomp.compression.errors import PayloadError
+from fedcomp.compression.options import DENSITY
 from fedcomp.compression.sparse import ChunkedSparseDecoding, check_density, k_for
 from fedcomp.compression.wire import BodyReader, Header, unpack_params
 
@@ -142,7 +143,9 @@ class RandomKCompressor(ChunkedSparseDecoding, Compressor):
 
     name = "randomk"
     codec_id = 6
-    config_keys = {"density": "density"}
+    options = (DENSITY,)
+    sparse = True
+    secagg = True
     seeded = True
     _PARAMS = "<QQf"  # k, seed, scale factor
 

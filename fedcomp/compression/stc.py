@@ -15,6 +15,7 @@ import torch
 from fedcomp.compression.base import Compressor, register
 from fedcomp.compression.bits import nbytes_for_bits, pack_bits, unpack_bits
 from fedcomp.compression.errors import PayloadError
+from fedcomp.compression.options import DENSITY
 from fedcomp.compression.selection import topk_indices
 from fedcomp.compression.sparse import ChunkedSparseDecoding, check_density, k_for, positions_to_bytes, read_positions
 from fedcomp.compression.wire import BodyReader, Header, unpack_params
@@ -40,7 +41,9 @@ class STCCompressor(ChunkedSparseDecoding, Compressor):
 
     name = "stc"
     codec_id = 4
-    config_keys = {"density": "density"}
+    options = (DENSITY,)
+    sparse = True
+    density_ramp = True
     _PARAMS = "<QQBf"  # k, unary_bits, rice b, mu
 
     def __init__(self, density: float = 0.01) -> None:
@@ -49,6 +52,12 @@ class STCCompressor(ChunkedSparseDecoding, Compressor):
     def config(self) -> dict:
         """``{"density": density}``."""
         return {"density": self.density}
+
+    @classmethod
+    def kept_energy(cls, mag: torch.Tensor) -> torch.Tensor:
+        """Energy kept with k entries when each becomes ``±mu`` (mu their mean magnitude):
+        ``(sum_{i<=k} |v|_(i))^2 / k`` for every k (``mag``: |v| sorted descending, float64, ``(n,)``)."""
+        return torch.cumsum(mag, 0) ** 2 / torch.arange(1, mag.numel() + 1, dtype=mag.dtype, device=mag.device)
 
     def _encode(self, flat: torch.Tensor) -> tuple[bytes, bytes]:
         n = flat.numel()

@@ -15,6 +15,7 @@ import torch
 
 from fedcomp.compression.base import Compressor, register
 from fedcomp.compression.errors import PayloadError
+from fedcomp.compression.options import DENSITY, VALUE_DTYPE
 from fedcomp.compression.selection import topk_indices
 from fedcomp.compression.sparse import ChunkedSparseDecoding, check_density, k_for, positions_to_bytes, read_positions
 from fedcomp.compression.wire import VALUE_DTYPE_BY_CODE, VALUE_DTYPES, BodyReader, Header, unpack_params
@@ -41,7 +42,9 @@ class TopKCompressor(ChunkedSparseDecoding, Compressor):
 
     name = "topk"
     codec_id = 5
-    config_keys = {"density": "density", "value_dtype": "value-dtype"}
+    options = (DENSITY, VALUE_DTYPE)
+    sparse = True
+    density_ramp = True
     _PARAMS = "<QQBB"  # k, unary_bits, rice b, value dtype code
 
     def __init__(self, density: float = 0.01, value_dtype: str = "fp32") -> None:

@@ -1,27 +1,30 @@
 """The codec a client uses and how (:class:`CodecConfig`): every codec key of the run config with
 its one default, its checks, the per-layer rules and the density schedule of the rounds.
 
-A codec takes its constructor arguments from these fields as it declares them
-(``Compressor.config_keys``); :meth:`CodecConfig.build` knows no codec by name.
+The codec fields (``density``, ``levels``, ``rank``, ...) come from the codecs' own option
+declarations (``Compressor.options``): a codec takes its constructor arguments from them, and
+:meth:`CodecConfig.build` knows no codec by name.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from fedcomp.compression import CODECS, Compressor, available_compressors
-from fedcomp.compression.qsgd import MAX_EXPONENTIAL_LEVELS, SPACINGS
+from fedcomp.compression import CODECS, Compressor, available_compressors, codec_options, codecs_with
+from fedcomp.compression.options import SMALL_TENSOR
 from fedcomp.config.low_density import resolve_schedule
-from fedcomp.util.validate import closest_hint, read_bool, read_number, read_string
+from fedcomp.util.validate import closest_hint, read_number, read_string
 
-#: Codecs that choose entries (their k is taken over the whole model with selection "auto").
-SPARSE_CODECS = ("stc", "topk", "randomk")
+#: Codecs that choose entries (their k is taken over the whole model with selection "auto"):
+#: ``Compressor.sparse``.
+SPARSE_CODECS = codecs_with(sparse=True)
 DENSITY_SCHEDULES = ("auto", "constant", "exponential", "linear", "adaptive")
-#: Codecs that work per tensor only ("selection" must resolve to "tensor").
-TENSOR_ONLY_CODECS = ("powersgd",)
+#: Codecs that work per tensor only ("selection" must resolve to "tensor"): ``Compressor.per_tensor_only``.
+TENSOR_ONLY_CODECS = codecs_with(per_tensor_only=True)
 
 
 def parse_layer_codecs(spec: str) -> list[tuple[str, str]]:
@@ -57,9 +60,27 @@ def _error_feedback(cfg: Mapping[str, Any], default, source: str) -> bool | str:
     raise ValueError(f"{source} 'error-feedback' must be true, false or \"ef21\", got {value!r}")
 
 
+def _option_reads() -> dict:
+    """The options :meth:`CodecConfig.from_mapping` reads through their declarations: every codec's,
+    and ``small-tensor-compressor`` (a policy key too) whether or not a codec declares it."""
+    return {SMALL_TENSOR.key: SMALL_TENSOR, **codec_options()}
 
 
-@dataclass(frozen=True)
+def _with_codec_options(cls: type) -> type:
+    """Give ``cls`` a field for every registered codec option it does not declare itself (right after
+    ``compressor``, default the option's), then make it a frozen dataclass."""
+    own = dict(inspect.get_annotations(cls))
+    codec_fields = {}
+    for opt in codec_options().values():
+        if opt.field not in own:
+            codec_fields[opt.field] = opt.type.__name__
+            setattr(cls, opt.field, opt.default)
+    first = next(iter(own))
+    cls.__annotations__ = {first: own.pop(first), **codec_fields, **own}
+    return dataclass(frozen=True)(cls)
+
+
+@_with_codec_options
 class CodecConfig:
     """Which codec a client uses and how: the keys of :data:`CODEC_DEFAULTS` (the fields below, with
     ``-`` for ``_``; each field's default is the key's default).
@@ -95,9 +116,11 @@ class CodecConfig:
     [``density-min``, ``density-max``] whose relative compression error on its current
     update is at most ``target-error``.
 
-    Codec options: ``rank`` (powersgd, r >= 1), ``unbiased`` (eden: DRIVE's unbiased scale
-    instead of the least-squares one), ``spacing`` (qsgd: "uniform" or NUQSGD's "exponential",
-    which takes at most 126 levels), ``momentum-correction`` (DGC's beta in [0, 1), 0 = off:
+    Codec options (fields declared by the codecs, ``Compressor.options``): ``density``, ``levels``,
+    ``block-size``, ``value-dtype``, ``rank`` (powersgd, r >= 1), ``unbiased`` (eden: DRIVE's
+    unbiased scale instead of the least-squares one), ``spacing`` (qsgd: "uniform" or NUQSGD's
+    "exponential", which takes at most 126 levels), and those of any other registered codec.
+    ``momentum-correction`` (DGC's beta in [0, 1), 0 = off:
     the client accumulates u <- beta u + update and sends the sparsified residual of u; it
     needs ``error-feedback``). PowerSGD is per tensor ("auto" selection gives "tensor", "model"
     is refused) and needs error feedback (it is biased; its warm-start Q is kept with the
@@ -105,15 +128,11 @@ class CodecConfig:
     """
 
     compressor: str = "stc"
-    density: float = 0.01
-    levels: int = 15
-    block_size: int = 256
-    value_dtype: str = "fp32"
     error_feedback: bool | str = True
     residual_dtype: str = "fp32"
     selection: str = "auto"
     min_compress_numel: int = 0
-    small_tensor_compressor: str = "none"
+    small_tensor_compressor: str = SMALL_TENSOR.default
     batchnorm_stats: str = "small"
     batchnorm_affine: str = "codec"
     layer_codecs: str = ""
@@ -125,9 +144,6 @@ class CodecConfig:
     target_error: float = 0.5
     density_min: float = 0.001
     density_max: float = 0.25
-    rank: int = 4
-    unbiased: bool = False
-    spacing: str = "uniform"
     momentum_correction: float = 0.0
 
     def __post_init__(self) -> None:
@@ -140,7 +156,7 @@ class CodecConfig:
         """The resolved selection scope, "tensor" or "model"."""
         if self.selection != "auto":
             return self.selection
-        return "model" if self.compressor in SPARSE_CODECS else "tensor"
+        return "model" if CODECS[self.compressor].sparse else "tensor"
 
     @property
     def rules(self) -> list[tuple[str, str]]:
@@ -160,16 +176,11 @@ class CodecConfig:
         codecs = available_compressors()
         out = cls(
             compressor=read_string(cfg, "compressor", d["compressor"], codecs, src=source),
-            density=read_number(cfg, "density", d["density"], lo=0.0, hi=1.0, lo_open=True, src=source),
-            levels=read_number(cfg, "levels", d["levels"], lo=1, hi=2**16 - 1, integer=True, src=source),
-            block_size=read_number(cfg, "block-size", d["block-size"], lo=1, hi=2**31 - 1, integer=True, src=source),
-            value_dtype=read_string(cfg, "value-dtype", d["value-dtype"], ("fp32", "fp16"), src=source),
+            **{opt.field: opt.read(cfg, source) for opt in _option_reads().values()},
             error_feedback=_error_feedback(cfg, d["error-feedback"], source),
             residual_dtype=read_string(cfg, "residual-dtype", d["residual-dtype"], ("fp32", "fp16"), src=source),
             selection=read_string(cfg, "selection", d["selection"], ("auto", "tensor", "model"), src=source),
             min_compress_numel=read_number(cfg, "min-compress-numel", d["min-compress-numel"], lo=0, integer=True, src=source),
-            small_tensor_compressor=read_string(cfg, "small-tensor-compressor", d["small-tensor-compressor"],
-                                         ("none", "fp16", "bf16"), src=source),
             batchnorm_stats=read_string(cfg, "batchnorm-stats", d["batchnorm-stats"], ("small", "codec"), src=source),
             batchnorm_affine=read_string(cfg, "batchnorm-affine", d["batchnorm-affine"], ("small", "codec"), src=source),
             layer_codecs=read_string(cfg, "layer-codecs", d["layer-codecs"], src=source),
@@ -181,9 +192,6 @@ class CodecConfig:
             target_error=read_number(cfg, "target-error", d["target-error"], lo=0.0, hi=1.0, lo_open=True, src=source),
             density_min=read_number(cfg, "density-min", d["density-min"], lo=0.0, hi=1.0, lo_open=True, src=source),
             density_max=read_number(cfg, "density-max", d["density-max"], lo=0.0, hi=1.0, lo_open=True, src=source),
-            rank=read_number(cfg, "rank", d["rank"], lo=1, hi=2**16 - 1, integer=True, src=source),
-            unbiased=read_bool(cfg, "unbiased", d["unbiased"], src=source),
-            spacing=read_string(cfg, "spacing", d["spacing"], SPACINGS, src=source),
             momentum_correction=read_number(cfg, "momentum-correction", d["momentum-correction"], lo=0.0, hi=1.0,
                                      hi_open=True, src=source),
         )
@@ -210,14 +218,18 @@ class CodecConfig:
     def _check_codec_options(self, source: str) -> None:
         """Combinations of codec options that cannot work (each message names the key to change)."""
         used = {self.compressor, self.warmup_compressor} | {c for _, c in self.rules}
-        if self.spacing == "exponential" and "qsgd" in used and self.levels > MAX_EXPONENTIAL_LEVELS:
-            raise ValueError(f"{source} 'levels' must be in [1, {MAX_EXPONENTIAL_LEVELS}] with spacing = "
-                             f"'exponential', got {self.levels}")
-        for name in TENSOR_ONLY_CODECS:
-            if name in used and not self.error_feedback:
-                raise ValueError(f"{source} 'error-feedback' must be true with compressor '{name}' (PowerSGD is "
-                                 "biased and keeps its warm-start Q with the residual; Vogels et al. 2019)")
-            if self.selection == "model" and name in (self.compressor, self.warmup_compressor):
+        values = self.to_mapping()
+        for name in sorted(used, key=lambda c: CODECS[c].codec_id):
+            try:
+                CODECS[name].check_options(values)
+            except ValueError as err:
+                raise ValueError(f"{source} {err}") from None
+        for name in sorted(used, key=lambda c: CODECS[c].codec_id):
+            reason = CODECS[name].requires_error_feedback
+            if reason and not self.error_feedback:
+                raise ValueError(f"{source} 'error-feedback' must be true with compressor '{name}' ({reason})")
+            if CODECS[name].per_tensor_only and self.selection == "model" and name in (self.compressor,
+                                                                                       self.warmup_compressor):
                 raise ValueError(f"{source} 'selection' must be 'tensor' or 'auto' with compressor '{name}' "
                                  "(a low-rank approximation is taken per parameter matrix)")
         if self.momentum_correction > 0 and self.error_feedback == "ef21":
@@ -226,7 +238,7 @@ class CodecConfig:
         if self.momentum_correction > 0 and not self.error_feedback:
             raise ValueError(f"{source} 'momentum-correction' needs 'error-feedback' = true (the unsent part of "
                              "the momentum is kept in the residual)")
-        if self.momentum_correction > 0 and self.compressor not in SPARSE_CODECS:
+        if self.momentum_correction > 0 and not CODECS[self.compressor].sparse:
             raise ValueError(f"{source} 'momentum-correction' works with the sparsifying codecs {list(SPARSE_CODECS)} "
                              f"(DGC keeps the momentum of the entries not sent); compressor '{self.compressor}' sends "
                              "every entry each round, so the momentum would be masked away and do nothing: set "
@@ -254,11 +266,11 @@ class CodecConfig:
         return {k: getattr(self, k.replace("-", "_")) for k in CODEC_DEFAULTS}
 
     def build(self, seed: int | None = None, compressor: str | None = None, density: float | None = None) -> Compressor:
-        """Instantiate the codec (or ``compressor``, e.g. a per-layer one) with the parameters it
-        declares (``Compressor.config_keys``; ``seed`` for stochastic codecs; ``density``, when
+        """Instantiate the codec (or ``compressor``, e.g. a per-layer one) with the options it
+        declares (``Compressor.options``; ``seed`` for stochastic codecs; ``density``, when
         given, instead of this config's)."""
         cls = CODECS[compressor or self.compressor]
-        params: dict[str, Any] = {arg: getattr(self, key.replace("-", "_")) for arg, key in cls.config_keys.items()}
+        params: dict[str, Any] = {opt.arg: getattr(self, opt.field) for opt in cls.options}
         if density is not None and "density" in params:
             params["density"] = density
         if cls.seeded:

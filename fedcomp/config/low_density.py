@@ -31,11 +31,13 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from fedcomp.compression import codecs_with
+
 #: "auto" applies below this density (exclusive): 1/1000 needs it; 1/400 and above keep the
 #: plain settings that the BatchNorm ResNet rows were measured with.
 LOW_DENSITY = 0.0025
-#: Codecs whose k largest entries DGC's warm-up was designed for.
-RAMP_CODECS = ("stc", "topk")
+#: Codecs whose k largest entries DGC's warm-up was designed for (``Compressor.density_ramp``).
+RAMP_CODECS = codecs_with(density_ramp=True)
 #: FedAvgM's server learning rate and momentum under ``strategy = "auto"`` at low density.
 AUTO_SERVER_LR = 1.0
 AUTO_SERVER_MOMENTUM = 0.5

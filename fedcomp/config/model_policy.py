@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from fedcomp.compression import codecs_with
+
 _STATS = ("running_mean", "running_var")
 
 
@@ -56,7 +58,7 @@ def describe(keys: Iterable[str], numel: dict[str, int], codec) -> str | None:
         The codec in force.
     """
     affine = batchnorm_affine_keys(keys)
-    if not affine or codec.batchnorm_affine != "small" or codec.compressor not in ("stc", "topk", "randomk"):
+    if not affine or codec.batchnorm_affine != "small" or codec.compressor not in codecs_with(sparse=True):
         return None
     n = sum(numel[k] for k in affine)
     layers = len({k.rsplit(".", 1)[0] for k in affine})

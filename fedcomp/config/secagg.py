@@ -24,10 +24,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from fedcomp.compression import CODECS, codecs_with
 from fedcomp.util.validate import read_bool
 
-#: Codecs that survive masked summation: shared-seed random-k (``randomk``) and dense (``none``).
-SECAGG_CODECS = ("randomk", "none")
+#: Codecs that survive masked summation (``Compressor.secagg``): shared-seed random-k (``randomk``)
+#: and dense (``none``); the sparse ones first.
+SECAGG_CODECS = tuple(sorted(codecs_with(secagg=True), key=lambda name: not CODECS[name].sparse))
 #: Flower's limit: ``modulus_range`` below 2**32 (its quantizer and masks use 32/64-bit integers).
 MAX_MODULUS_BITS = 32
 

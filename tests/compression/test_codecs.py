@@ -26,7 +26,7 @@ def randn(*shape, seed=0):
 
 
 def test_registry_names_match_design():
-    assert ALL == sorted(["none", "fp16", "bf16", "sign", "stc", "topk", "randomk", "qsgd", "int8", "powersgd", "eden"])
+    assert ALL == sorted(["none", "fp16", "bf16", "sign", "stc", "topk", "randomk", "qsgd", "int8", "powersgd", "eden", "atomo"])
 
 
 @pytest.mark.parametrize("name", ALL)
