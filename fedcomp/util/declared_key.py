@@ -98,7 +98,7 @@ class Key:
 
 
 def _text(x: float | None) -> str:
-    return str(x) if isinstance(x, int) else f"{x:g}"
+    return "" if x is None else str(x) if isinstance(x, int) else f"{x:g}"
 
 
 def table(*keys: Key) -> dict[str, Key]:
