@@ -11,6 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from fedcomp.config.codec import CODEC_DEFAULTS
+from fedcomp.privacy.settings import DP_DEFAULTS
 from fedcomp.util.declared_key import Key, defaults, table
 
 #: Codecs that survive masked summation: shared-seed random-k (``randomk``) and dense (``none``).
@@ -128,20 +130,21 @@ def check_codec_under_secagg(run_config: Mapping[str, Any]) -> None:
         A codec other than :data:`SECAGG_CODECS` (its per-client positions or scales make a
         masked sum meaningless), or a feature the secure path does not implement (naming it).
     """
-    comp = run_config.get("compressor", "stc")
+    comp = run_config.get("compressor", CODEC_DEFAULTS["compressor"])
     if comp not in SECAGG_CODECS:
         raise ValueError(f"run config 'compressor' = {comp!r} cannot work under secure aggregation: the server only "
                          f"sees the masked sum, and {comp!r} chooses positions or scales per client. Use one of "
                          f"{list(SECAGG_CODECS)} ('randomk' uses the round's shared seed, 'none' is dense SecAgg+)")
-    if run_config.get("error-feedback", True) not in (True, False):
+    ef = run_config.get("error-feedback", CODEC_DEFAULTS["error-feedback"])
+    if ef not in (True, False):
         raise ValueError(f"run config 'error-feedback' = {run_config['error-feedback']!r} is not supported with "
                          "secagg = true (use true or false: the server only sees the masked sum, not each client's "
                          "EF21 estimate)")
-    dp = run_config.get("dp", "none")
+    dp = run_config.get("dp", DP_DEFAULTS["dp"])
     if dp not in ("none", "client-level"):
         raise ValueError(f"run config 'dp' = {dp!r} is not supported with secagg = true (use 'none' or "
                          "'client-level': clients clip their shared k values, the server adds the noise to the sum)")
-    if dp == "client-level" and run_config.get("error-feedback", True) is not False:
+    if dp == "client-level" and ef is not False:
         raise ValueError("run config dp = 'client-level' with secagg = true needs error-feedback = false: with error "
                          "feedback the residual carries the clipped excess into later rounds and voids the clipping "
                          "bound")

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from fedcomp.util.validate import read_number
 from fedcomp.privacy.accounting import ACCOUNTANTS, epsilon_spent, restore_accountant
-from fedcomp.privacy.settings import DP_DEFAULTS
+from fedcomp.privacy.settings import DP_DEFAULTS, DP_KEYS
 from fedcomp.privacy.calibration import calibrate_noise_multiplier, logical_batch_size, sample_rate, steps_per_epoch
 
 if TYPE_CHECKING:
@@ -131,9 +131,7 @@ class DPSGDConfig:
         ValueError
             A key with a wrong type or out of range (see the class docstring).
         """
-        secure = cfg.get("secure-rng", cls.secure_rng)
-        if not isinstance(secure, bool):
-            raise ValueError(f"run config 'secure-rng' must be true or false, got {secure!r}")
+        secure = DP_KEYS["secure-rng"].read(cfg)
         accountant = cfg.get("accountant", cls.accountant)
         if not isinstance(accountant, str):
             raise ValueError(f"run config 'accountant' must be a string, got {accountant!r}")
