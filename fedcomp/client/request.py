@@ -5,15 +5,15 @@ round and the seed of stochastic codecs (downstream model versions are read by
 
 from __future__ import annotations
 
-import difflib
 import hashlib
 from dataclasses import dataclass
 from typing import Any
 
 from flwr.app import ArrayRecord, Context, Message, RecordDict
 
-from fedcomp.config import CODEC_DEFAULTS, DP_MODES, CodecConfig
+from fedcomp.config import CODEC_DEFAULTS, KEYS, CodecConfig
 from fedcomp.privacy import LocalDP
+from fedcomp.util.validate import closest_hint
 from fedcomp.client.update import CompositionError
 
 
@@ -114,16 +114,17 @@ def _own_local_dp(context: Context) -> LocalDP | None:
     Raises
     ------
     ValueError
-        A ``dp`` value that is not one of :data:`fedcomp.config.DP_MODES` (``"Local"``, ``"locl"``):
+        A ``dp`` value that is not one of the declared modes (``"Local"``, ``"locl"``):
         the client refuses rather than train with its privacy floor silently off."""
+    modes = KEYS["dp"].choices
     for where, cfg in (("node config", context.node_config), ("run config", context.run_config)):
-        if "dp" in cfg and cfg["dp"] not in DP_MODES:  # a slip ("Local") must not switch the privacy floor off
-            close = difflib.get_close_matches(str(cfg["dp"]).lower(), DP_MODES, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ValueError(f"{where} 'dp' must be one of {list(DP_MODES)}, got {cfg['dp']!r}{hint}; "
-                             "this client does not train with an unknown privacy setting")
+        if "dp" in cfg and cfg["dp"] not in modes:  # a slip ("Local") must not switch the privacy floor off
+            raise ValueError(f"{where} 'dp' must be one of {list(modes)}, got {cfg['dp']!r} "
+                             f"({closest_hint(cfg['dp'], modes, 'mode')}); this client does not train with an "
+                             "unknown privacy setting")
         if cfg.get("dp") == "local":
-            return LocalDP(cfg.get("clipping-norm", 1.0), cfg.get("noise-multiplier", 1.0))
+            return LocalDP(cfg.get("clipping-norm", KEYS["clipping-norm"].default),
+                           cfg.get("noise-multiplier", KEYS["noise-multiplier"].default))
         if "dp" in cfg:
             return None
     return None

@@ -1,37 +1,49 @@
-"""Which run-config keys exist: every key a fedcomp app reads, and the refusal of any other key
-(naming the closest valid one, so that a misspelt key is not silently ignored)."""
+"""Which run-config keys exist: every key a fedcomp app reads, gathered from the one declaration of
+each (:class:`fedcomp.util.declared_key.Key`), the refusal of any other key (naming the closest
+valid one, so that a misspelt key is not silently ignored) and the reference table of them all.
+
+The declarations: :data:`fedcomp.config.app_keys.APP` (federation, strategy, training, data,
+results), :data:`fedcomp.privacy.settings.DP_KEYS`, :data:`fedcomp.config.secagg.SECAGG_KEYS`,
+:data:`fedcomp.task.lora.LORA_KEYS` and the codec keys of :data:`fedcomp.config.codec.CODEC_DEFAULTS`.
+Together they are exactly the keys of ``[tool.flwr.app.config]`` in ``pyproject.toml``, with the
+same defaults (a test holds that).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
 
-from fedcomp.util.validate import closest_hint
+from fedcomp.config.app_keys import APP
 from fedcomp.config.codec import CODEC_DEFAULTS
+from fedcomp.config.secagg import SECAGG_KEYS
+from fedcomp.privacy.settings import DP_KEYS
+from fedcomp.task.lora import LORA_KEYS
+from fedcomp.util.declared_key import Key, table
+from fedcomp.util.validate import closest_hint
 
-#: Run-config keys fedcomp's own ServerApp and ClientApp read besides :data:`CODEC_DEFAULTS`
-#: (the DP-SGD ones are read by ``fedcomp.privacy.DPSGDConfig``). Together they are exactly
-#: the keys of ``[tool.flwr.app.config]`` in ``pyproject.toml`` (a test holds that): a new key
-#: goes into both, with its default in one place.
-APP_KEYS: tuple[str, ...] = (
-    "num-server-rounds", "fraction-train", "fraction-evaluate", "client-sampling", "min-train-nodes",
-    "min-available-nodes", "round-timeout", "strategy", "server-lr", "server-momentum", "downstream",
-    "uplink-mbps", "downlink-mbps", "dp", "clipping-norm", "noise-multiplier", "max-grad-norm", "target-delta",
-    "target-epsilon", "accountant", "secure-rng", "max-epsilon", "lr", "momentum", "local-epochs", "batch-size",
-    "accumulation-steps", "local-clip-norm", "seed", "dataset", "model", "partitioner", "dirichlet-alpha",
-    "results-dir", "resume", "client-state-dir", "optimizer", "adam-beta1", "adam-beta2", "weight-decay", "precision",
-    "verbose", "require-compression",
-)
+
+def _codec_keys() -> dict[str, Key]:
+    """The codec keys as declarations: name, type and default from :data:`CODEC_DEFAULTS`; their
+    ranges are checked by :class:`fedcomp.config.codec.CodecConfig`."""
+    return {name: Key(name, type(default), default, "codec option (sent to clients in the train config; node "
+                      "config may override)", rule="see CodecConfig") for name, default in CODEC_DEFAULTS.items()}
+
+
+#: Every declared run-config key by group, in the reference table's order.
+GROUPS: dict[str, dict[str, Key]] = {"app": APP, "codec": _codec_keys(), "dp": DP_KEYS, "lora": LORA_KEYS,
+                                     "secagg": SECAGG_KEYS}
+#: ``{name: Key}`` of every run-config key (a name declared in two groups is refused at import).
+KEYS: dict[str, Key] = table(*(k for group in GROUPS.values() for k in group.values()))
+
+#: Run-config keys fedcomp's own ServerApp and ClientApp read besides :data:`CODEC_DEFAULTS`, the
+#: ``secagg*`` keys and the LoRA keys: the app's and the privacy keys.
+APP_KEYS: tuple[str, ...] = (*APP, *DP_KEYS)
 
 
 def run_config_keys() -> frozenset[str]:
-    """Every run-config key fedcomp's apps know: :data:`APP_KEYS`, :data:`CODEC_DEFAULTS`, the
-    ``secagg*`` keys of :data:`fedcomp.config.secagg.SECAGG_DEFAULTS` and the LoRA keys of
-    :data:`fedcomp.task.lora.LORA_DEFAULTS`."""
-    from fedcomp.task.lora import LORA_DEFAULTS
-    from fedcomp.config.secagg import SECAGG_DEFAULTS  # here: fedcomp.secagg imports Flower
-
-    return frozenset(APP_KEYS) | frozenset(CODEC_DEFAULTS) | frozenset(SECAGG_DEFAULTS) | frozenset(LORA_DEFAULTS)
+    """Every run-config key fedcomp's apps know (the names of :data:`KEYS`)."""
+    return frozenset(KEYS)
 
 
 def check_known_keys(cfg: Mapping[str, Any], known: frozenset[str] | None = None, source: str = "run config") -> None:
@@ -65,4 +77,33 @@ def unknown_key_message(key: str, known, source: str = "run config") -> str:
             "[tool.flwr.app.config] of pyproject.toml)")
 
 
-__all__ = ["APP_KEYS", "check_known_keys", "run_config_keys", "unknown_key_message"]
+def _toml(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return f'"{value}"' if isinstance(value, str) else repr(value)
+
+
+def reference_table(keys: Mapping[str, Key] | None = None) -> str:
+    """The markdown reference of run-config keys: one row per key (key, type, default, allowed
+    values, help), grouped as :data:`GROUPS`, defaults written as in ``pyproject.toml``.
+
+    Parameters
+    ----------
+    keys : Mapping[str, Key], optional
+        The keys to list; default every key (:data:`KEYS`).
+
+    Returns
+    -------
+    str
+        A header row, a separator row and one row per key, ``\\n``-separated; ``|`` in a help text
+        is escaped.
+    """
+    keys = KEYS if keys is None else keys
+    rows = ["| key | type | default | allowed | help |", "| --- | --- | --- | --- | --- |"]
+    rows += [f"| `{k.name}` | {k.type.__name__} | `{_toml(k.default)}` | {k.allowed()} | "
+             + k.help.replace("|", "\\|") + " |" for k in keys.values()]
+    return "\n".join(rows)
+
+
+__all__ = ["APP_KEYS", "GROUPS", "KEYS", "check_known_keys", "reference_table", "run_config_keys",
+           "unknown_key_message"]

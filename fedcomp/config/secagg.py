@@ -1,20 +1,7 @@
-"""Run-config keys of secure aggregation (``secagg = true``), validated (Flower-free).
-
-Keys (defaults in ``pyproject.toml``):
-
-- ``secagg`` (false): run Flower's SecAgg+ (``DefaultWorkflow`` + ``SecAggPlusWorkflow``).
-- ``secagg-shares`` (1.0) / ``secagg-threshold`` (0.7): Flower's ``num_shares`` and
-  ``reconstruction_threshold``: an integer count (shares > 2, threshold < shares) or a float
-  fraction (shares of the sampled clients, threshold of the shares), as in Flower.
-- ``secagg-clipping-range`` (1.0): c; every weighted update entry is clipped to [-c, c] (error
-  feedback keeps what clipping removes); c * 2**secagg-quantization-bits must stay < 2**52.
-- ``secagg-quantization-bits`` (16): Q = 2**bits levels over [-c, c].
-- ``secagg-modulus-bits`` (0 = auto): masks and sums live modulo 2**bits; auto takes, each round,
-  the smallest that cannot overflow: ``ceil(log2(n * Q + 1))`` for n sampled clients.
-- ``secagg-max-weight`` (1000.0): Flower's ``max_weight``; a client weighs
-  ``num_examples / max_weight`` (must be <= 1: larger clients are refused, naming this key).
-- ``secagg-rotation`` (false): shared randomised Hadamard rotation before the random-k selection.
-- ``secagg-pack`` (true): masked values travel packed at modulus-bits bits each instead of int64.
+"""Run-config keys of secure aggregation (``secagg = true``), declared in :data:`SECAGG_KEYS` and
+validated together by :class:`SecAggConfig` (Flower-free). ``secagg-shares`` and
+``secagg-threshold`` are Flower's ``num_shares`` and ``reconstruction_threshold``: an integer
+count or a float fraction, as in Flower.
 """
 
 from __future__ import annotations
@@ -25,7 +12,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from fedcomp.compression import CODECS, codecs_with
-from fedcomp.util.validate import read_bool
+from fedcomp.config.codec import CODEC_DEFAULTS
+from fedcomp.privacy.settings import DP_DEFAULTS
+from fedcomp.util.declared_key import Key, defaults, table
 
 #: Codecs that survive masked summation (``Compressor.secagg``): shared-seed random-k (``randomk``)
 #: and dense (``none``); the sparse ones first.
@@ -33,17 +22,26 @@ SECAGG_CODECS = tuple(sorted(codecs_with(secagg=True), key=lambda name: not CODE
 #: Flower's limit: ``modulus_range`` below 2**32 (its quantizer and masks use 32/64-bit integers).
 MAX_MODULUS_BITS = 32
 
-SECAGG_DEFAULTS: dict[str, Any] = {
-    "secagg": False,
-    "secagg-shares": 1.0,
-    "secagg-threshold": 0.7,
-    "secagg-clipping-range": 1.0,
-    "secagg-quantization-bits": 16,
-    "secagg-modulus-bits": 0,
-    "secagg-max-weight": 1000.0,
-    "secagg-rotation": False,
-    "secagg-pack": True,
-}
+SECAGG_KEYS = table(
+    Key("secagg", bool, False, "run Flower's SecAgg+ (DefaultWorkflow + SecAggPlusWorkflow); compressor must "
+        "be randomk (the round's shared seed) or none (dense)"),
+    Key("secagg-shares", float, 1.0, "Flower's num_shares: an integer > 2, or a fraction of the sampled clients",
+        rule="integer > 2, or a fraction in (0, 1]"),
+    Key("secagg-threshold", float, 0.7, "Flower's reconstruction_threshold: an integer < shares, or a fraction of "
+        "the shares", rule="integer in [1, shares), or a fraction in (0, 1]"),
+    Key("secagg-clipping-range", float, 1.0, "c: weighted update entries clipped to [-c, c] (error feedback keeps "
+        "the rest)", rule="number > 0, c * 2**quantization-bits < 2**52"),
+    Key("secagg-quantization-bits", int, 16, "Q = 2**bits levels over [-c, c]", lo=1, hi=MAX_MODULUS_BITS - 2,
+        rule=f"integer in [1, {MAX_MODULUS_BITS - 2}]"),
+    Key("secagg-modulus-bits", int, 0, "masks and sums live modulo 2**bits; 0 = auto per round: "
+        "ceil(log2(n * Q + 1)) for n clients", lo=0, hi=MAX_MODULUS_BITS,
+        rule=f"0, or an integer in (quantization-bits + 1, {MAX_MODULUS_BITS}]"),
+    Key("secagg-max-weight", float, 1000.0, "Flower's max_weight: a client weighs num_examples / max_weight "
+        "(must be <= 1)", rule="number > 0"),
+    Key("secagg-rotation", bool, False, "shared randomised Hadamard rotation before the random-k selection"),
+    Key("secagg-pack", bool, True, "masked values travel packed at modulus-bits bits each instead of int64"),
+)
+SECAGG_DEFAULTS: dict[str, Any] = defaults(SECAGG_KEYS)
 
 
 def _number(cfg: Mapping[str, Any], key: str) -> float | int:
@@ -53,7 +51,8 @@ def _number(cfg: Mapping[str, Any], key: str) -> float | int:
     return v
 
 
-def _int(cfg: Mapping[str, Any], key: str, lo: int, hi: int) -> int:
+def _int(cfg: Mapping[str, Any], key: str) -> int:
+    lo, hi = SECAGG_KEYS[key].lo, SECAGG_KEYS[key].hi
     v = _number(cfg, key)
     if isinstance(v, float) and not v.is_integer() or not lo <= v <= hi:
         raise ValueError(f"run config '{key}' must be an integer in [{lo}, {hi}], got {v!r}")
@@ -62,17 +61,18 @@ def _int(cfg: Mapping[str, Any], key: str, lo: int, hi: int) -> int:
 
 @dataclass(frozen=True)
 class SecAggConfig:
-    """SecAgg+ settings of a run; see the module docstring for each key."""
+    """SecAgg+ settings of a run; see :data:`SECAGG_KEYS` for each key (``secagg-<field>``,
+    ``secagg`` for ``enabled``)."""
 
-    enabled: bool = False
-    shares: int | float = 1.0
-    threshold: int | float = 0.7
-    clipping_range: float = 1.0
-    quantization_bits: int = 16
-    modulus_bits: int = 0
-    max_weight: float = 1000.0
-    rotation: bool = False
-    pack: bool = True
+    enabled: bool = SECAGG_DEFAULTS["secagg"]
+    shares: int | float = SECAGG_DEFAULTS["secagg-shares"]
+    threshold: int | float = SECAGG_DEFAULTS["secagg-threshold"]
+    clipping_range: float = SECAGG_DEFAULTS["secagg-clipping-range"]
+    quantization_bits: int = SECAGG_DEFAULTS["secagg-quantization-bits"]
+    modulus_bits: int = SECAGG_DEFAULTS["secagg-modulus-bits"]
+    max_weight: float = SECAGG_DEFAULTS["secagg-max-weight"]
+    rotation: bool = SECAGG_DEFAULTS["secagg-rotation"]
+    pack: bool = SECAGG_DEFAULTS["secagg-pack"]
 
     @property
     def quantization_range(self) -> int:
@@ -104,20 +104,20 @@ class SecAggConfig:
         c = float(_number(cfg, "secagg-clipping-range"))
         if c <= 0:
             raise ValueError(f"run config 'secagg-clipping-range' must be > 0, got {c}")
-        qbits = _int(cfg, "secagg-quantization-bits", 1, MAX_MODULUS_BITS - 2)
+        qbits = _int(cfg, "secagg-quantization-bits")
         if c * 2.0 ** qbits >= 2.0 ** 52:
             raise ValueError(f"run config 'secagg-clipping-range' = {c:g} is too large for "
                              f"secagg-quantization-bits = {qbits}: c * 2**bits must stay < 2**52 (what float64 "
                              "resolves); the rounding noise per value is ~c / 2**bits, so pick c near the largest "
                              "update entry")
-        mbits = _int(cfg, "secagg-modulus-bits", 0, MAX_MODULUS_BITS)
+        mbits = _int(cfg, "secagg-modulus-bits")
         if mbits and mbits <= qbits + 1:
             raise ValueError(f"run config 'secagg-modulus-bits' = {mbits} must exceed secagg-quantization-bits + 1 "
                              f"= {qbits + 1} (the sum of two clients already needs {qbits + 2} bits), or be 0 (auto)")
         mw = float(_number(cfg, "secagg-max-weight"))
         if mw <= 0:
             raise ValueError(f"run config 'secagg-max-weight' must be > 0, got {mw}")
-        flags = {k: read_bool(cfg, k, SECAGG_DEFAULTS[k]) for k in ("secagg", "secagg-rotation", "secagg-pack")}
+        flags = {k: SECAGG_KEYS[k].read(cfg) for k in ("secagg", "secagg-rotation", "secagg-pack")}
         return cls(enabled=flags["secagg"], shares=shares, threshold=threshold, clipping_range=c,
                    quantization_bits=qbits, modulus_bits=mbits, max_weight=mw,
                    rotation=flags["secagg-rotation"], pack=flags["secagg-pack"])
@@ -132,20 +132,21 @@ def check_codec_under_secagg(run_config: Mapping[str, Any]) -> None:
         A codec other than :data:`SECAGG_CODECS` (its per-client positions or scales make a
         masked sum meaningless), or a feature the secure path does not implement (naming it).
     """
-    comp = run_config.get("compressor", "stc")
+    comp = run_config.get("compressor", CODEC_DEFAULTS["compressor"])
     if comp not in SECAGG_CODECS:
         raise ValueError(f"run config 'compressor' = {comp!r} cannot work under secure aggregation: the server only "
                          f"sees the masked sum, and {comp!r} chooses positions or scales per client. Use one of "
                          f"{list(SECAGG_CODECS)} ('randomk' uses the round's shared seed, 'none' is dense SecAgg+)")
-    if run_config.get("error-feedback", True) not in (True, False):
+    ef = run_config.get("error-feedback", CODEC_DEFAULTS["error-feedback"])
+    if ef not in (True, False):
         raise ValueError(f"run config 'error-feedback' = {run_config['error-feedback']!r} is not supported with "
                          "secagg = true (use true or false: the server only sees the masked sum, not each client's "
                          "EF21 estimate)")
-    dp = run_config.get("dp", "none")
+    dp = run_config.get("dp", DP_DEFAULTS["dp"])
     if dp not in ("none", "client-level"):
         raise ValueError(f"run config 'dp' = {dp!r} is not supported with secagg = true (use 'none' or "
                          "'client-level': clients clip their shared k values, the server adds the noise to the sum)")
-    if dp == "client-level" and run_config.get("error-feedback", True) is not False:
+    if dp == "client-level" and ef is not False:
         raise ValueError("run config dp = 'client-level' with secagg = true needs error-feedback = false: with error "
                          "feedback the residual carries the clipped excess into later rounds and voids the clipping "
                          "bound")

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from fedcomp.util.validate import read_number
 from fedcomp.privacy.accounting import ACCOUNTANTS, epsilon_spent, restore_accountant
+from fedcomp.privacy.settings import DP_DEFAULTS, DP_KEYS
 from fedcomp.privacy.calibration import calibrate_noise_multiplier, logical_batch_size, sample_rate, steps_per_epoch
 
 if TYPE_CHECKING:
@@ -30,7 +31,8 @@ def secure_rng_available() -> bool:
 
 @dataclass(frozen=True)
 class DPSGDConfig:
-    """DP-SGD parameters (run config keys in brackets); validated on construction.
+    """DP-SGD parameters (run config keys in brackets, declared in
+    :data:`fedcomp.privacy.settings.DP_KEYS` with their defaults); validated on construction.
 
     Attributes
     ----------
@@ -75,13 +77,13 @@ class DPSGDConfig:
         not installed.
     """
 
-    noise_multiplier: float = 1.0
-    max_grad_norm: float = 1.0
-    target_delta: float = 1e-5
+    noise_multiplier: float = DP_DEFAULTS["noise-multiplier"]
+    max_grad_norm: float = DP_DEFAULTS["max-grad-norm"]
+    target_delta: float = DP_DEFAULTS["target-delta"]
     target_epsilon: float | None = None
     planned_rounds: int = 50
-    accountant: str = "rdp"
-    secure_rng: bool = False
+    accountant: str = DP_DEFAULTS["accountant"]
+    secure_rng: bool = DP_DEFAULTS["secure-rng"]
 
     def __post_init__(self) -> None:
         if not self.noise_multiplier >= 0 or math.isinf(self.noise_multiplier):
@@ -129,9 +131,7 @@ class DPSGDConfig:
         ValueError
             A key with a wrong type or out of range (see the class docstring).
         """
-        secure = cfg.get("secure-rng", cls.secure_rng)
-        if not isinstance(secure, bool):
-            raise ValueError(f"run config 'secure-rng' must be true or false, got {secure!r}")
+        secure = DP_KEYS["secure-rng"].read(cfg)
         accountant = cfg.get("accountant", cls.accountant)
         if not isinstance(accountant, str):
             raise ValueError(f"run config 'accountant' must be a string, got {accountant!r}")

@@ -23,28 +23,35 @@ from typing import Any
 import torch
 
 from fedcomp.protocol.seeded_init import SeededInit, lora_init
+from fedcomp.util.declared_key import Key, defaults, table
 
-#: FlowerTune's general-NLP defaults: r = 32, alpha = 64, on q_proj and v_proj.
-LORA_DEFAULTS: dict[str, Any] = {
-    "finetune": "full",
-    "base-model": "",
-    "lora-r": 32,
-    "lora-alpha": 64,
-    "lora-targets": "q_proj,v_proj",
-    "lora-dropout": 0.0,
-    "base-quantization": "none",
-}
 FINETUNE_MODES = ("full", "lora")
 #: Largest accepted ``lora-r``: LoRA ranks are 4-256 in practice; a rank above every hidden size of
 #: any model would allocate ``r * (d_in + d_out)`` floats per adapter for nothing, and a huge
 #: one would exhaust the node's memory.
 MAX_LORA_R = 65536
 QUANTIZATIONS = ("none", "4bit")
+#: The run-config keys of LoRA fine-tuning; defaults are FlowerTune's general-NLP baseline
+#: (r = 32, alpha = 64 on q_proj and v_proj).
+LORA_KEYS = table(
+    Key("finetune", str, "full", "train the whole model, or a frozen base-model with peft LoRA adapters (only "
+        "the adapters travel; dataset = \"shakespeare\")", choices=FINETUNE_MODES),
+    Key("base-model", str, "", "finetune = \"lora\": a save_pretrained directory or a Hugging Face model id",
+        rule="non-empty with finetune = \"lora\""),
+    Key("lora-r", int, 32, "adapter rank r", lo=1, hi=MAX_LORA_R, rule=f"integer in [1, {MAX_LORA_R}]"),
+    Key("lora-alpha", int, 64, "scaling numerator: the update is alpha / r * B A", rule="number > 0"),
+    Key("lora-targets", str, "q_proj,v_proj", "comma-separated module names (peft target_modules)",
+        rule="at least one name"),
+    Key("lora-dropout", float, 0.0, "dropout of the adapters' input", rule="[0, 1)"),
+    Key("base-quantization", str, "none", "load the base model in 4 bit (NF4 via bitsandbytes; CUDA only)",
+        choices=QUANTIZATIONS),
+)
+LORA_DEFAULTS: dict[str, Any] = defaults(LORA_KEYS)
 
 
 @dataclass(frozen=True)
 class LoraSettings:
-    """Run-config keys of LoRA fine-tuning (``finetune = "lora"``).
+    """Run-config keys of LoRA fine-tuning (``finetune = "lora"``), declared in :data:`LORA_KEYS`.
 
     Attributes
     ----------
@@ -64,11 +71,11 @@ class LoraSettings:
     """
 
     base_model: str
-    r: int = 32
-    alpha: float = 64.0
-    targets: tuple[str, ...] = ("q_proj", "v_proj")
-    dropout: float = 0.0
-    quantization: str = "none"
+    r: int = LORA_DEFAULTS["lora-r"]
+    alpha: float = float(LORA_DEFAULTS["lora-alpha"])
+    targets: tuple[str, ...] = tuple(LORA_DEFAULTS["lora-targets"].split(","))
+    dropout: float = LORA_DEFAULTS["lora-dropout"]
+    quantization: str = LORA_DEFAULTS["base-quantization"]
 
     @classmethod
     def from_mapping(cls, cfg: Mapping[str, Any]) -> LoraSettings:
@@ -82,13 +89,14 @@ class LoraSettings:
             ``base-quantization``.
         """
         d = LORA_DEFAULTS
-        base = cfg.get("base-model", d["base-model"])
+        base = LORA_KEYS["base-model"].read(cfg)
         if not isinstance(base, str) or not base.strip():
             raise ValueError("run config 'base-model' must name the base model (a local directory written by "
                              "save_pretrained, or a Hugging Face model id) when finetune = 'lora'")
-        r = cfg.get("lora-r", d["lora-r"])
-        if isinstance(r, bool) or not isinstance(r, int) or not 1 <= r <= MAX_LORA_R:
-            raise ValueError(f"run config 'lora-r' must be an integer in [1, {MAX_LORA_R}], got {r!r}")
+        rk = LORA_KEYS["lora-r"]
+        r = rk.read(cfg)
+        if isinstance(r, bool) or not isinstance(r, int) or not rk.lo <= r <= rk.hi:
+            raise ValueError(f"run config 'lora-r' must be an {rk.rule}, got {r!r}")
         alpha = cfg.get("lora-alpha", d["lora-alpha"])
         if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha < float("inf"):
             raise ValueError(f"run config 'lora-alpha' must be a number > 0, got {alpha!r}")
@@ -100,7 +108,7 @@ class LoraSettings:
         if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
             raise ValueError(f"run config 'lora-dropout' must be in [0, 1), got {dropout!r}")
         quant = cfg.get("base-quantization", d["base-quantization"])
-        if quant not in QUANTIZATIONS:
+        if quant not in QUANTIZATIONS:  # not Key.read: its message sorts the choices
             raise ValueError(f"run config 'base-quantization' must be one of {QUANTIZATIONS}, got {quant!r}")
         return cls(base.strip(), int(r), float(alpha), names, float(dropout), quant)
 
@@ -340,6 +348,6 @@ def base_fingerprint(model: torch.nn.Module) -> float:
     return total
 
 
-__all__ = ["FINETUNE_MODES", "LORA_DEFAULTS", "LoraSettings", "adapter_shapes", "adapter_state", "base_config",
+__all__ = ["FINETUNE_MODES", "LORA_DEFAULTS", "LORA_KEYS", "LoraSettings", "adapter_shapes", "adapter_state", "base_config",
            "base_fingerprint", "initial_adapters", "load_adapters", "load_base_model", "load_weights", "lora_model",
            "weights_record", "wrap"]
