@@ -56,8 +56,7 @@ class EdenCompressor(Compressor):
 
     name = "eden"
     codec_id = 10
-    options = (Option("unbiased", "unbiased", bool, False,
-                      help="DRIVE's unbiased scale instead of the least-squares one"),)
+    options = (Option("unbiased", bool, False, "DRIVE's unbiased scale instead of the least-squares one", arg="unbiased"),)
     seeded = True
     _PARAMS = "<QB"  # rotation seed, unbiased flag
 

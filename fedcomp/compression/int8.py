@@ -43,7 +43,7 @@ class Int8Compressor(Compressor):
 
     name = "int8"
     codec_id = 8
-    options = (Option("block_size", "block-size", int, 256, lo=1, hi=MAX_BLOCK, help="entries per fp32 scale"),)
+    options = (Option("block-size", int, 256, "entries per fp32 scale", lo=1, hi=MAX_BLOCK, arg="block_size"),)
     seeded = True
     _PARAMS = "<I"  # block size
 

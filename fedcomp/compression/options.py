@@ -6,72 +6,28 @@ Flower-free; ``fedcomp.config.CodecConfig`` builds its codec fields from these d
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from fedcomp.compression.wire import VALUE_DTYPES
-from fedcomp.util.validate import read_bool, read_number, read_string
+from fedcomp.util.declared_key import Key
 
 
 @dataclass(frozen=True)
-class Option:
-    """One codec option.
+class Option(Key):
+    """One codec option: a run-config :class:`~fedcomp.util.declared_key.Key` (name, type, default,
+    help, range or choices) and the codec constructor's keyword argument it fills (``arg``).
 
-    Attributes
-    ----------
-    arg : str
-        The codec constructor's keyword argument (``"density"``).
-    key : str
-        The run-config key it is read from (``"density"``, ``"block-size"``); several codecs may
-        share a key when they declare it identically (stc, topk and randomk share ``density``).
-    type : type
-        ``int``, ``float``, ``str`` or ``bool``: the run-config value's type.
-    default : Any
-        The key's default (what ``pyproject.toml`` holds).
-    lo, hi : float or None
-        Numeric range (``None``: unbounded on that side); ``lo_open`` / ``hi_open`` exclude the bound.
-    choices : collection of str, or callable returning one, or None
-        Allowed strings (a callable is asked when the value is read, so that it may name codecs
-        registered later).
-    help : str
-        One line for the documentation.
+    Several codecs may share a key when they declare it identically (stc, topk and randomk share
+    ``density``: :data:`DENSITY`).
     """
 
-    arg: str
-    key: str
-    type: type
-    default: Any
-    lo: float | None = None
-    hi: float | None = None
-    lo_open: bool = False
-    hi_open: bool = False
-    choices: Collection[str] | Callable[[], Collection[str]] | None = None
-    help: str = ""
+    arg: str = ""
 
     @property
-    def field(self) -> str:
-        """The key as a Python identifier (``block-size`` -> ``block_size``)."""
-        return self.key.replace("-", "_")
-
-    def allowed(self) -> Collection[str] | None:
-        """The allowed strings (``choices``, called if callable), None when any string goes."""
-        return self.choices() if callable(self.choices) else self.choices
-
-    def read(self, cfg: Mapping[str, Any], source: str = "run config") -> Any:
-        """``cfg[self.key]`` (the default when absent), checked.
-
-        Raises
-        ------
-        ValueError
-            ``"<source> '<key>' must be in (0, 1], got 1.5"``, a wrong type, or a string outside ``choices``.
-        """
-        if self.type is bool:
-            return read_bool(cfg, self.key, self.default, src=source)
-        if self.type is str:
-            return read_string(cfg, self.key, self.default, self.allowed(), src=source)
-        return read_number(cfg, self.key, self.default, lo=self.lo, hi=self.hi, lo_open=self.lo_open,
-                           hi_open=self.hi_open, integer=self.type is int, src=source)
+    def key(self) -> str:
+        """The run-config key (``"block-size"``), i.e. :attr:`name`."""
+        return self.name
 
 
 def merge_options(declared: Mapping[str, tuple[Option, ...]]) -> dict[str, Option]:
@@ -106,9 +62,6 @@ def _small_tensor_codecs() -> tuple[str, ...]:
 
 
 #: Options several codecs share (declared once, so that their declarations agree).
-DENSITY = Option("density", "density", float, 0.01, lo=0.0, hi=1.0, lo_open=True,
-                 help="fraction of entries kept, in (0, 1]")
-VALUE_DTYPE = Option("value_dtype", "value-dtype", str, "fp32", choices=tuple(VALUE_DTYPES),
-                     help="wire type of the values: fp32 (exact) or fp16")
-SMALL_TENSOR = Option("fallback", "small-tensor-compressor", str, "none", choices=_small_tensor_codecs,
-                      help="codec of the tensors a low-rank codec does not pay on, and of the small tensors")
+DENSITY = Option("density", float, 0.01, "fraction of entries kept, in (0, 1]", lo=0.0, hi=1.0, lo_open=True, arg="density")
+VALUE_DTYPE = Option("value-dtype", str, "fp32", "wire type of the values: fp32 (exact) or fp16", choices=tuple(VALUE_DTYPES), arg="value_dtype")
+SMALL_TENSOR = Option("small-tensor-compressor", str, "none", "codec of the tensors a low-rank codec does not pay on, and of the small tensors", choices=_small_tensor_codecs, arg="fallback")

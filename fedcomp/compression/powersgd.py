@@ -131,7 +131,7 @@ class PowerSGDCompressor(Compressor):
 
     name = "powersgd"
     codec_id = 9
-    options = (Option("rank", "rank", int, 4, lo=1, hi=MAX_RANK, help="rank r >= 1"), VALUE_DTYPE, SMALL_TENSOR)
+    options = (Option("rank", int, 4, "rank r >= 1", lo=1, hi=MAX_RANK, arg="rank"), VALUE_DTYPE, SMALL_TENSOR)
     seeded = True
     per_tensor_only = True
     requires_error_feedback = "PowerSGD is biased and keeps its warm-start Q with the residual; Vogels et al. 2019"

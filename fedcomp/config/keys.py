@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from fedcomp.compression import codec_options
 from fedcomp.config.app_keys import APP
 from fedcomp.config.codec import CODEC_DEFAULTS
 from fedcomp.config.secagg import SECAGG_KEYS
@@ -24,10 +25,14 @@ from fedcomp.util.validate import closest_hint
 
 
 def _codec_keys() -> dict[str, Key]:
-    """The codec keys as declarations: name, type and default from :data:`CODEC_DEFAULTS`; their
-    ranges are checked by :class:`fedcomp.config.codec.CodecConfig`."""
-    return {name: Key(name, type(default), default, "codec option (sent to clients in the train config; node "
-                      "config may override)", rule="see CodecConfig") for name, default in CODEC_DEFAULTS.items()}
+    """The codec keys: each codec option as its codec declares it (``Compressor.options``: a
+    :class:`Key` with range and help), and the codec policy keys of :class:`CodecConfig` (``compressor``,
+    ``error-feedback``, schedules, per-layer rules), named, typed and defaulted by
+    :data:`CODEC_DEFAULTS` and checked by :meth:`CodecConfig.from_mapping`."""
+    options = codec_options()
+    return {name: options.get(name) or Key(name, type(default), default, "codec policy (sent to clients in the "
+                                           "train config; node config may override)", rule="see CodecConfig")
+            for name, default in CODEC_DEFAULTS.items()}
 
 
 #: Every declared run-config key by group, in the reference table's order.

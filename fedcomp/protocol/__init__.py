@@ -12,3 +12,26 @@ from fedcomp.protocol.messages import (
     RESIDUAL_ROUND_KEY, RESIDUAL_STATE_KEY, SECAGG_DP_CLIP_KEY, SECAGG_KEYS_KEY, SECAGG_PACK_KEY,
     SECAGG_ROTATION_KEY, SECAGG_SEED_KEY, payload_array, server_round,
 )
+
+__all__ = [
+    "BASE_VERSION",
+    "DEFAULT_DOWNLINK_MBPS",
+    "DEFAULT_UPLINK_MBPS",
+    "ESTIMATE_ROUND_METRIC",
+    "MIN_LINK_MBPS",
+    "MODEL_KEY",
+    "MODEL_META_KEY",
+    "MODEL_STATE_KEY",
+    "MODEL_VERSION",
+    "PAYLOAD_DTYPE",
+    "PAYLOAD_STYPE",
+    "RESIDUAL_ROUND_KEY",
+    "RESIDUAL_STATE_KEY",
+    "SECAGG_DP_CLIP_KEY",
+    "SECAGG_KEYS_KEY",
+    "SECAGG_PACK_KEY",
+    "SECAGG_ROTATION_KEY",
+    "SECAGG_SEED_KEY",
+    "payload_array",
+    "server_round",
+]

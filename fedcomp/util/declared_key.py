@@ -9,7 +9,7 @@ lives here, at the bottom of the layering, so that every layer can declare its o
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,8 +34,9 @@ class Key:
         Bounds of a number (None: unbounded on that side).
     lo_open, hi_open : bool
         Exclude the bound itself.
-    choices : tuple of str, optional
-        The allowed strings.
+    choices : tuple of str, or a callable returning the allowed strings, optional
+        The allowed strings (a callable is asked when the key is read, so that it may name codecs
+        registered later).
     rule : str
         The allowed values in words, for keys whose rule the bounds and choices cannot state (an
         integer or a fraction, a comma-separated list, 0 meaning "not set"). Such a key is read
@@ -50,7 +51,7 @@ class Key:
     hi: float | None = None
     lo_open: bool = False
     hi_open: bool = False
-    choices: tuple[str, ...] | None = None
+    choices: tuple[str, ...] | Callable[[], Collection[str]] | None = None
     rule: str = ""
 
     @property
@@ -72,16 +73,20 @@ class Key:
         if self.type is bool:
             return read_bool(cfg, self.name, self.default, src)
         if self.type is str:
-            return read_string(cfg, self.name, self.default, self.choices, src)
+            return read_string(cfg, self.name, self.default, self.choice_values(), src)
         return read_number(cfg, self.name, self.default, lo=self.lo, hi=self.hi, lo_open=self.lo_open,
                            hi_open=self.hi_open, integer=self.type is int, src=src)
+
+    def choice_values(self) -> Collection[str] | None:
+        """The allowed strings (``choices``, called if callable); None when any string goes."""
+        return self.choices() if callable(self.choices) else self.choices
 
     def allowed(self) -> str:
         """The allowed values in words: ``"(0, 1]"``, ``"integer >= 1"``, ``"one of: a, b"``."""
         if self.rule:
             return self.rule
         if self.choices is not None:
-            return "one of: " + ", ".join(f"`{c}`" for c in self.choices)
+            return "one of: " + ", ".join(f"`{c}`" for c in self.choice_values())
         if self.type is bool:
             return "true, false"
         if self.type is str:
