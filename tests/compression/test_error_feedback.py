@@ -113,20 +113,6 @@ def test_fp16_residual_saturation_is_counted_with_what_it_loses():
     assert (fp32.last_saturated, fp32.last_saturated_loss) == (0, 0.0)
 
 
-def test_saturation_warning_is_logged_once_per_client(caplog):
-    import logging
-
-    from fedcomp.compression.error_feedback import warn_saturation_once
-
-    with caplog.at_level(logging.WARNING, logger="flwr"):
-        assert not warn_saturation_once("node-a", 0, 0.0)  # nothing saturated: silent
-        assert warn_saturation_once("node-a", 970, 0.435)
-        assert not warn_saturation_once("node-a", 990, 0.5)  # once per client
-        assert warn_saturation_once("node-b", 3, 0.001)
-    msgs = [r.getMessage() for r in caplog.records if "saturated" in r.getMessage()]
-    assert len(msgs) == 2 and "970 entries" in msgs[0] and "43.5 %" in msgs[0] and "node-b" in msgs[1]
-
-
 def test_fp16_residual_saturates_instead_of_becoming_inf():
     ef = fc.ErrorFeedback(fc.get_compressor("topk", density=0.1), residual_dtype="fp16")
     ef.compress(torch.full((10,), 1e6))
