@@ -26,6 +26,7 @@ from fedcomp.compression.feedback_pass import Unit, UnitResult, feedback_pass, w
 from fedcomp.config import CodecConfig
 from fedcomp.privacy import LocalDP, clip_and_noise_, secure_generator
 from fedcomp.statedict import exact_cast, is_float_dtype
+# CompositionError, adaptive_density and plan_units are also imported from here by older callers
 from fedcomp.client.plan import CompositionError, adaptive_density, density_rule, plan_units, plan_update
 from fedcomp.client.replan import replan_states
 
@@ -103,15 +104,6 @@ def _drop_logger(unit: Unit):
     return on_drop
 
 
-def chunked_sq_norm(a: np.ndarray, chunk: int = 1 << 20) -> float:
-    """Squared L2 norm of any float array ``a`` (any shape; fp16/bf16/fp32/fp64), accumulated in fp32 (fp64 for
-    fp64) over flat chunks of ``chunk`` entries, so an fp16 residual is never copied whole to fp32 (at most
-    ``chunk`` entries, 4 MiB, at a time). Returns a Python float (units of ``a`` squared)."""
-    flat = torch.from_numpy(np.ascontiguousarray(a)).reshape(-1)
-    wide = torch.float64 if flat.dtype == torch.float64 else torch.float32
-    return sum(float(torch.linalg.vector_norm(flat[i:i + chunk].to(wide))) ** 2 for i in range(0, flat.numel(), chunk))
-
-
 def summarize(units: list[Unit], results: dict[str, UnitResult], payloads: dict[str, bytes],
               update_sq: dict[str, float], exact_bytes: int, density: float, codec: CodecConfig) -> dict[str, Any]:
     """The reply's statistics (see :func:`compress_update`, Returns) from the units' results."""
@@ -135,6 +127,15 @@ def summarize(units: list[Unit], results: dict[str, UnitResult], payloads: dict[
         "layer-compression-error": [(layer_sq_err[k] / layer_sq_norm[k]) ** 0.5 if layer_sq_norm[k] > 0 else 0.0
                                     for k in float_keys],
     }
+
+
+def chunked_sq_norm(a: np.ndarray, chunk: int = 1 << 20) -> float:
+    """Squared L2 norm of any float array ``a`` (any shape; fp16/bf16/fp32/fp64), accumulated in fp32 (fp64 for
+    fp64) over flat chunks of ``chunk`` entries, so an fp16 residual is never copied whole to fp32 (at most
+    ``chunk`` entries, 4 MiB, at a time). Returns a Python float (units of ``a`` squared)."""
+    flat = torch.from_numpy(np.ascontiguousarray(a)).reshape(-1)
+    wide = torch.float64 if flat.dtype == torch.float64 else torch.float32
+    return sum(float(torch.linalg.vector_norm(flat[i:i + chunk].to(wide))) ** 2 for i in range(0, flat.numel(), chunk))
 
 
 def compress_update(
