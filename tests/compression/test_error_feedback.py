@@ -118,3 +118,24 @@ def test_fp16_residual_saturates_instead_of_becoming_inf():
     ef.compress(torch.full((10,), 1e6))
     assert bool(torch.isfinite(ef.residual).all()) and float(ef.residual.max()) == 65504.0
     ef.compress(torch.zeros(10))  # the next round still works
+
+
+def test_feedback_pass_is_error_feedback_on_the_update():
+    """The one entry point, on trained and received weights, sends what ErrorFeedback.compress sends on
+    their difference and keeps the same residual, round after round (the fused residual add)."""
+    from fedcomp.compression.feedback_pass import Unit, feedback_pass
+
+    class Settings:
+        error_feedback, residual_dtype, momentum_correction = True, "fp32", 0.0
+
+    rng = np.random.default_rng(0)
+    unit = Unit("w", ["w"], "topk", [600], (20, 30), False)
+    ef, state = fc.ErrorFeedback(fc.get_compressor("topk", density=0.1)), {}
+    for _ in range(3):
+        g = {"w": rng.standard_normal((20, 30)).astype(np.float32)}
+        t = {"w": g["w"] + rng.standard_normal((20, 30)).astype(np.float32)}
+        out = feedback_pass(unit, state, lambda d: fc.get_compressor("topk", density=0.1), Settings,
+                            pair=(t, g, {"w": "float32"}))
+        assert out.payload == ef.compress(torch.from_numpy(t["w"] - g["w"]))
+        assert np.array_equal(out.state["residual"], ef.get_residual())
+        state = out.state
