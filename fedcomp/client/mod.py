@@ -4,18 +4,19 @@ One train message passes these stages, each a function below, in order: parse th
 (:class:`.request.TrainRequest`) -> rebuild a downstream-compressed model
 (:func:`.downstream.rebuild`) -> let the app train -> check the reply (dense, clipped where
 the server asked) -> compress with error feedback (:func:`.update.compress_update`, state from
-:mod:`.state`) -> write the payloads and metrics into the reply.
+:mod:`.state`; a saturating fp16 residual warned once per node, :func:`warn_saturation_once`) ->
+write the payloads and metrics into the reply.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 import warnings
 
 import numpy as np
 from flwr.app import ArrayRecord, Context, Message, MetricRecord
 
-from fedcomp.compression.error_feedback import warn_saturation_once
 from fedcomp.protocol.device import clientapp_seconds, memory_report
 from fedcomp.protocol.messages import (
     DEFAULT_DOWNLINK_MBPS,
@@ -34,6 +35,8 @@ from fedcomp.client.update import CompositionError, compress_update
 
 #: Link speeds (megabits per second) of a node that declares none.
 DEFAULT_LINK_MBPS = {"uplink-mbps": DEFAULT_UPLINK_MBPS, "downlink-mbps": DEFAULT_DOWNLINK_MBPS}
+#: Clients already warned about fp16 residual saturation (one warning each per process).
+_SATURATION_WARNED: set = set()
 
 
 def compression_mod(msg: Message, context: Context, call_next) -> Message:
@@ -138,6 +141,34 @@ def _compress(request: TrainRequest, context: Context, received: dict, trained: 
     if request.codec.error_feedback:
         keep_residuals(context, files, new_res, request.server_round)
     return payloads, stats
+
+
+def warn_saturation_once(client, saturated: float, lost_fraction: float) -> bool:
+    """Log one warning per ``client`` the first time its fp16 residual saturates.
+
+    Parameters
+    ----------
+    client : hashable
+        Who compressed (a node id).
+    saturated : float
+        Residual entries clamped to ±65504 this round (the reply's ``residual-saturated``,
+        :attr:`fedcomp.compression.ErrorFeedback.last_saturated` summed over payloads).
+    lost_fraction : float
+        Largest relative L2 norm of a payload's update the clamp dropped (``residual-saturated-loss``).
+
+    Returns
+    -------
+    bool
+        Whether a warning was logged (on Flower's ``flwr`` logger, like the rest of fedcomp).
+    """
+    if not saturated or client in _SATURATION_WARNED:
+        return False
+    _SATURATION_WARNED.add(client)
+    logging.getLogger("flwr").warning(
+        "fedcomp: client %s: the fp16 error-feedback residual saturated %d entries at +-65504, losing %.1f %% of "
+        "the update (relative L2) for good (reported each round as 'residual-saturated'; warned once): use "
+        "residual-dtype = \"fp32\" or smaller updates", client, int(saturated), 100.0 * lost_fraction)
+    return True
 
 
 def _link_speeds(context: Context) -> dict[str, float]:

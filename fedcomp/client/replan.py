@@ -1,6 +1,6 @@
 """Carry a client's error-feedback state across a change of payload plan.
 
-The payload plan (:func:`fedcomp.client.update.plan_units`) groups float parameters into
+The payload plan (:func:`fedcomp.client.plan.plan_units`) groups float parameters into
 payloads: one per parameter, or one whole-model vector under ``MODEL_KEY`` for the sparse
 codecs. The library changes that plan itself between rounds: a warm-up codec (``sign``, one
 payload per tensor) followed by ``stc`` (one model payload), a per-layer rule or a small-tensor
@@ -57,7 +57,7 @@ def replan_states(states: Mapping[str, Mapping[str, np.ndarray]], units: Sequenc
         arrays, fp32 or fp16, one entry per parameter entry: the payload's shape, or flat for
         ``MODEL_KEY``) and codec memory (``"<codec>/<key>"``).
     units : sequence of (payload key, member names, codec name)
-        The plan of this round (:func:`fedcomp.client.update.plan_units`).
+        The plan of this round (:func:`fedcomp.client.plan.plan_units`).
     shapes : mapping of str to tuple of int
         Every float parameter's shape, in model order (the members of every plan).
 

@@ -50,7 +50,8 @@ class EF21(ErrorFeedback):
     def __init__(self, compressor, residual_dtype: str = "fp32") -> None:
         super().__init__(compressor, residual_dtype=residual_dtype, momentum=0.0)
 
-    def compress(self, x: torch.Tensor, *, inplace: bool = False, segments: list[int] | None = None) -> bytes:
+    def compress(self, x: torch.Tensor, *, inplace: bool = False, segments: list[int] | None = None,
+                 finite: bool = False) -> bytes:
         """Compress ``x - h`` and add what the receiver decodes to ``h``.
 
         Parameters
@@ -61,6 +62,8 @@ class EF21(ErrorFeedback):
             Allow overwriting a float32 ``x`` (it becomes ``x - h``, then the error of the send).
         segments : list of int, optional
             Segment sizes for per-layer norms (see :meth:`ErrorFeedback.compress`).
+        finite : bool
+            The caller has proven ``x`` a finite float32 tensor: its check is not repeated here.
 
         Returns
         -------
@@ -72,7 +75,8 @@ class EF21(ErrorFeedback):
         ValueError
             NaN/Inf in ``x``, or a shape other than ``h``'s; ``h`` is left unchanged.
         """
-        check_input(x)
+        if not finite:
+            check_input(x)
         if self.residual is not None and self.residual.shape != x.shape:
             raise ValueError(f"input shape {tuple(x.shape)} differs from the estimate's {tuple(self.residual.shape)}")
         v = x.detach()

@@ -10,7 +10,6 @@ factor masking).
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Mapping
 
@@ -20,37 +19,7 @@ import torch
 from fedcomp.compression.base import Compressor, check_input, check_range, decompress, decompress_sparse
 
 _RESIDUAL_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
-#: Clients already warned about fp16 residual saturation (one warning each per process).
-_SATURATION_WARNED: set = set()
 
-
-def warn_saturation_once(client, saturated: float, lost_fraction: float) -> bool:
-    """Log one warning per ``client`` the first time its fp16 residual saturates.
-
-    Parameters
-    ----------
-    client : hashable
-        Who compressed (a node id).
-    saturated : float
-        Residual entries clamped to ±65504 this round (:attr:`ErrorFeedback.last_saturated`,
-        summed over payloads).
-    lost_fraction : float
-        Largest relative L2 norm of a payload's update the clamp dropped
-        (:attr:`ErrorFeedback.last_saturated_loss`).
-
-    Returns
-    -------
-    bool
-        Whether a warning was logged (on Flower's ``flwr`` logger, like the rest of fedcomp).
-    """
-    if not saturated or client in _SATURATION_WARNED:
-        return False
-    _SATURATION_WARNED.add(client)
-    logging.getLogger("flwr").warning(
-        "fedcomp: client %s: the fp16 error-feedback residual saturated %d entries at +-65504, losing %.1f %% of "
-        "the update (relative L2) for good (reported each round as 'residual-saturated'; warned once): use "
-        "residual-dtype = \"fp32\" or smaller updates", client, int(saturated), 100.0 * lost_fraction)
-    return True
 #: Keys of :meth:`ErrorFeedback.get_state` besides the codec's own ("<codec name>/<key>").
 RESIDUAL, MOMENTUM = "residual", "momentum"
 #: Separator between a payload key and a state entry name in :func:`flatten_states`.
@@ -188,7 +157,8 @@ class ErrorFeedback:
         self.last_segment_sq_errors: list[float] = []
         self.last_saturated, self.last_saturated_loss = 0, 0.0
 
-    def compress(self, x: torch.Tensor, *, inplace: bool = False, segments: list[int] | None = None) -> bytes:
+    def compress(self, x: torch.Tensor, *, inplace: bool = False, segments: list[int] | None = None,
+                 finite: bool = False) -> bytes:
         """Compress ``x`` plus the residual and update the residual.
 
         Parameters
@@ -205,6 +175,9 @@ class ErrorFeedback:
             their squared norms of ``v`` and of the error are then kept in
             :attr:`last_segment_sq_norms` / :attr:`last_segment_sq_errors` (per-layer
             monitoring without another pass by the caller).
+        finite : bool
+            The caller has proven ``x`` a finite float32 tensor (its norms are finite): its
+            check is not repeated here.
 
         Returns
         -------
@@ -217,7 +190,8 @@ class ErrorFeedback:
             NaN/Inf in ``x`` or a shape different from the residual's (or the momentum
             buffer's); the state is left unchanged.
         """
-        check_input(x)
+        if not finite:
+            check_input(x)
         if self.residual is not None and self.residual.shape != x.shape:
             raise ValueError(f"input shape {tuple(x.shape)} differs from the residual's {tuple(self.residual.shape)}")
         mom = self.momentum_buffer if self.momentum > 0 else None
@@ -244,15 +218,17 @@ class ErrorFeedback:
     def compress_summed(self, v: torch.Tensor, sq_norms: list[float], *, segments: list[int] | None = None) -> bytes:
         """Compress ``v = x + e``, which the caller has formed already, and keep its error as the residual.
 
-        For a caller that writes the update and adds the residual in one pass of its own
-        (:func:`fedcomp.client.update.write_delta`): the result, payload and new state are those of
-        :meth:`compress` on ``x`` with the residual ``e`` this object would have held, bit for bit.
+        For :func:`fedcomp.compression.feedback_pass.feedback_pass`, which writes the update and adds
+        the residual in one pass of its own and checks the sum: the result, payload and new state are
+        those of :meth:`compress` on ``x`` with the residual ``e`` this object would have held, bit
+        for bit.
 
         Parameters
         ----------
         v : torch.Tensor
-            float32, any shape, finite (the caller has checked it), ``x`` plus the residual
-            (``x`` alone when there is none); consumed: it becomes the new residual.
+            float32, any shape, ``x`` plus the residual (``x`` alone when there is none), proven
+            finite by the caller (finite ``sq_norms``; not checked again); consumed: it becomes
+            the new residual.
         sq_norms : list of float
             The segments' squared L2 norms of ``v`` (fp32 reductions, as
             :func:`segment_sq_norms` computes them).
@@ -267,15 +243,13 @@ class ErrorFeedback:
         Raises
         ------
         ValueError
-            With momentum correction (its buffer enters before the residual: use :meth:`compress`),
-            ``v`` not float32, or not finite (the state is left unchanged).
+            With momentum correction (its buffer enters before the residual: use :meth:`compress`)
+            or ``v`` not float32 (the state is left unchanged).
         """
         if self.momentum > 0:
             raise ValueError("compress_summed: momentum correction needs compress()")
         if v.dtype != torch.float32:
             raise ValueError(f"compress_summed: v must be float32, got {v.dtype}")
-        if not math.isfinite(sum(sq_norms)) and not bool(torch.isfinite(v).all()):  # finite norms prove it finite
-            raise ValueError("input + residual is not finite; residual left unchanged")
         return self._send(v.detach(), None, list(sq_norms), segments, finite=True)
 
     def _send(self, v: torch.Tensor, u: torch.Tensor | None, norms: list[float] | None,

@@ -1,5 +1,5 @@
 """The fused client pass (update, residual add, finiteness and per-layer norms in one pass over each
-tensor, :func:`fedcomp.client.update.write_delta` with ``add_residual``) gives bit for bit what the
+tensor, :func:`fedcomp.compression.feedback_pass.write_delta` with ``add_residual``) gives bit for bit what the
 classic path (``ErrorFeedback.compress`` on the update) gives: payload bytes, the new residual and
 every statistic, over several rounds, for the models users run (BatchNorm, integer and bool buffers,
 0-d parameters, fp16 and float64 weights) and the codecs and residual dtypes; and it refuses the same
@@ -8,7 +8,8 @@ inputs with the same errors."""
 import numpy as np
 import pytest
 
-import fedcomp.client.update as update
+import fedcomp.compression.feedback_pass as feedback_pass
+from fedcomp.client.plan import plan_update
 from fedcomp.client.update import compress_update
 from fedcomp.config import CodecConfig
 
@@ -26,7 +27,7 @@ def _model(rng, dtype=np.float32):
 
 def _classic(monkeypatch):
     """Make compress_update take the classic path (no fused residual add) until undone."""
-    monkeypatch.setattr(update, "summable_residual", lambda unit, state, codec: (False, None))
+    monkeypatch.setattr(feedback_pass, "summable_residual", lambda unit, state, codec: (False, None))
 
 
 def _errors_on_both_paths(monkeypatch, *calls):
@@ -121,17 +122,17 @@ def test_the_fused_pass_needs_no_residual_and_skips_what_it_cannot_fuse():
     now fp32) or another shape, EF21 and DGC's momentum take the classic path."""
     codec = CodecConfig(compressor="stc", density=0.05)
     g, t = _pair(np.random.default_rng(4))
-    units, _, _ = update.plan_update(g, t, codec, {k: str(v.dtype) for k, v in g.items()})
+    units, _, _ = plan_update(g, t, codec, {k: str(v.dtype) for k, v in g.items()})
     big = units[-1]
     r32 = np.zeros(big.shape, np.float32)
-    assert update.summable_residual(big, {}, codec) == (True, None)
-    assert update.summable_residual(big, {"residual": r32}, codec)[1] is r32
-    assert update.summable_residual(big, {"residual": r32.astype(np.float16)}, codec) == (False, None)
-    assert update.summable_residual(big, {"residual": r32[:-1]}, codec) == (False, None)
+    assert feedback_pass.summable_residual(big, {}, codec) == (True, None)
+    assert feedback_pass.summable_residual(big, {"residual": r32}, codec)[1] is r32
+    assert feedback_pass.summable_residual(big, {"residual": r32.astype(np.float16)}, codec) == (False, None)
+    assert feedback_pass.summable_residual(big, {"residual": r32[:-1]}, codec) == (False, None)
     for other in (CodecConfig(compressor="stc", error_feedback="ef21"),
                   CodecConfig(compressor="topk", momentum_correction=0.9),
                   CodecConfig(compressor="stc", error_feedback=False)):
-        assert update.summable_residual(big, {}, other) == (False, None)
+        assert feedback_pass.summable_residual(big, {}, other) == (False, None)
 
 
 @pytest.mark.parametrize("name", ["stc", "topk", "sign", "int8", "qsgd", "eden", "randomk", "none", "fp16", "powersgd"])

@@ -191,3 +191,17 @@ def test_fp16_residual_saturation_is_reported_and_warned_once_per_client(caplog)
     _, metrics = s.aggregate_train(1, replies)
     assert metrics["residual-saturated"] == sum(r.content["metrics"]["residual-saturated"] for r in replies) > 0
     assert s.history[1]["residual-saturated"] == metrics["residual-saturated"]
+
+
+def test_saturation_warning_is_logged_once_per_client(caplog):
+    import logging
+
+    from fedcomp.client.mod import warn_saturation_once
+
+    with caplog.at_level(logging.WARNING, logger="flwr"):
+        assert not warn_saturation_once("node-a", 0, 0.0)  # nothing saturated: silent
+        assert warn_saturation_once("node-a", 970, 0.435)
+        assert not warn_saturation_once("node-a", 990, 0.5)  # once per client
+        assert warn_saturation_once("node-b", 3, 0.001)
+    msgs = [r.getMessage() for r in caplog.records if "saturated" in r.getMessage()]
+    assert len(msgs) == 2 and "970 entries" in msgs[0] and "43.5 %" in msgs[0] and "node-b" in msgs[1]

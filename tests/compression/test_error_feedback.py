@@ -113,22 +113,29 @@ def test_fp16_residual_saturation_is_counted_with_what_it_loses():
     assert (fp32.last_saturated, fp32.last_saturated_loss) == (0, 0.0)
 
 
-def test_saturation_warning_is_logged_once_per_client(caplog):
-    import logging
-
-    from fedcomp.compression.error_feedback import warn_saturation_once
-
-    with caplog.at_level(logging.WARNING, logger="flwr"):
-        assert not warn_saturation_once("node-a", 0, 0.0)  # nothing saturated: silent
-        assert warn_saturation_once("node-a", 970, 0.435)
-        assert not warn_saturation_once("node-a", 990, 0.5)  # once per client
-        assert warn_saturation_once("node-b", 3, 0.001)
-    msgs = [r.getMessage() for r in caplog.records if "saturated" in r.getMessage()]
-    assert len(msgs) == 2 and "970 entries" in msgs[0] and "43.5 %" in msgs[0] and "node-b" in msgs[1]
-
-
 def test_fp16_residual_saturates_instead_of_becoming_inf():
     ef = fc.ErrorFeedback(fc.get_compressor("topk", density=0.1), residual_dtype="fp16")
     ef.compress(torch.full((10,), 1e6))
     assert bool(torch.isfinite(ef.residual).all()) and float(ef.residual.max()) == 65504.0
     ef.compress(torch.zeros(10))  # the next round still works
+
+
+def test_feedback_pass_is_error_feedback_on_the_update():
+    """The one entry point, on trained and received weights, sends what ErrorFeedback.compress sends on
+    their difference and keeps the same residual, round after round (the fused residual add)."""
+    from fedcomp.compression.feedback_pass import Unit, feedback_pass
+
+    class Settings:
+        error_feedback, residual_dtype, momentum_correction = True, "fp32", 0.0
+
+    rng = np.random.default_rng(0)
+    unit = Unit("w", ["w"], "topk", [600], (20, 30), False)
+    ef, state = fc.ErrorFeedback(fc.get_compressor("topk", density=0.1)), {}
+    for _ in range(3):
+        g = {"w": rng.standard_normal((20, 30)).astype(np.float32)}
+        t = {"w": g["w"] + rng.standard_normal((20, 30)).astype(np.float32)}
+        out = feedback_pass(unit, state, lambda d: fc.get_compressor("topk", density=0.1), Settings,
+                            pair=(t, g, {"w": "float32"}))
+        assert out.payload == ef.compress(torch.from_numpy(t["w"] - g["w"]))
+        assert np.array_equal(out.state["residual"], ef.get_residual())
+        state = out.state
