@@ -39,7 +39,7 @@ def pack_bits_on_device(bits: torch.Tensor) -> bytes:
     """Pack a 1-D bool tensor little-endian bitwise on its own device; move only bytes."""
     n = bits.numel()
     if bits.device.type == "cpu":
-        return np.packbits(bits.numpy(), bitorder="little").tobytes()  # ~3 ms for 11M
+        return np.packbits(bits.numpy(), bitorder="little").tobytes()
     pad = (-n) % 8
     b = torch.nn.functional.pad(bits.to(torch.uint8), (0, pad)).view(-1, 8)
     packed = (b * _BYTE_WEIGHTS.to(bits.device)).sum(dim=1, dtype=torch.uint8)

@@ -37,9 +37,10 @@ class EdenCompressor(Compressor):
     Scale: ``unbiased=False`` (default) takes the least-squares scale ``S = ||y||_1 / N``
     (smallest error for this rotation; biased, meant for error feedback). ``unbiased=True``
     takes DRIVE's ``S = ||x||_2^2 / ||y||_1``, which makes ``E[x_hat] = x`` for a uniformly
-    random rotation; with the randomised Hadamard rotation used here the bias is small (tested
-    below 5 % of ||x|| after averaging 2000 draws), at a larger error (~0.76 on a Gaussian). An
-    all-zero block has S = 0 and decodes to zeros.
+    random rotation; with the randomised Hadamard rotation used here it is approximately unbiased
+    (the codec's tests bound the bias of an average over many seeds), at a larger error
+    (sqrt(pi/2 - 1) ~ 0.76 on a Gaussian vector). An all-zero block has S = 0 and decodes to
+    zeros.
 
     The decoder re-derives D from the seed; nothing but signs, scales and the seed travel.
 

@@ -2,8 +2,8 @@
 
 Integer and bool tensors never go through a float codec: they travel bit-exactly, in their own
 dtype, inside the same validated wire format (magic, version, codec id ``EXACT_CODEC_ID``, dtype
-code, shape, then the raw little-endian elements). They are small in every model we know (a
-ResNet-18 has 20 ``num_batches_tracked`` scalars), so no compression is attempted.
+code, shape, then the raw little-endian elements). They are small (a ResNet-18 has 20
+``num_batches_tracked`` scalars), so no compression is attempted.
 
 Unlike :func:`fedcomp.compression.decompress` (float codecs, float32 out), :func:`decode_exact`
 returns a numpy array of the payload's own dtype, and only if it is the dtype and shape the

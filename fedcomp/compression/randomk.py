@@ -23,8 +23,7 @@ from fedcomp.compression.wire import BodyReader, Header, unpack_params
 #: Random keys / draws generated per step (bounds the temporaries of :func:`random_mask`).
 _STEP = 1 << 16
 #: Selections with ``k * _MASK_RATIO <= n`` are regenerated as positions (O(k)), never as the
-#: n-byte mask; denser ones use the mask (then n bytes <= 64 k bytes: O(k) as well, and about 1.5x
-#: faster to draw than the unique-prefix search at k = n / 16).
+#: n-byte mask; denser ones use the mask (then n bytes <= 64 k bytes: O(k) as well).
 _MASK_RATIO = 64
 
 

@@ -30,8 +30,8 @@ class SignCompressor(Compressor):
 
     sign(0): an entry equal to 0 is sent as +1, so a lone zero in a non-zero tensor
     decodes to ``+scale``. An all-zero tensor has ``scale = 0`` and decodes to exact
-    zeros (no 0/0 anywhere). The scale is one per tensor: a study on the default data
-    found per-tensor scales more accurate than one scale for the whole model.
+    zeros (no 0/0 anywhere). The scale is one per payload: one per tensor under the
+    default ``selection = "auto"`` ("tensor" for sign), one for the whole model under "model".
     """
 
     name = "sign"
@@ -40,8 +40,8 @@ class SignCompressor(Compressor):
 
     def _encode(self, flat: torch.Tensor) -> tuple[bytes, bytes]:
         n = flat.numel()
-        # mean |x| by torch's pairwise (cascade) summation: ~1e-7 relative at 11M entries, where
-        # the fp32 ord-1 norm divided by n drifts by ~2e-3.
+        # mean |x| by torch's pairwise (cascade) summation, whose fp32 rounding error grows with
+        # log n rather than with n as a sequential sum's does.
         scale = float(flat.abs().mean()) if n else 0.0
         if not np.isfinite(scale):  # the fp32 sum overflowed: redo it in float64
             scale = min(float(flat.abs().mean(dtype=torch.float64)), _FP32_MAX)

@@ -88,8 +88,8 @@ class CodecConfig:
     ``selection`` is the scope a codec works on: "tensor" (one payload per parameter
     tensor) or "model" (the whole flattened update as one payload, so top-k/STC pick their
     k entries over the whole model). "auto" (default) is "model" for stc/topk/randomk and
-    "tensor" for the rest: a study on the default data found whole-model selection more
-    accurate and cheaper for top-k/STC, and one scale per tensor better for sign.
+    "tensor" for the rest (sign keeps one scale per tensor); ``benchmarks/federated.py`` runs
+    rows with the other scope ("stc 0.0025+EF tensor", "sign+EF model-scale").
 
     ``error-feedback``: true (classic error feedback: send ``C(update + residual)``, keep the
     residual), false, or "ef21" (Richtárik et al. 2021: send ``C(update - h)``; client and server
@@ -101,15 +101,13 @@ class CodecConfig:
     ``small-tensor-compressor`` ("none" or "fp16"); the rest use ``compressor``. BatchNorm's
     statistics (tensors named ``*.running_mean`` / ``*.running_var``) use
     ``small-tensor-compressor`` too while ``batchnorm-stats = "small"`` (the default): a lossy
-    codec can push a running variance below zero, which turns every later output into NaN
-    (measured: sign + EF on ``model = "resnet"`` reached 75 % at round 3, then 10 % at round 4 with
-    ``bn1.running_var`` at -0.013); ``"codec"`` sends them like any other tensor. BatchNorm's
+    codec can push a running variance below zero, which turns every later output into NaN;
+    ``"codec"`` sends them like any other tensor. BatchNorm's
     affine parameters (``<bn>.weight`` / ``<bn>.bias``) go there too with stc/topk/randomk when
-    ``batchnorm-affine = "small"`` (default "codec": measured on ``model = "resnet"``, sending them
-    dense did not pay for its bytes; see :mod:`fedcomp.config.model_policy`).
+    ``batchnorm-affine = "small"`` (default "codec"; see :mod:`fedcomp.config.model_policy`).
     Schedules (applied by the server each round): ``warmup-rounds`` rounds with
     ``warmup-compressor``, then ``density-schedule`` "auto" (the default: "exponential" for
-    stc/topk with error feedback below density 1/400, else "constant"; :mod:`fedcomp.config.low_density`),
+    stc/topk with classic error feedback below density 1/400, else "constant"; :mod:`fedcomp.config.low_density`),
     "constant", "exponential" or "linear"
     from ``density-start`` to ``density`` over ``schedule-rounds`` rounds (DGC's warm-up,
     Lin et al. ICLR 2018), or "adaptive": each client picks the smallest density in

@@ -1,8 +1,7 @@
 """Defaults for the sparsifying codecs at low density: the run-config value "auto".
 
-``density-schedule = "auto"`` and ``strategy = "auto"`` (the defaults) resolve, from the codec
-alone, to the setting that measured best there (issue 25, ``benchmarks/federated.py --suite
-accuracy``): for ``stc`` or ``topk`` at a density below :data:`LOW_DENSITY` (1/400) with
+``density-schedule = "auto"`` and ``strategy = "auto"`` (the defaults) are resolved from the codec
+settings alone: for ``stc`` or ``topk`` at a density below :data:`LOW_DENSITY` (1/400) with
 classic error feedback,
 
 - DGC's warm-up (Lin et al., "Deep Gradient Compression", ICLR 2018, section 3.3): the density
@@ -12,19 +11,14 @@ classic error feedback,
   Distribution for Federated Visual Classification", 2019) with server learning rate
   :data:`AUTO_SERVER_LR` and momentum :data:`AUTO_SERVER_MOMENTUM` (not the run config's
   ``server-lr``/``server-momentum``, whose defaults are FedAdam's eta and a FedAvgM momentum
-  of 0.9 that diverged here), unless DGC's momentum correction, EF21 or DP is on (measured:
-  momentum correction + server momentum 74.7 %, EF21 + server momentum 72.8 %, both worse
-  than either alone), or ``warmup-rounds`` is set (the user's own warm-up replaces DGC's, and
-  server momentum was measured only with DGC's).
+  of 0.9), unless DGC's momentum correction, EF21 or DP is on, or ``warmup-rounds`` is set
+  (the user's own warm-up replaces DGC's, and "auto" adds server momentum only together with
+  DGC's warm-up).
 
-Everywhere else "auto" is "constant" and "fedavg" (what they were before). Measured on the
-default CNN on digits, 10 clients, Dirichlet 0.5, 50 rounds, density 1/1000, round 50, mean of
-seeds 42-44: plain 88.0 % at 1527x fewer bytes than fp32, the "auto" setting 96.9 % at 178x
-(fp32 97.2 %); a 10-round warm-up 94.9 % (406x), 20 rounds 96.2 % (247x); the warm-up costs
-bytes: 95 % of the upload over 50 rounds is in its first 30 rounds (README, "Accuracy per byte ... at
-1/1000"). The decision depends on the codec and the density, not on the model: the BatchNorm
-ResNet rows run at densities of 1/100 and 1/400 and keep the plain settings; the warm-up was not
-measured on a BatchNorm model at 1/1000.
+Everywhere else "auto" is "constant" and "fedavg". The decision depends on the codec, the
+density and the error-feedback mode, not on the model. ``benchmarks/federated.py --suite
+accuracy`` compares these settings with the plain ones (README, "Accuracy per byte on BatchNorm
+models and at 1/1000").
 """
 
 from __future__ import annotations
@@ -33,8 +27,7 @@ from typing import Any, Mapping
 
 from fedcomp.compression import codecs_with
 
-#: "auto" applies below this density (exclusive): 1/1000 needs it; 1/400 and above keep the
-#: plain settings that the BatchNorm ResNet rows were measured with.
+#: "auto" applies below this density (exclusive); at 1/400 and above it keeps the plain settings.
 LOW_DENSITY = 0.0025
 #: Codecs whose k largest entries DGC's warm-up was designed for (``Compressor.density_ramp``).
 RAMP_CODECS = codecs_with(density_ramp=True)
@@ -63,9 +56,9 @@ def resolve_strategy(requested: str, server_lr: float, server_momentum: float, c
     """``strategy``: "auto" becomes FedAvgM (:data:`AUTO_SERVER_LR`, :data:`AUTO_SERVER_MOMENTUM`)
     at low density without momentum correction, DP or ``warmup-rounds``, else "fedavg".
 
-    Server momentum was measured only together with DGC's density warm-up (the table in the module
-    docstring); ``warmup-rounds`` > 0 (the user's own warm-up codec) turns that warm-up off
-    (:func:`resolve_schedule`), so "auto" steps aside for both: FedAvg, as before "auto" existed.
+    "auto" adds server momentum only together with DGC's density warm-up; ``warmup-rounds`` > 0
+    (the user's own warm-up codec) turns that warm-up off (:func:`resolve_schedule`), so "auto"
+    then gives FedAvg for both.
 
     Returns
     -------

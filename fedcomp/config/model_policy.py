@@ -3,14 +3,11 @@
 - ``batchnorm-affine = "small"``: BatchNorm's affine parameters (``<bn>.weight`` / ``<bn>.bias``,
   recognised by the running statistics the same module registers) travel through
   ``small-tensor-compressor`` with the sparse codecs (stc, topk, randomk); the server says so once
-  in the log. Measured on ``model = "resnet"``: with STC at density 0.01 over
-  the whole model, top-k almost never picks them (relative compression error 0.90-1.0 on the
-  BatchNorm weights and biases in rounds 1-3, against 0.54-0.76 for ``fc`` and ``conv1``). They are under 1 %
-  of the parameters (672 of 77,754 entries), but sending them dense costs about 2.7 KB per client
-  and round, 1.7x STC 0.01's upload. Measured over 12 rounds and seeds 42-44 it did not pay:
-  STC 0.01 at round 8 93.1 % either way, round 12 97.6 % vs 96.5 %, at 44x instead of 76x; STC
-  0.0025 at round 12 93.5 % vs 92.8 % at 48x instead of 90x. So the default stays ``"codec"``
-  (README, "Accuracy per byte on BatchNorm models").
+  in the log. They are a small share of a model's parameters that whole-model top-k may leave
+  unselected for many rounds (the per-layer ``layer-compression-error`` metric shows it);
+  sending them dense costs their full fp32 (or fp16) size per client and round. The default is
+  ``"codec"``; ``benchmarks/federated.py --suite accuracy`` compares both ("bn-affine" rows;
+  README, "Accuracy per byte on BatchNorm models and at 1/1000").
 """
 
 from __future__ import annotations

@@ -40,8 +40,7 @@ class DPSGDConfig:
         sigma [``noise-multiplier``], >= 0: the Gaussian noise added to each summed logical
         batch gradient has standard deviation ``sigma * max_grad_norm``. 0 means no privacy
         (epsilon is reported as ``inf``). Default 1.0, a common starting point (Opacus
-        examples) that keeps accuracy within a few points on small CNNs. Ignored when
-        ``target_epsilon`` is set.
+        examples). Ignored when ``target_epsilon`` is set.
     max_grad_norm : float
         C [``max-grad-norm``], > 0: L2 bound each per-sample gradient is clipped to (flat
         clipping over all parameters). Default 1.0 (Abadi et al. 2016 use 4; smaller C clips
@@ -61,7 +60,8 @@ class DPSGDConfig:
     accountant : {"rdp", "prv"}
         [``accountant``]. "rdp" (default): Renyi DP (Mironov 2017), fast and slightly loose.
         "prv": numerical composition of privacy loss random variables (Gopi et al. 2021),
-        tighter (smaller epsilon for the same noise) but ~0.1-1 s per epsilon query.
+        tighter (smaller epsilon for the same noise) but slower: each epsilon query is a
+        numerical computation over the discretised privacy loss distribution.
     secure_rng : bool
         [``secure-rng``]. True would draw noise and Poisson samples from a cryptographically
         secure generator (Opacus ``secure_mode``, which needs the ``torchcsprng`` package).
