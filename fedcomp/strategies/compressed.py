@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from logging import INFO, WARNING
 from typing import Any, Iterable
 
@@ -13,43 +12,42 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from fedcomp.compression import available_compressors
-from fedcomp.config import model_policy
 from fedcomp.config import CodecConfig
 from fedcomp.privacy import ClientLevelDP, LocalDP
-from fedcomp.protocol.messages import MODEL_KEY
 from fedcomp.protocol.seeded_init import SeededInit
 from fedcomp.statedict import FlatModel
 from fedcomp.strategies.admission import admit, check_max_num_examples
-from fedcomp.strategies.aggregate import ClippedFold, DenseFold, MeanFold, dense_memory_note, streams
+from fedcomp.strategies.codec_round import add_codec, check_model
 from fedcomp.strategies.downstream_sender import Downstream
 from fedcomp.strategies.ef21_aggregate import EF21Aggregate
+from fedcomp.strategies.fold_policy import FoldPolicy, dense_refusal
 from fedcomp.strategies.forward import ForwardsToInner
-from fedcomp.strategies.handover import hand_over, record_key, weight_key
+from fedcomp.strategies.handover import hand_over, weight_key
 from fedcomp.strategies.privacy_budget import PoissonSampling, PrivacyBudget
-from fedcomp.strategies.replies import evaluate_replies, fold_replies, note_failures
+from fedcomp.strategies.replies import RoundReplies, evaluate_replies, fold_replies, note_failures
+from fedcomp.strategies.round_history import RoundHistory, SentRound
 from fedcomp.strategies.round_metrics import common_metric_keys, layers_mean, round_metrics
 from fedcomp.strategies.wrapping import load_optimizer_state, optimizer_state, wraps
 
 
-@dataclass
-class SentRound:
-    """What the server sent in one round: the global model and how many clients were sampled
-    (the divisor of client-level DP: the count, or ``q * N`` under Poisson sampling)."""
+def _history(name: str, doc: str) -> property:
+    """A read-only view of one of :class:`RoundHistory`'s dicts under its public name."""
+    return property(lambda self: getattr(self.rounds, name), doc=doc)
 
-    server_round: int
-    model: FlatModel
-    sampled: float = 0.0
-    #: Node ids sent a train message (one node, one vote: replies from others are refused); None: unknown.
-    nodes: set[int] | None = None
-    #: The train messages as sent (Flower sets their message ids when it pushes them): error replies
-    #: name the message they answer, and through it the failed node (:mod:`.failures`).
-    messages: list[Message] = field(default_factory=list)
+
+def _budget(name: str, doc: str) -> property:
+    """A read-only view of one of :class:`PrivacyBudget`'s settings."""
+    return property(lambda self: getattr(self.budget, name), doc=doc)
 
 
 class CompressedStrategy(ForwardsToInner, Strategy):
     """Wrap any Message-API strategy so that clients send compressed updates.
 
-    Like Flower's DP wrappers, it adds one concern and delegates the rest:
+    Like Flower's DP wrappers, it adds one concern (the codec) and delegates the rest. The other
+    concerns it carries are objects of their own, called in named steps: the privacy budget and
+    Poisson sampling (:mod:`.privacy_budget`), the downstream sender (:mod:`.downstream_sender`),
+    EF21's server estimate (:mod:`.ef21_aggregate`) and the per-round figures
+    (:mod:`.round_history`). A round:
 
     1. ``configure_train``: adds the codec (``compressor``, ``density``, ``levels``,
        ``block-size``, ``value-dtype``, ``error-feedback``, ``residual-dtype``) to the train
@@ -168,6 +166,7 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         if not isinstance(inner, Strategy):
             raise TypeError(f"inner must be a flwr.serverapp.strategy.Strategy, got {type(inner).__name__}")
         self.inner = inner
+        #: The concern this wrapper adds: the codec clients are asked for (``params``: its options).
         self.codec = CodecConfig.from_kwargs(compressor, error_feedback, **params)
         if self.codec.error_feedback and wraps(inner, "DifferentialPrivacyClientSide"):
             raise ValueError(
@@ -179,36 +178,27 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         if not isinstance(require_compression, bool):
             raise ValueError(f"require_compression must be True or False, got {require_compression!r}")
         self.require_compression = require_compression
+        self.aggregation = aggregation
+        self.folding = FoldPolicy(inner, aggregation)
+        # -- the concerns it carries, each an object of its own --------------------------
         self.budget = PrivacyBudget(client_dp, local_dp, max_epsilon)
+        self.sampling = None if client_sampling is None else PoissonSampling(client_sampling, seed)
         self.ef21 = (EF21Aggregate.for_strategy(inner, client_dp, aggregation)
                      if self.codec.error_feedback == "ef21" else None)
-        self.aggregation = aggregation
         if downstream not in (None, "none") and downstream not in available_compressors():
             raise ValueError(f"downstream must be 'none' or one of {available_compressors()}, got {downstream!r}")
         self.downstream = (None if downstream in (None, "none")
                            else Downstream(self.codec, downstream, init=downstream_init,
                                            catchup=downstream_catchup, max_copies=downstream_max_copies))
-        self.sampling = None if client_sampling is None else PoissonSampling(client_sampling, seed)
+        self.rounds = RoundHistory()
+        # -- what a round leaves for the next call ----------------------------------------
         #: The global model sent in the current round (set by :meth:`configure_train`).
         self.sent_round: SentRound | None = None
+        #: The evaluate messages of the current round (set by :meth:`configure_evaluate`).
+        self._evaluate_sent: list[Message] = []
         #: Rounding remainder of the integer rule per integer tensor, carried from round to round
         #: (float64, entries in [-0.5, 0.5]; see :func:`fedcomp.statedict.integer_mean`).
         self.int_remainders: dict[str, np.ndarray] = {}
-        self._dense_noted = False  # the dense path's memory cost is logged once per run
-        #: Per-round metrics computed by this wrapper (round -> dict).
-        self.history: dict[int, dict[str, float]] = {}
-        #: per round, the inner strategy's aggregate of the clients' evaluate replies (federated evaluation)
-        self.evaluate_history: dict[int, dict[str, float]] = {}
-        #: Per-round, per-layer means over clients: {name: {"update-norm", "compression-error"}}.
-        self.layer_history: dict[int, dict[str, dict[str, float]]] = {}
-        #: Per-round, per-client figures (round -> list of dicts with node, bytes, seconds, link speeds).
-        self.client_history: dict[int, list[dict]] = {}
-        #: Per-round failed clients (round -> list of {node, code, error, reason}, :mod:`.failures`).
-        self.failure_history: dict[int, list[dict]] = {}
-        #: The same for federated evaluation (round -> list).
-        self.evaluate_failure_history: dict[int, list[dict]] = {}
-        self._evaluate_sent: list[Message] = []
-        self._oom_seen: dict[int, int] = {}  # node -> the last client-oom-kills count it reported
         self._start_forwarding()  # from here on, settings of the inner strategy reach it (:mod:`.forward`)
 
     @classmethod
@@ -218,26 +208,22 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         params = {k.replace("-", "_"): v for k, v in codec.to_mapping().items()}
         return cls(inner, **params, **options)
 
+    # -- the per-round figures, kept by the history ---------------------------------------
+    history = _history("train", "Per-round metrics computed by this wrapper (round -> dict).")
+    client_history = _history("clients", "Per-round, per-client figures (round -> list of dicts with node, bytes, "
+                                         "seconds, link speeds).")
+    layer_history = _history("layers", "Per-round, per-layer means over clients: {name: {'update-norm', "
+                                       "'compression-error'}}.")
+    failure_history = _history("failures", "Per-round failed clients (round -> list of {node, code, error, reason}).")
+    evaluate_history = _history("evaluate", "Per round, the inner strategy's aggregate of the clients' evaluate "
+                                            "replies (federated evaluation).")
+    evaluate_failure_history = _history("evaluate_failures", "The clients that failed federated evaluation, per round.")
+
     # -- the privacy settings, kept by the budget ----------------------------------------
-    @property
-    def client_dp(self) -> ClientLevelDP | None:
-        """Client-level DP-FedAvg (None: the inner strategy aggregates)."""
-        return self.budget.client_dp
-
-    @property
-    def local_dp(self) -> LocalDP | None:
-        """Local DP settings sent to clients (None: none)."""
-        return self.budget.local_dp
-
-    @property
-    def max_epsilon(self) -> float | None:
-        """The privacy budget (None: none)."""
-        return self.budget.max_epsilon
-
-    @property
-    def stopped_reason(self) -> str:
-        """Why no further rounds are run ("" while rounds go on)."""
-        return self.budget.stopped_reason
+    client_dp = _budget("client_dp", "Client-level DP-FedAvg (None: the inner strategy aggregates).")
+    local_dp = _budget("local_dp", "Local DP settings sent to clients (None: none).")
+    max_epsilon = _budget("max_epsilon", "The privacy budget (None: none).")
+    stopped_reason = _budget("stopped_reason", 'Why no further rounds are run ("" while rounds go on).')
 
     @property
     def poisson_rate(self) -> float | None:
@@ -274,12 +260,12 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         self.budget.load_state_dict(state.get("privacy", {}))
         self.int_remainders = dict(state.get("int-remainders", {}))
 
-    # -- delegation -------------------------------------------------------------------
     def summary(self) -> None:
         """Log the codec, then the inner strategy's summary."""
         log(INFO, "\t├──> CompressedStrategy: %s", self.codec.describe())
         self.inner.summary()
 
+    # -- configure: ask each concern ------------------------------------------------------
     def remember(self, server_round: int, model: FlatModel, sampled: float = 0.0, nodes: set[int] | None = None) -> None:
         """Record the global model sent in ``server_round`` (what :meth:`configure_train` does;
         public for callers that build the round's replies themselves; ``nodes`` None: any node's
@@ -287,25 +273,18 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         self.sent_round = SentRound(server_round, model, sampled, nodes)
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
-        """Add the codec in force (and local-DP settings) to ``config``, remember ``arrays``, delegate.
+        """Add the codec in force (and local-DP settings) to ``config``, remember ``arrays``, delegate,
+        then Poisson-sample the inner strategy's messages and let the downstream sender fill them.
 
         Sends nothing (an empty round) once the privacy budget ``max_epsilon`` would be exceeded.
         """
-        codec = self.codec.for_round(server_round)
         if server_round == 1:
-            codec.check_rules_match(list(arrays.keys()))
-            note = model_policy.describe(arrays.keys(), {k: int(np.prod(a.shape)) for k, a in arrays.items()}, self.codec)
-            if note:  # per-model defaults, said once
-                log(INFO, "%s", note)
-            if MODEL_KEY in arrays:
-                raise ValueError(f"the model has a tensor named '{MODEL_KEY}', the name fedcomp's whole-model payload "
-                                 "travels under: rename that module or parameter")
+            check_model(self.codec, arrays)
         self.history.setdefault(server_round, {})
         self.remember(server_round, FlatModel.from_record(arrays), nodes=set())
         if self.budget.exhausted(server_round):
             return []
-        for k, v in codec.to_mapping().items():
-            config[k] = v
+        add_codec(self.codec, server_round, config)
         self.budget.train_config(config)
         msgs = list(self.inner.configure_train(server_round, arrays, config, grid))
         self.sent_round.sampled = len(msgs)
@@ -335,87 +314,83 @@ class CompressedStrategy(ForwardsToInner, Strategy):
             self.evaluate_history[server_round] = {**dict(metrics), "num-replies": float(ok)}
         return metrics
 
-    # -- the one concern ---------------------------------------------------------------
+    # -- aggregate: admit -> decode -> fold -> hand over -> record ----------------------------
     def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Decode and validate every reply, fold it into the aggregate, hand the result to ``inner``.
 
-        Orchestration only: admit (:mod:`.admission`) -> decode, validate and fold
-        (:func:`.replies.fold_replies`, a policy of :mod:`.aggregate`) -> hand over
-        (:func:`.handover.hand_over`: the inner strategy, dtypes, the integer/bool rule) ->
-        metrics and the privacy accounting of the round.
+        Orchestration only: admit (:mod:`.admission`, EF21's state check) -> decode, validate and fold
+        (:func:`.replies.fold_replies`, a policy of :mod:`.aggregate`) -> the round's bookkeeping
+        (failures, downstream, EF21's estimate) -> hand over (:func:`.handover.hand_over`: the inner
+        strategy, dtypes, the integer/bool rule) -> metrics and the privacy accounting of the round.
         """
         sent = self.sent_round
         if sent is None or sent.server_round != server_round:
             raise RuntimeError(f"aggregate_train for round {server_round} without configure_train")
-        model = sent.model
-        # One node, one vote (duplicates and strangers refused, :mod:`.admission`), then a fixed order
-        # (by node id): float sums, and so runs, do not depend on arrival order.
-        # Error replies carry no update (no vote) and count as failed clients with their reason: Flower answers
-        # a task it lost (e.g. a ClientApp the OOM killer took) from the SuperLink's node id, which the stranger
-        # check would misreport as a reply "not sent a message this round".
-        replies = list(replies)
+        replies, refused, mismatched = self._admit(server_round, sent, list(replies))
+        fold = self.folding.new_fold(sent.model, len(replies), self.client_dp, self.int_remainders)
+        refuse_dense = dense_refusal(self.require_compression, self.local_dp, self.ef21, self.downstream)
+        got = fold_replies(server_round, replies, fold, sent.model, weight_key(self.inner), self.max_num_examples,
+                           refuse_dense, keep_exact=self.local_dp is None)  # local DP: the server keeps its own
+        ef21_missing = self._bookkeeping(server_round, sent, replies, refused, mismatched, got)
+        common_metric_keys(got.metric_contents)
+        arrays, agg_metrics, dp_info = hand_over(self.inner, server_round, sent.model, got, sent.sampled)
+        ours = self._record(server_round, sent, got, bool(replies), dp_info, ef21_missing)
+        merged = dict(agg_metrics) if agg_metrics is not None else {}
+        merged.update(ours)
+        return arrays, MetricRecord(merged)
+
+    def _admit(self, server_round: int, sent: SentRound, replies: list[Message]) -> tuple[list, list, list]:
+        """One node, one vote (duplicates and strangers refused, :mod:`.admission`), then a fixed order
+        (by node id): float sums, and so runs, do not depend on arrival order; then EF21's check that
+        each node's ``h_i`` is the one the server's ``h`` holds. Returns (admitted, ``(reply, why)``
+        refused, ``(reply, failure record)`` refused by EF21).
+
+        Error replies carry no update (no vote) and count as failed clients with their reason: Flower
+        answers a task it lost (e.g. a ClientApp the OOM killer took) from the SuperLink's node id,
+        which the stranger check would misreport as a reply "not sent a message this round".
+        """
         errors = [r for r in replies if r.has_error()]
         replies, refused = admit([r for r in replies if not r.has_error()], lambda r: r.metadata.src_node_id,
                                  sent.nodes)
         for reply, why in refused:
             log(WARNING, "round %s: rejected reply from node %s: %s", server_round, reply.metadata.src_node_id, why)
         replies = errors + sorted(replies, key=lambda r: r.metadata.src_node_id)
-        mismatched = []  # EF21: a node whose h_i is not the one the server's h holds is refused (a named failure)
+        mismatched = []
         if self.ef21 is not None:
             replies, mismatched = self.ef21.check_replies(server_round, replies)
-        # local DP: the server keeps its own integer/bool values, whatever a client sent
-        got = fold_replies(server_round, replies, self._new_fold(model, len(replies)), model, weight_key(self.inner),
-                           self.max_num_examples, self._dense_refusal(), keep_exact=self.local_dp is None)
-        got.failures.extend(f for _, f in mismatched)
-        note_failures(server_round, sent.nodes, {m.metadata.message_id: m.metadata.dst_node_id for m in sent.messages},
-                      replies, [r for r, _ in refused + mismatched], got, self._oom_seen)
+        return replies, refused, mismatched
+
+    def _bookkeeping(self, server_round: int, sent: SentRound, replies: list[Message], refused: list,
+                     mismatched: list, got: RoundReplies) -> int | None:
+        """Name the round's failed clients, tell the downstream sender who replied, fold the sends into
+        EF21's estimate and let the budget see refusals; returns EF21's count of missing clients."""
+        got.failures.extend(failure for _, failure in mismatched)  # EF21: a named failure each
+        note_failures(server_round, sent.nodes, sent.sent_to(), replies, [r for r, _ in refused + mismatched], got,
+                      self.rounds.oom_seen)
         self.failure_history[server_round] = got.failures
         got.rejected += len(refused)
         if self.downstream is not None:
-            for stat in got.stats:
-                self.downstream.received(stat["node"])
-                stat["download-bytes"] = float(self.downstream.sent_bytes.get(stat["node"], 0))
+            self.downstream.note_replies(got.stats)
         ef21_missing = None
         if self.ef21 is not None:  # EF21: the round's update is the server's estimate h (+= mean of the sends)
             asked = len(sent.nodes) if sent.nodes is not None else len(replies) + len(refused)
             ef21_missing = self.ef21.round_update(server_round, got.fold.running, asked, [st["node"] for st in got.stats])
         self.budget.note_refusals(server_round, replies)
-        common_metric_keys(got.metric_contents)
-        arrays, agg_metrics, dp_info = hand_over(self.inner, server_round, model, got, sent.sampled)
+        return ef21_missing
+
+    def _record(self, server_round: int, sent: SentRound, got: RoundReplies, any_replies: bool,
+                dp_info: dict, ef21_missing: int | None) -> dict[str, float]:
+        """The wrapper's round metrics (:func:`.round_metrics.round_metrics`), accounted by the budget
+        and kept in the history."""
         ours = round_metrics(got.stats, got.codec_bytes, len(got.metric_contents), got.rejected, got.failed)
         ours.update(dp_info)
         if ef21_missing is not None:
             ours["ef21-missing-clients"] = float(ef21_missing)
         if got.uncharged:
             ours["uncharged-error-replies"] = float(got.uncharged)
-        self.budget.account(server_round, bool(replies), got.stats, ours)
-        self.history[server_round] = ours
-        self.client_history[server_round] = got.stats
-        self.layer_history[server_round] = layers_mean(got.layer_stats, model.float_keys)
-        merged = dict(agg_metrics) if agg_metrics is not None else {}
-        merged.update(ours)
-        return arrays, MetricRecord(merged)
+        self.budget.account(server_round, any_replies, got.stats, ours)
+        self.rounds.record_train(server_round, ours, got.stats, layers_mean(got.layer_stats, sent.model.float_keys))
+        return ours
 
-    def _new_fold(self, model: FlatModel, clients: int):
-        """The folding policy of the round: clipped (client-level DP), weighted mean, or dense."""
-        if self.client_dp is not None:
-            return ClippedFold(model, self.client_dp)
-        if self.aggregation == "auto" and streams(self.inner):
-            return MeanFold(model, self.int_remainders)
-        if not self._dense_noted:
-            log(INFO, "%s", dense_memory_note(self.inner, clients, model))
-            self._dense_noted = True
-        return DenseFold(model, record_key(self.inner), self.int_remainders)
 
-    def _dense_refusal(self) -> str:
-        """Why a dense reply (plain weights, no fedcomp payload) is refused this run ("": accepted)."""
-        if self.require_compression:
-            return "require_compression is set"
-        if self.local_dp is not None:
-            return "local DP needs every client to clip and noise its update"
-        if self.ef21 is not None:
-            return "EF21's server estimate mirrors the clients' compressed sends"
-        if self.downstream is not None:
-            return ("downstream compression: the server cannot tell which model a dense reply is relative to "
-                    "(the node was sent a compressed copy)")
-        return ""
+__all__ = ["CompressedStrategy", "SentRound"]

@@ -328,6 +328,13 @@ class Downstream:
                 self._drop_unheld()
                 self._evict(self.max_copies, keep=node)
 
+    def note_replies(self, stats: list[dict]) -> None:
+        """Each replying node (``stats``: per-client figures with ``node``) holds what it was sent
+        (:meth:`received`); its ``download-bytes`` becomes the bytes the server sent it this round."""
+        for stat in stats:
+            self.received(stat["node"])
+            stat["download-bytes"] = float(self.sent_bytes.get(stat["node"], 0))
+
     def held(self, node: int) -> np.ndarray | None:
         """Every float tensor (flat, model order) the server believes ``node`` holds (None: unknown)."""
         if node not in self.node_version:
