@@ -11,13 +11,12 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
-from fedcomp.compression import available_compressors
 from fedcomp.config import CodecConfig
 from fedcomp.privacy import ClientLevelDP, LocalDP
 from fedcomp.protocol.seeded_init import SeededInit
 from fedcomp.statedict import FlatModel
 from fedcomp.strategies.admission import admit, check_max_num_examples
-from fedcomp.strategies.codec_round import add_codec, check_model
+from fedcomp.strategies.codec_round import add_codec, check_feedback_under_dp, check_model
 from fedcomp.strategies.downstream_sender import Downstream
 from fedcomp.strategies.ef21_aggregate import EF21Aggregate
 from fedcomp.strategies.fold_policy import FoldPolicy, dense_refusal
@@ -27,12 +26,12 @@ from fedcomp.strategies.privacy_budget import PoissonSampling, PrivacyBudget
 from fedcomp.strategies.replies import RoundReplies, evaluate_replies, fold_replies, note_failures
 from fedcomp.strategies.round_history import RoundHistory, SentRound
 from fedcomp.strategies.round_metrics import common_metric_keys, layers_mean, round_metrics
-from fedcomp.strategies.wrapping import load_optimizer_state, optimizer_state, wraps
+from fedcomp.strategies.wrapping import load_optimizer_state, optimizer_state
 
 
-def _history(name: str, doc: str) -> property:
+def _history(name: str) -> property:
     """A read-only view of one of :class:`RoundHistory`'s dicts under its public name."""
-    return property(lambda self: getattr(self.rounds, name), doc=doc)
+    return property(lambda self: getattr(self.rounds, name), doc=f"``RoundHistory.{name}`` (round -> figures).")
 
 
 def _budget(name: str, doc: str) -> property:
@@ -65,15 +64,13 @@ class CompressedStrategy(ForwardsToInner, Strategy):
        comes back in its own dtype and shape. A reply that fails to decode is logged with
        its node id and reason and dropped before it touches the sum (``rejected-replies``);
        error replies are counted (``failed-clients``). The global model never sees either.
-    3. Adds round metrics: ``upload-bytes`` (sum of payload bytes actually received),
-       ``dense-bytes``, ``compression-ratio`` (dense / upload), ``compression-error`` and
+    3. Adds round metrics (:func:`.round_metrics.round_metrics`): ``upload-bytes`` (payload bytes
+       received), ``dense-bytes``, ``compression-ratio`` (dense / upload), ``compression-error`` and
        ``residual-norm`` (means over clients), ``download-bytes``, ``num-replies``,
        ``rejected-replies``, ``failed-clients``, ``upload-bytes-<codec>`` per codec, and
-       ``round-seconds-simulated``: the slowest client's compute time (in a deployment its
-       ClientApp process's life) + upload bytes·8 / uplink + download bytes·8 / downlink, at
-       the link speeds each client declared (node config ``uplink-mbps``/``downlink-mbps``),
-       + Flower's polling in a deployment (:func:`.round_metrics.client_seconds`). Client-reported numbers are
-       untrusted: non-numbers and non-finite values count as 0.
+       ``round-seconds-simulated`` at the link speeds each client declared
+       (:func:`.round_metrics.client_seconds`). Client-reported numbers are untrusted:
+       non-numbers and non-finite values count as 0.
 
     Parameters
     ----------
@@ -113,10 +110,9 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         Seed of the Poisson sampling (tests only). Default None: OS entropy, as amplification by
         sampling needs a sample nobody can predict (the ServerApp never passes the run seed).
     aggregation : {"auto", "dense"}
-        "auto" (default): for Flower's weighted-mean strategies (FedAvg, FedAvgM, FedAdam, FedYogi,
-        FedAdagrad, FedProx) and client-level DP, fold every decoded reply into one running sum
-        (server memory O(model) for any number of clients; sparse payloads in O(k)); every other
-        inner strategy gets each client's dense weights. "dense": always the latter (for checks).
+        "auto" (default): fold into one running sum where step 2 says (server memory O(model) for
+        any number of clients; sparse payloads in O(k)), else each client's dense weights.
+        "dense": always the latter (for checks).
     downstream_init : SeededInit, optional
         The initial model as a seed and one bound per tensor (:func:`fedcomp.protocol.seeded_init.lora_init`):
         with ``downstream``, new clients build it themselves instead of downloading it dense.
@@ -168,12 +164,7 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         self.inner = inner
         #: The concern this wrapper adds: the codec clients are asked for (``params``: its options).
         self.codec = CodecConfig.from_kwargs(compressor, error_feedback, **params)
-        if self.codec.error_feedback and wraps(inner, "DifferentialPrivacyClientSide"):
-            raise ValueError(
-                "error feedback with Flower's client-side clipping breaks the DP guarantee: the residual makes the sent "
-                "update's norm exceed clipping_norm from round 2 on, while the server's noise assumes it does not. Use "
-                "error_feedback=False, or server-side clipping of the decoded update "
-                "(DifferentialPrivacyServerSideFixedClipping inside CompressedStrategy, or client_dp=ClientLevelDP(...))")
+        check_feedback_under_dp(self.codec, inner)
         self.max_num_examples = check_max_num_examples(max_num_examples)
         if not isinstance(require_compression, bool):
             raise ValueError(f"require_compression must be True or False, got {require_compression!r}")
@@ -185,11 +176,8 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         self.sampling = None if client_sampling is None else PoissonSampling(client_sampling, seed)
         self.ef21 = (EF21Aggregate.for_strategy(inner, client_dp, aggregation)
                      if self.codec.error_feedback == "ef21" else None)
-        if downstream not in (None, "none") and downstream not in available_compressors():
-            raise ValueError(f"downstream must be 'none' or one of {available_compressors()}, got {downstream!r}")
-        self.downstream = (None if downstream in (None, "none")
-                           else Downstream(self.codec, downstream, init=downstream_init,
-                                           catchup=downstream_catchup, max_copies=downstream_max_copies))
+        self.downstream = Downstream.for_run(self.codec, downstream, init=downstream_init, catchup=downstream_catchup,
+                                             max_copies=downstream_max_copies)
         self.rounds = RoundHistory()
         # -- what a round leaves for the next call ----------------------------------------
         #: The global model sent in the current round (set by :meth:`configure_train`).
@@ -209,15 +197,12 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         return cls(inner, **params, **options)
 
     # -- the per-round figures, kept by the history ---------------------------------------
-    history = _history("train", "Per-round metrics computed by this wrapper (round -> dict).")
-    client_history = _history("clients", "Per-round, per-client figures (round -> list of dicts with node, bytes, "
-                                         "seconds, link speeds).")
-    layer_history = _history("layers", "Per-round, per-layer means over clients: {name: {'update-norm', "
-                                       "'compression-error'}}.")
-    failure_history = _history("failures", "Per-round failed clients (round -> list of {node, code, error, reason}).")
-    evaluate_history = _history("evaluate", "Per round, the inner strategy's aggregate of the clients' evaluate "
-                                            "replies (federated evaluation).")
-    evaluate_failure_history = _history("evaluate_failures", "The clients that failed federated evaluation, per round.")
+    history = _history("train")
+    client_history = _history("clients")
+    layer_history = _history("layers")
+    failure_history = _history("failures")
+    evaluate_history = _history("evaluate")
+    evaluate_failure_history = _history("evaluate_failures")
 
     # -- the privacy settings, kept by the budget ----------------------------------------
     client_dp = _budget("client_dp", "Client-level DP-FedAvg (None: the inner strategy aggregates).")
@@ -229,36 +214,6 @@ class CompressedStrategy(ForwardsToInner, Strategy):
     def poisson_rate(self) -> float | None:
         """Poisson client-sampling rate q (None: the inner strategy's sample is kept)."""
         return None if self.sampling is None else self.sampling.rate
-
-    # -- state for checkpoints -----------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """Everything a resumed run needs: ``{"privacy": JSON-serialisable accounting,
-        "optimizer": {name: np.ndarray} of the inner strategy's server optimizer,
-        "int-remainders": {tensor: float64 np.ndarray} of the integer rule,
-        "ef21": {tensor: flat float64 np.ndarray} EF21's server estimate h (empty without EF21),
-        "ef21-folded": {"nodes", "rounds"} the round each node's send was last folded into h}``."""
-        return {"privacy": self.budget.state_dict(), "optimizer": optimizer_state(self.inner),
-                "int-remainders": {k: np.array(v, copy=True) for k, v in self.int_remainders.items()},
-                "ef21": self.ef21.state_dict() if self.ef21 is not None else {},
-                "ef21-folded": self.ef21.folded_state() if self.ef21 is not None else {}}
-
-    def load_state_dict(self, state: dict[str, Any], shapes: dict[str, tuple]) -> None:
-        """Restore :meth:`state_dict`; ``shapes``: the model's tensor shapes (model order).
-
-        Raises
-        ------
-        ValueError
-            Optimizer state the inner strategy does not have or that does not fit ``shapes``; an
-            EF21 estimate without EF21, or one that does not fit ``shapes``.
-        """
-        load_optimizer_state(self.inner, state.get("optimizer", {}), shapes)
-        ef21 = state.get("ef21", {})
-        if ef21 and self.ef21 is None:
-            raise ValueError("the checkpoint holds EF21's server estimate h but error-feedback is not 'ef21'")
-        if self.ef21 is not None:
-            self.ef21.load_state_dict(ef21, shapes, state.get("ef21-folded"))
-        self.budget.load_state_dict(state.get("privacy", {}))
-        self.int_remainders = dict(state.get("int-remainders", {}))
 
     def summary(self) -> None:
         """Log the codec, then the inner strategy's summary."""
@@ -391,6 +346,36 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         self.budget.account(server_round, any_replies, got.stats, ours)
         self.rounds.record_train(server_round, ours, got.stats, layers_mean(got.layer_stats, sent.model.float_keys))
         return ours
+
+    # -- state for checkpoints -----------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a resumed run needs: ``{"privacy": JSON-serialisable accounting,
+        "optimizer": {name: np.ndarray} of the inner strategy's server optimizer,
+        "int-remainders": {tensor: float64 np.ndarray} of the integer rule,
+        "ef21": {tensor: flat float64 np.ndarray} EF21's server estimate h (empty without EF21),
+        "ef21-folded": {"nodes", "rounds"} the round each node's send was last folded into h}``."""
+        return {"privacy": self.budget.state_dict(), "optimizer": optimizer_state(self.inner),
+                "int-remainders": {k: np.array(v, copy=True) for k, v in self.int_remainders.items()},
+                "ef21": self.ef21.state_dict() if self.ef21 is not None else {},
+                "ef21-folded": self.ef21.folded_state() if self.ef21 is not None else {}}
+
+    def load_state_dict(self, state: dict[str, Any], shapes: dict[str, tuple]) -> None:
+        """Restore :meth:`state_dict`; ``shapes``: the model's tensor shapes (model order).
+
+        Raises
+        ------
+        ValueError
+            Optimizer state the inner strategy does not have or that does not fit ``shapes``; an
+            EF21 estimate without EF21, or one that does not fit ``shapes``.
+        """
+        load_optimizer_state(self.inner, state.get("optimizer", {}), shapes)
+        ef21 = state.get("ef21", {})
+        if ef21 and self.ef21 is None:
+            raise ValueError("the checkpoint holds EF21's server estimate h but error-feedback is not 'ef21'")
+        if self.ef21 is not None:
+            self.ef21.load_state_dict(ef21, shapes, state.get("ef21-folded"))
+        self.budget.load_state_dict(state.get("privacy", {}))
+        self.int_remainders = dict(state.get("int-remainders", {}))
 
 
 __all__ = ["CompressedStrategy", "SentRound"]
