@@ -8,7 +8,8 @@ The plain path wraps a Message-API strategy (``flwr.serverapp.strategy``) in
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from flwr.common import Parameters
 from flwr.server import strategy as legacy_api
@@ -47,11 +48,10 @@ def build_inner(cfg: AppConfig, *, legacy_evaluate_fn: Callable | None = None,
                         "initial_parameters": initial_parameters, "accept_failures": True}
     else:
         fraction_evaluate = cfg.fraction_evaluate if cfg.dp == "none" else 0.0
-        common = dict(
-            fraction_train=1.0 if cfg.client_sampling == "poisson" else cfg.fraction_train,
-            fraction_evaluate=fraction_evaluate, min_train_nodes=cfg.min_train_nodes,
-            min_evaluate_nodes=1 if fraction_evaluate > 0 else 0, min_available_nodes=cfg.min_available_nodes,
-        )
+        common = {"fraction_train": 1.0 if cfg.client_sampling == "poisson" else cfg.fraction_train,
+                  "fraction_evaluate": fraction_evaluate, "min_train_nodes": cfg.min_train_nodes,
+                  "min_evaluate_nodes": 1 if fraction_evaluate > 0 else 0,
+                  "min_available_nodes": cfg.min_available_nodes}
     if cfg.strategy == "fedadam":
         return api.FedAdam(**common, eta=cfg.server_lr, eta_l=cfg.lr)
     if cfg.strategy == "fedavgm":

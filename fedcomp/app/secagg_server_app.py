@@ -21,8 +21,8 @@ from fedcomp.app.inner import build_inner
 from fedcomp.app.recorder import RoundRecorder
 from fedcomp.app.results import MB, plot_rounds
 from fedcomp.config import AppConfig
-from fedcomp.privacy import NO_AMPLIFICATION, ClientLevelDP
 from fedcomp.config.secagg import SecAggConfig, check_codec_under_secagg
+from fedcomp.privacy import NO_AMPLIFICATION, ClientLevelDP
 from fedcomp.secagg.strategy import SharedRandomKStrategy
 from fedcomp.secagg.workflow import CompressedSecAggPlusWorkflow
 
@@ -104,7 +104,7 @@ class SecAggRounds:
 
     def row_tail(self, rec: dict) -> str:
         bpp = rec.get("bits-per-parameter")
-        return " %6s" % ("-" if bpp is None else f"{bpp:6.3f}")
+        return f" {'-' if bpp is None else f'{bpp:6.3f}':>6}"
 
     def after_round(self, recorder: RoundRecorder, server_round: int, arrays) -> None:
         """Nothing: the SecAgg+ path writes no checkpoint."""

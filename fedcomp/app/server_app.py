@@ -9,22 +9,22 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context
 from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 
-from fedcomp.config import CODEC_DEFAULTS, AppConfig
-from fedcomp.task.lora import LoraSettings, initial_adapters
-from fedcomp.config.low_density import auto_note, resolve_schedule, short_ramp_note
-from fedcomp.task.models import build_model
-from fedcomp.privacy import ClientLevelDP, DPSGDConfig, LocalDP, check_accountable
-from fedcomp.app.secagg_server_app import check_secagg_config, run_secagg, secagg_requested
-from fedcomp.statedict import copy_array, to_record
-from fedcomp.strategies import CompressedStrategy
-from fedcomp.strategies.offset import RoundOffset
 from fedcomp.app import checkpoint
 from fedcomp.app.console import quiet_known_noise, route_flower_logs
 from fedcomp.app.inner import build_inner
 from fedcomp.app.recorder import CompressedRounds, RoundRecorder, privacy_settings, privacy_statement
 from fedcomp.app.results import plot_rounds
+from fedcomp.app.secagg_server_app import check_secagg_config, run_secagg, secagg_requested
 from fedcomp.app.startup import RunConfigError, one_line_config_errors, writable_results_dir
 from fedcomp.app.strategy_record import check_same_strategy
+from fedcomp.config import CODEC_DEFAULTS, AppConfig
+from fedcomp.config.low_density import auto_note, resolve_schedule, short_ramp_note
+from fedcomp.privacy import ClientLevelDP, DPSGDConfig, LocalDP, check_accountable
+from fedcomp.statedict import copy_array, to_record
+from fedcomp.strategies import CompressedStrategy
+from fedcomp.strategies.offset import RoundOffset
+from fedcomp.task.lora import LoraSettings, initial_adapters
+from fedcomp.task.models import build_model
 
 app = ServerApp()
 

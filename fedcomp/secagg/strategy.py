@@ -40,9 +40,15 @@ from flwr.server.client_proxy import ClientProxy
 from flwr.server.strategy import Strategy
 
 from fedcomp.privacy import ClientLevelDP
-from fedcomp.strategies.round_metrics import reported_number
-from fedcomp.protocol.messages import SECAGG_DP_CLIP_KEY, SECAGG_KEYS_KEY, SECAGG_PACK_KEY, SECAGG_ROTATION_KEY, SECAGG_SEED_KEY
+from fedcomp.protocol.messages import (
+    SECAGG_DP_CLIP_KEY,
+    SECAGG_KEYS_KEY,
+    SECAGG_PACK_KEY,
+    SECAGG_ROTATION_KEY,
+    SECAGG_SEED_KEY,
+)
 from fedcomp.secagg.encoding import SharedProjection, round_seed
+from fedcomp.strategies.round_metrics import reported_number
 
 
 class SharedRandomKStrategy(Strategy):
