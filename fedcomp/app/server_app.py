@@ -2,57 +2,31 @@
 
 from __future__ import annotations
 
-import math
-import time
 from logging import INFO, WARNING
 
 import torch
-from flwr.app import Array, ArrayRecord, ConfigRecord, Context, MetricRecord
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context
 from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
-from flwr.serverapp.strategy import FedAdam, FedAvg, FedAvgM, Strategy
 
-from fedcomp.config import CODEC_DEFAULTS, AppConfig
-from fedcomp.task.data import DataConfig, load_test_set
-from fedcomp.task.lora import LoraSettings, initial_adapters, load_weights, lora_model
-from fedcomp.config.low_density import auto_note, resolve_schedule, short_ramp_note
-from fedcomp.task.models import build_model
-from fedcomp.privacy import NO_AMPLIFICATION, ClientLevelDP, DPSGDConfig, LocalDP, check_accountable
+from fedcomp.app import checkpoint
+from fedcomp.app.console import quiet_known_noise, route_flower_logs
+from fedcomp.app.inner import build_inner
+from fedcomp.app.recorder import CompressedRounds, RoundRecorder, privacy_settings, privacy_statement
+from fedcomp.app.results import plot_rounds
 from fedcomp.app.secagg_server_app import check_secagg_config, run_secagg, secagg_requested
+from fedcomp.app.startup import RunConfigError, one_line_config_errors, writable_results_dir
+from fedcomp.app.strategy_record import check_same_strategy
+from fedcomp.config import CODEC_DEFAULTS, AppConfig
+from fedcomp.config.low_density import auto_note, resolve_schedule, short_ramp_note
+from fedcomp.privacy import ClientLevelDP, DPSGDConfig, LocalDP, check_accountable
 from fedcomp.statedict import copy_array, to_record
 from fedcomp.strategies import CompressedStrategy
 from fedcomp.strategies.offset import RoundOffset
-from fedcomp.strategies.round_metrics import machine_counts, per_client
-from fedcomp.task.training import evaluate
-from fedcomp.app import checkpoint
-from fedcomp.app.console import quiet_known_noise, route_flower_logs
-from fedcomp.app.results import DP_HEADER, HEADER, MB, format_row, plot_rounds, write_json
-from fedcomp.app.startup import RunConfigError, one_line_config_errors, writable_results_dir
-from fedcomp.app.strategy_record import EXTRA_KEY, check_same_strategy, strategy_settings
+from fedcomp.task.lora import LoraSettings, initial_adapters
+from fedcomp.task.models import build_model
 
 app = ServerApp()
-
-
-def build_inner(cfg: AppConfig) -> Strategy:
-    """The inner Flower strategy named by run config ``strategy``: "fedavg", "fedadam" (eta =
-    ``server-lr``) or "fedavgm" (server learning rate ``server-lr``, momentum ``server-momentum``).
-
-    The global model is evaluated on the server's test split every round (``evaluate_fn``) and,
-    with ``fraction-evaluate`` > 0, by that fraction of the nodes on their own data (federated
-    evaluation, as Flower's templates do; at least one node). Under ``dp`` federated evaluation is
-    off: per-client accuracies on private data are not covered by the privacy guarantee.
-    """
-    fraction_evaluate = cfg.fraction_evaluate if cfg.dp == "none" else 0.0
-    common = dict(
-        fraction_train=1.0 if cfg.client_sampling == "poisson" else cfg.fraction_train,
-        fraction_evaluate=fraction_evaluate, min_train_nodes=cfg.min_train_nodes,
-        min_evaluate_nodes=1 if fraction_evaluate > 0 else 0, min_available_nodes=cfg.min_available_nodes,
-    )
-    if cfg.strategy == "fedadam":
-        return FedAdam(**common, eta=cfg.server_lr, eta_l=cfg.lr)
-    if cfg.strategy == "fedavgm":
-        return FedAvgM(**common, server_learning_rate=cfg.server_lr, server_momentum=cfg.server_momentum)
-    return FedAvg(**common)
 
 
 def privacy_options(cfg: AppConfig, context: Context | None = None) -> dict:
@@ -82,94 +56,6 @@ def privacy_options(cfg: AppConfig, context: Context | None = None) -> dict:
     if cfg.max_epsilon and cfg.dp == "none":
         log(WARNING, "fedcomp  max-epsilon = %s has no effect with dp = 'none'", cfg.max_epsilon)
     return opts
-
-
-class RoundRecorder:
-    """Collects one record per round, prints the table line, rewrites ``metrics.json``."""
-
-    def __init__(self, cfg: AppConfig, strategy: CompressedStrategy, out_dir, run_config: dict) -> None:
-        self.cfg, self.strategy, self.out_dir = cfg, strategy, out_dir
-        self.rounds: list[dict] = []
-        self.cum_mb = 0.0
-        self.cum_down_mb = 0.0
-        self.run_config = run_config
-        test = load_test_set(DataConfig(cfg.dataset, cfg.partitioner, cfg.dirichlet_alpha, cfg.seed))
-        self.test = test
-        if cfg.finetune == "lora":  # scoring only: the wire carries adapters, never base weights
-            self.model = lora_model(LoraSettings.from_mapping(run_config))
-        else:
-            self.model = build_model(cfg.model, tuple(test.tensors[0].shape[1:]))
-        self.t0 = time.perf_counter()
-        self.privacy = privacy_statement(cfg, run_config)
-        self.last_eps = 0.0
-        self.header_printed = False
-
-    def __call__(self, server_round: int, arrays: ArrayRecord) -> MetricRecord:
-        """Flower ``evaluate_fn``: evaluate the global model on the held-out test split."""
-        load_weights(self.model, arrays, self.cfg.finetune == "lora")
-        loss, acc = evaluate(self.model, self.test, torch.device("cpu"))
-        rec: dict = {"round": server_round, "accuracy": acc, "loss": loss}
-        h = self.strategy.history.get(server_round)
-        if h is not None:
-            self.cum_mb += h["upload-bytes"] / MB
-            self.cum_down_mb += h["download-bytes"] / MB
-            rec.update({
-                "upload-mb": h["upload-bytes"] / MB, "cumulative-upload-mb": self.cum_mb,
-                "download-mb": h["download-bytes"] / MB, "cumulative-download-mb": self.cum_down_mb, **h,
-            })
-            now = _epsilon_now(rec)
-            if self.cfg.dp != "none" and now is not None:
-                rec["epsilon-round"] = math.inf if math.isinf(now) else now - self.last_eps
-                self.last_eps = now
-            rec["layers"] = self.strategy.layer_history.get(server_round, {})
-            clients = self.strategy.client_history.get(server_round, [])
-            rec["client-machines"] = machine_counts(clients)
-            # per node id: peak RSS and container memory limit (MiB), failed clients with the reason
-            rec["client-peak-rss"] = per_client(clients, "client-peak-rss-mb")
-            rec["client-memory-limit"] = per_client(clients, "client-memory-limit-mb")
-            rec["failures"] = getattr(self.strategy, "failure_history", {}).get(server_round, [])
-            rec["evaluate-failures"] = getattr(self.strategy, "evaluate_failure_history", {}).get(server_round, [])
-        fed = self.strategy.evaluate_history.get(server_round)
-        if fed is not None:  # federated evaluation: sampled clients on their own data, weighted by examples
-            rec.update({"federated-accuracy": fed.get("eval-acc"), "federated-loss": fed.get("eval-loss"),
-                        "federated-num-replies": fed["num-replies"]})
-        rec["elapsed-seconds"] = time.perf_counter() - self.t0
-        dp = self.cfg.dp != "none"
-        if not self.header_printed:  # round 0, or the first round of a resumed run
-            log(INFO, "fedcomp  %s", HEADER + (DP_HEADER if dp else ""))
-            self.header_printed = True
-        log(INFO, "fedcomp  %s", format_row(rec, dp))
-        self.rounds.append(rec)
-        self.save()
-        if server_round > 0:
-            checkpoint.save(self.out_dir, server_round, {k: a.numpy() for k, a in arrays.items()}, self.strategy,
-                            self.rounds, {"cum-mb": self.cum_mb, "cum-down-mb": self.cum_down_mb,
-                                          "last-eps": self.last_eps, "privacy-settings": privacy_settings(self.cfg),
-                                          "codec-settings": self.cfg.codec.to_mapping(),
-                                          EXTRA_KEY: strategy_settings(self.cfg)})
-        return MetricRecord({"accuracy": acc, "loss": loss})
-
-    def restore(self, meta: dict) -> None:
-        """Continue from a checkpoint's metrics (resume)."""
-        self.rounds = list(meta["rounds"])
-        extra = meta.get("extra", {})
-        self.cum_mb = float(extra.get("cum-mb", 0.0))
-        self.cum_down_mb = float(extra.get("cum-down-mb", 0.0))
-        self.last_eps = float(extra.get("last-eps") or 0.0)
-
-    def save(self) -> None:
-        """Write ``metrics.json`` (atomically)."""
-        write_json(self.out_dir / "metrics.json", {
-            "codec": self.strategy.codec.describe(), "run-config": self.run_config, "privacy": self.privacy,
-            "stopped": self.strategy.stopped_reason or None, "rounds": self.rounds,
-        })
-
-
-def privacy_settings(cfg: AppConfig) -> dict:
-    """The run-config values a resumed run must keep for its epsilon to stay valid."""
-    return {"dp": cfg.dp, "clipping-norm": cfg.clipping_norm, "noise-multiplier": cfg.noise_multiplier,
-            "target-delta": cfg.target_delta, "client-sampling": cfg.client_sampling,
-            "fraction-train": cfg.fraction_train}
 
 
 def check_same_codec(saved: dict | None, cfg: AppConfig) -> None:
@@ -205,35 +91,6 @@ def check_same_codec(saved: dict | None, cfg: AppConfig) -> None:
                          + ". The clients' error-feedback residuals and the codec recorded for past rounds belong "
                          "to the checkpoint's codec: resume with the same settings, or start a new run (another "
                          "'results-dir') to change the codec")
-
-
-def _epsilon_now(rec: dict) -> float | None:
-    """Cumulative epsilon of a round record: client-level/local ``epsilon``, else DP-SGD's max."""
-    for key in ("epsilon", "epsilon-max"):
-        if rec.get(key) is not None:
-            return float(rec[key])
-    return None
-
-
-def privacy_statement(cfg: AppConfig, run_config: dict | None = None) -> dict | None:
-    """What the run's DP mode does and does not guarantee (written into metrics.json); the
-    accountant of DP-SGD is the run config's ``accountant``."""
-    if cfg.dp == "none":
-        return None
-    level = {"dp-sgd": "sample-level (one training example), on each client, Opacus DP-SGD",
-             "client-level": "client-level (a client's whole update), DP-FedAvg on the server",
-             "local": "client-level, local: each client clips and noises its own update before compressing"}[cfg.dp]
-    accountant = "rdp"  # client-level and local DP: Rényi DP of the Gaussian mechanism, per round
-    if cfg.dp == "dp-sgd":
-        accountant = (run_config or {}).get("accountant", DPSGDConfig.accountant)
-    return {"mode": cfg.dp, "level": level, "delta": cfg.target_delta, "accountant": accountant,
-            "assumption": (NO_AMPLIFICATION if cfg.client_sampling != "poisson" or cfg.dp != "client-level" else
-                           f"clients Poisson-sampled by the server with probability q = {cfg.fraction_train} per round "
-                           "from the fixed population of connected nodes: amplification by sampling applies")
-            if cfg.dp != "dp-sgd" else
-            "Poisson sampling of examples within each client at rate logical-batch / N; one accountant per client "
-            "for the whole run; epsilon-max / epsilon-median over the clients that replied",
-            "max-epsilon": cfg.max_epsilon or None}
 
 
 def _resume(cfg: AppConfig, out_dir, strategy: CompressedStrategy, recorder: RoundRecorder, model):
@@ -295,7 +152,8 @@ def main(grid: Grid, context: Context) -> None:
     if cfg.finetune == "lora":  # LoRA's seeded start, from the base model's config (no weights)
         adapters, options["downstream_init"] = initial_adapters(LoraSettings.from_mapping(context.run_config), cfg.seed)
     strategy = CompressedStrategy.from_codec_config(build_inner(cfg), cfg.codec, **options)
-    recorder = RoundRecorder(cfg, strategy, out_dir, dict(context.run_config))
+    recorder = RoundRecorder(cfg, CompressedRounds(cfg, strategy, dict(context.run_config)), out_dir,
+                             dict(context.run_config))
     train_config = ConfigRecord({"seed": cfg.seed})
     if adapters is not None:
         model, initial, offset = None, to_record(adapters), 0
@@ -326,3 +184,7 @@ def main(grid: Grid, context: Context) -> None:
     if strategy.stopped_reason:
         log(INFO, "fedcomp  stopped early: %s", strategy.stopped_reason)
     log(INFO, "fedcomp  results written to %s (metrics.json, plot.png)", out_dir)
+
+
+__all__ = ["RoundRecorder", "app", "build_inner", "check_same_codec", "main", "privacy_options", "privacy_settings",
+           "privacy_statement"]

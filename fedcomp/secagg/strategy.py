@@ -40,9 +40,15 @@ from flwr.server.client_proxy import ClientProxy
 from flwr.server.strategy import Strategy
 
 from fedcomp.privacy import ClientLevelDP
-from fedcomp.strategies.round_metrics import bounded_metrics
-from fedcomp.protocol.messages import SECAGG_DP_CLIP_KEY, SECAGG_KEYS_KEY, SECAGG_PACK_KEY, SECAGG_ROTATION_KEY, SECAGG_SEED_KEY
+from fedcomp.protocol.messages import (
+    SECAGG_DP_CLIP_KEY,
+    SECAGG_KEYS_KEY,
+    SECAGG_PACK_KEY,
+    SECAGG_ROTATION_KEY,
+    SECAGG_SEED_KEY,
+)
 from fedcomp.secagg.encoding import SharedProjection, round_seed
+from fedcomp.strategies.round_metrics import reported_number
 
 
 class SharedRandomKStrategy(Strategy):
@@ -233,12 +239,9 @@ class SharedRandomKStrategy(Strategy):
         return agg, metrics
 
     def _round_metrics(self, results, failures) -> dict[str, Scalar]:
-        ms = [bounded_metrics(fr.metrics) for _, fr in results]  # untrusted: finite, clamped like the plain path
+        ms = [fr.metrics or {} for _, fr in results]
         n = [fr.num_examples for _, fr in results]
-
-        def num(m, key):
-            v = m.get(key, 0.0)
-            return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else 0.0
+        num = reported_number  # untrusted: non-numbers and non-finite count as 0, clamped like the plain path
 
         return {
             # failures = sampled - replied (Flower 1.42's SecAgg+ workflow lists a failed reply twice)

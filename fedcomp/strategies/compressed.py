@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from logging import INFO, WARNING
 from typing import Any, Iterable
 
@@ -12,44 +11,42 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
-from fedcomp.compression import available_compressors
-from fedcomp.config import model_policy
 from fedcomp.config import CodecConfig
 from fedcomp.privacy import ClientLevelDP, LocalDP
-from fedcomp.protocol.messages import MODEL_KEY
 from fedcomp.protocol.seeded_init import SeededInit
 from fedcomp.statedict import FlatModel
 from fedcomp.strategies.admission import admit, check_max_num_examples
-from fedcomp.strategies.aggregate import ClippedFold, DenseFold, MeanFold, dense_memory_note, streams
+from fedcomp.strategies.codec_round import add_codec, check_feedback_under_dp, check_model
 from fedcomp.strategies.downstream_sender import Downstream
 from fedcomp.strategies.ef21_aggregate import EF21Aggregate
+from fedcomp.strategies.fold_policy import FoldPolicy, dense_refusal
 from fedcomp.strategies.forward import ForwardsToInner
-from fedcomp.strategies.handover import hand_over, record_key, weight_key
+from fedcomp.strategies.handover import hand_over, weight_key
 from fedcomp.strategies.privacy_budget import PoissonSampling, PrivacyBudget
-from fedcomp.strategies.replies import evaluate_replies, fold_replies, note_failures
+from fedcomp.strategies.replies import RoundReplies, evaluate_replies, fold_replies, note_failures
+from fedcomp.strategies.round_history import RoundHistory, SentRound
 from fedcomp.strategies.round_metrics import common_metric_keys, layers_mean, round_metrics
-from fedcomp.strategies.wrapping import load_optimizer_state, optimizer_state, wraps
+from fedcomp.strategies.wrapping import load_optimizer_state, optimizer_state
 
 
-@dataclass
-class SentRound:
-    """What the server sent in one round: the global model and how many clients were sampled
-    (the divisor of client-level DP: the count, or ``q * N`` under Poisson sampling)."""
+def _history(name: str) -> property:
+    """A read-only view of one of :class:`RoundHistory`'s dicts under its public name."""
+    return property(lambda self: getattr(self.rounds, name), doc=f"``RoundHistory.{name}`` (round -> figures).")
 
-    server_round: int
-    model: FlatModel
-    sampled: float = 0.0
-    #: Node ids sent a train message (one node, one vote: replies from others are refused); None: unknown.
-    nodes: set[int] | None = None
-    #: The train messages as sent (Flower sets their message ids when it pushes them): error replies
-    #: name the message they answer, and through it the failed node (:mod:`.failures`).
-    messages: list[Message] = field(default_factory=list)
+
+def _budget(name: str, doc: str) -> property:
+    """A read-only view of one of :class:`PrivacyBudget`'s settings."""
+    return property(lambda self: getattr(self.budget, name), doc=doc)
 
 
 class CompressedStrategy(ForwardsToInner, Strategy):
     """Wrap any Message-API strategy so that clients send compressed updates.
 
-    Like Flower's DP wrappers, it adds one concern and delegates the rest:
+    Like Flower's DP wrappers, it adds one concern (the codec) and delegates the rest. The other
+    concerns it carries are objects of their own, called in named steps: the privacy budget and
+    Poisson sampling (:mod:`.privacy_budget`), the downstream sender (:mod:`.downstream_sender`),
+    EF21's server estimate (:mod:`.ef21_aggregate`) and the per-round figures
+    (:mod:`.round_history`). A round:
 
     1. ``configure_train``: adds the codec (``compressor``, ``density``, ``levels``,
        ``block-size``, ``value-dtype``, ``error-feedback``, ``residual-dtype``) to the train
@@ -67,15 +64,13 @@ class CompressedStrategy(ForwardsToInner, Strategy):
        comes back in its own dtype and shape. A reply that fails to decode is logged with
        its node id and reason and dropped before it touches the sum (``rejected-replies``);
        error replies are counted (``failed-clients``). The global model never sees either.
-    3. Adds round metrics: ``upload-bytes`` (sum of payload bytes actually received),
-       ``dense-bytes``, ``compression-ratio`` (dense / upload), ``compression-error`` and
+    3. Adds round metrics (:func:`.round_metrics.round_metrics`): ``upload-bytes`` (payload bytes
+       received), ``dense-bytes``, ``compression-ratio`` (dense / upload), ``compression-error`` and
        ``residual-norm`` (means over clients), ``download-bytes``, ``num-replies``,
        ``rejected-replies``, ``failed-clients``, ``upload-bytes-<codec>`` per codec, and
-       ``round-seconds-simulated``: the slowest client's compute time (in a deployment its
-       ClientApp process's life) + upload bytes·8 / uplink + download bytes·8 / downlink, at
-       the link speeds each client declared (node config ``uplink-mbps``/``downlink-mbps``),
-       + Flower's polling in a deployment (:func:`.round_metrics.client_seconds`). Client-reported numbers are
-       untrusted: non-numbers and non-finite values count as 0.
+       ``round-seconds-simulated`` at the link speeds each client declared
+       (:func:`.round_metrics.client_seconds`). Client-reported numbers are untrusted:
+       non-numbers and non-finite values count as 0.
 
     Parameters
     ----------
@@ -115,10 +110,9 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         Seed of the Poisson sampling (tests only). Default None: OS entropy, as amplification by
         sampling needs a sample nobody can predict (the ServerApp never passes the run seed).
     aggregation : {"auto", "dense"}
-        "auto" (default): for Flower's weighted-mean strategies (FedAvg, FedAvgM, FedAdam, FedYogi,
-        FedAdagrad, FedProx) and client-level DP, fold every decoded reply into one running sum
-        (server memory O(model) for any number of clients; sparse payloads in O(k)); every other
-        inner strategy gets each client's dense weights. "dense": always the latter (for checks).
+        "auto" (default): fold into one running sum where step 2 says (server memory O(model) for
+        any number of clients; sparse payloads in O(k)), else each client's dense weights.
+        "dense": always the latter (for checks).
     downstream_init : SeededInit, optional
         The initial model as a seed and one bound per tensor (:func:`fedcomp.protocol.seeded_init.lora_init`):
         with ``downstream``, new clients build it themselves instead of downloading it dense.
@@ -168,47 +162,31 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         if not isinstance(inner, Strategy):
             raise TypeError(f"inner must be a flwr.serverapp.strategy.Strategy, got {type(inner).__name__}")
         self.inner = inner
+        #: The concern this wrapper adds: the codec clients are asked for (``params``: its options).
         self.codec = CodecConfig.from_kwargs(compressor, error_feedback, **params)
-        if self.codec.error_feedback and wraps(inner, "DifferentialPrivacyClientSide"):
-            raise ValueError(
-                "error feedback with Flower's client-side clipping breaks the DP guarantee: the residual makes the sent "
-                "update's norm exceed clipping_norm from round 2 on, while the server's noise assumes it does not. Use "
-                "error_feedback=False, or server-side clipping of the decoded update "
-                "(DifferentialPrivacyServerSideFixedClipping inside CompressedStrategy, or client_dp=ClientLevelDP(...))")
+        check_feedback_under_dp(self.codec, inner)
         self.max_num_examples = check_max_num_examples(max_num_examples)
         if not isinstance(require_compression, bool):
             raise ValueError(f"require_compression must be True or False, got {require_compression!r}")
         self.require_compression = require_compression
+        self.aggregation = aggregation
+        self.folding = FoldPolicy(inner, aggregation)
+        # -- the concerns it carries, each an object of its own --------------------------
         self.budget = PrivacyBudget(client_dp, local_dp, max_epsilon)
+        self.sampling = None if client_sampling is None else PoissonSampling(client_sampling, seed)
         self.ef21 = (EF21Aggregate.for_strategy(inner, client_dp, aggregation)
                      if self.codec.error_feedback == "ef21" else None)
-        self.aggregation = aggregation
-        if downstream not in (None, "none") and downstream not in available_compressors():
-            raise ValueError(f"downstream must be 'none' or one of {available_compressors()}, got {downstream!r}")
-        self.downstream = (None if downstream in (None, "none")
-                           else Downstream(self.codec, downstream, init=downstream_init,
-                                           catchup=downstream_catchup, max_copies=downstream_max_copies))
-        self.sampling = None if client_sampling is None else PoissonSampling(client_sampling, seed)
+        self.downstream = Downstream.for_run(self.codec, downstream, init=downstream_init, catchup=downstream_catchup,
+                                             max_copies=downstream_max_copies)
+        self.rounds = RoundHistory()
+        # -- what a round leaves for the next call ----------------------------------------
         #: The global model sent in the current round (set by :meth:`configure_train`).
         self.sent_round: SentRound | None = None
+        #: The evaluate messages of the current round (set by :meth:`configure_evaluate`).
+        self._evaluate_sent: list[Message] = []
         #: Rounding remainder of the integer rule per integer tensor, carried from round to round
         #: (float64, entries in [-0.5, 0.5]; see :func:`fedcomp.statedict.integer_mean`).
         self.int_remainders: dict[str, np.ndarray] = {}
-        self._dense_noted = False  # the dense path's memory cost is logged once per run
-        #: Per-round metrics computed by this wrapper (round -> dict).
-        self.history: dict[int, dict[str, float]] = {}
-        #: per round, the inner strategy's aggregate of the clients' evaluate replies (federated evaluation)
-        self.evaluate_history: dict[int, dict[str, float]] = {}
-        #: Per-round, per-layer means over clients: {name: {"update-norm", "compression-error"}}.
-        self.layer_history: dict[int, dict[str, dict[str, float]]] = {}
-        #: Per-round, per-client figures (round -> list of dicts with node, bytes, seconds, link speeds).
-        self.client_history: dict[int, list[dict]] = {}
-        #: Per-round failed clients (round -> list of {node, code, error, reason}, :mod:`.failures`).
-        self.failure_history: dict[int, list[dict]] = {}
-        #: The same for federated evaluation (round -> list).
-        self.evaluate_failure_history: dict[int, list[dict]] = {}
-        self._evaluate_sent: list[Message] = []
-        self._oom_seen: dict[int, int] = {}  # node -> the last client-oom-kills count it reported
         self._start_forwarding()  # from here on, settings of the inner strategy reach it (:mod:`.forward`)
 
     @classmethod
@@ -218,31 +196,156 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         params = {k.replace("-", "_"): v for k, v in codec.to_mapping().items()}
         return cls(inner, **params, **options)
 
+    # -- the per-round figures, kept by the history ---------------------------------------
+    history = _history("train")
+    client_history = _history("clients")
+    layer_history = _history("layers")
+    failure_history = _history("failures")
+    evaluate_history = _history("evaluate")
+    evaluate_failure_history = _history("evaluate_failures")
+
     # -- the privacy settings, kept by the budget ----------------------------------------
-    @property
-    def client_dp(self) -> ClientLevelDP | None:
-        """Client-level DP-FedAvg (None: the inner strategy aggregates)."""
-        return self.budget.client_dp
-
-    @property
-    def local_dp(self) -> LocalDP | None:
-        """Local DP settings sent to clients (None: none)."""
-        return self.budget.local_dp
-
-    @property
-    def max_epsilon(self) -> float | None:
-        """The privacy budget (None: none)."""
-        return self.budget.max_epsilon
-
-    @property
-    def stopped_reason(self) -> str:
-        """Why no further rounds are run ("" while rounds go on)."""
-        return self.budget.stopped_reason
+    client_dp = _budget("client_dp", "Client-level DP-FedAvg (None: the inner strategy aggregates).")
+    local_dp = _budget("local_dp", "Local DP settings sent to clients (None: none).")
+    max_epsilon = _budget("max_epsilon", "The privacy budget (None: none).")
+    stopped_reason = _budget("stopped_reason", 'Why no further rounds are run ("" while rounds go on).')
 
     @property
     def poisson_rate(self) -> float | None:
         """Poisson client-sampling rate q (None: the inner strategy's sample is kept)."""
         return None if self.sampling is None else self.sampling.rate
+
+    def summary(self) -> None:
+        """Log the codec, then the inner strategy's summary."""
+        log(INFO, "\t├──> CompressedStrategy: %s", self.codec.describe())
+        self.inner.summary()
+
+    # -- configure: ask each concern ------------------------------------------------------
+    def remember(self, server_round: int, model: FlatModel, sampled: float = 0.0, nodes: set[int] | None = None) -> None:
+        """Record the global model sent in ``server_round`` (what :meth:`configure_train` does;
+        public for callers that build the round's replies themselves; ``nodes`` None: any node's
+        first reply counts)."""
+        self.sent_round = SentRound(server_round, model, sampled, nodes)
+
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
+        """Add the codec in force (and local-DP settings) to ``config``, remember ``arrays``, delegate,
+        then Poisson-sample the inner strategy's messages and let the downstream sender fill them.
+
+        Sends nothing (an empty round) once the privacy budget ``max_epsilon`` would be exceeded.
+        """
+        if server_round == 1:
+            check_model(self.codec, arrays)
+        self.history.setdefault(server_round, {})
+        self.remember(server_round, FlatModel.from_record(arrays), nodes=set())
+        if self.budget.exhausted(server_round):
+            return []
+        add_codec(self.codec, server_round, config)
+        self.budget.train_config(config)
+        msgs = list(self.inner.configure_train(server_round, arrays, config, grid))
+        self.sent_round.sampled = len(msgs)
+        if self.sampling is not None:
+            msgs, self.sent_round.sampled = self.sampling.sample(msgs)
+        self.sent_round.nodes = {m.metadata.dst_node_id for m in msgs}
+        self.sent_round.messages = msgs
+        if self.downstream is not None and msgs:
+            self.downstream.prepare(server_round, arrays, msgs)
+        return msgs
+
+    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
+        """Delegate unchanged (evaluation messages carry dense global weights)."""
+        self._evaluate_sent = list(self.inner.configure_evaluate(server_round, arrays, config, grid))
+        return self._evaluate_sent
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        """Delegate, one reply per node sent an evaluate message (:func:`.replies.evaluate_replies`); the
+        result is also kept in ``evaluate_history[server_round]``, and clients that failed to evaluate
+        (error replies charged to their sender, sampled nodes that sent nothing) in
+        ``evaluate_failure_history`` (logged with the reason)."""
+        sent_to = {m.metadata.message_id: m.metadata.dst_node_id for m in self._evaluate_sent}
+        replies, self.evaluate_failure_history[server_round] = evaluate_replies(server_round, sent_to, list(replies))
+        metrics = self.inner.aggregate_evaluate(server_round, replies)
+        if metrics is not None:
+            ok = sum(1 for r in replies if not r.has_error())
+            self.evaluate_history[server_round] = {**dict(metrics), "num-replies": float(ok)}
+        return metrics
+
+    # -- aggregate: admit -> decode -> fold -> hand over -> record ----------------------------
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Decode and validate every reply, fold it into the aggregate, hand the result to ``inner``.
+
+        Orchestration only: admit (:mod:`.admission`, EF21's state check) -> decode, validate and fold
+        (:func:`.replies.fold_replies`, a policy of :mod:`.aggregate`) -> the round's bookkeeping
+        (failures, downstream, EF21's estimate) -> hand over (:func:`.handover.hand_over`: the inner
+        strategy, dtypes, the integer/bool rule) -> metrics and the privacy accounting of the round.
+        """
+        sent = self.sent_round
+        if sent is None or sent.server_round != server_round:
+            raise RuntimeError(f"aggregate_train for round {server_round} without configure_train")
+        replies, refused, mismatched = self._admit(server_round, sent, list(replies))
+        fold = self.folding.new_fold(sent.model, len(replies), self.client_dp, self.int_remainders)
+        refuse_dense = dense_refusal(self.require_compression, self.local_dp, self.ef21, self.downstream)
+        got = fold_replies(server_round, replies, fold, sent.model, weight_key(self.inner), self.max_num_examples,
+                           refuse_dense, keep_exact=self.local_dp is None)  # local DP: the server keeps its own
+        ef21_missing = self._bookkeeping(server_round, sent, replies, refused, mismatched, got)
+        common_metric_keys(got.metric_contents)
+        arrays, agg_metrics, dp_info = hand_over(self.inner, server_round, sent.model, got, sent.sampled)
+        ours = self._record(server_round, sent, got, bool(replies), dp_info, ef21_missing)
+        merged = dict(agg_metrics) if agg_metrics is not None else {}
+        merged.update(ours)
+        return arrays, MetricRecord(merged)
+
+    def _admit(self, server_round: int, sent: SentRound, replies: list[Message]) -> tuple[list, list, list]:
+        """One node, one vote (duplicates and strangers refused, :mod:`.admission`), then a fixed order
+        (by node id): float sums, and so runs, do not depend on arrival order; then EF21's check that
+        each node's ``h_i`` is the one the server's ``h`` holds. Returns (admitted, ``(reply, why)``
+        refused, ``(reply, failure record)`` refused by EF21).
+
+        Error replies carry no update (no vote) and count as failed clients with their reason: Flower
+        answers a task it lost (e.g. a ClientApp the OOM killer took) from the SuperLink's node id,
+        which the stranger check would misreport as a reply "not sent a message this round".
+        """
+        errors = [r for r in replies if r.has_error()]
+        replies, refused = admit([r for r in replies if not r.has_error()], lambda r: r.metadata.src_node_id,
+                                 sent.nodes)
+        for reply, why in refused:
+            log(WARNING, "round %s: rejected reply from node %s: %s", server_round, reply.metadata.src_node_id, why)
+        replies = errors + sorted(replies, key=lambda r: r.metadata.src_node_id)
+        mismatched = []
+        if self.ef21 is not None:
+            replies, mismatched = self.ef21.check_replies(server_round, replies)
+        return replies, refused, mismatched
+
+    def _bookkeeping(self, server_round: int, sent: SentRound, replies: list[Message], refused: list,
+                     mismatched: list, got: RoundReplies) -> int | None:
+        """Name the round's failed clients, tell the downstream sender who replied, fold the sends into
+        EF21's estimate and let the budget see refusals; returns EF21's count of missing clients."""
+        got.failures.extend(failure for _, failure in mismatched)  # EF21: a named failure each
+        note_failures(server_round, sent.nodes, sent.sent_to(), replies, [r for r, _ in refused + mismatched], got,
+                      self.rounds.oom_seen)
+        self.failure_history[server_round] = got.failures
+        got.rejected += len(refused)
+        if self.downstream is not None:
+            self.downstream.note_replies(got.stats)
+        ef21_missing = None
+        if self.ef21 is not None:  # EF21: the round's update is the server's estimate h (+= mean of the sends)
+            asked = len(sent.nodes) if sent.nodes is not None else len(replies) + len(refused)
+            ef21_missing = self.ef21.round_update(server_round, got.fold.running, asked, [st["node"] for st in got.stats])
+        self.budget.note_refusals(server_round, replies)
+        return ef21_missing
+
+    def _record(self, server_round: int, sent: SentRound, got: RoundReplies, any_replies: bool,
+                dp_info: dict, ef21_missing: int | None) -> dict[str, float]:
+        """The wrapper's round metrics (:func:`.round_metrics.round_metrics`), accounted by the budget
+        and kept in the history."""
+        ours = round_metrics(got.stats, got.codec_bytes, len(got.metric_contents), got.rejected, got.failed)
+        ours.update(dp_info)
+        if ef21_missing is not None:
+            ours["ef21-missing-clients"] = float(ef21_missing)
+        if got.uncharged:
+            ours["uncharged-error-replies"] = float(got.uncharged)
+        self.budget.account(server_round, any_replies, got.stats, ours)
+        self.rounds.record_train(server_round, ours, got.stats, layers_mean(got.layer_stats, sent.model.float_keys))
+        return ours
 
     # -- state for checkpoints -----------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -274,148 +377,5 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         self.budget.load_state_dict(state.get("privacy", {}))
         self.int_remainders = dict(state.get("int-remainders", {}))
 
-    # -- delegation -------------------------------------------------------------------
-    def summary(self) -> None:
-        """Log the codec, then the inner strategy's summary."""
-        log(INFO, "\t├──> CompressedStrategy: %s", self.codec.describe())
-        self.inner.summary()
 
-    def remember(self, server_round: int, model: FlatModel, sampled: float = 0.0, nodes: set[int] | None = None) -> None:
-        """Record the global model sent in ``server_round`` (what :meth:`configure_train` does;
-        public for callers that build the round's replies themselves; ``nodes`` None: any node's
-        first reply counts)."""
-        self.sent_round = SentRound(server_round, model, sampled, nodes)
-
-    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
-        """Add the codec in force (and local-DP settings) to ``config``, remember ``arrays``, delegate.
-
-        Sends nothing (an empty round) once the privacy budget ``max_epsilon`` would be exceeded.
-        """
-        codec = self.codec.for_round(server_round)
-        if server_round == 1:
-            codec.check_rules_match(list(arrays.keys()))
-            note = model_policy.describe(arrays.keys(), {k: int(np.prod(a.shape)) for k, a in arrays.items()}, self.codec)
-            if note:  # per-model defaults, said once
-                log(INFO, "%s", note)
-            if MODEL_KEY in arrays:
-                raise ValueError(f"the model has a tensor named '{MODEL_KEY}', the name fedcomp's whole-model payload "
-                                 "travels under: rename that module or parameter")
-        self.history.setdefault(server_round, {})
-        self.remember(server_round, FlatModel.from_record(arrays), nodes=set())
-        if self.budget.exhausted(server_round):
-            return []
-        for k, v in codec.to_mapping().items():
-            config[k] = v
-        self.budget.train_config(config)
-        msgs = list(self.inner.configure_train(server_round, arrays, config, grid))
-        self.sent_round.sampled = len(msgs)
-        if self.sampling is not None:
-            msgs, self.sent_round.sampled = self.sampling.sample(msgs)
-        self.sent_round.nodes = {m.metadata.dst_node_id for m in msgs}
-        self.sent_round.messages = msgs
-        if self.downstream is not None and msgs:
-            self.downstream.prepare(server_round, arrays, msgs)
-        return msgs
-
-    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
-        """Delegate unchanged (evaluation messages carry dense global weights)."""
-        self._evaluate_sent = list(self.inner.configure_evaluate(server_round, arrays, config, grid))
-        return self._evaluate_sent
-
-    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
-        """Delegate, one reply per node sent an evaluate message (:func:`.replies.evaluate_replies`); the
-        result is also kept in ``evaluate_history[server_round]``, and clients that failed to evaluate
-        (error replies charged to their sender, sampled nodes that sent nothing) in
-        ``evaluate_failure_history`` (logged with the reason)."""
-        sent_to = {m.metadata.message_id: m.metadata.dst_node_id for m in self._evaluate_sent}
-        replies, self.evaluate_failure_history[server_round] = evaluate_replies(server_round, sent_to, list(replies))
-        metrics = self.inner.aggregate_evaluate(server_round, replies)
-        if metrics is not None:
-            ok = sum(1 for r in replies if not r.has_error())
-            self.evaluate_history[server_round] = {**dict(metrics), "num-replies": float(ok)}
-        return metrics
-
-    # -- the one concern ---------------------------------------------------------------
-    def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Decode and validate every reply, fold it into the aggregate, hand the result to ``inner``.
-
-        Orchestration only: admit (:mod:`.admission`) -> decode, validate and fold
-        (:func:`.replies.fold_replies`, a policy of :mod:`.aggregate`) -> hand over
-        (:func:`.handover.hand_over`: the inner strategy, dtypes, the integer/bool rule) ->
-        metrics and the privacy accounting of the round.
-        """
-        sent = self.sent_round
-        if sent is None or sent.server_round != server_round:
-            raise RuntimeError(f"aggregate_train for round {server_round} without configure_train")
-        model = sent.model
-        # One node, one vote (duplicates and strangers refused, :mod:`.admission`), then a fixed order
-        # (by node id): float sums, and so runs, do not depend on arrival order.
-        # Error replies carry no update (no vote) and count as failed clients with their reason: Flower answers
-        # a task it lost (e.g. a ClientApp the OOM killer took) from the SuperLink's node id, which the stranger
-        # check would misreport as a reply "not sent a message this round".
-        replies = list(replies)
-        errors = [r for r in replies if r.has_error()]
-        replies, refused = admit([r for r in replies if not r.has_error()], lambda r: r.metadata.src_node_id,
-                                 sent.nodes)
-        for reply, why in refused:
-            log(WARNING, "round %s: rejected reply from node %s: %s", server_round, reply.metadata.src_node_id, why)
-        replies = errors + sorted(replies, key=lambda r: r.metadata.src_node_id)
-        mismatched = []  # EF21: a node whose h_i is not the one the server's h holds is refused (a named failure)
-        if self.ef21 is not None:
-            replies, mismatched = self.ef21.check_replies(server_round, replies)
-        # local DP: the server keeps its own integer/bool values, whatever a client sent
-        got = fold_replies(server_round, replies, self._new_fold(model, len(replies)), model, weight_key(self.inner),
-                           self.max_num_examples, self._dense_refusal(), keep_exact=self.local_dp is None)
-        got.failures.extend(f for _, f in mismatched)
-        note_failures(server_round, sent.nodes, {m.metadata.message_id: m.metadata.dst_node_id for m in sent.messages},
-                      replies, [r for r, _ in refused + mismatched], got, self._oom_seen)
-        self.failure_history[server_round] = got.failures
-        got.rejected += len(refused)
-        if self.downstream is not None:
-            for stat in got.stats:
-                self.downstream.received(stat["node"])
-                stat["download-bytes"] = float(self.downstream.sent_bytes.get(stat["node"], 0))
-        ef21_missing = None
-        if self.ef21 is not None:  # EF21: the round's update is the server's estimate h (+= mean of the sends)
-            asked = len(sent.nodes) if sent.nodes is not None else len(replies) + len(refused)
-            ef21_missing = self.ef21.round_update(server_round, got.fold.running, asked, [st["node"] for st in got.stats])
-        self.budget.note_refusals(server_round, replies)
-        common_metric_keys(got.metric_contents)
-        arrays, agg_metrics, dp_info = hand_over(self.inner, server_round, model, got, sent.sampled)
-        ours = round_metrics(got.stats, got.codec_bytes, len(got.metric_contents), got.rejected, got.failed)
-        ours.update(dp_info)
-        if ef21_missing is not None:
-            ours["ef21-missing-clients"] = float(ef21_missing)
-        if got.uncharged:
-            ours["uncharged-error-replies"] = float(got.uncharged)
-        self.budget.account(server_round, bool(replies), got.stats, ours)
-        self.history[server_round] = ours
-        self.client_history[server_round] = got.stats
-        self.layer_history[server_round] = layers_mean(got.layer_stats, model.float_keys)
-        merged = dict(agg_metrics) if agg_metrics is not None else {}
-        merged.update(ours)
-        return arrays, MetricRecord(merged)
-
-    def _new_fold(self, model: FlatModel, clients: int):
-        """The folding policy of the round: clipped (client-level DP), weighted mean, or dense."""
-        if self.client_dp is not None:
-            return ClippedFold(model, self.client_dp)
-        if self.aggregation == "auto" and streams(self.inner):
-            return MeanFold(model, self.int_remainders)
-        if not self._dense_noted:
-            log(INFO, "%s", dense_memory_note(self.inner, clients, model))
-            self._dense_noted = True
-        return DenseFold(model, record_key(self.inner), self.int_remainders)
-
-    def _dense_refusal(self) -> str:
-        """Why a dense reply (plain weights, no fedcomp payload) is refused this run ("": accepted)."""
-        if self.require_compression:
-            return "require_compression is set"
-        if self.local_dp is not None:
-            return "local DP needs every client to clip and noise its update"
-        if self.ef21 is not None:
-            return "EF21's server estimate mirrors the clients' compressed sends"
-        if self.downstream is not None:
-            return ("downstream compression: the server cannot tell which model a dense reply is relative to "
-                    "(the node was sent a compressed copy)")
-        return ""
+__all__ = ["CompressedStrategy", "SentRound"]

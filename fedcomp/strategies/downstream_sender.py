@@ -51,7 +51,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.common.logger import log
 
 from fedcomp.protocol.broadcast import chain_key, gather, is_batchnorm_stat, scatter, settle
-from fedcomp.compression import decompress, encode_exact, get_compressor
+from fedcomp.compression import available_compressors, decompress, encode_exact, get_compressor
 from fedcomp.config import CodecConfig
 from fedcomp.protocol.messages import BASE_VERSION, MODEL_VERSION, payload_array
 from fedcomp.protocol.seeded_init import INIT_SEED, INIT_STYPE, SeededInit
@@ -116,6 +116,22 @@ class Downstream:
         #: this round: node -> bytes sent / kind of message ("payload", "chain", "diff", "init", "dense")
         self.sent_bytes: dict[int, int] = {}
         self.sent_kind: dict[int, str] = {}
+
+    @classmethod
+    def for_run(cls, codec: CodecConfig, compressor: str | None, **options) -> Downstream | None:
+        """The sender for run setting ``downstream`` = ``compressor`` (None or "none": dense, no
+        sender); ``options``: the constructor's keyword arguments.
+
+        Raises
+        ------
+        ValueError
+            ``compressor`` is not a codec name.
+        """
+        if compressor in (None, "none"):
+            return None
+        if compressor not in available_compressors():
+            raise ValueError(f"downstream must be 'none' or one of {available_compressors()}, got {compressor!r}")
+        return cls(codec, compressor, **options)
 
     @property
     def broadcast(self) -> np.ndarray | None:
@@ -327,6 +343,13 @@ class Downstream:
             if self._copies() > self.max_copies:  # over budget: first what nobody needs, then the oldest nodes
                 self._drop_unheld()
                 self._evict(self.max_copies, keep=node)
+
+    def note_replies(self, stats: list[dict]) -> None:
+        """Each replying node (``stats``: per-client figures with ``node``) holds what it was sent
+        (:meth:`received`); its ``download-bytes`` becomes the bytes the server sent it this round."""
+        for stat in stats:
+            self.received(stat["node"])
+            stat["download-bytes"] = float(self.sent_bytes.get(stat["node"], 0))
 
     def held(self, node: int) -> np.ndarray | None:
         """Every float tensor (flat, model order) the server believes ``node`` holds (None: unknown)."""

@@ -26,8 +26,8 @@ def owner_of(strategy: Any, name: str) -> Any | None:
 class ForwardsToInner:
     """Mixin of strategy wrappers: attribute reads and writes meant for the wrapped strategy reach it.
 
-    The subclass names its wrapped strategy's attribute in ``_INNER`` ("inner" or "strategy") and
-    calls :meth:`_start_forwarding` at the end of ``__init__`` (attributes set before that are the
+    The subclass holds its wrapped strategy in ``inner`` (``_INNER``), may say how error messages
+    name it (``_INNER_NAMED``) and calls :meth:`_start_forwarding` at the end of ``__init__`` (attributes set before that are the
     wrapper's own).
 
     Raises
@@ -38,6 +38,8 @@ class ForwardsToInner:
     """
 
     _INNER = "inner"
+    #: How error messages name the wrapped strategy's attribute.
+    _INNER_NAMED = ".inner"
 
     def _start_forwarding(self) -> None:
         object.__setattr__(self, "_forwarding", True)
@@ -50,7 +52,7 @@ class ForwardsToInner:
         owner = owner_of(inner, name)
         if owner is None:
             raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}', nor has its wrapped "
-                                 f"strategy {type(inner).__name__} (.{self._INNER})")
+                                 f"strategy {type(inner).__name__} ({self._INNER_NAMED})")
         return getattr(owner, name)
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -63,7 +65,7 @@ class ForwardsToInner:
         if owner is None:
             raise AttributeError(
                 f"{type(self).__name__} has no setting '{name}', nor has its wrapped strategy "
-                f"{type(inner).__name__}: set the wrapped strategy's own settings on .{self._INNER} "
+                f"{type(inner).__name__}: set the wrapped strategy's own settings on {self._INNER_NAMED} "
                 f"(e.g. strategy.{self._INNER}.{name} = ...), or check the name")
         setattr(owner, name, value)
 

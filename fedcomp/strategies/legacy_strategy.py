@@ -11,7 +11,6 @@ type ``fedcomp.payload.v1``); this wrapper decodes both.
 from __future__ import annotations
 
 import io
-import statistics
 from dataclasses import dataclass
 from logging import INFO, WARNING
 
@@ -39,7 +38,7 @@ from fedcomp.protocol.messages import MODEL_KEY, PAYLOAD_STYPE, payload_array
 from fedcomp.strategies.admission import admit, check_max_num_examples
 from fedcomp.strategies.decode import decode_update
 from fedcomp.strategies.forward import ForwardsToInner
-from fedcomp.strategies.round_metrics import reported_number
+from fedcomp.strategies.round_metrics import client_stats, upload_metrics
 
 #: ``Parameters.tensor_type`` Flower gives to ``np.save``-serialized ndarrays.
 NUMPY_TENSOR_TYPE = "numpy.ndarray"
@@ -178,7 +177,7 @@ class LegacyCompressedStrategy(ForwardsToInner, Strategy):
        ``upload-bytes`` (payload bytes received, without the ``.npy`` headers Flower adds),
        ``dense-bytes``, ``compression-ratio``, ``compression-error`` (mean of the clients'
        reports), ``num-replies``, ``rejected-replies``, ``failed-clients`` and
-       ``upload-bytes-<codec>``.
+       ``upload-bytes-<codec>`` (:func:`fedcomp.strategies.round_metrics.upload_metrics`).
 
     ``initialize_parameters``, ``configure_evaluate``, ``aggregate_evaluate`` and
     ``evaluate`` are delegated unchanged (evaluation uses dense global weights).
@@ -187,7 +186,8 @@ class LegacyCompressedStrategy(ForwardsToInner, Strategy):
     ----------
     strategy : flwr.server.strategy.Strategy
         Any legacy strategy: FedAvg, FedProx, FedAdam, FedMedian, Flower's legacy DP
-        wrappers, ... It only ever receives dense, validated results.
+        wrappers, ... It only ever receives dense, validated results. Held as :attr:`inner`
+        (as ``CompressedStrategy`` names it; ``.strategy`` reads the same object).
     compressor : str
         Codec name (see :func:`fedcomp.compression.available_compressors`). Default "stc".
     error_feedback : bool
@@ -225,7 +225,7 @@ class LegacyCompressedStrategy(ForwardsToInner, Strategy):
             hint = " (use fedcomp.strategies.CompressedStrategy for flwr.serverapp strategies)"
             raise TypeError(f"strategy must be a flwr.server.strategy.Strategy, got {type(strategy).__name__}{hint}")
         super().__init__()
-        self.strategy = strategy
+        self.inner = strategy
         self.codec = CodecConfig.from_kwargs(compressor, error_feedback, **params)
         if self.codec.error_feedback == "ef21":
             raise ValueError("error_feedback='ef21' needs the server's estimate: use fedcomp.strategies.CompressedStrategy")
@@ -236,37 +236,42 @@ class LegacyCompressedStrategy(ForwardsToInner, Strategy):
         self.history: dict[int, dict[str, float]] = {}
         self._start_forwarding()  # from here on, settings of the wrapped strategy reach it (:mod:`.forward`)
 
-    _INNER = "strategy"
+    _INNER_NAMED = ".inner (or .strategy)"
+
+    @property
+    def strategy(self) -> Strategy:
+        """The wrapped legacy strategy (read-only; the same object as :attr:`inner`)."""
+        return self.inner
 
     def __repr__(self) -> str:
-        return f"LegacyCompressedStrategy({self.strategy!r}, {self.codec.describe()})"
+        return f"LegacyCompressedStrategy({self.inner!r}, {self.codec.describe()})"
 
     # -- delegation -------------------------------------------------------------------
     def initialize_parameters(self, client_manager: ClientManager) -> Parameters | None:
         """Delegate unchanged."""
         log(INFO, "LegacyCompressedStrategy: %s", self.codec.describe())
-        return self.strategy.initialize_parameters(client_manager)
+        return self.inner.initialize_parameters(client_manager)
 
     def configure_evaluate(self, server_round: int, parameters: Parameters,
                            client_manager: ClientManager) -> list[tuple[ClientProxy, EvaluateIns]]:
         """Delegate unchanged (evaluation sends dense global weights)."""
-        return self.strategy.configure_evaluate(server_round, parameters, client_manager)
+        return self.inner.configure_evaluate(server_round, parameters, client_manager)
 
     def aggregate_evaluate(self, server_round: int, results: list[tuple[ClientProxy, EvaluateRes]],
                            failures: list) -> tuple[float | None, dict[str, Scalar]]:
         """Delegate unchanged."""
-        return self.strategy.aggregate_evaluate(server_round, results, failures)
+        return self.inner.aggregate_evaluate(server_round, results, failures)
 
     def evaluate(self, server_round: int, parameters: Parameters) -> tuple[float, dict[str, Scalar]] | None:
         """Delegate unchanged."""
-        return self.strategy.evaluate(server_round, parameters)
+        return self.inner.evaluate(server_round, parameters)
 
     # -- the one concern ---------------------------------------------------------------
     def configure_fit(self, server_round: int, parameters: Parameters,
                       client_manager: ClientManager) -> list[tuple[ClientProxy, FitIns]]:
         """Delegate, then add the round's codec (warm-up, scheduled density) to every ``FitIns.config``
         and remember what each client gets."""
-        instructions = self.strategy.configure_fit(server_round, parameters, client_manager)
+        instructions = self.inner.configure_fit(server_round, parameters, client_manager)
         codec = self.codec.for_round(server_round).to_mapping()
         decoded: dict[int, list[np.ndarray]] = {}  # FedAvg sends one Parameters object to all: decode it once
         sent: dict[str, list[np.ndarray]] = {}
@@ -293,9 +298,8 @@ class LegacyCompressedStrategy(ForwardsToInner, Strategy):
             log(WARNING, "round %s: rejected fit result from client %s: %s", server_round, proxy.cid, why)
             failures.append((proxy, res))
         good: list[tuple[ClientProxy, FitRes]] = []
+        stats: list[dict] = []
         codec_bytes: dict[str, int] = {}
-        up = dense = 0.0
-        errors: list[float] = []
         for proxy, res in results:
             try:
                 n = res.num_examples
@@ -308,24 +312,13 @@ class LegacyCompressedStrategy(ForwardsToInner, Strategy):
                 continue
             for name, nbytes in info["codecs"].items():
                 codec_bytes[name] = codec_bytes.get(name, 0) + nbytes
-            up += info["upload-bytes"]
-            dense += float(sum(4 * w.size for w in weights))
-            errors.append(reported_number(res.metrics or {}, "compression-error"))
+            stats.append(client_stats(proxy.cid, res.metrics or {}, info["upload-bytes"],
+                                      sum(4 * w.size for w in weights), 0.0))
             dense_res = FitRes(status=res.status, parameters=ndarrays_to_parameters(weights),
                                num_examples=res.num_examples, metrics=res.metrics)
             good.append((proxy, dense_res))
-        parameters, metrics = self.strategy.aggregate_fit(server_round, good, failures)
-        ours: dict[str, float] = {
-            "upload-bytes": up,
-            "dense-bytes": dense,
-            "compression-ratio": dense / up if up else 0.0,
-            "compression-error": statistics.fmean(errors) if errors else 0.0,
-            "num-replies": len(good),
-            "rejected-replies": len(failures) - n_failed,
-            "failed-clients": n_failed,
-        }
-        for name, nbytes in sorted(codec_bytes.items()):
-            ours[f"upload-bytes-{name}"] = float(nbytes)
+        parameters, metrics = self.inner.aggregate_fit(server_round, good, failures)
+        ours = upload_metrics(stats, codec_bytes, len(good), len(failures) - n_failed, n_failed)
         self.history[server_round] = ours
         return parameters, {**dict(metrics or {}), **ours}
 

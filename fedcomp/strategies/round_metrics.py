@@ -190,6 +190,18 @@ def round_metrics(stats: list[dict], codec_bytes: dict, n_good: int, rejected: i
     return out
 
 
+#: The round metrics of the legacy-API wrapper (``LegacyCompressedStrategy``), in its order.
+UPLOAD_KEYS = ("upload-bytes", "dense-bytes", "compression-ratio", "compression-error", "num-replies",
+               "rejected-replies", "failed-clients")
+
+
+def upload_metrics(stats: list[dict], codec_bytes: dict, n_good: int, rejected: int, failed: int) -> dict:
+    """:func:`round_metrics`' :data:`UPLOAD_KEYS` and ``upload-bytes-<codec>``, same values: what a
+    wrapper reports that knows no download, link speeds or per-layer figures (the legacy API)."""
+    full = round_metrics(stats, codec_bytes, n_good, rejected, failed)
+    return {**{k: full[k] for k in UPLOAD_KEYS}, **{k: v for k, v in full.items() if k.startswith("upload-bytes-")}}
+
+
 def per_client(stats: list[dict], key: str) -> dict[str, float]:
     """One reported figure of every client of a round by node id (as a string, metrics.json's keys),
     sorted by node id; e.g. ``per_client(stats, "client-peak-rss-mb")`` is ``client-peak-rss`` in

@@ -1,6 +1,6 @@
-"""Walking a chain of wrapped strategies: Flower's wrappers (the DP ones) and
-``LegacyCompressedStrategy`` hold the strategy they wrap in ``.strategy``, fedcomp's
-``CompressedStrategy`` and ``RoundOffset`` in ``.inner``.
+"""Walking a chain of wrapped strategies: Flower's wrappers (the DP ones) hold the strategy they
+wrap in ``.strategy``, fedcomp's (``CompressedStrategy``, ``LegacyCompressedStrategy``,
+``RoundOffset``) in ``.inner``.
 
 Every place that needs "the strategy inside" (its record key, weighting key, metric aggregation,
 optimizer state for checkpoints, whether a Flower client-side DP wrapper is present, the owner of

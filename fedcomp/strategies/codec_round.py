@@ -1,0 +1,62 @@
+"""The codec a round asks clients for: checks of the model at round 1 and of the codec against the
+inner strategy, and the train config keys.
+
+The codec itself and its per-round schedule (warm-up, density ramp) are
+:class:`fedcomp.config.CodecConfig`'s; this module only puts them into a train ConfigRecord.
+"""
+
+from __future__ import annotations
+
+from logging import INFO
+from typing import Any
+
+import numpy as np
+from flwr.app import ArrayRecord, ConfigRecord
+from flwr.common.logger import log
+
+from fedcomp.config import CodecConfig, model_policy
+from fedcomp.protocol.messages import MODEL_KEY
+from fedcomp.strategies.wrapping import wraps
+
+
+def check_model(codec: CodecConfig, arrays: ArrayRecord) -> None:
+    """First-round checks of the global model against the codec; logs the per-model defaults once.
+
+    Raises
+    ------
+    ValueError
+        A per-tensor rule names no tensor of the model, or a tensor is named ``MODEL_KEY`` (the
+        name the whole-model payload travels under).
+    """
+    codec.check_rules_match(list(arrays.keys()))
+    note = model_policy.describe(arrays.keys(), {k: int(np.prod(a.shape)) for k, a in arrays.items()}, codec)
+    if note:
+        log(INFO, "%s", note)
+    if MODEL_KEY in arrays:
+        raise ValueError(f"the model has a tensor named '{MODEL_KEY}', the name fedcomp's whole-model payload "
+                         "travels under: rename that module or parameter")
+
+
+def check_feedback_under_dp(codec: CodecConfig, inner: Any) -> None:
+    """Refuse error feedback under Flower's client-side clipping (a wrapper in ``inner``'s chain).
+
+    Raises
+    ------
+    ValueError
+        ``codec`` keeps a residual and ``inner`` wraps a ``DifferentialPrivacyClientSide*`` strategy.
+    """
+    if codec.error_feedback and wraps(inner, "DifferentialPrivacyClientSide"):
+        raise ValueError(
+            "error feedback with Flower's client-side clipping breaks the DP guarantee: the residual makes the sent "
+            "update's norm exceed clipping_norm from round 2 on, while the server's noise assumes it does not. Use "
+            "error_feedback=False, or server-side clipping of the decoded update "
+            "(DifferentialPrivacyServerSideFixedClipping inside CompressedStrategy, or client_dp=ClientLevelDP(...))")
+
+
+def add_codec(codec: CodecConfig, server_round: int, config: ConfigRecord) -> None:
+    """Write the codec in force in ``server_round`` (its run-config keys and values) into ``config``."""
+    for k, v in codec.for_round(server_round).to_mapping().items():
+        config[k] = v
+
+
+__all__ = ["add_codec", "check_feedback_under_dp", "check_model"]
