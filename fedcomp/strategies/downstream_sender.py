@@ -108,8 +108,8 @@ class Downstream:
         self._pending: dict[int, tuple[int, np.ndarray | None]] = {}
         self._init_vec: np.ndarray | None = None
         #: "exact": lagging clients get the chain of missed payloads whenever it exists, never a per-client
-        #: diff, so every client trains from a broadcast version exactly (measured: sparse codecs such as
-        #: STC drift with per-client diffs under 2-of-8 sampling, not with exact catch-ups)
+        #: diff, so every client trains from a broadcast version exactly (a per-client diff through a sparse
+        #: codec such as STC drifts from the broadcast under partial participation; the chain does not)
         self.exact_catchup = catchup == "exact"
         #: version -> flat B (every float tensor, model order; current and previous version)
         self.history: dict[int, np.ndarray] = {}

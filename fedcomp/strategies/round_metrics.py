@@ -13,7 +13,7 @@ from fedcomp.protocol.messages import DEFAULT_DOWNLINK_MBPS, DEFAULT_UPLINK_MBPS
 #: Mean seconds a deployed round waits on Flower's polling (flwr 1.42): a SuperNode with no work asks
 #: the SuperLink again after 3 s (``flwr/supernode/start_client_internal.py``) and the ServerApp's
 #: grid looks for replies every 3 s (``flwr/superlink/grid/http_grid.py``, ``send_and_receive``):
-#: half of each on average. Measured over shaped links (``benchmarks/links.py``): 2-3 s a round.
+#: half of each on average (``benchmarks/links.py`` compares it with runs over shaped links).
 FLOWER_POLL_SECONDS = 3.0
 
 #: Largest magnitude a client-reported number keeps (larger ones are clamped to it): sums and
@@ -104,10 +104,8 @@ def client_seconds(c: dict, uplink_mbps: float | None = None, downlink_mbps: flo
 
     compute is ``train-seconds + compress-seconds``, or the ClientApp process's life
     (``clientapp-seconds``) where that is larger: a SuperNode starts one ``flwr-clientapp`` process
-    per message, and its start, imports and data loading cost every round (measured over shaped
-    links by ``benchmarks/links.py``, see the README's table: on a loaded two-core machine that
-    process lived 2-3x its training time, and without this term the model gave under half of the
-    measured wall clock). Flower's polling is added per round by :func:`round_metrics`
+    per message, and its start, imports and data loading cost every round (``benchmarks/links.py``
+    compares this model with runs over shaped links). Flower's polling is added per round by :func:`round_metrics`
     (:data:`FLOWER_POLL_SECONDS`). Not modelled: a federated-evaluation phase, the app bundle (FAB)
     each SuperNode downloads once per run, per-request latency (no round-trip time term) and
     protocol bytes on top of the payloads.
