@@ -27,10 +27,10 @@ from typing import Any
 
 import numpy as np
 
-from fedcomp.util.files import write_atomically
+from fedcomp.app.results import finite_or_none
 from fedcomp.statedict import copy_array
 from fedcomp.strategies.wrapping import OPTIMIZER_PREFIXES
-from fedcomp.app.results import finite_or_none
+from fedcomp.util.files import write_atomically
 
 WEIGHTS = "checkpoint.npz"
 META = "checkpoint.json"

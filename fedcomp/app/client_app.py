@@ -11,18 +11,18 @@ import torch
 from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from fedcomp.config import AppConfig
-from fedcomp.task.data import DataConfig, load_partition
-from fedcomp.task.datafiles import DATA_FILE_KEY, load_partition_file
-from fedcomp.protocol.device import CLIENT_INFO_KEY, client_info
-from fedcomp.task.lora import LoraSettings, load_weights, lora_model, weights_record
-from fedcomp.task.models import build_model
-from fedcomp.privacy import DPSGDConfig, projected_epsilon
-from fedcomp.protocol.messages import server_round
-from fedcomp.secagg.client import secagg_mod
-from fedcomp.task.training import TrainConfig, evaluate, pick_device, train
 from fedcomp.client.mod import compression_mod
 from fedcomp.client.state import accountant_of, keep_accountant, state_files
+from fedcomp.config import AppConfig
+from fedcomp.privacy import DPSGDConfig, projected_epsilon
+from fedcomp.protocol.device import CLIENT_INFO_KEY, client_info
+from fedcomp.protocol.messages import server_round
+from fedcomp.secagg.client import secagg_mod
+from fedcomp.task.data import DataConfig, load_partition
+from fedcomp.task.datafiles import DATA_FILE_KEY, load_partition_file
+from fedcomp.task.lora import LoraSettings, load_weights, lora_model, weights_record
+from fedcomp.task.models import build_model
+from fedcomp.task.training import TrainConfig, evaluate, pick_device, train
 
 app = ClientApp(mods=[secagg_mod, compression_mod])  # secagg_mod: only Flower SecAgg+ messages (secagg = true)
 

@@ -16,10 +16,10 @@ from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from torch.utils.data import DataLoader, Dataset
 
-from fedcomp.task.lora import LoraSettings, adapter_state, load_adapters, lora_model
+from fedcomp.client.mod import compression_mod
 from fedcomp.protocol.messages import server_round
 from fedcomp.statedict import to_record, to_state_dict
-from fedcomp.client.mod import compression_mod
+from fedcomp.task.lora import LoraSettings, adapter_state, load_adapters, lora_model
 
 
 def lm_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, int]:

@@ -22,13 +22,20 @@ import struct
 import numpy as np
 from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord
 
-from fedcomp.protocol.broadcast import chain_key, gather, scatter, settle
+from fedcomp.client.update import CompositionError
 from fedcomp.compression import PayloadError, decode_exact, decompress
 from fedcomp.compression.wire import DEFAULT_MAX_NUMEL
-from fedcomp.protocol.messages import BASE_VERSION, MODEL_KEY, MODEL_META_KEY, MODEL_STATE_KEY, MODEL_VERSION, PAYLOAD_STYPE
+from fedcomp.protocol.broadcast import chain_key, gather, scatter, settle
+from fedcomp.protocol.messages import (
+    BASE_VERSION,
+    MODEL_KEY,
+    MODEL_META_KEY,
+    MODEL_STATE_KEY,
+    MODEL_VERSION,
+    PAYLOAD_STYPE,
+)
 from fedcomp.protocol.seeded_init import INIT_SEED, INIT_STYPE, seeded_tensor
 from fedcomp.statedict import FlatModel, is_float_dtype, numpy_dict
-from fedcomp.client.update import CompositionError
 
 
 def _version_keys(cfg) -> None:

@@ -17,6 +17,10 @@ import warnings
 import numpy as np
 from flwr.app import ArrayRecord, Context, Message, MetricRecord
 
+from fedcomp.client.downstream_receiver import rebuild
+from fedcomp.client.request import TrainRequest, only_record
+from fedcomp.client.state import keep_residuals, residuals_of, state_files
+from fedcomp.client.update import CompositionError, compress_update
 from fedcomp.protocol.device import clientapp_seconds, memory_report
 from fedcomp.protocol.messages import (
     DEFAULT_DOWNLINK_MBPS,
@@ -28,10 +32,6 @@ from fedcomp.protocol.messages import (
     payload_array,
 )
 from fedcomp.statedict import numpy_views
-from fedcomp.client.downstream_receiver import rebuild
-from fedcomp.client.request import TrainRequest, only_record
-from fedcomp.client.state import keep_residuals, residuals_of, state_files
-from fedcomp.client.update import CompositionError, compress_update
 
 #: Link speeds (megabits per second) of a node that declares none.
 DEFAULT_LINK_MBPS = {"uplink-mbps": DEFAULT_UPLINK_MBPS, "downlink-mbps": DEFAULT_DOWNLINK_MBPS}

@@ -18,10 +18,10 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, RecordDict
 from flwr.client import NumPyClient
 
+from fedcomp.client.update import CompositionError, compress_update
 from fedcomp.config import CODEC_DEFAULTS, CodecConfig
 from fedcomp.config.codec import check_codec_kwargs
 from fedcomp.protocol.messages import RESIDUAL_STATE_KEY
-from fedcomp.client.update import CompositionError, compress_update
 
 #: ``context.state`` key of the residuals kept by :class:`CompressedNumPyClient` (per array index).
 LEGACY_RESIDUAL_STATE_KEY = RESIDUAL_STATE_KEY + ".legacy"

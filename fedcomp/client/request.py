@@ -11,10 +11,10 @@ from typing import Any
 
 from flwr.app import ArrayRecord, Context, Message, RecordDict
 
+from fedcomp.client.update import CompositionError
 from fedcomp.config import CODEC_DEFAULTS, KEYS, CodecConfig
 from fedcomp.privacy import LocalDP
 from fedcomp.util.validate import closest_hint
-from fedcomp.client.update import CompositionError
 
 
 def only_record(content: RecordDict, kind: str) -> tuple[str, Any]:

@@ -19,10 +19,10 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, Context, MetricRecord
 from flwr.common.logger import log
 
-from fedcomp.util.files import write_atomically
 from fedcomp.privacy import STATE_KEYS
 from fedcomp.protocol.messages import RESIDUAL_ROUND_KEY, RESIDUAL_STATE_KEY
 from fedcomp.statedict import numpy_view
+from fedcomp.util.files import write_atomically
 
 #: Key in ``context.state`` of the DP-SGD accountant's history (a MetricRecord of float lists).
 DP_ACCOUNTANT_KEY = "fedcomp.dp-accountant"

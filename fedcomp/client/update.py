@@ -20,15 +20,15 @@ import numpy as np
 import torch
 from flwr.common.logger import log
 
+# CompositionError, adaptive_density and plan_units are also imported from here by older callers
+from fedcomp.client.plan import CompositionError, adaptive_density, density_rule, plan_units, plan_update
+from fedcomp.client.replan import replan_states
 from fedcomp.compression import encode_exact, flatten_states, unflatten_states
 from fedcomp.compression.error_feedback import RESIDUAL, segment_sq_norms
 from fedcomp.compression.feedback_pass import Unit, UnitResult, feedback_pass, write_delta
 from fedcomp.config import CodecConfig
 from fedcomp.privacy import LocalDP, clip_and_noise_, secure_generator
 from fedcomp.statedict import exact_cast, is_float_dtype
-# CompositionError, adaptive_density and plan_units are also imported from here by older callers
-from fedcomp.client.plan import CompositionError, adaptive_density, density_rule, plan_units, plan_update
-from fedcomp.client.replan import replan_states
 
 
 def encode_exact_tensors(keys: list[str], received: dict, trained: dict) -> dict[str, bytes]:

@@ -9,11 +9,11 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from fedcomp.util.validate import check_number, closest_hint
 from fedcomp.compression.errors import PayloadError
 from fedcomp.compression.exact import EXACT_CODEC_ID, EXACT_NAME
 from fedcomp.compression.options import Option
 from fedcomp.compression.wire import DEFAULT_MAX_NUMEL, DTYPE_CODES, Header, pack_header, parse_header
+from fedcomp.util.validate import check_number, closest_hint
 
 #: name -> Compressor subclass
 CODECS: dict[str, type[Compressor]] = {}

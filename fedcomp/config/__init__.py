@@ -13,7 +13,14 @@ turned into plain dataclasses. Errors name the key and its allowed range, e.g.
 """
 
 from fedcomp.config.app import DP_MODES, AppConfig
-from fedcomp.config.codec import CODEC_DEFAULTS, DENSITY_SCHEDULES, SPARSE_CODECS, TENSOR_ONLY_CODECS, CodecConfig, parse_layer_codecs
+from fedcomp.config.codec import (
+           CODEC_DEFAULTS,
+           DENSITY_SCHEDULES,
+           SPARSE_CODECS,
+           TENSOR_ONLY_CODECS,
+           CodecConfig,
+           parse_layer_codecs,
+)
 from fedcomp.config.keys import APP_KEYS, KEYS, check_known_keys, reference_table, run_config_keys, unknown_key_message
 
 __all__ = ["APP_KEYS", "CODEC_DEFAULTS", "DENSITY_SCHEDULES", "DP_MODES", "KEYS", "SPARSE_CODECS", "TENSOR_ONLY_CODECS",

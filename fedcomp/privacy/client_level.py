@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from fedcomp.util.validate import check_number
 from fedcomp.privacy.accounting import epsilon_from_rdp, rdp_one_step, rdp_orders
 from fedcomp.privacy.mechanisms import secure_generator
+from fedcomp.util.validate import check_number
 
 
 def check_gaussian_parameters(clipping_norm: float, noise_multiplier: float, target_delta: float) -> None:

@@ -11,10 +11,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from fedcomp.util.validate import read_number
 from fedcomp.privacy.accounting import ACCOUNTANTS, epsilon_spent, restore_accountant
-from fedcomp.privacy.settings import DP_DEFAULTS, DP_KEYS
 from fedcomp.privacy.calibration import calibrate_noise_multiplier, logical_batch_size, sample_rate, steps_per_epoch
+from fedcomp.privacy.settings import DP_DEFAULTS, DP_KEYS
+from fedcomp.util.validate import read_number
 
 if TYPE_CHECKING:
     from fedcomp.task.training import TrainConfig

@@ -6,8 +6,8 @@ CompressedSecAggPlusWorkflow(...))`` with ``SharedRandomKStrategy(FedAvg(...), d
 ``LegacyContext``. Masking, key agreement, secret sharing and dropout recovery are Flower's.
 """
 
-from fedcomp.secagg.client import packing_secaggplus_mod, secagg_mod, shared_randomk_mod
 from fedcomp.config.secagg import SECAGG_CODECS, SecAggConfig, check_codec_under_secagg
+from fedcomp.secagg.client import packing_secaggplus_mod, secagg_mod, shared_randomk_mod
 from fedcomp.secagg.encoding import SharedProjection
 from fedcomp.secagg.strategy import SharedRandomKStrategy
 from fedcomp.secagg.workflow import CompressedSecAggPlusWorkflow, SecAggHalted

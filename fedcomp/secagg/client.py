@@ -30,7 +30,13 @@ from flwr.compat.common import recorddict_compat as compat
 
 from fedcomp.compression import PayloadError
 from fedcomp.compression.bits import nbytes_for_bits, pack_uint, unpack_uint
-from fedcomp.protocol.messages import SECAGG_DP_CLIP_KEY, SECAGG_KEYS_KEY, SECAGG_PACK_KEY, SECAGG_ROTATION_KEY, SECAGG_SEED_KEY
+from fedcomp.protocol.messages import (
+    SECAGG_DP_CLIP_KEY,
+    SECAGG_KEYS_KEY,
+    SECAGG_PACK_KEY,
+    SECAGG_ROTATION_KEY,
+    SECAGG_SEED_KEY,
+)
 from fedcomp.secagg.encoding import SharedProjection, flower_weight, prequantize
 
 #: Key in ``context.state`` of the error-feedback residual of the secure path (float32, shape (d,)).

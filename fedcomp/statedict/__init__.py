@@ -39,8 +39,15 @@ from fedcomp.statedict.arrays import (
     to_record,
     to_state_dict,
 )
-from fedcomp.statedict.integer_rule import bool_majority, exact_cast, exact_weight, integer_delta, integer_mean, weighted_add
 from fedcomp.statedict.flat import FlatModel, Spec
+from fedcomp.statedict.integer_rule import (
+    bool_majority,
+    exact_cast,
+    exact_weight,
+    integer_delta,
+    integer_mean,
+    weighted_add,
+)
 
 __all__ = ["BF16", "BF16_STYPE", "FlatModel", "Spec", "array_to_numpy", "bool_majority", "cast_checked",
            "copy_array", "dtype_limit", "exact_cast", "exact_weight", "integer_delta", "integer_mean", "is_float_dtype",

@@ -9,7 +9,15 @@ from dataclasses import dataclass
 import numpy as np
 from flwr.app import Array, ArrayRecord
 
-from fedcomp.statedict.arrays import BF16, cast_checked, copy_array, dtype_limit, is_float_dtype, numpy_dict, numpy_to_array
+from fedcomp.statedict.arrays import (
+    BF16,
+    cast_checked,
+    copy_array,
+    dtype_limit,
+    is_float_dtype,
+    numpy_dict,
+    numpy_to_array,
+)
 
 
 @dataclass(frozen=True)

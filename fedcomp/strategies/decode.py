@@ -22,7 +22,6 @@ from fedcomp.protocol.messages import MODEL_KEY, PAYLOAD_STYPE
 from fedcomp.statedict import FlatModel, copy_array, numpy_dict
 from fedcomp.strategies.round_metrics import bounded_metrics
 
-
 #: Dense payloads of one tensor with at least this many entries are kept as their bytes once validated
 #: and decoded again when folded (:class:`DeferredPart`), so a reply never holds its dense float32 update
 #: whole (sign: 1 bit per entry held instead of 32); smaller ones are kept decoded.

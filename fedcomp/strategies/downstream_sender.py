@@ -50,9 +50,9 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.common.logger import log
 
-from fedcomp.protocol.broadcast import chain_key, gather, is_batchnorm_stat, scatter, settle
 from fedcomp.compression import available_compressors, decompress, encode_exact, get_compressor
 from fedcomp.config import CodecConfig
+from fedcomp.protocol.broadcast import chain_key, gather, is_batchnorm_stat, scatter, settle
 from fedcomp.protocol.messages import BASE_VERSION, MODEL_VERSION, payload_array
 from fedcomp.protocol.seeded_init import INIT_SEED, INIT_STYPE, SeededInit
 from fedcomp.statedict import FlatModel
