@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.abc
+import importlib.util
 import importlib.machinery
 import sys
 from types import ModuleType
@@ -70,6 +71,11 @@ class _AliasLoader(importlib.abc.Loader):
 
     def exec_module(self, module: ModuleType) -> None:
         """Nothing to run: the module was executed once, under its new name."""
+
+    def get_code(self, fullname: str):
+        """The new module's code, for ``python -m <old path>`` (``runpy`` runs it as ``__main__``)."""
+        spec = importlib.util.find_spec(self.target)
+        return spec.loader.get_code(self.target)
 
 
 class _OldPathFinder(importlib.abc.MetaPathFinder):

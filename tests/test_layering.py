@@ -146,3 +146,9 @@ def test_old_module_paths_load_the_new_modules():
             " importlib.util.find_spec('fedcomp.simulate') is not None)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["True"] * 5
+
+
+def test_python_m_runs_an_old_module_path():
+    out = subprocess.run([sys.executable, "-m", "fedcomp.simulate", "--help"], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and "fedcomp-simulation" in out.stdout + out.stderr
