@@ -17,7 +17,8 @@ from typing import Any
 from fedcomp.compression import CODECS, Compressor, available_compressors, codec_options, codecs_with
 from fedcomp.compression.options import SMALL_TENSOR
 from fedcomp.config.low_density import resolve_schedule
-from fedcomp.util.validate import closest_hint, read_number, read_string
+from fedcomp.util.declared_key import Key, defaults, table
+from fedcomp.util.validate import closest_hint, read_string
 
 #: Codecs that choose entries (their k is taken over the whole model with selection "auto"):
 #: ``Compressor.sparse``.
@@ -25,6 +26,45 @@ SPARSE_CODECS = codecs_with(sparse=True)
 DENSITY_SCHEDULES = ("auto", "constant", "exponential", "linear", "adaptive")
 #: Codecs that work per tensor only ("selection" must resolve to "tensor"): ``Compressor.per_tensor_only``.
 TENSOR_ONLY_CODECS = codecs_with(per_tensor_only=True)
+
+#: The codec policy keys (which codec, error feedback, scope, per-layer rules, schedules), each declared
+#: once (sent to the clients in the train config; a node config may override them); the codec options
+#: (``density``, ``levels``, ...) are declared by the codecs (``Compressor.options``).
+POLICY_KEYS: dict[str, Key] = table(
+    Key("compressor", str, "stc", "codec of the client updates", choices=available_compressors),
+    Key("error-feedback", bool, True, "keep what the codec did not send and add it to the next update "
+        "(true), no memory (false), or EF21's estimate (ef21)", rule="true, false or `\"ef21\"`"),
+    Key("residual-dtype", str, "fp32", "storage type of the error-feedback residual (fp16 halves its memory)",
+        choices=("fp32", "fp16")),
+    Key("selection", str, "auto", "scope a codec works on: one payload per tensor or the whole model; auto: "
+        "model for the sparsifying codecs, else tensor", choices=("auto", "tensor", "model")),
+    Key("min-compress-numel", int, 0, "tensors with fewer elements use small-tensor-compressor; 0 = off", lo=0),
+    SMALL_TENSOR,
+    Key("batchnorm-stats", str, "small", "BatchNorm running mean/var: small-tensor-compressor (small) or the "
+        "codec", choices=("small", "codec")),
+    Key("batchnorm-affine", str, "codec", "BatchNorm weight/bias: the codec, or small-tensor-compressor (small) "
+        "with the sparsifying codecs", choices=("small", "codec")),
+    Key("layer-codecs", str, "", "per-layer codecs, first matching rule wins; empty: compressor everywhere",
+        rule="comma-separated `pattern=codec` rules, shell wildcards on parameter names"),
+    Key("warmup-rounds", int, 0, "first rounds sent with warmup-compressor", lo=0),
+    Key("warmup-compressor", str, "none", "codec of the warm-up rounds", choices=available_compressors),
+    Key("density-schedule", str, "auto", "density over the rounds; auto: exponential for stc/topk with error "
+        "feedback below density 1/400 and no warm-up rounds, else constant", choices=DENSITY_SCHEDULES),
+    Key("density-start", float, 0.25, "first density of an exponential or linear schedule",
+        lo=0.0, hi=1.0, lo_open=True),
+    Key("schedule-rounds", int, 30, "rounds from density-start to density", lo=1),
+    Key("target-error", float, 0.5, "adaptive schedule: largest relative compression error allowed",
+        lo=0.0, hi=1.0, lo_open=True),
+    Key("density-min", float, 0.001, "adaptive schedule: smallest density tried (at most density-max)",
+        lo=0.0, hi=1.0, lo_open=True),
+    Key("density-max", float, 0.25, "adaptive schedule: largest density tried", lo=0.0, hi=1.0, lo_open=True),
+    Key("momentum-correction", float, 0.0, "DGC's momentum correction beta for the sparsifying codecs "
+        "(needs error-feedback = true); 0 = off", lo=0.0, hi=1.0, hi_open=True),
+)
+
+
+def _d(key: str) -> Any:
+    return POLICY_KEYS[key].default
 
 
 def parse_layer_codecs(spec: str) -> list[tuple[str, str]]:
@@ -52,18 +92,21 @@ def parse_layer_codecs(spec: str) -> list[tuple[str, str]]:
     return rules
 
 
-def _error_feedback(cfg: Mapping[str, Any], default, source: str) -> bool | str:
+def _error_feedback(cfg: Mapping[str, Any], source: str) -> bool | str:
     """``error-feedback``: true (classic residual), false, or "ef21" (Richtárik et al. 2021)."""
-    value = cfg.get("error-feedback", default)
+    value = cfg.get("error-feedback", _d("error-feedback"))
     if value == "ef21" or isinstance(value, bool):
         return value
     raise ValueError(f"{source} 'error-feedback' must be true, false or \"ef21\", got {value!r}")
 
 
-def _option_reads() -> dict:
-    """The options :meth:`CodecConfig.from_mapping` reads through their declarations: every codec's,
-    and ``small-tensor-compressor`` (a policy key too) whether or not a codec declares it."""
-    return {SMALL_TENSOR.key: SMALL_TENSOR, **codec_options()}
+def _layer_codecs(cfg: Mapping[str, Any], source: str) -> str:
+    """``layer-codecs`` as a string (its rules are checked by :func:`parse_layer_codecs`)."""
+    return read_string(cfg, "layer-codecs", _d("layer-codecs"), src=source)
+
+
+#: Readers of the policy keys whose rule a :class:`Key` cannot state.
+_RULE_READS = {"error-feedback": _error_feedback, "layer-codecs": _layer_codecs}
 
 
 def _with_codec_options(cls: type) -> type:
@@ -125,24 +168,24 @@ class CodecConfig:
     residual); tensors where low rank does not pay go through ``small-tensor-compressor``.
     """
 
-    compressor: str = "stc"
-    error_feedback: bool | str = True
-    residual_dtype: str = "fp32"
-    selection: str = "auto"
-    min_compress_numel: int = 0
-    small_tensor_compressor: str = SMALL_TENSOR.default
-    batchnorm_stats: str = "small"
-    batchnorm_affine: str = "codec"
-    layer_codecs: str = ""
-    warmup_rounds: int = 0
-    warmup_compressor: str = "none"
-    density_schedule: str = "auto"
-    density_start: float = 0.25
-    schedule_rounds: int = 30
-    target_error: float = 0.5
-    density_min: float = 0.001
-    density_max: float = 0.25
-    momentum_correction: float = 0.0
+    compressor: str = _d("compressor")
+    error_feedback: bool | str = _d("error-feedback")
+    residual_dtype: str = _d("residual-dtype")
+    selection: str = _d("selection")
+    min_compress_numel: int = _d("min-compress-numel")
+    small_tensor_compressor: str = _d("small-tensor-compressor")
+    batchnorm_stats: str = _d("batchnorm-stats")
+    batchnorm_affine: str = _d("batchnorm-affine")
+    layer_codecs: str = _d("layer-codecs")
+    warmup_rounds: int = _d("warmup-rounds")
+    warmup_compressor: str = _d("warmup-compressor")
+    density_schedule: str = _d("density-schedule")
+    density_start: float = _d("density-start")
+    schedule_rounds: int = _d("schedule-rounds")
+    target_error: float = _d("target-error")
+    density_min: float = _d("density-min")
+    density_max: float = _d("density-max")
+    momentum_correction: float = _d("momentum-correction")
 
     def __post_init__(self) -> None:
         # "auto": DGC's warm-up for stc/topk below 1/400, else constant (fedcomp.config.low_density)
@@ -170,29 +213,7 @@ class CodecConfig:
         ValueError
             A key with a wrong type or out of range, or an unknown codec name.
         """
-        d = CODEC_DEFAULTS
-        codecs = available_compressors()
-        out = cls(
-            compressor=read_string(cfg, "compressor", d["compressor"], codecs, src=source),
-            **{opt.field: opt.read(cfg, source) for opt in _option_reads().values()},
-            error_feedback=_error_feedback(cfg, d["error-feedback"], source),
-            residual_dtype=read_string(cfg, "residual-dtype", d["residual-dtype"], ("fp32", "fp16"), src=source),
-            selection=read_string(cfg, "selection", d["selection"], ("auto", "tensor", "model"), src=source),
-            min_compress_numel=read_number(cfg, "min-compress-numel", d["min-compress-numel"], lo=0, integer=True, src=source),
-            batchnorm_stats=read_string(cfg, "batchnorm-stats", d["batchnorm-stats"], ("small", "codec"), src=source),
-            batchnorm_affine=read_string(cfg, "batchnorm-affine", d["batchnorm-affine"], ("small", "codec"), src=source),
-            layer_codecs=read_string(cfg, "layer-codecs", d["layer-codecs"], src=source),
-            warmup_rounds=read_number(cfg, "warmup-rounds", d["warmup-rounds"], lo=0, integer=True, src=source),
-            warmup_compressor=read_string(cfg, "warmup-compressor", d["warmup-compressor"], codecs, src=source),
-            density_schedule=read_string(cfg, "density-schedule", d["density-schedule"], DENSITY_SCHEDULES, src=source),
-            density_start=read_number(cfg, "density-start", d["density-start"], lo=0.0, hi=1.0, lo_open=True, src=source),
-            schedule_rounds=read_number(cfg, "schedule-rounds", d["schedule-rounds"], lo=1, integer=True, src=source),
-            target_error=read_number(cfg, "target-error", d["target-error"], lo=0.0, hi=1.0, lo_open=True, src=source),
-            density_min=read_number(cfg, "density-min", d["density-min"], lo=0.0, hi=1.0, lo_open=True, src=source),
-            density_max=read_number(cfg, "density-max", d["density-max"], lo=0.0, hi=1.0, lo_open=True, src=source),
-            momentum_correction=read_number(cfg, "momentum-correction", d["momentum-correction"], lo=0.0, hi=1.0,
-                                     hi_open=True, src=source),
-        )
+        out = cls(**{k.field: _RULE_READS.get(k.name, k.read)(cfg, source) for k in CODEC_KEYS.values()})
         if out.density_min > out.density_max:
             raise ValueError(f"{source} 'density-min' ({out.density_min}) must not exceed 'density-max' "
                              f"({out.density_max})")
@@ -318,12 +339,16 @@ class CodecConfig:
                 + (f" ({'; '.join(extra)})" if extra else ""))
 
 
-#: run-config / train-config keys that describe the codec, with their defaults (CodecConfig's fields).
-CODEC_DEFAULTS: dict[str, Any] = {f.name.replace("_", "-"): f.default for f in fields(CodecConfig)}
+#: Every run-config / train-config key that describes the codec, in :class:`CodecConfig`'s field order:
+#: the policy keys (:data:`POLICY_KEYS`) and the codec options (``Compressor.options``).
+CODEC_KEYS: dict[str, Key] = table(*(POLICY_KEYS.get(name) or codec_options()[name]
+                                     for name in (f.name.replace("_", "-") for f in fields(CodecConfig))))
+#: The codec keys with their defaults (:data:`CODEC_KEYS`'s, which are CodecConfig's field defaults).
+CODEC_DEFAULTS: dict[str, Any] = defaults(CODEC_KEYS)
 
 
-__all__ = ["CODEC_DEFAULTS", "DENSITY_SCHEDULES", "SPARSE_CODECS", "TENSOR_ONLY_CODECS", "CodecConfig",
-           "parse_layer_codecs"]
+__all__ = ["CODEC_DEFAULTS", "CODEC_KEYS", "DENSITY_SCHEDULES", "POLICY_KEYS", "SPARSE_CODECS", "TENSOR_ONLY_CODECS",
+           "CodecConfig", "parse_layer_codecs"]
 
 
 def check_codec_kwargs(mapping: Mapping[str, Any]) -> None:

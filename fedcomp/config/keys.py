@@ -4,7 +4,7 @@ valid one, so that a misspelt key is not silently ignored) and the reference tab
 
 The declarations: :data:`fedcomp.config.app_keys.APP` (federation, strategy, training, data,
 results), :data:`fedcomp.privacy.settings.DP_KEYS`, :data:`fedcomp.config.secagg.SECAGG_KEYS`,
-:data:`fedcomp.task.lora.LORA_KEYS` and the codec keys of :data:`fedcomp.config.codec.CODEC_DEFAULTS`.
+:data:`fedcomp.task.lora.LORA_KEYS` and the codec keys of :data:`fedcomp.config.codec.CODEC_KEYS`.
 Together they are exactly the keys of ``[tool.flwr.app.config]`` in ``pyproject.toml``, with the
 same defaults (a test holds that).
 """
@@ -14,9 +14,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from fedcomp.compression import codec_options
 from fedcomp.config.app_keys import APP
-from fedcomp.config.codec import CODEC_DEFAULTS
+from fedcomp.config.codec import CODEC_KEYS
 from fedcomp.config.secagg import SECAGG_KEYS
 from fedcomp.privacy.settings import DP_KEYS
 from fedcomp.task.lora import LORA_KEYS
@@ -25,14 +24,10 @@ from fedcomp.util.validate import closest_hint
 
 
 def _codec_keys() -> dict[str, Key]:
-    """The codec keys: each codec option as its codec declares it (``Compressor.options``: a
-    :class:`Key` with range and help), and the codec policy keys of :class:`CodecConfig` (``compressor``,
-    ``error-feedback``, schedules, per-layer rules), named, typed and defaulted by
-    :data:`CODEC_DEFAULTS` and checked by :meth:`CodecConfig.from_mapping`."""
-    options = codec_options()
-    return {name: options.get(name) or Key(name, type(default), default, "codec policy (sent to clients in the "
-                                           "train config; node config may override)", rule="see CodecConfig")
-            for name, default in CODEC_DEFAULTS.items()}
+    """The codec keys (:data:`fedcomp.config.codec.CODEC_KEYS`): the codec policy keys as
+    :data:`~fedcomp.config.codec.POLICY_KEYS` declares them, and each codec option as its codec
+    declares it (``Compressor.options``)."""
+    return dict(CODEC_KEYS)
 
 
 #: Every declared run-config key by group, in the reference table's order.

@@ -8,7 +8,8 @@ import tomllib
 
 import pytest
 
-from fedcomp.config import KEYS, AppConfig, reference_table
+from fedcomp.config import KEYS, AppConfig, CodecConfig, reference_table
+from fedcomp.config.codec import CODEC_DEFAULTS, CODEC_KEYS, POLICY_KEYS
 from fedcomp.config.keys import GROUPS
 from fedcomp.config.secagg import SecAggConfig
 from fedcomp.privacy import DPSGDConfig
@@ -65,6 +66,40 @@ def test_reference_table_lists_every_key_once():
     assert row["dp"].split("|")[4].strip() == "one of: `none`, `dp-sgd`, `client-level`, `local`"
     assert row["secagg-pack"].split("|")[2:4] == [" bool ", " `true` "]
     assert all(k.help for k in KEYS.values())
+
+
+def test_every_key_has_its_own_help_and_allowed_values():
+    rows = {line.split("|")[1].strip().strip("`"): line.split("|") for line in reference_table().splitlines()[2:]}
+    assert [name for name, cols in rows.items() if "CodecConfig" in cols[4] or "codec policy" in cols[5]] == []
+    helps = [k.help for k in KEYS.values()]
+    assert sorted(h for h in helps if helps.count(h) > 1) == []
+    assert rows["error-feedback"][4].strip() == 'true, false or `"ef21"`'
+    assert rows["momentum-correction"][2:5] == [" float ", " `0.0` ", " number in [0, 1) "]
+    assert rows["schedule-rounds"][4].strip() == "integer >= 1"
+
+
+def test_the_codec_config_takes_its_defaults_from_the_declarations():
+    assert GROUPS["codec"] == CODEC_KEYS and set(POLICY_KEYS) < set(CODEC_KEYS)
+    assert {f.name: f.default for f in dataclasses.fields(CodecConfig)} == {
+        k.field: k.default for k in CODEC_KEYS.values()}
+    assert CODEC_DEFAULTS == {name: k.default for name, k in CODEC_KEYS.items()}
+    assert list(CODEC_DEFAULTS)[:3] == ["compressor", "density", "value-dtype"]
+    assert CodecConfig.from_mapping({}) == CodecConfig()
+
+
+def test_the_codec_keys_are_read_in_field_order_with_the_same_messages():
+    with pytest.raises(ValueError) as err:
+        CodecConfig.from_mapping({"compressor": "zip", "error-feedback": 1})
+    assert str(err.value).startswith("run config 'compressor' must be one of ['atomo', ")
+    with pytest.raises(ValueError) as err:
+        CodecConfig.from_mapping({"residual-dtype": "bf16"}, "train config")
+    assert str(err.value) == "train config 'residual-dtype' must be one of ['fp16', 'fp32'], got 'bf16'"
+    with pytest.raises(ValueError) as err:
+        CodecConfig.from_mapping({"error-feedback": "EF21"})
+    assert str(err.value) == "run config 'error-feedback' must be true, false or \"ef21\", got 'EF21'"
+    with pytest.raises(ValueError) as err:
+        CodecConfig.from_mapping({"layer-codecs": 3})
+    assert str(err.value) == "run config 'layer-codecs' must be a string, got 3"
 
 
 def test_a_key_declared_twice_is_refused():
