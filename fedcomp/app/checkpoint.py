@@ -46,7 +46,7 @@ _EF21 = "ef21"
 _EF21_FOLDED = "ef21-folded"
 #: Settings the ServerApp records in the manifest's ``extra`` and compares on resume
 #: (``fedcomp.app.server_app``: privacy and codec; :mod:`.strategy_record`): each must be a JSON object.
-_EXTRA_RECORDS = ("privacy-settings", "codec-settings", "strategy-settings")
+_EXTRA_RECORDS = ("privacy-settings", "codec-settings", "strategy-settings", "data-settings")
 
 
 def _sha256(path: pathlib.Path) -> str:

@@ -20,6 +20,7 @@ from flwr.common.logger import log
 
 from fedcomp.app import checkpoint
 from fedcomp.app.results import DP_HEADER, HEADER, MB, format_row, write_json
+from fedcomp.app.data_record import DATA_KEY, data_settings
 from fedcomp.app.strategy_record import EXTRA_KEY, strategy_settings
 from fedcomp.config import AppConfig
 from fedcomp.privacy import NO_AMPLIFICATION, DPSGDConfig
@@ -204,7 +205,7 @@ class CompressedRounds:
                         recorder.rounds, {"cum-mb": recorder.cum_mb, "cum-down-mb": recorder.cum_down_mb,
                                           "last-eps": recorder.last_eps, "privacy-settings": privacy_settings(self.cfg),
                                           "codec-settings": self.cfg.codec.to_mapping(),
-                                          EXTRA_KEY: strategy_settings(self.cfg)})
+                                          EXTRA_KEY: strategy_settings(self.cfg), DATA_KEY: data_settings(self.cfg)})
 
 
 def privacy_settings(cfg: AppConfig) -> dict:

@@ -16,6 +16,7 @@ from fedcomp.app.recorder import CompressedRounds, RoundRecorder, privacy_settin
 from fedcomp.app.results import plot_rounds
 from fedcomp.app.secagg_server_app import check_secagg_config, run_secagg, secagg_requested
 from fedcomp.app.startup import RunConfigError, one_line_config_errors, writable_results_dir
+from fedcomp.app.data_record import check_same_data
 from fedcomp.app.strategy_record import check_same_strategy
 from fedcomp.config import CODEC_DEFAULTS, AppConfig
 from fedcomp.config.low_density import auto_note, resolve_schedule, short_ramp_note
@@ -120,6 +121,7 @@ def _resume(cfg: AppConfig, out_dir, strategy: CompressedStrategy, recorder: Rou
                          f"{privacy_settings(cfg)}); epsilon cannot be accounted across a change")
     check_same_codec(meta.get("extra", {}).get("codec-settings"), cfg)
     check_same_strategy(meta, cfg, strategy, str(out_dir))
+    check_same_data(meta, cfg)
     initial = ArrayRecord({k: Array(copy_array(v)) for k, v in weights.items()})
     recorder.restore(meta)
     log(INFO, "fedcomp  resuming %s after round %d", out_dir, offset)

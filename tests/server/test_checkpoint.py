@@ -161,3 +161,38 @@ def test_a_hand_edited_settings_record_is_refused_naming_it(tmp_path, key, value
     with pytest.raises(ValueError) as err:
         checkpoint.load(tmp_path, None)
     assert str(err.value) == f"{tmp_path / checkpoint.META}: {problem}"
+
+
+def test_resume_with_other_data_settings_is_refused_naming_both_values(tmp_path, caplog):
+    """A resume with another seed, partitioner or dirichlet-alpha once trained on other partitions silently."""
+    import json
+    from flwr.app import Context, RecordDict
+    from fedcomp.app import checkpoint
+    from fedcomp.app.client_app import app as client_app
+    from fedcomp.app.server_app import main
+    from fedcomp.run.inprocess_grid import InProcessGrid
+
+    def run(rc):
+        main(InProcessGrid(client_app, 2, rc), Context(run_id=1, node_id=1, node_config={}, state=RecordDict(),
+                                                       run_config=rc))
+    base = {"results-dir": str(tmp_path), "client-state-dir": str(tmp_path / "s"), "compressor": "sign"}
+    run({**base, "num-server-rounds": 1})
+    meta = json.loads((tmp_path / checkpoint.META).read_text())
+    assert meta["extra"]["data-settings"] == {"seed": 42, "dataset": "digits", "partitioner": "dirichlet",
+                                              "dirichlet-alpha": 0.5}
+    before = (tmp_path / "metrics.json").read_text()
+    resume = {**base, "num-server-rounds": 2, "resume": True}
+    with pytest.raises(ValueError, match=r"^run config 'resume': the data settings differ from the checkpoint's: "
+                                         r"'seed' = 7 \(checkpoint: 42\)\. "):
+        run({**resume, "seed": 7})
+    with pytest.raises(ValueError, match=r"'partitioner' = 'iid' \(checkpoint: 'dirichlet'\), "
+                                         r"'dirichlet-alpha' = 0\.1 \(checkpoint: 0\.5\)"):
+        run({**resume, "partitioner": "iid", "dirichlet-alpha": 0.1})
+    assert (tmp_path / "metrics.json").read_text() == before
+    # a checkpoint written before the data settings were recorded resumes, with one WARNING
+    del meta["extra"]["data-settings"]
+    (tmp_path / checkpoint.META).write_text(json.dumps(meta))
+    caplog.clear()
+    run(resume)
+    said = [r.getMessage() for r in caplog.records if "records no data settings" in r.getMessage()]
+    assert len(said) == 1
