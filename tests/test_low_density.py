@@ -189,3 +189,16 @@ def test_the_short_ramp_warning_counts_the_warm_up_rounds():
         "warmup-rounds < num-server-rounds")
     assert short_ramp_note(AppConfig.from_run_config({"density": 0.001, "warmup-rounds": 2, "num-server-rounds": 3,
                                                       "density-schedule": "exponential", "schedule-rounds": 1})) == ""
+
+
+def test_auto_does_not_override_an_explicit_server_lr_or_momentum():
+    """"auto" once replaced server-lr 0.3 / server-momentum 0.0 by 1.0 / 0.5 silently."""
+    with pytest.raises(ValueError, match=r"^run config 'strategy' = 'auto' chooses fedavgm with server-lr 1 and "
+                                         r"server-momentum 0\.5 for this codec, but the run config sets 'server-lr' = "
+                                         r"0\.3 and 'server-momentum' = 0\.0: set 'strategy' = 'fedavgm' to use your "
+                                         r"values, or leave server-lr and server-momentum at their defaults$"):
+        resolved(density=0.001, server_lr=0.3, server_momentum=0.0)
+    assert resolved(density=0.001, strategy="fedavgm", server_lr=0.3, server_momentum=0.0) == \
+        ("exponential", "fedavgm", 0.3, 0.0)
+    assert resolved(density=0.01, server_lr=0.3) == ("constant", "fedavg", 0.3, 0.9)  # auto -> fedavg: nothing lost
+    assert resolved(density=0.001, server_lr=0.1, server_momentum=0.9) == ("exponential", "fedavgm", 1.0, 0.5)

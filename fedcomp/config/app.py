@@ -89,6 +89,14 @@ class AppConfig:
         # "auto": FedAvgM for stc/topk below 1/400, else FedAvg (fedcomp.config.low_density)
         strategy, server_lr, server_momentum = resolve_strategy(out.strategy, out.server_lr, out.server_momentum,
                                                                 out.codec, out.dp)
+        if out.strategy == "auto" and strategy != "fedavg":  # an explicit server-lr/-momentum is not overridden
+            own = [f"'{k}' = {v!r}" for k, v in (("server-lr", out.server_lr), ("server-momentum", out.server_momentum))
+                   if v != KEYS[k].default]
+            if own:
+                raise ValueError(f"run config 'strategy' = 'auto' chooses {strategy} with server-lr {server_lr:g} and "
+                                 f"server-momentum {server_momentum:g} for this codec, but the run config sets "
+                                 f"{' and '.join(own)}: set 'strategy' = 'fedavgm' to use your values, or leave "
+                                 "server-lr and server-momentum at their defaults")
         out = replace(out, strategy=strategy, server_lr=server_lr, server_momentum=server_momentum)
         check_ramp_direction(out.codec)
         if out.codec.error_feedback == "ef21" and (out.fraction_train < 1.0 or out.client_sampling != "fraction"):
