@@ -19,7 +19,9 @@ and refuses a reply of a node it has folded before whose estimate is from anothe
 failed client named ``EF21_STATE_MISMATCH`` (:meth:`EF21Aggregate.check_replies`). The server
 cannot remove that node's old share from ``h`` (it keeps only the mean), so the node stays refused
 until the run is restarted or resumed with the node's state: loud, never silent. A node the server
-has not folded before (a new node id) is accepted whatever it reports.
+has never folded must report a fresh ``h_i`` (round 0): one that holds sends (its first reply was lost,
+or it comes back under a new node id) is refused the same way. Only after a resume from a checkpoint
+that predates the record (:attr:`EF21Aggregate.complete` False) is such a node accepted.
 """
 
 from __future__ import annotations
@@ -50,11 +52,15 @@ class EF21Aggregate:
         Flat float64 estimate per float tensor; empty before the first round.
     folded : dict of int to int
         Node id -> the server round its last send was folded into ``h``.
+    complete : bool
+        Whether :attr:`folded` covers every send in ``h`` (a fresh run, or a checkpoint holding the
+        record); only then is a node never folded held to a fresh ``h_i``.
     """
 
     def __init__(self) -> None:
         self.h: dict[str, np.ndarray] = {}
         self.folded: dict[int, int] = {}
+        self.complete = True
 
     @classmethod
     def for_strategy(cls, inner: Any, client_dp: Any, aggregation: str) -> EF21Aggregate:
@@ -102,8 +108,9 @@ class EF21Aggregate:
     def check_replies(self, server_round: int, replies: list[Message]) -> tuple[list[Message], list[tuple[Message, dict]]]:
         """Split the round's replies into those kept (error replies untouched, and replies whose ``h_i``
         is the one ``h`` holds) and those refused: a node folded before whose reported
-        :data:`ESTIMATE_ROUND_METRIC` is not the round of its last folded send, or a reply that does not
-        report it (a finite integer >= 0).
+        :data:`ESTIMATE_ROUND_METRIC` is not the round of its last folded send, a node never folded that
+        reports an estimate holding sends (while :attr:`complete`), or a reply that does not report it (a
+        finite integer >= 0).
 
         Returns
         -------
@@ -126,6 +133,11 @@ class EF21Aggregate:
                 held = "no estimate (a fresh h_i)" if reported == 0 else f"its estimate h_i as of round {reported}"
                 why = (f"the client holds {held}, but the server's estimate h holds its sends up to round {expected} "
                        "(a SuperNode restarted without client-state-dir, or a reply the server never received): "
+                       "its update would corrupt h; the node stays refused until the run is restarted or resumed "
+                       "with its state")
+            elif expected is None and reported != 0 and self.complete:
+                why = (f"the client holds its estimate h_i as of round {reported}, but the server's estimate h holds "
+                       "no send of this node (its first reply never arrived, or it comes back under a new node id): "
                        "its update would corrupt h; the node stays refused until the run is restarted or resumed "
                        "with its state")
             else:
@@ -184,6 +196,7 @@ class EF21Aggregate:
                                  f"{size if size is not None else 'unknown (no such tensor)'} entries")
         self.h = {k: np.array(v, copy=True) for k, v in h.items()}
         self.folded = {int(n): int(r) for n, r in zip(nodes.tolist(), rounds.tolist())}
+        self.complete = "nodes" in folded or not self.h
 
 
 def _reported_round(reply: Message) -> int | None:

@@ -142,6 +142,33 @@ def test_a_client_that_lost_its_estimate_is_refused_by_name_not_folded(caplog):
     assert s.ef21.folded == {1000: 1, 1001: 3}
 
 
+def test_a_client_whose_first_reply_was_lost_is_refused_from_round_two_on(caplog):
+    """Node 1000's round-1 reply never reached the server, but its h_i holds that send: it was accepted
+    from round 2 on (a node never folded was taken whatever it reported) and h drifted silently."""
+    import logging
+
+    from fedcomp.app.client_app import app as client_app
+    from fedcomp.run.inprocess_grid import InProcessGrid
+    from fedcomp.task.models import build_model
+
+    grid = InProcessGrid(client_app, 2, {"lr": 0.05})
+    s = CompressedStrategy(FedAvg(min_available_nodes=2, fraction_evaluate=0.0), compressor="topk", density=0.1,
+                           error_feedback="ef21")
+    arrays = ArrayRecord(build_model().state_dict())
+    msgs = list(s.configure_train(1, arrays, ConfigRecord({"seed": 1}), grid))
+    replies = list(grid.send_and_receive(msgs))
+    s.aggregate_train(1, [r for r in replies if r.metadata.src_node_id != 1000])  # the lost reply
+    assert s.ef21.folded == {1001: 1}
+    with caplog.at_level(logging.WARNING, logger="flwr"):
+        _, m = _ef21_round(s, grid, 2, arrays)
+    why = ("the client holds its estimate h_i as of round 1, but the server's estimate h holds no send of this node "
+           "(its first reply never arrived, or it comes back under a new node id): its update would corrupt h; the "
+           "node stays refused until the run is restarted or resumed with its state")
+    assert s.failure_history[2] == [{"node": 1000, "code": -2, "error": "EF21_STATE_MISMATCH", "reason": why}]
+    assert m["failed-clients"] == 1 and m["num-replies"] == 1
+    assert s.ef21.folded == {1001: 2}
+
+
 def test_the_estimate_round_is_required_and_the_record_survives_a_checkpoint():
     from fedcomp.strategies.ef21_aggregate import EF21Aggregate
     from tests.messages import reply_with, train_msg, weights
@@ -164,4 +191,7 @@ def test_the_estimate_round_is_required_and_the_record_survives_a_checkpoint():
     assert back.folded == {5: 3, 2**64 - 1: 7}  # unchanged
     old = EF21Aggregate()
     old.load_state_dict({"w": np.zeros(200)}, {"w": (20, 10)})  # a checkpoint from before the record
-    assert old.folded == {}
+    assert old.folded == {} and not old.complete  # it cannot tell a lost first reply from an old node
+    late = reply_with(train_msg(g, dst=9), g, extra_metrics={"ef21-estimate-round": 4.0})
+    assert old.check_replies(5, [late]) == ([late], [])
+    assert agg.complete and [f["node"] for _, f in agg.check_replies(5, [late])[1]] == [9]
