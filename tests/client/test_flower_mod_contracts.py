@@ -279,6 +279,19 @@ def test_train_config_carries_no_empty_value_and_reads_back(codec):
         assert CodecConfig.from_mapping(dict(cfg), source="train config") == c.for_round(rnd)
 
 
+def test_legacy_fit_config_carries_no_empty_value():
+    """The legacy wrapper's FitIns config becomes a ConfigRecord on the wire: countable too."""
+    from fedcomp.client.numpy_client import CompressedNumPyClient
+    from fedcomp.strategies.legacy_strategy import LegacyCompressedStrategy
+    from tests.strategies.legacy_helpers import N, LinRegClient, make_inner, manager
+
+    s = LegacyCompressedStrategy(make_inner("fedavg"), compressor="sign")
+    cm = manager([CompressedNumPyClient(LinRegClient(i)) for i in range(N)])
+    (_, ins), *_ = s.configure_fit(1, s.initialize_parameters(cm), cm)
+    assert "layer-codecs" not in ins.config and ins.config["compressor"] == "sign"
+    assert ConfigRecord(dict(ins.config)).count_bytes() > 0
+
+
 # -- Flower's SecAgg+ mod inside compression_mod ------------------------------------------------------
 
 
