@@ -283,7 +283,7 @@ def test_legacy_fit_config_carries_no_empty_value():
     """The legacy wrapper's FitIns config becomes a ConfigRecord on the wire: countable too."""
     from fedcomp.client.numpy_client import CompressedNumPyClient
     from fedcomp.strategies.legacy_strategy import LegacyCompressedStrategy
-    from tests.strategies.legacy_helpers import N, LinRegClient, make_inner, manager
+    from tests.strategies.legacy_helpers import LinRegClient, N, make_inner, manager
 
     s = LegacyCompressedStrategy(make_inner("fedavg"), compressor="sign")
     cm = manager([CompressedNumPyClient(LinRegClient(i)) for i in range(N)])
