@@ -16,6 +16,7 @@ import warnings
 
 import numpy as np
 from flwr.app import ArrayRecord, Context, Message, MetricRecord
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
 
 from fedcomp.client.downstream_receiver import rebuild
 from fedcomp.client.request import TrainRequest, only_record
@@ -53,24 +54,30 @@ def compression_mod(msg: Message, context: Context, call_next) -> Message:
     ``compression-error``, ``residual-norm``, ``residual-bytes`` (memory of the residual),
     ``compress-seconds``, ``clientapp-seconds`` (:func:`fedcomp.protocol.device.clientapp_seconds`: the
     age of a per-message ``flwr-clientapp`` process, else 0) and the node's ``uplink-mbps``/``downlink-mbps`` (node config, else
-    run config; defaults 1 and 10) to the reply's MetricRecord. Other
-    message types pass through untouched. Error replies pass through unchanged. So does a train
-    message whose config carries the SecAgg+ shared seed (``fedcomp-secagg-seed``): under
-    ``secagg = true`` the update is encoded by ``fedcomp.secagg.shared_randomk_mod``.
+    run config; defaults 1 and 10) to the reply's MetricRecord.
+
+    Only a train message with exactly one ArrayRecord is ours (:func:`is_ours`); any other message
+    goes to the next mod untouched, and its reply comes back untouched: other message types, a
+    train message without weights or with several ArrayRecords, a Flower SecAgg+ protocol message
+    (a ``secaggplus_configs`` record), and a train message whose config carries fedcomp's SecAgg+
+    shared seed (``fedcomp-secagg-seed``: under ``secagg = true`` the update is encoded by
+    ``fedcomp.secagg.shared_randomk_mod``). Error replies, and replies without an ArrayRecord (a
+    mod further in that answered by itself), are passed on unchanged too.
 
     Raises
     ------
     CompositionError
         The reply is not dense weights under the received keys (e.g. the mod was placed
-        after a mod that already compressed, or the app returns a different model).
+        after a mod that already compressed, or the app returns a different model), the reply
+        holds several ArrayRecords, the message holds several ConfigRecords of which not exactly
+        one is the train config (:func:`.request.train_config`; raised before the next mod is
+        called), or Flower's client-side clipping did not bound the update (its mod sits outside ours).
     ValueError
         Non-finite update (the residual is kept as it was); Flower turns it into an
         error reply that the server counts as a failed client.
     """
-    if msg.metadata.message_type.split(".")[0] != "train":
+    if not is_ours(msg):
         return call_next(msg, context)
-    if any(SECAGG_SEED_KEY in c for c in msg.content.config_records.values()):
-        return call_next(msg, context)  # under SecAgg+: fedcomp.secagg's mod encodes this update
     request = TrainRequest.parse(msg, context)  # refuses before training if local DP is below this node's floor
     download = sum(len(a.data) for a in request.arrays.values())
     # server-to-client compression: the dense model the message describes (the copy kept in context.state)
@@ -78,8 +85,8 @@ def compression_mod(msg: Message, context: Context, call_next) -> Message:
     received, dtypes = numpy_views(rebuild(msg, context, request.array_key, request.arrays, request.config))
 
     reply = call_next(msg, context)
-    if reply.has_error():
-        return reply
+    if reply.has_error() or not reply.content.array_records:
+        return reply  # an error, or an answer without weights: nothing to compress
     arr_key, trained = _trained_weights(reply)
     _check_client_clipping(request, received, trained)
 
@@ -88,6 +95,18 @@ def compression_mod(msg: Message, context: Context, call_next) -> Message:
     stats["clientapp-seconds"] = clientapp_seconds()  # a per-message ClientApp process: its whole life so far
     _write_reply(reply, arr_key, payloads, stats)
     return reply
+
+
+def is_ours(msg: Message) -> bool:
+    """Whether ``compression_mod`` compresses the reply to ``msg``: a train message with exactly one
+    ArrayRecord that is not a step of SecAgg+ (Flower's ``secaggplus_configs`` record, or fedcomp's
+    shared seed ``fedcomp-secagg-seed`` in a ConfigRecord)."""
+    content = msg.content
+    if msg.metadata.message_type.split(".")[0] != "train" or len(content.array_records) != 1:
+        return False
+    if RECORD_KEY_CONFIGS in content.config_records:
+        return False  # a Flower SecAgg+ step: the masked vectors are the protocol's, not ours to compress
+    return not any(SECAGG_SEED_KEY in c for c in content.config_records.values())
 
 
 def _trained_weights(reply: Message) -> tuple[str, dict[str, np.ndarray]]:
@@ -106,12 +125,17 @@ def _trained_weights(reply: Message) -> tuple[str, dict[str, np.ndarray]]:
 
 def _check_client_clipping(request: TrainRequest, received: dict, trained: dict) -> None:
     """If the server asked for client-side clipping (Flower's ``clipping_norm``), the update that
-    reaches this mod must already be clipped; otherwise Flower's clipping mod sits outside ours."""
+    reaches this mod must already be clipped; otherwise Flower's clipping mod sits outside ours.
+
+    The norm is the L2 norm of ``trained - received`` over the float tensors of at least one
+    dimension: Flower's clipping mods (flwr 1.42, ``compute_clip_model_update``) scale those and
+    leave a 0-d update as it was, so a 0-d tensor may exceed the bound with the mod in place.
+    """
     clip = request.clipping_norm
     if clip is None or list(trained) != list(received):
         return
-    norm = float(np.sqrt(sum(((np.asarray(trained[k], np.float64) - received[k]) ** 2).sum() for k in received
-                             if np.asarray(received[k]).dtype.kind == "f")))  # float tensors: the update
+    clipped = [k for k in received if np.asarray(received[k]).dtype.kind == "f" and np.ndim(received[k]) > 0]
+    norm = float(np.sqrt(sum(((np.asarray(trained[k], np.float64) - received[k]) ** 2).sum() for k in clipped)))
     if norm > clip * (1 + 1e-4):
         raise CompositionError(
             f"the server asked for client-side clipping (clipping_norm={clip}) but the update reaching compression_mod "

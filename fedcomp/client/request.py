@@ -31,6 +31,28 @@ def only_record(content: RecordDict, kind: str) -> tuple[str, Any]:
     return next(iter(recs.items()))
 
 
+def train_config(content: RecordDict) -> dict:
+    """The entries of a train message's ConfigRecord ({} when it has none).
+
+    Other mods may add ConfigRecords of their own; then the train config is the one record that
+    carries a codec key (:data:`fedcomp.config.CODEC_DEFAULTS`) or ``server-round``.
+
+    Raises
+    ------
+    CompositionError
+        Several ConfigRecords, and not exactly one of them carries those keys.
+    """
+    recs = content.config_records
+    if len(recs) <= 1:
+        return dict(next(iter(recs.values()), {}))
+    marked = [k for k, rec in recs.items() if "server-round" in rec or any(k2 in rec for k2 in CODEC_DEFAULTS)]
+    if len(marked) != 1:
+        raise CompositionError(f"compression_mod cannot tell the train config among the message's ConfigRecords "
+                               f"{sorted(recs)}: {len(marked)} of them carry codec keys or 'server-round' "
+                               f"({marked}), expected exactly one")
+    return dict(recs[marked[0]])
+
+
 @dataclass
 class TrainRequest:
     """One train message, parsed.
@@ -38,7 +60,7 @@ class TrainRequest:
     Attributes
     ----------
     config : dict
-        The train ConfigRecord's entries ({} when the message has none).
+        The train ConfigRecord's entries (:func:`train_config`).
     array_key : str
         Key of the message's ArrayRecord.
     arrays : ArrayRecord
@@ -72,13 +94,14 @@ class TrainRequest:
         Raises
         ------
         CompositionError
-            Not exactly one ArrayRecord (or more than one ConfigRecord).
+            Not exactly one ArrayRecord, or no one train config among several ConfigRecords
+            (:func:`train_config`).
         ValueError
             A codec key out of range, an unknown ``dp`` mode in the node's or run config, or
             local DP below the node's own floor (the client refuses to train; Flower sends an
             error reply).
         """
-        config = dict(only_record(msg.content, "config")[1]) if msg.content.config_records else {}
+        config = train_config(msg.content)
         codec = _codec(config, context)
         array_key, arrays = only_record(msg.content, "array")
         rnd = config.get("server-round", 0)

@@ -53,10 +53,21 @@ def check_feedback_under_dp(codec: CodecConfig, inner: Any) -> None:
             "(DifferentialPrivacyServerSideFixedClipping inside CompressedStrategy, or client_dp=ClientLevelDP(...))")
 
 
+def codec_entries(codec: CodecConfig, server_round: int) -> dict[str, Any]:
+    """The train-config entries of the codec in force in ``server_round``: its run-config keys and values.
+
+    A key whose value is the empty string is left out (``layer-codecs = ""``, no per-layer rules):
+    flwr 1.42's ``ConfigRecord.count_bytes`` raises ``ValueError`` on an empty string, so Flower's
+    ``message_size_mod`` could not count the message; the client reads the absent key as its
+    default, the empty string.
+    """
+    return {k: v for k, v in codec.for_round(server_round).to_mapping().items() if v != ""}
+
+
 def add_codec(codec: CodecConfig, server_round: int, config: ConfigRecord) -> None:
-    """Write the codec in force in ``server_round`` (its run-config keys and values) into ``config``."""
-    for k, v in codec.for_round(server_round).to_mapping().items():
+    """Write :func:`codec_entries` of ``server_round`` into ``config``."""
+    for k, v in codec_entries(codec, server_round).items():
         config[k] = v
 
 
-__all__ = ["add_codec", "check_feedback_under_dp", "check_model"]
+__all__ = ["add_codec", "check_feedback_under_dp", "check_model", "codec_entries"]

@@ -36,6 +36,7 @@ from fedcomp.compression import PayloadError, parse_header
 from fedcomp.config import CodecConfig
 from fedcomp.protocol.messages import MODEL_KEY, PAYLOAD_STYPE, payload_array
 from fedcomp.strategies.admission import admit, check_max_num_examples
+from fedcomp.strategies.codec_round import codec_entries
 from fedcomp.strategies.decode import decode_update
 from fedcomp.strategies.forward import ForwardsToInner
 from fedcomp.strategies.round_metrics import client_stats, upload_metrics
@@ -272,7 +273,7 @@ class LegacyCompressedStrategy(ForwardsToInner, Strategy):
         """Delegate, then add the round's codec (warm-up, scheduled density) to every ``FitIns.config``
         and remember what each client gets."""
         instructions = self.inner.configure_fit(server_round, parameters, client_manager)
-        codec = self.codec.for_round(server_round).to_mapping()
+        codec = codec_entries(self.codec, server_round)
         decoded: dict[int, list[np.ndarray]] = {}  # FedAvg sends one Parameters object to all: decode it once
         sent: dict[str, list[np.ndarray]] = {}
         out = []
