@@ -35,14 +35,15 @@ def decoded_norm(units: list[Unit], results: dict[str, UnitResult]) -> float:
 
 
 def encode_within_norm(encode, deltas: dict[str, tuple[torch.Tensor, list[float]]], units: list[Unit],
-                       clipping_norm: float, codec_name: str, error_feedback) -> dict[str, UnitResult]:
+                       clipping_norm: float, codec_name: str) -> dict[str, UnitResult]:
     """Encode ``deltas`` so that the decoded update has L2 norm <= ``clipping_norm``.
 
     Parameters
     ----------
     encode : callable
-        ``encode(deltas) -> {unit key: UnitResult}`` (consumes its argument), the same codec and
-        seed every call.
+        ``encode(deltas) -> {unit key: UnitResult}`` (consumes its argument), the same codec,
+        seed and saved state every call (with error feedback the residual is added to the scaled
+        update, so what is sent, ``scaled update + residual`` compressed, is what is bounded).
     deltas : dict
         Unit key -> (flat float update, per-member squared norms); left unchanged.
     units : list of Unit
@@ -50,8 +51,6 @@ def encode_within_norm(encode, deltas: dict[str, tuple[torch.Tensor, list[float]
         C > 0, Flower's ``clipping_norm`` from the train config.
     codec_name : str
         For the error message.
-    error_feedback : bool or str
-        The codec's error-feedback mode; must be off.
 
     Returns
     -------
@@ -62,13 +61,9 @@ def encode_within_norm(encode, deltas: dict[str, tuple[torch.Tensor, list[float]
     Raises
     ------
     ValueError
-        Error feedback is on (the residual sent later is not bounded by C), or the decoded norm
-        still exceeds C after ``len(MARGINS)`` rescalings; both name the codec and C.
+        The decoded norm still exceeds C after ``len(MARGINS)`` rescalings (e.g. an error-feedback
+        residual longer than C: scaling the update cannot shorten it), naming the codec and C.
     """
-    if error_feedback:
-        raise ValueError(f"the server asked for client-side clipping (clipping_norm={clipping_norm}) with error "
-                         f"feedback on ({error_feedback!r}, codec {codec_name!r}): the residual sent in later rounds "
-                         "is not bounded by the clipping norm; use error-feedback = false")
     factor, norm = 1.0, math.inf
     for attempt in range(len(MARGINS) + 1):
         scaled = {k: (t * factor, [n * factor * factor for n in norms]) for k, (t, norms) in deltas.items()}
@@ -79,7 +74,8 @@ def encode_within_norm(encode, deltas: dict[str, tuple[torch.Tensor, list[float]
         if attempt < len(MARGINS):
             factor *= clipping_norm / norm * (1.0 - MARGINS[attempt])
     raise ValueError(f"codec {codec_name!r}: the decoded update has L2 norm {norm:.9g} > clipping_norm {clipping_norm} "
-                     f"after {len(MARGINS)} rescalings; the client-side clipping bound cannot be met with this codec")
+                     f"after {len(MARGINS)} rescalings; the client-side clipping bound cannot be met with this codec (with error "
+                     "feedback: the residual alone exceeds it; use error-feedback = false)")
 
 
 __all__ = ["MARGINS", "decoded_norm", "encode_within_norm"]

@@ -179,7 +179,7 @@ def compress_update(
         Flower's client-side ``clipping_norm`` (the server's noise assumes every update has at most
         this L2 norm): the payloads are decoded here and, where a lossy codec made the decoded
         update longer, the update is encoded again scaled down until it meets the bound
-        (:func:`fedcomp.client.clip_bound.encode_within_norm`; error feedback must be off).
+        (:func:`fedcomp.client.clip_bound.encode_within_norm`).
 
     Returns
     -------
@@ -202,7 +202,7 @@ def compress_update(
     ValueError
         The update holds NaN/Inf (residuals are then left unchanged); an integer/bool tensor holds
         a value outside the model's dtype (:func:`fedcomp.statedict.exact_cast`: never wrapped);
-        ``clipping_norm`` with error feedback on, or a bound the codec cannot meet.
+        A ``clipping_norm`` the codec cannot meet (e.g. an error-feedback residual longer than it).
     """
     dtypes = dtypes or {k: str(np.asarray(v).dtype) for k, v in received.items()}
     units, exact_keys, trained = plan_update(received, trained, codec, dtypes)
@@ -221,7 +221,7 @@ def compress_update(
             results = encode_units(units, states, codec, seed, deltas=deltas)
         else:
             results = encode_within_norm(lambda d: encode_units(units, states, codec, seed, deltas=d), deltas, units,
-                                         clipping_norm, codec.compressor, codec.error_feedback)
+                                         clipping_norm, codec.compressor)
     update_sq = {k: n2 for u in units for k, n2 in zip(u.members, results[u.key].update_sq_norms)}
     update_sq = {k: update_sq[k] for k in received if k in update_sq}  # model order
     # the density of the last sparse payload; a dense codec sends every entry

@@ -57,10 +57,23 @@ def test_rescaled_update_stays_just_below_the_bound(codec, options):
     assert clip * (1 - 1e-3) <= norm <= clip * (1 + 1e-6)
 
 
-def test_client_side_clipping_with_error_feedback_is_refused_naming_codec_and_bound():
+def test_a_residual_longer_than_the_bound_fails_the_client_naming_codec_and_bound():
+    """With error feedback the residual is sent with the update; scaling the update cannot shorten it."""
     received, trained = _clipped_pair(1.0)
-    with pytest.raises(ValueError, match=r"clipping_norm=1\.0\) with error feedback on .*codec 'qsgd'"):
-        compress_update(received, trained, CodecConfig.from_kwargs("qsgd", True), {}, seed=3, clipping_norm=1.0)
+    residuals = {"w": np.full(received["w"].shape, 0.1, np.float32)}  # norm 6.4 > 1
+    with pytest.raises(ValueError, match=r"codec 'qsgd': the decoded update has L2 norm .* > clipping_norm 1.0 after 4"):
+        compress_update(received, trained, CodecConfig.from_kwargs("qsgd", True), residuals, seed=3, clipping_norm=1.0)
+
+
+def test_with_error_feedback_the_sent_update_meets_the_bound_or_the_client_fails():
+    """Error feedback (the server's check bypassed): what the server decodes never exceeds the bound."""
+    received, trained = _clipped_pair(1.0)
+    residuals = {"w": np.full(received["w"].shape, 0.001, np.float32)}  # norm 0.064: room is left
+    payloads, new_res, _ = compress_update(received, trained, CodecConfig.from_kwargs("qsgd", True), residuals,
+                                           seed=3, clipping_norm=1.0)
+    decoded, _ = decode_update(ArrayRecord({k: payload_array(p) for k, p in payloads.items()}), received)
+    assert float(np.linalg.norm(decoded["w"].astype(np.float64) - received["w"])) <= 1.0
+    assert new_res["w"].shape == received["w"].shape
 
 
 def test_a_bound_the_codec_cannot_meet_is_refused():
@@ -70,4 +83,4 @@ def test_a_bound_the_codec_cannot_meet_is_refused():
     fixed = fc.get_compressor("none").compress(torch.ones(4))  # whatever is asked, the same norm-2 payload
     with pytest.raises(ValueError, match=r"codec 'stuck': the decoded update has L2 norm 2 > clipping_norm 1.0 after 4"):
         clip_bound.encode_within_norm(lambda d: {"w": type("R", (), {"payload": fixed})()},
-                                      {"w": (torch.ones(4), [4.0])}, units, 1.0, "stuck", False)
+                                      {"w": (torch.ones(4), [4.0])}, units, 1.0, "stuck")
