@@ -153,7 +153,7 @@ def _compress(request: TrainRequest, context: Context, received: dict, trained: 
     with warnings.catch_warnings():  # the old residual: read-only views of context.state, only read
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         payloads, new_res, stats = compress_update(received, trained, request.codec, residuals, request.seed,
-                                                   request.local_dp, dtypes)
+                                                   request.local_dp, dtypes, request.clipping_norm)
     del residuals  # the old residual's bytes go when context.state lets them go (keep_residuals)
     stats["compress-seconds"] = time.perf_counter() - t0
     warn_saturation_once(context.node_id, stats["residual-saturated"], stats["residual-saturated-loss"])

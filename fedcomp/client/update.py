@@ -21,6 +21,7 @@ import torch
 from flwr.common.logger import log
 
 # CompositionError, adaptive_density and plan_units are also imported from here by older callers
+from fedcomp.client.clip_bound import encode_within_norm
 from fedcomp.client.plan import CompositionError, adaptive_density, density_rule, plan_units, plan_update
 from fedcomp.client.replan import replan_states
 from fedcomp.compression import encode_exact, flatten_states, unflatten_states
@@ -141,7 +142,7 @@ def chunked_sq_norm(a: np.ndarray, chunk: int = 1 << 20) -> float:
 def compress_update(
     received: dict[str, np.ndarray], trained: dict[str, np.ndarray], codec: CodecConfig,
     residuals: dict[str, np.ndarray], seed: int | None = None, local_dp: LocalDP | None = None,
-    dtypes: dict[str, str] | None = None,
+    dtypes: dict[str, str] | None = None, clipping_norm: float | None = None,
 ) -> tuple[dict[str, bytes], dict[str, np.ndarray], dict[str, Any]]:
     """Compress ``trained - received`` with error feedback: float tensors per parameter or as one
     model vector, integer/bool tensors exactly.
@@ -174,6 +175,11 @@ def compress_update(
         (an exact counter such as ``num_batches_tracked`` would reveal the number of local batches).
     dtypes : dict of str to str, optional
         The model's dtype names (``"bfloat16"`` for bf16); default: ``received``'s numpy dtypes.
+    clipping_norm : float, optional
+        Flower's client-side ``clipping_norm`` (the server's noise assumes every update has at most
+        this L2 norm): the payloads are decoded here and, where a lossy codec made the decoded
+        update longer, the update is encoded again scaled down until it meets the bound
+        (:func:`fedcomp.client.clip_bound.encode_within_norm`).
 
     Returns
     -------
@@ -195,21 +201,27 @@ def compress_update(
         Keys, shapes or dtype kinds differ between ``received`` and ``trained``.
     ValueError
         The update holds NaN/Inf (residuals are then left unchanged); an integer/bool tensor holds
-        a value outside the model's dtype (:func:`fedcomp.statedict.exact_cast`: never wrapped).
+        a value outside the model's dtype (:func:`fedcomp.statedict.exact_cast`: never wrapped);
+        A ``clipping_norm`` the codec cannot meet (e.g. an error-feedback residual longer than it).
     """
     dtypes = dtypes or {k: str(np.asarray(v).dtype) for k, v in received.items()}
     units, exact_keys, trained = plan_update(received, trained, codec, dtypes)
     exact_payloads = {} if local_dp is not None else encode_exact_tensors(exact_keys, received, trained)
     float_keys = [k for k in received if is_float_dtype(dtypes[k])]
     states = restore_states(residuals, units, codec, {k: tuple(np.shape(received[k])) for k in float_keys})
-    if local_dp is None:  # classic error feedback: the residual is added in the delta's own pass
+    if local_dp is None and clipping_norm is None:  # classic error feedback: the residual is added in the delta's pass
         results = encode_units(units, states, codec, seed, pair=(trained, received, dtypes))
     else:
         deltas = write_deltas(units, received, trained, dtypes)
-        privatize([x for x, _ in deltas.values()], local_dp)
-        deltas = {u.key: (deltas[u.key][0], segment_sq_norms(deltas[u.key][0].reshape(-1), u.sizes))
-                  for u in units}  # the norms of the noisy update
-        results = encode_units(units, states, codec, seed, deltas=deltas)
+        if local_dp is not None:
+            privatize([x for x, _ in deltas.values()], local_dp)
+            deltas = {u.key: (deltas[u.key][0], segment_sq_norms(deltas[u.key][0].reshape(-1), u.sizes))
+                      for u in units}  # the norms of the noisy update
+        if clipping_norm is None:
+            results = encode_units(units, states, codec, seed, deltas=deltas)
+        else:
+            results = encode_within_norm(lambda d: encode_units(units, states, codec, seed, deltas=d), deltas, units,
+                                         clipping_norm, codec.compressor)
     update_sq = {k: n2 for u in units for k, n2 in zip(u.members, results[u.key].update_sq_norms)}
     update_sq = {k: update_sq[k] for k in received if k in update_sq}  # model order
     # the density of the last sparse payload; a dense codec sends every entry

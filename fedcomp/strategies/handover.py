@@ -3,7 +3,8 @@
 Three ways, by folding policy (:mod:`.aggregate`):
 
 - client-level DP (``ClippedFold``): the noisy mean is the aggregate; the inner strategy's
-  averaging is replaced;
+  averaging is replaced; every round that sampled runs the mechanism, an empty one included
+  (Poisson sampling may pick nobody): the noise alone is released and the round is counted;
 - weighted mean (``MeanFold``): the inner strategy gets ONE pre-aggregated reply (an accepted
   reply's Message, its content replaced by the mean and the total weight), which gives a
   weighted-mean strategy the same result as every reply would; FedAvg's result on one reply is
@@ -68,12 +69,14 @@ def hand_over(inner: Any, server_round: int, model: FlatModel, got: RoundReplies
     Returns
     -------
     (arrays, metrics, dp_info)
-        ``arrays`` None when no reply was accepted, when the inner strategy returns none, or when
+        ``arrays`` None when no reply was accepted (except under client-level DP: a round that
+        sampled, ``sampled > 0``, always runs the mechanism, so a round without accepted replies
+        releases the noise alone and is counted by the accountant), when the inner strategy returns none, or when
         the aggregate is not finite in the model's dtypes (logged; the global model is kept).
     """
-    if not got.metric_contents:
-        return None, None, {}
     fold, dp_info, metrics = got.fold, {}, None
+    if not got.metric_contents and not (isinstance(fold, ClippedFold) and sampled > 0):
+        return None, None, {}
     if isinstance(fold, ClippedFold):
         agg, dp_info = fold.finish(sampled)
         arrays, exact = model.record(agg, check=False), model.exact
