@@ -169,21 +169,29 @@ def test_clipping_mod_inside_compression_mod_sends_exactly_the_clipped_update(mo
 @pytest.mark.parametrize("mod", [fixedclipping_mod, adaptiveclipping_mod], ids=["fixed", "adaptive"])
 def test_zero_d_parameter_left_unclipped_by_flower_is_accepted(mod):
     """Flower clips the other tensors by clip/7 and leaves the 0-d one at 2.0; that is not our mod
-    sitting outside Flower's (the check looks at the tensors Flower clips)."""
+    sitting outside Flower's (the check looks at the tensors Flower clips). What is sent is Flower's
+    update scaled into the bound as a whole (fedcomp.client.clip_bound), the 0-d parameter included."""
     g, t = _model()
     cfg = {**EXACT, "clipping_norm": 1.0}
     reply = _stacked(mod, g, t, cfg)
     sent = _decoded(reply)
-    assert sent["s"].shape == () and float(sent["s"]) == 2.0
-    assert np.array_equal(sent["v"], _flower_alone(mod, g, t, cfg)["v"])
-    assert float(np.linalg.norm(sent["v"])) == pytest.approx(3 * 5**0.5 / 7, rel=1e-6)
+    flower = _flower_alone(mod, g, t, cfg)
+    assert sent["s"].shape == ()
+    assert float(np.linalg.norm(flower["v"])) == pytest.approx(3 * 5**0.5 / 7, rel=1e-6) and float(flower["s"]) == 2.0
+    total = float(np.sqrt(np.sum(sent["v"].astype(np.float64) ** 2) + float(sent["s"]) ** 2))
+    assert 1.0 - 1e-3 <= total <= 1.0 + 1e-6
+    factor = float(sent["s"]) / 2.0  # one factor for every tensor: the direction of Flower's update kept
+    np.testing.assert_allclose(sent["v"], flower["v"] * factor, rtol=1e-6)
 
 
 def test_scalar_only_model_under_fixed_clipping():
-    """Flower's own case: one float64 0-d weight, 0 -> 2, clipping norm 1: Flower sends 2."""
+    """Flower's own case: one float64 0-d weight, 0 -> 2, clipping norm 1: Flower alone sends 2 (its
+    mod clips no 0-d array); stacked in compression_mod no error is raised, and the client's bound
+    check sends it within the clipping norm (1 - 1e-6: the first rescaling's margin)."""
     g, t = {"w": np.array(0.0)}, {"w": np.array(2.0)}
+    assert float(_flower_alone(fixedclipping_mod, g, t, {**EXACT, "clipping_norm": 1.0})["w"]) == 2.0
     reply = _stacked(fixedclipping_mod, g, t, {**EXACT, "clipping_norm": 1.0})
-    assert float(_decoded(reply)["w"]) == 2.0
+    assert float(_decoded(reply)["w"]) == pytest.approx(1.0 - 1e-6, rel=1e-9)
 
 
 @pytest.mark.parametrize("scale,bit", [(1.0, 1), (0.01, 0)])
