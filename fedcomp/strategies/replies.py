@@ -17,7 +17,7 @@ from flwr.app import Message, MetricRecord, RecordDict
 from flwr.common.logger import log
 
 from fedcomp.compression import PayloadError
-from fedcomp.protocol.device import reported_machine
+from fedcomp.protocol.device import MEMORY_REPORT_KEYS, reported_machine
 from fedcomp.statedict import FlatModel
 from fedcomp.strategies.admission import admit
 from fedcomp.strategies.decode import decode_train_reply
@@ -105,11 +105,16 @@ def fold_replies(server_round: int, replies: list[Message], fold: Any, model: Fl
             continue
         got.fold.add(reply, decoded)
         got.carrier = reply
-        got.metric_contents.append(RecordDict({"metrics": MetricRecord(decoded.metrics)}))
-        for name, nbytes in decoded.update.codecs.items():
-            got.codec_bytes[name] = got.codec_bytes.get(name, 0) + nbytes
         got.stats.append(client_stats(node, decoded.reported, decoded.update.upload_bytes, model.dense_bytes,
                                       decoded.decode_seconds, reported_machine(reply.content)))
+        metrics = decoded.metrics
+        if got.stats[-1]["device-report-dropped"]:  # none of its figures reaches the round's means either
+            log(WARNING, "round %s: node %s's memory report dropped (counted in dropped-device-reports): %s",
+                server_round, node, got.stats[-1]["device-report-dropped"])
+            metrics = {k: v for k, v in metrics.items() if k not in MEMORY_REPORT_KEYS}
+        got.metric_contents.append(RecordDict({"metrics": MetricRecord(metrics)}))
+        for name, nbytes in decoded.update.codecs.items():
+            got.codec_bytes[name] = got.codec_bytes.get(name, 0) + nbytes
         got.layer_stats.append(decoded.layers)
     return got
 
