@@ -20,6 +20,10 @@ from fedcomp.util.extras import require
 #: Images held out for server-side evaluation of the default data (20 %).
 DIGITS_TEST_SIZE = 360
 PARTITIONERS = ("iid", "dirichlet")
+#: Labels the reference app's image models classify (``fedcomp.task.models.build_model``'s default).
+NUM_CLASSES = 10
+#: Image shape (C, H, W) of each known image dataset (digits: 8x8 grey).
+DATASET_IMAGE_SHAPES = {"digits": (1, 8, 8)}
 
 
 @dataclass(frozen=True)
