@@ -21,7 +21,8 @@ from fedcomp.protocol.device import MEMORY_REPORT_KEYS, reported_machine
 from fedcomp.statedict import FlatModel
 from fedcomp.strategies.admission import admit
 from fedcomp.strategies.decode import decode_train_reply
-from fedcomp.strategies.failures import MAX_REASON_CHARS, misaddressed_note, oom_confirmations, round_failures
+from fedcomp.strategies.failures import (MAX_REASON_CHARS, MAX_REFUSAL_CHARS, misaddressed_note, oom_confirmations,
+                                         printable, round_failures)
 from fedcomp.strategies.round_metrics import client_stats
 
 
@@ -101,7 +102,8 @@ def fold_replies(server_round: int, replies: list[Message], fold: Any, model: Fl
                                          keep_exact=keep_exact)
         except (PayloadError, ValueError, TypeError, KeyError, OverflowError) as exc:
             got.rejected += 1
-            log(WARNING, "round %s: rejected reply from node %s: %s", server_round, node, exc)
+            log(WARNING, "round %s: rejected reply from node %s: %s", server_round, node,
+                printable(exc, MAX_REFUSAL_CHARS))
             continue
         got.fold.add(reply, decoded)
         got.carrier = reply
@@ -211,8 +213,7 @@ def failure_reason(reply: Message) -> str:
     """A failed client's error reason for the server's log: the first ``MAX_REASON_CHARS`` (500)
     characters of what the client sent, control characters escaped (``\\n``, ``\\x1b``: one log line,
     no forged lines or terminal escapes), with a hint when it looks like a mis-assembled app."""
-    sent = (reply.error.reason or "")[:MAX_REASON_CHARS]
-    reason = "".join(c if c.isprintable() else repr(c)[1:-1] for c in sent)
+    reason = printable(reply.error.reason or "", MAX_REASON_CHARS)
     if "fedcomp.payload" in reason or "clipping_mod expects the keys" in reason:
         reason += (" (hint: compression_mod must be the first mod of the ClientApp, Flower's DP mods go "
                    "in @app.train(mods=[...]), and the server strategy must be wrapped in CompressedStrategy)")

@@ -11,7 +11,7 @@ import torch
 import fedcomp.compression as fc
 from fedcomp.compression.atomo import atom_probabilities
 from fedcomp.compression.wire import pack_header
-from tests.compression.helpers import decode_peak_ratio, decodes_or_payload_error
+from tests.compression.helpers import decodes_or_payload_error
 
 
 def test_probabilities_sum_to_the_budget_and_cap_at_one():
@@ -134,33 +134,3 @@ def test_a_federation_runs_with_atomo(tmp_path):
     assert len(rounds) == 3 and all(0.0 <= r["accuracy"] <= 1.0 for r in rounds)
     assert all(0 < r["upload-bytes"] for r in rounds[1:])
     assert all(r["compression-ratio"] > 1.0 for r in rounds[1:])
-
-
-def test_entries_near_the_float32_limit_are_not_zeroed():
-    """An entry above 2**127 once made the scale 2**128 (inf in float32): every atom vanished, k = 0."""
-    x = torch.zeros(64, 64)
-    x[0, 0], x[5, 7] = 2e38, 1.0
-    c = fc.get_compressor("atomo", atoms=64, seed=0)
-    out = fc.decompress(c.compress(x))
-    assert float(out[0, 0]) == pytest.approx(2e38, rel=1e-5)
-    assert torch.isfinite(out).all()
-
-
-def test_weights_beyond_float32_are_refused_naming_the_magnitude():
-    with pytest.raises(ValueError, match=r"^atomo: the input's magnitude \(max \|x\| = 1e\+37\) is too large for "
-                                         r"float32 atom weights \(sigma / p\) of a 64 x 64 matrix"):
-        fc.get_compressor("atomo", atoms=2, seed=0).compress(torch.full((64, 64), 1e37))
-
-
-def test_matrix_decode_peak_is_at_most_the_output_and_its_payload():
-    """The decoder writes the product once (no float32 copy of it): peak <= 1.5x the output."""
-    x = torch.randn(1000, 1000, generator=torch.Generator().manual_seed(0))
-    p = fc.get_compressor("atomo", atoms=4, seed=0).compress(x)
-    assert fc.codec_name(p) == "atomo"
-    assert decode_peak_ratio(p, 10**6) <= 1.5
-
-
-def test_no_atom_kept_decodes_to_zeros_of_the_shape():
-    h = pack_header(11, torch.float32, (300, 200), struct.pack("<I", 0))
-    out = fc.decompress(h)
-    assert out.shape == (300, 200) and not out.any()
