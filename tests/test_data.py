@@ -59,3 +59,51 @@ def test_hub_dataset_conversion_on_local_data():
     assert model(t.tensors[0]).shape == (6, 10)
     with pytest.raises(ValueError, match="mlp"):
         build_model("cnn", (1, 28, 28))
+
+
+def _partition_file(tmp_path, images, labels, meta=None, name="p.npz"):
+    import json
+
+    meta = {"dataset": "digits", "partitioner": "dirichlet", "dirichlet-alpha": 0.5, "seed": 42,
+            "partition-id": 0, "num-partitions": 3} if meta is None else meta
+    path = tmp_path / name
+    np.savez(path, images=images, labels=labels, meta=np.array(json.dumps(meta)))
+    return path
+
+
+@pytest.mark.parametrize("case,message", [
+    ("meta-list", "'meta' must be a JSON object of the data settings, got list"),
+    ("meta-number", "'meta' must be a JSON object of the data settings, got int"),
+    ("shape", "images are (1, 9, 9) each, the dataset's are (1, 8, 8)"),
+    ("label-high", "labels must be in [0, 10), found 0 to 10"),
+    ("label-negative", "labels must be in [0, 10), found -1 to 3"),
+    ("nan", "2 pixel(s) are NaN or infinite"),
+])
+def test_a_bad_partition_file_is_refused_naming_the_file(tmp_path, case, message):
+    from fedcomp.task.datafiles import load_partition_file
+
+    images, labels, meta = np.full((4, 1, 8, 8), 0.5, np.float32), np.array([0, 1, 2, 3], np.int64), None
+    if case == "meta-list":
+        meta = [1, 2]
+    elif case == "meta-number":
+        meta = 7
+    elif case == "shape":
+        images = np.zeros((4, 1, 9, 9), np.float32)
+    elif case == "label-high":
+        labels[3] = 10
+    elif case == "label-negative":
+        labels[0] = -1
+    elif case == "nan":
+        images[1, 0, 2, 3], images[3, 0, 0, 0] = np.nan, np.inf
+    path = _partition_file(tmp_path, images, labels, meta)
+    with pytest.raises(ValueError) as err:
+        load_partition_file(path, DataConfig(), 0, 3)
+    assert str(err.value) == f"data-file {path}: {message}"
+
+
+def test_a_good_partition_file_loads_as_is(tmp_path):
+    from fedcomp.task.datafiles import load_partition_file
+
+    images, labels = np.linspace(0, 1, 2 * 64, dtype=np.float32).reshape(2, 1, 8, 8), np.array([9, 0], np.int64)
+    x, y = load_partition_file(_partition_file(tmp_path, images, labels), DataConfig(), 0, 3).tensors
+    assert np.array_equal(x.numpy(), images) and y.tolist() == [9, 0]

@@ -58,3 +58,42 @@ def test_reported_machine_refuses_odd_names():
     assert reported_machine(Content()) is None
     Content.config_records = {}
     assert reported_machine(Content()) is None
+
+
+def test_impossible_memory_reports_are_dropped_and_counted(caplog):
+    import logging
+
+    from fedcomp.strategies.round_metrics import per_client
+
+    g, t = weights(0), weights(1)
+    s = CompressedStrategy(FedAvg(fraction_evaluate=0.0, min_available_nodes=1, min_train_nodes=1), compressor="stc")
+    s.remember(1, FlatModel.from_numpy(g))
+    replies = [_reply(g, t, node, "x86_64") for node in range(1, 7)]
+    honest = float(replies[0].content["metrics"]["client-peak-rss-mb"])
+    lies = {2: ("client-peak-rss-mb", -5.0), 3: ("client-peak-rss-mb", 1e100), 4: ("client-memory-limit-mb", 1e100),
+            5: ("client-oom-kills", 2.5), 6: ("client-peak-rss-mb", float("nan"))}
+    for node, (key, value) in lies.items():
+        replies[node - 1].content["metrics"][key] = value
+    with caplog.at_level(logging.WARNING, logger="flwr"):
+        _, metrics = s.aggregate_train(1, replies)
+    assert metrics["num-replies"] == 6 and metrics["dropped-device-reports"] == 5
+    assert metrics["client-peak-rss-mb"] == honest
+    assert per_client(s.client_history[1], "client-peak-rss-mb") == {"1": honest}
+    assert "client-memory-limit-mb" not in metrics and "client-oom-kills" not in metrics  # no lie in a mean
+    lines = [r.getMessage() for r in caplog.records if "memory report dropped" in r.getMessage()]
+    assert lines[0] == ("round 1: node 2's memory report dropped (counted in dropped-device-reports): "
+                        "client-peak-rss-mb = -5.0 is not in [0, 1073741824] MiB")
+    assert len(lines) == 5
+
+
+def test_implausible_memory_report_names_the_first_impossible_figure():
+    from fedcomp.protocol.device import implausible_memory_report, memory_report
+
+    assert implausible_memory_report(memory_report()) is None
+    assert implausible_memory_report({}) is None
+    assert implausible_memory_report({"client-peak-rss-mb": 2.0**30, "client-oom-kills": 3}) is None
+    assert implausible_memory_report({"client-memory-limit-mb": float("inf")}) == (
+        "client-memory-limit-mb = inf is not in [0, 1073741824] MiB")
+    assert implausible_memory_report({"client-oom-kills": -1}) == (
+        "client-oom-kills = -1.0 is not a whole number in [0, 2147483647]")
+    assert implausible_memory_report({"client-peak-rss-mb": True}) == "client-peak-rss-mb is not a number"

@@ -63,6 +63,9 @@ def train_handler(msg: Message, context: Context) -> Message:
     import time
 
     cfg, device, data, model, pid = _setup(context)
+    if not len(data):  # one line in the server's log, not a traceback from the training loop
+        raise ValueError(f"partition-id {pid} of {context.node_config['num-partitions']} holds no training "
+                         "example: nothing to train on (more SuperNodes than the data fills?)")
     load_weights(model, msg.content["arrays"], cfg.finetune == "lora")
     rnd = server_round(msg)
     tcfg = TrainConfig(cfg.local_epochs, cfg.batch_size, cfg.accumulation_steps, cfg.lr, cfg.momentum,

@@ -11,12 +11,17 @@ from flwr.serverapp import Grid, ServerApp
 
 from fedcomp.app import checkpoint
 from fedcomp.app.console import quiet_known_noise, route_flower_logs
+from fedcomp.app.data_record import check_same_data
 from fedcomp.app.inner import build_inner
 from fedcomp.app.recorder import CompressedRounds, RoundRecorder, privacy_settings, privacy_statement
 from fedcomp.app.results import plot_rounds
 from fedcomp.app.secagg_server_app import check_secagg_config, run_secagg, secagg_requested
-from fedcomp.app.startup import RunConfigError, one_line_config_errors, writable_results_dir
-from fedcomp.app.data_record import check_same_data
+from fedcomp.app.startup import (
+    RunConfigError,
+    check_supernodes_fit_the_data,
+    one_line_config_errors,
+    writable_results_dir,
+)
 from fedcomp.app.strategy_record import check_same_strategy
 from fedcomp.config import CODEC_DEFAULTS, AppConfig
 from fedcomp.config.low_density import auto_note, resolve_schedule, short_ramp_note
@@ -24,6 +29,7 @@ from fedcomp.privacy import ClientLevelDP, DPSGDConfig, LocalDP, check_accountab
 from fedcomp.statedict import copy_array, to_record
 from fedcomp.strategies import CompressedStrategy
 from fedcomp.strategies.offset import RoundOffset
+from fedcomp.task.data import DataConfig
 from fedcomp.task.lora import LoraSettings, initial_adapters
 from fedcomp.task.models import build_model
 
@@ -140,6 +146,8 @@ def main(grid: Grid, context: Context) -> None:
             check_secagg_config(context.run_config)
     except ValueError as err:
         raise RunConfigError(str(err)) from err
+    check_supernodes_fit_the_data(len(list(grid.get_node_ids())),
+                                  DataConfig(cfg.dataset, cfg.partitioner, cfg.dirichlet_alpha, cfg.seed))
     torch.manual_seed(cfg.seed)
     out_dir = writable_results_dir(cfg.results_dir, cfg.codec.compressor)
     route_flower_logs(out_dir, cfg.verbose)

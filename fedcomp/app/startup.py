@@ -1,4 +1,5 @@
-"""ServerApp start-up checks: run-config errors as one log line, a writable results folder."""
+"""ServerApp start-up checks: run-config errors as one log line, a writable results folder, no more
+SuperNodes than the data has partitions to fill."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import tempfile
 import traceback
 
 from fedcomp.app.results import resolve_results_dir
+from fedcomp.task.data import DataConfig, partition_capacity, too_many_partitions
 
 
 class RunConfigError(ValueError):
@@ -77,3 +79,23 @@ def writable_results_dir(results_dir: str, compressor: str) -> pathlib.Path:
             f"({owner}): {err.strerror}. Give that uid write access (Docker: see the README's Docker "
             "section) or choose another results-dir") from err
     return out_dir
+
+
+def check_supernodes_fit_the_data(num_nodes: int, cfg: DataConfig) -> None:
+    """Refuse a federation of ``num_nodes`` SuperNodes (one partition each: Flower's simulation gives
+    node ``i`` of ``N`` partition ``i`` of ``N``) that leaves partitions empty, before any round:
+    their clients would fail every round they are sampled (:func:`fedcomp.task.data.too_many_partitions`;
+    datasets whose size is not known up front are not checked).
+
+    Raises
+    ------
+    RunConfigError
+        Naming the SuperNodes, the training examples, the most SuperNodes that fit and what to do.
+    """
+    why = too_many_partitions(cfg, num_nodes)
+    if why:
+        examples, most = partition_capacity(cfg)
+        raise RunConfigError(
+            f"{num_nodes} SuperNodes for {examples} training examples: {why}, so most sampled clients would "
+            f"fail. Run at most {most} SuperNodes (fedcomp-simulation --supernodes {most}, or `flwr run` with "
+            f"--federation-config \"num-supernodes={most}\"), or a larger dataset")

@@ -9,7 +9,8 @@ the memory limit of the client's container (``client-memory-limit-mb``, 0 withou
 processes the kernel's out-of-memory killer has killed in it (``client-oom-kills``).
 The server counts the machines per round (``client-machines`` in metrics.json), reports the largest
 peak RSS (``client-peak-rss-mb``) and each client's (``client-peak-rss``: node id -> MiB). All are
-the client's own, unverified statements.
+the client's own, unverified statements: a report no device can make (:func:`implausible_memory_report`)
+is dropped and counted (``dropped-device-reports``).
 """
 
 from __future__ import annotations
@@ -91,6 +92,37 @@ def memory_report() -> dict[str, float]:
     ``client-memory-limit-mb`` (:func:`memory_limit_mb`) and ``client-oom-kills`` (:func:`oom_kills`)."""
     return {"client-peak-rss-mb": peak_rss_mb(), "client-memory-limit-mb": memory_limit_mb(),
             "client-oom-kills": float(oom_kills())}
+
+
+#: The train reply's metrics of :func:`memory_report`.
+MEMORY_REPORT_KEYS = ("client-peak-rss-mb", "client-memory-limit-mb", "client-oom-kills")
+#: Largest MiB figure a device report may state (2^30 MiB, 1 PiB: no machine's memory comes near).
+MAX_REPORTED_MB = float(2**30)
+#: Largest out-of-memory kill count a device report may state.
+MAX_REPORTED_OOM_KILLS = 2**31 - 1
+
+
+def implausible_memory_report(metrics) -> str | None:
+    """Why a reply's :func:`memory_report` figures cannot be true (server side; untrusted), or None
+    when each one it carries is possible; an absent figure is fine (no report).
+
+    Possible: ``client-peak-rss-mb`` and ``client-memory-limit-mb`` finite numbers in
+    [0, :data:`MAX_REPORTED_MB`] MiB, ``client-oom-kills`` a whole number in
+    [0, :data:`MAX_REPORTED_OOM_KILLS`]. The reason names the first figure that is not, e.g.
+    ``"client-peak-rss-mb = -5.0 is not in [0, 1073741824] MiB"``.
+    """
+    for key, top, unit in (("client-peak-rss-mb", MAX_REPORTED_MB, " MiB"),
+                           ("client-memory-limit-mb", MAX_REPORTED_MB, " MiB"),
+                           ("client-oom-kills", float(MAX_REPORTED_OOM_KILLS), "")):
+        if key not in metrics:
+            continue
+        v = metrics[key]
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            return f"{key} is not a number"
+        if not (0.0 <= v <= top) or (not unit and v != int(v)):
+            kind = "a whole number in" if not unit else "in"
+            return f"{key} = {float(v)!r} is not {kind} [0, {top:.0f}]{unit}"
+    return None
 
 
 def client_info() -> ConfigRecord:

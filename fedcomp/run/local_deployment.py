@@ -59,15 +59,46 @@ def write_connection(flwr_home: pathlib.Path, address: str, insecure: bool = Tru
 
 
 def stop_local_superlink(flwr_home: pathlib.Path | str) -> list[int]:
-    """SIGTERM the local SuperLink that ``flwr run`` started for this ``FLWR_HOME`` (found by its own
-    command line, which names that folder), and only that one; returns the PIDs signalled."""
-    out = subprocess.run(["pgrep", "-f", f"flower-superlink.*{flwr_home}"], capture_output=True, text=True,
-                         check=False)
-    pids = [int(p) for p in out.stdout.split()]
+    """SIGTERM the local SuperLink that ``flwr run`` started for this ``FLWR_HOME``, and only that one;
+    returns the PIDs signalled.
+
+    ``flwr run`` starts that SuperLink detached, so no launcher holds its PID: it is recognised by its
+    command line, an own-user ``flower-superlink`` whose ``--log-file`` argument is exactly
+    ``<flwr_home>/local-superlink/superlink.log`` (the whole argument compared, so the SuperLink of
+    ``flwr-home-2`` never matches ``flwr-home``). Linux: read from ``/proc``; elsewhere nothing is
+    signalled.
+    """
+    log = pathlib.Path(flwr_home) / "local-superlink" / "superlink.log"
+    wanted = {str(log), str(log.resolve())}
+    pids = [pid for pid, argv in _own_processes() if _is_superlink_logging_to(argv, wanted)]
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGTERM)
     return pids
+
+
+def _own_processes() -> list[tuple[int, list[str]]]:
+    """(PID, argv) of every process of this user readable in ``/proc`` (empty without ``/proc``)."""
+    out = []
+    for entry in pathlib.Path("/proc").glob("[0-9]*"):
+        try:
+            if entry.stat().st_uid != os.getuid():
+                continue
+            raw = (entry / "cmdline").read_bytes()
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+        out.append((int(entry.name), raw.decode(errors="replace").split("\0")[:-1]))
+    return out
+
+
+def _is_superlink_logging_to(argv: list[str], wanted: set[str]) -> bool:
+    """True if ``argv`` runs ``flower-superlink`` (directly or through its interpreter) with a
+    ``--log-file`` argument equal to one of ``wanted``."""
+    if not any(pathlib.PurePath(a).name == "flower-superlink" for a in argv[:2]):
+        return False
+    values = {b for a, b in zip(argv, argv[1:]) if a == "--log-file"}
+    values |= {a.removeprefix("--log-file=") for a in argv if a.startswith("--log-file=")}
+    return bool(values & wanted)
 
 
 def port_is_free(host: str, port: int) -> bool:
@@ -146,7 +177,9 @@ def run(args: argparse.Namespace) -> int:
     env = {**os.environ, "FLWR_HOME": str(flwr_home), "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
            "PATH": f"{pathlib.Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     procs = Processes()
-    interrupted = False
+    interrupted = failed = False
+    metrics = results / "metrics.json"
+    before = _stamp(metrics)  # an earlier run's file proves nothing about this one
 
     def on_signal(signum, frame):  # turn SIGTERM into the same clean-up as Ctrl-C
         raise KeyboardInterrupt
@@ -195,8 +228,9 @@ def run(args: argparse.Namespace) -> int:
             if time.monotonic() > deadline:
                 print(f"fedcomp-deploy: run exceeded {args.timeout} s, stopping", flush=True)
                 submit.terminate()
+                failed = True
                 break
-            done = _rounds_done(results / "metrics.json", default=-1)
+            done = _rounds_done(metrics, default=-1) if _stamp(metrics) != before else -1
             if done > reported:
                 reported = done
                 print(f"fedcomp-deploy: round {done} done, {time.monotonic() - t0:.0f} s elapsed", flush=True)
@@ -209,6 +243,7 @@ def run(args: argparse.Namespace) -> int:
         submit.wait(30)
         forward.join(10)
     except RuntimeError as e:  # a process that did not start or join: one line, then the clean-up below
+        failed = True
         print(f"fedcomp-deploy: {e}", flush=True)
     except KeyboardInterrupt:
         interrupted = True
@@ -216,7 +251,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         procs.stop_all()
         signal.signal(signal.SIGTERM, old)
-    ok = (results / "metrics.json").exists() and _rounds_done(results / "metrics.json") >= 1
+    ok = not (failed or interrupted) and _stamp(metrics) not in (None, before) and _rounds_done(metrics) >= 1
     print(f"fedcomp-deploy: {'finished' if ok else 'FAILED'}; results in {results}", flush=True)
     return 130 if interrupted else (0 if ok else 1)
 
@@ -277,6 +312,16 @@ def wait_for_supernodes(log: pathlib.Path, count: int, nodes: list[subprocess.Po
             raise RuntimeError(f"{len(seen)} of {count} SuperNodes joined the SuperLink in {timeout:.0f} s; "
                                f"see the supernode-*.log files in {log.parent}")
         time.sleep(0.5)
+
+
+def _stamp(path: pathlib.Path) -> tuple[int, int, int] | None:
+    """(inode, size, mtime in ns) of ``path``, or None if it does not exist: a results file rewritten
+    by this run (atomically: a new inode) has another stamp than the one found before the run."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def _rounds_done(path: pathlib.Path, default: int = 0) -> int:

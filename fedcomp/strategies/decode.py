@@ -20,7 +20,11 @@ from flwr.app import ArrayRecord, Message
 from fedcomp.compression import PayloadError, codec_name, decode_exact, decompress, decompress_sparse
 from fedcomp.protocol.messages import MODEL_KEY, PAYLOAD_STYPE
 from fedcomp.statedict import FlatModel, copy_array, numpy_dict
+from fedcomp.strategies.failures import printable
 from fedcomp.strategies.round_metrics import bounded_metrics
+
+#: Longest client-supplied name (key, stype, dtype) quoted in a refusal.
+MAX_NAME_CHARS = 80
 
 #: Dense payloads of one tensor with at least this many entries are kept as their bytes once validated
 #: and decoded again when folded (:class:`DeferredPart`), so a reply never holds its dense float32 update
@@ -111,8 +115,8 @@ class DecodedUpdate:
 def _payload_bytes(arr, key: str) -> bytes:
     if arr.stype != PAYLOAD_STYPE:
         raise PayloadError(
-            f"'{key}' is a dense '{arr.stype}' array, not a fedcomp payload: add compression_mod as the FIRST "
-            "mod of the ClientApp (mods=[compression_mod, ...])"
+            f"'{printable(key, MAX_NAME_CHARS)}' is a dense '{printable(arr.stype, MAX_NAME_CHARS)}' array, not a "
+            "fedcomp payload: add compression_mod as the FIRST mod of the ClientApp (mods=[compression_mod, ...])"
         )
     return arr.data
 
@@ -170,8 +174,8 @@ def decode_dense_reply(record: ArrayRecord, model: FlatModel) -> DecodedUpdate:
             raise PayloadError(f"dense reply '{key}' is not numpy data ({type(exc).__name__}: {exc})") from None
         v, dt = values[key], dtypes[key]
         if tuple(v.shape) != spec.shape or dt != spec.dtype:
-            raise PayloadError(f"dense reply '{key}' is {dt} {tuple(v.shape)}, the model's tensor is "
-                               f"{spec.dtype} {spec.shape}")
+            raise PayloadError(f"dense reply '{key}' is {printable(dt, MAX_NAME_CHARS)} {tuple(v.shape)}, the model's "
+                               f"tensor is {spec.dtype} {spec.shape}")
         if spec.is_float:
             start = model.offsets[key]
             with np.errstate(over="ignore", invalid="ignore"):

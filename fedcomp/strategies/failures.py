@@ -53,6 +53,16 @@ UNTRACED_REASON = ("an error reply from the SuperLink answers no train message t
 STRANGER_REASON = "its sender was not sent a message this round: not charged to any node (one node, one vote)"
 #: Longest part of a client-supplied error text kept (untrusted input).
 MAX_REASON_CHARS = 500
+#: Longest refusal text logged for a rejected reply (server wording around client-supplied names).
+MAX_REFUSAL_CHARS = 1000
+
+
+def printable(text: object, limit: int = MAX_REASON_CHARS) -> str:
+    """``str(text)`` made safe for one log line: its first ``limit`` characters, each non-printable
+    one (newline, ``\\x1b``, other control and format characters) written as its Python escape, so
+    untrusted text can neither forge log lines nor send terminal escapes, and never exceeds
+    ``limit`` source characters."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text)[:limit])
 
 
 def failed_client(reply: Message, sent_to: dict[str, int]) -> dict:

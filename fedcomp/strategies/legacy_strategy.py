@@ -38,6 +38,7 @@ from fedcomp.protocol.messages import MODEL_KEY, PAYLOAD_STYPE, payload_array
 from fedcomp.strategies.admission import admit, check_max_num_examples
 from fedcomp.strategies.codec_round import codec_entries
 from fedcomp.strategies.decode import decode_update
+from fedcomp.strategies.failures import MAX_REFUSAL_CHARS, printable
 from fedcomp.strategies.forward import ForwardsToInner
 from fedcomp.strategies.round_metrics import client_stats, upload_metrics
 
@@ -308,7 +309,8 @@ class LegacyCompressedStrategy(ForwardsToInner, Strategy):
                     raise PayloadError(f"num_examples must be an integer in [1, {self.max_num_examples}], got {n!r}")
                 weights, info = decode_legacy_update(payloads_from_parameters(res.parameters), sent.arrays[proxy.cid])
             except (PayloadError, ValueError, TypeError, KeyError) as exc:
-                log(WARNING, "round %s: rejected fit result from client %s: %s", server_round, proxy.cid, exc)
+                log(WARNING, "round %s: rejected fit result from client %s: %s", server_round, proxy.cid,
+                    printable(exc, MAX_REFUSAL_CHARS))
                 failures.append((proxy, res))
                 continue
             for name, nbytes in info["codecs"].items():

@@ -17,11 +17,12 @@ from flwr.app import Message, MetricRecord, RecordDict
 from flwr.common.logger import log
 
 from fedcomp.compression import PayloadError
-from fedcomp.protocol.device import reported_machine
+from fedcomp.protocol.device import MEMORY_REPORT_KEYS, reported_machine
 from fedcomp.statedict import FlatModel
 from fedcomp.strategies.admission import admit
 from fedcomp.strategies.decode import decode_train_reply
-from fedcomp.strategies.failures import MAX_REASON_CHARS, misaddressed_note, oom_confirmations, round_failures
+from fedcomp.strategies.failures import (MAX_REASON_CHARS, MAX_REFUSAL_CHARS, misaddressed_note, oom_confirmations,
+                                         printable, round_failures)
 from fedcomp.strategies.round_metrics import client_stats
 
 
@@ -101,15 +102,21 @@ def fold_replies(server_round: int, replies: list[Message], fold: Any, model: Fl
                                          keep_exact=keep_exact)
         except (PayloadError, ValueError, TypeError, KeyError, OverflowError) as exc:
             got.rejected += 1
-            log(WARNING, "round %s: rejected reply from node %s: %s", server_round, node, exc)
+            log(WARNING, "round %s: rejected reply from node %s: %s", server_round, node,
+                printable(exc, MAX_REFUSAL_CHARS))
             continue
         got.fold.add(reply, decoded)
         got.carrier = reply
-        got.metric_contents.append(RecordDict({"metrics": MetricRecord(decoded.metrics)}))
-        for name, nbytes in decoded.update.codecs.items():
-            got.codec_bytes[name] = got.codec_bytes.get(name, 0) + nbytes
         got.stats.append(client_stats(node, decoded.reported, decoded.update.upload_bytes, model.dense_bytes,
                                       decoded.decode_seconds, reported_machine(reply.content)))
+        metrics = decoded.metrics
+        if got.stats[-1]["device-report-dropped"]:  # none of its figures reaches the round's means either
+            log(WARNING, "round %s: node %s's memory report dropped (counted in dropped-device-reports): %s",
+                server_round, node, got.stats[-1]["device-report-dropped"])
+            metrics = {k: v for k, v in metrics.items() if k not in MEMORY_REPORT_KEYS}
+        got.metric_contents.append(RecordDict({"metrics": MetricRecord(metrics)}))
+        for name, nbytes in decoded.update.codecs.items():
+            got.codec_bytes[name] = got.codec_bytes.get(name, 0) + nbytes
         got.layer_stats.append(decoded.layers)
     return got
 
@@ -206,8 +213,7 @@ def failure_reason(reply: Message) -> str:
     """A failed client's error reason for the server's log: the first ``MAX_REASON_CHARS`` (500)
     characters of what the client sent, control characters escaped (``\\n``, ``\\x1b``: one log line,
     no forged lines or terminal escapes), with a hint when it looks like a mis-assembled app."""
-    sent = (reply.error.reason or "")[:MAX_REASON_CHARS]
-    reason = "".join(c if c.isprintable() else repr(c)[1:-1] for c in sent)
+    reason = printable(reply.error.reason or "", MAX_REASON_CHARS)
     if "fedcomp.payload" in reason or "clipping_mod expects the keys" in reason:
         reason += (" (hint: compression_mod must be the first mod of the ClientApp, Flower's DP mods go "
                    "in @app.train(mods=[...]), and the server strategy must be wrapped in CompressedStrategy)")

@@ -8,6 +8,7 @@ import statistics
 import numpy as np
 from flwr.app import MetricRecord, RecordDict
 
+from fedcomp.protocol.device import MEMORY_REPORT_KEYS, implausible_memory_report
 from fedcomp.protocol.messages import DEFAULT_DOWNLINK_MBPS, DEFAULT_UPLINK_MBPS, MIN_LINK_MBPS
 
 #: Mean seconds a deployed round waits on Flower's polling (flwr 1.42): a SuperNode with no work asks
@@ -71,8 +72,14 @@ def client_stats(node: int, metrics: dict, upload_bytes: int, dense_bytes: int, 
         Server time spent decoding the reply.
     machine : str, optional
         The client's ``platform.machine()`` as it reported it.
+
+    A memory report no device can make (:func:`fedcomp.protocol.device.implausible_memory_report`:
+    negative, non-finite, above 1 PiB) is dropped whole: its three figures count as 0 (no report) and
+    ``device-report-dropped`` holds the reason ("" when kept).
     """
     up = reported_number(metrics, "uplink-mbps", DEFAULT_UPLINK_MBPS)
+    dropped = implausible_memory_report(metrics) or ""
+    memory = {k: 0.0 if dropped else reported_number(metrics, k) for k in MEMORY_REPORT_KEYS}
     down = reported_number(metrics, "downlink-mbps", DEFAULT_DOWNLINK_MBPS)
     return {
         "node": node,
@@ -90,9 +97,8 @@ def client_stats(node: int, metrics: dict, upload_bytes: int, dense_bytes: int, 
         "residual-norm": reported_number(metrics, "residual-norm"),
         "download-bytes": reported_number(metrics, "download-bytes"),
         "density": reported_number(metrics, "density"),
-        "client-peak-rss-mb": reported_number(metrics, "client-peak-rss-mb"),
-        "client-memory-limit-mb": reported_number(metrics, "client-memory-limit-mb"),
-        "client-oom-kills": reported_number(metrics, "client-oom-kills"),
+        **memory,
+        "device-report-dropped": dropped,
         "machine": machine,
         "epsilon": reported_epsilon(metrics.get("epsilon")),
         "epsilon-next": reported_epsilon(metrics.get("epsilon-next")),
@@ -166,6 +172,7 @@ def round_metrics(stats: list[dict], codec_bytes: dict, n_good: int, rejected: i
         "failed-clients": failed,
         "density": statistics.fmean(s["density"] for s in stats) if stats else 0.0,
         "residual-saturated": float(sum(s.get("residual-saturated", 0.0) for s in stats)),  # fp16 residual clamps
+        "dropped-device-reports": sum(1 for s in stats if s.get("device-report-dropped")),
     }
     if stats:
         # Simulated wall-clock time of the round: the slowest client's compute + transfer time, and in

@@ -17,9 +17,15 @@ from torch.utils.data import TensorDataset
 
 from fedcomp.util.extras import require
 
-#: Images held out for server-side evaluation of the default data (20 %).
-DIGITS_TEST_SIZE = 360
+#: Images of scikit-learn's digits, and those held out for server-side evaluation (20 %).
+DIGITS_SIZE, DIGITS_TEST_SIZE = 1797, 360
 PARTITIONERS = ("iid", "dirichlet")
+#: Fewest training examples each partitioner gives a partition (Dirichlet: its ``min_partition_size``).
+MIN_PARTITION_SIZE = {"iid": 1, "dirichlet": 2}
+#: Labels the reference app's image models classify (``fedcomp.task.models.build_model``'s default).
+NUM_CLASSES = 10
+#: Image shape (C, H, W) of each known image dataset (digits: 8x8 grey).
+DATASET_IMAGE_SHAPES = {"digits": (1, 8, 8)}
 
 
 @dataclass(frozen=True)
@@ -54,7 +60,7 @@ def _make_partitioner(cfg: DataConfig, num_partitions: int):
     if cfg.partitioner == "dirichlet":
         return DirichletPartitioner(
             num_partitions=num_partitions, partition_by="label", alpha=cfg.dirichlet_alpha,
-            min_partition_size=2, self_balancing=True, seed=cfg.seed,
+            min_partition_size=MIN_PARTITION_SIZE["dirichlet"], self_balancing=True, seed=cfg.seed,
         )
     raise ValueError(f"partitioner must be one of {PARTITIONERS}, got {cfg.partitioner!r}")
 
@@ -92,7 +98,8 @@ def load_partition(cfg: DataConfig, partition_id: int, num_partitions: int) -> T
     Raises
     ------
     ValueError
-        Partition id out of range, unknown partitioner or dataset.
+        Partition id out of range, unknown partitioner or dataset, or more partitions than the data
+        fills (:func:`too_many_partitions`: one line naming both numbers).
     """
     if not 0 <= partition_id < num_partitions:
         raise ValueError(f"partition-id {partition_id} is outside [0, {num_partitions})")
@@ -101,6 +108,8 @@ def load_partition(cfg: DataConfig, partition_id: int, num_partitions: int) -> T
 
         return load_text_partition(partition_id, num_partitions, cfg.seed)
     if cfg.dataset == "digits":
+        if too_many := too_many_partitions(cfg, num_partitions):
+            raise ValueError(f"partition-id {partition_id} of {num_partitions} would be empty: {too_many}")
         Dataset = require("datasets", "partitioning the digits data").Dataset
 
         X_train, _, y_train, _ = _digits_arrays(cfg.seed)
@@ -110,6 +119,29 @@ def load_partition(cfg: DataConfig, partition_id: int, num_partitions: int) -> T
         idx = np.asarray(part.load_partition(partition_id)["idx"], dtype=np.int64)
         return _to_tensor_dataset(X_train[idx], y_train[idx])
     return _hub_partition(cfg, partition_id, num_partitions)
+
+
+def partition_capacity(cfg: DataConfig) -> tuple[int, int] | None:
+    """(training examples, most partitions they fill) of a dataset whose size is known without
+    loading it (digits: 1437 examples; 1437 partitions with "iid", 718 with "dirichlet", which gives
+    each at least 2), else None."""
+    if cfg.dataset != "digits":
+        return None
+    examples = DIGITS_SIZE - DIGITS_TEST_SIZE
+    return examples, examples // MIN_PARTITION_SIZE.get(cfg.partitioner, 1)
+
+
+def too_many_partitions(cfg: DataConfig, num_partitions: int) -> str:
+    """Why ``num_partitions`` partitions of ``cfg``'s training data leave some empty (one sentence
+    naming both numbers and the most that fit, :func:`partition_capacity`), or "" when they fit or
+    the dataset's size is not known up front."""
+    known = partition_capacity(cfg)
+    if known is None or num_partitions <= known[1]:
+        return ""
+    examples, most = known
+    return (f"{num_partitions} partitions of the {examples} training examples of '{cfg.dataset}' leave some "
+            f"empty (partitioner '{cfg.partitioner}' gives each at least {MIN_PARTITION_SIZE.get(cfg.partitioner, 1)};"
+            f" at most {most} partitions fit)")
 
 
 @lru_cache(maxsize=2)

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch.utils.data import TensorDataset
 
-from fedcomp.task.data import DataConfig, load_partition
+from fedcomp.task.data import DATASET_IMAGE_SHAPES, NUM_CLASSES, DataConfig, load_partition
 from fedcomp.util.files import write_atomically
 
 #: Node-config key naming a partition file.
@@ -88,7 +88,11 @@ def load_partition_file(path: str | os.PathLike, cfg: DataConfig, partition_id: 
     Raises
     ------
     ValueError
-        Unreadable file, missing arrays, wrong dtypes/shapes, or data settings that differ from the run's.
+        Naming the file, before anything trains on it: unreadable file, missing arrays, ``meta`` not a
+        JSON object, wrong dtypes or shapes (an image shape other than the dataset's, e.g. (1, 8, 8)
+        for digits: :data:`fedcomp.task.data.DATASET_IMAGE_SHAPES`), a label outside
+        [0, :data:`fedcomp.task.data.NUM_CLASSES`), a pixel that is NaN or infinite, or data settings
+        that differ from the run's.
     """
     want = _meta(cfg, partition_id, num_partitions)
     try:
@@ -96,13 +100,38 @@ def load_partition_file(path: str | os.PathLike, cfg: DataConfig, partition_id: 
             images, labels, meta = z["images"], z["labels"], json.loads(str(z["meta"]))
     except (OSError, KeyError, ValueError) as exc:
         raise ValueError(f"data-file {path} is not a fedcomp partition file ({exc})") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"data-file {path}: 'meta' must be a JSON object of the data settings, got "
+                         f"{type(meta).__name__}")
     if images.dtype != np.float32 or images.ndim != 4 or labels.dtype != np.int64 or labels.shape != images.shape[:1]:
         raise ValueError(f"data-file {path}: need images float32 (m, C, H, W) and labels int64 (m,), got "
                          f"{images.dtype} {images.shape} and {labels.dtype} {labels.shape}")
     diff = {k: (meta.get(k), v) for k, v in want.items() if meta.get(k) != v}
     if diff:
         raise ValueError(f"data-file {path} was written for other data settings (file, run): {diff}")
+    _check_values(path, images, labels, DATASET_IMAGE_SHAPES.get(cfg.dataset))
     return TensorDataset(torch.from_numpy(images), torch.from_numpy(labels))
+
+
+def _check_values(path, images: np.ndarray, labels: np.ndarray, image_shape: tuple[int, ...] | None) -> None:
+    """Refuse what a model cannot train on: images (m, C, H, W) of another shape than ``image_shape``
+    (None: any with C, H, W >= 1), a label outside [0, NUM_CLASSES), a non-finite pixel.
+
+    Raises
+    ------
+    ValueError
+        Naming ``path`` and the first problem found.
+    """
+    shape = tuple(images.shape[1:])
+    if (image_shape is not None and shape != image_shape) or min(shape) < 1:
+        raise ValueError(f"data-file {path}: images are {shape} each, the dataset's are "
+                         f"{image_shape if image_shape is not None else '(C, H, W) with C, H, W >= 1'}")
+    if labels.size and (labels.min() < 0 or labels.max() >= NUM_CLASSES):
+        raise ValueError(f"data-file {path}: labels must be in [0, {NUM_CLASSES}), found {int(labels.min())} "
+                         f"to {int(labels.max())}")
+    bad = np.count_nonzero(~np.isfinite(images))
+    if bad:
+        raise ValueError(f"data-file {path}: {bad} pixel(s) are NaN or infinite")
 
 
 def main(argv: list[str] | None = None) -> None:
