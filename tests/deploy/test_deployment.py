@@ -36,7 +36,12 @@ def test_compose_commands_equal_the_launcher():
     for i in range(3):
         assert svc[f"supernode-{i}"]["command"] == supernode_command(i, 3, "superlink:8000", host="0.0.0.0")
     sub = svc["submit"]["command"]
-    assert sub[:2] == ["sh", "-c"] and sub[2].startswith('flwr run . local-deployment --stream --run-config "$$RUN_CONFIG"')
+    run = 'flwr run . local-deployment --stream --run-config "$$RUN_CONFIG"'
+    assert sub[:2] == ["sh", "-c"] and sub[2].count(run) == 1
+    # depends_on waits only for the SuperLink's container: submit first waits (bounded) for its port
+    wait = "until python -c \"import socket; socket.create_connection(('superlink', 8000), 2).close()\""
+    assert sub[2].startswith("i=0; " + wait) and "[ $$i -ge 240 ] && break" in sub[2]
+    assert sub[2].index(wait) < sub[2].index(run)
     # `flwr run` exits 0 on a failed run: submit judges by the ServerApp's last line
     assert "grep -q 'fedcomp  results written to'" in sub[2] and "exit 1" in sub[2]
     assert "./results:/results" in svc["superlink"]["volumes"]
