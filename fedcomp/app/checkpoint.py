@@ -134,7 +134,7 @@ def _check_meta(meta: dict, out_dir: pathlib.Path) -> None:
     for key in _EXTRA_RECORDS:
         if key in extra and not isinstance(extra[key], dict):
             problems.append(f"'extra' '{key}' must be an object (the run's recorded settings)")
-    for key in ("cum-mb", "cum-down-mb", "last-eps"):
+    for key in ("cum-mb", "cum-down-mb", "cum-dense-mb", "last-eps"):
         if key in extra and not (epsilon(extra[key]) and (extra[key] is not None or key == "last-eps")):
             problems.append(f"'extra' '{key}' must be a number >= 0")
     for key in ("client-dp-rounds", "local-dp-rounds"):

@@ -78,6 +78,8 @@ class RoundRecorder:
         self.rounds: list[dict] = []
         self.cum_mb = 0.0
         self.cum_down_mb = 0.0
+        #: fp32 bytes both ways so far (each reply's dense update up, the dense model down), MB
+        self.cum_dense_mb = 0.0
         self.run_config = run_config
         test = load_test_set(DataConfig(cfg.dataset, cfg.partitioner, cfg.dirichlet_alpha, cfg.seed))
         self.test = test
@@ -121,10 +123,18 @@ class RoundRecorder:
         if server_round > 0 and arrays is not None:
             self.source.after_round(self, server_round, arrays)
 
-    def add_bytes(self, upload: float, download: float = 0.0) -> None:
-        """Add a round's bytes to the run's cumulative MB."""
+    def add_bytes(self, upload: float, download: float = 0.0, dense: float = 0.0) -> None:
+        """Add a round's bytes (upload, download, and ``dense``: one way's fp32 bytes of the round's
+        replies, counted for each direction) to the run's cumulative MB."""
         self.cum_mb += upload / MB
         self.cum_down_mb += download / MB
+        self.cum_dense_mb += 2 * dense / MB
+
+    def totals(self) -> dict:
+        """The run's bytes both ways so far and their ratio to fp32 both ways (None: nothing sent)."""
+        both = self.cum_mb + self.cum_down_mb
+        return {"cumulative-mb": both,
+                "cumulative-ratio-both-ways": self.cum_dense_mb / both if both and self.cum_dense_mb else None}
 
     def restore(self, meta: dict) -> None:
         """Continue from a checkpoint's metrics (resume)."""
@@ -132,6 +142,7 @@ class RoundRecorder:
         extra = meta.get("extra", {})
         self.cum_mb = float(extra.get("cum-mb", 0.0))
         self.cum_down_mb = float(extra.get("cum-down-mb", 0.0))
+        self.cum_dense_mb = float(extra.get("cum-dense-mb", 0.0))
         self.last_eps = float(extra.get("last-eps") or 0.0)
 
     def save(self) -> None:
@@ -176,10 +187,11 @@ class CompressedRounds:
         rec: dict[str, Any] = {}
         h = self.strategy.history.get(server_round)
         if h is not None:
-            recorder.add_bytes(h["upload-bytes"], h["download-bytes"])
+            recorder.add_bytes(h["upload-bytes"], h["download-bytes"], h["dense-bytes"])
             rec.update({
                 "upload-mb": h["upload-bytes"] / MB, "cumulative-upload-mb": recorder.cum_mb,
-                "download-mb": h["download-bytes"] / MB, "cumulative-download-mb": recorder.cum_down_mb, **h,
+                "download-mb": h["download-bytes"] / MB, "cumulative-download-mb": recorder.cum_down_mb,
+                **recorder.totals(), **h,
             })
             now = _epsilon_now(rec)
             if self.cfg.dp != "none" and now is not None:
@@ -203,6 +215,7 @@ class CompressedRounds:
         """Write the checkpoint of the round (:mod:`fedcomp.app.checkpoint`)."""
         checkpoint.save(recorder.out_dir, server_round, {k: a.numpy() for k, a in arrays.items()}, self.strategy,
                         recorder.rounds, {"cum-mb": recorder.cum_mb, "cum-down-mb": recorder.cum_down_mb,
+                                          "cum-dense-mb": recorder.cum_dense_mb,
                                           "last-eps": recorder.last_eps, "privacy-settings": privacy_settings(self.cfg),
                                           "codec-settings": self.cfg.codec.to_mapping(),
                                           EXTRA_KEY: strategy_settings(self.cfg), DATA_KEY: data_settings(self.cfg)})

@@ -13,9 +13,14 @@ from fedcomp.util.files import write_atomically
 
 MB = 1e6
 
-COLUMNS = [("round", "{:>5}"), ("accuracy", "{:>8.4f}"), ("loss", "{:>7.4f}"), ("upload-mb", "{:>10.4f}"),
-           ("cumulative-upload-mb", "{:>9.3f}"), ("compression-ratio", "{:>8.1f}")]
-HEADER = f"{'round':>5} {'accuracy':>8} {'loss':>7} {'MB up':>10} {'cum. MB':>9} {'ratio':>8}"
+COLUMNS = [("round", "{:>5}"), ("accuracy", "{:>8.4f}"), ("loss", "{:>7.4f}"), ("upload-mb", "{:>8.4f}"),
+           ("download-mb", "{:>8.4f}"), ("cumulative-mb", "{:>9.3f}"), ("compression-ratio", "{:>8.1f}"),
+           ("cumulative-ratio-both-ways", "{:>8.1f}")]
+#: ``MB up`` / ``MB down``: this round's bytes each way; ``cum. MB``: the run's bytes both ways so far;
+#: ``ratio up``: fp32 / uploaded bytes this round; ``both``: the run's fp32 bytes both ways / its bytes
+#: both ways so far (first contacts and catch-ups included).
+HEADER = (f"{'round':>5} {'accuracy':>8} {'loss':>7} {'MB up':>8} {'MB down':>8} {'cum. MB':>9} {'ratio up':>8} "
+          f"{'both':>8}")
 DP_HEADER = f" {'epsilon':>8} {'eps/rnd':>8}"
 
 

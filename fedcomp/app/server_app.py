@@ -37,7 +37,8 @@ app = ServerApp()
 
 
 def privacy_options(cfg: AppConfig, context: Context | None = None) -> dict:
-    """``CompressedStrategy`` keyword arguments for run config ``dp`` (validated at start-up).
+    """``CompressedStrategy`` keyword arguments for run config ``dp`` (validated at start-up) and the
+    downstream settings (``downstream``, ``downstream-density``, ``downstream-init``).
 
     Raises
     ------
@@ -45,7 +46,10 @@ def privacy_options(cfg: AppConfig, context: Context | None = None) -> dict:
         A DP key out of range, or (dp-sgd) an infeasible ``target-epsilon`` / ``secure-rng``.
     """
     opts: dict = {"max_epsilon": cfg.max_epsilon or None, "downstream": cfg.downstream,
-                  "require_compression": cfg.require_compression}
+                  "require_compression": cfg.require_compression, "downstream_density": cfg.downstream_density or None,
+                  # this app trains its model from scratch: new clients build it from a seed (on resume the
+                  # model is trained: a compressed start, the library's "auto")
+                  "downstream_init": "seeded" if cfg.downstream_init == "auto" and not cfg.resume else cfg.downstream_init}
     q = None
     if cfg.client_sampling == "poisson":
         q = cfg.fraction_train
@@ -189,8 +193,10 @@ def main(grid: Grid, context: Context) -> None:
                      train_config=train_config, evaluate_fn=evaluate_fn)
     plot_rounds(recorder.rounds, out_dir / "plot.png", f"fedcomp: {strategy.codec.describe()}")
     last = recorder.rounds[-1]
-    log(INFO, "fedcomp  final accuracy %.4f after %d rounds, %.3f MB uploaded and %.3f MB downloaded in total",
-        last["accuracy"], last["round"], recorder.cum_mb, recorder.cum_down_mb)
+    ratio = recorder.totals()["cumulative-ratio-both-ways"]
+    log(INFO, "fedcomp  final accuracy %.4f after %d rounds, %.3f MB uploaded and %.3f MB downloaded in total%s",
+        last["accuracy"], last["round"], recorder.cum_mb, recorder.cum_down_mb,
+        f" ({ratio:.0f}x fewer bytes than fp32 both ways)" if ratio else "")
     if strategy.stopped_reason:
         log(INFO, "fedcomp  stopped early: %s", strategy.stopped_reason)
     log(INFO, "fedcomp  results written to %s (metrics.json, plot.png)", out_dir)

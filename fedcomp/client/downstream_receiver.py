@@ -16,9 +16,6 @@ Message forms (written by :mod:`fedcomp.strategies.downstream_sender`; the train
 
 from __future__ import annotations
 
-import math
-import struct
-
 import numpy as np
 from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord
 
@@ -34,7 +31,7 @@ from fedcomp.protocol.messages import (
     MODEL_VERSION,
     PAYLOAD_STYPE,
 )
-from fedcomp.protocol.seeded_init import INIT_SEED, INIT_STYPE, seeded_tensor
+from fedcomp.protocol.seeded_init import INIT_SEED, INIT_STYPE, parse_rule, seeded_tensor
 from fedcomp.statedict import FlatModel, is_float_dtype, numpy_dict
 
 
@@ -75,7 +72,8 @@ def _init_base(rec: ArrayRecord, seed: int, part_keys: set[str]) -> tuple[FlatMo
     Raises
     ------
     PayloadError
-        A seeded-init rule that is not 8 bytes, a negative or non-finite bound, a non-float dtype,
+        A seeded-init rule that is not 8 or 16 bytes, a negative or non-finite bound, a non-finite
+        center, a non-float dtype,
         or more elements than a payload may claim.
     """
     values, dtypes, lossy, total = {}, {}, [], 0
@@ -83,16 +81,17 @@ def _init_base(rec: ArrayRecord, seed: int, part_keys: set[str]) -> tuple[FlatMo
         if k in part_keys:
             continue
         if a.stype == INIT_STYPE:
-            if len(a.data) != 8 or not a.dtype or not is_float_dtype(a.dtype):
+            if not a.dtype or not is_float_dtype(a.dtype):
                 raise PayloadError(f"seeded-init rule of '{k}' is malformed (dtype {a.dtype!r}, {len(a.data)} bytes)")
-            (bound,) = struct.unpack("<d", a.data)
-            if not math.isfinite(bound) or bound < 0:
-                raise PayloadError(f"seeded-init rule of '{k}': bound {bound!r} is not finite and >= 0")
+            try:
+                bound, center = parse_rule(k, bytes(a.data))
+            except ValueError as err:
+                raise PayloadError(str(err)) from None
             shape = tuple(int(d) for d in a.shape)
             total += int(np.prod(shape)) if shape else 1
             if total > DEFAULT_MAX_NUMEL:
                 raise PayloadError(f"seeded-init rules claim more than {DEFAULT_MAX_NUMEL} elements")
-            values[k], dtypes[k] = seeded_tensor(k, shape, bound, seed), a.dtype
+            values[k], dtypes[k] = seeded_tensor(k, shape, bound, seed, center), a.dtype
             lossy.append(k)
         else:
             v, d = numpy_dict(ArrayRecord({k: a}))

@@ -11,6 +11,7 @@ from typing import Any
 
 from fedcomp.config.codec import TENSOR_ONLY_CODECS, CodecConfig
 from fedcomp.config.keys import KEYS, check_known_keys
+from fedcomp.config.downstream import resolve_downstream
 from fedcomp.config.low_density import check_ramp_direction, resolve_strategy
 from fedcomp.privacy.settings import DP_MODES
 
@@ -57,6 +58,8 @@ class AppConfig:
     client_state_dir: str = _d("client-state-dir")
     verbose: bool = _d("verbose")
     downstream: str = _d("downstream")
+    downstream_density: float = _d("downstream-density")
+    downstream_init: str = _d("downstream-init")
     dp: str = _d("dp")
     clipping_norm: float = _d("clipping-norm")
     noise_multiplier: float = _d("noise-multiplier")
@@ -98,6 +101,11 @@ class AppConfig:
                                  f"{' and '.join(own)}: set 'strategy' = 'fedavgm' to use your values, or leave "
                                  "server-lr and server-momentum at their defaults")
         out = replace(out, strategy=strategy, server_lr=server_lr, server_momentum=server_momentum)
+        # "auto": stc at 5 % (sign for LoRA) both ways; none with compressor none or secagg (fedcomp.config.downstream)
+        downstream, downstream_density = resolve_downstream(out.downstream, out.downstream_density,
+                                                            out.codec.compressor, out.finetune,
+                                                            KEYS["secagg"].read(cfg))
+        out = replace(out, downstream=downstream, downstream_density=downstream_density)
         check_ramp_direction(out.codec)
         if out.codec.error_feedback == "ef21" and (out.fraction_train < 1.0 or out.client_sampling != "fraction"):
             raise ValueError("run config error-feedback = 'ef21' needs every client in every round: 'fraction-train' "

@@ -33,8 +33,13 @@ APP = table(
         "density 1/400 with error feedback and no dp, else fedavg", choices=STRATEGIES),
     Key("server-lr", float, 0.1, "FedAdam's eta; FedAvgM's server learning rate", lo=0.0, lo_open=True),
     Key("server-momentum", float, 0.9, "FedAvgM's server momentum", lo=0.0, hi=1.0, hi_open=True),
-    Key("downstream", str, "none", "server-to-client compression: none (dense) or any codec",
-        choices=tuple(available_compressors())),
+    Key("downstream", str, "auto", "server-to-client compression: auto (stc at density 0.05; sign for LoRA; none "
+        "with compressor none or secagg), none (dense) or any codec", choices=("auto",) + tuple(available_compressors())),
+    Key("downstream-density", float, 0.0, "density of a sparse downstream codec (stc, topk, randomk); 0 = the "
+        "upload's density", lo=0.0, hi=1.0),
+    Key("downstream-init", str, "auto", "what a client that holds nothing gets first: auto (a seeded start for the "
+        "model trained from scratch; on resume a compressed start with int8), seeded, dense, or a codec name (a "
+        "compressed start with it)", choices=("auto", "seeded", "dense") + tuple(available_compressors())),
     Key("uplink-mbps", float, DEFAULT_UPLINK_MBPS, "a client's default upload speed (node config overrides), "
         "for the simulated round time", lo=MIN_LINK_MBPS),
     Key("downlink-mbps", float, DEFAULT_DOWNLINK_MBPS, "a client's default download speed (node config "

@@ -156,6 +156,7 @@ def check_codec_under_secagg(run_config: Mapping[str, Any]) -> None:
                    "finetune": "full", "selection": "auto", "min-compress-numel": 0,
                    "small-tensor-compressor": "none", "require-compression": False}
     for key, ok in unsupported.items():
-        if key in run_config and run_config[key] != ok and not (key == "density-schedule" and run_config[key] == "auto"):
+        if key in run_config and run_config[key] != ok and not (key in ("density-schedule", "downstream")
+                                                                 and run_config[key] == "auto"):
             raise ValueError(f"run config '{key}' = {run_config[key]!r} is not supported with secagg = true "
                              f"(use {ok!r})")

@@ -14,13 +14,16 @@ from __future__ import annotations
 
 import hashlib
 import math
+import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-#: ``Array.stype`` of a tensor sent as its seeded-init rule: ``data`` = little-endian float64 bound.
+#: ``Array.stype`` of a tensor sent as its seeded-init rule: ``data`` = little-endian float64 bound
+#: (8 bytes: values uniform in ``[-bound, bound]``), or bound and center (16 bytes: ``center`` +
+#: uniform in ``[-bound, bound]``).
 INIT_STYPE = "fedcomp.seeded-init.v1"
 #: Train-config key carrying the seed of a seeded initial model.
 INIT_SEED = "fedcomp-init-seed"
@@ -31,8 +34,9 @@ def _tensor_seed(seed: int, key: str) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}:{key}".encode()).digest()[:8], "little") >> 1
 
 
-def seeded_tensor(key: str, shape: tuple[int, ...], bound: float, seed: int) -> np.ndarray:
-    """float32 values uniform in ``[-bound, bound]`` from ``(seed, key)``; zeros if ``bound == 0``.
+def seeded_tensor(key: str, shape: tuple[int, ...], bound: float, seed: int, center: float = 0.0) -> np.ndarray:
+    """float32 values ``center`` + uniform in ``[-bound, bound]`` from ``(seed, key)``; every entry
+    ``center`` if ``bound == 0``.
 
     Parameters
     ----------
@@ -44,19 +48,26 @@ def seeded_tensor(key: str, shape: tuple[int, ...], bound: float, seed: int) -> 
         Finite, >= 0.
     seed : int
         The run's init seed (any integer).
+    center : float
+        Finite; added to every entry (0 for LoRA's rules).
 
     Raises
     ------
     ValueError
-        A negative or non-finite bound.
+        A negative or non-finite bound, or a non-finite center.
     """
     if not math.isfinite(bound) or bound < 0:
         raise ValueError(f"seeded init of '{key}': bound must be finite and >= 0, got {bound!r}")
+    if not math.isfinite(center):
+        raise ValueError(f"seeded init of '{key}': center must be finite, got {center!r}")
     n = int(np.prod(shape)) if shape else 1
     if bound == 0.0:
-        return np.zeros(shape, dtype=np.float32)
+        return np.full(shape, center, dtype=np.float32)
     g = torch.Generator().manual_seed(_tensor_seed(seed, key))
-    return torch.empty(n, dtype=torch.float32).uniform_(-bound, bound, generator=g).numpy().reshape(shape)
+    out = torch.empty(n, dtype=torch.float32).uniform_(-bound, bound, generator=g).numpy().reshape(shape)
+    if center != 0.0:
+        out += np.float32(center)
+    return out
 
 
 @dataclass(frozen=True)
@@ -69,10 +80,20 @@ class SeededInit:
         Sent to the clients in the train config (it is no secret: it only fixes the starting point).
     bounds : dict of str to float
         Every float tensor of the model (the adapter state dict in LoRA mode) -> its bound.
+    centers : dict of str to float
+        Tensors whose values are centred elsewhere than 0 -> their center (others: 0). A tensor with
+        bound 0 is the constant ``center`` (BatchNorm's weight 1, a zero bias).
     """
 
     seed: int
     bounds: Mapping[str, float] = field(default_factory=dict)
+    centers: Mapping[str, float] = field(default_factory=dict)
+
+    def rule(self, key: str) -> bytes:
+        """The ``data`` of ``key``'s :data:`INIT_STYPE` Array: ``<d`` bound, or ``<dd`` bound, center."""
+        center = float(self.centers.get(key, 0.0))
+        bound = float(self.bounds[key])
+        return struct.pack("<d", bound) if center == 0.0 else struct.pack("<dd", bound, center)
 
     def values(self, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
         """The initial tensors (float32) for ``shapes`` (every key must have a bound).
@@ -82,7 +103,66 @@ class SeededInit:
         KeyError
             A key without a bound.
         """
-        return {k: seeded_tensor(k, tuple(s), float(self.bounds[k]), self.seed) for k, s in shapes.items()}
+        return {k: seeded_tensor(k, tuple(s), float(self.bounds[k]), self.seed, float(self.centers.get(k, 0.0)))
+                for k, s in shapes.items()}
+
+
+def parse_rule(key: str, data: bytes) -> tuple[float, float]:
+    """``(bound, center)`` of a received :data:`INIT_STYPE` rule.
+
+    Raises
+    ------
+    ValueError
+        Not 8 or 16 bytes, a negative or non-finite bound, or a non-finite center.
+    """
+    if len(data) == 8:
+        (bound,), center = struct.unpack("<d", data), 0.0
+    elif len(data) == 16:
+        bound, center = struct.unpack("<dd", data)
+    else:
+        raise ValueError(f"seeded-init rule of '{key}' must be 8 or 16 bytes, got {len(data)}")
+    if not math.isfinite(bound) or bound < 0 or not math.isfinite(center):
+        raise ValueError(f"seeded-init rule of '{key}': bound {bound!r} must be finite and >= 0 and center "
+                         f"{center!r} finite")
+    return bound, center
+
+
+def seeded_like(arrays: Mapping[str, np.ndarray], seed: int) -> SeededInit:
+    """A seeded start with the first two moments of a freshly initialised model, per float tensor.
+
+    A tensor whose entries are all equal (a zero bias, BatchNorm's weight 1, a 0-d or one-element
+    parameter) stays that constant exactly. Any other tensor becomes ``mean`` + uniform in
+    ``[-sqrt(3) std, sqrt(3) std]``: the same mean and variance. PyTorch's default initialisation
+    of ``Linear``/``Conv`` weights and biases is itself uniform (Kaiming-uniform with ``a = sqrt(5)``:
+    bound ``1/sqrt(fan_in)``, He et al., ICCV 2015), so for such layers the seeded start is a draw
+    from the same distribution; a normal initialisation (embeddings) keeps its scale but not its
+    shape. Only for models trained from scratch: a pretrained model is not a random draw, and
+    replacing it by one throws its training away.
+
+    Parameters
+    ----------
+    arrays : dict of str to numpy.ndarray
+        The model's float tensors (any float dtype, any shape; integer/bool tensors are not passed).
+    seed : int
+        The init seed (no secret: it fixes the starting point).
+
+    Raises
+    ------
+    ValueError
+        A tensor with a non-finite entry.
+    """
+    bounds, centers = {}, {}
+    for k, a in arrays.items():
+        x = np.asarray(a, dtype=np.float64).reshape(-1)
+        if x.size and not np.isfinite(x).all():
+            raise ValueError(f"seeded start: '{k}' has non-finite entries")
+        if x.size == 0 or np.all(x == x[0]):
+            bounds[k], center = 0.0, (float(x[0]) if x.size else 0.0)
+        else:
+            bounds[k], center = math.sqrt(3.0) * float(x.std()), float(x.mean())
+        if center != 0.0:
+            centers[k] = center
+    return SeededInit(seed, bounds, centers)
 
 
 def lora_init(shapes: Mapping[str, tuple[int, ...]], seed: int) -> SeededInit:
@@ -106,4 +186,4 @@ def lora_init(shapes: Mapping[str, tuple[int, ...]], seed: int) -> SeededInit:
     return SeededInit(seed, bounds)
 
 
-__all__ = ["INIT_SEED", "INIT_STYPE", "SeededInit", "lora_init", "seeded_tensor"]
+__all__ = ["INIT_SEED", "INIT_STYPE", "SeededInit", "lora_init", "parse_rule", "seeded_like", "seeded_tensor"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 from logging import INFO, WARNING
 from typing import Any, Iterable
 
@@ -18,6 +20,7 @@ from fedcomp.statedict import FlatModel
 from fedcomp.strategies.admission import admit, check_max_num_examples
 from fedcomp.strategies.codec_round import add_codec, check_feedback_under_dp, check_model
 from fedcomp.strategies.downstream_sender import Downstream
+from fedcomp.strategies.presets import apply_preset
 from fedcomp.strategies.ef21_aggregate import EF21Aggregate
 from fedcomp.strategies.fold_policy import FoldPolicy, dense_refusal
 from fedcomp.strategies.forward import ForwardsToInner
@@ -113,9 +116,17 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         "auto" (default): fold into one running sum where step 2 says (server memory O(model) for
         any number of clients; sparse payloads in O(k)), else each client's dense weights.
         "dense": always the latter (for checks).
-    downstream_init : SeededInit, optional
-        The initial model as a seed and one bound per tensor (:func:`fedcomp.protocol.seeded_init.lora_init`):
-        with ``downstream``, new clients build it themselves instead of downloading it dense.
+    downstream_init : SeededInit or str
+        With ``downstream``: what a client that holds nothing gets first. ``"auto"`` (default): a
+        seeded start for LoRA adapters at peft's initialisation (the strategy draws ``lora_A`` from a
+        seed; clients build the adapters from it), else the initial model compressed with ``int8``
+        (one start payload for every client; error feedback carries the rest). ``"seeded"``: every
+        float tensor drawn from a seed with its mean and variance (models trained from scratch only:
+        :func:`fedcomp.protocol.seeded_init.seeded_like`). A codec name: a compressed start with it.
+        ``"dense"``: the model dense. A :class:`SeededInit` (:func:`fedcomp.protocol.seeded_init.lora_init`):
+        the initial model is that seed's, and clients build it themselves.
+    downstream_density : float, optional
+        Density of a sparse downstream codec (default: ``density``, the upload's).
     downstream_catchup : {"smallest", "exact"}
         What clients that missed rounds get: the smaller of the missed payloads and a per-client
         compressed diff (default), or the missed payloads whenever they exist ("exact": every client
@@ -130,6 +141,11 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         shapes and dtypes; finite) and counted as an uncompressed update at its real bytes under
         ``upload-bytes-dense``. Dense replies are always refused under local DP, EF21 and
         ``downstream`` (the node was sent a compressed copy, not the global weights).
+    preset : {"lora"}, optional
+        Sets ``compressor``, ``error_feedback``, ``downstream``, ``downstream_init`` and
+        ``downstream_catchup`` at once (:mod:`.presets`): ``"lora"`` is sign with error feedback both
+        ways and the seeded start of peft adapters, for FlowerTune-style apps. Passing one of those
+        arguments with another value as well is refused.
     **params
         Codec parameters by their Python or run-config names: ``density``, ``levels``,
         ``block_size``, ``value_dtype``, ``residual_dtype``.
@@ -155,8 +171,15 @@ class CompressedStrategy(ForwardsToInner, Strategy):
                  max_num_examples: int = 10**9, client_dp: ClientLevelDP | None = None,
                  local_dp: LocalDP | None = None, max_epsilon: float | None = None, downstream: str | None = None,
                  client_sampling: float | None = None, seed: int | None = None, aggregation: str = "auto",
-                 downstream_init: SeededInit | None = None, require_compression: bool = False,
-                 downstream_catchup: str = "smallest", downstream_max_copies: float = 8, **params) -> None:
+                 downstream_init: SeededInit | str | None = "auto", require_compression: bool = False,
+                 downstream_catchup: str = "smallest", downstream_max_copies: float = 8,
+                 downstream_density: float | None = None, preset: str | None = None, **params) -> None:
+        if preset is not None:  # one argument for the codecs both ways (strategies/presets.py)
+            given = {"compressor": compressor, "error_feedback": error_feedback, "downstream": downstream,
+                     "downstream_init": downstream_init, "downstream_catchup": downstream_catchup}
+            given = apply_preset(preset, given, _DEFAULTS)
+            compressor, error_feedback, downstream = given["compressor"], given["error_feedback"], given["downstream"]
+            downstream_init, downstream_catchup = given["downstream_init"], given["downstream_catchup"]
         if aggregation not in ("auto", "dense"):
             raise ValueError(f"aggregation must be 'auto' or 'dense', got {aggregation!r}")
         if not isinstance(inner, Strategy):
@@ -164,7 +187,10 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         self.inner = inner
         #: The concern this wrapper adds: the codec clients are asked for (``params``: its options).
         self.codec = CodecConfig.from_kwargs(compressor, error_feedback, **params)
-        check_feedback_under_dp(self.codec, inner)
+        try:
+            check_feedback_under_dp(self.codec, inner)
+        except ValueError as err:
+            raise ValueError(f"preset {preset!r} keeps error feedback: {err}" if preset else str(err)) from None
         self.max_num_examples = check_max_num_examples(max_num_examples)
         if not isinstance(require_compression, bool):
             raise ValueError(f"require_compression must be True or False, got {require_compression!r}")
@@ -177,7 +203,7 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         self.ef21 = (EF21Aggregate.for_strategy(inner, client_dp, aggregation)
                      if self.codec.error_feedback == "ef21" else None)
         self.downstream = Downstream.for_run(self.codec, downstream, init=downstream_init, catchup=downstream_catchup,
-                                             max_copies=downstream_max_copies)
+                                             max_copies=downstream_max_copies, density=downstream_density)
         self.rounds = RoundHistory()
         # -- what a round leaves for the next call ----------------------------------------
         #: The global model sent in the current round (set by :meth:`configure_train`).
@@ -226,6 +252,15 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         public for callers that build the round's replies themselves; ``nodes`` None: any node's
         first reply counts)."""
         self.sent_round = SentRound(server_round, model, sampled, nodes)
+
+    def start(self, grid: Grid, initial_arrays: ArrayRecord, *args, **kwargs):
+        """Flower's strategy loop (:meth:`flwr.serverapp.strategy.Strategy.start`), from the initial
+        model the downstream sender starts from (seeded where ``downstream_init`` says:
+        :meth:`.downstream_sender.Downstream.start_model`), so that round 0's evaluation and
+        round 1 see the model new clients build."""
+        if self.downstream is not None:
+            initial_arrays = self.downstream.start_model(initial_arrays)
+        return super().start(grid, initial_arrays, *args, **kwargs)
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
         """Add the codec in force (and local-DP settings) to ``config``, remember ``arrays``, delegate,
@@ -376,6 +411,11 @@ class CompressedStrategy(ForwardsToInner, Strategy):
             self.ef21.load_state_dict(ef21, shapes, state.get("ef21-folded"))
         self.budget.load_state_dict(state.get("privacy", {}))
         self.int_remainders = dict(state.get("int-remainders", {}))
+
+
+#: The constructor's defaults (what a preset may fill in).
+_DEFAULTS = {name: p.default for name, p in inspect.signature(CompressedStrategy.__init__).parameters.items()
+             if p.default is not inspect.Parameter.empty}
 
 
 __all__ = ["CompressedStrategy", "SentRound"]

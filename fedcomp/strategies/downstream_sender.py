@@ -23,10 +23,14 @@ was not sent stays in ``G - B``). Per destination node, the cheapest of:
 3. ``diff``: the node holds some H (an older version or an earlier catch-up): ``C(G - H)`` with
    the downstream codec, per node; the node then holds ``H + decompress(...)``, which the server
    records, so the next catch-up sends what this one missed (per-node error feedback).
-4. ``init``: a node that holds nothing, when the initial model is seeded (:mod:`fedcomp.protocol.seeded_init`,
-   LoRA's B = 0 and seeded A): the seed and one bound per tensor, then 2 or 3 on top of that start.
-5. ``dense``: B_v in every tensor's dtype (a new node without a seeded start; or whatever is
-   smaller than 2 and 3).
+4. ``init``: a node that holds nothing builds the first broadcast model B_1 itself, then gets 2 or 3
+   on top of it. B_1 is either a *seeded start* (:mod:`fedcomp.protocol.seeded_init`: LoRA's B = 0
+   and seeded A; or every tensor of a model trained from scratch drawn like its initialisation):
+   the seed and one rule per tensor, a few bytes; or a *compressed start*: the initial model
+   compressed from zero with the first-contact codec (``int8`` by default: 4x fewer bytes than
+   fp32), the same start payload for every node, so that later nodes catch up along the same
+   broadcast versions and error feedback carries what the start left out (``G - B``).
+5. ``dense``: B_v in every tensor's dtype (with ``init = "dense"``; or whatever is smaller than 2-4).
 
 A node counts as holding what it was sent only once its reply arrives (:meth:`Downstream.received`);
 a node that was sent something and did not reply is treated as new next time (its copy is unknown).
@@ -42,8 +46,9 @@ catch-up, or ``dense``), as after a missed reply.
 from __future__ import annotations
 
 import hashlib
-import struct
-from logging import WARNING
+import math
+from dataclasses import replace
+from logging import INFO, WARNING
 
 import numpy as np
 import torch
@@ -51,11 +56,17 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.common.logger import log
 
 from fedcomp.compression import available_compressors, decompress, encode_exact, get_compressor
+from fedcomp.compression.registry import codecs_with
 from fedcomp.config import CodecConfig
 from fedcomp.protocol.broadcast import chain_key, gather, is_batchnorm_stat, scatter, settle
 from fedcomp.protocol.messages import BASE_VERSION, MODEL_VERSION, payload_array
-from fedcomp.protocol.seeded_init import INIT_SEED, INIT_STYPE, SeededInit
-from fedcomp.statedict import FlatModel
+from fedcomp.protocol.seeded_init import INIT_SEED, INIT_STYPE, SeededInit, lora_init, seeded_like
+from fedcomp.statedict import FlatModel, is_float_dtype, numpy_dict
+
+#: First-contact policies besides a codec name (:class:`Downstream`'s ``init``).
+INIT_POLICIES = ("auto", "seeded", "dense")
+#: The codec of a compressed start under ``init = "auto"``.
+START_CODEC = "int8"
 
 
 class Downstream:
@@ -70,9 +81,18 @@ class Downstream:
         Downstream codec name ("fp16", "stc", "sign", ...).
     seed : int
         Seed of stochastic codecs (mixed with the round and the node).
-    init : SeededInit, optional
-        How clients can build the initial model themselves (LoRA: B = 0, A from a seed). Used only if
-        the first round's global model equals it bit for bit (else a warning and dense first rounds).
+    init : SeededInit or str
+        How a node that holds nothing gets its first model. A :class:`SeededInit`: clients build the
+        initial model from the seed (LoRA: B = 0, A from a seed), used only if the first round's
+        global model equals it bit for bit (else a warning and a compressed start). ``"auto"``
+        (default): LoRA adapters at peft's initialisation (every key a ``lora_`` tensor, ``lora_B``
+        zero, ``lora_A`` within ``+-1/sqrt(fan_in)``) get a seeded start drawn the same way
+        (:meth:`start_model` replaces ``lora_A`` by the seed's draw), any other model a compressed
+        start with ``int8``. ``"seeded"``: every float tensor replaced by a seeded draw with its
+        mean and variance (:func:`fedcomp.protocol.seeded_init.seeded_like`; models trained from
+        scratch only). A codec name: a compressed start with that codec. ``"dense"``: the model dense.
+    density : float, optional
+        Density of a sparse downstream codec (default: the codec config's ``density``).
     catchup : {"smallest", "exact"}
         Lagging clients get the smaller of the missed payloads and a per-client compressed diff
         ("smallest", default), or the missed payloads whenever the server still has them ("exact").
@@ -85,11 +105,22 @@ class Downstream:
     Raises
     ------
     ValueError
-        ``catchup`` not one of the two, or ``max_copies`` < 2.
+        ``catchup`` not one of the two, ``max_copies`` < 2, ``init`` not a policy or codec name, or
+        ``density`` outside (0, 1].
     """
 
-    def __init__(self, codec: CodecConfig, compressor: str, seed: int = 0, init: SeededInit | None = None,
-                 catchup: str = "smallest", max_copies: float = 8) -> None:
+    def __init__(self, codec: CodecConfig, compressor: str, seed: int = 0, init: SeededInit | str | None = "auto",
+                 catchup: str = "smallest", max_copies: float = 8, density: float | None = None) -> None:
+        init = "auto" if init is None else init
+        if isinstance(init, str) and init not in INIT_POLICIES and init not in available_compressors():
+            raise ValueError(f"downstream init must be a SeededInit, one of {INIT_POLICIES} or a codec name "
+                             f"({available_compressors()}), got {init!r}")
+        if isinstance(init, str) and init in codecs_with(per_tensor_only=True):
+            raise ValueError(f"downstream init cannot be {init!r}: the start is one flat vector, no matrix")
+        if density is not None and (isinstance(density, bool) or not isinstance(density, (int, float))
+                                    or not 0 < density <= 1):
+            raise ValueError(f"downstream density must be in (0, 1], got {density!r}")
+        self.density = None if density is None else float(density)
         if catchup not in ("smallest", "exact"):
             raise ValueError(f"downstream catch-up must be 'smallest' or 'exact', got {catchup!r}")
         if isinstance(max_copies, bool) or not isinstance(max_copies, (int, float)) or not max_copies >= 2:
@@ -106,7 +137,9 @@ class Downstream:
         self._versions: dict[int, np.ndarray] = {}  # u -> compressed part of B_u (held by some node)
         self._payloads: dict[int, bytes] = {}  # u -> broadcast payload B_{u-1} -> B_u
         self._pending: dict[int, tuple[int, np.ndarray | None]] = {}
-        self._init_vec: np.ndarray | None = None
+        self._init_vec: np.ndarray | None = None  # B_1's compressed part, if new nodes can build it
+        self._start: list[bytes] = []  # the compressed start's payload (empty: seeded start)
+        self._start_init: SeededInit | None = None  # the rules of a new node's base (seeded, or zeros)
         #: "exact": lagging clients get the chain of missed payloads whenever it exists, never a per-client
         #: diff, so every client trains from a broadcast version exactly (a per-client diff through a sparse
         #: codec such as STC drifts from the broadcast under partial participation; the chain does not)
@@ -156,9 +189,40 @@ class Downstream:
     def _decode(self, payload: bytes) -> np.ndarray:
         return decompress(payload, max_numel=max(self.num_lossy, 1), expected_shape=(self.num_lossy,)).numpy()
 
-    def _codec(self, server_round: int, node: int | None = None):
+    def _codec(self, server_round: int, node: int | None = None, compressor: str | None = None):
         extra = 0 if node is None else int.from_bytes(hashlib.sha256(str(node).encode()).digest()[:4], "little")
-        return self.codec.build(seed=self.seed + server_round + extra, compressor=self.compressor)
+        return self.codec.build(seed=self.seed + server_round + extra, compressor=compressor or self.compressor,
+                                density=self.density)
+
+    # -- the first model ----------------------------------------------------------------------
+    def start_model(self, arrays: ArrayRecord) -> ArrayRecord:
+        """The initial global model, seeded where the ``init`` policy says (called once, by
+        :meth:`CompressedStrategy.start` before round 0's evaluation).
+
+        ``"auto"`` replaces nothing but LoRA adapters at peft's initialisation (their ``lora_A``
+        by the seed's draw from the same distribution); ``"seeded"`` replaces every float tensor
+        (:func:`~fedcomp.protocol.seeded_init.seeded_like`). Integer/bool tensors are kept. The
+        result equals what a new client builds from the seed, bit for bit (in each tensor's dtype).
+
+        Returns
+        -------
+        ArrayRecord
+            ``arrays`` itself when nothing is seeded, else a new record.
+        """
+        if not isinstance(self.init, str) or self.init not in ("auto", "seeded"):
+            return arrays
+        values, dtypes = numpy_dict(arrays)
+        floats = {k: v for k, v in values.items() if is_float_dtype(dtypes[k])}
+        init = seeded_like(floats, self.seed) if self.init == "seeded" else _peft_adapters(floats, self.seed)
+        self.init = init if init is not None else START_CODEC
+        if init is None:
+            return arrays
+        log(INFO, "fedcomp downstream: seeded start (%d tensors): new clients build the first model from a seed",
+            len(floats))
+        seeded = init.values({k: v.shape for k, v in floats.items()})
+        model = FlatModel({**values, **seeded}, dtypes)
+        model.flat[...] = settle(model, model.float_keys, model.flat.copy())
+        return model.record(check=True)
 
     # -- one round --------------------------------------------------------------------------
     def _forget_silent_nodes(self) -> None:
@@ -220,6 +284,8 @@ class Downstream:
             self.version = 1
             self._versions = {1: self._lossy(target)}
             self._init_vec = self._check_init(target)
+            if self._init_vec is None and self.init != "dense":
+                self._compressed_start(server_round, target)
         else:
             b = self._versions[self.version]
             comp = self._codec(server_round)
@@ -257,12 +323,12 @@ class Downstream:
             else:
                 rec = ArrayRecord()
                 if kind.startswith("init"):
-                    cfg[INIT_SEED] = self.init.seed
+                    cfg[INIT_SEED] = self._start_init.seed
                     for k in self.model.keys:
                         if k in self.lossy_keys:
                             spec = self.model.specs[k]
                             rec[k] = Array(dtype=spec.dtype, shape=spec.shape, stype=INIT_STYPE,
-                                           data=struct.pack("<d", float(self.init.bounds[k])))
+                                           data=self._start_init.rule(k))
                         else:  # the node knows nothing of the model yet: plain arrays with dtype and shape
                             dense = dense or self.model.record(check=False)
                             rec[k] = dense[k]
@@ -291,42 +357,59 @@ class Downstream:
             label, private = 1, None  # builds B_1 itself from the seed
         else:
             return "dense", [], 0, None
+        start = [] if known else self._start  # a compressed start's payload comes first
         if not known and v == 1:
-            return "init", [], 0, None  # the seeded start is this round's model
+            return "init", list(start), 0, None  # the start is this round's model
         if payload is not None and known and private is None and label == v - 1:
             return "payload", [payload], label, None
         prefix = "init+" if not known else ""
+        start_cost = sum(len(p) for p in start)
         held = private if private is not None else (self._init_vec if not known and label == 1 else
                                                      self._versions.get(label))
         options: list[tuple[int, int, str, list[bytes], np.ndarray | None]] = []
         if private is None and all(u in self._payloads for u in range(label + 1, v + 1)):
             chain = [self._payloads[u] for u in range(label + 1, v + 1)]
-            options.append((sum(len(p) for p in chain), 0, prefix + "chain", chain, None))
+            options.append((start_cost + sum(len(p) for p in chain), 0, prefix + "chain", start + chain, None))
         if held is not None and not (self.exact_catchup and options):
             diff = self._codec(server_round, node).compress(torch.from_numpy(g - held))
-            options.append((len(diff), 1, prefix + "diff", [diff], self._settle(held + self._decode(diff))))
+            options.append((start_cost + len(diff), 1, prefix + "diff", start + [diff],
+                            self._settle(held + self._decode(diff))))
         dense_cost = self.model.dense_bytes - extra_bytes
         best = min(options, key=lambda o: (o[0], o[1]), default=None)
         if best is None or best[0] >= dense_cost:
             return "dense", [], 0, None
         return best[2], best[3], label, best[4]
 
+    def _compressed_start(self, server_round: int, target: FlatModel) -> None:
+        """B_1 := the initial model compressed from zero with the first-contact codec (server-side
+        error feedback keeps ``G - B_1``); every new node gets that one start payload."""
+        codec = self.init if isinstance(self.init, str) and self.init not in INIT_POLICIES else START_CODEC
+        payload = self._codec(server_round, compressor=codec).compress(torch.from_numpy(self._versions[1]))
+        b1 = self._settle(self._decode(payload))
+        if len(payload) >= self.model.dense_bytes:
+            return  # nothing to gain: new nodes get the model dense
+        self._start, self._init_vec = [payload], b1
+        self._start_init = SeededInit(0, dict.fromkeys(self.lossy_keys, 0.0))
+        self._versions[1] = b1
+        scatter(self.model, self.lossy_keys, b1)
+
     def _check_init(self, target: FlatModel) -> np.ndarray | None:
         """The compressed part of the seeded initial model if the first global model equals it."""
-        if self.init is None:
+        if not isinstance(self.init, SeededInit):
             return None
         try:
             vals = self.init.values({k: target.specs[k].shape for k in self.lossy_keys})
             vec = self._settle(np.concatenate([vals[k].reshape(-1) for k in self.lossy_keys])
                                if self.lossy_keys else np.zeros(0, np.float32))
         except (KeyError, ValueError) as exc:
-            log(WARNING, "fedcomp downstream: the seeded init does not describe this model (%s); first downloads "
-                "are dense", exc)
+            log(WARNING, "fedcomp downstream: the seeded init does not describe this model (%s); new clients "
+                "get a compressed start", exc)
             return None
         if not np.array_equal(vec, self._versions[1]):
             log(WARNING, "fedcomp downstream: the initial global model is not the seeded init; "
-                "first downloads are dense")
+                "new clients get a compressed start")
             return None
+        self._start_init = self.init
         return vec
 
     def received(self, node: int) -> None:
@@ -363,3 +446,17 @@ class Downstream:
         out = FlatModel({k: v for k, v in self.model.items()}, {k: s.dtype for k, s in self.model.specs.items()})
         scatter(out, self.lossy_keys, vec)
         return out.flat
+
+
+def _peft_adapters(floats: dict[str, np.ndarray], seed: int) -> SeededInit | None:
+    """LoRA's seeded start if ``floats`` are adapters as peft initialises them (every key a
+    ``lora_`` tensor; ``lora_A`` within ``+-1/sqrt(fan_in)``, every other tensor zero), else None."""
+    if not floats or not all("lora_" in k for k in floats):
+        return None
+    init = lora_init({k: v.shape for k, v in floats.items()}, seed)
+    for k, v in floats.items():
+        bound = init.bounds[k]
+        top = float(np.max(np.abs(v.astype(np.float64)))) if v.size else 0.0
+        if not math.isfinite(top) or top > bound * (1 + 1e-6):
+            return None
+    return init

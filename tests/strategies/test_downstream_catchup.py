@@ -129,13 +129,29 @@ def test_unknown_catchup_is_refused():
         Downstream(CodecConfig(), "stc", catchup="dense")
 
 
-def test_without_a_seeded_start_new_clients_get_the_model_dense():
+def test_with_init_dense_new_clients_get_the_model_dense():
     init, seq = _walk(rounds=2)
-    fed = Fed("sign", 2)
+    fed = Fed("sign", 2, init="dense")
     fed.round(seq[0], [0])
     got = fed.round(seq[1], [1])
     assert fed.ds.sent_kind[1] == "dense"
     assert np.array_equal(_flat(got[1]), fed.ds.history[fed.ds.version])
+
+
+def test_without_a_seeded_start_new_clients_get_the_compressed_start_and_a_catch_up():
+    """The default first contact: the one int8 start payload (B_1), then the cheaper of the chain of
+    broadcast payloads and a per-node diff; the client holds what the server records, bit for bit."""
+    init, seq = _walk(rounds=4)
+    fed = Fed("sign", 2)
+    got = fed.round(seq[0], [0])
+    assert fed.ds.sent_kind[0] == "init" and np.array_equal(_flat(got[0]), fed.ds.history[1])
+    start_bytes = fed.ds.sent_bytes[0]
+    fed.round(seq[1], [0])
+    fed.round(seq[2], [0])
+    fed.round(seq[3], [0, 1])  # node 1 is new in round 4
+    assert fed.ds.sent_kind[1] in ("init+chain", "init+diff")
+    assert start_bytes < fed.ds.sent_bytes[1] < start_bytes + 3 * fed.ds.sent_bytes[0]
+    assert np.array_equal(fed.ds.held(1), fed.ds.held(0)) == (fed.ds.sent_kind[1] == "init+chain")
 
 
 def test_exact_catch_ups_keep_every_client_on_a_broadcast_version():

@@ -1,0 +1,62 @@
+"""The server-to-client direction's defaults: the run-config value ``downstream = "auto"``.
+
+A federation pays for what the server sends as much as for what clients send: with a dense
+download, the default run's 319x fewer uploaded bytes are 2x in total. ``"auto"`` (the default)
+compresses the download too, with what ``benchmarks/both_ways.py`` measured best on the default
+federation (digits, CNN, 10 clients, 50 rounds, 3 seeds; ``benchmarks/results/both_ways.json``):
+
+- full-model training: STC (Sattler et al., IEEE TNNLS 2019, in both directions with server-side
+  error feedback) at density :data:`AUTO_DENSITY`, whatever the upload's density (a sparser
+  download loses accuracy: the clients train from a broadcast model that lags the global one);
+- LoRA fine-tuning (``finetune = "lora"``): ``sign`` (every entry moves each round, so a client that
+  missed rounds under partial participation does not drift; ``benchmarks/llm_lora.py``);
+- ``compressor = "none"``: no compression either way (the fp32 baseline stays fp32 both ways);
+- ``secagg = true``: dense (the secure path sends the model as Flower's SecAgg+ workflow does; an
+  explicit codec there is refused).
+
+The first model a client gets is the seeded start (:mod:`fedcomp.protocol.seeded_init`), never
+the model dense (``downstream-init``).
+"""
+
+from __future__ import annotations
+
+#: Downstream codec and density "auto" chooses for full-model training.
+AUTO_CODEC = "stc"
+AUTO_DENSITY = 0.05
+#: Downstream codec "auto" chooses for LoRA adapters.
+AUTO_LORA_CODEC = "sign"
+
+
+def resolve_downstream(requested: str, density: float, compressor: str, finetune: str,
+                       secagg: bool) -> tuple[str, float]:
+    """``(downstream codec, downstream density)`` for run config ``downstream`` = ``requested``.
+
+    Parameters
+    ----------
+    requested : str
+        "auto", "none" or a codec name.
+    density : float
+        Run config ``downstream-density`` (0: the default, the upload's density for an explicit codec,
+        :data:`AUTO_DENSITY` under "auto").
+    compressor : str
+        The upload codec ("none": no compression either way under "auto").
+    finetune : str
+        "full" or "lora".
+    secagg : bool
+        Run config ``secagg``.
+
+    Returns
+    -------
+    (str, float)
+        The codec ("none" for a dense download) and its density (0: the upload's).
+    """
+    if requested != "auto":
+        return requested, density
+    if secagg or compressor == "none":
+        return "none", density
+    if finetune == "lora":
+        return AUTO_LORA_CODEC, density
+    return AUTO_CODEC, density or AUTO_DENSITY
+
+
+__all__ = ["AUTO_CODEC", "AUTO_DENSITY", "AUTO_LORA_CODEC", "resolve_downstream"]
