@@ -38,6 +38,7 @@ from fedcomp.protocol.messages import (
     SECAGG_SEED_KEY,
 )
 from fedcomp.secagg.encoding import SharedProjection, flower_weight, prequantize
+from fedcomp.secagg.guard import check_request
 
 #: Key in ``context.state`` of the error-feedback residual of the secure path (float32, shape (d,)).
 SECAGG_RESIDUAL_KEY = "fedcomp.secagg-residual"
@@ -260,7 +261,13 @@ def packing_secaggplus_mod(msg: Message, ctxt: Context, call_next) -> Message:
     unpacked by :class:`fedcomp.secagg.CompressedSecAggPlusWorkflow`). Every protocol step, mask
     and share is Flower's; this only re-encodes the masked integers of the reply. Adds the
     reply's metric ``upload-bytes`` (bytes of the masked vectors as sent).
+
+    Before Flower's mod sees a request, :func:`fedcomp.secagg.guard.check_request` refuses a setup
+    whose threshold is at most half the shares and an unmask request that asks for both shares of
+    one node (raises :class:`fedcomp.secagg.guard.UnsafeRequest`; Flower sends an error reply).
     """
+    if _is_train(msg):
+        check_request(msg, ctxt)  # a setup or unmask request that would unmask one client is refused
     pack = (_is_train(msg) and "fitins.config" in msg.content.config_records
             and bool(msg.content.config_records["fitins.config"].get(SECAGG_PACK_KEY, False)))
     reply = secaggplus_mod(msg, ctxt, call_next)

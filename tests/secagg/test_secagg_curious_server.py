@@ -1,0 +1,128 @@
+"""A curious server on the SecAgg+ path (issue 32, part 1): unmasking one client, splitting its
+neighbours with a low threshold, switching a node's own compression and privacy floor off, and a
+client masking another weight than the num-examples it reports."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from flwr.app import Error, Message
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
+
+from tests.secagg import helpers
+
+
+def _stage(m):
+    rec = m.content.config_records.get(RECORD_KEY_CONFIGS)
+    return None if rec is None else rec.get(Key.STAGE)
+
+
+class _UnmaskingGrid(helpers.RecordingGrid):
+    """Lists the victim (partition 0) as dropped too wherever an unmask request lists it alive; keeps the
+    unmask replies (and hands Flower's server error replies instead: it only had to collect the shares)."""
+
+    replies: list = []
+
+    def send_and_receive(self, messages, *, timeout=None):
+        messages = list(messages)
+        victim = self.node_ids[0]
+        for m in messages:
+            if _stage(m) == Stage.UNMASK:
+                rec = m.content.config_records[RECORD_KEY_CONFIGS]
+                if victim in rec[Key.ACTIVE_NODE_ID_LIST]:
+                    rec[Key.DEAD_NODE_ID_LIST] = [*rec[Key.DEAD_NODE_ID_LIST], victim]
+        out = list(super().send_and_receive(messages, timeout=timeout))
+        if any(_stage(m) == Stage.UNMASK for m in messages):
+            type(self).replies = out
+            return [Message(Error(code=2, reason="kept by the test"), reply_to=m) for m in messages]
+        return out
+
+
+def test_clients_refuse_an_unmask_request_listing_a_node_alive_and_dropped(monkeypatch):
+    monkeypatch.setattr(helpers, "RecordingGrid", _UnmaskingGrid)
+    _UnmaskingGrid.replies = []
+    _, strategy, _, grid = helpers.run_round(5, 0.5)
+    replies = _UnmaskingGrid.replies
+    assert len(replies) == 5
+    victim = grid.node_ids[0]
+    handed = [r for r in replies if not r.has_error()
+              and r.content.config_records[RECORD_KEY_CONFIGS][Key.NODE_ID_LIST].count(victim) > 1]
+    assert handed == []  # no client hands over both shares of the victim
+    assert all(r.has_error() and "both alive and dropped" in r.error.reason for r in replies)
+    assert 1 not in strategy.history  # the round is lost, the model kept: nothing unmasked
+
+
+class _SplittingGrid(helpers.RecordingGrid):
+    """Lowers the setup's threshold to half the shares (what a server splitting neighbours needs)."""
+
+    replies: list = []
+
+    def send_and_receive(self, messages, *, timeout=None):
+        messages = list(messages)
+        for m in messages:
+            if _stage(m) == Stage.SETUP:
+                rec = m.content.config_records[RECORD_KEY_CONFIGS]
+                rec[Key.THRESHOLD] = rec[Key.SHARE_NUMBER] // 2
+        out = list(super().send_and_receive(messages, timeout=timeout))
+        if any(_stage(m) == Stage.SETUP for m in messages):
+            type(self).replies = out
+        return out
+
+
+def test_clients_refuse_a_setup_whose_threshold_allows_splitting(monkeypatch):
+    monkeypatch.setattr(helpers, "RecordingGrid", _SplittingGrid)
+    _, strategy, _, _ = helpers.run_round(4, 0.5)
+    assert len(_SplittingGrid.replies) == 4
+    assert all(r.has_error() and "threshold 2 of 4 shares" in r.error.reason for r in _SplittingGrid.replies)
+    assert 1 not in strategy.history
+
+
+@pytest.mark.parametrize("cfg,bound", [({"secagg-threshold": 0.5}, "fraction > 0.5"),
+                                       ({"secagg-threshold": 0.3}, "fraction > 0.5"),
+                                       ({"secagg-shares": 6, "secagg-threshold": 3}, "integer > secagg-shares / 2")])
+def test_a_threshold_of_at_most_half_the_shares_is_refused_at_start_up(cfg, bound):
+    from fedcomp.config.secagg import SecAggConfig
+    with pytest.raises(ValueError, match=rf"'secagg-threshold' = .* allows at most half .*{bound}"):
+        SecAggConfig.from_run_config(cfg)
+
+
+def test_thresholds_above_half_the_shares_are_accepted():
+    from fedcomp.config.secagg import SecAggConfig
+    assert SecAggConfig.from_run_config({"secagg-threshold": 0.51}).threshold == 0.51
+    assert SecAggConfig.from_run_config({"secagg-shares": 6, "secagg-threshold": 4}).threshold == 4
+
+
+def _reweighting_grid(shift_in_q):
+    """A client (partition 1) that masks its weight entry shifted by ``shift_in_q`` * Q (mod the modulus)
+    while reporting its true num-examples: what a client running its own SecAgg+ code can send."""
+    from fedcomp.secagg.client import pack_masked, unpack_masked
+
+    class G(helpers.RecordingGrid):
+        def send_and_receive(self, messages, *, timeout=None):
+            out = list(super().send_and_receive(messages, timeout=timeout))
+            pid = {nid: c.node_config["partition-id"] for nid, c in self.contexts.items()}
+            for r in out:
+                rec = r.content.config_records.get(RECORD_KEY_CONFIGS, {}) if not r.has_error() else {}
+                if Key.MASKED_PARAMETERS in rec and pid[r.metadata.src_node_id] == 1:
+                    blobs = list(rec[Key.MASKED_PARAMETERS])
+                    bits = blobs[0][5]
+                    w = unpack_masked(blobs[0], bits)
+                    w = (w + shift_in_q * (1 << 16)) % (1 << bits)
+                    rec[Key.MASKED_PARAMETERS] = [pack_masked(w, bits), blobs[1]]
+            return out
+    return G
+
+
+@pytest.mark.parametrize("shift", [3, -1, -2], ids=["inflated", "zero-ish", "negative"])
+def test_a_masked_weight_other_than_the_reported_count_refuses_the_round(monkeypatch, caplog, shift):
+    monkeypatch.setattr(helpers, "RecordingGrid", _reweighting_grid(shift))
+    new, strategy, workflow, _ = helpers.run_round(4, 0.5)
+    assert 1 not in strategy.history  # the sum never reached the strategy
+    g = helpers.global_model()
+    assert all(np.array_equal(new[k], g[k]) for k in g)  # the model is kept
+    assert "unmasked weight sum" in workflow.round_skipped[1] and "reported num-examples" in workflow.round_skipped[1]
+
+
+def test_an_honest_round_passes_the_weight_check():
+    new, strategy, workflow, _ = helpers.run_round(4, 0.5)
+    assert strategy.history[1]["num-replies"] == 4 and workflow.round_skipped == {}
