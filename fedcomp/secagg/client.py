@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import struct
-from logging import WARNING
+from logging import ERROR, WARNING
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
@@ -28,7 +28,10 @@ from flwr.common.logger import log
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, RECORD_KEY_STATE, Key
 from flwr.compat.common import recorddict_compat as compat
 
+from fedcomp.client.request import own_local_dp
+from fedcomp.client.secure_path import secure_encoding
 from fedcomp.compression import PayloadError
+from fedcomp.config.secagg import SECAGG_CODECS
 from fedcomp.compression.bits import nbytes_for_bits, pack_uint, unpack_uint
 from fedcomp.protocol.messages import (
     SECAGG_DP_CLIP_KEY,
@@ -71,6 +74,35 @@ def _float_layout(arrays: list[np.ndarray]) -> list[tuple[int, int, int]]:
     return out
 
 
+def check_node_floor(ctxt: Context, cfg: dict) -> None:
+    """Refuse a secure round that would lower this node's own settings (node config wins, always).
+
+    Under SecAgg+ every client sends the round's shared random-k at the server's ``density`` and no
+    local noise: a node whose own config asks for local DP (``dp = "local"``), for a codec the
+    secure path cannot use, or for a lower ``density`` than the server's does not train.
+
+    Raises
+    ------
+    ValueError
+        Naming the node-config key and what the server asked (logged at ERROR).
+    """
+    node = ctxt.node_config
+    problem = None
+    if own_local_dp(ctxt) is not None:
+        problem = ("its config sets dp = 'local' (a local-DP floor), and the secure path adds no local noise: the "
+                   "server cannot switch it off")
+    elif "compressor" in node and node["compressor"] not in SECAGG_CODECS:
+        problem = (f"its config sets compressor = {node['compressor']!r}, which cannot run under secure aggregation "
+                   f"({list(SECAGG_CODECS)} can)")
+    elif (node.get("compressor", "randomk") == "randomk" and isinstance(node.get("density"), (int, float))
+          and float(node["density"]) < float(cfg.get("density", 1.0))):
+        problem = (f"its config sets density = {node['density']}, the server asked for density = {cfg.get('density')} "
+                   "(more of the update than this node sends)")
+    if problem:
+        log(ERROR, "fedcomp secagg: node %s refuses the secure round: %s", ctxt.node_id, problem)
+        raise ValueError(f"this node refuses the secure round: {problem}")
+
+
 def _train(msg: Message, ctxt: Context, call_next, global_arrays: list[np.ndarray], cfg: dict):
     """Run the inner app; returns (trained arrays in order, num_examples, metrics) or an error Message.
 
@@ -85,7 +117,8 @@ def _train(msg: Message, ctxt: Context, call_next, global_arrays: list[np.ndarra
         content = RecordDict({"arrays": ArrayRecord({n: Array(np.array(a, copy=True, order="C"))
                                                      for n, a in zip(names, global_arrays)}),
                               "config": ConfigRecord(cfg)})
-        reply = call_next(Message(content=content, metadata=msg.metadata), ctxt)
+        with secure_encoding():  # compression_mod steps aside only inside this call
+            reply = call_next(Message(content=content, metadata=msg.metadata), ctxt)
         if reply.has_error():
             return reply
         recs = reply.content.array_records
@@ -132,13 +165,15 @@ def shared_randomk_mod(msg: Message, ctxt: Context, call_next) -> Message:
     ------
     ValueError
         ``num_examples > max_weight``; a non-finite update (the residual is kept as it was); a
-        reply under other names than received. Flower turns it into an error reply: SecAgg+ then
+        reply under other names than received; a round that would lower this node's own settings
+        (:func:`check_node_floor`). Flower turns it into an error reply: SecAgg+ then
         treats this client as dropped.
     """
     global _warned_dense
     if not _is_train(msg):
         return call_next(msg, ctxt)
     cfg = dict(msg.content.config_records["fitins.config"])
+    check_node_floor(ctxt, cfg)  # dense SecAgg+ too: the node's own settings win
     if SECAGG_SEED_KEY not in cfg:
         if not _warned_dense:
             log(WARNING, "fedcomp: the server sent no shared seed (no SharedRandomKStrategy): dense SecAgg+ update")

@@ -34,8 +34,10 @@ def num_examples(pid: int) -> int:
     return 50 + 37 * pid
 
 
-def make_client_app(scale: float = 0.01) -> ClientApp:
-    app = ClientApp(mods=[secagg_mod])
+def make_client_app(scale: float = 0.01, mods=(secagg_mod,)) -> ClientApp:
+    """Clients whose training adds :func:`client_delta`; ``mods`` as fedcomp's own app has them:
+    ``(secagg_mod, compression_mod)``."""
+    app = ClientApp(mods=list(mods))
 
     @app.train()
     def train(msg: Message, context: Context) -> Message:
@@ -76,11 +78,12 @@ class RecordingGrid(InProcessGrid):
 
 
 def run_round(n: int, density: float, *, rotation=False, pack=True, drop=(), corrupt=(), scale=0.01,
-              clipping_range=1.0, qbits=16, shares=1.0, threshold=0.6, ef=True, inner_cls=FedAvg, client_dp=None, **inner_kw):
+              clipping_range=1.0, qbits=16, shares=1.0, threshold=0.6, ef=True, inner_cls=FedAvg, client_dp=None,
+              node_configs=None, mods=(secagg_mod,), **inner_kw):
     """One SecAgg+ round; returns (new model dict, strategy, workflow, grid)."""
     g = global_model()
     keys = list(g)
-    grid = RecordingGrid(make_client_app(scale), n, {}, drop=drop, corrupt=corrupt)
+    grid = RecordingGrid(make_client_app(scale, mods), n, {}, node_configs, drop=drop, corrupt=corrupt)
     captured = {}
 
     def evaluate_fn(rnd, arrays, config):

@@ -126,3 +126,83 @@ def test_a_masked_weight_other_than_the_reported_count_refuses_the_round(monkeyp
 def test_an_honest_round_passes_the_weight_check():
     new, strategy, workflow, _ = helpers.run_round(4, 0.5)
     assert strategy.history[1]["num-replies"] == 4 and workflow.round_skipped == {}
+
+
+def _plain_train_reply(seed_key: bool, node_config: dict | None = None):
+    """The reply of a node of fedcomp's app (secagg_mod, compression_mod) to a plain train message."""
+    from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
+
+    from fedcomp.client import compression_mod
+    from fedcomp.protocol.messages import SECAGG_SEED_KEY
+    from fedcomp.run.inprocess_grid import InProcessGrid
+    from fedcomp.secagg import secagg_mod
+
+    grid = InProcessGrid(helpers.make_client_app(mods=(secagg_mod, compression_mod)), 1, {}, [node_config or {}])
+    g = helpers.global_model()
+    cfg = {"server-round": 1, "compressor": "randomk", "density": 0.5, **({SECAGG_SEED_KEY: 7} if seed_key else {})}
+    content = RecordDict({"arrays": ArrayRecord({k: Array(v) for k, v in g.items()}), "config": ConfigRecord(cfg)})
+    (reply,) = grid.send_and_receive([grid.create_message(content, "train", 1000, "1")])
+    return reply
+
+
+@pytest.mark.parametrize("node_config", [{"dp": "local", "noise-multiplier": 1.0, "clipping-norm": 1.0}, {}],
+                         ids=["local-dp-floor", "no-floor"])
+def test_the_shared_seed_key_does_not_switch_compression_mod_off(node_config, caplog):
+    """A plain train message carrying the SecAgg+ seed key: on main compression_mod stepped aside and
+    the node returned raw weights (its local-DP floor ignored). Now it is refused and logged."""
+    from fedcomp.protocol.messages import PAYLOAD_STYPE
+    reply = _plain_train_reply(True, node_config)
+    raw = (not reply.has_error()) and any(a.stype != PAYLOAD_STYPE for rec in reply.content.array_records.values()
+                                          for a in rec.values())
+    assert not raw
+    assert reply.has_error() and "fedcomp-secagg-seed" in reply.error.reason
+
+
+def test_without_the_seed_key_the_same_message_is_compressed():
+    from fedcomp.protocol.messages import PAYLOAD_STYPE
+    reply = _plain_train_reply(False)
+    assert not reply.has_error()
+    assert all(a.stype == PAYLOAD_STYPE for a in reply.content["arrays"].values())
+
+
+@pytest.mark.parametrize("node_config,why", [
+    ({"dp": "local", "noise-multiplier": 1.0, "clipping-norm": 1.0}, "dp = 'local'"),
+    ({"compressor": "sign"}, "compressor = 'sign'"),
+    ({"density": 0.1}, "density = 0.1"),
+], ids=["local-dp", "codec", "density"])
+def test_a_node_whose_own_settings_the_secure_round_would_lower_refuses_it(node_config, why, caplog):
+    from fedcomp.client import compression_mod
+    from fedcomp.secagg import secagg_mod
+    import logging
+    caplog.set_level(logging.ERROR, logger="flwr")
+    _, strategy, _, _ = helpers.run_round(4, 0.5, node_configs=[node_config, {}, {}, {}],
+                                          mods=(secagg_mod, compression_mod))
+    assert strategy.history[1]["num-replies"] == 3  # the node kept its floor and sent nothing
+    assert any(why in r.getMessage() and "refuses the secure round" in r.getMessage() for r in caplog.records)
+
+
+def test_node_settings_the_secure_round_honours_are_accepted():
+    from fedcomp.client import compression_mod
+    from fedcomp.secagg import secagg_mod
+    _, strategy, _, _ = helpers.run_round(3, 0.5, node_configs=[{"density": 0.5}, {"compressor": "randomk"}, {}],
+                                          mods=(secagg_mod, compression_mod))
+    assert strategy.history[1]["num-replies"] == 3
+
+
+class _SetupRecordingGrid(helpers.RecordingGrid):
+    thresholds: list = []
+
+    def send_and_receive(self, messages, *, timeout=None):
+        messages = list(messages)
+        type(self).thresholds += [m.content.config_records[RECORD_KEY_CONFIGS][Key.THRESHOLD]
+                                  for m in messages if _stage(m) == Stage.SETUP]
+        return super().send_and_receive(messages, timeout=timeout)
+
+
+def test_a_fractional_threshold_rounded_to_half_the_shares_is_raised_to_a_majority(monkeypatch):
+    """secagg-threshold 0.6 of 4 shares rounds to 2 in Flower (half): the workflow sends 3, and the round runs."""
+    monkeypatch.setattr(helpers, "RecordingGrid", _SetupRecordingGrid)
+    _SetupRecordingGrid.thresholds = []
+    _, strategy, _, _ = helpers.run_round(4, 0.5, threshold=0.6)
+    assert set(_SetupRecordingGrid.thresholds) == {3}
+    assert strategy.history[1]["num-replies"] == 4
