@@ -34,6 +34,7 @@ from fedcomp.compression import PayloadError
 from fedcomp.config.secagg import SECAGG_CODECS
 from fedcomp.compression.bits import nbytes_for_bits, pack_uint, unpack_uint
 from fedcomp.protocol.messages import (
+    SECAGG_APPLIED_KEY,
     SECAGG_DP_CLIP_KEY,
     SECAGG_KEYS_KEY,
     SECAGG_PACK_KEY,
@@ -42,9 +43,8 @@ from fedcomp.protocol.messages import (
 )
 from fedcomp.secagg.encoding import SharedProjection, flower_weight, prequantize
 from fedcomp.secagg.guard import check_request
+from fedcomp.secagg.residual import keep_residual, settled_residual
 
-#: Key in ``context.state`` of the error-feedback residual of the secure path (float32, shape (d,)).
-SECAGG_RESIDUAL_KEY = "fedcomp.secagg-residual"
 #: First bytes of a packed masked vector (an ``.npy`` starts with b"\x93NUMPY").
 PACK_MAGIC = b"FCSQ\x01"
 #: Largest element count a packed masked vector may claim (2**34 values).
@@ -150,7 +150,8 @@ def shared_randomk_mod(msg: Message, ctxt: Context, call_next) -> Message:
     d entries); integer and bool tensors keep the server's values. The reply is a legacy FitRes
     whose single array holds k float64 values; Flower then multiplies them by the client's weight
     ``round(num_examples / max_weight * Q) / Q``, quantizes (exactly, as they lie on its grid),
-    and masks. The residual (float32, d entries) stays in ``context.state``.
+    and masks. The residual (float32, d entries) stays in ``context.state`` (and the state dir), pending
+    until the server reports this round's sum applied with this vector (:mod:`fedcomp.secagg.residual`).
 
     Adds metrics ``secagg-k``, ``secagg-clipped`` (entries clipped to +-c), ``dense-bytes``
     (fp32 cost of the float update), ``compression-error`` and ``residual-norm``.
@@ -201,10 +202,9 @@ def shared_randomk_mod(msg: Message, ctxt: Context, call_next) -> Message:
     if dp_clip is not None and ef:
         raise ValueError("client-level DP under SecAgg+ needs error-feedback = false: the residual would carry the "
                          "clipped excess into later rounds and void the clipping bound")
-    residual = None
-    if ef and SECAGG_RESIDUAL_KEY in ctxt.state.array_records:
-        r = ctxt.state.array_records[SECAGG_RESIDUAL_KEY]["residual"].numpy()
-        residual = r if r.shape == (dim,) else None
+    applied = cfg.get(SECAGG_APPLIED_KEY)
+    applied = int(applied) if isinstance(applied, int) and not isinstance(applied, bool) else None
+    residual = settled_residual(ctxt, applied, dim) if ef else None
     corrected = delta if residual is None else delta + residual
     proj = SharedProjection(dim, float(cfg["density"]), int(cfg[SECAGG_SEED_KEY]), bool(cfg.get(SECAGG_ROTATION_KEY)))
     reported = num_examples
@@ -230,8 +230,8 @@ def shared_randomk_mod(msg: Message, ctxt: Context, call_next) -> Message:
     new_residual = proj.unrotate_(rotated).numpy()
     norm = float(np.linalg.norm(corrected))
     res_norm = float(np.linalg.norm(new_residual))
-    if ef:
-        ctxt.state.array_records[SECAGG_RESIDUAL_KEY] = ArrayRecord({"residual": Array(new_residual.astype(np.float32))})
+    if ef:  # pending until the server reports this round's sum applied with this vector
+        keep_residual(ctxt, residual, new_residual, int(cfg.get("server-round", 0)), applied)
     metrics = {k: v for k, v in metrics.items() if isinstance(v, (int, float, str, bytes, bool))}
     metrics.update({"secagg-k": proj.k, "secagg-clipped": clipped, "dense-bytes": float(4 * dim),
                     "compression-error": res_norm / norm if norm > 0 else 0.0,

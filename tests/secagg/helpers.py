@@ -77,10 +77,16 @@ class RecordingGrid(InProcessGrid):
         return out
 
 
-def run_round(n: int, density: float, *, rotation=False, pack=True, drop=(), corrupt=(), scale=0.01,
-              clipping_range=1.0, qbits=16, shares=1.0, threshold=0.6, ef=True, inner_cls=FedAvg, client_dp=None,
-              node_configs=None, mods=(secagg_mod,), **inner_kw):
+def run_round(n: int, density: float, **kw):
     """One SecAgg+ round; returns (new model dict, strategy, workflow, grid)."""
+    models, strategy, workflow, grid = run_rounds(1, n, density, **kw)
+    return models[1], strategy, workflow, grid
+
+
+def run_rounds(num_rounds: int, n: int, density: float, *, rotation=False, pack=True, drop=(), corrupt=(), scale=0.01,
+               clipping_range=1.0, qbits=16, shares=1.0, threshold=0.6, ef=True, inner_cls=FedAvg, client_dp=None,
+               node_configs=None, mods=(secagg_mod,), workflow_cls=None, **inner_kw):
+    """``num_rounds`` SecAgg+ rounds; returns ({round: model dict after it}, strategy, workflow, grid)."""
     g = global_model()
     keys = list(g)
     grid = RecordingGrid(make_client_app(scale, mods), n, {}, node_configs, drop=drop, corrupt=corrupt)
@@ -90,14 +96,15 @@ def run_round(n: int, density: float, *, rotation=False, pack=True, drop=(), cor
         captured[rnd] = arrays
         return 0.0, {}
 
-    inner = inner_cls(**inner_kw, fraction_fit=1.0, fraction_evaluate=0.0, min_fit_clients=n, min_evaluate_clients=0,
-                   min_available_clients=n, evaluate_fn=evaluate_fn,
-                   initial_parameters=ndarrays_to_parameters([g[k] for k in keys]))
+    inner_kw = {"fraction_fit": 1.0, "min_fit_clients": n, "min_available_clients": n, **inner_kw}
+    inner = inner_cls(**inner_kw, fraction_evaluate=0.0, min_evaluate_clients=0, evaluate_fn=evaluate_fn,
+                      initial_parameters=ndarrays_to_parameters([g[k] for k in keys]))
     strategy = SharedRandomKStrategy(inner, density, rotation=rotation, error_feedback=ef, seed=3, keys=keys, pack=pack,
                                      client_dp=client_dp)
-    workflow = CompressedSecAggPlusWorkflow(shares, threshold, max_weight=1000.0, clipping_range=clipping_range,
-                                            quantization_range=1 << qbits)
+    workflow = (workflow_cls or CompressedSecAggPlusWorkflow)(shares, threshold, max_weight=1000.0,
+                                                              clipping_range=clipping_range,
+                                                              quantization_range=1 << qbits)
     ctx = LegacyContext(Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={}),
-                        config=ServerConfig(num_rounds=1), strategy=strategy)
+                        config=ServerConfig(num_rounds=num_rounds), strategy=strategy)
     DefaultWorkflow(fit_workflow=workflow)(grid, ctx)
-    return dict(zip(keys, captured[1])), strategy, workflow, grid
+    return {r: dict(zip(keys, captured[r])) for r in range(1, num_rounds + 1)}, strategy, workflow, grid
