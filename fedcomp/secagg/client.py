@@ -28,11 +28,9 @@ from flwr.common.logger import log
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, RECORD_KEY_STATE, Key
 from flwr.compat.common import recorddict_compat as compat
 
-from fedcomp.client.request import own_local_dp
-from fedcomp.client.secure_path import secure_encoding
 from fedcomp.compression import PayloadError
-from fedcomp.config.secagg import SECAGG_CODECS
 from fedcomp.compression.bits import nbytes_for_bits, pack_uint, unpack_uint
+from fedcomp.config.secagg import SECAGG_CODECS
 from fedcomp.protocol.messages import (
     SECAGG_APPLIED_KEY,
     SECAGG_DP_CLIP_KEY,
@@ -43,7 +41,6 @@ from fedcomp.protocol.messages import (
 )
 from fedcomp.secagg.encoding import SharedProjection, flower_weight, prequantize
 from fedcomp.secagg.guard import check_request
-from fedcomp.secagg.residual import keep_residual, settled_residual
 
 #: First bytes of a packed masked vector (an ``.npy`` starts with b"\x93NUMPY").
 PACK_MAGIC = b"FCSQ\x01"
@@ -86,6 +83,8 @@ def check_node_floor(ctxt: Context, cfg: dict) -> None:
     ValueError
         Naming the node-config key and what the server asked (logged at ERROR).
     """
+    from fedcomp.client.request import own_local_dp  # client-side only: the server app loads no fedcomp.client
+
     node = ctxt.node_config
     problem = None
     if own_local_dp(ctxt) is not None:
@@ -110,6 +109,8 @@ def _train(msg: Message, ctxt: Context, call_next, global_arrays: list[np.ndarra
     (content ``arrays`` with the parameter names, ``config``); otherwise a legacy app
     (NumPyClient) that reads and writes ``fitins.*`` / ``fitres.*`` records.
     """
+    from fedcomp.client.secure_path import secure_encoding  # client-side only (see check_node_floor)
+
     names = cfg.get(SECAGG_KEYS_KEY)
     if names:
         if len(names) != len(global_arrays):
@@ -170,6 +171,8 @@ def shared_randomk_mod(msg: Message, ctxt: Context, call_next) -> Message:
         (:func:`check_node_floor`). Flower turns it into an error reply: SecAgg+ then
         treats this client as dropped.
     """
+    from fedcomp.secagg.residual import keep_residual, settled_residual  # client-side only (see check_node_floor)
+
     global _warned_dense
     if not _is_train(msg):
         return call_next(msg, ctxt)

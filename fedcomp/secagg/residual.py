@@ -41,7 +41,7 @@ def _read(ctxt: Context) -> tuple[np.ndarray | None, np.ndarray | None, int]:
     """(committed, pending, pending round) from ``context.state``, else the node's file."""
     if SECAGG_RESIDUAL_KEY in ctxt.state.array_records:
         rec = ctxt.state.array_records[SECAGG_RESIDUAL_KEY]
-        arrays = {k: rec[k].numpy() for k in rec.keys()}
+        arrays = {k: rec[k].numpy() for k in rec}
         rnd = int(arrays.pop("round", np.array(0)).reshape(()))
     else:
         path = _file(ctxt)

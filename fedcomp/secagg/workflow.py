@@ -90,7 +90,7 @@ class _SampleSizing:
 
     def configure_fit(self, *args, **kwargs):
         sample = self._strategy.configure_fit(*args, **kwargs)
-        self._wf._available = max(len(sample), self._wf._available if self._wf._fixed_bits else 0)
+        self._wf._available = len(sample)  # the auto modulus holds exactly this sample's sum
         return sample
 
 
@@ -178,7 +178,6 @@ class CompressedSecAggPlusWorkflow(SecAggPlusWorkflow):
         (fixed: halts the round and, after it, the run if the sample could overflow it); a round that
         samples fewer than 2 clients, or in which no node answers with keys, is skipped with its reason."""
         self._state = state
-        self._available = context.client_manager.num_available() if self._fixed_bits else 0
         strategy = context.strategy
         context.strategy = _SampleSizing(strategy, self)
         try:

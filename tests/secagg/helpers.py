@@ -12,8 +12,8 @@ from flwr.server import LegacyContext, ServerConfig
 from flwr.server.strategy import FedAvg
 from flwr.server.workflow import DefaultWorkflow
 
-from fedcomp.secagg import CompressedSecAggPlusWorkflow, SharedRandomKStrategy, secagg_mod
 from fedcomp.run.inprocess_grid import CLIENT_APP_RAISED_EXCEPTION, InProcessGrid
+from fedcomp.secagg import CompressedSecAggPlusWorkflow, SharedRandomKStrategy, secagg_mod
 
 SHAPES = {"w": (40, 50), "b": (50,), "steps": ()}  # 2050 float entries + one int64 0-d buffer
 
@@ -75,6 +75,40 @@ class RecordingGrid(InProcessGrid):
                 if p in self.corrupt:
                     rec[Key.MASKED_PARAMETERS] = [b[:-3] for b in rec[Key.MASKED_PARAMETERS]]
         return out
+
+
+def tampering_grid(fn, victim=4):
+    """A :class:`RecordingGrid` whose partition ``victim`` sends ``fn(its masked blobs)`` instead."""
+    class G(RecordingGrid):
+        def send_and_receive(self, messages, *, timeout=None):
+            out = list(super().send_and_receive(messages, timeout=timeout))
+            pid = {nid: c.node_config["partition-id"] for nid, c in self.contexts.items()}
+            for r in out:
+                rec = r.content.config_records.get(RECORD_KEY_CONFIGS, {}) if not r.has_error() else {}
+                if Key.MASKED_PARAMETERS in rec and pid[r.metadata.src_node_id] == victim:
+                    rec[Key.MASKED_PARAMETERS] = fn(list(rec[Key.MASKED_PARAMETERS]))
+            return out
+    return G
+
+
+class RoundCountingGrid(RecordingGrid):
+    """A :class:`RecordingGrid` that counts rounds (setup stages) in ``round`` and calls
+    ``on_round(round)`` before each round's setup messages go out."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.round = 0
+
+    def on_round(self, server_round: int) -> None:
+        """Hook: a new round starts."""
+
+    def send_and_receive(self, messages, *, timeout=None):
+        messages = list(messages)
+        if any(RECORD_KEY_CONFIGS in m.content.config_records
+               and m.content.config_records[RECORD_KEY_CONFIGS].get(Key.STAGE) == "setup" for m in messages):
+            self.round += 1
+            self.on_round(self.round)
+        return super().send_and_receive(messages, timeout=timeout)
 
 
 def run_round(n: int, density: float, **kw):

@@ -4,6 +4,8 @@ client masking another weight than the num-examples it reports."""
 
 from __future__ import annotations
 
+import typing
+
 import numpy as np
 import pytest
 from flwr.app import Error, Message
@@ -21,7 +23,7 @@ class _UnmaskingGrid(helpers.RecordingGrid):
     """Lists the victim (partition 0) as dropped too wherever an unmask request lists it alive; keeps the
     unmask replies (and hands Flower's server error replies instead: it only had to collect the shares)."""
 
-    replies: list = []
+    replies: typing.ClassVar[list] = []
 
     def send_and_receive(self, messages, *, timeout=None):
         messages = list(messages)
@@ -55,7 +57,7 @@ def test_clients_refuse_an_unmask_request_listing_a_node_alive_and_dropped(monke
 class _SplittingGrid(helpers.RecordingGrid):
     """Lowers the setup's threshold to half the shares (what a server splitting neighbours needs)."""
 
-    replies: list = []
+    replies: typing.ClassVar[list] = []
 
     def send_and_receive(self, messages, *, timeout=None):
         messages = list(messages)
@@ -97,20 +99,11 @@ def _reweighting_grid(shift_in_q):
     while reporting its true num-examples: what a client running its own SecAgg+ code can send."""
     from fedcomp.secagg.client import pack_masked, unpack_masked
 
-    class G(helpers.RecordingGrid):
-        def send_and_receive(self, messages, *, timeout=None):
-            out = list(super().send_and_receive(messages, timeout=timeout))
-            pid = {nid: c.node_config["partition-id"] for nid, c in self.contexts.items()}
-            for r in out:
-                rec = r.content.config_records.get(RECORD_KEY_CONFIGS, {}) if not r.has_error() else {}
-                if Key.MASKED_PARAMETERS in rec and pid[r.metadata.src_node_id] == 1:
-                    blobs = list(rec[Key.MASKED_PARAMETERS])
-                    bits = blobs[0][5]
-                    w = unpack_masked(blobs[0], bits)
-                    w = (w + shift_in_q * (1 << 16)) % (1 << bits)
-                    rec[Key.MASKED_PARAMETERS] = [pack_masked(w, bits), blobs[1]]
-            return out
-    return G
+    def shift(blobs):
+        bits = blobs[0][5]
+        w = (unpack_masked(blobs[0], bits) + shift_in_q * (1 << 16)) % (1 << bits)
+        return [pack_masked(w, bits), blobs[1]]
+    return helpers.tampering_grid(shift, victim=1)
 
 
 @pytest.mark.parametrize("shift", [3, -1, -2], ids=["inflated", "zero-ish", "negative"])
@@ -124,7 +117,7 @@ def test_a_masked_weight_other_than_the_reported_count_refuses_the_round(monkeyp
 
 
 def test_an_honest_round_passes_the_weight_check():
-    new, strategy, workflow, _ = helpers.run_round(4, 0.5)
+    _, strategy, workflow, _ = helpers.run_round(4, 0.5)
     assert strategy.history[1]["num-replies"] == 4 and workflow.round_skipped == {}
 
 
@@ -171,9 +164,10 @@ def test_without_the_seed_key_the_same_message_is_compressed():
     ({"density": 0.1}, "density = 0.1"),
 ], ids=["local-dp", "codec", "density"])
 def test_a_node_whose_own_settings_the_secure_round_would_lower_refuses_it(node_config, why, caplog):
+    import logging
+
     from fedcomp.client import compression_mod
     from fedcomp.secagg import secagg_mod
-    import logging
     caplog.set_level(logging.ERROR, logger="flwr")
     _, strategy, _, _ = helpers.run_round(4, 0.5, node_configs=[node_config, {}, {}, {}],
                                           mods=(secagg_mod, compression_mod))
@@ -190,7 +184,7 @@ def test_node_settings_the_secure_round_honours_are_accepted():
 
 
 class _SetupRecordingGrid(helpers.RecordingGrid):
-    thresholds: list = []
+    thresholds: typing.ClassVar[list] = []
 
     def send_and_receive(self, messages, *, timeout=None):
         messages = list(messages)

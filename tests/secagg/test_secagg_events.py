@@ -28,18 +28,14 @@ def _flat(d):
 def _fault_grid(fail):
     """``fail(round, stage, partition) -> bool``: that node's reply at that stage becomes an error."""
 
-    class G(helpers.RecordingGrid):
-        round = 0
-
+    class G(helpers.RoundCountingGrid):
         def send_and_receive(self, messages, *, timeout=None):
             messages = list(messages)
-            if any(_stage(m) == Stage.SETUP for m in messages):
-                type(self).round += 1
-            pid = {nid: c.node_config["partition-id"] for nid, c in self.contexts.items()}
             out = list(super().send_and_receive(messages, timeout=timeout))
+            pid = {nid: c.node_config["partition-id"] for nid, c in self.contexts.items()}
             stage = next((_stage(m) for m in messages if _stage(m)), None)
             return [Message(Error(code=2, reason="dropped by the test"), reply_to=m)
-                    if fail(type(self).round, stage, pid[m.metadata.dst_node_id]) else r
+                    if fail(self.round, stage, pid[m.metadata.dst_node_id]) else r
                     for m, r in zip(messages, out)]
     return G
 
@@ -84,17 +80,11 @@ def test_a_dropout_before_masking_does_not_fail_the_round(monkeypatch, stage):
 
 
 def _restarting_grid(restart_round):
-    class G(helpers.RecordingGrid):
-        round = 0
-
-        def send_and_receive(self, messages, *, timeout=None):
-            messages = list(messages)
-            if any(_stage(m) == Stage.SETUP for m in messages):
-                type(self).round += 1
-                if type(self).round == restart_round:  # every SuperNode restarted: context.state is empty
-                    for ctx in self.contexts.values():
-                        ctx.state = RecordDict()
-            return super().send_and_receive(messages, timeout=timeout)
+    class G(helpers.RoundCountingGrid):
+        def on_round(self, server_round):
+            if server_round == restart_round:  # every SuperNode restarted: context.state is empty
+                for ctx in self.contexts.values():
+                    ctx.state = RecordDict()
     return G
 
 
@@ -122,7 +112,7 @@ def test_without_a_state_dir_a_restart_starts_from_zero(monkeypatch):
 
 @pytest.mark.parametrize("sampled", [0, 1])
 def test_a_round_sampling_fewer_than_two_clients_is_skipped_not_the_run(sampled):
-    models, strategy, workflow, _ = helpers.run_rounds(2, 3, 0.5, fraction_fit=0.0, min_fit_clients=sampled,
+    _, strategy, workflow, _ = helpers.run_rounds(2, 3, 0.5, fraction_fit=0.0, min_fit_clients=sampled,
                                                        min_available_clients=1)
     assert workflow.round_skipped == {1: f"{sampled} client(s) sampled: SecAgg+ needs at least 2",
                                       2: f"{sampled} client(s) sampled: SecAgg+ needs at least 2"}
@@ -141,7 +131,7 @@ def test_a_node_joining_while_the_round_samples_does_not_overflow_the_auto_modul
         return 2 if len(calls) == 1 else real(self)
 
     monkeypatch.setattr(SimpleClientManager, "num_available", counting)
-    new, strategy, workflow, _ = helpers.run_round(4, 0.5, min_available_clients=2, min_fit_clients=4)
+    _, strategy, workflow, _ = helpers.run_round(4, 0.5, min_available_clients=2, min_fit_clients=4)
     assert strategy.history[1]["num-replies"] == 4 and workflow.round_skipped == {}
     assert workflow.round_modulus_bits == 19  # ceil(log2(4 * 2**16 + 1)): sized from the sample
 
@@ -175,5 +165,16 @@ def test_dense_bytes_and_ratio_are_the_servers_own_figures(monkeypatch):
                     r.content.config_records["fitres.metrics"]["dense-bytes"] = 1e15  # a boastful client
             return out
     monkeypatch.setattr(helpers, "RecordingGrid", G)
-    _, strategy, workflow, _ = helpers.run_round(3, 0.5)
+    _, strategy, _, _ = helpers.run_round(3, 0.5)
     assert strategy.history[1]["dense-bytes"] == 4 * DIM * 3
+
+
+def test_a_skipped_round_is_recorded_with_its_reason():
+    from types import SimpleNamespace
+
+    from fedcomp.app.secagg_server_app import SecAggRounds
+    rounds = SecAggRounds.__new__(SecAggRounds)
+    rounds.strategy = SimpleNamespace(history={})
+    rounds.workflow = SimpleNamespace(round_skipped={3: "1 client(s) sampled: SecAgg+ needs at least 2"})
+    assert rounds.round_fields(3, None) == {"skipped": "1 client(s) sampled: SecAgg+ needs at least 2"}
+    assert rounds.round_fields(4, None) == {}
