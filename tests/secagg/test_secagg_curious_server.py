@@ -200,3 +200,35 @@ def test_a_fractional_threshold_rounded_to_half_the_shares_is_raised_to_a_majori
     _, strategy, _, _ = helpers.run_round(4, 0.5, threshold=0.6)
     assert set(_SetupRecordingGrid.thresholds) == {3}
     assert strategy.history[1]["num-replies"] == 4
+
+
+def test_a_refused_unmask_request_erases_the_shares_and_ends_the_round():
+    """After refusing, the client holds no share of the round and accepts only a new setup: a second,
+    innocent-looking unmask request of the same round reveals nothing either."""
+    from flwr.app import ConfigRecord, RecordDict
+    from flwr.client.mod.secure_aggregation.secaggplus_mod import SecAggPlusState
+    from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_STATE
+
+    from fedcomp.secagg import packing_secaggplus_mod
+    from fedcomp.secagg.guard import UnsafeRequest
+    from tests.messages import make_ctx, make_msg
+
+    ctx = make_ctx(node_id=7)
+    shares = {7: b"s7", 8: b"s8", 9: b"s9"}
+    ctx.state[RECORD_KEY_STATE] = ConfigRecord(SecAggPlusState(
+        current_stage=Stage.COLLECT_MASKED_VECTORS, nid=7, threshold=2, share_num=3,
+        rd_seed_share_dict=dict(shares), sk1_share_dict=dict(shares)).to_dict())
+
+    def unmask(active, dead):
+        cfg = ConfigRecord({Key.STAGE: Stage.UNMASK, Key.ACTIVE_NODE_ID_LIST: active, Key.DEAD_NODE_ID_LIST: dead})
+        return packing_secaggplus_mod(make_msg(RecordDict({RECORD_KEY_CONFIGS: cfg}), dst=7), ctx,
+                                      lambda m, c: pytest.fail("no training in the unmask stage"))
+
+    with pytest.raises(UnsafeRequest, match=r"node\(s\) \[8\] as both alive and dropped"):
+        unmask([7, 8], [8])
+    state = SecAggPlusState(**ctx.state[RECORD_KEY_STATE])
+    assert state.rd_seed_share_dict == {} and state.sk1_share_dict == {} and state.current_stage == Stage.UNMASK
+    with pytest.raises(ValueError, match="expect setup stage"):
+        unmask([7, 8, 9], [])
+    with pytest.raises(UnsafeRequest, match=r"this node \(7\) as dropped"):
+        unmask([8, 9], [7])
