@@ -166,7 +166,8 @@ def shared_randomk_mod(msg: Message, ctxt: Context, call_next) -> Message:
     Raises
     ------
     ValueError
-        ``num_examples > max_weight``; a non-finite update (the residual is kept as it was); a
+        ``num_examples`` outside ``(0, max_weight]`` (the dense path without a shared seed too: Flower's
+        mod would only warn and mask an outsized weight); a non-finite update (the residual is kept as it was); a
         reply under other names than received; a round that would lower this node's own settings
         (:func:`check_node_floor`). Flower turns it into an error reply: SecAgg+ then
         treats this client as dropped.
@@ -182,7 +183,12 @@ def shared_randomk_mod(msg: Message, ctxt: Context, call_next) -> Message:
         if not _warned_dense:
             log(WARNING, "fedcomp: the server sent no shared seed (no SharedRandomKStrategy): dense SecAgg+ update")
             _warned_dense = True
-        return call_next(msg, ctxt)
+        reply = call_next(msg, ctxt)
+        if not reply.has_error():  # Flower's mod only warns: bound the weight it will mask to (0, max_weight]
+            st = _secagg_state(ctxt)
+            n = compat.recorddict_to_fitres(reply.content, keep_input=True).num_examples
+            flower_weight(n, float(st["max_weight"]), int(st["target_range"]))
+        return reply
     state = _secagg_state(ctxt)
     c, q, max_weight = float(state["clipping_range"]), int(state["target_range"]), float(state["max_weight"])
     global_arrays = parameters_to_ndarrays(compat.arrayrecord_to_parameters(

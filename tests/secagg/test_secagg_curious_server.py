@@ -232,3 +232,28 @@ def test_a_refused_unmask_request_erases_the_shares_and_ends_the_round():
         unmask([7, 8, 9], [])
     with pytest.raises(UnsafeRequest, match=r"this node \(7\) as dropped"):
         unmask([8, 9], [7])
+
+
+@pytest.mark.parametrize("n,ok", [(1000, True), (1, True), (1001, False), (0, False), (-5, False)])
+def test_the_dense_secure_path_bounds_the_weight_a_client_masks(n, ok):
+    """Without a shared seed (dense SecAgg+) the client's weight is num_examples / max_weight too: on main
+    Flower's mod only warned above max_weight and masked the outsized (or negative) weight."""
+    import numpy as np
+    from flwr.app import ConfigRecord, RecordDict
+    from flwr.common import Code, FitRes, Status, ndarrays_to_parameters
+    from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_STATE
+    from flwr.compat.common import recorddict_compat as compat
+
+    from fedcomp.secagg import shared_randomk_mod
+    from tests.messages import make_ctx, make_msg
+
+    ctx = make_ctx()
+    ctx.state[RECORD_KEY_STATE] = ConfigRecord({"clipping_range": 1.0, "target_range": 1 << 16, "max_weight": 1000.0})
+    msg = make_msg(RecordDict({"fitins.config": ConfigRecord({"server-round": 1})}))
+    fitres = FitRes(Status(Code.OK, ""), ndarrays_to_parameters([np.zeros(3)]), n, {})
+    reply_to = lambda m, c: Message(compat.fitres_to_recorddict(fitres, keep_input=True), reply_to=m)  # noqa: E731
+    if ok:
+        assert not shared_randomk_mod(msg, ctx, reply_to).has_error()
+    else:
+        with pytest.raises(ValueError, match="num-examples = "):
+            shared_randomk_mod(msg, ctx, reply_to)
