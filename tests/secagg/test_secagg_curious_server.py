@@ -251,7 +251,7 @@ def test_the_dense_secure_path_bounds_the_weight_a_client_masks(n, ok):
     ctx.state[RECORD_KEY_STATE] = ConfigRecord({"clipping_range": 1.0, "target_range": 1 << 16, "max_weight": 1000.0})
     msg = make_msg(RecordDict({"fitins.config": ConfigRecord({"server-round": 1})}))
     fitres = FitRes(Status(Code.OK, ""), ndarrays_to_parameters([np.zeros(3)]), n, {})
-    reply_to = lambda m, c: Message(compat.fitres_to_recorddict(fitres, keep_input=True), reply_to=m)  # noqa: E731
+    reply_to = lambda m, c: Message(compat.fitres_to_recorddict(fitres, keep_input=True), reply_to=m)
     if ok:
         assert not shared_randomk_mod(msg, ctx, reply_to).has_error()
     else:
