@@ -90,10 +90,12 @@ class SecAggRounds:
 
     def round_fields(self, server_round: int, recorder: RoundRecorder) -> dict:
         """The strategy's round metrics, the workflow's bytes and their running total, the ratio
-        against dense fp32, bits per parameter and the modulus of the round."""
+        against dense fp32 (both computed by the server from what it received), bits per parameter
+        and the modulus of the round; for a round that applied no sum, ``skipped`` with the reason."""
         h = self.strategy.history.get(server_round) if self.strategy else None
         if h is None or self.workflow is None:
-            return {}
+            skipped = self.workflow.round_skipped.get(server_round) if self.workflow else None
+            return {} if skipped is None else {"skipped": skipped}
         wire = self.workflow.round_bytes
         up = wire["upload-bytes"]
         recorder.add_bytes(up)

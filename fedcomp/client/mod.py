@@ -13,13 +13,16 @@ from __future__ import annotations
 import logging
 import time
 import warnings
+from logging import ERROR
 
 import numpy as np
 from flwr.app import ArrayRecord, Context, Message, MetricRecord
+from flwr.common.logger import log
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
 
 from fedcomp.client.downstream_receiver import rebuild
 from fedcomp.client.request import TrainRequest, only_record
+from fedcomp.client.secure_path import encoded_by_secure_mod
 from fedcomp.client.state import keep_residuals, residuals_of, state_files
 from fedcomp.client.update import CompositionError, compress_update
 from fedcomp.protocol.device import clientapp_seconds, memory_report
@@ -61,8 +64,10 @@ def compression_mod(msg: Message, context: Context, call_next) -> Message:
     train message without weights or with several ArrayRecords, a Flower SecAgg+ protocol message
     (a ``secaggplus_configs`` record), and a train message whose config carries fedcomp's SecAgg+
     shared seed (``fedcomp-secagg-seed``: under ``secagg = true`` the update is encoded by
-    ``fedcomp.secagg.shared_randomk_mod``). Error replies, and replies without an ArrayRecord (a
-    mod further in that answered by itself), are passed on unchanged too.
+    ``fedcomp.secagg.shared_randomk_mod``) -- only inside that mod's own call
+    (:func:`fedcomp.client.secure_path.encoded_by_secure_mod`); a plain train message carrying the
+    seed is refused. Error replies, and replies without an ArrayRecord (a mod further in that
+    answered by itself), are passed on unchanged too.
 
     Raises
     ------
@@ -73,8 +78,9 @@ def compression_mod(msg: Message, context: Context, call_next) -> Message:
         one is the train config (:func:`.request.train_config`; raised before the next mod is
         called), or Flower's client-side clipping did not bound the update (its mod sits outside ours).
     ValueError
-        Non-finite update (the residual is kept as it was); Flower turns it into an
-        error reply that the server counts as a failed client.
+        Non-finite update (the residual is kept as it was); a train message carrying the SecAgg+
+        shared seed outside this node's secure mod (logged). Flower turns it into an error reply
+        that the server counts as a failed client.
     """
     if not is_ours(msg):
         return call_next(msg, context)
@@ -100,13 +106,27 @@ def compression_mod(msg: Message, context: Context, call_next) -> Message:
 def is_ours(msg: Message) -> bool:
     """Whether ``compression_mod`` compresses the reply to ``msg``: a train message with exactly one
     ArrayRecord that is not a step of SecAgg+ (Flower's ``secaggplus_configs`` record, or fedcomp's
-    shared seed ``fedcomp-secagg-seed`` in a ConfigRecord)."""
+    shared seed ``fedcomp-secagg-seed`` in a ConfigRecord while this node's secure mod encodes it).
+
+    Raises
+    ------
+    ValueError
+        The shared seed outside this node's secure mod (logged): a server must not be able to
+        switch the node's compression and privacy floor off by adding a config key."""
     content = msg.content
     if msg.metadata.message_type.split(".")[0] != "train" or len(content.array_records) != 1:
         return False
     if RECORD_KEY_CONFIGS in content.config_records:
         return False  # a Flower SecAgg+ step: the masked vectors are the protocol's, not ours to compress
-    return not any(SECAGG_SEED_KEY in c for c in content.config_records.values())
+    if not any(SECAGG_SEED_KEY in c for c in content.config_records.values()):
+        return True
+    if encoded_by_secure_mod():
+        return False  # this node's own secure mod encodes the update
+    log(ERROR, "fedcomp: a train message carries the SecAgg+ shared seed '%s' but did not come through this node's "
+        "secure-aggregation mod: refused (the server cannot switch this node's compression and privacy floor off)",
+        SECAGG_SEED_KEY)
+    raise ValueError(f"train message carries '{SECAGG_SEED_KEY}' outside this node's secure-aggregation mod: this "
+                     "node compresses (and applies its own privacy floor to) every plain train reply; refused")
 
 
 def _trained_weights(reply: Message) -> tuple[str, dict[str, np.ndarray]]:

@@ -130,7 +130,7 @@ def _stream_seed(context: Context, server_round: int) -> int:
     return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little") >> 1
 
 
-def _own_local_dp(context: Context) -> LocalDP | None:
+def own_local_dp(context: Context) -> LocalDP | None:
     """This client's own local-DP floor: node config ``dp = "local"`` (with its ``noise-multiplier``
     and ``clipping-norm``), else the run config's; None if neither asks for local DP.
 
@@ -159,7 +159,7 @@ def _local_dp(config: dict, context: Context) -> LocalDP | None:
     norm, but never a noise multiplier below the client's own."""
     server = (LocalDP(config["local-dp-clipping-norm"], config.get("local-dp-noise-multiplier", 0.0))
               if "local-dp-clipping-norm" in config else None)
-    own = _own_local_dp(context)
+    own = own_local_dp(context)
     if own is not None and (server is None or server.noise_multiplier < own.noise_multiplier):
         asked = "no local DP" if server is None else f"noise multiplier {server.noise_multiplier}"
         raise ValueError(f"privacy floor: this client's config sets dp = 'local' with noise multiplier "

@@ -28,7 +28,8 @@ SECAGG_KEYS = table(
     Key("secagg-shares", float, 1.0, "Flower's num_shares: an integer > 2, or a fraction of the sampled clients",
         rule="integer > 2, or a fraction in (0, 1]"),
     Key("secagg-threshold", float, 0.7, "Flower's reconstruction_threshold: an integer < shares, or a fraction of "
-        "the shares", rule="integer in [1, shares), or a fraction in (0, 1]"),
+        "the shares; more than half the shares (a lower one lets a curious server split a client's neighbours "
+        "and unmask it)", rule="integer in (shares / 2, shares), or a fraction in (0.5, 1]"),
     Key("secagg-clipping-range", float, 1.0, "c: weighted update entries clipped to [-c, c] (error feedback keeps "
         "the rest)", rule="number > 0, c * 2**quantization-bits < 2**52"),
     Key("secagg-quantization-bits", int, 16, "Q = 2**bits levels over [-c, c]", lo=1, hi=MAX_MODULUS_BITS - 2,
@@ -42,6 +43,19 @@ SECAGG_KEYS = table(
     Key("secagg-pack", bool, True, "masked values travel packed at modulus-bits bits each instead of int64"),
 )
 SECAGG_DEFAULTS: dict[str, Any] = defaults(SECAGG_KEYS)
+
+
+def allows_split(threshold: int, num_shares: int) -> bool:
+    """Whether a SecAgg+ reconstruction ``threshold`` of ``num_shares`` lets a server rebuild both
+    secrets of one client (its mask seed from some neighbours, its key from the others): true when
+    ``2 * threshold <= num_shares`` (Bell et al., CCS 2020, SecAgg+ needs ``t > n / 2`` against a
+    server that lies about who dropped)."""
+    return 2 * int(threshold) <= int(num_shares)
+
+
+def majority_threshold(num_shares: int) -> int:
+    """The smallest threshold that :func:`allows_split` refuses: ``num_shares // 2 + 1``."""
+    return int(num_shares) // 2 + 1
 
 
 def _number(cfg: Mapping[str, Any], key: str) -> float | int:
@@ -101,6 +115,13 @@ class SecAggConfig:
                                            and threshold >= shares):
             raise ValueError(f"run config 'secagg-threshold' as an integer must be >= 1 and < 'secagg-shares', "
                              f"got {threshold}")
+        if isinstance(threshold, float) and threshold <= 0.5 or (
+                isinstance(threshold, int) and threshold > 1 and isinstance(shares, int) and shares > 1
+                and allows_split(threshold, shares)):
+            raise ValueError(f"run config 'secagg-threshold' = {threshold!r} allows at most half of the "
+                             f"'secagg-shares' = {shares!r}: a curious server could ask half of a client's neighbours "
+                             "for its mask seed and the other half for its key and unmask that one client. It must "
+                             "be more than half the shares: a fraction > 0.5, or an integer > secagg-shares / 2")
         c = float(_number(cfg, "secagg-clipping-range"))
         if c <= 0:
             raise ValueError(f"run config 'secagg-clipping-range' must be > 0, got {c}")

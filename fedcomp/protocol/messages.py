@@ -61,6 +61,9 @@ SECAGG_ROTATION_KEY = "fedcomp-secagg-rotation"
 SECAGG_PACK_KEY = "fedcomp-secagg-pack"
 #: Client-level DP under SecAgg+: the L2 bound every client clips its k selected values to.
 SECAGG_DP_CLIP_KEY = "fedcomp-secagg-dp-clip"
+#: Per-node train-config key: the last round whose applied secure sum included this node's masked vector
+#: (0: none). The client commits the error-feedback residual of that round and rolls back a later one.
+SECAGG_APPLIED_KEY = "fedcomp-secagg-applied-round"
 
 def payload_array(payload: bytes) -> Array:
     """A fedcomp payload as a Flower ``Array``: raw bytes, ``len(Array.data) == len(payload)``."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import struct
-from logging import WARNING
+from logging import ERROR, WARNING
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
@@ -30,7 +30,9 @@ from flwr.compat.common import recorddict_compat as compat
 
 from fedcomp.compression import PayloadError
 from fedcomp.compression.bits import nbytes_for_bits, pack_uint, unpack_uint
+from fedcomp.config.secagg import SECAGG_CODECS
 from fedcomp.protocol.messages import (
+    SECAGG_APPLIED_KEY,
     SECAGG_DP_CLIP_KEY,
     SECAGG_KEYS_KEY,
     SECAGG_PACK_KEY,
@@ -38,9 +40,8 @@ from fedcomp.protocol.messages import (
     SECAGG_SEED_KEY,
 )
 from fedcomp.secagg.encoding import SharedProjection, flower_weight, prequantize
+from fedcomp.secagg.guard import check_request
 
-#: Key in ``context.state`` of the error-feedback residual of the secure path (float32, shape (d,)).
-SECAGG_RESIDUAL_KEY = "fedcomp.secagg-residual"
 #: First bytes of a packed masked vector (an ``.npy`` starts with b"\x93NUMPY").
 PACK_MAGIC = b"FCSQ\x01"
 #: Largest element count a packed masked vector may claim (2**34 values).
@@ -70,6 +71,37 @@ def _float_layout(arrays: list[np.ndarray]) -> list[tuple[int, int, int]]:
     return out
 
 
+def check_node_floor(ctxt: Context, cfg: dict) -> None:
+    """Refuse a secure round that would lower this node's own settings (node config wins, always).
+
+    Under SecAgg+ every client sends the round's shared random-k at the server's ``density`` and no
+    local noise: a node whose own config asks for local DP (``dp = "local"``), for a codec the
+    secure path cannot use, or for a lower ``density`` than the server's does not train.
+
+    Raises
+    ------
+    ValueError
+        Naming the node-config key and what the server asked (logged at ERROR).
+    """
+    from fedcomp.client.request import own_local_dp  # client-side only: the server app loads no fedcomp.client
+
+    node = ctxt.node_config
+    problem = None
+    if own_local_dp(ctxt) is not None:
+        problem = ("its config sets dp = 'local' (a local-DP floor), and the secure path adds no local noise: the "
+                   "server cannot switch it off")
+    elif "compressor" in node and node["compressor"] not in SECAGG_CODECS:
+        problem = (f"its config sets compressor = {node['compressor']!r}, which cannot run under secure aggregation "
+                   f"({list(SECAGG_CODECS)} can)")
+    elif (node.get("compressor", "randomk") == "randomk" and isinstance(node.get("density"), (int, float))
+          and float(node["density"]) < float(cfg.get("density", 1.0))):
+        problem = (f"its config sets density = {node['density']}, the server asked for density = {cfg.get('density')} "
+                   "(more of the update than this node sends)")
+    if problem:
+        log(ERROR, "fedcomp secagg: node %s refuses the secure round: %s", ctxt.node_id, problem)
+        raise ValueError(f"this node refuses the secure round: {problem}")
+
+
 def _train(msg: Message, ctxt: Context, call_next, global_arrays: list[np.ndarray], cfg: dict):
     """Run the inner app; returns (trained arrays in order, num_examples, metrics) or an error Message.
 
@@ -77,6 +109,8 @@ def _train(msg: Message, ctxt: Context, call_next, global_arrays: list[np.ndarra
     (content ``arrays`` with the parameter names, ``config``); otherwise a legacy app
     (NumPyClient) that reads and writes ``fitins.*`` / ``fitres.*`` records.
     """
+    from fedcomp.client.secure_path import secure_encoding  # client-side only (see check_node_floor)
+
     names = cfg.get(SECAGG_KEYS_KEY)
     if names:
         if len(names) != len(global_arrays):
@@ -84,7 +118,8 @@ def _train(msg: Message, ctxt: Context, call_next, global_arrays: list[np.ndarra
         content = RecordDict({"arrays": ArrayRecord({n: Array(np.array(a, copy=True, order="C"))
                                                      for n, a in zip(names, global_arrays)}),
                               "config": ConfigRecord(cfg)})
-        reply = call_next(Message(content=content, metadata=msg.metadata), ctxt)
+        with secure_encoding():  # compression_mod steps aside only inside this call
+            reply = call_next(Message(content=content, metadata=msg.metadata), ctxt)
         if reply.has_error():
             return reply
         recs = reply.content.array_records
@@ -116,7 +151,8 @@ def shared_randomk_mod(msg: Message, ctxt: Context, call_next) -> Message:
     d entries); integer and bool tensors keep the server's values. The reply is a legacy FitRes
     whose single array holds k float64 values; Flower then multiplies them by the client's weight
     ``round(num_examples / max_weight * Q) / Q``, quantizes (exactly, as they lie on its grid),
-    and masks. The residual (float32, d entries) stays in ``context.state``.
+    and masks. The residual (float32, d entries) stays in ``context.state`` (and the state dir), pending
+    until the server reports this round's sum applied with this vector (:mod:`fedcomp.secagg.residual`).
 
     Adds metrics ``secagg-k``, ``secagg-clipped`` (entries clipped to +-c), ``dense-bytes``
     (fp32 cost of the float update), ``compression-error`` and ``residual-norm``.
@@ -130,19 +166,29 @@ def shared_randomk_mod(msg: Message, ctxt: Context, call_next) -> Message:
     Raises
     ------
     ValueError
-        ``num_examples > max_weight``; a non-finite update (the residual is kept as it was); a
-        reply under other names than received. Flower turns it into an error reply: SecAgg+ then
+        ``num_examples`` outside ``(0, max_weight]`` (the dense path without a shared seed too: Flower's
+        mod would only warn and mask an outsized weight); a non-finite update (the residual is kept as it was); a
+        reply under other names than received; a round that would lower this node's own settings
+        (:func:`check_node_floor`). Flower turns it into an error reply: SecAgg+ then
         treats this client as dropped.
     """
+    from fedcomp.secagg.residual import keep_residual, settled_residual  # client-side only (see check_node_floor)
+
     global _warned_dense
     if not _is_train(msg):
         return call_next(msg, ctxt)
     cfg = dict(msg.content.config_records["fitins.config"])
+    check_node_floor(ctxt, cfg)  # dense SecAgg+ too: the node's own settings win
     if SECAGG_SEED_KEY not in cfg:
         if not _warned_dense:
             log(WARNING, "fedcomp: the server sent no shared seed (no SharedRandomKStrategy): dense SecAgg+ update")
             _warned_dense = True
-        return call_next(msg, ctxt)
+        reply = call_next(msg, ctxt)
+        if not reply.has_error():  # Flower's mod only warns: bound the weight it will mask to (0, max_weight]
+            st = _secagg_state(ctxt)
+            n = compat.recorddict_to_fitres(reply.content, keep_input=True).num_examples
+            flower_weight(n, float(st["max_weight"]), int(st["target_range"]))
+        return reply
     state = _secagg_state(ctxt)
     c, q, max_weight = float(state["clipping_range"]), int(state["target_range"]), float(state["max_weight"])
     global_arrays = parameters_to_ndarrays(compat.arrayrecord_to_parameters(
@@ -165,10 +211,9 @@ def shared_randomk_mod(msg: Message, ctxt: Context, call_next) -> Message:
     if dp_clip is not None and ef:
         raise ValueError("client-level DP under SecAgg+ needs error-feedback = false: the residual would carry the "
                          "clipped excess into later rounds and void the clipping bound")
-    residual = None
-    if ef and SECAGG_RESIDUAL_KEY in ctxt.state.array_records:
-        r = ctxt.state.array_records[SECAGG_RESIDUAL_KEY]["residual"].numpy()
-        residual = r if r.shape == (dim,) else None
+    applied = cfg.get(SECAGG_APPLIED_KEY)
+    applied = int(applied) if isinstance(applied, int) and not isinstance(applied, bool) else None
+    residual = settled_residual(ctxt, applied, dim) if ef else None
     corrected = delta if residual is None else delta + residual
     proj = SharedProjection(dim, float(cfg["density"]), int(cfg[SECAGG_SEED_KEY]), bool(cfg.get(SECAGG_ROTATION_KEY)))
     reported = num_examples
@@ -194,8 +239,8 @@ def shared_randomk_mod(msg: Message, ctxt: Context, call_next) -> Message:
     new_residual = proj.unrotate_(rotated).numpy()
     norm = float(np.linalg.norm(corrected))
     res_norm = float(np.linalg.norm(new_residual))
-    if ef:
-        ctxt.state.array_records[SECAGG_RESIDUAL_KEY] = ArrayRecord({"residual": Array(new_residual.astype(np.float32))})
+    if ef:  # pending until the server reports this round's sum applied with this vector
+        keep_residual(ctxt, residual, new_residual, int(cfg.get("server-round", 0)), applied)
     metrics = {k: v for k, v in metrics.items() if isinstance(v, (int, float, str, bytes, bool))}
     metrics.update({"secagg-k": proj.k, "secagg-clipped": clipped, "dense-bytes": float(4 * dim),
                     "compression-error": res_norm / norm if norm > 0 else 0.0,
@@ -260,7 +305,13 @@ def packing_secaggplus_mod(msg: Message, ctxt: Context, call_next) -> Message:
     unpacked by :class:`fedcomp.secagg.CompressedSecAggPlusWorkflow`). Every protocol step, mask
     and share is Flower's; this only re-encodes the masked integers of the reply. Adds the
     reply's metric ``upload-bytes`` (bytes of the masked vectors as sent).
+
+    Before Flower's mod sees a request, :func:`fedcomp.secagg.guard.check_request` refuses a setup
+    whose threshold is at most half the shares and an unmask request that asks for both shares of
+    one node (raises :class:`fedcomp.secagg.guard.UnsafeRequest`; Flower sends an error reply).
     """
+    if _is_train(msg):
+        check_request(msg, ctxt)  # a setup or unmask request that would unmask one client is refused
     pack = (_is_train(msg) and "fitins.config" in msg.content.config_records
             and bool(msg.content.config_records["fitins.config"].get(SECAGG_PACK_KEY, False)))
     reply = secaggplus_mod(msg, ctxt, call_next)

@@ -41,6 +41,7 @@ from flwr.server.strategy import Strategy
 
 from fedcomp.privacy import ClientLevelDP
 from fedcomp.protocol.messages import (
+    SECAGG_APPLIED_KEY,
     SECAGG_DP_CLIP_KEY,
     SECAGG_KEYS_KEY,
     SECAGG_PACK_KEY,
@@ -73,7 +74,8 @@ class SharedRandomKStrategy(Strategy):
         (fedcomp's ClientApp) gets named arrays; omit for legacy (NumPyClient) apps.
     pack : bool
         Tell clients the server unpacks packed masked vectors (needs
-        :class:`fedcomp.secagg.CompressedSecAggPlusWorkflow`); default False.
+        :class:`fedcomp.secagg.CompressedSecAggPlusWorkflow`, which sets ``unpacking_workflow``;
+        with another workflow ``configure_fit`` raises, naming the mismatch); default False.
     client_dp : fedcomp.privacy.ClientLevelDP, optional
         Client-level DP: clients clip their k values to ``clipping_norm`` with uniform weights
         (needs ``error_feedback=False``); the server divides the unmasked sum by the number of
@@ -111,6 +113,10 @@ class SharedRandomKStrategy(Strategy):
         self._global: list[np.ndarray] | None = None
         self._proj: SharedProjection | None = None
         self._sampled = 0
+        #: node id -> the last round whose applied sum included that node's masked vector
+        self.included: dict[int, int] = {}
+        #: Set by :class:`fedcomp.secagg.CompressedSecAggPlusWorkflow` (it unpacks packed vectors).
+        self.unpacking_workflow = False
 
     def __repr__(self) -> str:
         return f"SharedRandomKStrategy({self.inner!r}, density={self.density}, rotation={self.rotation})"
@@ -143,7 +149,15 @@ class SharedRandomKStrategy(Strategy):
     def configure_fit(self, server_round: int, parameters: Parameters,
                       client_manager: ClientManager) -> list[tuple[ClientProxy, FitIns]]:
         """The inner strategy's sample, each FitIns with its own config plus the round's shared seed,
-        ``density``, rotation flag, ``error-feedback``, ``server-round`` (and names, pack flag)."""
+        ``density``, rotation flag, ``error-feedback``, ``server-round`` (and names, pack flag), and per
+        node the last round whose applied sum included its vector (``fedcomp-secagg-applied-round``).
+
+        Raises
+        ------
+        ValueError
+            ``pack=True`` without :class:`fedcomp.secagg.CompressedSecAggPlusWorkflow` (Flower's
+            workflow cannot unpack).
+        """
         self._global = parameters_to_ndarrays(parameters)
         dim = sum(a.size for a in self._global if a.dtype.kind == "f")
         self._proj = SharedProjection(max(dim, 1), self.density, round_seed(self.seed, server_round), self.rotation)
@@ -157,9 +171,16 @@ class SharedRandomKStrategy(Strategy):
             if len(self.keys) != len(self._global):
                 raise ValueError(f"SharedRandomKStrategy: {len(self.keys)} keys for {len(self._global)} arrays")
             extra[SECAGG_KEYS_KEY] = list(self.keys)  # type: ignore[assignment]
+        if self.pack and not self.unpacking_workflow:
+            raise ValueError("SharedRandomKStrategy(pack=True) needs fedcomp's CompressedSecAggPlusWorkflow, which "
+                             "unpacks the packed masked vectors; Flower's SecAggPlusWorkflow cannot (it would fail "
+                             "on them with numpy's 'pickled data' error): use CompressedSecAggPlusWorkflow or "
+                             "pack=False (run config secagg-pack = false)")
         sample = self.inner.configure_fit(server_round, parameters, client_manager)
         self._sampled = len(sample)
-        return [(proxy, FitIns(ins.parameters, {**ins.config, **extra})) for proxy, ins in sample]
+        return [(proxy, FitIns(ins.parameters, {**ins.config, **extra,
+                                                SECAGG_APPLIED_KEY: self.included.get(proxy.node_id, 0)}))
+                for proxy, ins in sample]
 
     def aggregate_fit(self, server_round: int, results: list[tuple[ClientProxy, FitRes]],
                       failures) -> tuple[Parameters | None, dict[str, Scalar]]:
@@ -234,6 +255,8 @@ class SharedRandomKStrategy(Strategy):
                 log(ERROR, "fedcomp secagg round %d refused (model kept): the aggregate overflows its dtype",
                     server_round)
                 return None, {}
+        if agg is not None:  # these clients commit the residual of this round (fedcomp.secagg.residual)
+            self.included.update({p.node_id: server_round for p, _ in results if hasattr(p, "node_id")})
         metrics = {**self._round_metrics(results, failures), **dp_info}
         self.history[server_round] = metrics
         return agg, metrics
@@ -249,6 +272,7 @@ class SharedRandomKStrategy(Strategy):
             "clipped": sum(num(m, "secagg-clipped") for m in ms),
             "train-loss": sum(num(m, "train-loss") * w for m, w in zip(ms, n)) / max(sum(n), 1),
             "compression-error": sum(num(m, "compression-error") for m in ms) / len(ms),
-            "dense-bytes": sum(num(m, "dense-bytes") for m in ms),
+            # what the summed updates would have cost in fp32, from what the server received (not client reports)
+            "dense-bytes": float(4 * self._proj.dim * len(results)),
             **({"clipped-fraction": sum(num(m, "secagg-dp-clipped") for m in ms) / len(ms)} if self.client_dp else {}),
         }

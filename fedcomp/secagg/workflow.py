@@ -5,9 +5,19 @@ The four protocol stages, the masks, the secret sharing and the dropout recovery
 (``flwr.server.workflow.SecAggPlusWorkflow``, flwr 1.42); this subclass only
 
 - sizes ``modulus_range`` each round (``secagg-modulus-bits = 0``): the smallest power of two that
-  holds the sum of the available clients' quantized values, ``ceil(log2(n * Q + 1))`` bits, and
-  halts the round (Flower's own "halted" path) if more clients were sampled than it can hold, then
-  raises :class:`SecAggHalted` with the reason (every later round would halt too);
+  holds the sum of the sampled clients' quantized values, ``ceil(log2(n * Q + 1))`` bits (from the
+  sample itself, so a node joining while the round samples cannot overflow it); with a fixed
+  modulus it halts the round if more clients were sampled than it can hold, then raises
+  :class:`SecAggHalted` with the reason (every later round would halt too);
+- skips, with its reason in :attr:`CompressedSecAggPlusWorkflow.round_skipped`, a round that
+  samples fewer than 2 clients, one in which no node answers the setup stage with keys (naming the
+  likely cause: ClientApps without the secure mod), and one whose unmasked weight sum disagrees
+  with the clients' reported ``num_examples`` (a client masked another weight than it reported);
+- raises the reconstruction threshold of a round to more than half its shares where Flower's
+  rounding of a fractional ``secagg-threshold`` gives at most half (clients refuse such a setup:
+  :mod:`fedcomp.secagg.guard`);
+- lets a round continue without the nodes that dropped before handing out their key shares
+  (Flower 1.42 asks their neighbours for shares they never received, and the round fails);
 - checks every masked vector before Flower sums it (2 blobs, int64, shapes ``(1,)`` and
   ``(k,)``, values in ``[0, modulus_range)``; raw ``.npy`` parsed without pickle) and unpacks those
   packed by :func:`fedcomp.secagg.client.packing_secaggplus_mod` back to the int64 arrays Flower
@@ -21,18 +31,27 @@ from __future__ import annotations
 
 import io
 from collections.abc import Iterable
-from logging import ERROR
+from contextlib import contextmanager
+from logging import ERROR, WARNING
 
 import numpy as np
 from flwr.app import Error, Message
 from flwr.common import ndarray_to_bytes
 from flwr.common.logger import log
-from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
 from flwr.server.workflow import SecAggPlusWorkflow
+from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD
+from flwr.server.workflow.constant import Key as WorkflowKey
+from flwr.server.workflow.secure_aggregation import secaggplus_workflow as _flower_workflow
 
 from fedcomp.compression import PayloadError
+from fedcomp.config.secagg import allows_split, majority_threshold
 from fedcomp.secagg.client import PACK_MAGIC, unpack_masked
 from fedcomp.secagg.encoding import modulus_bits_for
+
+#: What a node that answers SecAgg+ without the secure mod most likely lacks.
+MOD_HINT = ("its ClientApp must run SecAgg+'s client mod: fedcomp's ClientApp(mods=[secagg_mod, compression_mod]), or "
+            "Flower's secaggplus_mod (fedcomp's packing_secaggplus_mod) first in a ClientApp's mods")
 
 #: Flower's error code for a ClientApp exception (used for a reply whose packed vector is malformed).
 _MALFORMED = 2
@@ -49,10 +68,30 @@ class _CountingGrid:
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
         sent = {m.metadata.dst_node_id: m for m in messages}
+        self._wf._on_send(list(sent.values()))
         out = []
         for reply in self._grid.send_and_receive(list(sent.values()), timeout=timeout):
             out.append(self._wf._on_reply(reply, sent.get(reply.metadata.src_node_id)))
         return out
+
+
+class _WeightMismatch(RuntimeError):
+    """Raised inside Flower's unmask stage, before the strategy sees the sum: the round is refused."""
+
+
+class _SampleSizing:
+    """The strategy, with the size of each ``configure_fit`` sample handed to the workflow."""
+
+    def __init__(self, strategy, workflow: CompressedSecAggPlusWorkflow) -> None:
+        self._strategy, self._wf = strategy, workflow
+
+    def __getattr__(self, name):
+        return getattr(self._strategy, name)
+
+    def configure_fit(self, *args, **kwargs):
+        sample = self._strategy.configure_fit(*args, **kwargs)
+        self._wf._available = len(sample)  # the auto modulus holds exactly this sample's sum
+        return sample
 
 
 class SecAggHalted(RuntimeError):
@@ -78,6 +117,9 @@ class CompressedSecAggPlusWorkflow(SecAggPlusWorkflow):
     ----------
     round_bytes : dict
         Of the last round: ``upload-bytes``, ``secagg-protocol-bytes``, ``malformed-replies``.
+    round_skipped : dict
+        Round -> why that round applied no sum (fewer than 2 sampled, no node with the secure mod,
+        a weight sum that disagrees with the reported counts, too few shares, ...).
     """
 
     def __init__(self, num_shares: float, reconstruction_threshold: float, *, modulus_bits: int = 0,
@@ -90,6 +132,10 @@ class CompressedSecAggPlusWorkflow(SecAggPlusWorkflow):
         self.round_bytes: dict[str, float] = {}
         #: Bits of the modulus of the current or last round (None until its setup stage has run).
         self.round_modulus_bits: int | None = None
+        self.round_skipped: dict[int, str] = {}
+        self._state = None
+        self._round = 0
+        self._setup_errors: list[str] = []
 
     @property
     def modulus_range(self) -> int:  # type: ignore[override]
@@ -109,29 +155,121 @@ class CompressedSecAggPlusWorkflow(SecAggPlusWorkflow):
         self.round_modulus_bits = None
         self._ctx = context
         self.halted: str | None = None
+        self._setup_errors = []
+        cfg = context.state.config_records.get(MAIN_CONFIGS_RECORD, {})
+        self._round = int(cfg.get(WorkflowKey.CURRENT_ROUND, self._round + 1))
         strategy = getattr(context, "strategy", None)
         if hasattr(strategy, "max_weight") and strategy.max_weight is None:  # SharedRandomKStrategy's bound
             strategy.max_weight = float(self.max_weight)
+        if hasattr(strategy, "unpacking_workflow"):  # SharedRandomKStrategy(pack=True) needs this workflow
+            strategy.unpacking_workflow = True
         super().__call__(_CountingGrid(grid, self), context)
         if self.halted:
             raise SecAggHalted(self.halted)
 
+    def _skip(self, reason: str) -> bool:
+        """Record why this round applies no sum, log it, and return False (Flower's "halted")."""
+        self.round_skipped[self._round] = reason
+        log(WARNING, "fedcomp secagg round %d skipped (model kept): %s", self._round, reason)
+        return False
+
     def setup_stage(self, grid, context, state) -> bool:
-        """Flower's setup stage with the modulus sized from the available clients; halts the round if
-        the sample could overflow it."""
-        self._available = context.client_manager.num_available()
-        ok = super().setup_stage(grid, context, state)
+        """Flower's setup stage with the modulus sized from the sample (auto) or checked against it
+        (fixed: halts the round and, after it, the run if the sample could overflow it); a round that
+        samples fewer than 2 clients, or in which no node answers with keys, is skipped with its reason."""
+        self._state = state
+        strategy = context.strategy
+        context.strategy = _SampleSizing(strategy, self)
+        try:
+            ok = super().setup_stage(grid, context, state)
+        finally:
+            context.strategy = strategy
+        if not state.mod_range:  # Flower stopped before configuring the round
+            return self._skip(f"{len(state.nid_to_fitins)} client(s) sampled: SecAgg+ needs at least 2")
         n = len(state.sampled_node_ids)
         self.round_modulus_bits = state.mod_range.bit_length() - 1
+        if not state.active_node_ids:
+            reasons = sorted(set(self._setup_errors))[:3]
+            log(ERROR, "fedcomp secagg: none of the %d sampled nodes answered the SecAgg+ setup stage with keys "
+                "(%s): %s", n, "; ".join(reasons), MOD_HINT)
+            return self._skip(f"no sampled node answered the SecAgg+ setup stage with keys ({'; '.join(reasons)}); "
+                              + MOD_HINT)
         if n * state.quantization_range >= state.mod_range:
             self.halted = (f"{n} sampled clients can overflow modulus 2**{self.round_modulus_bits} with "
                            f"quantization range {state.quantization_range}: round halted, run stopped (raise 'secagg-modulus-bits' or "
                            "use 0 = auto)")
             log(ERROR, "fedcomp secagg: %s", self.halted)
             return False
+        if not ok:
+            return self._skip(f"too few nodes answered the setup stage for threshold {state.threshold}")
         return ok
 
+    def share_keys_stage(self, grid, context, state) -> bool:
+        """Flower's share-keys stage; then the nodes that handed out no key shares leave the round (no
+        neighbour holds a share of theirs or masks with them), so it continues without them."""
+        if not super().share_keys_stage(grid, context, state):
+            return self._skip(f"too few nodes shared their keys for threshold {state.threshold}")
+        shared = set(state.active_node_ids)
+        gone = state.sampled_node_ids - shared
+        if gone:
+            log(WARNING, "fedcomp secagg round %d: %d node(s) dropped before sharing their keys; the round "
+                "continues without them", self._round, len(gone))
+            state.sampled_node_ids = shared
+            state.nid_to_neighbours = {nid: nb & shared for nid, nb in state.nid_to_neighbours.items()
+                                       if nid in shared}
+        return True
+
+    def collect_masked_vectors_stage(self, grid, context, state) -> bool:
+        """Flower's collect stage (replies checked and unpacked by the grid proxy)."""
+        if not super().collect_masked_vectors_stage(grid, context, state):
+            return self._skip(f"too few masked vectors for threshold {state.threshold}")
+        return True
+
+    def unmask_stage(self, grid, context, state) -> bool:
+        """Flower's unmask stage, with the unmasked weight sum checked against the clients' reported
+        ``num_examples`` before the strategy sees the sum: each client's weight is
+        ``round(num_examples / max_weight * Q)``, and a sum that differs (a client masked an inflated,
+        zero or negative weight) refuses the round."""
+        expected = _weight_sum(state)
+        try:
+            with _checking_weight_sum(expected, state.mod_range):
+                ok = super().unmask_stage(grid, context, state)
+        except _WeightMismatch as exc:
+            log(ERROR, "fedcomp secagg round %d refused (model kept): %s", self._round, exc)
+            return self._skip(str(exc))
+        if not ok:
+            return self._skip(f"too few unmasking shares for threshold {state.threshold}")
+        return True
+
+    def _on_send(self, messages: list[Message]) -> None:
+        """Raise a setup's threshold to more than half its shares (the clients refuse less)."""
+        for m in messages:
+            rec = m.content.config_records.get(RECORD_KEY_CONFIGS)
+            if rec is None or rec.get(Key.STAGE) != Stage.SETUP:
+                continue
+            shares, threshold = int(rec[Key.SHARE_NUMBER]), int(rec[Key.THRESHOLD])
+            if allows_split(threshold, shares):
+                need = majority_threshold(shares)
+                log(WARNING, "fedcomp secagg round %d: secagg-threshold %s gives %d of %d shares (a server could "
+                    "split a client's neighbours): raised to %d", self._round, self.reconstruction_threshold,
+                    threshold, shares, need)
+                rec[Key.THRESHOLD] = need
+                if self._state is not None:
+                    self._state.threshold = need
+
     def _on_reply(self, reply: Message, sent: Message | None) -> Message:
+        stage = None if sent is None else sent.content.config_records.get(RECORD_KEY_CONFIGS, {}).get(Key.STAGE)
+        if stage == Stage.SETUP:
+            if reply.has_error():
+                self._setup_errors.append(str(reply.error.reason).strip().splitlines()[-1][:200]
+                                          if reply.error.reason else f"error code {reply.error.code}")
+                return reply
+            rec = reply.content.config_records.get(RECORD_KEY_CONFIGS, {})
+            if Key.PUBLIC_KEY_1 not in rec or Key.PUBLIC_KEY_2 not in rec:
+                reason = f"node {reply.metadata.src_node_id} answered the SecAgg+ setup stage without public keys"
+                self._setup_errors.append(reason)
+                log(ERROR, "fedcomp secagg: %s: %s", reason, MOD_HINT)
+                return Message(Error(code=_MALFORMED, reason=f"{reason}: {MOD_HINT}"), reply_to=sent)
         if reply.has_error() or RECORD_KEY_CONFIGS not in reply.content.config_records:
             return reply
         rec = reply.content.config_records[RECORD_KEY_CONFIGS]
@@ -192,3 +330,40 @@ class CompressedSecAggPlusWorkflow(SecAggPlusWorkflow):
                 raise PayloadError(f"masked vector blob {i}: values outside [0, 2**{self.round_modulus_bits})")
             out.append(ndarray_to_bytes(np.ascontiguousarray(arr)))
         return out
+
+
+def _weight_sum(state) -> int:
+    """What the unmasked weight entry must be: the sum over the clients whose masked vectors were
+    summed of Flower's client weight ``round(num_examples / max_weight * Q)`` (-1 if a count is not a
+    finite number)."""
+    total = 0
+    for _, fitres in state.legacy_results:
+        n = fitres.num_examples
+        if isinstance(n, bool) or not isinstance(n, (int, float, np.integer, np.floating)) or not np.isfinite(n):
+            return -1
+        total += round(float(n) / state.max_weight * state.quantization_range)
+    return total
+
+
+@contextmanager
+def _checking_weight_sum(expected: int, mod_range: int):
+    """While Flower's unmask stage runs, check the unmasked weight sum (the first entry, which Flower's
+    ``factor_extract`` takes off the sum) against ``expected``; raise :class:`_WeightMismatch` before
+    the sum reaches the strategy. Flower 1.42 offers no hook there: its module's ``factor_extract``
+    is wrapped for the duration of the call (a test checks that it is still called)."""
+    original = _flower_workflow.factor_extract
+
+    def checked(parameters):
+        weight, rest = original(parameters)
+        if int(weight) != expected:
+            raise _WeightMismatch(
+                f"the unmasked weight sum is {int(weight)} (modulo 2**{mod_range.bit_length() - 1}) but the "
+                f"clients' reported num-examples give {expected}: a client masked another weight than it reported "
+                "(inflated, zero or negative), which would skew the mean")
+        return weight, rest
+
+    _flower_workflow.factor_extract = checked
+    try:
+        yield
+    finally:
+        _flower_workflow.factor_extract = original

@@ -12,8 +12,8 @@ from flwr.server import LegacyContext, ServerConfig
 from flwr.server.strategy import FedAvg
 from flwr.server.workflow import DefaultWorkflow
 
-from fedcomp.secagg import CompressedSecAggPlusWorkflow, SharedRandomKStrategy, secagg_mod
 from fedcomp.run.inprocess_grid import CLIENT_APP_RAISED_EXCEPTION, InProcessGrid
+from fedcomp.secagg import CompressedSecAggPlusWorkflow, SharedRandomKStrategy, secagg_mod
 
 SHAPES = {"w": (40, 50), "b": (50,), "steps": ()}  # 2050 float entries + one int64 0-d buffer
 
@@ -34,8 +34,10 @@ def num_examples(pid: int) -> int:
     return 50 + 37 * pid
 
 
-def make_client_app(scale: float = 0.01) -> ClientApp:
-    app = ClientApp(mods=[secagg_mod])
+def make_client_app(scale: float = 0.01, mods=(secagg_mod,)) -> ClientApp:
+    """Clients whose training adds :func:`client_delta`; ``mods`` as fedcomp's own app has them:
+    ``(secagg_mod, compression_mod)``."""
+    app = ClientApp(mods=list(mods))
 
     @app.train()
     def train(msg: Message, context: Context) -> Message:
@@ -75,26 +77,68 @@ class RecordingGrid(InProcessGrid):
         return out
 
 
-def run_round(n: int, density: float, *, rotation=False, pack=True, drop=(), corrupt=(), scale=0.01,
-              clipping_range=1.0, qbits=16, shares=1.0, threshold=0.6, ef=True, inner_cls=FedAvg, client_dp=None, **inner_kw):
+def tampering_grid(fn, victim=4):
+    """A :class:`RecordingGrid` whose partition ``victim`` sends ``fn(its masked blobs)`` instead."""
+    class G(RecordingGrid):
+        def send_and_receive(self, messages, *, timeout=None):
+            out = list(super().send_and_receive(messages, timeout=timeout))
+            pid = {nid: c.node_config["partition-id"] for nid, c in self.contexts.items()}
+            for r in out:
+                rec = r.content.config_records.get(RECORD_KEY_CONFIGS, {}) if not r.has_error() else {}
+                if Key.MASKED_PARAMETERS in rec and pid[r.metadata.src_node_id] == victim:
+                    rec[Key.MASKED_PARAMETERS] = fn(list(rec[Key.MASKED_PARAMETERS]))
+            return out
+    return G
+
+
+class RoundCountingGrid(RecordingGrid):
+    """A :class:`RecordingGrid` that counts rounds (setup stages) in ``round`` and calls
+    ``on_round(round)`` before each round's setup messages go out."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.round = 0
+
+    def on_round(self, server_round: int) -> None:
+        """Hook: a new round starts."""
+
+    def send_and_receive(self, messages, *, timeout=None):
+        messages = list(messages)
+        if any(RECORD_KEY_CONFIGS in m.content.config_records
+               and m.content.config_records[RECORD_KEY_CONFIGS].get(Key.STAGE) == "setup" for m in messages):
+            self.round += 1
+            self.on_round(self.round)
+        return super().send_and_receive(messages, timeout=timeout)
+
+
+def run_round(n: int, density: float, **kw):
     """One SecAgg+ round; returns (new model dict, strategy, workflow, grid)."""
+    models, strategy, workflow, grid = run_rounds(1, n, density, **kw)
+    return models[1], strategy, workflow, grid
+
+
+def run_rounds(num_rounds: int, n: int, density: float, *, rotation=False, pack=True, drop=(), corrupt=(), scale=0.01,
+               clipping_range=1.0, qbits=16, shares=1.0, threshold=0.6, ef=True, inner_cls=FedAvg, client_dp=None,
+               node_configs=None, mods=(secagg_mod,), workflow_cls=None, **inner_kw):
+    """``num_rounds`` SecAgg+ rounds; returns ({round: model dict after it}, strategy, workflow, grid)."""
     g = global_model()
     keys = list(g)
-    grid = RecordingGrid(make_client_app(scale), n, {}, drop=drop, corrupt=corrupt)
+    grid = RecordingGrid(make_client_app(scale, mods), n, {}, node_configs, drop=drop, corrupt=corrupt)
     captured = {}
 
     def evaluate_fn(rnd, arrays, config):
         captured[rnd] = arrays
         return 0.0, {}
 
-    inner = inner_cls(**inner_kw, fraction_fit=1.0, fraction_evaluate=0.0, min_fit_clients=n, min_evaluate_clients=0,
-                   min_available_clients=n, evaluate_fn=evaluate_fn,
-                   initial_parameters=ndarrays_to_parameters([g[k] for k in keys]))
+    inner_kw = {"fraction_fit": 1.0, "min_fit_clients": n, "min_available_clients": n, **inner_kw}
+    inner = inner_cls(**inner_kw, fraction_evaluate=0.0, min_evaluate_clients=0, evaluate_fn=evaluate_fn,
+                      initial_parameters=ndarrays_to_parameters([g[k] for k in keys]))
     strategy = SharedRandomKStrategy(inner, density, rotation=rotation, error_feedback=ef, seed=3, keys=keys, pack=pack,
                                      client_dp=client_dp)
-    workflow = CompressedSecAggPlusWorkflow(shares, threshold, max_weight=1000.0, clipping_range=clipping_range,
-                                            quantization_range=1 << qbits)
+    workflow = (workflow_cls or CompressedSecAggPlusWorkflow)(shares, threshold, max_weight=1000.0,
+                                                              clipping_range=clipping_range,
+                                                              quantization_range=1 << qbits)
     ctx = LegacyContext(Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={}),
-                        config=ServerConfig(num_rounds=1), strategy=strategy)
+                        config=ServerConfig(num_rounds=num_rounds), strategy=strategy)
     DefaultWorkflow(fit_workflow=workflow)(grid, ctx)
-    return dict(zip(keys, captured[1])), strategy, workflow, grid
+    return {r: dict(zip(keys, captured[r])) for r in range(1, num_rounds + 1)}, strategy, workflow, grid

@@ -7,23 +7,11 @@ import io
 import numpy as np
 import pytest
 from flwr.common import ndarray_to_bytes
-from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key
 
 from fedcomp.secagg.client import pack_masked
 from tests.secagg import helpers
 
-
-def _tampering_grid(fn, victim=4):
-    class G(helpers.RecordingGrid):
-        def send_and_receive(self, messages, *, timeout=None):
-            out = list(super().send_and_receive(messages, timeout=timeout))
-            pid = {nid: c.node_config["partition-id"] for nid, c in self.contexts.items()}
-            for r in out:
-                rec = r.content.config_records.get(RECORD_KEY_CONFIGS, {}) if not r.has_error() else {}
-                if Key.MASKED_PARAMETERS in rec and pid[r.metadata.src_node_id] == victim:
-                    rec[Key.MASKED_PARAMETERS] = fn(list(rec[Key.MASKED_PARAMETERS]))
-            return out
-    return G
+_tampering_grid = helpers.tampering_grid
 
 
 class _Pickled:
@@ -117,8 +105,8 @@ def test_workflow_gives_the_strategy_its_max_weight():
 
 @pytest.mark.parametrize("value", ["true", 1, "false", 0])
 def test_secagg_flag_must_be_a_boolean(value):
-    from fedcomp.config import AppConfig
     from fedcomp.app.secagg_server_app import secagg_requested
+    from fedcomp.config import AppConfig
     with pytest.raises(ValueError, match="'secagg' must be true or false"):
         AppConfig.from_run_config({"secagg": value, "compressor": "randomk"})
     with pytest.raises(ValueError, match="'secagg' must be true or false"):

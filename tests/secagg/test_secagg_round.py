@@ -4,7 +4,8 @@ the unmasked sum against the plain aggregate, dropouts, packing, error feedback.
 import numpy as np
 import pytest
 
-from fedcomp.secagg.client import SECAGG_RESIDUAL_KEY, unpack_masked
+from fedcomp.secagg.client import unpack_masked
+from fedcomp.secagg.residual import latest_residual
 from fedcomp.secagg.encoding import SharedProjection, flower_weight, modulus_bits_for, quantization_bound, round_seed
 
 from .helpers import client_delta, global_model, num_examples, run_round
@@ -114,7 +115,7 @@ def test_unpacked_int64_replies_and_error_feedback_residual():
     # error feedback: the residual is the update minus what was sent (unsent entries exactly; sent ones
     # within one quantization step / weight)
     ctx = next(c for c in grid.contexts.values() if c.node_config["partition-id"] == 1)
-    res = ctx.state.array_records[SECAGG_RESIDUAL_KEY]["residual"].numpy()
+    res = latest_residual(ctx)
     delta = _flat(client_delta(1))
     others = np.ones(DIM, bool)
     others[proj.positions()] = False
@@ -129,7 +130,7 @@ def test_clipping_is_kept_by_error_feedback():
     ctx = next(iter(grid.contexts.values()))
     pid = ctx.node_config["partition-id"]
     w = flower_weight(num_examples(pid), 1000.0, Q16)
-    res = ctx.state.array_records[SECAGG_RESIDUAL_KEY]["residual"].numpy().astype(np.float64)
+    res = latest_residual(ctx).astype(np.float64)
     sent = _flat(client_delta(pid, 1.0)) - res
     assert np.abs(sent).max() <= 0.01 / w + 1e-6  # what travelled is within +-c / w (float32 residual)
 
