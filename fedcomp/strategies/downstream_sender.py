@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import replace
 from logging import INFO, WARNING
 
 import numpy as np
