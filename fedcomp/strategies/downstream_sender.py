@@ -201,7 +201,9 @@ class Downstream:
         ``"auto"`` replaces nothing but LoRA adapters at peft's initialisation (their ``lora_A``
         by the seed's draw from the same distribution); ``"seeded"`` replaces every float tensor
         (:func:`~fedcomp.protocol.seeded_init.seeded_like`). Integer/bool tensors are kept. The
-        result equals what a new client builds from the seed, bit for bit (in each tensor's dtype).
+        draw's seed is a hash of ``arrays`` (an app that seeds its own initialisation per run gets a
+        different start per run). The result equals what a new client builds from the seed, bit for
+        bit (in each tensor's dtype).
 
         Returns
         -------
@@ -212,7 +214,8 @@ class Downstream:
             return arrays
         values, dtypes = numpy_dict(arrays)
         floats = {k: v for k, v in values.items() if is_float_dtype(dtypes[k])}
-        init = seeded_like(floats, self.seed) if self.init == "seeded" else _peft_adapters(floats, self.seed)
+        seed = _model_seed(floats)  # another initial model (another run seed), another draw
+        init = seeded_like(floats, seed) if self.init == "seeded" else _peft_adapters(floats, seed)
         self.init = init if init is not None else START_CODEC
         if init is None:
             return arrays
@@ -459,3 +462,12 @@ def _peft_adapters(floats: dict[str, np.ndarray], seed: int) -> SeededInit | Non
         if not math.isfinite(top) or top > bound * (1 + 1e-6):
             return None
     return init
+
+
+def _model_seed(floats: dict[str, np.ndarray]) -> int:
+    """A 63-bit seed from the initial model's names and values (SHA-256)."""
+    h = hashlib.sha256()
+    for k, v in floats.items():
+        h.update(k.encode())
+        h.update(np.ascontiguousarray(v).tobytes())
+    return int.from_bytes(h.digest()[:8], "little") >> 1
