@@ -24,6 +24,7 @@ checkpoints alike. The rules (stated in the README, "Use with your existing Flow
 - :mod:`.arrays`: tensors as Flower ``Array``s and back, every dtype, checked casts.
 - :mod:`.integer_rule`: the integer/bool rule.
 - :mod:`.flat`: :class:`FlatModel`, the flat float vector beside the exact tensors.
+- :mod:`.tied`: tied parameters (one tensor under two names): one travels, both are set.
 """
 
 from fedcomp.statedict.arrays import (
@@ -44,6 +45,7 @@ from fedcomp.statedict.arrays import (
     to_state_dict,
 )
 from fedcomp.statedict.flat import FlatModel, Spec
+from fedcomp.statedict.tied import retie, tied_aliases, untie
 from fedcomp.statedict.integer_rule import (
     bool_majority,
     exact_cast,
@@ -56,4 +58,5 @@ from fedcomp.statedict.integer_rule import (
 __all__ = ["BF16", "BF16_STYPE", "HALF_DTYPES", "FlatModel", "Spec", "array_to_numpy", "bool_majority", "cast_carried",
            "cast_checked",
            "copy_array", "dtype_limit", "exact_cast", "exact_weight", "integer_delta", "integer_mean", "is_float_dtype",
-           "numpy_dict", "numpy_to_array", "numpy_view", "numpy_views", "to_record", "to_state_dict", "weighted_add"]
+           "numpy_dict", "numpy_to_array", "numpy_view", "numpy_views", "retie", "tied_aliases", "to_record",
+           "to_state_dict", "untie", "weighted_add"]
