@@ -108,14 +108,40 @@ def pack_uint(values: np.ndarray, width: int) -> bytes:
         return b""
     if width == 8:
         return values.astype(np.uint8).tobytes()
-    m = values.size
-    out = np.empty(nbytes_for_bits(m * width), dtype=np.uint8)
-    per_chunk = PACK_CHUNK * width // 8  # bytes a full chunk packs to (a whole number: PACK_CHUNK % 8 == 0)
-    for first in range(0, m, PACK_CHUNK):
-        part = _pack_chunk(values[first: first + PACK_CHUNK], width)
-        start = first // PACK_CHUNK * per_chunk
-        out[start: start + part.size] = part
+    out = np.empty(nbytes_for_bits(values.size * width), dtype=np.uint8)
+    pack_uint_into(out, 0, values, width)
     return out.tobytes()
+
+
+def pack_uint_into(out: np.ndarray, first: int, values: np.ndarray, width: int) -> None:
+    """Write :func:`pack_uint` of ``values`` into ``out`` as values ``first ..`` of a longer stream,
+    in chunks of :data:`PACK_CHUNK` values (a stream packed piece by piece, as QSGD packs its
+    levels bucket block by bucket block, is byte for byte :func:`pack_uint` of the whole).
+
+    Parameters
+    ----------
+    out : np.ndarray
+        uint8, the whole stream's ``ceil(total * width / 8)`` bytes.
+    first : int
+        Index of ``values[0]`` in the stream, a multiple of 8 (so it starts on a byte); every
+        piece but the last must hold a multiple of 8 values.
+    values : np.ndarray
+        1-D integers in ``[0, 2**width)``.
+    width : int
+        Bits per value, 1..64.
+
+    Raises
+    ------
+    ValueError
+        ``first`` not a multiple of 8.
+    """
+    if first % 8:
+        raise ValueError(f"pack_uint_into: first = {first} is not a multiple of 8")
+    base = first * width // 8
+    for i in range(0, values.size, PACK_CHUNK):
+        part = _pack_chunk(values[i: i + PACK_CHUNK], width)
+        start = base + i * width // 8
+        out[start: start + part.size] = part
 
 
 def _pack_chunk(values: np.ndarray, width: int) -> np.ndarray:

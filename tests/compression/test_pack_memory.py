@@ -1,7 +1,7 @@
-"""Client-side bit packing in bounded memory (issue 33, item 11): ``pack_uint`` packs in chunks, so
-QSGD with 2**15 levels and SecAgg+'s packed masked vectors peak within 3x their input (38x and 23.5x
-before), and every payload is byte for byte what the unchunked packing gave (hashes recorded on the
-code before the change)."""
+"""Client-side bit packing in bounded memory (issue 33, item 11): ``pack_uint`` packs in chunks and QSGD
+quantizes and packs block by block of buckets, so QSGD with 2**15 levels and SecAgg+'s packed masked
+vectors peak within 3x their input (38x and 23.5x before), and every payload is byte for byte what the
+unchunked code gave (hashes recorded on the code before the change)."""
 
 import hashlib
 import tracemalloc
@@ -14,7 +14,7 @@ import fedcomp.compression as fc
 from fedcomp.compression.bits import pack_uint, unpack_uint
 from fedcomp.secagg.client import pack_masked, unpack_masked
 
-#: sha256[:16] of the payloads, computed with the unchunked packing (main before issue 33 item 11).
+#: sha256[:16] of the payloads, computed with the unchunked code (main before issue 33 item 11).
 GOLDEN = {
     "uint-1-1": "4bf5122f344554c5",
     "uint-1-7": "bd4fc42a21f1f860",
@@ -64,6 +64,12 @@ GOLDEN = {
     "masked-32": "e4c0efc3f595601f",
     "masked-33": "1ee984a53d0bbec2",
     "masked-64": "453e61070a950fff",
+    "qsgd300k-levels15": "986b0a4509daa701",
+    "qsgd300k-levels32768": "44cb2b6a550213fb",
+    "qsgd300k-levels255-bucket_size100": "9edf6da9c6ac6f01",
+    "qsgd300k-levels126-spacingexponential": "205e58f3b0680ce9",
+    "qsgd300k-levels3-bucket_size7": "ed1e5e56f2dda798",
+    "qsgd300k-levels1000-bucket_size1": "b2fe62ab8973f169",
 }
 
 
@@ -93,6 +99,12 @@ def test_qsgd_and_masked_payloads_are_unchanged():
                {"levels": 126, "spacing": "exponential"}, {"levels": 2**16 - 1, "bucket_size": 50_001}):
         name = "qsgd-" + "-".join(f"{k}{v}" for k, v in kw.items())
         assert _h(fc.get_compressor("qsgd", seed=11, **kw).compress(x)) == GOLDEN[name], name
+    big = torch.randn(300_001, generator=torch.Generator().manual_seed(6))  # several of the encoder's blocks
+    for kw in ({"levels": 15}, {"levels": 2**15}, {"levels": 255, "bucket_size": 100},
+               {"levels": 126, "spacing": "exponential"}, {"levels": 3, "bucket_size": 7},
+               {"levels": 1000, "bucket_size": 1}):
+        name = "qsgd300k-" + "-".join(f"{k}{v}" for k, v in kw.items())
+        assert _h(fc.get_compressor("qsgd", seed=12, **kw).compress(big)) == GOLDEN[name], name
     for bits in (22, 32, 33, 64):
         a = np.random.default_rng(bits).integers(0, 2**bits - 1 if bits < 64 else 2**63 - 1, size=(7, 5003),
                                                  dtype=np.int64)
