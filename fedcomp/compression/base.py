@@ -9,6 +9,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
+from fedcomp.compression.chunked import join
 from fedcomp.compression.errors import PayloadError
 from fedcomp.compression.exact import EXACT_CODEC_ID, EXACT_NAME
 from fedcomp.compression.options import Option
@@ -158,7 +159,7 @@ class Compressor:
         """
         flat = check_input(x)
         params, body = self._encode(flat)
-        return pack_header(self.codec_id, x.dtype, tuple(x.shape), params) + body
+        return _assemble(pack_header(self.codec_id, x.dtype, tuple(x.shape), params), body)
 
     def compress_finite(self, x: torch.Tensor) -> bytes:
         """:meth:`compress` for a float32 ``x`` the caller has already proven finite (its norms are
@@ -167,9 +168,11 @@ class Compressor:
         if type(self).compress is not Compressor.compress or not isinstance(x, torch.Tensor) or x.dtype != torch.float32:
             return self.compress(x)
         params, body = self._encode(x.detach().reshape(-1))
-        return pack_header(self.codec_id, x.dtype, tuple(x.shape), params) + body
+        return _assemble(pack_header(self.codec_id, x.dtype, tuple(x.shape), params), body)
 
-    def _encode(self, flat: torch.Tensor) -> tuple[bytes, bytes]:  # pragma: no cover - abstract
+    def _encode(self, flat: torch.Tensor) -> tuple[bytes, bytes | tuple]:  # pragma: no cover - abstract
+        """``(params, body)``: the parameter block and the body, as bytes or as a tuple of bytes-like
+        parts (contiguous numpy arrays included) that :meth:`compress` copies once into the payload."""
         raise NotImplementedError
 
     @classmethod
@@ -194,6 +197,11 @@ class Compressor:
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.config().items())
         return f"{type(self).__name__}({args})"
+
+
+def _assemble(header: bytes, body: bytes | tuple) -> bytes:
+    """The payload: ``header`` then the body (bytes, or a tuple of parts joined in one copy)."""
+    return header + body if isinstance(body, bytes) else join(header, *body)
 
 
 def get_compressor(name: str, **params) -> Compressor:

@@ -68,13 +68,25 @@ def unpack_bits(buf: memoryview | bytes, count: int, what: str) -> np.ndarray:
     PayloadError
         If the buffer length is wrong or a padding bit is set (non-canonical encoding).
     """
+    raw = check_padding(buf, count, what)
+    return np.unpackbits(raw, count=count, bitorder="little")
+
+
+def check_padding(buf: memoryview | bytes, count: int, what: str) -> np.ndarray:
+    """The checks of :func:`unpack_bits` without the unpacking: ``buf`` as a uint8 array.
+
+    Raises
+    ------
+    PayloadError
+        If the buffer length is not ``ceil(count / 8)`` or a padding bit is set.
+    """
     raw = np.frombuffer(buf, dtype=np.uint8)
     if raw.size != nbytes_for_bits(count):
         raise PayloadError(f"{what}: expected {nbytes_for_bits(count)} bytes for {count} bits, got {raw.size}")
     pad = raw.size * 8 - count
     if pad and int(raw[-1]) >> (8 - pad):
         raise PayloadError(f"{what}: padding bits after bit {count} are not zero")
-    return np.unpackbits(raw, count=count, bitorder="little")
+    return raw
 
 
 def pack_uint(values: np.ndarray, width: int) -> bytes:

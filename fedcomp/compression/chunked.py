@@ -1,0 +1,51 @@
+"""Helpers of the codecs' one-pass CPU paths (issue 34): cache-sized chunks and n-sized buffers.
+
+A fresh torch tensor of a model's size costs a page fault per 4 KiB on the CPU (glibc serves
+allocations above 32 MiB from fresh ``mmap``), which is what made most encoders cost many read
+passes. The codecs therefore walk their input in chunks of :data:`CHUNK` entries, keeping every
+temporary in cache, and write their outputs into buffers numpy allocates (numpy asks the kernel
+for huge pages on large arrays: a few faults instead of thousands). Every chunked path performs
+the same float operations on every entry as the whole-tensor code it replaced, so payloads are
+byte-identical (``tests/compression/test_payload_golden.py``).
+
+Tensors on other devices (CUDA) take a single chunk: their kernels are launched once, as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+#: Entries per chunk: 256 KiB of float32, within a core's L2 cache; a multiple of 64, so that
+#: chunks of bit streams start on a byte and chunks of ``pack_uint`` streams on a whole group.
+CHUNK = 1 << 16
+
+
+def spans(n: int, chunk: int = CHUNK) -> Iterator[tuple[int, int]]:
+    """``(start, stop)`` of consecutive chunks of ``[0, n)``, each ``chunk`` long but the last."""
+    for start in range(0, n, chunk):
+        yield start, min(start + chunk, n)
+
+
+def on_cpu(t: torch.Tensor) -> bool:
+    """Whether ``t`` takes the chunked numpy path: a CPU tensor (``.numpy()`` works on it)."""
+    return t.device.type == "cpu"
+
+
+def buffer(n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """An uninitialised CPU tensor of ``n`` entries whose memory numpy allocated (huge pages).
+
+    Raises
+    ------
+    TypeError
+        A dtype numpy cannot hold (bfloat16).
+    """
+    np_dtype = torch.empty(0, dtype=dtype).numpy().dtype
+    return torch.from_numpy(np.empty(n, dtype=np_dtype))
+
+
+def join(*parts) -> bytes:
+    """One ``bytes`` of the given bytes-like parts (numpy arrays included), copied once."""
+    return b"".join(memoryview(p).cast("B") if isinstance(p, np.ndarray) else p for p in parts)
