@@ -29,6 +29,30 @@ def spans(n: int, chunk: int = CHUNK) -> Iterator[tuple[int, int]]:
         yield start, min(start + chunk, n)
 
 
+def blocks(n: int, block: int, device: torch.device) -> Iterator[tuple[int, int, int, int]]:
+    """Whole blocks of ``block`` entries in chunks: ``(first block, end block, start, stop)``.
+
+    ``[0, n)`` is cut into ``ceil(n / block)`` blocks (the last possibly short); each chunk holds
+    ``max(1, CHUNK // block)`` blocks on the CPU, every block at once elsewhere, and covers the
+    entries ``[start, stop)``.
+    """
+    nb = -(-n // block)
+    per = max(1, CHUNK // block) if device.type == "cpu" else max(nb, 1)
+    for b0 in range(0, nb, per):
+        b1 = min(nb, b0 + per)
+        yield b0, b1, b0 * block, min(b1 * block, n)
+
+
+def padded_rows(flat: torch.Tensor, b0: int, b1: int, block: int) -> torch.Tensor:
+    """Blocks ``b0 .. b1 - 1`` of ``flat`` as a ``(b1 - b0, block)`` view, the short last block
+    zero-padded (a copy of that chunk only)."""
+    seg = flat[b0 * block : b1 * block]
+    short = (b1 - b0) * block - seg.numel()
+    if short:
+        seg = torch.nn.functional.pad(seg, (0, short))
+    return seg.reshape(b1 - b0, block)
+
+
 def on_cpu(t: torch.Tensor) -> bool:
     """Whether ``t`` takes the chunked numpy path: a CPU tensor (``.numpy()`` works on it)."""
     return t.device.type == "cpu"
