@@ -70,6 +70,19 @@ def buffer(n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return torch.from_numpy(np.empty(n, dtype=np_dtype))
 
 
+def float32_out(out: np.ndarray, name: str) -> np.ndarray:
+    """A decoder's ``out`` if it is float32.
+
+    Raises
+    ------
+    ValueError
+        Another dtype (codec ``name`` decodes to float32).
+    """
+    if out.dtype != np.float32:
+        raise ValueError(f"decompress: out is {out.dtype}, the {name} payload decodes to float32")
+    return out
+
+
 def join(*parts) -> bytes:
     """One ``bytes`` of the given bytes-like parts (numpy arrays included), copied once."""
     return b"".join(memoryview(p).cast("B") if isinstance(p, np.ndarray) else p for p in parts)

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from fedcomp.compression.base import Compressor, register
-from fedcomp.compression.chunked import CHUNK, buffer, on_cpu, spans
+from fedcomp.compression.chunked import CHUNK, buffer, float32_out, on_cpu, spans
 from fedcomp.compression.errors import PayloadError
 from fedcomp.compression.wire import BodyReader, Header, pack_header, unpack_params
 
@@ -51,16 +51,16 @@ class _Cast(Compressor):
         return flat.clamp(-self.limit, self.limit).to(self.wire_dtype).view(self.wire_int)
 
     @classmethod
-    def _from_wire(cls, raw: memoryview, n: int) -> np.ndarray:
-        return np.frombuffer(raw, dtype=np.float32).copy()
+    def _from_wire(cls, raw: memoryview, out: np.ndarray) -> None:
+        out[...] = np.frombuffer(raw, dtype=np.float32)
 
     @classmethod
-    def _decode(cls, header: Header, payload: memoryview) -> np.ndarray:
+    def _decode_into(cls, header: Header, payload: memoryview, out: np.ndarray) -> None:
         unpack_params("<", header.params, cls.name)
         r = BodyReader(payload, header.body_offset, cls.name)
         raw = r.take(header.numel * cls.itemsize, "values")
         r.finish()
-        return cls._from_wire(raw, header.numel)
+        cls._from_wire(raw, float32_out(out, cls.name))
 
 
 #: ``none`` parameter block of a float64 body (one byte: the body's itemsize).
@@ -110,6 +110,13 @@ class NoCompression(_Cast):
             return np.frombuffer(raw, dtype="<f8").astype(np.float64)
         return super()._decode(header, payload)
 
+    @classmethod
+    def _decode_into(cls, header: Header, payload: memoryview, out: np.ndarray) -> None:
+        if header.params == _WIDE:  # a float64 body: decoded, then copied (out must be float64)
+            Compressor._decode_into.__func__(cls, header, payload, out)
+        else:
+            super()._decode_into(header, payload, out)
+
 
 @register
 class FP16(_Cast):
@@ -127,17 +134,16 @@ class FP16(_Cast):
     limit = 65504.0
 
     @classmethod
-    def _from_wire(cls, raw: memoryview, n: int) -> np.ndarray:
+    def _from_wire(cls, raw: memoryview, out: np.ndarray) -> None:
         # torch's half -> float conversion (exact, vectorised; numpy's is several times slower), chunk
-        # by chunk through a small writable copy into the numpy-allocated output
-        halves = np.frombuffer(raw, dtype=np.float16)
-        out = buffer(n)
+        # by chunk through a small writable copy into the output
+        halves, n = np.frombuffer(raw, dtype=np.float16), out.size
+        dst = torch.from_numpy(out)
         scratch = torch.empty(min(CHUNK, n), dtype=torch.float16)
         for start, stop in spans(n):
             s = scratch[: stop - start]
             s.numpy()[...] = halves[start:stop]
-            out[start:stop].copy_(s)
-        return out.numpy()
+            dst[start:stop].copy_(s)
 
 
 @register
@@ -157,6 +163,9 @@ class BF16(_Cast):
     limit = float(torch.finfo(torch.bfloat16).max)
 
     @classmethod
-    def _from_wire(cls, raw: memoryview, n: int) -> np.ndarray:
-        hi = np.frombuffer(raw, dtype=np.uint16).astype(np.uint32) << np.uint32(16)
-        return hi.view(np.float32)
+    def _from_wire(cls, raw: memoryview, out: np.ndarray) -> None:
+        wire, ov = np.frombuffer(raw, dtype=np.uint16), out.view(np.uint32)
+        for start, stop in spans(out.size):  # the upper 16 bits of each float32
+            o = ov[start:stop]
+            o[...] = wire[start:stop]
+            o <<= np.uint32(16)

@@ -16,7 +16,7 @@ import torch
 
 from fedcomp.compression.base import Compressor, check_range, register
 from fedcomp.compression.bits import check_padding, nbytes_for_bits, pack_bits_on_device
-from fedcomp.compression.chunked import CHUNK, buffer, on_cpu, spans
+from fedcomp.compression.chunked import CHUNK, buffer, float32_out, on_cpu, spans
 from fedcomp.compression.errors import PayloadError
 from fedcomp.compression.hadamard import (
     BLOCKED_MIN,
@@ -118,7 +118,7 @@ class EdenCompressor(Compressor):
         return struct.pack(self._PARAMS, seed, int(self.unbiased)), (scales, bits)
 
     @classmethod
-    def _decode(cls, header: Header, payload: memoryview) -> np.ndarray:
+    def _decode_into(cls, header: Header, payload: memoryview, out: np.ndarray) -> None:
         seed, unbiased = unpack_params(cls._PARAMS, header.params, cls.name)
         if unbiased > 1:
             raise PayloadError(f"eden: unbiased flag {unbiased} is not 0 or 1")
@@ -130,7 +130,7 @@ class EdenCompressor(Compressor):
         r.finish()
         if not np.isfinite(scales).all() or (scales < 0).any():
             raise PayloadError("eden: a block scale is negative or not finite")
-        out = expand_signs(raw, n, np.float32(1.0))  # sign(y) as ±1
+        out = expand_signs(raw, n, np.float32(1.0), float32_out(out, cls.name))  # sign(y) as ±1
         t = torch.from_numpy(out)  # shares memory with ``out``
         small = max((size for _, size in blocks if size < BLOCKED_MIN), default=0)  # the others are blocked
         buf = torch.from_numpy(np.empty(small // 2, dtype=np.float32))
@@ -138,7 +138,7 @@ class EdenCompressor(Compressor):
             blk = t[off : off + size]
             blk.mul_(float(s) * size**-0.5)
             fwht_(blk, buf if size < BLOCKED_MIN else None)
-        return flip_signs(out, random_sign_bytes(seed, n), out)
+        flip_signs(out, random_sign_bytes(seed, n), out)
 
 
 def _double(x: torch.Tensor, wide: torch.Tensor | None) -> torch.Tensor:

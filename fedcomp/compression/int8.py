@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from fedcomp.compression.base import Compressor, check_range, register
-from fedcomp.compression.chunked import CHUNK, blocks, buffer, on_cpu, padded_rows
+from fedcomp.compression.chunked import float32_out, CHUNK, blocks, buffer, on_cpu, padded_rows
 from fedcomp.compression.errors import PayloadError
 from fedcomp.compression.options import Option
 from fedcomp.compression.stochastic import StochasticRounder
@@ -78,7 +78,7 @@ class Int8Compressor(Compressor):
         return struct.pack(self._PARAMS, self.block_size), (scales.cpu().numpy(), q.cpu().numpy())
 
     @classmethod
-    def _decode(cls, header: Header, payload: memoryview) -> np.ndarray:
+    def _decode_into(cls, header: Header, payload: memoryview, out: np.ndarray) -> None:
         (bs,) = unpack_params(cls._PARAMS, header.params, cls.name)
         if bs < 1:
             raise PayloadError("int8: block size 0")
@@ -92,17 +92,18 @@ class Int8Compressor(Compressor):
             raise PayloadError("int8: a block scale is negative or not finite")
         if n and int(q.min()) == -128:
             raise PayloadError("int8: value -128 outside [-127, 127]")
-        return block_scale(q, scale, bs)
+        block_scale(q, scale, bs, float32_out(out, cls.name))
 
 
-def block_scale(values: np.ndarray, scale: np.ndarray, block: int) -> np.ndarray:
+def block_scale(values: np.ndarray, scale: np.ndarray, block: int, out: np.ndarray | None = None) -> np.ndarray:
     """``values[i] * scale[i // block]`` as float32, shape ``(n,)``, without an n-sized index.
 
     Full blocks are scaled as an ``(nb, block)`` view, the short tail block on its own, so the
-    only n-sized allocation is the float32 output (a huge declared block allocates nothing).
+    only n-sized allocation is the float32 output (a huge declared block allocates nothing), or
+    none when ``out`` (float32, ``(n,)``) is given.
     """
     n = values.size
-    out = np.empty(n, dtype=np.float32)
+    out = np.empty(n, dtype=np.float32) if out is None else out
     full = n // block if block <= n else 0
     per = max(1, CHUNK // block)
     for b0 in range(0, full, per):  # cast and scale chunk by chunk, in cache

@@ -23,7 +23,7 @@ from fedcomp.compression.bits import (
     uint_dtype,
     unpack_uint_range,
 )
-from fedcomp.compression.chunked import blocks, padded_rows, spans
+from fedcomp.compression.chunked import float32_out, blocks, padded_rows, spans
 from fedcomp.compression.errors import PayloadError
 from fedcomp.compression.options import Option
 from fedcomp.compression.stochastic import StochasticRounder
@@ -185,7 +185,7 @@ class QSGDCompressor(Compressor):
         return params, (norms.cpu().numpy(), signs, pack_uint_array(lv, self.width(s)))
 
     @classmethod
-    def _decode(cls, header: Header, payload: memoryview) -> np.ndarray:
+    def _decode_into(cls, header: Header, payload: memoryview, out: np.ndarray) -> None:
         exponential = len(header.params) == struct.calcsize(cls._PARAMS_SPACED)
         if exponential:
             s, bs, code = unpack_params(cls._PARAMS_SPACED, header.params, cls.name)
@@ -210,7 +210,7 @@ class QSGDCompressor(Compressor):
             raise PayloadError("qsgd: a bucket norm is negative or not finite")
         table = exponential_levels(s) if exponential else None
         scale = norms if exponential else (norms / np.float32(s)).astype(np.float32)
-        out = np.empty(n, dtype=np.float32)
+        out = float32_out(out, cls.name)
         # levels, scales and signs chunk by chunk of whole buckets, into the one float32 output
         for b0, b1, start, stop in blocks(n, bs, torch.device("cpu")):
             level = unpack_uint_range(lv, start, stop - start, w)
@@ -229,4 +229,3 @@ class QSGDCompressor(Compressor):
             flip <<= np.uint32(31)
             ov = o.view(np.uint32)
             ov ^= flip
-        return out

@@ -15,7 +15,7 @@ import torch
 
 from fedcomp.compression.base import Compressor, register
 from fedcomp.compression.bits import check_padding, nbytes_for_bits, pack_bits_on_device
-from fedcomp.compression.chunked import CHUNK, buffer, on_cpu, spans
+from fedcomp.compression.chunked import CHUNK, buffer, float32_out, on_cpu, spans
 from fedcomp.compression.errors import PayloadError
 from fedcomp.compression.wire import BodyReader, Header, unpack_params
 
@@ -60,7 +60,7 @@ class SignCompressor(Compressor):
         return struct.pack(self._PARAMS, scale), bits
 
     @classmethod
-    def _decode(cls, header: Header, payload: memoryview) -> np.ndarray:
+    def _decode_into(cls, header: Header, payload: memoryview, out: np.ndarray) -> None:
         (scale,) = unpack_params(cls._PARAMS, header.params, cls.name)
         if not np.isfinite(scale) or scale < 0:
             raise PayloadError(f"sign: scale {scale} is not a finite non-negative number")
@@ -72,7 +72,7 @@ class SignCompressor(Compressor):
         # The old bit * 2s - s is exactly +s or -s (+0 when s = 0): written here as s's float32 bits
         # with the sign bit set for a 0 bit, chunk by chunk into the one float32 output (no
         # n-sized temporary; a server decodes these as it folds).
-        return expand_signs(np.frombuffer(raw, dtype=np.uint8), n, np.float32(scale))
+        expand_signs(np.frombuffer(raw, dtype=np.uint8), n, np.float32(scale), float32_out(out, cls.name))
 
 
 def expand_signs(raw: np.ndarray, n: int, s: np.float32, out: np.ndarray | None = None) -> np.ndarray:

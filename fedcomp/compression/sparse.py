@@ -6,6 +6,7 @@ import numpy as np
 import torch
 
 from fedcomp.compression.base import SparseDecoding, check_range
+from fedcomp.compression.chunked import float32_out
 from fedcomp.compression.errors import PayloadError
 from fedcomp.compression.positions import check_stream, encode_positions, iter_positions, positions_nbytes
 from fedcomp.compression.wire import BodyReader, Header
@@ -63,6 +64,13 @@ class ChunkedSparseDecoding(SparseDecoding):
         for pos, vals in chunks:
             out[pos] = vals
         return out
+
+    @classmethod
+    def _decode_into(cls, header: Header, payload: memoryview, out: np.ndarray) -> None:
+        _, chunks = cls._decode_chunks(header, payload)
+        float32_out(out, cls.name).fill(0.0)
+        for pos, vals in chunks:
+            out[pos] = vals
 
     @classmethod
     def _decode_sparse(cls, header: Header, payload: memoryview) -> tuple[np.ndarray, np.ndarray]:
