@@ -25,6 +25,7 @@ import statistics
 import struct
 import time
 
+import numpy as np
 import torch
 
 from outputs import output_path, shown  # benchmarks/outputs.py: paths printed relative to the repository
@@ -141,7 +142,7 @@ def throughput(n: int, repeats: int) -> dict:
     dict
         ``{"n", "repeats", "torch_threads", "sum_ms", "clone_ms", "rows"}``; each row: codec, its
         parameters, ``bytes``, ``encode_ms``, ``decode_ms`` (fresh tensor), ``decode_out_ms``
-        (``decompress(out=...)`` into a reused buffer, where available), ``encode_vs_sum``,
+        (``decompress(out=...)`` into one reused numpy-allocated buffer, where available), ``encode_vs_sum``,
         ``decode_vs_clone``, ``encode_target`` (the issue's bound in read passes: ENC + the
         payload's share of a copy over a read pass) and ``decode_target``.
     """
@@ -149,7 +150,7 @@ def throughput(n: int, repeats: int) -> dict:
     x = torch.randn(n)
     sum_ms = median_ms(lambda: torch.sum(x), 4 * repeats)
     clone_ms = median_ms(lambda: x.clone(), 4 * repeats)
-    out_buf = torch.empty(n)
+    out_buf = torch.from_numpy(np.empty(n, dtype=np.float32))  # as RunningSum allocates its buffer
     rows = []
     for name, params in THROUGHPUT_CASES:
         seeded = {"seed": 0} if fc.CODECS[name].seeded else {}
@@ -192,7 +193,7 @@ def _param(r: dict) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", type=int, nargs="+", default=[11_000_000, 100_000])
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=None, help="timed runs per median (default 5; --throughput 7, --quick 3)")
     ap.add_argument("--real-rounds", type=int, nargs="*", default=[1, 10],
                     help="FedAvg rounds whose client updates are compressed (none: skip)")
     ap.add_argument("--out", default=None, help="JSON file (default: benchmarks/results/codecs.json, or "
@@ -207,7 +208,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     if args.throughput or args.quick:
         n = args.n or (1_000_000 if args.quick else 11_200_000)
-        repeats = 3 if args.quick and args.repeats == 5 else max(args.repeats, 7) if not args.quick else args.repeats
+        repeats = args.repeats or (3 if args.quick else 7)
         res = throughput(n, repeats)
         print_throughput(res)
         out = output_path("codecs_throughput", args.out, args.quick)
@@ -216,6 +217,7 @@ def main() -> None:
         print(f"wrote {shown(out)}")
         return
     args.out = args.out or str(pathlib.Path(__file__).parent / "results" / "codecs.json")
+    args.repeats = args.repeats or 5
     torch.manual_seed(0)
     rows = []
     for n in args.sizes:
