@@ -156,10 +156,10 @@ def throughput(n: int, repeats: int) -> dict:
         seeded = {"seed": 0} if fc.CODECS[name].seeded else {}
         c = fc.get_compressor(name, **params, **seeded)
         payload = c.compress(x)
-        enc = median_ms(lambda: c.compress(x), repeats)
-        dec = median_ms(lambda: fc.decompress(payload), repeats)
+        enc = median_ms(lambda c=c: c.compress(x), repeats)
+        dec = median_ms(lambda p=payload: fc.decompress(p), repeats)
         try:
-            dec_out = median_ms(lambda: fc.decompress(payload, out=out_buf), repeats)
+            dec_out = median_ms(lambda p=payload: fc.decompress(p, out=out_buf), repeats)
         except TypeError:  # a decompress without out=
             dec_out = None
         enc_x, dec_x = SLOW_TARGETS.get(name, TARGETS)

@@ -349,6 +349,8 @@ def decompress(
         codec cannot produce (an integer dtype on a float codec), too many elements, shape other
         than ``expected_shape``, position out of range, non-finite scale or values,
         trailing bytes. Nothing is pickled or ``torch.load``-ed.
+    TypeError
+        ``out`` is not a torch tensor.
     ValueError
         ``out`` is not a contiguous float32/float64 CPU tensor of the payload's number of entries,
         or not of the dtype the payload decodes to.
@@ -373,7 +375,7 @@ def decompress(
 def _out_array(out, numel: int) -> np.ndarray:
     """``decompress``'s ``out`` as a flat numpy view, after the checks its docstring names."""
     if not isinstance(out, torch.Tensor):
-        raise ValueError(f"decompress: out must be a torch.Tensor, got {type(out).__name__}")
+        raise TypeError(f"decompress: out must be a torch.Tensor, got {type(out).__name__}")
     if out.device.type != "cpu" or out.dtype not in (torch.float32, torch.float64) or not out.is_contiguous():
         raise ValueError(f"decompress: out must be a contiguous float32 or float64 CPU tensor, got {out.dtype} "
                          f"on {out.device}{'' if out.is_contiguous() else ' (not contiguous)'}")

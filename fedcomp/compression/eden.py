@@ -26,8 +26,8 @@ from fedcomp.compression.hadamard import (
     random_sign_bits,
     random_sign_bytes,
 )
-from fedcomp.compression.sign import expand_signs
 from fedcomp.compression.options import Option
+from fedcomp.compression.sign import expand_signs
 from fedcomp.compression.wire import BodyReader, Header, unpack_params
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fedcomp.compression.chunked import CHUNK, spans
+from fedcomp.compression.chunked import spans
 
 
 def fwht_(x: torch.Tensor, buf: torch.Tensor | None = None) -> torch.Tensor:

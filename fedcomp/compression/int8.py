@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from fedcomp.compression.base import Compressor, check_range, register
-from fedcomp.compression.chunked import float32_out, CHUNK, blocks, buffer, on_cpu, padded_rows
+from fedcomp.compression.chunked import CHUNK, blocks, buffer, float32_out, on_cpu, padded_rows
 from fedcomp.compression.errors import PayloadError
 from fedcomp.compression.options import Option
 from fedcomp.compression.stochastic import StochasticRounder

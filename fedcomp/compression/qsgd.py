@@ -23,7 +23,7 @@ from fedcomp.compression.bits import (
     uint_dtype,
     unpack_uint_range,
 )
-from fedcomp.compression.chunked import float32_out, blocks, padded_rows, spans
+from fedcomp.compression.chunked import CHUNK, blocks, float32_out, on_cpu, padded_rows, spans
 from fedcomp.compression.errors import PayloadError
 from fedcomp.compression.options import Option
 from fedcomp.compression.stochastic import StochasticRounder
@@ -180,7 +180,7 @@ class QSGDCompressor(Compressor):
         params = struct.pack(self._PARAMS_SPACED, s, self.bucket_size, 1) if exponential else \
             struct.pack(self._PARAMS, s, self.bucket_size)
         signs = np.empty(nbytes_for_bits(n), dtype=np.uint8)
-        for start, stop in spans(n):
+        for start, stop in spans(n, CHUNK if on_cpu(flat) else max(n, 1)):  # one transfer from a GPU
             signs[start // 8 : nbytes_for_bits(stop)] = pack_bits_array((flat[start:stop] < 0).cpu().numpy())
         return params, (norms.cpu().numpy(), signs, pack_uint_array(lv, self.width(s)))
 
