@@ -3,7 +3,11 @@ encode/decode speed relative to one memory pass (``torch.sum``) over the same te
 relative L2 error of each codec on real client updates of the default federation.
 
 Run: ``python benchmarks/codecs.py [--sizes 11000000 100000] [--repeats 5] [--real-rounds 1 10]``.
-Prints two tables and writes ``benchmarks/results/codecs.json``. Both sides of every ratio are
+Prints two tables and writes ``benchmarks/results/codecs.json``. ``--throughput [--quick]`` runs the
+throughput mode instead (:func:`throughput`, issue 34): each codec's encode as a ratio to one read
+pass and its decode as a ratio to one fresh copy of the same tensor, written to
+``benchmarks/results/codecs_throughput.json`` (``--quick``: a smaller tensor, fewer repeats, written
+to the temporary folder, never over the reference). Both sides of every ratio are
 measured in this one process (the machines are shared and noisy); times are medians. The
 Gaussian rows are i.i.d. N(0, 1) vectors (``powersgd`` sees them as a 1000-row matrix, where
 low rank has nothing to find); the real-update rows train the default digits CNN with plain
@@ -21,9 +25,10 @@ import statistics
 import struct
 import time
 
+import numpy as np
 import torch
 
-from outputs import shown  # benchmarks/outputs.py: paths printed relative to the repository
+from outputs import output_path, shown  # benchmarks/outputs.py: paths printed relative to the repository
 
 import fedcomp.compression as fc
 from fedcomp.compression.positions import information_bound_bits
@@ -116,6 +121,71 @@ def real_rows(rounds: list[int]) -> list[dict]:
     return rows
 
 
+#: Codecs of the throughput mode (issue 34's table), with their targets: encode <= ENC x a read pass
+#: plus the payload's share of a fresh copy, decode <= DEC x a fresh copy.
+THROUGHPUT_CASES = [
+    ("none", {}), ("fp16", {}), ("bf16", {}), ("sign", {}), ("int8", {"block_size": 256}),
+    ("qsgd", {"levels": 15}), ("eden", {}), ("stc", {"density": 0.01}), ("stc", {"density": 0.0025}),
+    ("topk", {"density": 0.01}), ("randomk", {"density": 0.01}),
+]
+SLOW_TARGETS = {"qsgd": (10.0, 3.0), "eden": (10.0, 3.0)}
+TARGETS = (5.0, 1.5)
+
+
+def throughput(n: int, repeats: int) -> dict:
+    """Encode/decode medians of every :data:`THROUGHPUT_CASES` codec on one float32 N(0, 1) tensor
+    of ``n`` entries, with one read pass (``torch.sum``) and one fresh copy (``clone``) of that
+    tensor measured in the same process (medians of ``4 * repeats``).
+
+    Returns
+    -------
+    dict
+        ``{"n", "repeats", "torch_threads", "sum_ms", "clone_ms", "rows"}``; each row: codec, its
+        parameters, ``bytes``, ``encode_ms``, ``decode_ms`` (fresh tensor), ``decode_out_ms``
+        (``decompress(out=...)`` into one reused numpy-allocated buffer, where available), ``encode_vs_sum``,
+        ``decode_vs_clone``, ``encode_target`` (the issue's bound in read passes: ENC + the
+        payload's share of a copy over a read pass) and ``decode_target``.
+    """
+    torch.manual_seed(0)
+    x = torch.randn(n)
+    sum_ms = median_ms(lambda: torch.sum(x), 4 * repeats)
+    clone_ms = median_ms(lambda: x.clone(), 4 * repeats)
+    out_buf = torch.from_numpy(np.empty(n, dtype=np.float32))  # as RunningSum allocates its buffer
+    rows = []
+    for name, params in THROUGHPUT_CASES:
+        seeded = {"seed": 0} if fc.CODECS[name].seeded else {}
+        c = fc.get_compressor(name, **params, **seeded)
+        payload = c.compress(x)
+        enc = median_ms(lambda c=c: c.compress(x), repeats)
+        dec = median_ms(lambda p=payload: fc.decompress(p), repeats)
+        try:
+            dec_out = median_ms(lambda p=payload: fc.decompress(p, out=out_buf), repeats)
+        except TypeError:  # a decompress without out=
+            dec_out = None
+        enc_x, dec_x = SLOW_TARGETS.get(name, TARGETS)
+        share = clone_ms * len(payload) / (4 * n)
+        rows.append({"codec": name, **params, "bytes": len(payload), "encode_ms": enc, "decode_ms": dec,
+                     "decode_out_ms": dec_out, "encode_vs_sum": enc / sum_ms, "decode_vs_clone": dec / clone_ms,
+                     "encode_target": (enc_x * sum_ms + share) / sum_ms, "decode_target": dec_x})
+    return {"n": n, "repeats": repeats, "torch_threads": torch.get_num_threads(), "sum_ms": sum_ms,
+            "clone_ms": clone_ms, "rows": rows}
+
+
+def print_throughput(res: dict) -> None:
+    """The throughput table: medians in ms and the ratios against the read pass and the copy."""
+    print(f"n = {res['n']}, medians of {res['repeats']}; read pass (torch.sum) {res['sum_ms']:.2f} ms, "
+          f"fresh copy (clone) {res['clone_ms']:.2f} ms, {res['torch_threads']} torch threads")
+    hdr = f"{'codec':<8} {'param':<16} {'enc ms':>8} {'enc/sum':>8} {'target':>7} {'dec ms':>8} " \
+          f"{'dec/clone':>9} {'target':>6} {'out= ms':>8}"
+    print(hdr)
+    print("-" * len(hdr))
+    for r in res["rows"]:
+        out = f"{r['decode_out_ms']:>8.2f}" if r["decode_out_ms"] is not None else f"{'':>8}"
+        print(f"{r['codec']:<8} {_param(r):<16} {r['encode_ms']:>8.2f} {r['encode_vs_sum']:>8.1f} "
+              f"{r['encode_target']:>7.1f} {r['decode_ms']:>8.2f} {r['decode_vs_clone']:>9.2f} "
+              f"{r['decode_target']:>6.1f} {out}")
+
+
 def _param(r: dict) -> str:
     return ",".join(f"{k}={r[k]}" for k in PARAM_KEYS if k in r)
 
@@ -123,11 +193,31 @@ def _param(r: dict) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", type=int, nargs="+", default=[11_000_000, 100_000])
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=None, help="timed runs per median (default 5; --throughput 7, --quick 3)")
     ap.add_argument("--real-rounds", type=int, nargs="*", default=[1, 10],
                     help="FedAvg rounds whose client updates are compressed (none: skip)")
-    ap.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results" / "codecs.json"))
+    ap.add_argument("--out", default=None, help="JSON file (default: benchmarks/results/codecs.json, or "
+                    "codecs_throughput.json with --throughput; a temporary file with --quick)")
+    ap.add_argument("--throughput", action="store_true",
+                    help="encode vs one read pass and decode vs one fresh copy (issue 34), instead of the tables")
+    ap.add_argument("--n", type=int, default=None, help="entries of the --throughput tensor (default 11.2M; 1M quick)")
+    ap.add_argument("--quick", action="store_true", help="--throughput on 1M entries, 3 repeats; never over a reference")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.throughput or args.quick:
+        n = args.n or (1_000_000 if args.quick else 11_200_000)
+        repeats = args.repeats or (3 if args.quick else 7)
+        res = throughput(n, repeats)
+        print_throughput(res)
+        out = output_path("codecs_throughput", args.out, args.quick)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(res, indent=1))
+        print(f"wrote {shown(out)}")
+        return
+    args.out = args.out or str(pathlib.Path(__file__).parent / "results" / "codecs.json")
+    args.repeats = args.repeats or 5
     torch.manual_seed(0)
     rows = []
     for n in args.sizes:

@@ -33,6 +33,18 @@ def test_codecs_benchmark_runs(tmp_path):
     assert all(r["position_bits_over_bound"] < 1.1 for r in rows if "position_bits_over_bound" in r)
 
 
+@pytest.mark.slow
+def test_codecs_throughput_mode_reports_ratios(tmp_path):
+    res = run_benchmark(tmp_path, "codecs.py", "--throughput", "--n", "20000", "--repeats", "1", timeout=300)
+    assert res["n"] == 20000 and res["sum_ms"] > 0 and res["clone_ms"] > 0
+    rows = {(r["codec"], r.get("density")): r for r in res["rows"]}
+    assert {c for c, _ in rows} == {"none", "fp16", "bf16", "sign", "int8", "qsgd", "eden", "stc", "topk", "randomk"}
+    for r in res["rows"]:
+        assert r["encode_vs_sum"] == pytest.approx(r["encode_ms"] / res["sum_ms"])
+        assert r["decode_vs_clone"] == pytest.approx(r["decode_ms"] / res["clone_ms"])
+        assert r["decode_out_ms"] is not None and r["decode_out_ms"] > 0
+
+
 def _references() -> dict:
     return {p.name: p.read_bytes() for p in sorted((REPO / "benchmarks" / "results").glob("*.json"))
             } | {"figure": (REPO / "docs" / "accuracy_vs_bytes.png").read_bytes()}

@@ -9,6 +9,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
+from fedcomp.compression.chunked import join
 from fedcomp.compression.errors import PayloadError
 from fedcomp.compression.exact import EXACT_CODEC_ID, EXACT_NAME
 from fedcomp.compression.options import Option
@@ -158,7 +159,7 @@ class Compressor:
         """
         flat = check_input(x)
         params, body = self._encode(flat)
-        return pack_header(self.codec_id, x.dtype, tuple(x.shape), params) + body
+        return _assemble(pack_header(self.codec_id, x.dtype, tuple(x.shape), params), body)
 
     def compress_finite(self, x: torch.Tensor) -> bytes:
         """:meth:`compress` for a float32 ``x`` the caller has already proven finite (its norms are
@@ -167,14 +168,41 @@ class Compressor:
         if type(self).compress is not Compressor.compress or not isinstance(x, torch.Tensor) or x.dtype != torch.float32:
             return self.compress(x)
         params, body = self._encode(x.detach().reshape(-1))
-        return pack_header(self.codec_id, x.dtype, tuple(x.shape), params) + body
+        return _assemble(pack_header(self.codec_id, x.dtype, tuple(x.shape), params), body)
 
-    def _encode(self, flat: torch.Tensor) -> tuple[bytes, bytes]:  # pragma: no cover - abstract
+    def _encode(self, flat: torch.Tensor) -> tuple[bytes, bytes | tuple]:  # pragma: no cover - abstract
+        """``(params, body)``: the parameter block and the body, as bytes or as a tuple of bytes-like
+        parts (contiguous numpy arrays included) that :meth:`compress` copies once into the payload."""
         raise NotImplementedError
 
     @classmethod
-    def _decode(cls, header: Header, payload: memoryview) -> np.ndarray:  # pragma: no cover - abstract
-        raise NotImplementedError
+    def _decode(cls, header: Header, payload: memoryview) -> np.ndarray:
+        """Validated header and payload -> float32 numpy array of ``header.numel`` entries.
+
+        A codec overrides this or :meth:`_decode_into` (or both); this default decodes into a fresh
+        array with :meth:`_decode_into`.
+        """
+        out = np.empty(header.numel, dtype=np.float32)
+        cls._decode_into(header, payload, out)
+        return out
+
+    @classmethod
+    def _decode_into(cls, header: Header, payload: memoryview, out: np.ndarray) -> None:
+        """:meth:`_decode` into ``out`` (contiguous, ``header.numel`` entries, float32 or float64).
+
+        This default decodes a fresh array and copies it (the dtypes must match); codecs that can
+        write straight into ``out`` override it. On a ``PayloadError`` the contents of ``out`` are
+        unspecified.
+
+        Raises
+        ------
+        ValueError
+            ``out``'s dtype is not the decoded dtype.
+        """
+        flat = cls._decode(header, payload)
+        if flat.dtype != out.dtype:
+            raise ValueError(f"decompress: out is {out.dtype}, the {cls.name} payload decodes to {flat.dtype}")
+        out[...] = flat
 
     def config(self) -> dict[str, float | int | str]:
         """Codec parameters as a flat dict (what ``get_compressor`` would take to rebuild it)."""
@@ -194,6 +222,11 @@ class Compressor:
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.config().items())
         return f"{type(self).__name__}({args})"
+
+
+def _assemble(header: bytes, body: bytes | tuple) -> bytes:
+    """The payload: ``header`` then the body (bytes, or a tuple of parts joined in one copy)."""
+    return header + body if isinstance(body, bytes) else join(header, *body)
 
 
 def get_compressor(name: str, **params) -> Compressor:
@@ -282,6 +315,7 @@ def decompress(
     *,
     max_numel: int = DEFAULT_MAX_NUMEL,
     expected_shape: tuple[int, ...] | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode any fedcomp payload; needs nothing but the payload.
 
@@ -294,12 +328,19 @@ def decompress(
         checked from the header before anything is allocated. Default 2**28.
     expected_shape : tuple of int, optional
         If given, the header's shape must equal it (checked before decoding the body).
+    out : torch.Tensor, optional
+        Decode into this caller's buffer instead of a fresh tensor (a server reusing one buffer
+        for every reply saves the allocation and its page faults): a contiguous CPU tensor of
+        ``numel`` entries (any shape), float32 (float64 for a ``none`` payload of a float64
+        tensor). Checked against the header before the body is read. If decoding raises, its
+        contents are unspecified.
 
     Returns
     -------
     torch.Tensor
         float32 CPU tensor of the original shape (float64 for a ``none`` payload of a float64
-        tensor: such models stay float64 end to end); always finite.
+        tensor: such models stay float64 end to end); always finite. With ``out``: ``out`` itself,
+        its shape unchanged.
 
     Raises
     ------
@@ -308,16 +349,53 @@ def decompress(
         codec cannot produce (an integer dtype on a float codec), too many elements, shape other
         than ``expected_shape``, position out of range, non-finite scale or values,
         trailing bytes. Nothing is pickled or ``torch.load``-ed.
+    TypeError
+        ``out`` is not a torch tensor.
+    ValueError
+        ``out`` is not a contiguous float32/float64 CPU tensor of the payload's number of entries,
+        or not of the dtype the payload decodes to.
     """
     payload, header, cls = _open(payload, max_numel, expected_shape)
-    with np.errstate(over="ignore", invalid="ignore"):  # overflow shows up as non-finite output, checked below
-        flat = cls._decode(header, memoryview(payload).cast("B"))
+    view = memoryview(payload).cast("B")
+    if out is not None:
+        flat = _out_array(out, header.numel)
+        with np.errstate(over="ignore", invalid="ignore"):
+            cls._decode_into(header, view, flat)
+    else:
+        with np.errstate(over="ignore", invalid="ignore"):  # overflow shows up as non-finite output, checked below
+            flat = cls._decode(header, view)
     wide = flat.dtype == np.float64 and header.dtype == torch.float64  # only `none` of a float64 tensor
     if flat.shape != (header.numel,) or (flat.dtype != np.float32 and not wide):  # pragma: no cover - invariant
         raise PayloadError(f"{cls.name} decoder produced {flat.shape} {flat.dtype}")
-    if not np.isfinite(flat).all():
+    if not all_finite(flat):
         raise PayloadError(f"{cls.name} payload decodes to non-finite values")
-    return torch.from_numpy(flat).reshape(header.shape)
+    return out if out is not None else torch.from_numpy(flat).reshape(header.shape)
+
+
+def _out_array(out, numel: int) -> np.ndarray:
+    """``decompress``'s ``out`` as a flat numpy view, after the checks its docstring names."""
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"decompress: out must be a torch.Tensor, got {type(out).__name__}")
+    if out.device.type != "cpu" or out.dtype not in (torch.float32, torch.float64) or not out.is_contiguous():
+        raise ValueError(f"decompress: out must be a contiguous float32 or float64 CPU tensor, got {out.dtype} "
+                         f"on {out.device}{'' if out.is_contiguous() else ' (not contiguous)'}")
+    if out.numel() != numel:
+        raise ValueError(f"decompress: out has {out.numel()} entries, the payload {numel}")
+    return out.detach().numpy().reshape(-1)
+
+
+def all_finite(a: np.ndarray) -> bool:
+    """Whether every entry of a float array is finite: one summing pass (NaN and +-Inf propagate
+    into the sum), and the elementwise check only when the sum is not finite (perhaps a mere
+    overflow)."""
+    if a.size == 0:
+        return True
+    if not a.flags.writeable:  # torch.from_numpy wants a writable array
+        return bool(np.isfinite(a).all())
+    with np.errstate(over="ignore", invalid="ignore"):
+        if np.isfinite(torch.from_numpy(a).sum().item()):
+            return True
+    return bool(np.isfinite(a).all())
 
 
 def decompress_sparse(

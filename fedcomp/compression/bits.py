@@ -35,6 +35,11 @@ def pack_bits(bits: np.ndarray) -> bytes:
     return np.packbits(bits.astype(np.bool_, copy=False), bitorder="little").tobytes()
 
 
+def pack_bits_array(bits: np.ndarray) -> np.ndarray:
+    """:func:`pack_bits` as a uint8 array (no copy into ``bytes``)."""
+    return np.packbits(bits.astype(np.bool_, copy=False), bitorder="little")
+
+
 def pack_bits_on_device(bits: torch.Tensor) -> bytes:
     """Pack a 1-D bool tensor little-endian bitwise on its own device; move only bytes."""
     n = bits.numel()
@@ -68,22 +73,29 @@ def unpack_bits(buf: memoryview | bytes, count: int, what: str) -> np.ndarray:
     PayloadError
         If the buffer length is wrong or a padding bit is set (non-canonical encoding).
     """
+    raw = check_padding(buf, count, what)
+    return np.unpackbits(raw, count=count, bitorder="little")
+
+
+def check_padding(buf: memoryview | bytes, count: int, what: str) -> np.ndarray:
+    """The checks of :func:`unpack_bits` without the unpacking: ``buf`` as a uint8 array.
+
+    Raises
+    ------
+    PayloadError
+        If the buffer length is not ``ceil(count / 8)`` or a padding bit is set.
+    """
     raw = np.frombuffer(buf, dtype=np.uint8)
     if raw.size != nbytes_for_bits(count):
         raise PayloadError(f"{what}: expected {nbytes_for_bits(count)} bytes for {count} bits, got {raw.size}")
     pad = raw.size * 8 - count
     if pad and int(raw[-1]) >> (8 - pad):
         raise PayloadError(f"{what}: padding bits after bit {count} are not zero")
-    return np.unpackbits(raw, count=count, bitorder="little")
-
-
-#: Values packed per step by :func:`pack_uint` (a multiple of 8, so every chunk ends on a byte):
-#: bounds its temporaries to about ``80 * PACK_CHUNK`` bytes whatever the count.
-PACK_CHUNK = 1 << 14
+    return raw
 
 
 def pack_uint(values: np.ndarray, width: int) -> bytes:
-    """Pack unsigned integers at a fixed bit width, in chunks of :data:`PACK_CHUNK` values.
+    """Pack unsigned integers at a fixed bit width.
 
     Parameters
     ----------
@@ -97,65 +109,63 @@ def pack_uint(values: np.ndarray, width: int) -> bytes:
     bytes
         ``ceil(m * width / 8)`` bytes, value i occupying bits ``[i*width, (i+1)*width)``
         least significant bit first.
-
-    Notes
-    -----
-    Peak memory: the packed output twice (the buffer and the returned ``bytes``) plus one chunk's
-    temporaries (about 1.3 MiB), whatever m: a dense round of an 11M-parameter model at 16 or 32
-    bits no longer builds an ``(m, width)`` bit matrix of 64-bit words (38x the input).
     """
     if width == 0 or values.size == 0:
         return b""
     if width == 8:
         return values.astype(np.uint8).tobytes()
-    out = np.empty(nbytes_for_bits(values.size * width), dtype=np.uint8)
-    pack_uint_into(out, 0, values, width)
-    return out.tobytes()
+    return pack_uint_array(values, width).tobytes()
 
 
-def pack_uint_into(out: np.ndarray, first: int, values: np.ndarray, width: int) -> None:
-    """Write :func:`pack_uint` of ``values`` into ``out`` as values ``first ..`` of a longer stream,
-    in chunks of :data:`PACK_CHUNK` values (a stream packed piece by piece, as QSGD packs its
-    levels bucket block by bucket block, is byte for byte :func:`pack_uint` of the whole).
+#: Values per group of the packers: 8 values of w bits fill exactly w bytes.
+_GROUP = 8
+#: Values packed/unpacked per step (a multiple of the group): bounds the temporaries.
+PACK_CHUNK = 1 << 16
 
-    Parameters
-    ----------
-    out : np.ndarray
-        uint8, the whole stream's ``ceil(total * width / 8)`` bytes.
-    first : int
-        Index of ``values[0]`` in the stream, a multiple of 8 (so it starts on a byte); every
-        piece but the last must hold a multiple of 8 values.
-    values : np.ndarray
-        1-D integers in ``[0, 2**width)``.
-    width : int
-        Bits per value, 1..64.
 
-    Raises
-    ------
-    ValueError
-        ``first`` not a multiple of 8.
+def _word_plan(width: int) -> list[tuple[int, int, int]]:
+    """For value t of a group: (word, bit offset in that word, bits that spill into the next word)."""
+    return [(t * width // 64, t * width % 64, max(0, t * width % 64 + width - 64)) for t in range(_GROUP)]
+
+
+def pack_uint_array(values: np.ndarray, width: int) -> np.ndarray:
+    """:func:`pack_uint`'s bytes as a uint8 array, packed a group of 8 values at a time.
+
+    The 8 values of a group are OR-ed at bit offsets ``0, w, ..., 7w`` into ``ceil(w / 8)``
+    little-endian 64-bit words, whose first w bytes are the group's bytes; chunks of
+    :data:`PACK_CHUNK` values bound the temporaries. ``values``: 1-D, every entry in
+    ``[0, 2**width)``; ``width`` 1..64.
     """
-    if first % 8:
-        raise ValueError(f"pack_uint_into: first = {first} is not a multiple of 8")
-    base = first * width // 8
-    for i in range(0, values.size, PACK_CHUNK):
-        part = _pack_chunk(values[i: i + PACK_CHUNK], width)
-        start = base + i * width // 8
-        out[start: start + part.size] = part
-
-
-def _pack_chunk(values: np.ndarray, width: int) -> np.ndarray:
-    """:func:`pack_uint` of at most :data:`PACK_CHUNK` values, as a uint8 array."""
-    dt = np.dtype(np.uint8) if width <= 8 else uint_dtype(width)
-    v = values.astype(dt.newbyteorder("<"))  # the low ``8 * itemsize`` bits (the values fit ``width``)
-    # (count, 8 * itemsize) bits of the little-endian bytes, least significant first; keep ``width``.
-    bits = np.unpackbits(v.view(np.uint8).reshape(v.size, dt.itemsize), axis=1, bitorder="little")
-    return np.packbits(bits[:, :width].ravel(), bitorder="little")
-
-
-#: Values unpacked per step by :func:`unpack_uint` (a multiple of 8, so chunks start on a byte):
-#: bounds its temporaries to ``64 * UNPACK_CHUNK`` bytes whatever the count.
-UNPACK_CHUNK = 1 << 14
+    m = values.size
+    out = np.empty(nbytes_for_bits(m * width), dtype=np.uint8)
+    if 8 % width == 0:  # 1, 2, 4 (or 8) bits: 8 / width values per byte, in uint8 arithmetic
+        per = 8 // width
+        for start in range(0, m, PACK_CHUNK):
+            c = min(PACK_CHUNK, m - start)
+            v = np.zeros(-(-c // per) * per, dtype=np.uint8)
+            v[:c] = values[start : start + c]
+            acc = v[0::per].copy()
+            for t in range(1, per):
+                acc |= v[t::per] << np.uint8(t * width)
+            out[start // per : start // per + acc.size] = acc
+        return out
+    words = -(-_GROUP * width // 64)
+    plan = _word_plan(width)
+    for start in range(0, m, PACK_CHUNK):
+        c = min(PACK_CHUNK, m - start)
+        g = -(-c // _GROUP)
+        grp = np.zeros((g, _GROUP), dtype=np.uint64)
+        grp.reshape(-1)[:c] = values[start : start + c]
+        acc = np.zeros((g, words), dtype="<u8")
+        for t, (w, off, spill) in enumerate(plan):
+            col = grp[:, t]
+            acc[:, w] |= col << np.uint64(off) if off else col
+            if spill:
+                acc[:, w + 1] |= col >> np.uint64(64 - off)
+        nbytes = nbytes_for_bits(c * width)
+        first = start * width // 8
+        out[first : first + nbytes] = acc.view(np.uint8).reshape(g, 8 * words)[:, :width].reshape(-1)[:nbytes]
+    return out
 
 
 def uint_dtype(width: int) -> np.dtype:
@@ -182,22 +192,53 @@ def unpack_uint_range(raw: np.ndarray, first: int, count: int, width: int) -> np
     Returns
     -------
     np.ndarray
-        Shape ``(count,)``, dtype :func:`uint_dtype` of ``width``. Temporaries: ``count * width``
-        bytes of bits, plus ``count * 8 * itemsize`` for widths above 8.
+        Shape ``(count,)``, dtype :func:`uint_dtype` of ``width``. Decoded a group of 8 values at a
+        time (the inverse of :func:`pack_uint_array`), :data:`PACK_CHUNK` values per step: the
+        temporaries stay below ``24 * PACK_CHUNK`` bytes whatever the count.
     """
-    lo, hi = first * width, (first + count) * width
-    bits = np.unpackbits(raw[lo // 8 : nbytes_for_bits(hi)], bitorder="little")
-    bits = bits[lo % 8 : lo % 8 + count * width].reshape(count, width)
-    dt = uint_dtype(width)
-    if dt.itemsize > 1:  # pad each row to the dtype's bits, then read the packed bytes as one integer
-        padded = np.zeros((count, 8 * dt.itemsize), dtype=np.uint8)
-        padded[:, :width] = bits
-        bits = padded
-    return np.packbits(bits, axis=1, bitorder="little").view(dt.newbyteorder("<")).reshape(count).astype(dt, copy=False)
+    if width == 8:
+        return raw[first : first + count].copy()
+    out = np.empty(count, dtype=uint_dtype(width))
+    if count == 0:
+        return out
+    if 8 % width == 0:  # 1, 2 or 4 bits: 8 / width values per byte, in uint8 arithmetic
+        per, mask = 8 // width, np.uint8((1 << width) - 1)
+        for begin in range(first, first + count, PACK_CHUNK):
+            end = min(begin + PACK_CHUNK, first + count)
+            src = raw[begin // per : -(-end // per)]
+            vals = np.empty((src.size, per), dtype=np.uint8)
+            for t in range(per):
+                np.bitwise_and(src >> np.uint8(t * width), mask, out=vals[:, t])
+            lead = begin % per
+            out[begin - first : end - first] = vals.reshape(-1)[lead : lead + end - begin]
+        return out
+    words = -(-_GROUP * width // 64)
+    plan = _word_plan(width)
+    mask = np.uint64((1 << width) - 1)
+    for begin in range(first, first + count, PACK_CHUNK):  # the chunk's whole groups, then its slice
+        end = min(begin + PACK_CHUNK, first + count)
+        ga, gb = begin // _GROUP, -(-end // _GROUP)
+        grp = np.zeros((gb - ga, 8 * words), dtype=np.uint8)
+        src = raw[ga * width : gb * width]
+        full = src.size // width
+        grp[:full, :width] = src[: full * width].reshape(full, width)
+        if full < gb - ga:  # the stream's last, partial group
+            grp[full, : src.size - full * width] = src[full * width :]
+        acc = grp.view("<u8")
+        vals = np.empty((gb - ga, _GROUP), dtype=np.uint64)
+        for t, (w, off, spill) in enumerate(plan):
+            col = acc[:, w] >> np.uint64(off) if off else acc[:, w].copy()
+            if spill:
+                col |= acc[:, w + 1] << np.uint64(64 - off)
+            if width < 64:
+                col &= mask
+            vals[:, t] = col
+        out[begin - first : end - first] = vals.reshape(-1)[begin - ga * _GROUP : end - ga * _GROUP]
+    return out
 
 
 def unpack_uint(buf: memoryview | bytes, count: int, width: int, what: str) -> np.ndarray:
-    """Inverse of :func:`pack_uint`, in chunks of :data:`UNPACK_CHUNK` values.
+    """Inverse of :func:`pack_uint`, in chunks of :data:`PACK_CHUNK` values.
 
     Returns
     -------
@@ -214,19 +255,25 @@ def unpack_uint(buf: memoryview | bytes, count: int, width: int, what: str) -> n
         if len(buf) != 0:
             raise PayloadError(f"{what}: expected 0 bytes, got {len(buf)}")
         return np.zeros(count, dtype=np.uint64)
+    return unpack_uint_range(check_uint_stream(buf, count, width, what), 0, count, width)
+
+
+def check_uint_stream(buf: memoryview | bytes, count: int, width: int, what: str) -> np.ndarray:
+    """The checks of :func:`unpack_uint` (``count >= 1``, ``width >= 1``) without the unpacking:
+    ``buf`` as a uint8 array, for :func:`unpack_uint_range` chunk by chunk.
+
+    Raises
+    ------
+    PayloadError
+        If the buffer has the wrong length or non-zero padding bits.
+    """
     raw = np.frombuffer(buf, dtype=np.uint8)
-    if width == 8:
-        if raw.size != count:
-            raise PayloadError(f"{what}: expected {count} bytes, got {raw.size}")
-        return raw
     nbits = count * width
     if raw.size != nbytes_for_bits(nbits):
+        if width == 8:
+            raise PayloadError(f"{what}: expected {count} bytes, got {raw.size}")
         raise PayloadError(f"{what}: expected {nbytes_for_bits(nbits)} bytes for {nbits} bits, got {raw.size}")
     pad = raw.size * 8 - nbits
     if pad and int(raw[-1]) >> (8 - pad):
         raise PayloadError(f"{what}: padding bits after bit {nbits} are not zero")
-    out = np.empty(count, dtype=uint_dtype(width))
-    for first in range(0, count, UNPACK_CHUNK):
-        m = min(UNPACK_CHUNK, count - first)
-        out[first : first + m] = unpack_uint_range(raw, first, m, width)
-    return out
+    return raw

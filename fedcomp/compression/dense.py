@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from fedcomp.compression.base import Compressor, register
+from fedcomp.compression.chunked import CHUNK, buffer, float32_out, on_cpu, spans
 from fedcomp.compression.errors import PayloadError
 from fedcomp.compression.wire import BodyReader, Header, pack_header, unpack_params
 
@@ -23,24 +24,43 @@ class _Cast(Compressor):
 
     wire_dtype: torch.dtype = torch.float32
     itemsize = 4
+    #: Largest finite value of the wire dtype: larger magnitudes saturate (None: no clamp).
+    limit: float | None = None
 
-    def _encode(self, flat: torch.Tensor) -> tuple[bytes, bytes]:
-        return b"", self._to_wire(flat).cpu().numpy().tobytes()
+    def _encode(self, flat: torch.Tensor) -> tuple[bytes, bytes | tuple]:
+        if not on_cpu(flat):
+            return b"", self._to_wire(flat).cpu().numpy().tobytes()
+        if self.limit is None:
+            return b"", (flat.contiguous().numpy(),)
+        # clamp and cast chunk by chunk into the numpy-allocated wire array: the same two float ops
+        # per entry as ``_to_wire``, with cache-sized temporaries
+        n = flat.numel()
+        wire = buffer(n, self.wire_int)
+        clamped = torch.empty(min(CHUNK, n))
+        cast = torch.empty(clamped.numel(), dtype=self.wire_dtype)
+        for start, stop in spans(n):
+            c, w = clamped[: stop - start], cast[: stop - start]
+            torch.clamp(flat[start:stop], -self.limit, self.limit, out=c)
+            w.copy_(c)
+            wire[start:stop].copy_(w.view(self.wire_int))
+        return b"", (wire.numpy(),)
 
     def _to_wire(self, flat: torch.Tensor) -> torch.Tensor:
-        return flat
+        if self.limit is None:
+            return flat
+        return flat.clamp(-self.limit, self.limit).to(self.wire_dtype).view(self.wire_int)
 
     @classmethod
-    def _from_wire(cls, raw: memoryview, n: int) -> np.ndarray:
-        return np.frombuffer(raw, dtype=np.float32).copy()
+    def _from_wire(cls, raw: memoryview, out: np.ndarray) -> None:
+        out[...] = np.frombuffer(raw, dtype=np.float32)
 
     @classmethod
-    def _decode(cls, header: Header, payload: memoryview) -> np.ndarray:
+    def _decode_into(cls, header: Header, payload: memoryview, out: np.ndarray) -> None:
         unpack_params("<", header.params, cls.name)
         r = BodyReader(payload, header.body_offset, cls.name)
         raw = r.take(header.numel * cls.itemsize, "values")
         r.finish()
-        return cls._from_wire(raw, header.numel)
+        cls._from_wire(raw, float32_out(out, cls.name))
 
 
 #: ``none`` parameter block of a float64 body (one byte: the body's itemsize).
@@ -90,6 +110,13 @@ class NoCompression(_Cast):
             return np.frombuffer(raw, dtype="<f8").astype(np.float64)
         return super()._decode(header, payload)
 
+    @classmethod
+    def _decode_into(cls, header: Header, payload: memoryview, out: np.ndarray) -> None:
+        if header.params == _WIDE:  # a float64 body: decoded, then copied (out must be float64)
+            Compressor._decode_into.__func__(cls, header, payload, out)
+        else:
+            super()._decode_into(header, payload, out)
+
 
 @register
 class FP16(_Cast):
@@ -102,13 +129,21 @@ class FP16(_Cast):
     small_tensor = True
     codec_id = 1
     itemsize = 2
-
-    def _to_wire(self, flat: torch.Tensor) -> torch.Tensor:
-        return flat.clamp(-65504.0, 65504.0).to(torch.float16)
+    wire_dtype = torch.float16
+    wire_int = torch.int16
+    limit = 65504.0
 
     @classmethod
-    def _from_wire(cls, raw: memoryview, n: int) -> np.ndarray:
-        return np.frombuffer(raw, dtype=np.float16).astype(np.float32)
+    def _from_wire(cls, raw: memoryview, out: np.ndarray) -> None:
+        # torch's half -> float conversion (exact, vectorised; numpy's is several times slower), chunk
+        # by chunk through a small writable copy into the output
+        halves, n = np.frombuffer(raw, dtype=np.float16), out.size
+        dst = torch.from_numpy(out)
+        scratch = torch.empty(min(CHUNK, n), dtype=torch.float16)
+        for start, stop in spans(n):
+            s = scratch[: stop - start]
+            s.numpy()[...] = halves[start:stop]
+            dst[start:stop].copy_(s)
 
 
 @register
@@ -123,12 +158,14 @@ class BF16(_Cast):
     small_tensor = True
     codec_id = 2
     itemsize = 2
-
-    def _to_wire(self, flat: torch.Tensor) -> torch.Tensor:
-        big = float(torch.finfo(torch.bfloat16).max)
-        return flat.clamp(-big, big).to(torch.bfloat16).view(torch.int16)
+    wire_dtype = torch.bfloat16
+    wire_int = torch.int16
+    limit = float(torch.finfo(torch.bfloat16).max)
 
     @classmethod
-    def _from_wire(cls, raw: memoryview, n: int) -> np.ndarray:
-        hi = np.frombuffer(raw, dtype=np.uint16).astype(np.uint32) << np.uint32(16)
-        return hi.view(np.float32)
+    def _from_wire(cls, raw: memoryview, out: np.ndarray) -> None:
+        wire, ov = np.frombuffer(raw, dtype=np.uint16), out.view(np.uint32)
+        for start, stop in spans(out.size):  # the upper 16 bits of each float32
+            o = ov[start:stop]
+            o[...] = wire[start:stop]
+            o <<= np.uint32(16)

@@ -15,10 +15,19 @@ import numpy as np
 import torch
 
 from fedcomp.compression.base import Compressor, check_range, register
-from fedcomp.compression.bits import nbytes_for_bits, pack_bits_on_device, unpack_bits
+from fedcomp.compression.bits import check_padding, nbytes_for_bits, pack_bits_on_device
+from fedcomp.compression.chunked import CHUNK, buffer, float32_out, on_cpu, spans
 from fedcomp.compression.errors import PayloadError
-from fedcomp.compression.hadamard import fwht_, power_of_two_blocks, random_sign_bits
+from fedcomp.compression.hadamard import (
+    BLOCKED_MIN,
+    flip_signs,
+    fwht_,
+    power_of_two_blocks,
+    random_sign_bits,
+    random_sign_bytes,
+)
 from fedcomp.compression.options import Option
+from fedcomp.compression.sign import expand_signs
 from fedcomp.compression.wire import BodyReader, Header, unpack_params
 
 
@@ -74,28 +83,42 @@ class EdenCompressor(Compressor):
         """``{"unbiased": ...}``."""
         return {"unbiased": self.unbiased}
 
-    def _encode(self, flat: torch.Tensor) -> tuple[bytes, bytes]:
+    def _encode(self, flat: torch.Tensor) -> tuple[bytes, bytes | tuple]:
         n = flat.numel()
         seed = int(self._seeds.integers(0, 2**63))
-        d = torch.from_numpy(random_sign_bits(seed, n)).to(flat.device).bool()
-        y = torch.where(d, flat, -flat)  # D x, a fresh buffer rotated in place below
+        cpu = on_cpu(flat) and flat.is_contiguous()
+        if cpu:  # D x by flipping sign bits, chunk by chunk into a numpy-allocated buffer
+            y = buffer(n)
+            flip_signs(flat.numpy(), random_sign_bytes(seed, n), y.numpy())
+        else:
+            d = torch.from_numpy(random_sign_bits(seed, n)).to(flat.device).bool()
+            y = torch.where(d, flat, -flat)  # D x, a fresh buffer rotated in place below
         scales = []
+        wide = buffer(power_of_two_blocks(n)[0][1] if n else 0, torch.float64) if cpu else None
         for off, size in power_of_two_blocks(n):
             blk = fwht_(y[off : off + size]).mul_(size**-0.5)
-            l1 = float(torch.linalg.vector_norm(blk.double(), ord=1))
+            l1 = float(torch.linalg.vector_norm(_double(blk, wide), ord=1))
             if not math.isfinite(l1) or l1 / size > 3.4e38:
                 raise ValueError("eden: the rotated input overflows float32 (entries near 3.4e38); refusing to compress")
             if l1 == 0.0:
                 scales.append(0.0)
             elif self.unbiased:
-                scales.append(float(torch.sum(flat[off : off + size].double() ** 2)) / l1)
+                scales.append(float(torch.sum(_double(flat[off : off + size], wide) ** 2)) / l1)
             else:
                 scales.append(l1 / size)
-        body = np.asarray(scales, dtype=np.float32).tobytes() + pack_bits_on_device(y >= 0)
-        return struct.pack(self._PARAMS, seed, int(self.unbiased)), body
+        scales = np.asarray(scales, dtype=np.float32)
+        if not cpu:
+            return struct.pack(self._PARAMS, seed, int(self.unbiased)), scales.tobytes() + pack_bits_on_device(y >= 0)
+        bits, yn = np.empty(nbytes_for_bits(n), dtype=np.uint8), y.numpy()
+        hit = np.empty(min(CHUNK, n), dtype=np.bool_)
+        for start, stop in spans(n):
+            h = hit[: stop - start]
+            np.greater_equal(yn[start:stop], 0, out=h)
+            bits[start // 8 : nbytes_for_bits(stop)] = np.packbits(h, bitorder="little")
+        return struct.pack(self._PARAMS, seed, int(self.unbiased)), (scales, bits)
 
     @classmethod
-    def _decode(cls, header: Header, payload: memoryview) -> np.ndarray:
+    def _decode_into(cls, header: Header, payload: memoryview, out: np.ndarray) -> None:
         seed, unbiased = unpack_params(cls._PARAMS, header.params, cls.name)
         if unbiased > 1:
             raise PayloadError(f"eden: unbiased flag {unbiased} is not 0 or 1")
@@ -103,19 +126,24 @@ class EdenCompressor(Compressor):
         blocks = power_of_two_blocks(n)
         r = BodyReader(payload, header.body_offset, cls.name)
         scales = np.frombuffer(r.take(4 * len(blocks), "scales"), dtype=np.float32)
-        bits = unpack_bits(r.take(nbytes_for_bits(n), "sign bits"), n, "eden sign bits")
+        raw = check_padding(r.take(nbytes_for_bits(n), "sign bits"), n, "eden sign bits")
         r.finish()
         if not np.isfinite(scales).all() or (scales < 0).any():
             raise PayloadError("eden: a block scale is negative or not finite")
-        out = bits.astype(np.float32)
-        del bits
-        out *= 2
-        out -= 1  # sign(y) as ±1
+        out = expand_signs(raw, n, np.float32(1.0), float32_out(out, cls.name))  # sign(y) as ±1
         t = torch.from_numpy(out)  # shares memory with ``out``
-        buf = torch.from_numpy(np.empty(blocks[0][1] // 2 if blocks else 0, dtype=np.float32))
+        small = max((size for _, size in blocks if size < BLOCKED_MIN), default=0)  # the others are blocked
+        buf = torch.from_numpy(np.empty(small // 2, dtype=np.float32))
         for (off, size), s in zip(blocks, scales):
             blk = t[off : off + size]
             blk.mul_(float(s) * size**-0.5)
-            fwht_(blk, buf)
-        np.negative(out, out=out, where=random_sign_bits(seed, n) == 0)
-        return out
+            fwht_(blk, buf if size < BLOCKED_MIN else None)
+        flip_signs(out, random_sign_bytes(seed, n), out)
+
+
+def _double(x: torch.Tensor, wide: torch.Tensor | None) -> torch.Tensor:
+    """``x`` as float64: into the numpy-allocated ``wide`` (at least ``x.numel()`` entries) on the
+    CPU, else ``x.double()``; the same values either way."""
+    if wide is None:
+        return x.double()
+    return wide[: x.numel()].copy_(x)

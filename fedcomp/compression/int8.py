@@ -14,12 +14,15 @@ import numpy as np
 import torch
 
 from fedcomp.compression.base import Compressor, check_range, register
+from fedcomp.compression.chunked import CHUNK, blocks, buffer, float32_out, on_cpu, padded_rows
 from fedcomp.compression.errors import PayloadError
 from fedcomp.compression.options import Option
 from fedcomp.compression.stochastic import StochasticRounder
 from fedcomp.compression.wire import BodyReader, Header, unpack_params
 
 MAX_BLOCK = 2**31 - 1
+#: Largest block scale: ``127 * scale`` stays a finite float32.
+_SCALE_CAP = float(np.finfo(np.float32).max) / 127.0 * (1 - 2**-20)
 
 
 @register
@@ -56,20 +59,26 @@ class Int8Compressor(Compressor):
         """``{"block_size": B}``."""
         return {"block_size": self.block_size}
 
-    def _encode(self, flat: torch.Tensor) -> tuple[bytes, bytes]:
+    def _encode(self, flat: torch.Tensor) -> tuple[bytes, bytes | tuple]:
         n, bs = flat.numel(), self.block_size
         bs = min(bs, max(n, 1))  # a block larger than the tensor is one block: pad no further than n
         nb = -(-n // bs)
-        padded = torch.nn.functional.pad(flat, (0, nb * bs - n)).view(nb, bs)
-        # keep 127 * scale finite, so that decoding never overflows
-        scale = torch.clamp(padded.abs().amax(dim=1) / 127.0, max=float(np.finfo(np.float32).max) / 127.0 * (1 - 2**-20))
-        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-        q = self._rounder.round(padded / safe[:, None]).clamp_(-127, 127)
-        q = q.reshape(-1)[:n].to(torch.int8)
-        return struct.pack(self._PARAMS, self.block_size), scale.cpu().numpy().tobytes() + q.cpu().numpy().tobytes()
+        scales = torch.empty(nb, device=flat.device)
+        q = buffer(n, torch.int8) if on_cpu(flat) else torch.empty(n, dtype=torch.int8, device=flat.device)
+        scratch = None
+        # block scales and stochastic rounding in one pass over cache-sized chunks of whole blocks
+        for b0, b1, start, stop in blocks(n, bs, flat.device):
+            rows = padded_rows(flat, b0, b1, bs)
+            # keep 127 * scale finite, so that decoding never overflows
+            scale = torch.clamp(rows.abs().amax(dim=1) / 127.0, max=_SCALE_CAP, out=scales[b0:b1])
+            safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+            v = rows / safe[:, None]
+            scratch = scratch if scratch is not None else torch.empty(v.numel(), device=v.device)
+            q[start:stop] = self._rounder.round_(v, scratch).clamp_(-127, 127).reshape(-1)[: stop - start]
+        return struct.pack(self._PARAMS, self.block_size), (scales.cpu().numpy(), q.cpu().numpy())
 
     @classmethod
-    def _decode(cls, header: Header, payload: memoryview) -> np.ndarray:
+    def _decode_into(cls, header: Header, payload: memoryview, out: np.ndarray) -> None:
         (bs,) = unpack_params(cls._PARAMS, header.params, cls.name)
         if bs < 1:
             raise PayloadError("int8: block size 0")
@@ -81,22 +90,28 @@ class Int8Compressor(Compressor):
         r.finish()
         if not np.isfinite(scale).all() or (scale < 0).any():
             raise PayloadError("int8: a block scale is negative or not finite")
-        if (q == -128).any():
+        if n and int(q.min()) == -128:
             raise PayloadError("int8: value -128 outside [-127, 127]")
-        return block_scale(q, scale, bs)
+        block_scale(q, scale, bs, float32_out(out, cls.name))
 
 
-def block_scale(values: np.ndarray, scale: np.ndarray, block: int) -> np.ndarray:
+def block_scale(values: np.ndarray, scale: np.ndarray, block: int, out: np.ndarray | None = None) -> np.ndarray:
     """``values[i] * scale[i // block]`` as float32, shape ``(n,)``, without an n-sized index.
 
     Full blocks are scaled as an ``(nb, block)`` view, the short tail block on its own, so the
-    only n-sized allocation is the float32 output (a huge declared block allocates nothing).
+    only n-sized allocation is the float32 output (a huge declared block allocates nothing), or
+    none when ``out`` (float32, ``(n,)``) is given.
     """
     n = values.size
-    out = values.astype(np.float32)
+    out = np.empty(n, dtype=np.float32) if out is None else out
     full = n // block if block <= n else 0
-    if full:
-        out[: full * block].reshape(full, block)[...] *= scale[:full, None]
+    per = max(1, CHUNK // block)
+    for b0 in range(0, full, per):  # cast and scale chunk by chunk, in cache
+        b1 = min(full, b0 + per)
+        o = out[b0 * block : b1 * block]
+        o[...] = values[b0 * block : b1 * block]
+        o.reshape(b1 - b0, block)[...] *= scale[b0:b1, None]
     if full * block < n:
+        out[full * block :] = values[full * block :]
         out[full * block :] *= scale[full]
     return out

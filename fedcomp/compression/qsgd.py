@@ -14,9 +14,17 @@ import numpy as np
 import torch
 
 from fedcomp.compression.base import Compressor, check_range, register
-from fedcomp.compression.bits import nbytes_for_bits, pack_bits_on_device, pack_uint_into, unpack_bits, unpack_uint
+from fedcomp.compression.bits import (
+    check_padding,
+    check_uint_stream,
+    nbytes_for_bits,
+    pack_bits_array,
+    pack_uint_array,
+    uint_dtype,
+    unpack_uint_range,
+)
+from fedcomp.compression.chunked import CHUNK, blocks, float32_out, on_cpu, padded_rows, spans
 from fedcomp.compression.errors import PayloadError
-from fedcomp.compression.int8 import block_scale
 from fedcomp.compression.options import Option
 from fedcomp.compression.stochastic import StochasticRounder
 from fedcomp.compression.wire import BodyReader, Header, unpack_params
@@ -26,15 +34,6 @@ MAX_LEVELS = 2**16 - 1
 MAX_EXPONENTIAL_LEVELS = 126
 MAX_BUCKET = 2**31 - 1
 SPACINGS = ("uniform", "exponential")
-#: Entries quantized per step of :meth:`QSGDCompressor._encode` (whole buckets): bounds its
-#: temporaries, so a dense round of an 11M-parameter model does not hold several copies of it.
-ENCODE_CHUNK = 1 << 16
-
-
-def _buckets(flat: torch.Tensor, b0: int, b1: int, bs: int) -> torch.Tensor:
-    """Buckets ``b0 .. b1 - 1`` of ``flat`` as a ``(b1 - b0, bs)`` copy, the last one zero-padded."""
-    part = flat[b0 * bs: min(b1 * bs, flat.numel())]
-    return torch.nn.functional.pad(part, (0, (b1 - b0) * bs - part.numel())).view(b1 - b0, bs)
 
 
 def exponential_position(r: torch.Tensor, s: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,39 +153,39 @@ class QSGDCompressor(Compressor):
         """Bits per level field: ``ceil(log2(levels + 1))``."""
         return int(levels).bit_length()
 
-    def _encode(self, flat: torch.Tensor) -> tuple[bytes, bytes]:
+    def _encode(self, flat: torch.Tensor) -> tuple[bytes, bytes | tuple]:
         s, n, bs = self.levels, flat.numel(), self.bucket_size
         bs = min(bs, max(n, 1))  # a block larger than the tensor is one block: pad no further than n
         nb = -(-n // bs)
-        rows = max(8, ENCODE_CHUNK // bs // 8 * 8)  # buckets per block: a multiple of 8 values each
-        blocks = [(b, min(b + rows, nb)) for b in range(0, nb, rows)]
-        norms = torch.empty(nb, dtype=torch.float32, device=flat.device)
-        for b0, b1 in blocks:
-            norms[b0:b1] = torch.linalg.vector_norm(_buckets(flat, b0, b1, bs).double(), dim=1).to(torch.float32)
+        # cache-sized chunks of whole buckets: first every norm (checked before any random draw),
+        # then levels by stochastic rounding, signs and packing
+        norms = torch.empty(nb, device=flat.device)
+        for b0, b1, _, _ in blocks(n, bs, flat.device):
+            norms[b0:b1] = torch.linalg.vector_norm(padded_rows(flat, b0, b1, bs).double(), dim=1)
         if not bool(torch.isfinite(norms).all()):
             raise ValueError("qsgd: a bucket's L2 norm overflows float32")
         safe = torch.where(norms > 0, norms, torch.ones_like(norms))
         exponential = self.spacing == "exponential"
-        params = struct.pack(self._PARAMS_SPACED, s, self.bucket_size, 1) if exponential \
-            else struct.pack(self._PARAMS, s, self.bucket_size)
-        u = self._rounder.uniform((nb, bs), flat.device)  # one draw per entry, as rounding the whole would
-        width = self.width(s)
-        levels = np.empty(nbytes_for_bits(n * width), dtype=np.uint8)
-        for b0, b1 in blocks:  # bounded temporaries: one block of buckets at a time
-            block, sb = _buckets(flat, b0, b1, bs).abs(), safe[b0:b1, None]
+        lv = np.empty(n, dtype=uint_dtype(self.width(s)))
+        lvt, scratch = torch.from_numpy(lv), None
+        for b0, b1, start, stop in blocks(n, bs, flat.device):
+            mag = padded_rows(flat, b0, b1, bs).abs()
+            scratch = scratch if scratch is not None else torch.empty(mag.numel(), device=mag.device)
             if exponential:
-                j, p = exponential_position((block / sb).clamp_(max=1.0), s)
-                lv = (torch.floor(p + u[b0:b1]) + j).clamp_(0, s)
+                j, p = exponential_position(mag.div_(safe[b0:b1, None]).clamp_(max=1.0), s)
+                level = self._rounder.round_(p, scratch).add_(j).clamp_(0, s)
             else:
-                lv = torch.floor(block * (s / sb) + u[b0:b1]).clamp_(0, s)
-            lv = lv.reshape(-1)[: min(b1 * bs, n) - b0 * bs].to(torch.int32).cpu().numpy()
-            pack_uint_into(levels, b0 * bs, lv, width)
-        del u
-        body = b"".join((norms.cpu().numpy().tobytes(), pack_bits_on_device(flat < 0), levels.tobytes()))
-        return params, body
+                level = self._rounder.round_(mag.mul_(s / safe[b0:b1, None]), scratch).clamp_(0, s)
+            lvt[start:stop] = level.reshape(-1)[: stop - start].to(torch.int32).cpu()
+        params = struct.pack(self._PARAMS_SPACED, s, self.bucket_size, 1) if exponential else \
+            struct.pack(self._PARAMS, s, self.bucket_size)
+        signs = np.empty(nbytes_for_bits(n), dtype=np.uint8)
+        for start, stop in spans(n, CHUNK if on_cpu(flat) else max(n, 1)):  # one transfer from a GPU
+            signs[start // 8 : nbytes_for_bits(stop)] = pack_bits_array((flat[start:stop] < 0).cpu().numpy())
+        return params, (norms.cpu().numpy(), signs, pack_uint_array(lv, self.width(s)))
 
     @classmethod
-    def _decode(cls, header: Header, payload: memoryview) -> np.ndarray:
+    def _decode_into(cls, header: Header, payload: memoryview, out: np.ndarray) -> None:
         exponential = len(header.params) == struct.calcsize(cls._PARAMS_SPACED)
         if exponential:
             s, bs, code = unpack_params(cls._PARAMS_SPACED, header.params, cls.name)
@@ -204,16 +203,29 @@ class QSGDCompressor(Compressor):
         w = cls.width(s)
         r = BodyReader(payload, header.body_offset, cls.name)
         norms = np.frombuffer(r.take(4 * nb, "bucket norms"), dtype=np.float32)
-        neg = unpack_bits(r.take(nbytes_for_bits(n), "sign bits"), n, "qsgd sign bits")
-        lv = unpack_uint(r.take(nbytes_for_bits(n * w), "levels"), n, w, "qsgd levels")
+        neg = check_padding(r.take(nbytes_for_bits(n), "sign bits"), n, "qsgd sign bits")
+        lv = check_uint_stream(r.take(nbytes_for_bits(n * w), "levels"), n, w, "qsgd levels") if n else None
         r.finish()
         if not np.isfinite(norms).all() or (norms < 0).any():
             raise PayloadError("qsgd: a bucket norm is negative or not finite")
-        if n and int(lv.max()) > s:
-            raise PayloadError(f"qsgd: a level exceeds s = {s}")
-        if exponential:
-            mag = block_scale(exponential_levels(s)[lv], norms, bs)
-        else:
-            mag = block_scale(lv, (norms / np.float32(s)).astype(np.float32), bs)
-        np.negative(mag, out=mag, where=neg.astype(bool))
-        return mag
+        table = exponential_levels(s) if exponential else None
+        scale = norms if exponential else (norms / np.float32(s)).astype(np.float32)
+        out = float32_out(out, cls.name)
+        # levels, scales and signs chunk by chunk of whole buckets, into the one float32 output
+        for b0, b1, start, stop in blocks(n, bs, torch.device("cpu")):
+            level = unpack_uint_range(lv, start, stop - start, w)
+            if int(level.max()) > s:
+                raise PayloadError(f"qsgd: a level exceeds s = {s}")
+            o = out[start:stop]
+            o[...] = level if table is None else table[level]
+            full = (stop - start) // bs
+            if full:
+                o[: full * bs].reshape(full, bs)[...] *= scale[b0 : b0 + full, None]
+            if full < b1 - b0:  # the short last bucket
+                o[full * bs :] *= scale[b0 + full]
+            # negate where the sign bit says so: flip the float32 sign bit (exactly IEEE negation)
+            bits = np.unpackbits(neg[start // 8 : nbytes_for_bits(stop)], bitorder="little")
+            flip = bits[start % 8 : start % 8 + stop - start].astype(np.uint32)
+            flip <<= np.uint32(31)
+            ov = o.view(np.uint32)
+            ov ^= flip

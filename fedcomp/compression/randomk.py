@@ -85,12 +85,30 @@ def _sparse_positions(seed: int, n: int, k: int) -> np.ndarray:
     m = k + k // 4 + 64
     while True:
         draw = np.random.PCG64(seed).random_raw(m) % np.uint64(n)
-        values, first = np.unique(draw, return_index=True)
+        values, first = _unique_first(draw)
         del draw
         if values.size >= k:
             cut = np.partition(first, k - 1)[k - 1]  # the k-th earliest first occurrence
             return values[first <= cut].astype(np.int64)
         m *= 2
+
+
+def _unique_first(draw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``np.unique(draw, return_index=True)`` (uint64 values below 2**32 when the fast path applies):
+    the sorted distinct values and each one's first index. Fast path: one sort of the 64-bit keys
+    ``value << 32 | index`` (numpy's vectorised sort, instead of unique's stable argsort); the first
+    key of each value's run holds its first index."""
+    if draw.size == 0 or draw.size >= 1 << 32 or int(draw.max()) >= 1 << 32:
+        return np.unique(draw, return_index=True)
+    keys = draw << np.uint64(32)
+    keys |= np.arange(draw.size, dtype=np.uint64)
+    keys.sort()
+    vals = keys >> np.uint64(32)
+    head = np.empty(keys.size, dtype=np.bool_)
+    head[0] = True
+    np.not_equal(vals[1:], vals[:-1], out=head[1:])
+    first = (keys[head] & np.uint64(0xFFFFFFFF)).astype(np.intp)
+    return vals[head], first
 
 
 def _mask_chunks(mask: np.ndarray, vals: np.ndarray, factor: np.float32) -> Iterator[tuple[np.ndarray, np.ndarray]]:

@@ -6,6 +6,7 @@ import numpy as np
 import torch
 
 from fedcomp.compression.base import SparseDecoding, check_range
+from fedcomp.compression.chunked import float32_out
 from fedcomp.compression.errors import PayloadError
 from fedcomp.compression.positions import check_stream, encode_positions, iter_positions, positions_nbytes
 from fedcomp.compression.wire import BodyReader, Header
@@ -22,6 +23,14 @@ def check_density(density: float) -> float:
     """Validate ``density`` (fraction of entries kept) in (0, 1]; return it as float."""
     check_range("density", density, 0.0, 1.0, lo_open=True)
     return float(density)
+
+
+def gather(flat: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``flat[idx]`` (1-D, idx int64 on flat's device); on the CPU by numpy's take, several times
+    faster than torch's index kernel for a few hundred thousand positions. The same values."""
+    if flat.device.type != "cpu":
+        return flat[idx]
+    return torch.from_numpy(np.take(flat.numpy(), idx.numpy()))
 
 
 def positions_to_bytes(idx: torch.Tensor, n: int) -> tuple[int, int, bytes]:
@@ -63,6 +72,13 @@ class ChunkedSparseDecoding(SparseDecoding):
         for pos, vals in chunks:
             out[pos] = vals
         return out
+
+    @classmethod
+    def _decode_into(cls, header: Header, payload: memoryview, out: np.ndarray) -> None:
+        _, chunks = cls._decode_chunks(header, payload)
+        float32_out(out, cls.name).fill(0.0)
+        for pos, vals in chunks:
+            out[pos] = vals
 
     @classmethod
     def _decode_sparse(cls, header: Header, payload: memoryview) -> tuple[np.ndarray, np.ndarray]:

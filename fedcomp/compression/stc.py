@@ -13,11 +13,18 @@ import numpy as np
 import torch
 
 from fedcomp.compression.base import Compressor, register
-from fedcomp.compression.bits import nbytes_for_bits, pack_bits, unpack_bits
+from fedcomp.compression.bits import nbytes_for_bits, pack_bits_array, unpack_bits
 from fedcomp.compression.errors import PayloadError
 from fedcomp.compression.options import DENSITY
 from fedcomp.compression.selection import topk_indices
-from fedcomp.compression.sparse import ChunkedSparseDecoding, check_density, k_for, positions_to_bytes, read_positions
+from fedcomp.compression.sparse import (
+    ChunkedSparseDecoding,
+    check_density,
+    gather,
+    k_for,
+    positions_to_bytes,
+    read_positions,
+)
 from fedcomp.compression.wire import BodyReader, Header, unpack_params
 
 
@@ -65,10 +72,11 @@ class STCCompressor(ChunkedSparseDecoding, Compressor):
         if k == 0:
             return struct.pack(self._PARAMS, 0, 0, 0, 0.0), b""
         idx = topk_indices(flat, k)
-        mu = float(flat[idx].abs().mean(dtype=torch.float64))
+        kept = gather(flat, idx)
+        mu = float(kept.abs().mean(dtype=torch.float64))
         b, unary_bits, pos = positions_to_bytes(idx, n)
-        signs = (flat[idx] >= 0).cpu().numpy()
-        return struct.pack(self._PARAMS, k, unary_bits, b, mu), pos + pack_bits(signs)
+        signs = (kept >= 0).cpu().numpy()
+        return struct.pack(self._PARAMS, k, unary_bits, b, mu), (pos, pack_bits_array(signs))
 
     @classmethod
     def _decode_chunks(cls, header: Header,

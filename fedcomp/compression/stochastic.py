@@ -41,3 +41,16 @@ class StochasticRounder:
         that rounds that tensor piece by piece (bounded temporaries) computes ``floor(v + u)`` on
         matching slices and gets the same numbers."""
         return torch.rand(shape, generator=self._gen(device), device=device, dtype=dtype)
+
+    def round_(self, v: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.Tensor:
+        """:meth:`round` in place: ``v <- floor(v + u)``, the same values and the same draws.
+
+        ``scratch``: at least ``v.numel()`` entries of v's dtype and device for u (allocated if
+        omitted). The generator is read in order, so rounding a tensor chunk by chunk draws what
+        one call on the whole tensor draws (CPU; a CUDA generator's stream depends on the shape).
+        """
+        if scratch is None:
+            scratch = torch.empty(v.numel(), dtype=v.dtype, device=v.device)
+        u = scratch[: v.numel()].view(v.shape)
+        torch.rand(v.shape, generator=self._gen(v.device), out=u)
+        return v.add_(u).floor_()

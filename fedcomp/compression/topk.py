@@ -17,7 +17,14 @@ from fedcomp.compression.base import Compressor, register
 from fedcomp.compression.errors import PayloadError
 from fedcomp.compression.options import DENSITY, VALUE_DTYPE
 from fedcomp.compression.selection import topk_indices
-from fedcomp.compression.sparse import ChunkedSparseDecoding, check_density, k_for, positions_to_bytes, read_positions
+from fedcomp.compression.sparse import (
+    ChunkedSparseDecoding,
+    check_density,
+    gather,
+    k_for,
+    positions_to_bytes,
+    read_positions,
+)
 from fedcomp.compression.wire import VALUE_DTYPE_BY_CODE, VALUE_DTYPES, BodyReader, Header, unpack_params
 
 
@@ -64,7 +71,7 @@ class TopKCompressor(ChunkedSparseDecoding, Compressor):
         if k == 0:
             return struct.pack(self._PARAMS, 0, 0, 0, code), b""
         idx = topk_indices(flat, k)
-        vals = flat[idx]
+        vals = gather(flat, idx)
         if np_dt is np.float16:
             vals = vals.clamp(-65504.0, 65504.0).to(torch.float16)
         b, unary_bits, pos = positions_to_bytes(idx, n)

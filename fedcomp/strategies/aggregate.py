@@ -102,6 +102,15 @@ class RunningSum:
         self._starts = np.array([model.offsets[k] for k in model.float_keys], dtype=np.int64)
         self.total = 0.0
         self.count = 0
+        #: float32 buffer the deferred dense payloads are decoded into, reused for every reply
+        #: (``decompress(out=...)``: no fresh tensor-sized array per payload)
+        self._decoded: np.ndarray | None = None
+
+    def _decode_buffer(self, update: DecodedUpdate) -> np.ndarray | None:
+        need = max((part.numel for part in update.deferred), default=0)
+        if need and (self._decoded is None or self._decoded.size < need):
+            self._decoded = np.empty(need, dtype=np.float32)
+        return self._decoded
 
     def add(self, update: DecodedUpdate, factor: float, weight: float | None = None) -> None:
         """Fold ``factor * update`` in; ``weight`` (default ``factor``) is added to :attr:`total`."""
@@ -113,7 +122,8 @@ class RunningSum:
                 k, a, b = keys[i], bounds[i], ends[i]
                 self.acc[k][pos[a:b] - offsets[k]] += factor * vals[a:b].astype(np.float64)
         scratch = None
-        for start, vals in update.dense_parts():  # each dense part lies in one tensor (deferred ones decoded now)
+        for start, vals in update.dense_parts(self._decode_buffer(update)):  # each dense part lies in one tensor
+            # (deferred ones decoded now, into the reused buffer, and folded before the next is decoded)
             k = self.model.key_at(start) if vals.size else None
             if k is None:
                 continue

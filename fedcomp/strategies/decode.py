@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 from flwr.app import ArrayRecord, Message
 
 from fedcomp.compression import PayloadError, codec_name, decode_exact, decompress, decompress_sparse
@@ -51,12 +52,29 @@ class DeferredPart:
     shape: tuple
     segments: list
 
-    def parts(self):
-        """``(flat start, float32 values)`` per segment, decoded now."""
+    def parts(self, scratch: np.ndarray | None = None):
+        """``(flat start, float32 values)`` per segment, decoded now: into ``scratch`` (float32, at
+        least the payload's entries; the values are valid until the next decode into it) when
+        given, which spares a fresh n-sized array per payload (``decompress(out=...)``)."""
         numel = sum(n for _, _, n in self.segments)
-        flat = decompress(self.data, max_numel=max(numel, 1), expected_shape=self.shape).numpy().reshape(-1)
+        flat = None
+        if scratch is not None and scratch.size >= numel and scratch.dtype == np.float32:
+            try:
+                flat = decompress(self.data, max_numel=max(numel, 1), expected_shape=self.shape,
+                                  out=torch.from_numpy(scratch[:numel])).numpy()
+            except PayloadError:
+                raise
+            except ValueError:  # a payload that decodes to float64 (`none` of a float64 tensor)
+                flat = None
+        if flat is None:
+            flat = decompress(self.data, max_numel=max(numel, 1), expected_shape=self.shape).numpy().reshape(-1)
         for local, start, n in self.segments:
             yield start, flat[local: local + n]
+
+    @property
+    def numel(self) -> int:
+        """Entries of the payload (the sum of its segments)."""
+        return sum(n for _, _, n in self.segments)
 
 
 @dataclass
@@ -89,12 +107,13 @@ class DecodedUpdate:
     codecs: dict[str, int] = field(default_factory=dict)
     deferred: list[DeferredPart] = field(default_factory=list)
 
-    def dense_parts(self):
+    def dense_parts(self, scratch: np.ndarray | None = None):
         """Every dense ``(flat start, values)`` segment: ``dense``, then the deferred payloads' (each
-        decoded as it is reached, so at most one tensor's values exist at a time)."""
+        decoded as it is reached, so at most one tensor's values exist at a time; into ``scratch``
+        when given, see :meth:`DeferredPart.parts`: consume each part before the next)."""
         yield from self.dense
         for part in self.deferred:
-            yield from part.parts()
+            yield from part.parts(scratch)
 
     def sq_norm(self) -> float:
         """Squared L2 norm of the float update (float64 accumulation; integer tensors excluded)."""

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import fedcomp.compression as fc
-from fedcomp.compression.bits import pack_uint, unpack_uint
+from fedcomp.compression.bits import PACK_CHUNK, pack_uint, unpack_uint
 from fedcomp.secagg.client import pack_masked, unpack_masked
 
 #: sha256[:16] of the payloads, computed with the unchunked code (main before issue 33 item 11).
@@ -122,8 +122,8 @@ def _peak(fn, *args) -> int:
         tracemalloc.stop()
 
 
-N = 1_500_000  # > 90 of pack_uint's chunks (2**14 values)
-CHUNK = 1 << 14
+N = 1_500_000  # > 20 of pack_uint's chunks (PACK_CHUNK = 2**16 values)
+CHUNK = PACK_CHUNK  # values packed per step (fedcomp.compression.bits)
 
 
 @pytest.mark.parametrize("levels", [15, 2**15, 2**16 - 1])

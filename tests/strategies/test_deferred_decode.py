@@ -94,3 +94,25 @@ def test_a_decoded_sign_reply_holds_no_dense_update():
     assert len(update.deferred) == 1
     # only the small tensors stay decoded (1,025 entries of 91,549): well under a tenth of the update
     assert held < 0.1 * dense_bytes, (held, dense_bytes)
+
+
+def test_the_fold_decodes_deferred_payloads_into_one_reused_buffer():
+    """RunningSum decodes every deferred payload into one float32 buffer (``decompress(out=...)``):
+    the first reply's fold allocates it, the next ones allocate nothing of the tensor's size
+    (issue 34); the fold's own cache-sized temporaries are the same in both."""
+    g = _model(np.random.default_rng(3))
+    model = FlatModel.from_numpy(g)
+    updates = [decode.decode_reply(_record(g, CodecConfig(compressor="sign"), seed), model) for seed in range(3)]
+    running = RunningSum(model)
+    running.add(updates[0], 1.0)
+    peaks = []
+    for u in updates[1:]:
+        tracemalloc.start()
+        try:
+            if not peaks:
+                running._decoded = None  # as if this were the first reply
+            running.add(u, 1.0)
+            peaks.append(tracemalloc.get_traced_memory()[1])
+        finally:
+            tracemalloc.stop()
+    assert peaks[1] <= peaks[0] - 0.9 * 4 * BIG[0] * BIG[1]
