@@ -120,13 +120,14 @@ def random_positions(seed: int, n: int, k: int) -> np.ndarray:
 
 
 def seeded_chunks(seed: int, n: int, k: int, vals: np.ndarray,
-                  factor: np.float32 = np.float32(1.0)) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+                  factor: float = 1.0) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """(positions, values * factor) pieces of the k positions ``seed`` names, in position order
     (what :class:`~fedcomp.compression.sparse.ChunkedSparseDecoding` scatters).
 
     ``vals``: float32, shape ``(k,)``, the kept values in position order. Very sparse selections
     (``k * _MASK_RATIO <= n``) are regenerated as positions (O(k)), never as an n-byte mask.
     """
+    factor = np.float32(factor)
     if k == 0 or k * _MASK_RATIO <= n:
         return _position_chunks(random_positions(seed, n, k) if k else np.zeros(0, np.int64), vals, factor)
     return _mask_chunks(random_mask(seed, n, k), vals, factor)
@@ -221,4 +222,4 @@ class RandomKCompressor(SeededPositions, ChunkedSparseDecoding, Compressor):
         r = BodyReader(payload, header.body_offset, cls.name)
         vals = np.frombuffer(r.take(4 * k, "values"), dtype=np.float32)
         r.finish()
-        return k, seeded_chunks(seed, n, k, vals, np.float32(factor))
+        return k, seeded_chunks(seed, n, k, vals, factor)
