@@ -79,6 +79,14 @@ CASES = {
     "stc 2%": {"compressor": "stc", "density": 0.02, "downstream": "stc"},
     "stc 10%": {"compressor": "stc", "density": 0.1, "downstream": "stc"},
     "stc 5%, exact catch-ups": {"compressor": "stc", "density": 0.05, "downstream": "stc", "exact-catchup": True},
+    # below one bit: sign on a shared random subset (issue 31)
+    "randsign 50%": {"compressor": "randsign", "density": 0.5, "downstream": "randsign"},
+    "randsign 25%": {"compressor": "randsign", "density": 0.25, "downstream": "randsign"},
+    "randsign 50% up, sign down": {"compressor": "randsign", "density": 0.5, "downstream": "sign"},
+    "randsign 50% per tensor": {"compressor": "randsign", "density": 0.5, "selection": "tensor", "downstream": "randsign"},
+    "randsign 25% up, sign down": {"compressor": "randsign", "density": 0.25, "downstream": "sign"},
+    "randsign 50%, exact catch-ups": {"compressor": "randsign", "density": 0.5, "downstream": "randsign",
+                                      "exact-catchup": True},
 }
 FLOWERTUNE = {"adapter_params": 13.63e6, "clients_per_round": 2, "directions": 2, "rounds": 200,
               "reported_gb": 40.7}

@@ -60,13 +60,13 @@ def test_traits_answer_what_the_old_lists_said():
     from fedcomp.config.low_density import RAMP_CODECS
     from fedcomp.secagg import SECAGG_CODECS
 
-    assert SPARSE_CODECS == fc.codecs_with(sparse=True) == ("stc", "topk", "randomk")
+    assert SPARSE_CODECS == fc.codecs_with(sparse=True) == ("stc", "topk", "randomk", "randsign")
     assert RAMP_CODECS == fc.codecs_with(density_ramp=True) == ("stc", "topk")
     assert SECAGG_CODECS == ("randomk", "none")
     assert TENSOR_ONLY_CODECS == ("powersgd", "atomo")
     assert fc.codecs_with(small_tensor=True) == ("none", "fp16", "bf16")
     assert fc.codecs_with(requires_error_feedback=True) == ("powersgd",)
-    assert set(fc.codecs_with(seeded=True)) == {"randomk", "qsgd", "int8", "powersgd", "eden", "atomo"}
+    assert set(fc.codecs_with(seeded=True)) == {"randomk", "qsgd", "int8", "powersgd", "eden", "atomo", "randsign"}
     assert set(fc.codecs_with(sparse=False)) == set(fc.available_compressors()) - set(SPARSE_CODECS)
     with pytest.raises(ValueError, match="unknown codec trait"):
         fc.codecs_with(sprase=True)

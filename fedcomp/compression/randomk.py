@@ -137,8 +137,55 @@ def random_positions(seed: int, n: int, k: int) -> np.ndarray:
     return np.flatnonzero(random_mask(seed, n, k)).astype(np.int64, copy=False)
 
 
+def seeded_chunks(seed: int, n: int, k: int, vals: np.ndarray,
+                  factor: float = 1.0) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """(positions, values * factor) pieces of the k positions ``seed`` names, in position order
+    (what :class:`~fedcomp.compression.sparse.ChunkedSparseDecoding` scatters).
+
+    ``vals``: float32, shape ``(k,)``, the kept values in position order. Very sparse selections
+    (``k * _MASK_RATIO <= n``) are regenerated as positions (O(k)), never as an n-byte mask.
+    """
+    factor = np.float32(factor)
+    if k == 0 or k * _MASK_RATIO <= n:
+        return _position_chunks(random_positions(seed, n, k) if k else np.zeros(0, np.int64), vals, factor)
+    return _mask_chunks(random_mask(seed, n, k), vals, factor)
+
+
+class SeededPositions:
+    """Mixin of the codecs whose kept positions come from a per-call 64-bit seed that travels
+    instead of the positions (``randomk``, ``randsign``).
+
+    Parameters
+    ----------
+    density : float
+        Fraction of entries kept, in (0, 1].
+    seed : int, optional
+        Seeds the per-call seeds (reproducible runs); None draws from the OS.
+
+    Raises
+    ------
+    ValueError
+        ``density`` outside (0, 1] or ``seed`` outside [0, 2**64).
+    """
+
+    def __init__(self, density: float = 0.01, seed: int | None = None) -> None:
+        self.density = check_density(density)
+        if seed is not None:
+            check_range("seed", seed, 0, 2**64 - 1, integer=True)
+        self.seed = seed
+        self._seeds = np.random.default_rng(seed)
+
+    def _draw_positions(self, flat: torch.Tensor) -> tuple[int, int, torch.Tensor]:
+        """``(k, seed, positions)`` for a 1-D tensor: k = :func:`k_for` (density, n), a fresh seed
+        in [0, 2**63), its k sorted positions (int64 tensor on ``flat``'s device)."""
+        n = flat.numel()
+        k = k_for(self.density, n)
+        seed = int(self._seeds.integers(0, 2**63))
+        return k, seed, torch.from_numpy(random_positions(seed, n, k)).to(flat.device)
+
+
 @register
-class RandomKCompressor(ChunkedSparseDecoding, Compressor):
+class RandomKCompressor(SeededPositions, ChunkedSparseDecoding, Compressor):
     """Rand-k: keep k = clamp(round(density * n), 1, n) uniformly random entries.
 
     Body: k fp32 values; the positions come from the 64-bit seed in the parameters, so
@@ -167,12 +214,8 @@ class RandomKCompressor(ChunkedSparseDecoding, Compressor):
     _PARAMS = "<QQf"  # k, seed, scale factor
 
     def __init__(self, density: float = 0.01, rescale: bool = False, seed: int | None = None) -> None:
-        self.density = check_density(density)
+        super().__init__(density, seed)
         self.rescale = bool(rescale)
-        if seed is not None:
-            check_range("seed", seed, 0, 2**64 - 1, integer=True)
-        self.seed = seed
-        self._seeds = np.random.default_rng(seed)
 
     def config(self) -> dict:
         """``{"density": ..., "rescale": ...}``."""
@@ -180,10 +223,8 @@ class RandomKCompressor(ChunkedSparseDecoding, Compressor):
 
     def _encode(self, flat: torch.Tensor) -> tuple[bytes, bytes]:
         n = flat.numel()
-        k = k_for(self.density, n)
-        seed = int(self._seeds.integers(0, 2**63))
+        k, seed, pos = self._draw_positions(flat)
         factor = (n / k) if (self.rescale and k) else 1.0
-        pos = torch.from_numpy(random_positions(seed, n, k)).to(flat.device)
         vals = flat[pos].cpu().numpy()
         return struct.pack(self._PARAMS, k, seed, factor), vals.tobytes()
 
@@ -199,7 +240,4 @@ class RandomKCompressor(ChunkedSparseDecoding, Compressor):
         r = BodyReader(payload, header.body_offset, cls.name)
         vals = np.frombuffer(r.take(4 * k, "values"), dtype=np.float32)
         r.finish()
-        if k == 0 or k * _MASK_RATIO <= n:  # O(k): the positions themselves, never an n-byte mask
-            return k, _position_chunks(random_positions(seed, n, k) if k else np.zeros(0, np.int64), vals,
-                                       np.float32(factor))
-        return k, _mask_chunks(random_mask(seed, n, k), vals, np.float32(factor))
+        return k, seeded_chunks(seed, n, k, vals, factor)

@@ -24,7 +24,7 @@ from tests.model_zoo import ZOO, expected_exact, trained_state, zoo, zoo_round
 logging.getLogger("flwr").setLevel(logging.WARNING)
 
 
-CODECS = ["none", "fp16", "sign", "stc", "topk", "randomk", "qsgd", "int8"]
+CODECS = ["none", "fp16", "sign", "stc", "topk", "randomk", "randsign", "qsgd", "int8"]
 
 
 @pytest.mark.parametrize("selection", ["tensor", "model"])
