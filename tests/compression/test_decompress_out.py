@@ -14,7 +14,7 @@ N = 100_003  # not a multiple of 8, of a block or of a bucket
 CASES = [("none", {}), ("fp16", {}), ("bf16", {}), ("sign", {}), ("int8", {"block_size": 100}),
          ("qsgd", {}), ("qsgd", {"levels": 7, "spacing": "exponential"}), ("eden", {}),
          ("stc", {"density": 0.01}), ("topk", {"density": 0.01}), ("randomk", {"density": 0.3}),
-         ("powersgd", {"rank": 2}), ("atomo", {})]
+         ("powersgd", {"rank": 2}), ("atomo", {}), ("randsign", {"density": 0.3})]
 
 
 def _payload(name: str, params: dict, x: torch.Tensor) -> bytes:
