@@ -38,7 +38,7 @@ SITE=opt/fedcomp/lib/python3.11/site-packages
 PACKAGES="python3.11-minimal libpython3.11-stdlib libstdc++6"
 # PyPI's aarch64 wheel of torch 2.13.0 is a CUDA 13 build that requires several GB of NVIDIA libraries on
 # aarch64; 2.7.1's (and, by their metadata, 2.8-2.10's) declare CUDA requirements for x86_64 only: CPU
-# builds. 2.7.1 is inside the core's range (torch>=2.4,<2.14), so the arm64 run also tests an older torch
+# builds. 2.7.1 is inside the core's range (torch>=2.4,<3), so the arm64 run also tests an older torch
 # than CI's 2.13.0. On a device: torch's CPU index or a vendor build.
 TORCH=${FEDCOMP_ARM64_TORCH:-2.7.1}
 
