@@ -15,7 +15,7 @@
 #   scripts/arm64_rootfs.sh umount ROOT         unmount ROOT/proc and ROOT/sys (after the last exec)
 #
 # ROOT defaults to $FEDCOMP_ARM64_ROOT or build/arm64-root in the repository (ignored by git). On a real
-# arm64 device none of this is needed: `pip install -c constraints.txt .` there (README, "Edge devices").
+# arm64 device none of this is needed: `pip install -c constraints.txt .` there (docs/how-to/edge-devices.md).
 #
 # Why no debootstrap: its second stage runs every package's maintainer scripts under emulation (~15 min
 # on 2 cores). A ClientApp needs none of them: only the files of python3.11 and the C libraries it loads,
