@@ -33,7 +33,8 @@ def test_the_bundle_is_the_code_only():
     assert len(fab) <= MAX_FAB_BYTES, len(fab)
     assert {"fedcomp/app/server_app.py", "fedcomp/app/client_app.py", "fedcomp/client/mod.py",
             "fedcomp/compression/wire.py", "pyproject.toml", "LICENSE"} <= set(names)
-    others = [n for n in names if not n.startswith("fedcomp/") and n not in ("pyproject.toml", "LICENSE", ".info/CONTENT")]
+    others = [n for n in names
+              if not n.startswith("fedcomp/") and n not in ("pyproject.toml", "LICENSE", ".info/CONTENT")]
     assert others == []
 
 

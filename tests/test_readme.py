@@ -89,8 +89,8 @@ def test_python_blocks_run_in_order_in_one_fresh_interpreter(page, tmp_path):
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
 
 
-@pytest.mark.parametrize("page,line,code", [(p, line, code) for p, lang, code, line, _ in ALL if lang in ("bash", "sh")],
-                         ids=_ids)
+@pytest.mark.parametrize("page,line,code",
+                         [(p, line, code) for p, lang, code, line, _ in ALL if lang in ("bash", "sh")], ids=_ids)
 def test_shell_blocks_parse(page, line, code):
     out = subprocess.run(["bash", "-n"], input=code, capture_output=True, text=True)
     assert out.returncode == 0, f"{page} line {line}: {out.stderr}"

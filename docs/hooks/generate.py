@@ -73,7 +73,7 @@ def results_line(names: str) -> str:
     return "!!! info \"Source\"\n    Result files: " + ", ".join(items) + "."
 
 
-def on_page_markdown(markdown: str, page, config, files) -> str:  # noqa: ARG001 (MkDocs' hook signature)
+def on_page_markdown(markdown: str, page, config, files) -> str:  # MkDocs' hook signature
     """Replace the markers described in the module docstring."""
     markdown = RUN_CONFIG.sub(lambda m: run_config_reference(), markdown)
     markdown = CODEC_REF.sub(lambda m: codec_reference(), markdown)

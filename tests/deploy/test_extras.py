@@ -2,8 +2,8 @@
 extra is imported only where it is needed and a missing one says which extra to install."""
 
 import json
-import re
 import pathlib
+import re
 import subprocess
 import sys
 import tomllib
