@@ -142,3 +142,11 @@ def test_the_readme_links_resolve():
     text = (REPO / "README.md").read_text()
     targets = [t.split("#")[0] for t in re.findall(r"\]\(([^)\s]+)\)", text) if not re.match(r"[a-z]+:", t)]
     assert targets and not [t for t in targets if t and not (REPO / t).exists()]
+
+
+def test_no_load_figures_of_one_machine_in_the_docs():
+    """Issue 30: the README quoted this machine's load ("load ~17"); pages state the machine, not its load."""
+    pages = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+    hits = [(str(p.relative_to(REPO)), m.group(0)) for p in pages
+            for m in re.finditer(r"\bload(?: average)? ?~?\d", p.read_text())]
+    assert hits == []
