@@ -97,20 +97,21 @@ def main() -> None:
     unknown = [c for c in cases if c not in CASES]
     if unknown:
         raise SystemExit(f"unknown cases {unknown}; known: {list(CASES)}")
-    rows = []
+    path = output_path("both_ways", args.out, args.quick)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rows: list[dict] = []
     for case in cases:
         for seed in args.seeds:
             rows.append(measure(case, CASES[case], seed, args.rounds, args.nodes))
             r = rows[-1]
             print(f"{case} seed {seed}: {100 * r['final_accuracy']:.1f} %, up {r['upload_bytes'] / 1e6:.3f} MB, "
                   f"down {r['download_bytes'] / 1e6:.3f} MB ({r['seconds']:.0f} s)", flush=True)
-    summary = summarize(rows)
-    print(markdown(summary))
-    path = output_path("both_ways", args.out, args.quick)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"rounds": args.rounds, "nodes": args.nodes, "seeds": args.seeds,
-                                "machine": f"{platform.machine()}, {platform.python_version()}",
-                                "date": time.strftime("%Y-%m-%d"), "summary": summary, "runs": rows}, indent=1))
+            # rewritten after every run: a run stopped halfway keeps what it measured
+            path.write_text(json.dumps({"rounds": args.rounds, "nodes": args.nodes, "seeds": args.seeds,
+                                        "machine": f"{platform.machine()}, Python {platform.python_version()}",
+                                        "date": time.strftime("%Y-%m-%d"), "summary": summarize(rows), "runs": rows},
+                                       indent=1))
+    print(markdown(summarize(rows)))
     print(f"wrote {shown(path)}")
 
 

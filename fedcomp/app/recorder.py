@@ -19,8 +19,8 @@ from flwr.app import ArrayRecord, MetricRecord
 from flwr.common.logger import log
 
 from fedcomp.app import checkpoint
-from fedcomp.app.results import DP_HEADER, HEADER, MB, format_row, write_json
 from fedcomp.app.data_record import DATA_KEY, data_settings
+from fedcomp.app.results import DP_HEADER, HEADER, MB, format_row, write_json
 from fedcomp.app.strategy_record import EXTRA_KEY, strategy_settings
 from fedcomp.config import AppConfig
 from fedcomp.privacy import NO_AMPLIFICATION, DPSGDConfig

@@ -44,7 +44,7 @@ def format_row(rec: dict[str, Any], dp: bool = False) -> str:
 def default_results_dir(compressor: str) -> pathlib.Path:
     """``$FEDCOMP_RESULTS_ROOT`` or ``~/fedcomp-results``, then ``<UTC timestamp>-<compressor>``."""
     root = pathlib.Path(os.environ.get("FEDCOMP_RESULTS_ROOT", pathlib.Path.home() / "fedcomp-results"))
-    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    stamp = _dt.datetime.now(_dt.UTC).strftime("%Y%m%d-%H%M%S")
     return root / f"{stamp}-{compressor}"
 
 

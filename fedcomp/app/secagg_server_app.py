@@ -89,8 +89,9 @@ class SecAggRounds:
         return None
 
     def round_fields(self, server_round: int, recorder: RoundRecorder) -> dict:
-        """The strategy's round metrics, the workflow's bytes and their running total, the ratio
-        against dense fp32 (both computed by the server from what it received), bits per parameter
+        """The strategy's round metrics, the workflow's bytes and their running total, the download
+        (the dense model each replying client was sent), the ratio against dense fp32 (computed by the
+        server from what it received) and both ways, bits per parameter
         and the modulus of the round; for a round that applied no sum, ``skipped`` with the reason."""
         h = self.strategy.history.get(server_round) if self.strategy else None
         if h is None or self.workflow is None:
@@ -98,8 +99,11 @@ class SecAggRounds:
             return {} if skipped is None else {"skipped": skipped}
         wire = self.workflow.round_bytes
         up = wire["upload-bytes"]
-        recorder.add_bytes(up)
+        down = h["dense-bytes"]  # the secure path sends each client the model dense (fp32), as Flower's workflow
+        recorder.add_bytes(up, down, h["dense-bytes"])
         return {**h, **wire, "upload-mb": up / MB, "cumulative-upload-mb": recorder.cum_mb,
+                "download-bytes": down, "download-mb": down / MB, "cumulative-download-mb": recorder.cum_down_mb,
+                **recorder.totals(),
                 "compression-ratio": h["dense-bytes"] / up if up else 0.0,
                 "bits-per-parameter": 8 * up / (h["num-replies"] * h["dimension"]),
                 "modulus-bits": self.workflow.round_modulus_bits}
@@ -147,7 +151,8 @@ def run_secagg(grid, context, cfg: AppConfig, out_dir) -> list[dict]:
     if recorder.rounds:
         plot_rounds(recorder.rounds, out_dir / "plot.png", f"fedcomp: {strategy.describe()}")
         last = recorder.rounds[-1]
-        log(INFO, "fedcomp  final accuracy %.4f after %d rounds, %.3f MB of masked vectors uploaded in total",
-            last["accuracy"], last["round"], recorder.cum_mb)
+        log(INFO, "fedcomp  final accuracy %.4f after %d rounds, %.3f MB of masked vectors uploaded and %.3f MB "
+            "downloaded (the model, dense) in total", last["accuracy"], last["round"], recorder.cum_mb,
+            recorder.cum_down_mb)
     log(INFO, "fedcomp  results written to %s (metrics.json, plot.png)", out_dir)
     return recorder.rounds

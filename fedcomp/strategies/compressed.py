@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import inspect
-
+from collections.abc import Iterable
 from logging import INFO, WARNING
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
@@ -20,11 +20,11 @@ from fedcomp.statedict import FlatModel
 from fedcomp.strategies.admission import admit, check_max_num_examples
 from fedcomp.strategies.codec_round import add_codec, check_feedback_under_dp, check_model
 from fedcomp.strategies.downstream_sender import Downstream
-from fedcomp.strategies.presets import apply_preset
 from fedcomp.strategies.ef21_aggregate import EF21Aggregate
 from fedcomp.strategies.fold_policy import FoldPolicy, dense_refusal
 from fedcomp.strategies.forward import ForwardsToInner
 from fedcomp.strategies.handover import hand_over, weight_key
+from fedcomp.strategies.presets import apply_preset
 from fedcomp.strategies.privacy_budget import PoissonSampling, PrivacyBudget
 from fedcomp.strategies.replies import RoundReplies, evaluate_replies, fold_replies, note_failures
 from fedcomp.strategies.round_history import RoundHistory, SentRound
@@ -216,7 +216,7 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         self._start_forwarding()  # from here on, settings of the inner strategy reach it (:mod:`.forward`)
 
     @classmethod
-    def from_codec_config(cls, inner: Strategy, codec: CodecConfig, **options) -> "CompressedStrategy":
+    def from_codec_config(cls, inner: Strategy, codec: CodecConfig, **options) -> CompressedStrategy:
         """Build from a parsed :class:`fedcomp.config.CodecConfig` (e.g. from the run config);
         ``options`` are the other constructor arguments (``client_dp``, ``max_epsilon``, ...)."""
         params = {k.replace("-", "_"): v for k, v in codec.to_mapping().items()}

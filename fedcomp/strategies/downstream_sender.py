@@ -46,9 +46,7 @@ catch-up, or ``dense``), as after a missed reply.
 from __future__ import annotations
 
 import hashlib
-import math
-from dataclasses import replace
-from logging import INFO, WARNING
+from logging import WARNING
 
 import numpy as np
 import torch
@@ -56,17 +54,12 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.common.logger import log
 
 from fedcomp.compression import available_compressors, decompress, encode_exact, get_compressor
-from fedcomp.compression.registry import codecs_with
 from fedcomp.config import CodecConfig
 from fedcomp.protocol.broadcast import chain_key, gather, is_batchnorm_stat, scatter, settle
 from fedcomp.protocol.messages import BASE_VERSION, MODEL_VERSION, payload_array
-from fedcomp.protocol.seeded_init import INIT_SEED, INIT_STYPE, SeededInit, lora_init, seeded_like
-from fedcomp.statedict import FlatModel, is_float_dtype, numpy_dict
-
-#: First-contact policies besides a codec name (:class:`Downstream`'s ``init``).
-INIT_POLICIES = ("auto", "seeded", "dense")
-#: The codec of a compressed start under ``init = "auto"``.
-START_CODEC = "int8"
+from fedcomp.protocol.seeded_init import INIT_SEED, INIT_STYPE, SeededInit
+from fedcomp.statedict import FlatModel
+from fedcomp.strategies.first_contact import INIT_POLICIES, START_CODEC, check_init_policy, starting_model
 
 
 class Downstream:
@@ -111,12 +104,7 @@ class Downstream:
 
     def __init__(self, codec: CodecConfig, compressor: str, seed: int = 0, init: SeededInit | str | None = "auto",
                  catchup: str = "smallest", max_copies: float = 8, density: float | None = None) -> None:
-        init = "auto" if init is None else init
-        if isinstance(init, str) and init not in INIT_POLICIES and init not in available_compressors():
-            raise ValueError(f"downstream init must be a SeededInit, one of {INIT_POLICIES} or a codec name "
-                             f"({available_compressors()}), got {init!r}")
-        if isinstance(init, str) and init in codecs_with(per_tensor_only=True):
-            raise ValueError(f"downstream init cannot be {init!r}: the start is one flat vector, no matrix")
+        init = check_init_policy("auto" if init is None else init)
         if density is not None and (isinstance(density, bool) or not isinstance(density, (int, float))
                                     or not 0 < density <= 1):
             raise ValueError(f"downstream density must be in (0, 1], got {density!r}")
@@ -197,32 +185,15 @@ class Downstream:
     # -- the first model ----------------------------------------------------------------------
     def start_model(self, arrays: ArrayRecord) -> ArrayRecord:
         """The initial global model, seeded where the ``init`` policy says (called once, by
-        :meth:`CompressedStrategy.start` before round 0's evaluation).
-
-        ``"auto"`` replaces nothing but LoRA adapters at peft's initialisation (their ``lora_A``
-        by the seed's draw from the same distribution); ``"seeded"`` replaces every float tensor
-        (:func:`~fedcomp.protocol.seeded_init.seeded_like`). Integer/bool tensors are kept. The
-        result equals what a new client builds from the seed, bit for bit (in each tensor's dtype).
+        :meth:`CompressedStrategy.start` before round 0's evaluation): :func:`.first_contact.starting_model`.
 
         Returns
         -------
         ArrayRecord
             ``arrays`` itself when nothing is seeded, else a new record.
         """
-        if not isinstance(self.init, str) or self.init not in ("auto", "seeded"):
-            return arrays
-        values, dtypes = numpy_dict(arrays)
-        floats = {k: v for k, v in values.items() if is_float_dtype(dtypes[k])}
-        init = seeded_like(floats, self.seed) if self.init == "seeded" else _peft_adapters(floats, self.seed)
-        self.init = init if init is not None else START_CODEC
-        if init is None:
-            return arrays
-        log(INFO, "fedcomp downstream: seeded start (%d tensors): new clients build the first model from a seed",
-            len(floats))
-        seeded = init.values({k: v.shape for k, v in floats.items()})
-        model = FlatModel({**values, **seeded}, dtypes)
-        model.flat[...] = settle(model, model.float_keys, model.flat.copy())
-        return model.record(check=True)
+        arrays, self.init = starting_model(self.init, arrays)
+        return arrays
 
     # -- one round --------------------------------------------------------------------------
     def _forget_silent_nodes(self) -> None:
@@ -447,16 +418,3 @@ class Downstream:
         scatter(out, self.lossy_keys, vec)
         return out.flat
 
-
-def _peft_adapters(floats: dict[str, np.ndarray], seed: int) -> SeededInit | None:
-    """LoRA's seeded start if ``floats`` are adapters as peft initialises them (every key a
-    ``lora_`` tensor; ``lora_A`` within ``+-1/sqrt(fan_in)``, every other tensor zero), else None."""
-    if not floats or not all("lora_" in k for k in floats):
-        return None
-    init = lora_init({k: v.shape for k, v in floats.items()}, seed)
-    for k, v in floats.items():
-        bound = init.bounds[k]
-        top = float(np.max(np.abs(v.astype(np.float64)))) if v.size else 0.0
-        if not math.isfinite(top) or top > bound * (1 + 1e-6):
-            return None
-    return init

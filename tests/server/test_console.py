@@ -67,7 +67,7 @@ def test_a_resumed_run_prints_the_header_and_a_codec_change_is_refused_in_one_li
     # the header, then round 2 only, one line each; none of Flower's INFO lines
     rows = [ln for ln in shown.splitlines() if "fedcomp" in ln]
     assert "round accuracy" in rows[1] and "resuming" in rows[0], shown
-    assert [ln.split()[-6] for ln in rows[2:3]] == ["2"], shown
+    assert [ln.split()[-8] for ln in rows[2:3]] == ["2"], shown  # 8 columns: round ... ratio up, both
     assert "[ROUND" not in shown and "Final results" not in shown
     with pytest.raises(RunConfigError) as err:
         _run({**base, "num-server-rounds": 3, "resume": True, "compressor": "stc"})

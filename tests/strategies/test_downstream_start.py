@@ -203,3 +203,14 @@ def test_downstream_under_secagg_auto_is_dense_and_an_explicit_codec_is_refused_
     check_secagg_config({**base, "downstream": "auto"})
     with pytest.raises(ValueError, match="'downstream' = 'stc' is not supported with secagg = true"):
         check_secagg_config({**base, "downstream": "stc"})
+
+
+def test_the_seeded_start_differs_with_the_initial_model_and_is_reproducible():
+    """The draw's seed comes from the initial model: two runs seeded alike start alike, runs with
+    another initialisation (another run seed) start elsewhere."""
+    def start(torch_seed):
+        torch.manual_seed(torch_seed)
+        sd = nn.Linear(20, 10).state_dict()
+        return to_state_dict(Downstream(CodecConfig(), "stc", init="seeded").start_model(to_record(sd)))["weight"]
+
+    assert torch.equal(start(1), start(1)) and not torch.equal(start(1), start(2))

@@ -13,6 +13,7 @@ from flwr.serverapp.strategy import FedAvg
 from peft import get_peft_model_state_dict
 
 from fedcomp.strategies import CompressedStrategy  # fedcomp
+
 from .task import model_from_config
 
 app = ServerApp()

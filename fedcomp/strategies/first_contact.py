@@ -1,0 +1,113 @@
+"""A client's first model without the dense download: the seeded start and the compressed start.
+
+The downstream sender (:mod:`.downstream_sender`) gives a node that holds nothing the first
+broadcast model B_1 in one of three ways, by its ``init`` policy:
+
+- a **seeded start**: B_1 is drawn from a seed; the node gets the seed and one rule per float tensor
+  (:mod:`fedcomp.protocol.seeded_init`) and builds B_1 itself, bit for bit. For LoRA adapters at
+  peft's initialisation (``lora_B`` = 0, ``lora_A`` Kaiming-uniform: Hu et al., ICLR 2022) the
+  strategy recognises them (``"auto"``) and redraws ``lora_A`` from the seed, so a third-party app
+  writes no seeding code; for any model trained from scratch (``"seeded"``) every float tensor is
+  redrawn with its mean and variance;
+- a **compressed start** (``"auto"`` for any other model, or a codec name): B_1 is the initial model
+  coded with ``int8`` (or that codec), one payload for every node; what it leaves out stays in the
+  server's error feedback ``G - B`` and reaches the nodes with later broadcasts;
+- ``"dense"``: the model dense.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from logging import INFO
+
+import numpy as np
+from flwr.app import ArrayRecord
+from flwr.common.logger import log
+
+from fedcomp.compression import available_compressors, codecs_with
+from fedcomp.protocol.broadcast import settle
+from fedcomp.protocol.seeded_init import SeededInit, lora_init, seeded_like
+from fedcomp.statedict import FlatModel, is_float_dtype, numpy_dict
+
+#: First-contact policies besides a codec name.
+INIT_POLICIES = ("auto", "seeded", "dense")
+#: The codec of a compressed start under ``init = "auto"``.
+START_CODEC = "int8"
+
+
+def check_init_policy(init: SeededInit | str) -> SeededInit | str:
+    """``init`` if it is a :class:`SeededInit`, a policy of :data:`INIT_POLICIES` or a codec that can
+    code one flat vector.
+
+    Raises
+    ------
+    ValueError
+        Any other value (naming it and the choices), or a per-tensor-only codec (PowerSGD, ATOMO).
+    """
+    if isinstance(init, SeededInit):
+        return init
+    if not isinstance(init, str) or (init not in INIT_POLICIES and init not in available_compressors()):
+        raise ValueError(f"downstream init must be a SeededInit, one of {INIT_POLICIES} or a codec name "
+                         f"({available_compressors()}), got {init!r}")
+    if init in codecs_with(per_tensor_only=True):
+        raise ValueError(f"downstream init cannot be {init!r}: the start is one flat vector, no matrix")
+    return init
+
+
+def starting_model(init: SeededInit | str, arrays: ArrayRecord) -> tuple[ArrayRecord, SeededInit | str]:
+    """The initial global model and the policy that stays in force.
+
+    ``"auto"`` replaces nothing but LoRA adapters at peft's initialisation (their ``lora_A`` by the
+    seed's draw from the same distribution; then the policy becomes that :class:`SeededInit`, else
+    :data:`START_CODEC`); ``"seeded"`` replaces every float tensor
+    (:func:`~fedcomp.protocol.seeded_init.seeded_like`). Integer/bool tensors are kept. The draw's
+    seed is a hash of ``arrays`` (an app that seeds its own initialisation per run gets a different
+    start per run). The result equals what a new client builds from the seed, bit for bit (in each
+    tensor's dtype). Other policies return ``(arrays, init)`` unchanged.
+
+    Raises
+    ------
+    ValueError
+        ``"seeded"`` with a non-finite initial tensor.
+    """
+    if not isinstance(init, str) or init not in ("auto", "seeded"):
+        return arrays, init
+    values, dtypes = numpy_dict(arrays)
+    floats = {k: v for k, v in values.items() if is_float_dtype(dtypes[k])}
+    seed = model_seed(floats)  # another initial model (another run seed), another draw
+    seeded = seeded_like(floats, seed) if init == "seeded" else peft_adapters(floats, seed)
+    if seeded is None:
+        return arrays, START_CODEC
+    log(INFO, "fedcomp downstream: seeded start (%d tensors): new clients build the first model from a seed",
+        len(floats))
+    drawn = seeded.values({k: v.shape for k, v in floats.items()})
+    model = FlatModel({**values, **drawn}, dtypes)
+    model.flat[...] = settle(model, model.float_keys, model.flat.copy())
+    return model.record(check=True), seeded
+
+
+def peft_adapters(floats: dict[str, np.ndarray], seed: int) -> SeededInit | None:
+    """LoRA's seeded start if ``floats`` are adapters as peft initialises them (every key a
+    ``lora_`` tensor; ``lora_A`` within ``+-1/sqrt(fan_in)``, every other tensor zero), else None."""
+    if not floats or not all("lora_" in k for k in floats):
+        return None
+    init = lora_init({k: v.shape for k, v in floats.items()}, seed)
+    for k, v in floats.items():
+        bound = init.bounds[k]
+        top = float(np.max(np.abs(v.astype(np.float64)))) if v.size else 0.0
+        if not math.isfinite(top) or top > bound * (1 + 1e-6):
+            return None
+    return init
+
+
+def model_seed(floats: dict[str, np.ndarray]) -> int:
+    """A 63-bit seed from the initial model's names and values (SHA-256)."""
+    h = hashlib.sha256()
+    for k, v in floats.items():
+        h.update(k.encode())
+        h.update(np.ascontiguousarray(v).tobytes())
+    return int.from_bytes(h.digest()[:8], "little") >> 1
+
+
+__all__ = ["INIT_POLICIES", "START_CODEC", "check_init_policy", "model_seed", "peft_adapters", "starting_model"]
