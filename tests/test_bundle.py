@@ -7,6 +7,7 @@ so the ``fab-include`` rule of ``[tool.flwr.app]`` is read exactly as Flower rea
 from __future__ import annotations
 
 import io
+import os
 import pathlib
 import subprocess
 import sys
@@ -36,6 +37,24 @@ def test_the_bundle_is_the_code_only():
     others = [n for n in names
               if not n.startswith("fedcomp/") and n not in ("pyproject.toml", "LICENSE", ".info/CONTENT")]
     assert others == []
+
+
+def test_the_bundle_alone_loads_the_apps(tmp_path):
+    """What a SuperNode unpacks is enough: the ServerApp and ClientApp components of pyproject.toml
+    load from the unpacked bundle alone, first on ``sys.path`` as Flower puts it."""
+    from flwr.cli.build import build_fab_from_disk
+
+    zipfile.ZipFile(io.BytesIO(build_fab_from_disk(REPO))).extractall(tmp_path)
+    code = ("import sys, tomllib, importlib; sys.path.insert(0, sys.argv[1]); "
+            "comps = tomllib.load(open(sys.argv[1] + '/pyproject.toml', 'rb'))['tool']['flwr']['app']['components']; "
+            "mods = [importlib.import_module(c.split(':')[0]) for c in comps.values()]; "
+            "assert all(m.__file__.startswith(sys.argv[1]) for m in mods), [m.__file__ for m in mods]; "
+            "print(sorted(type(getattr(m, c.split(':')[1])).__name__ for m, c in zip(mods, comps.values())))")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "['ClientApp', 'ServerApp']"
 
 
 def test_stray_files_in_the_folder_stay_out_of_the_bundle():
