@@ -12,7 +12,7 @@ What is saved: the global weights (every array with its exact shape and dtype: 0
 bool, fp16 and zero-element arrays included), the round number, the metrics of every round so far,
 and the strategy's :meth:`~fedcomp.strategies.CompressedStrategy.state_dict`: the inner strategy's
 optimizer state where it has one (FedOpt/FedAdam ``m_t``/``v_t``, FedAvgM's momentum) and the
-integer rule's rounding remainders, EF21's server estimate h and the round it last folded each
+integer rule's rounding remainders, the fp16/bf16 tensors' rounding remainders, EF21's server estimate h and the round it last folded each
 node's send in the ``.npz``, the privacy accounting (client-level DP rounds, local-DP rounds, the
 epsilon projections of DP-SGD reports) in the manifest. A manifest or weights file without one of
 these keys (written by an older version) loads that state with its start value.
@@ -40,6 +40,8 @@ CHECKSUM = "weights-sha256"
 _ROUND = "__round__"
 #: Prefix of the integer rule's rounding remainders (``CompressedStrategy.int_remainders``).
 _INT_REMAINDER = "int-remainder"
+#: Prefix of the fp16/bf16 tensors' rounding remainders (``CompressedStrategy.half_remainders``).
+_HALF_REMAINDER = "half-remainder"
 #: Prefix of EF21's server estimate h (flat float64 per float tensor, ``EF21Aggregate.h``).
 _EF21 = "ef21"
 #: Prefix of the round EF21 last folded each node's send (``nodes`` uint64, ``rounds`` int64).
@@ -77,6 +79,7 @@ def save(out_dir: pathlib.Path, server_round: int, weights: dict[str, np.ndarray
     arrays = {f"w/{k}": copy_array(v) for k, v in weights.items()}
     arrays.update(state.get("optimizer", {}))
     arrays.update({f"{_INT_REMAINDER}/{k}": copy_array(v) for k, v in state.get("int-remainders", {}).items()})
+    arrays.update({f"{_HALF_REMAINDER}/{k}": copy_array(v) for k, v in state.get("half-remainders", {}).items()})
     arrays.update({f"{_EF21}/{k}": copy_array(v) for k, v in state.get("ef21", {}).items()})
     arrays.update({f"{_EF21_FOLDED}/{k}": copy_array(v) for k, v in state.get("ef21-folded", {}).items()})
     arrays[_ROUND] = np.array(server_round, dtype=np.int64)
@@ -158,6 +161,24 @@ def _check_folded_rounds(rounds: Any, last_round: int) -> None:
                          f"round {last_round}")
 
 
+def _half_remainders(data: dict, weights: dict[str, np.ndarray], out_dir: pathlib.Path) -> dict[str, np.ndarray]:
+    """The fp16/bf16 rounding remainders of a checkpoint (none in older ones), each checked: float32,
+    the tensor's shape, within half an ulp of the saved weight (fp16; bf16 weights are saved as
+    their float32 values, so half a bf16 ulp)."""
+    out = {k.split("/", 1)[1]: v for k, v in data.items() if k.startswith(_HALF_REMAINDER + "/")}
+    for k, v in out.items():
+        w = weights.get(k)
+        ok = w is not None and v.shape == w.shape and v.dtype == np.float32 and w.dtype in (np.float16, np.float32) \
+            and np.isfinite(v).all()
+        if ok and v.size:
+            half_ulp = np.spacing(np.abs(w)).astype(np.float32) * (0.5 if w.dtype == np.float16 else 2.0**15)
+            ok = bool((np.abs(v) <= half_ulp).all())
+        if not ok:
+            raise ValueError(f"checkpoint in {out_dir}: the rounding remainder of '{k}' is not a float32 array of the "
+                             "fp16/bf16 tensor's shape within half an ulp of its weights")
+    return out
+
+
 def load(out_dir: pathlib.Path, strategy: Any,
          model_shapes: dict[str, tuple] | None = None) -> tuple[int, dict[str, np.ndarray], dict]:
     """Read a checkpoint and restore the strategy's state.
@@ -211,6 +232,7 @@ def load(out_dir: pathlib.Path, strategy: Any,
                 or (v.size and float(np.abs(v).max()) > 0.5):
             raise ValueError(f"checkpoint in {out_dir}: the integer rule's remainder of '{k}' is not a float64 array "
                              "of the tensor's shape with entries in [-0.5, 0.5]")
+    halves = _half_remainders(data, weights, out_dir)
     if strategy is not None:
         optimizer = {k: v for k, v in data.items() if k.split("/", 1)[0] in OPTIMIZER_PREFIXES}
         try:
@@ -218,7 +240,7 @@ def load(out_dir: pathlib.Path, strategy: Any,
             folded = {k.split("/", 1)[1]: v for k, v in data.items() if k.startswith(_EF21_FOLDED + "/")}
             _check_folded_rounds(folded.get("rounds"), meta["round"])
             strategy.load_state_dict({"optimizer": optimizer, "privacy": meta, "int-remainders": remainders,
-                                      "ef21": ef21, "ef21-folded": folded},
+                                      "half-remainders": halves, "ef21": ef21, "ef21-folded": folded},
                                      {k: tuple(v.shape) for k, v in weights.items()})
         except ValueError as exc:
             raise ValueError(f"checkpoint in {out_dir}: {exc}") from None

@@ -24,6 +24,7 @@ from fedcomp.app.results import DP_HEADER, HEADER, MB, format_row, write_json
 from fedcomp.app.strategy_record import EXTRA_KEY, strategy_settings
 from fedcomp.config import AppConfig
 from fedcomp.privacy import NO_AMPLIFICATION, DPSGDConfig
+from fedcomp.statedict import retie, tied_aliases, untie
 from fedcomp.strategies import CompressedStrategy
 from fedcomp.strategies.round_metrics import machine_counts, per_client
 from fedcomp.task.data import DataConfig, load_test_set
@@ -87,8 +88,8 @@ class RoundRecorder:
             self.model = lora_model(LoraSettings.from_mapping(run_config))
         else:
             self.model = build_model(cfg.model, tuple(test.tensors[0].shape[1:]))
-        #: Parameter names in model order (a legacy strategy's ndarrays follow it).
-        self.keys = list(self.model.state_dict().keys())
+        #: Parameter names in model order, each tied tensor once (what travels: :func:`fedcomp.statedict.untie`).
+        self.keys = list(untie(self.model.state_dict()))
         self.t0 = time.perf_counter()
         self.last_eps = 0.0
         self.header_printed = False
@@ -102,7 +103,8 @@ class RoundRecorder:
 
     def legacy_evaluate(self, server_round: int, arrays: list[np.ndarray], config: dict) -> tuple[float, dict]:
         """Flower's legacy ``evaluate_fn``: the same for ndarrays in model order."""
-        self.model.load_state_dict({k: torch.from_numpy(np.array(a, copy=True)) for k, a in zip(self.keys, arrays)})
+        received = {k: torch.from_numpy(np.array(a, copy=True)) for k, a in zip(self.keys, arrays)}
+        self.model.load_state_dict(retie(received, tied_aliases(self.model.state_dict())))
         loss, acc = evaluate(self.model, self.test, torch.device("cpu"))
         self.record(server_round, loss, acc, None)
         return loss, {"accuracy": acc}

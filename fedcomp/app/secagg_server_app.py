@@ -24,6 +24,7 @@ from fedcomp.config import AppConfig
 from fedcomp.config.secagg import SecAggConfig, check_codec_under_secagg
 from fedcomp.privacy import NO_AMPLIFICATION, ClientLevelDP
 from fedcomp.secagg.strategy import SharedRandomKStrategy
+from fedcomp.statedict import untie
 from fedcomp.secagg.workflow import CompressedSecAggPlusWorkflow
 
 
@@ -130,7 +131,7 @@ def run_secagg(grid, context, cfg: AppConfig, out_dir) -> list[dict]:
     sa = check_secagg_config(context.run_config)
     rounds = SecAggRounds(cfg, sa)
     recorder = RoundRecorder(cfg, rounds, out_dir, dict(context.run_config))
-    initial = ndarrays_to_parameters([v.numpy().copy() for v in recorder.model.state_dict().values()])
+    initial = ndarrays_to_parameters([v.numpy().copy() for v in untie(recorder.model.state_dict()).values()])
     density = cfg.codec.density if cfg.codec.compressor == "randomk" else 1.0
     inner = build_inner(cfg, legacy_evaluate_fn=recorder.legacy_evaluate, initial_parameters=initial)
     strategy = SharedRandomKStrategy(inner, density, rotation=sa.rotation,

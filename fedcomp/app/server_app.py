@@ -26,11 +26,11 @@ from fedcomp.app.strategy_record import check_same_strategy
 from fedcomp.config import CODEC_DEFAULTS, AppConfig
 from fedcomp.config.low_density import auto_note, resolve_schedule, short_ramp_note
 from fedcomp.privacy import ClientLevelDP, DPSGDConfig, LocalDP, check_accountable
-from fedcomp.statedict import copy_array, to_record
+from fedcomp.statedict import copy_array, to_record, untie
 from fedcomp.strategies import CompressedStrategy
 from fedcomp.strategies.offset import RoundOffset
 from fedcomp.task.data import DataConfig
-from fedcomp.task.lora import LoraSettings, initial_adapters
+from fedcomp.task.lora import LoraSettings, initial_adapters, weights_record
 from fedcomp.task.models import build_model
 
 app = ServerApp()
@@ -124,7 +124,7 @@ def _resume(cfg: AppConfig, out_dir, strategy: CompressedStrategy, recorder: Rou
         raise ValueError("run config 'resume' with dp = 'dp-sgd' needs 'client-state-dir': clients keep their "
                          "privacy accountants there, otherwise epsilon would restart from zero")
     offset, weights, meta = checkpoint.load(out_dir, strategy,
-                                            {k: tuple(v.shape) for k, v in model.state_dict().items()})
+                                            {k: tuple(v.shape) for k, v in untie(model.state_dict()).items()})
     saved = meta.get("extra", {}).get("privacy-settings")
     if saved is not None and saved != privacy_settings(cfg):
         raise ValueError(f"run config 'resume': the privacy settings differ from the checkpoint's ({saved} vs "
@@ -173,7 +173,7 @@ def main(grid: Grid, context: Context) -> None:
         model, initial, offset = None, to_record(adapters), 0
     else:
         model = build_model(cfg.model, tuple(recorder.test.tensors[0].shape[1:]))
-        initial, offset = ArrayRecord(model.state_dict()), 0
+        initial, offset = weights_record(model, lora=False), 0  # tied parameters once
     if cfg.resume:
         try:
             offset, initial = _resume(cfg, out_dir, strategy, recorder, model)

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from fedcomp.compression.base import Compressor, check_range, register
-from fedcomp.compression.bits import nbytes_for_bits, pack_bits, pack_uint, unpack_bits, unpack_uint
+from fedcomp.compression.bits import nbytes_for_bits, pack_bits_on_device, pack_uint_into, unpack_bits, unpack_uint
 from fedcomp.compression.errors import PayloadError
 from fedcomp.compression.int8 import block_scale
 from fedcomp.compression.options import Option
@@ -26,6 +26,15 @@ MAX_LEVELS = 2**16 - 1
 MAX_EXPONENTIAL_LEVELS = 126
 MAX_BUCKET = 2**31 - 1
 SPACINGS = ("uniform", "exponential")
+#: Entries quantized per step of :meth:`QSGDCompressor._encode` (whole buckets): bounds its
+#: temporaries, so a dense round of an 11M-parameter model does not hold several copies of it.
+ENCODE_CHUNK = 1 << 16
+
+
+def _buckets(flat: torch.Tensor, b0: int, b1: int, bs: int) -> torch.Tensor:
+    """Buckets ``b0 .. b1 - 1`` of ``flat`` as a ``(b1 - b0, bs)`` copy, the last one zero-padded."""
+    part = flat[b0 * bs: min(b1 * bs, flat.numel())]
+    return torch.nn.functional.pad(part, (0, (b1 - b0) * bs - part.numel())).view(b1 - b0, bs)
 
 
 def exponential_position(r: torch.Tensor, s: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -149,21 +158,31 @@ class QSGDCompressor(Compressor):
         s, n, bs = self.levels, flat.numel(), self.bucket_size
         bs = min(bs, max(n, 1))  # a block larger than the tensor is one block: pad no further than n
         nb = -(-n // bs)
-        padded = torch.nn.functional.pad(flat, (0, nb * bs - n)).view(nb, bs)
-        norms = torch.linalg.vector_norm(padded.double(), dim=1).to(torch.float32)
+        rows = max(8, ENCODE_CHUNK // bs // 8 * 8)  # buckets per block: a multiple of 8 values each
+        blocks = [(b, min(b + rows, nb)) for b in range(0, nb, rows)]
+        norms = torch.empty(nb, dtype=torch.float32, device=flat.device)
+        for b0, b1 in blocks:
+            norms[b0:b1] = torch.linalg.vector_norm(_buckets(flat, b0, b1, bs).double(), dim=1).to(torch.float32)
         if not bool(torch.isfinite(norms).all()):
             raise ValueError("qsgd: a bucket's L2 norm overflows float32")
         safe = torch.where(norms > 0, norms, torch.ones_like(norms))
-        if self.spacing == "exponential":
-            j, p = exponential_position((padded.abs() / safe[:, None]).clamp_(max=1.0), s)
-            lv = (self._rounder.round(p) + j).clamp_(0, s)
-            params = struct.pack(self._PARAMS_SPACED, s, self.bucket_size, 1)
-        else:
-            lv = self._rounder.round(padded.abs() * (s / safe[:, None])).clamp_(0, s)
-            params = struct.pack(self._PARAMS, s, self.bucket_size)
-        lv = lv.reshape(-1)[:n].to(torch.int32).cpu().numpy()
-        signs = (flat < 0).cpu().numpy()
-        body = norms.cpu().numpy().tobytes() + pack_bits(signs) + pack_uint(lv, self.width(s))
+        exponential = self.spacing == "exponential"
+        params = struct.pack(self._PARAMS_SPACED, s, self.bucket_size, 1) if exponential \
+            else struct.pack(self._PARAMS, s, self.bucket_size)
+        u = self._rounder.uniform((nb, bs), flat.device)  # one draw per entry, as rounding the whole would
+        width = self.width(s)
+        levels = np.empty(nbytes_for_bits(n * width), dtype=np.uint8)
+        for b0, b1 in blocks:  # bounded temporaries: one block of buckets at a time
+            block, sb = _buckets(flat, b0, b1, bs).abs(), safe[b0:b1, None]
+            if exponential:
+                j, p = exponential_position((block / sb).clamp_(max=1.0), s)
+                lv = (torch.floor(p + u[b0:b1]) + j).clamp_(0, s)
+            else:
+                lv = torch.floor(block * (s / sb) + u[b0:b1]).clamp_(0, s)
+            lv = lv.reshape(-1)[: min(b1 * bs, n) - b0 * bs].to(torch.int32).cpu().numpy()
+            pack_uint_into(levels, b0 * bs, lv, width)
+        del u
+        body = b"".join((norms.cpu().numpy().tobytes(), pack_bits_on_device(flat < 0), levels.tobytes()))
         return params, body
 
     @classmethod

@@ -34,5 +34,10 @@ class StochasticRounder:
 
         ``E[floor(v + u)] = v`` for every real v (unbiased).
         """
-        u = torch.rand(v.shape, generator=self._gen(v.device), device=v.device, dtype=v.dtype)
-        return torch.floor(v + u)
+        return torch.floor(v + self.uniform(v.shape, v.device, v.dtype))
+
+    def uniform(self, shape: tuple[int, ...], device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The draws :meth:`round` of a tensor of ``shape`` would use, U[0, 1) i.i.d.: a caller
+        that rounds that tensor piece by piece (bounded temporaries) computes ``floor(v + u)`` on
+        matching slices and gets the same numbers."""
+        return torch.rand(shape, generator=self._gen(device), device=device, dtype=dtype)

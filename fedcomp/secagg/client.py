@@ -267,7 +267,7 @@ def pack_masked(npy: np.ndarray, bits: int) -> bytes:
     if flat.size and (int(flat.min()) < 0 or int(flat.max()) >> bits):
         raise ValueError(f"masked values outside [0, 2**{bits})")
     head = PACK_MAGIC + struct.pack("<BB", bits, npy.ndim) + struct.pack(f"<{npy.ndim}Q", *npy.shape)
-    return head + pack_uint(flat.astype(np.uint64), bits)
+    return head + pack_uint(flat, bits)  # cast chunk by chunk: no 8-byte copy of the vector
 
 
 def unpack_masked(buf: bytes, bits: int, max_numel: int = MAX_PACKED_NUMEL) -> np.ndarray:

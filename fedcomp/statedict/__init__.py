@@ -8,6 +8,8 @@ checkpoints alike. The rules (stated in docs/how-to/existing-app.md):
   mean/var) are updates like any other: ``delta = trained - received`` in float32, compressed by
   the codec. Applying an update happens in float32 and the result is cast back to the tensor's
   own dtype; it must be finite *after* that cast (an fp16 update that overflows 65504 is refused).
+  The server rounds an fp16/bf16 aggregate with its rounding remainder carried from round to round
+  (:func:`cast_carried`), so mean updates below half an ulp still move the model.
 - **Integer and bool tensors** (BatchNorm's int64 ``num_batches_tracked``, masks, counters) never
   go through a float codec: clients send their value exactly (:mod:`fedcomp.compression.exact`)
   and the server aggregates them by :func:`integer_mean` (weighted mean of the clients' values in
@@ -22,12 +24,15 @@ checkpoints alike. The rules (stated in docs/how-to/existing-app.md):
 - :mod:`.arrays`: tensors as Flower ``Array``s and back, every dtype, checked casts.
 - :mod:`.integer_rule`: the integer/bool rule.
 - :mod:`.flat`: :class:`FlatModel`, the flat float vector beside the exact tensors.
+- :mod:`.tied`: tied parameters (one tensor under two names): one travels, both are set.
 """
 
 from fedcomp.statedict.arrays import (
     BF16,
     BF16_STYPE,
+    HALF_DTYPES,
     array_to_numpy,
+    cast_carried,
     cast_checked,
     copy_array,
     dtype_limit,
@@ -40,6 +45,7 @@ from fedcomp.statedict.arrays import (
     to_state_dict,
 )
 from fedcomp.statedict.flat import FlatModel, Spec
+from fedcomp.statedict.tied import retie, tied_aliases, untie
 from fedcomp.statedict.integer_rule import (
     bool_majority,
     exact_cast,
@@ -49,6 +55,8 @@ from fedcomp.statedict.integer_rule import (
     weighted_add,
 )
 
-__all__ = ["BF16", "BF16_STYPE", "FlatModel", "Spec", "array_to_numpy", "bool_majority", "cast_checked",
+__all__ = ["BF16", "BF16_STYPE", "HALF_DTYPES", "FlatModel", "Spec", "array_to_numpy", "bool_majority", "cast_carried",
+           "cast_checked",
            "copy_array", "dtype_limit", "exact_cast", "exact_weight", "integer_delta", "integer_mean", "is_float_dtype",
-           "numpy_dict", "numpy_to_array", "numpy_view", "numpy_views", "to_record", "to_state_dict", "weighted_add"]
+           "numpy_dict", "numpy_to_array", "numpy_view", "numpy_views", "retie", "tied_aliases", "to_record",
+           "to_state_dict", "untie", "weighted_add"]

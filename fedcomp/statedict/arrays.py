@@ -15,6 +15,8 @@ from flwr.app import Array, ArrayRecord
 BF16_STYPE = "fedcomp.bfloat16"
 BF16 = "bfloat16"
 _FLOAT_NAMES = ("float16", "float32", "float64", BF16)
+#: The half-precision float dtypes: an aggregate is rounded to them with its remainder carried.
+HALF_DTYPES = ("float16", BF16)
 
 
 def copy_array(a) -> np.ndarray:
@@ -155,5 +157,48 @@ def cast_checked(key: str, w: np.ndarray, dtype: str) -> np.ndarray:
     return out
 
 
-__all__ = ["BF16", "BF16_STYPE", "array_to_numpy", "cast_checked", "copy_array", "dtype_limit", "is_float_dtype",
+def cast_carried(key: str, w: np.ndarray, dtype: str, remainder: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """Round an aggregate to a half-precision ``dtype``, carrying the rounding remainder from round
+    to round (error feedback for the global model, as the integer rule carries its remainder).
+
+    Without it, a mean update below half an ulp of the model's dtype (fp16: 2**-11 at 1.0; bf16:
+    2**-8) is rounded away every round and the global model stagnates; with it, the global model
+    stays within half an ulp of ``sum of the aggregates + remainder`` at every round, so it moves
+    as an fp32 model would (within one ulp of it).
+
+    Parameters
+    ----------
+    key : str
+        The tensor's name (for the message).
+    w : np.ndarray
+        The aggregate (global + mean update) before rounding, float32 (or float64) values.
+    dtype : str
+        ``"float16"`` or ``"bfloat16"``.
+    remainder : np.ndarray or None
+        float32 of ``w``'s shape: what earlier rounds' casts removed (None, or another shape:
+        zero). Not modified.
+
+    Returns
+    -------
+    (out, remainder)
+        ``out`` as :func:`cast_checked` gives it (fp16 array, or bf16-rounded float32 values) of
+        ``w + remainder``; the new remainder ``w + remainder - out``, float32, ``|r| <=`` half an ulp
+        of ``out`` in ``dtype``.
+
+    Raises
+    ------
+    ValueError
+        ``dtype`` is not half precision, or the result is not finite in ``dtype`` (naming ``key``).
+    """
+    if dtype not in HALF_DTYPES:
+        raise ValueError(f"'{key}': cast_carried takes float16 or bfloat16, got {dtype}")
+    v = np.array(w, dtype=np.float32, copy=True)
+    if remainder is not None and np.shape(remainder) == v.shape:
+        v += remainder
+    out = cast_checked(key, v, dtype)
+    v -= out.astype(np.float32)
+    return out, v
+
+
+__all__ = ["BF16", "BF16_STYPE", "HALF_DTYPES", "cast_carried", "array_to_numpy", "cast_checked", "copy_array", "dtype_limit", "is_float_dtype",
            "numpy_dict", "numpy_to_array", "numpy_view", "numpy_views", "to_record", "to_state_dict"]

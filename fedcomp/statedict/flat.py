@@ -10,7 +10,7 @@ import numpy as np
 from flwr.app import Array, ArrayRecord
 
 from fedcomp.statedict.arrays import (
-    BF16,
+    HALF_DTYPES,
     cast_checked,
     copy_array,
     dtype_limit,
@@ -159,8 +159,9 @@ class FlatModel:
         check : bool
             Refuse non-finite results after the cast (naming the key).
         portable : bool
-            Give bf16 tensors as float32 numpy Arrays (for Flower strategies, which call
-            ``Array.numpy()``); the caller casts back.
+            Give fp16 and bf16 tensors as float32 numpy Arrays, unrounded (for Flower strategies,
+            which call ``Array.numpy()``, and so that the caller rounds the aggregate once, carrying
+            the remainder: :func:`fedcomp.statedict.cast_carried`); the caller casts back.
 
         Raises
         ------
@@ -175,7 +176,7 @@ class FlatModel:
                 if flat_update is not None:
                     w = self._apply(k, flat_update, scale)
                 w = cast_checked(k, w, spec.dtype) if check else w
-                out[k] = numpy_to_array(w, "float32" if portable and spec.dtype == BF16 else spec.dtype)
+                out[k] = numpy_to_array(w, "float32" if portable and spec.dtype in HALF_DTYPES else spec.dtype)
             else:
                 v = self.exact[k] if exact is None or k not in exact else exact[k]
                 out[k] = Array(copy_array(v))

@@ -26,10 +26,11 @@ from flwr.serverapp.strategy import FedAdagrad, FedAdam, FedAvg, FedAvgM, FedPro
 
 from fedcomp.privacy import ClientLevelDP
 from fedcomp.statedict import (
-    BF16,
+    HALF_DTYPES,
     FlatModel,
     array_to_numpy,
     bool_majority,
+    cast_carried,
     cast_checked,
     copy_array,
     exact_weight,
@@ -275,16 +276,31 @@ class DenseFold:
         self.replies.append(reply)
 
 
-def in_model_dtypes(arrays: ArrayRecord, model: FlatModel, exact: dict[str, np.ndarray]) -> ArrayRecord:
+def in_model_dtypes(arrays: ArrayRecord, model: FlatModel, exact: dict[str, np.ndarray],
+                    half_remainders: dict[str, np.ndarray] | None = None) -> ArrayRecord:
     """The aggregate with every float tensor in the model's dtype and shape, and the exact
     tensors ``exact`` (copied).
+
+    Parameters
+    ----------
+    arrays : ArrayRecord
+        The aggregate (half-precision tensors as unrounded float32: :meth:`FlatModel.record`'s
+        ``portable``).
+    model : FlatModel
+        The global model of the round (keys, shapes, dtypes).
+    exact : dict of str to np.ndarray
+        The integer/bool tensors' aggregate.
+    half_remainders : dict of str to np.ndarray, optional
+        float32 rounding remainder per fp16/bf16 tensor, carried from round to round
+        (:func:`fedcomp.statedict.cast_carried`); updated only when every tensor is finite, so a
+        refused round leaves it as it was. None: each round rounds on its own.
 
     Raises
     ------
     ValueError
         A float tensor that is not finite in the model's dtype (naming it).
     """
-    out = ArrayRecord()
+    out, carried = ArrayRecord(), {}
     for k in model.keys:
         spec = model.specs[k]
         if not spec.is_float:
@@ -292,13 +308,19 @@ def in_model_dtypes(arrays: ArrayRecord, model: FlatModel, exact: dict[str, np.n
             continue
         a = arrays[k]
         w = array_to_numpy(a)
-        if spec.dtype != BF16 and w.dtype == np.dtype(spec.dtype) and w.shape == spec.shape:
+        if spec.dtype not in HALF_DTYPES and w.dtype == np.dtype(spec.dtype) and w.shape == spec.shape:
             if w.size and not np.isfinite(w).all():  # already in the model's dtype: check, keep
                 raise ValueError(f"'{k}': aggregate is not finite in the model's dtype {spec.dtype}")
             out[k] = a
             continue
         w = np.asarray(w, dtype=np.float64 if spec.dtype == "float64" else np.float32).reshape(spec.shape)
-        out[k] = numpy_to_array(cast_checked(k, w, spec.dtype), spec.dtype)
+        if spec.dtype in HALF_DTYPES and half_remainders is not None:
+            w, carried[k] = cast_carried(k, w, spec.dtype, half_remainders.get(k))
+        else:
+            w = cast_checked(k, w, spec.dtype)
+        out[k] = numpy_to_array(w, spec.dtype)
+    if half_remainders is not None:
+        half_remainders.update(carried)
     return out
 
 

@@ -213,6 +213,10 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         #: Rounding remainder of the integer rule per integer tensor, carried from round to round
         #: (float64, entries in [-0.5, 0.5]; see :func:`fedcomp.statedict.integer_mean`).
         self.int_remainders: dict[str, np.ndarray] = {}
+        #: Rounding remainder of each fp16/bf16 float tensor, carried from round to round (float32,
+        #: ``|r| <=`` half an ulp; see :func:`fedcomp.statedict.cast_carried`): updates below half an
+        #: ulp still move a half-precision model.
+        self.half_remainders: dict[str, np.ndarray] = {}
         self._start_forwarding()  # from here on, settings of the inner strategy reach it (:mod:`.forward`)
 
     @classmethod
@@ -323,7 +327,8 @@ class CompressedStrategy(ForwardsToInner, Strategy):
                            refuse_dense, keep_exact=self.local_dp is None)  # local DP: the server keeps its own
         ef21_missing = self._bookkeeping(server_round, sent, replies, refused, mismatched, got)
         common_metric_keys(got.metric_contents)
-        arrays, agg_metrics, dp_info = hand_over(self.inner, server_round, sent.model, got, sent.sampled)
+        arrays, agg_metrics, dp_info = hand_over(self.inner, server_round, sent.model, got, sent.sampled,
+                                                   self.half_remainders)
         ours = self._record(server_round, sent, got, bool(replies), dp_info, ef21_missing)
         merged = dict(agg_metrics) if agg_metrics is not None else {}
         merged.update(ours)
@@ -387,10 +392,12 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         """Everything a resumed run needs: ``{"privacy": JSON-serialisable accounting,
         "optimizer": {name: np.ndarray} of the inner strategy's server optimizer,
         "int-remainders": {tensor: float64 np.ndarray} of the integer rule,
+        "half-remainders": {tensor: float32 np.ndarray} of the fp16/bf16 tensors' rounding,
         "ef21": {tensor: flat float64 np.ndarray} EF21's server estimate h (empty without EF21),
         "ef21-folded": {"nodes", "rounds"} the round each node's send was last folded into h}``."""
         return {"privacy": self.budget.state_dict(), "optimizer": optimizer_state(self.inner),
                 "int-remainders": {k: np.array(v, copy=True) for k, v in self.int_remainders.items()},
+                "half-remainders": {k: np.array(v, copy=True) for k, v in self.half_remainders.items()},
                 "ef21": self.ef21.state_dict() if self.ef21 is not None else {},
                 "ef21-folded": self.ef21.folded_state() if self.ef21 is not None else {}}
 
@@ -411,6 +418,7 @@ class CompressedStrategy(ForwardsToInner, Strategy):
             self.ef21.load_state_dict(ef21, shapes, state.get("ef21-folded"))
         self.budget.load_state_dict(state.get("privacy", {}))
         self.int_remainders = dict(state.get("int-remainders", {}))
+        self.half_remainders = dict(state.get("half-remainders", {}))  # none in older checkpoints: zero
 
 
 #: The constructor's defaults (what a preset may fill in).

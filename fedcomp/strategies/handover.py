@@ -49,8 +49,8 @@ def mean_metrics(inner: Any, metric_contents: list[RecordDict]) -> MetricRecord:
     return MetricRecord(dict(fn(metric_contents, weight_key(inner)))) if callable(fn) else MetricRecord({})
 
 
-def hand_over(inner: Any, server_round: int, model: FlatModel, got: RoundReplies,
-              sampled: float) -> tuple[ArrayRecord | None, MetricRecord | None, dict]:
+def hand_over(inner: Any, server_round: int, model: FlatModel, got: RoundReplies, sampled: float,
+              half_remainders: dict[str, np.ndarray] | None = None) -> tuple[ArrayRecord | None, MetricRecord | None, dict]:
     """The round's aggregate in the model's dtypes and shapes, the inner strategy's metrics, and
     the DP figures of the round (client-level DP; else empty).
 
@@ -65,6 +65,9 @@ def hand_over(inner: Any, server_round: int, model: FlatModel, got: RoundReplies
         The round's fold and accepted replies (:func:`.replies.fold_replies`).
     sampled : float
         Clients sampled (client-level DP's divisor; ``q * N`` under Poisson sampling).
+    half_remainders : dict, optional
+        The rounding remainders of the fp16/bf16 tensors, carried from round to round (updated
+        in place; :func:`.aggregate.in_model_dtypes`). None: no carry.
 
     Returns
     -------
@@ -79,7 +82,7 @@ def hand_over(inner: Any, server_round: int, model: FlatModel, got: RoundReplies
         return None, None, {}
     if isinstance(fold, ClippedFold):
         agg, dp_info = fold.finish(sampled)
-        arrays, exact = model.record(agg, check=False), model.exact
+        arrays, exact = model.record(agg, check=False, portable=True), model.exact
     elif isinstance(fold, MeanFold) and identity_on_one_reply(inner):
         # FedAvg of one reply is that reply (weight factor w / w = 1.0 exactly): no copies to hand over.
         exact = fold.votes.result()
@@ -91,7 +94,7 @@ def hand_over(inner: Any, server_round: int, model: FlatModel, got: RoundReplies
     if arrays is None:
         return None, metrics, dp_info
     try:
-        return in_model_dtypes(arrays, model, exact), metrics, dp_info
+        return in_model_dtypes(arrays, model, exact, half_remainders), metrics, dp_info
     except ValueError as exc:
         log(ERROR, "round %s: the aggregated model is not finite (%s); keeping the previous global model",
             server_round, exc)

@@ -23,7 +23,7 @@ TRANSFORMER_DEFAULTS: dict[str, Any] = {
     "num_hidden_layers": 2,
     "num_attention_heads": 4,
     "num_key_value_heads": 4,
-    "tie_word_embeddings": False,  # a tied head would travel twice (two state_dict entries, one tensor)
+    "tie_word_embeddings": False,  # the default model's own head; a tied one travels once (fedcomp.statedict.untie)
 }
 
 

@@ -322,22 +322,25 @@ def lora_model(settings: LoraSettings, device: torch.device | str = "cpu") -> to
 
 
 def load_weights(model: torch.nn.Module, record, lora: bool) -> None:
-    """Set a model from a received ArrayRecord: the adapters (``lora``) or the whole state dict."""
-    from fedcomp.statedict import to_state_dict
+    """Set a model from a received ArrayRecord: the adapters (``lora``) or the whole state dict, tied
+    parameters (an output layer sharing the embedding) set from the one name that travels
+    (:func:`fedcomp.statedict.retie`)."""
+    from fedcomp.statedict import retie, tied_aliases, to_state_dict
 
     if lora:
         load_adapters(model, to_state_dict(record))
     else:
-        model.load_state_dict(record.to_torch_state_dict())
+        model.load_state_dict(retie(record.to_torch_state_dict(), tied_aliases(model.state_dict())))
 
 
 def weights_record(model: torch.nn.Module, lora: bool):
-    """What a client replies with: an ArrayRecord of the adapters (``lora``) or of the state dict."""
+    """What a client replies with (and the server's initial model): an ArrayRecord of the adapters
+    (``lora``) or of the state dict, each tied tensor once (:func:`fedcomp.statedict.untie`)."""
     from flwr.app import ArrayRecord
 
-    from fedcomp.statedict import to_record
+    from fedcomp.statedict import to_record, untie
 
-    return to_record(adapter_state(model)) if lora else ArrayRecord(model.cpu().state_dict())
+    return to_record(adapter_state(model)) if lora else ArrayRecord(untie(model.cpu().state_dict()))
 
 
 def base_fingerprint(model: torch.nn.Module) -> float:
