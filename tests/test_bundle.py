@@ -17,9 +17,17 @@ import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
-#: Flower 1.42 stores the FAB's files uncompressed; fedcomp's own code is ~0.9 MB of it. Before the
-#: ``fab-include`` rule the bundle was 1.92 MB (README, benchmarks/results, docs, examples, tests).
-MAX_FAB_BYTES = 1_000_000
+#: Flower 1.42 stores the FAB's files uncompressed, so the bundle is at least fedcomp's own code (0.91 MB
+#: of Python when this was written). Before the ``fab-include`` rule the bundle was 1.92 MB (README,
+#: benchmarks/results, docs, examples, tests); the cap leaves room for the code to grow.
+MAX_FAB_BYTES = 1_200_000
+#: what the bundle may add to the code it carries: pyproject.toml, the CONTENT manifest, zip headers
+OVERHEAD_BYTES = 48_000
+
+
+def _code_bytes() -> int:
+    return sum(p.stat().st_size for p in (REPO / "fedcomp").rglob("*.py")
+               if "__pycache__" not in p.parts) + (REPO / "LICENSE").stat().st_size
 
 
 def _names(fab: bytes) -> list[str]:
@@ -31,7 +39,7 @@ def test_the_bundle_is_the_code_only():
 
     fab = build_fab_from_disk(REPO)
     names = _names(fab)
-    assert len(fab) <= MAX_FAB_BYTES, len(fab)
+    assert len(fab) <= min(MAX_FAB_BYTES, _code_bytes() + OVERHEAD_BYTES), (len(fab), _code_bytes())
     assert {"fedcomp/app/server_app.py", "fedcomp/app/client_app.py", "fedcomp/client/mod.py",
             "fedcomp/compression/wire.py", "pyproject.toml", "LICENSE"} <= set(names)
     others = [n for n in names
