@@ -33,7 +33,7 @@ RUN sh /tmp/slim_venv.sh /opt/fedcomp
 # shared libraries' symbol tables stripped (`strip --strip-unneeded`, what Debian does to its packages;
 # a library that no longer loads afterwards keeps its symbols: scripts/strip_libs.py): -131 MB, of it
 # libtorch_cpu.so 89 MB. binutils lives in this build stage only. The .pyc files stay: without them every
-# ClientApp process (one per message) compiles what it imports, since user app cannot write them (README).
+# ClientApp process (one per message) compiles what it imports, since user app cannot write them (docs/how-to/docker-compose.md).
 FROM core-build AS supernode-venv
 COPY scripts/strip_libs.py /tmp/
 RUN apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends binutils >/dev/null \

@@ -10,7 +10,7 @@ as its cgroup counted it (every process in it: flower-supernode, SuperExec, Clie
 included), out-of-memory kills in it, and the failures the server logged for it.
 
 Needs a Docker engine and the image (``docker build --target supernode -t fedcomp-supernode .``,
-see the README). Run: ``python benchmarks/device_memory.py [--models cnn resnet] [--codecs stc sign
+see docs/benchmarks/device-memory.md). Run: ``python benchmarks/device_memory.py [--models cnn resnet] [--codecs stc sign
 topk] [--rounds 2]``; prints a table and writes ``benchmarks/results/device_memory.json``
 (``--quick``: cnn/stc, 1 round, written to the temporary folder).
 """

@@ -145,15 +145,15 @@ def run_one(run_config: dict, num_nodes: int) -> list[dict]:
 
 
 LINKS_MBPS = (1.0, 10.0, 100.0)
-#: The README's figure, drawn from the reference results ``benchmarks/results/federated.json``.
+#: The docs' figure, drawn from the reference results ``benchmarks/results/federated.json``.
 REFERENCE_FIGURE = REPO / "docs" / "accuracy_vs_bytes.png"
-#: Results name per ``--suite``, and the README figure of each suite's reference results.
+#: Results name per ``--suite``, and the docs' figure of each suite's reference results.
 SUITE_NAMES = {"codecs": "federated", "accuracy": "federated-accuracy"}
 REFERENCE_FIGURES = {"federated": REFERENCE_FIGURE, "federated-accuracy": REPO / "docs" / "accuracy_batchnorm.png"}
 
 
 def figure_path(figure: str, results_json: pathlib.Path) -> pathlib.Path:
-    """``--figure`` if given; the README's figure for the reference results; else ``<json>.png``
+    """``--figure`` if given; the docs' figure for the reference results; else ``<json>.png``
     beside the results (a quick run never redraws the committed figure)."""
     if figure:
         return pathlib.Path(figure)
@@ -189,7 +189,7 @@ def first_round_reaching(rounds: list[dict], acc: float) -> int | None:
 
 
 def markdown(results: list[dict]) -> str:
-    """The README's results table (one row per partition and case)."""
+    """The docs' results table (docs/benchmarks/federated.md) (one row per partition and case)."""
     lines = ["| partition | codec | final acc. (mean) | rounds to 90 % | rounds to 95 % | upload MB | download MB | "
              "bit/param/round | ratio vs fp32 | time to 90 % at 1 / 10 / 100 Mbps |",
              "|---|---|---|---|---|---|---|---|---|---|"]

@@ -337,7 +337,7 @@ def compare(row: dict, floor: float | None = None) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    """The README's markdown table of a results file's rows."""
+    """The docs' markdown table (docs/benchmarks/links.md) of a results file's rows."""
     def f(v, fmt="{:.1f}"):
         return "-" if v is None else fmt.format(v)
 

@@ -63,7 +63,7 @@ FULL_CASES = {
     "stc 0.04+EF beta1=0.5": {"compressor": "stc", "density": 0.04, "adam-beta1": 0.5},
     "stc 0.0025+EF": {"compressor": "stc", "density": 0.0025},
 }
-#: The cases measured for the README (int8 and top-k are defined but were not run: CPU time).
+#: The cases measured for docs/benchmarks/llm.md (int8 and top-k are defined but were not run: CPU time).
 FULL_DEFAULT_CASES = [c for c in FULL_CASES if c not in ("int8", "topk 0.01+EF")]
 
 
@@ -148,7 +148,7 @@ def run_full(args, save=None) -> dict:
 
 
 def markdown_full(part: dict) -> str:
-    """The README table of the full-model part."""
+    """The docs' table (docs/benchmarks/llm.md) of the full-model part."""
     levels = " | ".join(f"upload MB to {100 * level:.0f} %" for level in LEVELS)
     lines = [("| codec | next-char acc. (last / mean of last 3) | vs fp32, same beta1 (points) | "
               "rounds to fp32 - 1 pt | "

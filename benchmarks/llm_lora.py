@@ -230,7 +230,7 @@ def run_lora(args) -> dict:
 
 
 def markdown_lora(part: dict) -> str:
-    """README tables: codecs against fp32 adapters, and the FlowerTune projection."""
+    """The docs' tables (docs/benchmarks/llm.md): codecs against fp32 adapters, and the FlowerTune projection."""
     lines = ["| case (up / down) | eval-loss gain kept | bytes up | bytes down | total vs fp32 | bits/param up, down |",
              "|---|---|---|---|---|---|"]
     for r in part["results"]:

@@ -1,7 +1,7 @@
 """Where a benchmark writes its JSON (and figure), so that quick modes leave the references alone.
 
 A full run writes the committed reference ``benchmarks/results/<name>.json`` (the numbers the
-README quotes). A quick/smoke run writes ``<temp dir>/fedcomp-benchmarks/<name>-quick.json``
+docs/benchmarks pages quote). A quick/smoke run writes ``<temp dir>/fedcomp-benchmarks/<name>-quick.json``
 instead, unless ``--out`` names a file: pass ``--out benchmarks/results/<name>.json`` to update a
 reference on purpose.
 """
@@ -37,7 +37,7 @@ def output_path(name: str, out: str | None, quick: bool) -> pathlib.Path:
 
 def shown(path: pathlib.Path) -> str:
     """``path`` for a ``wrote ...`` line: relative to the repository when inside it (no machine paths
-    in output that lands in the README), else as given."""
+    in output that lands in the docs), else as given."""
     p = pathlib.Path(path).resolve()
     try:
         return str(p.relative_to(REPO))

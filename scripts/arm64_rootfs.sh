@@ -15,7 +15,7 @@
 #   scripts/arm64_rootfs.sh umount ROOT         unmount ROOT/proc and ROOT/sys (after the last exec)
 #
 # ROOT defaults to $FEDCOMP_ARM64_ROOT or build/arm64-root in the repository (ignored by git). On a real
-# arm64 device none of this is needed: `pip install -c constraints.txt .` there (README, "Edge devices").
+# arm64 device none of this is needed: `pip install -c constraints.txt .` there (docs/how-to/edge-devices.md).
 #
 # Why no debootstrap: its second stage runs every package's maintainer scripts under emulation (~15 min
 # on 2 cores). A ClientApp needs none of them: only the files of python3.11 and the C libraries it loads,
@@ -38,7 +38,7 @@ SITE=opt/fedcomp/lib/python3.11/site-packages
 PACKAGES="python3.11-minimal libpython3.11-stdlib libstdc++6"
 # PyPI's aarch64 wheel of torch 2.13.0 is a CUDA 13 build that requires several GB of NVIDIA libraries on
 # aarch64; 2.7.1's (and, by their metadata, 2.8-2.10's) declare CUDA requirements for x86_64 only: CPU
-# builds. 2.7.1 is inside the core's range (torch>=2.4,<2.14), so the arm64 run also tests an older torch
+# builds. 2.7.1 is inside the core's range (torch>=2.4,<3), so the arm64 run also tests an older torch
 # than CI's 2.13.0. On a device: torch's CPU index or a vendor build.
 TORCH=${FEDCOMP_ARM64_TORCH:-2.7.1}
 

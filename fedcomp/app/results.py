@@ -98,7 +98,9 @@ def plot_rounds(rounds: list[dict[str, Any]], path: pathlib.Path, title: str) ->
 
         from flwr.common.logger import log
 
-        log(WARNING, "fedcomp  no plot.png: matplotlib is not installed (pip install 'fedcomp[plots]')")
+        from fedcomp.util.extras import install_hint
+
+        log(WARNING, f"fedcomp  no plot.png: matplotlib is not installed ({install_hint('plots')})")
         return False
 
     matplotlib.use("Agg")

@@ -76,8 +76,8 @@ def writable_results_dir(results_dir: str, compressor: str) -> pathlib.Path:
         owner = f"owner uid {path.stat().st_uid}" if path.exists() else "missing"
         raise RunConfigError(
             f"run config 'results-dir': the results folder {path} is not writable by uid {os.getuid()} "
-            f"({owner}): {err.strerror}. Give that uid write access (Docker: see the README's Docker "
-            "section) or choose another results-dir") from err
+            f"({owner}): {err.strerror}. Give that uid write access (Docker: see "
+            "docs/how-to/docker-compose.md) or choose another results-dir") from err
     return out_dir
 
 

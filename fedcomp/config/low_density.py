@@ -17,7 +17,7 @@ classic error feedback,
 
 Everywhere else "auto" is "constant" and "fedavg". The decision depends on the codec, the
 density and the error-feedback mode, not on the model. ``benchmarks/federated.py --suite
-accuracy`` compares these settings with the plain ones (README, "Accuracy per byte on BatchNorm
+accuracy`` compares these settings with the plain ones (docs/benchmarks/accuracy.md, "Accuracy per byte on BatchNorm
 models and at 1/1000").
 """
 

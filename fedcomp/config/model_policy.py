@@ -7,7 +7,7 @@
   unselected for many rounds (the per-layer ``layer-compression-error`` metric shows it);
   sending them dense costs their full fp32 (or fp16) size per client and round. The default is
   ``"codec"``; ``benchmarks/federated.py --suite accuracy`` compares both ("bn-affine" rows;
-  README, "Accuracy per byte on BatchNorm models and at 1/1000").
+  docs/benchmarks/accuracy.md).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 update is applied per dtype, and copies that keep every shape (0-d and zero-element included).
 
 Used by the client mod, the legacy client, decoding, aggregation, downstream compression and
-checkpoints alike. The rules (stated in the README, "Use with your existing Flower app"):
+checkpoints alike. The rules (stated in docs/how-to/existing-app.md):
 
 - **Float tensors** (fp16, bf16, fp32, fp64 parameters and buffers such as BatchNorm's running
   mean/var) are updates like any other: ``delta = trained - received`` in float32, compressed by

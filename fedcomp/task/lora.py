@@ -24,6 +24,7 @@ import torch
 
 from fedcomp.protocol.seeded_init import SeededInit, lora_init
 from fedcomp.util.declared_key import Key, defaults, table
+from fedcomp.util.extras import install_hint
 
 FINETUNE_MODES = ("full", "lora")
 #: Largest accepted ``lora-r``: LoRA ranks are 4-256 in practice; a rank above every hidden size of
@@ -125,7 +126,7 @@ def _libs():
         import peft
         import transformers
     except ImportError as exc:  # pragma: no cover - depends on the install
-        raise ImportError("finetune = 'lora' needs transformers and peft: pip install 'fedcomp[llm]'") from exc
+        raise ImportError(f"finetune = 'lora' needs transformers and peft: {install_hint('llm')}") from exc
     return transformers, peft
 
 

@@ -1,10 +1,12 @@
 """The optional dependency groups (pyproject ``[project.optional-dependencies]``) and one import
 helper that says which group a missing module belongs to.
 
-The core install (``pip install fedcomp``) is what a SuperNode needs: Flower without its simulation
-extra, numpy and torch. Everything else is imported only on the path that needs it, through
-:func:`require`, so that a core-only device gets a clear "install fedcomp[<extra>]" instead of a
-bare ``ModuleNotFoundError``.
+The core install (``pip install .`` in a fedcomp checkout, or a wheel built from it) is what a
+SuperNode needs: Flower without its simulation extra, numpy and torch. Everything else is imported
+only on the path that needs it, through :func:`require`, so that a core-only device gets a clear
+"install fedcomp[<extra>]" instead of a bare ``ModuleNotFoundError``. fedcomp is not on the Python
+package index, so every such message says how to install an extra from a checkout, a wheel or a git
+URL (:func:`install_hint`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,24 @@ EXTRA_OF = {
 }
 
 
+def install_hint(extra: str) -> str:
+    """How to install fedcomp with ``extra``, in words that work without a package index entry.
+
+    Parameters
+    ----------
+    extra : str
+        An extra of ``[project.optional-dependencies]``, e.g. ``"plots"``.
+
+    Returns
+    -------
+    str
+        ``pip install -e '.[plots]'`` in a fedcomp checkout, or
+        ``pip install 'fedcomp[plots] @ <wheel file or git URL of fedcomp>'`` (one line).
+    """
+    return (f"pip install -e '.[{extra}]' in a fedcomp checkout, or "
+            f"pip install 'fedcomp[{extra}] @ <wheel file or git URL of fedcomp>'")
+
+
 def require(module: str, purpose: str) -> ModuleType:
     """Import ``module`` (dotted names allowed) or explain which extra provides it.
 
@@ -43,7 +63,8 @@ def require(module: str, purpose: str) -> ModuleType:
     Raises
     ------
     ModuleNotFoundError
-        The module's distribution is not installed; the message names ``pip install 'fedcomp[<extra>]'``.
+        The module's distribution is not installed; the message says how to install the extra
+        (:func:`install_hint`).
         A missing module that is not the requested one (a broken install) is re-raised unchanged.
     """
     try:
@@ -54,5 +75,5 @@ def require(module: str, purpose: str) -> ModuleType:
             raise
         extra = EXTRA_OF.get(top, "dev")
         raise ModuleNotFoundError(
-            f"{purpose} needs {top!r}, which the core install leaves out: pip install 'fedcomp[{extra}]'",
+            f"{purpose} needs {top!r}, which the core install leaves out: {install_hint(extra)}",
             name=exc.name) from None

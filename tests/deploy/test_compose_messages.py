@@ -36,8 +36,9 @@ def test_the_engine_script_is_found_by_env_var_or_next_to_the_repository(tmp_pat
     assert found is None or found == repo.parent / "shared" / "tools" / "docker-engine.sh"
 
 
-def test_no_machine_paths_in_the_readme_or_the_tests():
+def test_no_machine_paths_in_the_readme_the_docs_or_the_tests():
     repo = pathlib.Path(__file__).resolve().parents[2]
-    texts = {p: p.read_text() for p in [repo / "README.md", *sorted((repo / "tests").rglob("*.py"))]}
+    texts = {p: p.read_text() for p in [repo / "README.md", repo / "mkdocs.yml", *sorted((repo / "docs").rglob("*.md")),
+                                        *sorted((repo / "tests").rglob("*.py"))]}
     for prefix in ("/" + "work/", "/" + "root/", "/" + "home/"):
         assert not [str(p.relative_to(repo)) for p, t in texts.items() if prefix in t], prefix

@@ -3,6 +3,7 @@ extra is imported only where it is needed and a missing one says which extra to 
 
 import json
 import pathlib
+import re
 import subprocess
 import sys
 import tomllib
@@ -29,7 +30,19 @@ def test_core_dependencies_are_what_a_supernode_needs():
     assert names == ["flwr", "numpy", "torch"]
     assert "flwr==1.42.0" in core  # no [simulation]: no Ray on a SuperNode
     torch_req = next(d for d in core if d.startswith("torch"))
-    assert "==" not in torch_req and "<2.14" in torch_req  # a range; vendor builds fit
+    assert "==" not in torch_req  # a range; vendor builds fit
+
+
+def test_the_core_accepts_the_torch_releases_it_supports():
+    """Installing fedcomp into an app with torch 2.14.1 downgraded it to 2.13.0 (``torch<2.14``): the
+    range holds every release from 2.4 on, the constraints pin (CI) and arm64's 2.7.1 included."""
+    from packaging.requirements import Requirement
+
+    spec = Requirement(next(d for d in _pyproject()["dependencies"] if d.startswith("torch"))).specifier
+    pinned = next(ln.split("==")[1].strip() for ln in (REPO / "constraints.txt").read_text().splitlines()
+                  if ln.startswith("torch=="))
+    assert all(spec.contains(v) for v in ("2.4.0", "2.7.1", pinned, "2.14.1", "2.15.0"))
+    assert not spec.contains("2.3.1")
 
 
 def test_dev_extra_includes_every_other_extra_and_constraints_pin_the_tested_torch():
@@ -49,9 +62,17 @@ def test_dev_extra_includes_every_other_extra_and_constraints_pin_the_tested_tor
 def test_require_names_the_extra(monkeypatch, module, extra):
     for name in {module, module.split(".")[0]}:  # importing a None entry raises ModuleNotFoundError
         monkeypatch.setitem(sys.modules, name, None)
-    with pytest.raises(ModuleNotFoundError, match=rf"pip install 'fedcomp\[{extra}\]'"):
+    with pytest.raises(ModuleNotFoundError, match=rf"pip install -e '\.\[{extra}\]' in a fedcomp checkout, or "
+                                                  rf"pip install 'fedcomp\[{extra}\] @ <wheel file or git URL"):
         require(module, "this path")
     assert require("json", "x") is json
+
+
+def test_every_install_hint_says_how_without_a_package_index():
+    """fedcomp is not on the package index: a bare ``pip install 'fedcomp[x]'`` in a message cannot work."""
+    bare = [str(p.relative_to(REPO)) for p in sorted((REPO / "fedcomp").rglob("*.py"))
+            if re.search(r"pip install 'fedcomp\[[^\]]*\]'", p.read_text())]
+    assert bare == []
 
 
 def test_data_without_the_data_extra_says_so(monkeypatch):

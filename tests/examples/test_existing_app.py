@@ -83,10 +83,12 @@ def test_flwr_run_existing_app(tmp_path):
         assert train[r]["num-replies"] == 2 and train[r]["upload-bytes-sign"] > 0
 
 
-def test_the_readme_diff_is_the_example_code():
-    """Issue 24: the README showed `compressor="stc", density=0.01` where the example uses "sign"."""
-    readme = (REPO / "README.md").read_text()
-    diff = readme[readme.index("```diff\n # existingapp/client_app.py"):]
+@pytest.mark.parametrize("page", ["README.md", "docs/how-to/existing-app.md"])
+def test_the_documented_diff_is_the_example_code(page):
+    """Issue 24: the README showed `compressor="stc", density=0.01` where the example uses "sign"; the
+    README's drop-in example and the guide's show the example's own lines."""
+    text = (REPO / page).read_text()
+    diff = text[text.index("```diff\n # existingapp/client_app.py"):]
     diff = diff[:diff.index("```", 8)]
     added = [ln[1:].split("#")[0].strip() for ln in diff.splitlines() if ln.startswith("+")]
     code = "\n".join(f.read_text() for f in sorted((EXAMPLE / "existingapp").glob("*.py")))

@@ -1,0 +1,179 @@
+"""The documentation site as a reader meets it: built with the one documented command
+(``mkdocs build --strict``), served over HTTP, opened in Debian's headless ``chromium``.
+
+Checks that the home page renders with its navigation, that the run-config reference lists every
+key of ``[tool.flwr.app.config]`` and the API page the public names, and that searching the site for
+a run-config key finds the reference (Material's search, driven through its ``?q=`` URL).
+
+Needs the ``docs`` extra and a ``chromium`` binary (``apt-get install chromium``); without them the
+tests skip with the reason, except where ``FEDCOMP_REQUIRE_DOCS=1`` (CI) makes that a failure.
+"""
+
+from __future__ import annotations
+
+import functools
+import http.server
+import importlib.util
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import tomllib
+import urllib.parse
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+PUBLIC = ["CompressedStrategy", "compression_mod", "get_compressor", "ErrorFeedback", "PayloadError"]
+
+
+def _unavailable(reason: str):
+    if os.environ.get("FEDCOMP_REQUIRE_DOCS") == "1":
+        pytest.fail(f"FEDCOMP_REQUIRE_DOCS=1 but {reason}")
+    pytest.skip(reason)
+
+
+def _chromium() -> str:
+    for name in ("chromium", "chromium-browser"):
+        path = shutil.which(name)
+        if path:
+            return path
+    _unavailable("no chromium binary (Debian: apt-get install chromium)")
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    """The built site (``mkdocs build --strict``) and the seconds the build took."""
+    if importlib.util.find_spec("mkdocs") is None or importlib.util.find_spec("mkdocstrings") is None:
+        _unavailable("the docs extra is not installed (pip install -e '.[docs]')")
+    out = tmp_path_factory.mktemp("site")
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)], cwd=REPO,
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "NO_MKDOCS_2_WARNING": "1", "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return out, time.perf_counter() - t0
+
+
+@pytest.fixture(scope="module")
+def served(site):
+    """``http://127.0.0.1:<port>/`` serving the site (search loads its index over HTTP, not file://)."""
+    root, _ = site
+    handler = functools.partial(_QuietHandler, directory=str(root))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/"
+    server.shutdown()
+    server.server_close()
+
+
+#: A page of the test server (not of the site): the site's page ``/?q=<query>`` in a frame, polled until
+#: Material's search has listed its results, which are then copied into this page's DOM for
+#: ``--dump-dom``. The search runs in a web worker that headless Chromium's virtual time does not
+#: wait for; each poll is a fetch of ``/__wait`` that the server answers after 200 ms of real time,
+#: during which virtual time stands still.
+SEARCH_PAGE = """<!doctype html><html><body><div id="out">waiting</div>
+<iframe id="site" src="/?q=%s" style="width:1200px;height:800px"></iframe>
+<script>
+async function poll() {
+  for (let i = 0; i < 150; i++) {
+    await fetch("/__wait");
+    const d = document.getElementById("site").contentDocument;
+    if (d && d.querySelectorAll(".md-search-result__item").length) {
+      document.getElementById("out").innerHTML = d.querySelector(".md-search-result__list").outerHTML;
+      return;
+    }
+  }
+  document.getElementById("out").textContent = "no search results after 30 s";
+}
+poll();
+</script></body></html>"""
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    """The site's files, plus ``/__search?q=...`` (:data:`SEARCH_PAGE`) and ``/__wait`` (200 ms)."""
+
+    def log_message(self, *args):  # no access log in the test output
+        pass
+
+    def do_GET(self):  # http.server's name
+        url = urllib.parse.urlparse(self.path)
+        if url.path == "/__wait":
+            time.sleep(0.2)
+            self.send_response(204)
+            self.end_headers()
+        elif url.path == "/__search":
+            query = urllib.parse.quote(urllib.parse.parse_qs(url.query)["q"][0])
+            body = (SEARCH_PAGE % query).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html; charset=utf-8")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+        else:
+            super().do_GET()
+
+
+def _browser(*args: str, tmp: pathlib.Path) -> subprocess.CompletedProcess:
+    cmd = [_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+           "--no-first-run", f"--user-data-dir={tmp / 'profile'}", "--virtual-time-budget=15000", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+
+
+def _dom(url: str, tmp: pathlib.Path) -> str:
+    proc = _browser("--dump-dom", url, tmp=tmp)
+    assert proc.returncode == 0 and "<html" in proc.stdout, proc.stderr[-3000:]
+    return proc.stdout
+
+
+def _config_keys() -> list[str]:
+    return list(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"])
+
+
+def test_every_key_and_public_name_is_in_the_built_site(site):
+    root, seconds = site
+    print(f"mkdocs build --strict: {seconds:.1f} s")
+    reference = (root / "reference" / "run-config" / "index.html").read_text()
+    missing = [k for k in _config_keys() if f"<code>{k}</code>" not in reference]
+    assert missing == []
+    api = (root / "reference" / "api" / "index.html").read_text()
+    assert [n for n in PUBLIC if not re.search(rf'id="fedcomp\.[\w.]*\.{n}"', api)] == []
+    index = (root / "search" / "search_index.json").read_text()
+    assert "secagg-quantization-bits" in index and "reference/run-config/" in index
+
+
+def test_the_home_page_renders_with_its_navigation(served, tmp_path):
+    t0 = time.perf_counter()
+    dom = _dom(served, tmp_path)
+    for section in ("Get started", "How-to guides", "Reference", "Benchmarks", "Architecture", "Changelog"):
+        assert section in dom, section
+    assert 'class="md-nav' in dom and 'href="reference/run-config/"' in dom
+    shot = tmp_path / "home.png"
+    proc = _browser(f"--screenshot={shot}", "--window-size=1280,900", served, tmp=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    png = shot.read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and int.from_bytes(png[16:20], "big") == 1280 and len(png) > 20_000
+    print(f"home page: dump-dom + screenshot {time.perf_counter() - t0:.1f} s")
+
+
+def test_the_run_config_reference_renders_every_key(served, tmp_path):
+    dom = _dom(served + "reference/run-config/", tmp_path)
+    assert "md-nav" in dom
+    assert [k for k in _config_keys() if f"<code>{k}</code>" not in dom] == []
+
+
+def test_a_search_for_a_key_finds_the_reference(served, tmp_path):
+    """Material's search box, filled from the URL (``?q=``), lists the run-config reference's
+    section of the key among its results."""
+    t0 = time.perf_counter()
+    dom = _dom(served + "__search?q=secagg-quantization-bits", tmp_path)
+    out = dom[dom.index('<div id="out">'):dom.index("<iframe")]
+    assert "md-search-result__item" in out, out[:500]
+    assert "reference/run-config/?h=secagg+quantization+bits#secure-aggregation-secagg" in out, out[:3000]
+    print(f"search: {time.perf_counter() - t0:.1f} s")
