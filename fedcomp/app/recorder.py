@@ -132,6 +132,25 @@ class RoundRecorder:
         self.cum_down_mb += download / MB
         self.cum_dense_mb += 2 * dense / MB
 
+    def near_chance_note(self, margin: float = 0.05) -> str:
+        """A warning ("" if none) when the last round's accuracy is within ``margin`` of chance: the
+        share of the test split's most frequent label (a model that always answers it scores that).
+
+        The run finished, but it learned (almost) nothing: a learning rate, privacy noise or codec
+        setting that does not train. Said in the run's last line, so nobody reads a plot of noise as
+        a result."""
+        if not self.rounds or len(self.rounds) < 2:
+            return ""
+        labels = self.test.tensors[1].reshape(-1).to(torch.int64)
+        if labels.numel() == 0 or labels.min() < 0:
+            return ""
+        chance = float(torch.bincount(labels).max()) / labels.numel()
+        acc = self.rounds[-1]["accuracy"]
+        if acc is None or acc > chance + margin:
+            return ""
+        return (f"the run ended near chance: accuracy {acc:.4f} against {chance:.4f} for always answering the "
+                f"most frequent label; it did not learn (check lr, the privacy noise, the codec settings)")
+
     def totals(self) -> dict:
         """The run's bytes both ways so far and their ratio to fp32 both ways (None: nothing sent)."""
         both = self.cum_mb + self.cum_down_mb

@@ -9,7 +9,7 @@ and shares of the four stages).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from logging import INFO
+from logging import INFO, WARNING
 from typing import Any
 
 from flwr.common import ndarrays_to_parameters
@@ -156,4 +156,6 @@ def run_secagg(grid, context, cfg: AppConfig, out_dir) -> list[dict]:
             "downloaded (the model, dense) in total", last["accuracy"], last["round"], recorder.cum_mb,
             recorder.cum_down_mb)
     log(INFO, "fedcomp  results written to %s (metrics.json, plot.png)", out_dir)
+    if note := recorder.near_chance_note():  # the last line, where a user looks
+        log(WARNING, "fedcomp  %s", note)
     return recorder.rounds

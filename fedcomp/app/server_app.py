@@ -200,6 +200,8 @@ def main(grid: Grid, context: Context) -> None:
     if strategy.stopped_reason:
         log(INFO, "fedcomp  stopped early: %s", strategy.stopped_reason)
     log(INFO, "fedcomp  results written to %s (metrics.json, plot.png)", out_dir)
+    if note := recorder.near_chance_note():  # the last line, where a user looks
+        log(WARNING, "fedcomp  %s", note)
 
 
 __all__ = ["RoundRecorder", "app", "build_inner", "check_same_codec", "main", "privacy_options", "privacy_settings",

@@ -108,3 +108,17 @@ def test_rays_accelerator_tip_is_ignored_and_other_warnings_pass():
         warnings.warn(tip, DeprecationWarning, stacklevel=1)
     assert [(w.category, str(w.message)) for w in caught] == [
         (FutureWarning, "Tip: In future versions of numpy, something else"), (DeprecationWarning, tip)]
+
+
+def test_a_run_that_ends_near_chance_says_so_in_its_last_line(tmp_path, console):
+    """Issue 30 (item 6): a run that does not learn ended without a word; now its last line says so,
+    and a run that learns does not get the line."""
+    _run({"results-dir": str(tmp_path / "flat"), "compressor": "sign", "num-server-rounds": 1, "batch-size": 64,
+          "lr": 1e-9, "fraction-evaluate": 0.0})
+    last = [ln for ln in console.getvalue().splitlines() if "fedcomp" in ln][-1]
+    assert "the run ended near chance" in last and "most frequent label" in last, last
+    console.truncate(0)
+    console.seek(0)
+    _run({"results-dir": str(tmp_path / "learns"), "compressor": "none", "num-server-rounds": 3, "lr": 0.1,
+          "fraction-evaluate": 0.0})
+    assert "near chance" not in console.getvalue()
