@@ -81,7 +81,7 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         Any Message-API strategy: FedAvg, FedAdam, FedProx, Flower's DP wrappers, ...
         It only ever receives dense, validated replies.
     compressor : str
-        Codec name (see :func:`fedcomp.compression.available_compressors`). Default "stc".
+        Codec name (see :func:`fedcomp.compression.available_compressors`). Default (None) "stc".
     error_feedback : bool or "ef21"
         Clients keep a residual (Karimireddy et al. 2019). Default True. "ef21": clients send
         ``C(update - h_i)`` and the server applies its estimate ``h`` (:mod:`.ef21`; Richtárik et
@@ -167,7 +167,7 @@ class CompressedStrategy(ForwardsToInner, Strategy):
     integer/bool tensors whatever a reply holds. Client-reported metrics are clamped to ±1e100.
     """
 
-    def __init__(self, inner: Strategy, compressor: str = "stc", error_feedback: bool = True,
+    def __init__(self, inner: Strategy, compressor: str | None = None, error_feedback: bool = True,
                  max_num_examples: int = 10**9, client_dp: ClientLevelDP | None = None,
                  local_dp: LocalDP | None = None, max_epsilon: float | None = None, downstream: str | None = None,
                  client_sampling: float | None = None, seed: int | None = None, aggregation: str = "auto",
@@ -180,6 +180,7 @@ class CompressedStrategy(ForwardsToInner, Strategy):
             given = apply_preset(preset, given, _DEFAULTS)
             compressor, error_feedback, downstream = given["compressor"], given["error_feedback"], given["downstream"]
             downstream_init, downstream_catchup = given["downstream_init"], given["downstream_catchup"]
+        compressor = "stc" if compressor is None else compressor  # None: the default, "stc" (a preset may set it)
         if aggregation not in ("auto", "dense"):
             raise ValueError(f"aggregation must be 'auto' or 'dense', got {aggregation!r}")
         if not isinstance(inner, Strategy):

@@ -174,6 +174,9 @@ def test_preset_conflicts_and_inner_strategies_that_cannot_take_it_are_refused_n
         CompressedStrategy(FedAvg(), preset="qlora")
     with pytest.raises(ValueError, match="preset 'lora' sets compressor = 'sign', but compressor = 'topk'"):
         CompressedStrategy(FedAvg(), preset="lora", compressor="topk")
+    with pytest.raises(ValueError, match="preset 'lora' sets compressor = 'sign', but compressor = 'stc'"):
+        CompressedStrategy(FedAvg(), preset="lora", compressor="stc")  # the old default, passed explicitly
+    assert CompressedStrategy(FedAvg()).codec.compressor == "stc"  # no preset: the default
     with pytest.raises(ValueError, match="preset 'lora' keeps error feedback"):
         CompressedStrategy(DifferentialPrivacyClientSideFixedClipping(FedAvg(), noise_multiplier=1.0,
                                                                      clipping_norm=1.0, num_sampled_clients=2),
