@@ -1,0 +1,103 @@
+"""A hostile or malformed first-contact message (issue 31's seeded start and compressed start).
+
+A client must refuse it with a :class:`PayloadError` / :class:`CompositionError` / ``ValueError``
+naming the tensor, before building anything, and keep the copy it held: never an unhandled
+``RuntimeError`` (torch), ``TypeError`` (numpy) or an allocation sized by the server's claim.
+"""
+
+import io
+import struct
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
+
+from fedcomp.client.downstream_receiver import rebuild
+from fedcomp.compression import PayloadError
+from fedcomp.protocol.messages import MODEL_META_KEY, MODEL_STATE_KEY
+from fedcomp.protocol.seeded_init import INIT_SEED, INIT_STYPE, parse_rule, seeded_tensor
+from tests.messages import make_ctx, make_msg
+
+
+def _rule(dtype: str, shape: tuple, *values: float) -> Array:
+    return Array(dtype=dtype, shape=shape, stype=INIT_STYPE, data=struct.pack("<" + "d" * len(values), *values))
+
+
+def _npy(a: np.ndarray, dtype: str | None = None) -> Array:
+    buf = io.BytesIO()
+    np.save(buf, a, allow_pickle=False)
+    return Array(dtype=dtype or str(a.dtype), shape=a.shape, stype="numpy.ndarray", data=buf.getvalue())
+
+
+def _receive(arrays: dict, ctx=None):
+    rec = ArrayRecord(arrays)
+    msg = make_msg(RecordDict({"arrays": rec, "config": ConfigRecord({"fedcomp-model-version": 2, INIT_SEED: 7})}))
+    return rebuild(msg, ctx or make_ctx(), "arrays", rec, dict(msg.content["config"]))
+
+
+def _held_ctx():
+    ctx = make_ctx()
+    _receive({"w": _rule("float32", (3,), 0.5)}, ctx)
+    ctx.state[MODEL_META_KEY]["version"] = 1
+    return ctx
+
+
+@pytest.mark.parametrize("bound,center", [(1e300, 0.0), (3.5e38, 0.0), (2e38, 0.0), (1.0, 1e300), (0.0, -1e39)])
+def test_a_rule_outside_float32_is_refused_naming_the_tensor(bound, center):
+    """Values are drawn in float32: a bound whose range overflows float32 (torch raised RuntimeError)
+    or a center beyond float32 is no rule."""
+    with pytest.raises(ValueError, match="seeded-init rule of 'w'"):
+        parse_rule("w", struct.pack("<dd", bound, center))
+    with pytest.raises(ValueError, match="'w'"):
+        seeded_tensor("w", (3,), bound, 1, center)
+    ctx = _held_ctx()
+    with pytest.raises(PayloadError, match="'w'"):
+        _receive({"w": _rule("float32", (3,), bound, center)}, ctx)
+    assert ctx.state[MODEL_META_KEY]["version"] == 1  # nothing lost: the held copy stays
+    assert tuple(ctx.state[MODEL_STATE_KEY]["w"].shape) == (3,)
+
+
+def test_the_largest_float32_rule_still_builds():
+    out = seeded_tensor("w", (64,), 1.7e38, 1)
+    assert np.isfinite(out).all() and float(np.abs(out).max()) <= 1.7e38
+
+
+@pytest.mark.parametrize("shape", [(-1, 5), (5, -1), (-1, -(2**30)), (2**22, 2**22, 2**20), (2**32, 2**32)])
+def test_a_rule_with_a_negative_or_overflowing_shape_is_refused_naming_the_tensor(shape):
+    """Negative dimensions (torch: RuntimeError) and element counts that wrap around int64 in
+    ``np.prod`` (then passed the element limit as 0) are refused before anything is allocated."""
+    for bound in (0.0, 1.0):
+        with pytest.raises(PayloadError, match="'w'"):
+            _receive({"w": _rule("float32", shape, bound)})
+    # a negative count must not make room for another tensor's claim either
+    with pytest.raises(PayloadError):
+        _receive({"a": _rule("float32", (-1, 2**30), 0.0), "w": _rule("float32", (2**27,), 1.0)})
+
+
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float128", "complex64", "object", "<f4"])
+def test_a_rule_with_an_unknown_dtype_is_refused_naming_the_tensor(dtype):
+    with pytest.raises(PayloadError, match="'w'"):
+        _receive({"w": _rule(dtype, (3,), 1.0)})
+
+
+@pytest.mark.parametrize("bad", [
+    Array(dtype="float32", shape=(3,), stype="numpy.ndarray", data=b"garbage"),
+    Array(dtype="float32", shape=(3,), stype="weird", data=b"\0" * 12),
+    Array(dtype="float32", shape=(3,), stype="fedcomp.payload.v1", data=b"\0" * 12),
+    _npy(np.zeros(3, np.complex64)),
+])
+def test_a_malformed_plain_array_in_a_first_contact_is_refused_naming_it(bad):
+    """The tensors sent as plain arrays next to the rules (integer buffers, BatchNorm statistics)."""
+    ctx = _held_ctx()
+    with pytest.raises(PayloadError, match="'n'"):
+        _receive({"w": _rule("float32", (3,), 1.0), "n": bad}, ctx)
+    assert ctx.state[MODEL_META_KEY]["version"] == 1
+
+
+def test_valid_edge_rules_still_build():
+    out = _receive({"w": _rule("float16", (2, 3), 0.5, 1.0), "e": _rule("float32", (0, 3), 1.0),
+                    "s": _rule("bfloat16", (), 0.0, 2.0), "d": _rule("float64", (4,), 1.0),
+                    "n": _npy(np.arange(3, dtype=np.int64))})
+    assert {k: tuple(a.shape) for k, a in out.items()} == {"w": (2, 3), "e": (0, 3), "s": (), "d": (4,), "n": (3,)}
+    assert torch.equal(torch.from_numpy(out["n"].numpy()), torch.arange(3))
