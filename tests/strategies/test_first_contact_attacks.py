@@ -101,3 +101,40 @@ def test_valid_edge_rules_still_build():
                     "n": _npy(np.arange(3, dtype=np.int64))})
     assert {k: tuple(a.shape) for k, a in out.items()} == {"w": (2, 3), "e": (0, 3), "s": (), "d": (4,), "n": (3,)}
     assert torch.equal(torch.from_numpy(out["n"].numpy()), torch.arange(3))
+
+
+@pytest.mark.parametrize("downstream", [None, "stc"])
+def test_a_client_cannot_set_the_download_bytes_of_the_round_line(downstream):
+    """``download-bytes`` (the round line's MB down and the both-ways ratio in metrics.json) is what
+    the server sent, not what a client reports: a client claiming -1e100 or 1e100 bytes made the
+    run's both-ways ratio negative, None or ~0 when the download was not compressed."""
+    from flwr.app import Message, MetricRecord
+    from flwr.serverapp.strategy import FedAvg
+    from torch import nn
+
+    from fedcomp.app.client_app import app as client_app
+    from fedcomp.client import compression_mod
+    from fedcomp.run.inprocess_grid import InProcessGrid
+    from fedcomp.statedict import to_record
+    from fedcomp.strategies import CompressedStrategy
+
+    torch.manual_seed(0)
+    sd = nn.Linear(30, 20).state_dict()
+    s = CompressedStrategy(FedAvg(fraction_evaluate=0.0, min_available_nodes=2, min_train_nodes=2),
+                           compressor="stc", density=0.5, downstream=downstream)
+    msgs = list(s.configure_train(1, to_record(sd), ConfigRecord({"seed": 1}), InProcessGrid(client_app, 2, {})))
+    sent = {m.metadata.dst_node_id: sum(len(a.data) for a in m.content["arrays"].values()) for m in msgs}
+    replies = []
+    for i, m in enumerate(msgs):
+        def handler(msg, ctx):
+            trained = {k: t + 0.01 for k, t in sd.items()}
+            return Message(content=RecordDict({"arrays": to_record(trained),
+                                               "metrics": MetricRecord({"num-examples": 10})}), reply_to=msg)
+
+        reply = compression_mod(m, make_ctx(node_id=m.metadata.dst_node_id), handler)
+        assert not reply.has_error()
+        reply.content["metrics"]["download-bytes"] = -1e100 if i == 0 else 1e100
+        replies.append(reply)
+    _, metrics = s.aggregate_train(1, replies)
+    assert metrics["num-replies"] == 2
+    assert s.history[1]["download-bytes"] == float(sum(sent.values()))
