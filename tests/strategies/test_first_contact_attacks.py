@@ -138,3 +138,27 @@ def test_a_client_cannot_set_the_download_bytes_of_the_round_line(downstream):
     _, metrics = s.aggregate_train(1, replies)
     assert metrics["num-replies"] == 2
     assert s.history[1]["download-bytes"] == float(sum(sent.values()))
+
+
+@pytest.mark.parametrize("name", ["fedadam", "fedavg-resnet-8e2956f"])
+def test_resuming_a_checkpoint_older_than_both_ways_counting_keeps_the_ratio_honest(name):
+    """A checkpoint written before issue 31 has no ``cum-dense-mb`` (nor, older still, ``cum-down-mb``)
+    in ``extra``, but every round record has ``dense-bytes`` and ``download-bytes``: the resumed run
+    counts the earlier rounds' fp32 bytes both ways from them (they restarted at 0: the both-ways
+    ratio was None, then divided only the new rounds' fp32 bytes by the whole run's bytes)."""
+    import json
+    import pathlib
+
+    from fedcomp.app.recorder import RoundRecorder
+    from fedcomp.app.results import MB
+
+    meta = json.loads((pathlib.Path(__file__).parents[1] / "server" / "fixtures" / "checkpoints" / name /
+                       "checkpoint.json").read_text())
+    assert "cum-dense-mb" not in meta.get("extra", {})
+    rec = object.__new__(RoundRecorder)  # restore() needs no test set
+    rec.restore(meta)
+    rounds = [r for r in meta["rounds"] if "dense-bytes" in r]
+    assert rec.cum_dense_mb == pytest.approx(2 * sum(r["dense-bytes"] for r in rounds) / MB)
+    assert rec.cum_down_mb == pytest.approx(sum(r["download-bytes"] for r in rounds) / MB)
+    assert rec.totals()["cumulative-ratio-both-ways"] == pytest.approx(
+        2 * sum(r["dense-bytes"] for r in rounds) / sum(r["upload-bytes"] + r["download-bytes"] for r in rounds))
