@@ -162,3 +162,34 @@ def test_resuming_a_checkpoint_older_than_both_ways_counting_keeps_the_ratio_hon
     assert rec.cum_down_mb == pytest.approx(sum(r["download-bytes"] for r in rounds) / MB)
     assert rec.totals()["cumulative-ratio-both-ways"] == pytest.approx(
         2 * sum(r["dense-bytes"] for r in rounds) / sum(r["upload-bytes"] + r["download-bytes"] for r in rounds))
+
+
+@pytest.mark.parametrize("init", ["seeded", "auto"])
+def test_exact_catch_up_after_a_seeded_or_compressed_start_stays_within_max_copies(init):
+    """``catchup = "exact"`` kept every broadcast payload since B_1 for nodes not seen yet, whatever
+    ``max_copies`` said (80 rounds of sign: 4.65 copies for a budget of 3, growing each round). Past
+    the budget the chain from B_1 is let go: a late node gets the start and a compressed diff, and
+    still holds what the server records for it."""
+    from torch import nn
+
+    from fedcomp.config import CodecConfig
+    from fedcomp.statedict import to_record, to_state_dict
+    from fedcomp.strategies.downstream_sender import Downstream
+
+    torch.manual_seed(0)
+    sd = nn.Sequential(nn.Linear(50, 40), nn.Linear(40, 10)).state_dict()
+    ds = Downstream(CodecConfig(compressor="sign"), "sign", init=init, catchup="exact", max_copies=3)
+    g = to_state_dict(ds.start_model(to_record(sd)))
+    for r in range(1, 41):
+        msg = make_msg(RecordDict({"arrays": to_record(g), "config": ConfigRecord({})}), dst=1)
+        ds.prepare(r, to_record(g), [msg])
+        ds.received(1)
+        assert ds._copies() <= 3, r
+        g = {k: t + 0.01 * torch.randn_like(t) for k, t in g.items()}
+    late = make_msg(RecordDict({"arrays": to_record(g), "config": ConfigRecord({})}), dst=9)
+    ds.prepare(41, to_record(g), [late])
+    ctx = make_ctx(node_id=9)
+    out = to_state_dict(rebuild(late, ctx, "arrays", late.content["arrays"], dict(late.content["config"])))
+    ds.received(9)
+    assert ds.sent_kind[9].startswith("init+")
+    assert np.array_equal(ds.held(9), np.concatenate([out[k].numpy().reshape(-1) for k in out]))
