@@ -193,3 +193,22 @@ def test_exact_catch_up_after_a_seeded_or_compressed_start_stays_within_max_copi
     ds.received(9)
     assert ds.sent_kind[9].startswith("init+")
     assert np.array_equal(ds.held(9), np.concatenate([out[k].numpy().reshape(-1) for k in out]))
+
+
+def test_seeded_refuses_batchnorm_statistics_that_left_their_initialisation():
+    """``"seeded"`` drew a moved running variance like any tensor: mean + uniform(+-sqrt(3) std) went
+    negative ([1e-3] * 7 + [1e3]: 4 of 8 entries below 0) and the model's eval output was NaN. Fresh
+    BatchNorm statistics (zeros, ones) stay exact as before."""
+    from torch import nn
+
+    from fedcomp.config import CodecConfig
+    from fedcomp.statedict import to_record, to_state_dict
+    from fedcomp.strategies.downstream_sender import Downstream
+
+    m = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8))
+    fresh = to_state_dict(Downstream(CodecConfig(), "stc", init="seeded").start_model(to_record(m.state_dict())))
+    assert torch.equal(fresh["1.running_var"], torch.ones(8)) and torch.equal(fresh["1.running_mean"], torch.zeros(8))
+    sd = m.state_dict()
+    sd["1.running_var"] = torch.tensor([1e-3] * 7 + [1e3])
+    with pytest.raises(ValueError, match=r"downstream init 'seeded': BatchNorm statistics \['1.running_var'\]"):
+        Downstream(CodecConfig(), "stc", init="seeded").start_model(to_record(sd))
