@@ -170,11 +170,16 @@ def rebuild(msg: Message, context: Context, arr_key: str, rec: ArrayRecord, cfg)
     CompositionError
         A payload arrives but this node holds no copy, or a copy of another version.
     PayloadError
-        A malformed payload or seeded-init rule, unknown keys, another shape or dtype.
+        A malformed payload or seeded-init rule, unknown keys, another shape or dtype; rules or
+        payloads without ``fedcomp-model-version``.
     ValueError
         The rebuilt model is not finite in its dtypes.
     """
     if MODEL_VERSION not in cfg:
+        ours = [k for k, a in rec.items() if a.stype in (INIT_STYPE, PAYLOAD_STYPE)]
+        if ours:  # not dense weights: the version keys are missing
+            raise PayloadError(f"downstream message without train config '{MODEL_VERSION}' carries seeded-init "
+                               f"rules or payloads {ours[:5]}")
         return rec
     _version_keys(cfg)
     parts = _parts(rec)

@@ -212,3 +212,19 @@ def test_seeded_refuses_batchnorm_statistics_that_left_their_initialisation():
     sd["1.running_var"] = torch.tensor([1e-3] * 7 + [1e3])
     with pytest.raises(ValueError, match=r"downstream init 'seeded': BatchNorm statistics \['1.running_var'\]"):
         Downstream(CodecConfig(), "stc", init="seeded").start_model(to_record(sd))
+
+
+@pytest.mark.parametrize("stype", [INIT_STYPE, "fedcomp.payload.v1"])
+def test_rules_or_payloads_without_a_model_version_are_a_payload_error(stype):
+    """Without ``fedcomp-model-version`` the record was passed on as dense weights and numpy raised
+    ``TypeError: Unsupported serialization type`` inside compression_mod."""
+    from flwr.app import Message, MetricRecord
+
+    from fedcomp.client import compression_mod
+
+    rec = ArrayRecord({"w": Array(dtype="float32", shape=(3,), stype=stype, data=struct.pack("<d", 1.0))})
+    msg = make_msg(RecordDict({"arrays": rec, "config": ConfigRecord({INIT_SEED: 1})}))
+    with pytest.raises(PayloadError, match="'fedcomp-model-version'.*'w'"):
+        rebuild(msg, make_ctx(), "arrays", rec, dict(msg.content["config"]))
+    with pytest.raises(PayloadError):
+        compression_mod(msg, make_ctx(), lambda m, c: Message(RecordDict({"metrics": MetricRecord()}), reply_to=m))
