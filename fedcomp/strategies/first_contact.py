@@ -43,9 +43,12 @@ def check_init_policy(init: SeededInit | str) -> SeededInit | str:
     Raises
     ------
     ValueError
-        Any other value (naming it and the choices), or a per-tensor-only codec (PowerSGD, ATOMO).
+        Any other value (naming it and the choices), a per-tensor-only codec (PowerSGD, ATOMO), or
+        a :class:`SeededInit` whose seed is not an integer in ``[0, 2**63)``.
     """
-    if isinstance(init, SeededInit):
+    if isinstance(init, SeededInit):  # the seed travels as an int64 config value clients check (>= 0)
+        if isinstance(init.seed, bool) or not isinstance(init.seed, int) or not 0 <= init.seed < 2**63:
+            raise ValueError(f"downstream init: SeededInit seed must be an integer in [0, 2**63), got {init.seed!r}")
         return init
     if not isinstance(init, str) or (init not in INIT_POLICIES and init not in available_compressors()):
         raise ValueError(f"downstream init must be a SeededInit, one of {INIT_POLICIES} or a codec name "

@@ -228,3 +228,17 @@ def test_rules_or_payloads_without_a_model_version_are_a_payload_error(stype):
         rebuild(msg, make_ctx(), "arrays", rec, dict(msg.content["config"]))
     with pytest.raises(PayloadError):
         compression_mod(msg, make_ctx(), lambda m, c: Message(RecordDict({"metrics": MetricRecord()}), reply_to=m))
+
+
+@pytest.mark.parametrize("seed", [-1, 2**63, 1.5, "7", True, None])
+def test_a_seeded_init_whose_seed_no_client_accepts_is_refused_naming_it(seed):
+    """Clients accept ``fedcomp-init-seed`` only as an integer in [0, 2**63) (Flower's int64 config
+    values): a SeededInit with another seed was accepted by the server and every first contact of
+    the run failed on the clients (CompositionError), or the config could not be sent at all."""
+    from fedcomp.config import CodecConfig
+    from fedcomp.protocol.seeded_init import SeededInit
+    from fedcomp.strategies.downstream_sender import Downstream
+
+    with pytest.raises(ValueError, match="downstream init: SeededInit seed must be an integer in"):
+        Downstream(CodecConfig(), "stc", init=SeededInit(seed, {"w": 0.5}))
+    assert Downstream(CodecConfig(), "stc", init=SeededInit(2**63 - 1, {"w": 0.5})).init.seed == 2**63 - 1
