@@ -242,3 +242,32 @@ def test_a_seeded_init_whose_seed_no_client_accepts_is_refused_naming_it(seed):
     with pytest.raises(ValueError, match="downstream init: SeededInit seed must be an integer in"):
         Downstream(CodecConfig(), "stc", init=SeededInit(seed, {"w": 0.5}))
     assert Downstream(CodecConfig(), "stc", init=SeededInit(2**63 - 1, {"w": 0.5})).init.seed == 2**63 - 1
+
+
+def _npy_claiming(shape: tuple) -> Array:
+    """An npy array whose header claims ``shape`` but that holds 16 bytes of data."""
+    from numpy.lib import format as npy_format
+
+    buf = io.BytesIO()
+    npy_format.write_array_header_1_0(buf, {"descr": "<f4", "fortran_order": False, "shape": shape})
+    buf.write(b"\0" * 16)
+    return Array(dtype="float32", shape=shape, stype="numpy.ndarray", data=buf.getvalue())
+
+
+@pytest.mark.parametrize("shape", [(10**12,), (10**8,)])
+def test_an_npy_header_claiming_more_than_its_bytes_allocates_nothing(shape):
+    """np.load allocates what a header claims before it reads: a ~100-byte array claiming 10**12
+    float32 raised MemoryError (3.6 TiB) in the first contact's plain arrays and in any dense train
+    message through compression_mod; 10**8 allocated 400 MB first."""
+    from flwr.app import Message, MetricRecord
+
+    from fedcomp.client import compression_mod
+    from fedcomp.statedict import numpy_dict
+
+    with pytest.raises(ValueError, match="claims"):
+        numpy_dict(ArrayRecord({"n": _npy_claiming(shape)}))
+    with pytest.raises(PayloadError, match="'n'"):
+        _receive({"w": _rule("float32", (3,), 1.0), "n": _npy_claiming(shape)})
+    msg = make_msg(RecordDict({"arrays": ArrayRecord({"n": _npy_claiming(shape)}), "config": ConfigRecord({})}))
+    with pytest.raises(ValueError, match="claims"):
+        compression_mod(msg, make_ctx(), lambda m, c: Message(RecordDict({"metrics": MetricRecord()}), reply_to=m))
