@@ -271,3 +271,43 @@ def test_an_npy_header_claiming_more_than_its_bytes_allocates_nothing(shape):
     msg = make_msg(RecordDict({"arrays": ArrayRecord({"n": _npy_claiming(shape)}), "config": ConfigRecord({})}))
     with pytest.raises(ValueError, match="claims"):
         compression_mod(msg, make_ctx(), lambda m, c: Message(RecordDict({"metrics": MetricRecord()}), reply_to=m))
+
+
+@pytest.mark.parametrize("init,expected", [("auto", "seeded-lora"), ("dense", "dense"), ("fp16", "fp16")])
+def test_the_lora_app_keeps_an_explicit_downstream_init(monkeypatch, tmp_path, init, expected):
+    """With finetune = "lora" the server app replaced run config 'downstream-init' by the adapters'
+    seeded start whatever it said: 'dense' or 'fp16' was silently ignored. Only 'auto' means the
+    seeded start."""
+    import fedcomp.app.server_app as sa
+    from fedcomp.protocol.seeded_init import SeededInit
+
+    seeded = SeededInit(3, {})
+    got = {}
+
+    class Stop(Exception):
+        pass
+
+    class Capture:
+        @staticmethod
+        def from_codec_config(inner, codec, **options):
+            got.update(options)
+            raise Stop
+
+    monkeypatch.setattr(sa, "check_supernodes_fit_the_data", lambda *a, **k: None)
+    monkeypatch.setattr(sa, "writable_results_dir", lambda *a, **k: tmp_path)
+    monkeypatch.setattr(sa, "route_flower_logs", lambda *a, **k: None)
+    monkeypatch.setattr(sa, "initial_adapters", lambda settings, seed: ({}, seeded))
+    monkeypatch.setattr(sa, "build_inner", lambda cfg: None)
+    monkeypatch.setattr(sa, "CompressedStrategy", Capture)
+    rc = {"finetune": "lora", "dataset": "shakespeare", "model": "transformer", "base-model": str(tmp_path),
+          "compressor": "sign", "downstream-init": init}
+
+    class Grid:
+        def get_node_ids(self):
+            return [1, 2]
+
+    from flwr.app import Context
+
+    with pytest.raises(Stop):
+        sa.main(Grid(), Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config=rc))
+    assert (got["downstream_init"] is seeded) if expected == "seeded-lora" else got["downstream_init"] == expected
