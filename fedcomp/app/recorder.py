@@ -161,9 +161,18 @@ class RoundRecorder:
         """Continue from a checkpoint's metrics (resume)."""
         self.rounds = list(meta["rounds"])
         extra = meta.get("extra", {})
+        # checkpoints older than the both-ways count lack these totals: sum the round records' bytes,
+        # as the run counted them round by round (else the ratio divides new fp32 bytes by all bytes)
+        def total(key: str, field: str, factor: float) -> float:
+            if key in extra:
+                return float(extra[key])
+            values = (r.get(field) for r in self.rounds if isinstance(r, dict))
+            return factor * sum(float(v) for v in values if isinstance(v, (int, float)) and math.isfinite(v)
+                                and v > 0) / MB
+
         self.cum_mb = float(extra.get("cum-mb", 0.0))
-        self.cum_down_mb = float(extra.get("cum-down-mb", 0.0))
-        self.cum_dense_mb = float(extra.get("cum-dense-mb", 0.0))
+        self.cum_down_mb = total("cum-down-mb", "download-bytes", 1.0)
+        self.cum_dense_mb = total("cum-dense-mb", "dense-bytes", 2.0)
         self.last_eps = float(extra.get("last-eps") or 0.0)
 
     def save(self) -> None:

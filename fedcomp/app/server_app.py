@@ -164,7 +164,9 @@ def main(grid: Grid, context: Context) -> None:
         return
     adapters = None
     if cfg.finetune == "lora":  # LoRA's seeded start, from the base model's config (no weights)
-        adapters, options["downstream_init"] = initial_adapters(LoraSettings.from_mapping(context.run_config), cfg.seed)
+        adapters, seeded = initial_adapters(LoraSettings.from_mapping(context.run_config), cfg.seed)
+        if cfg.downstream_init == "auto":  # an explicit downstream-init ("dense", a codec) stays in force
+            options["downstream_init"] = seeded
     strategy = CompressedStrategy.from_codec_config(build_inner(cfg), cfg.codec, **options)
     recorder = RoundRecorder(cfg, CompressedRounds(cfg, strategy, dict(context.run_config)), out_dir,
                              dict(context.run_config))

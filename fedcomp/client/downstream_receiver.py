@@ -16,7 +16,8 @@ Message forms (written by :mod:`fedcomp.strategies.downstream_sender`; the train
 
 from __future__ import annotations
 
-import numpy as np
+import math
+
 from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord
 
 from fedcomp.client.update import CompositionError
@@ -72,31 +73,44 @@ def _init_base(rec: ArrayRecord, seed: int, part_keys: set[str]) -> tuple[FlatMo
     Raises
     ------
     PayloadError
-        A seeded-init rule that is not 8 or 16 bytes, a negative or non-finite bound, a non-finite
-        center, a non-float dtype,
-        or more elements than a payload may claim.
+        A seeded-init rule that is not 8 or 16 bytes, a bound or center outside float32's range
+        (or non-finite), a non-float or unknown dtype, a negative dimension, or more elements than a
+        payload may claim; a plain array that does not decode (naming the tensor).
     """
     values, dtypes, lossy, total = {}, {}, [], 0
     for k, a in rec.items():
         if k in part_keys:
             continue
         if a.stype == INIT_STYPE:
-            if not a.dtype or not is_float_dtype(a.dtype):
+            try:
+                is_float = bool(a.dtype) and is_float_dtype(a.dtype)
+            except TypeError:  # a dtype fedcomp does not handle (float8, float128, complex, ...)
+                is_float = False
+            if not is_float:
                 raise PayloadError(f"seeded-init rule of '{k}' is malformed (dtype {a.dtype!r}, {len(a.data)} bytes)")
             try:
                 bound, center = parse_rule(k, bytes(a.data))
             except ValueError as err:
                 raise PayloadError(str(err)) from None
             shape = tuple(int(d) for d in a.shape)
-            total += int(np.prod(shape)) if shape else 1
+            if any(d < 0 for d in shape):
+                raise PayloadError(f"seeded-init rule of '{k}' has a negative dimension: shape {shape}")
+            total += math.prod(shape)  # Python ints: no wrap-around past int64
             if total > DEFAULT_MAX_NUMEL:
-                raise PayloadError(f"seeded-init rules claim more than {DEFAULT_MAX_NUMEL} elements")
+                raise PayloadError(f"seeded-init rules claim more than {DEFAULT_MAX_NUMEL} elements (at '{k}')")
             values[k], dtypes[k] = seeded_tensor(k, shape, bound, seed, center), a.dtype
             lossy.append(k)
         else:
-            v, d = numpy_dict(ArrayRecord({k: a}))
+            try:
+                v, d = numpy_dict(ArrayRecord({k: a}))
+                FlatModel(v, d)  # a dtype fedcomp handles
+            except (TypeError, ValueError) as err:
+                raise PayloadError(f"first-contact array '{k}' is malformed: {err}") from None
             values[k], dtypes[k] = v[k], d[k]
-    model = FlatModel(values, dtypes)
+    try:
+        model = FlatModel(values, dtypes)
+    except (TypeError, ValueError) as err:
+        raise PayloadError(f"seeded start: {err}") from None
     vec = settle(model, lossy, gather(model, lossy))
     scatter(model, lossy, vec)
     return model, lossy
@@ -156,11 +170,16 @@ def rebuild(msg: Message, context: Context, arr_key: str, rec: ArrayRecord, cfg)
     CompositionError
         A payload arrives but this node holds no copy, or a copy of another version.
     PayloadError
-        A malformed payload or seeded-init rule, unknown keys, another shape or dtype.
+        A malformed payload or seeded-init rule, unknown keys, another shape or dtype; rules or
+        payloads without ``fedcomp-model-version``.
     ValueError
         The rebuilt model is not finite in its dtypes.
     """
     if MODEL_VERSION not in cfg:
+        ours = [k for k, a in rec.items() if a.stype in (INIT_STYPE, PAYLOAD_STYPE)]
+        if ours:  # not dense weights: the version keys are missing
+            raise PayloadError(f"downstream message without train config '{MODEL_VERSION}' carries seeded-init "
+                               f"rules or payloads {ours[:5]}")
         return rec
     _version_keys(cfg)
     parts = _parts(rec)

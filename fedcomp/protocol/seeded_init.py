@@ -27,6 +27,18 @@ import torch
 INIT_STYPE = "fedcomp.seeded-init.v1"
 #: Train-config key carrying the seed of a seeded initial model.
 INIT_SEED = "fedcomp-init-seed"
+#: Largest bound (the draw's range ``2 * bound`` stays finite in float32) and center of a rule.
+MAX_BOUND = float(np.finfo(np.float32).max) / 2
+MAX_CENTER = float(np.finfo(np.float32).max)
+
+
+def _rule_error(bound: float, center: float) -> str | None:
+    """Why ``(bound, center)`` is no rule (None: it is one): values are drawn in float32."""
+    if not math.isfinite(bound) or not 0 <= bound <= MAX_BOUND:
+        return f"bound must be finite, >= 0 and <= {MAX_BOUND:.6g}, got {bound!r}"
+    if not math.isfinite(center) or abs(center) > MAX_CENTER:
+        return f"center must be finite and within +-{MAX_CENTER:.6g}, got {center!r}"
+    return None
 
 
 def _tensor_seed(seed: int, key: str) -> int:
@@ -45,22 +57,22 @@ def seeded_tensor(key: str, shape: tuple[int, ...], bound: float, seed: int, cen
     shape : tuple of int
         Any shape (0-d and zero-element included).
     bound : float
-        Finite, >= 0.
+        Finite, in ``[0, MAX_BOUND]``.
     seed : int
         The run's init seed (any integer).
     center : float
-        Finite; added to every entry (0 for LoRA's rules).
+        Finite, within float32's range; added to every entry (0 for LoRA's rules).
 
     Raises
     ------
     ValueError
-        A negative or non-finite bound, or a non-finite center.
+        A bound or center outside those ranges, or a negative dimension.
     """
-    if not math.isfinite(bound) or bound < 0:
-        raise ValueError(f"seeded init of '{key}': bound must be finite and >= 0, got {bound!r}")
-    if not math.isfinite(center):
-        raise ValueError(f"seeded init of '{key}': center must be finite, got {center!r}")
-    n = int(np.prod(shape)) if shape else 1
+    if (why := _rule_error(bound, center)) is not None:
+        raise ValueError(f"seeded init of '{key}': {why}")
+    if any(int(d) < 0 for d in shape):
+        raise ValueError(f"seeded init of '{key}': negative dimension in shape {tuple(shape)}")
+    n = math.prod(int(d) for d in shape)
     if bound == 0.0:
         return np.full(shape, center, dtype=np.float32)
     g = torch.Generator().manual_seed(_tensor_seed(seed, key))
@@ -113,7 +125,8 @@ def parse_rule(key: str, data: bytes) -> tuple[float, float]:
     Raises
     ------
     ValueError
-        Not 8 or 16 bytes, a negative or non-finite bound, or a non-finite center.
+        Not 8 or 16 bytes, a bound outside ``[0, MAX_BOUND]`` or a center beyond float32 (or
+        non-finite).
     """
     if len(data) == 8:
         (bound,), center = struct.unpack("<d", data), 0.0
@@ -121,9 +134,8 @@ def parse_rule(key: str, data: bytes) -> tuple[float, float]:
         bound, center = struct.unpack("<dd", data)
     else:
         raise ValueError(f"seeded-init rule of '{key}' must be 8 or 16 bytes, got {len(data)}")
-    if not math.isfinite(bound) or bound < 0 or not math.isfinite(center):
-        raise ValueError(f"seeded-init rule of '{key}': bound {bound!r} must be finite and >= 0 and center "
-                         f"{center!r} finite")
+    if (why := _rule_error(bound, center)) is not None:
+        raise ValueError(f"seeded-init rule of '{key}': {why}")
     return bound, center
 
 

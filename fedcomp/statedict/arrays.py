@@ -5,6 +5,7 @@ values back to a tensor's own dtype (finite after the cast)."""
 from __future__ import annotations
 
 import io
+import math
 from collections.abc import Mapping
 
 import numpy as np
@@ -55,7 +56,32 @@ def array_to_numpy(arr: Array) -> np.ndarray:
         if bits.size != n:
             raise ValueError(f"bfloat16 array claims shape {tuple(arr.shape)} but holds {bits.size} values")
         return (bits.astype(np.uint32) << 16).view(np.float32).reshape(tuple(arr.shape))
+    if arr.stype == "numpy.ndarray":
+        _check_npy_size(arr.data)
     return arr.numpy()
+
+
+def _check_npy_size(data: bytes) -> None:
+    """Refuse an npy format 1.0/2.0 buffer holding fewer bytes than its header claims: ``np.load``
+    allocates the claimed array before it reads (a 100-byte message claiming 10**12 floats raised
+    MemoryError). Other layouts are left to ``np.load``.
+
+    Raises
+    ------
+    ValueError
+        The header claims more bytes than the buffer holds.
+    """
+    head = io.BytesIO(data)
+    try:
+        version = np.lib.format.read_magic(head)
+        read = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}[version]
+        shape, _, dtype = read(head)
+    except (ValueError, KeyError):
+        return
+    claimed = math.prod(int(d) for d in shape) * dtype.itemsize
+    if claimed > len(data) - head.tell():
+        raise ValueError(f"npy array claims shape {tuple(shape)} ({claimed} bytes) but holds "
+                         f"{len(data) - head.tell()} bytes")
 
 
 def numpy_to_array(values: np.ndarray, dtype: str) -> Array:

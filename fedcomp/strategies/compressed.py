@@ -367,6 +367,12 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         got.rejected += len(refused)
         if self.downstream is not None:
             self.downstream.note_replies(got.stats)
+        else:  # the bytes this server sent each node, not what the node reports (the both-ways ratio)
+            sent_bytes = {m.metadata.dst_node_id: sum(len(a.data) for r in m.content.array_records.values()
+                                                      for a in r.values()) for m in sent.messages}
+            for stat in got.stats:
+                reported = max(stat["download-bytes"], 0.0)  # a reply without a sent message (tests): its word
+                stat["download-bytes"] = float(sent_bytes.get(stat["node"], reported))
         ef21_missing = None
         if self.ef21 is not None:  # EF21: the round's update is the server's estimate h (+= mean of the sends)
             asked = len(sent.nodes) if sent.nodes is not None else len(replies) + len(refused)

@@ -132,6 +132,9 @@ class Downstream:
         #: diff, so every client trains from a broadcast version exactly (a per-client diff through a sparse
         #: codec such as STC drifts from the broadcast under partial participation; the chain does not)
         self.exact_catchup = catchup == "exact"
+        #: "exact": B_1's version and the payloads after it are kept for nodes not seen yet, until the
+        #: copies reach ``max_copies`` with no node left to forget (then new nodes get a diff)
+        self._pin_start = True
         #: version -> flat B (every float tensor, model order; current and previous version)
         self.history: dict[int, np.ndarray] = {}
         #: this round: node -> bytes sent / kind of message ("payload", "chain", "diff", "init", "dense")
@@ -219,6 +222,10 @@ class Downstream:
             cands = [n for n, v in self.node_version.items()
                      if n != keep and (n in self._private or v != self.version)]
             if not cands:
+                if self._pin_start:  # let go of the chain from B_1 kept for nodes not seen yet (init + diff)
+                    self._pin_start = False
+                    self._drop_unheld()
+                    continue
                 return
             node = min(cands, key=lambda n: (self._last_seen.get(n, -1), n))
             self.node_version.pop(node, None)
@@ -229,8 +236,8 @@ class Downstream:
     def _drop_unheld(self) -> None:
         """Drop the versions and payloads that no node needs any more."""
         held = {v for n, v in self.node_version.items() if n not in self._private}
-        if self.exact_catchup and self._init_vec is not None:
-            held.add(1)  # nodes not seen yet start from the seeded B_1
+        if self.exact_catchup and self._init_vec is not None and self._pin_start:
+            held.add(1)  # nodes not seen yet start from the seeded B_1 (until max_copies needs the room)
         for u in [u for u in self._versions if u not in held and u != self.version]:
             del self._versions[u]
         oldest = min(held | {self.version})

@@ -26,7 +26,7 @@ from flwr.app import ArrayRecord
 from flwr.common.logger import log
 
 from fedcomp.compression import available_compressors, codecs_with
-from fedcomp.protocol.broadcast import settle
+from fedcomp.protocol.broadcast import is_batchnorm_stat, settle
 from fedcomp.protocol.seeded_init import SeededInit, lora_init, seeded_like
 from fedcomp.statedict import FlatModel, is_float_dtype, numpy_dict
 
@@ -43,9 +43,12 @@ def check_init_policy(init: SeededInit | str) -> SeededInit | str:
     Raises
     ------
     ValueError
-        Any other value (naming it and the choices), or a per-tensor-only codec (PowerSGD, ATOMO).
+        Any other value (naming it and the choices), a per-tensor-only codec (PowerSGD, ATOMO), or
+        a :class:`SeededInit` whose seed is not an integer in ``[0, 2**63)``.
     """
-    if isinstance(init, SeededInit):
+    if isinstance(init, SeededInit):  # the seed travels as an int64 config value clients check (>= 0)
+        if isinstance(init.seed, bool) or not isinstance(init.seed, int) or not 0 <= init.seed < 2**63:
+            raise ValueError(f"downstream init: SeededInit seed must be an integer in [0, 2**63), got {init.seed!r}")
         return init
     if not isinstance(init, str) or (init not in INIT_POLICIES and init not in available_compressors()):
         raise ValueError(f"downstream init must be a SeededInit, one of {INIT_POLICIES} or a codec name "
@@ -69,12 +72,19 @@ def starting_model(init: SeededInit | str, arrays: ArrayRecord) -> tuple[ArrayRe
     Raises
     ------
     ValueError
-        ``"seeded"`` with a non-finite initial tensor.
+        ``"seeded"`` with a non-finite initial tensor, or BatchNorm statistics that are not constant
+        (a model that ran forward passes: a drawn running variance can be negative).
     """
     if not isinstance(init, str) or init not in ("auto", "seeded"):
         return arrays, init
     values, dtypes = numpy_dict(arrays)
     floats = {k: v for k, v in values.items() if is_float_dtype(dtypes[k])}
+    if init == "seeded":  # a drawn running variance can be negative (NaN in eval): only constants are kept
+        moved = [k for k, v in floats.items() if is_batchnorm_stat(k) and v.size and not np.all(v == v.flat[0])]
+        if moved:
+            raise ValueError(f"downstream init 'seeded': BatchNorm statistics {moved[:3]} are not at their "
+                             "initialisation (the model ran forward passes, it is not trained from scratch); "
+                             "use downstream_init = 'auto' (a compressed start)")
     seed = model_seed(floats)  # another initial model (another run seed), another draw
     seeded = seeded_like(floats, seed) if init == "seeded" else peft_adapters(floats, seed)
     if seeded is None:
