@@ -73,7 +73,7 @@ COPY scripts/docker-entrypoint.sh /usr/local/bin/fedcomp-entrypoint
 # the app: installed (a small layer, so code changes rebuild only this) and, in /app, the Flower
 # app directory that `flwr run .` submits (the `submit` service)
 WORKDIR /app
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md LICENSE ./
 COPY fedcomp ./fedcomp
 RUN pip install --no-deps . && rm -rf build
 USER app
