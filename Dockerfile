@@ -46,8 +46,9 @@ ENV PATH=/opt/fedcomp/bin:$PATH PYTHONUNBUFFERED=1 FLWR_HOME=/home/app/.flwr \
     FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1
 RUN useradd --create-home --uid 1000 app && mkdir -p /home/app/.flwr /data && chown app:app /home/app/.flwr
 COPY --from=supernode-venv /opt/fedcomp /opt/fedcomp
-# the app's package on the path (python -m fedcomp.task.datafiles, ...); the ClientApp itself comes in the
-# FAB that the SuperLink sends. A small layer: code changes rebuild only this.
+# the library the ClientApp runs (and python -m fedcomp.task.datafiles, ...); the FAB that the SuperLink
+# sends carries only the app's entry points (fedcomp_app/), which import it. A small layer: code changes
+# rebuild only this.
 COPY fedcomp /opt/fedcomp/lib/python3.11/site-packages/fedcomp
 WORKDIR /home/app
 USER app
@@ -75,6 +76,7 @@ COPY scripts/docker-entrypoint.sh /usr/local/bin/fedcomp-entrypoint
 WORKDIR /app
 COPY pyproject.toml README.md LICENSE ./
 COPY fedcomp ./fedcomp
+COPY fedcomp_app ./fedcomp_app
 RUN pip install --no-deps . && rm -rf build
 USER app
 ENTRYPOINT ["fedcomp-entrypoint"]

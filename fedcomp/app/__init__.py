@@ -3,6 +3,8 @@ path in ``secagg_server_app``), the ClientApps (``client_app``, ``lora_client_ap
 server writes (``results``, ``checkpoint``, ``strategy_record``) and prints (``console``,
 ``startup``).
 
-Components for ``pyproject.toml``: ``fedcomp.app.server_app:app`` and ``fedcomp.app.client_app:app``
-(the old ``fedcomp.server.app:app`` / ``fedcomp.client.app:app`` still load, see ``fedcomp._aliases``).
+The repository's ``pyproject.toml`` names them through the app bundle's entry points
+(``fedcomp_app.server_app:app``, ``fedcomp_app.client_app:app``); ``fedcomp.app.server_app:app`` and
+``fedcomp.app.client_app:app`` work as components too where fedcomp travels in the bundle (the old
+``fedcomp.server.app:app`` / ``fedcomp.client.app:app`` still load, see ``fedcomp._aliases``).
 """

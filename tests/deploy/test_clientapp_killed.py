@@ -46,7 +46,7 @@ def test_sigkilled_clientapp_is_a_named_failure(tmp_path, capsys, monkeypatch):
     # refuses where it matches nothing, so this app drops it
     (app / "pyproject.toml").write_text("\n".join(
         line for line in (REPO / "pyproject.toml").read_text().replace(
-            'clientapp = "fedcomp.app.client_app:app"', 'clientapp = "killer:app"').splitlines()
+            'clientapp = "fedcomp_app.client_app:app"', 'clientapp = "killer:app"').splitlines()
         if not line.startswith("fab-include")) + "\n")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     base = free_port_block(3)
