@@ -19,6 +19,15 @@ RESIDUAL_ROUND_KEY = "fedcomp.residual-round"
 #: Reply metric under EF21: the server round of the last send the client's estimate ``h_i`` holds (0:
 #: none); the server refuses a node whose value is not the round it last folded (:mod:`fedcomp.strategies.ef21_aggregate`).
 ESTIMATE_ROUND_METRIC = "ef21-estimate-round"
+#: The metric keys ``compression_mod`` adds to a train reply's MetricRecord (bytes, compression error,
+#: residual, timings, the device's memory and link report, per-layer lists, EF21's estimate round).
+#: The server reads them into its per-client figures and keeps them out of the records that the inner
+#: strategy averages, so that a Flower app's own round metrics hold its own keys.
+REPORT_KEYS = frozenset({
+    "upload-bytes", "dense-bytes", "download-bytes", "compression-error", "density", "residual-norm",
+    "residual-bytes", "residual-saturated", "residual-saturated-loss", "compress-seconds", "clientapp-seconds",
+    "client-peak-rss-mb", "client-memory-limit-mb", "client-oom-kills", "uplink-mbps", "downlink-mbps",
+    "layer-update-norm", "layer-compression-error", ESTIMATE_ROUND_METRIC})
 #: ArrayRecord key of a whole-model payload (selection scope "model"): the update of every
 #: parameter, flattened in the global model's key order and concatenated.
 MODEL_KEY = "fedcomp.model"

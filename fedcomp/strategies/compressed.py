@@ -28,7 +28,7 @@ from fedcomp.strategies.presets import apply_preset
 from fedcomp.strategies.privacy_budget import PoissonSampling, PrivacyBudget
 from fedcomp.strategies.replies import RoundReplies, evaluate_replies, fold_replies, note_failures
 from fedcomp.strategies.round_history import RoundHistory, SentRound
-from fedcomp.strategies.round_metrics import common_metric_keys, layers_mean, round_metrics
+from fedcomp.strategies.round_metrics import common_metric_keys, headline, layers_mean, round_metrics
 from fedcomp.strategies.wrapping import load_optimizer_state, optimizer_state
 
 
@@ -67,13 +67,18 @@ class CompressedStrategy(ForwardsToInner, Strategy):
        comes back in its own dtype and shape. A reply that fails to decode is logged with
        its node id and reason and dropped before it touches the sum (``rejected-replies``);
        error replies are counted (``failed-clients``). The global model never sees either.
-    3. Adds round metrics (:func:`.round_metrics.round_metrics`): ``upload-bytes`` (payload bytes
-       received), ``dense-bytes``, ``compression-ratio`` (dense / upload), ``compression-error`` and
+    3. Keeps the round's metrics in ``history[server_round]``
+       (:func:`.round_metrics.round_metrics`): ``upload-bytes`` (payload bytes received),
+       ``dense-bytes``, ``compression-ratio`` (dense / upload), ``compression-error`` and
        ``residual-norm`` (means over clients), ``download-bytes``, ``num-replies``,
        ``rejected-replies``, ``failed-clients``, ``upload-bytes-<codec>`` per codec, and
        ``round-seconds-simulated`` at the link speeds each client declared
-       (:func:`.round_metrics.client_seconds`). Client-reported numbers are untrusted:
-       non-numbers and non-finite values count as 0.
+       (:func:`.round_metrics.client_seconds`); per client in ``client_history``. Client-reported
+       numbers are untrusted: non-numbers and non-finite values count as 0. The MetricRecord
+       returned to Flower (its per-round log line and ``Result``) holds the inner strategy's
+       average of the app's own client metrics (``compression_mod``'s report,
+       :data:`fedcomp.protocol.messages.REPORT_KEYS`, is left out of it) and the headline figures
+       :data:`.round_metrics.HEADLINE_KEYS`.
 
     Parameters
     ----------
@@ -332,7 +337,7 @@ class CompressedStrategy(ForwardsToInner, Strategy):
                                                    self.half_remainders)
         ours = self._record(server_round, sent, got, bool(replies), dp_info, ef21_missing)
         merged = dict(agg_metrics) if agg_metrics is not None else {}
-        merged.update(ours)
+        merged.update(headline(ours))  # the rest of the round's figures: self.history
         return arrays, MetricRecord(merged)
 
     def _admit(self, server_round: int, sent: SentRound, replies: list[Message]) -> tuple[list, list, list]:

@@ -17,7 +17,8 @@ from flwr.app import Message, MetricRecord, RecordDict
 from flwr.common.logger import log
 
 from fedcomp.compression import PayloadError
-from fedcomp.protocol.device import MEMORY_REPORT_KEYS, reported_machine
+from fedcomp.protocol.device import reported_machine
+from fedcomp.protocol.messages import REPORT_KEYS
 from fedcomp.statedict import FlatModel
 from fedcomp.strategies.admission import admit
 from fedcomp.strategies.decode import decode_train_reply
@@ -109,11 +110,11 @@ def fold_replies(server_round: int, replies: list[Message], fold: Any, model: Fl
         got.carrier = reply
         got.stats.append(client_stats(node, decoded.reported, decoded.update.upload_bytes, model.dense_bytes,
                                       decoded.decode_seconds, reported_machine(reply.content)))
-        metrics = decoded.metrics
-        if got.stats[-1]["device-report-dropped"]:  # none of its figures reaches the round's means either
+        if got.stats[-1]["device-report-dropped"]:
             log(WARNING, "round %s: node %s's memory report dropped (counted in dropped-device-reports): %s",
                 server_round, node, got.stats[-1]["device-report-dropped"])
-            metrics = {k: v for k, v in metrics.items() if k not in MEMORY_REPORT_KEYS}
+        # what the inner strategy averages: the app's own metrics; compression_mod's report is in got.stats
+        metrics = {k: v for k, v in decoded.metrics.items() if k not in REPORT_KEYS}
         got.metric_contents.append(RecordDict({"metrics": MetricRecord(metrics)}))
         for name, nbytes in decoded.update.codecs.items():
             got.codec_bytes[name] = got.codec_bytes.get(name, 0) + nbytes

@@ -195,6 +195,19 @@ def round_metrics(stats: list[dict], codec_bytes: dict, n_good: int, rejected: i
     return out
 
 
+#: The wrapper's round metrics that reach Flower (the MetricRecord ``aggregate_train`` returns, which
+#: Flower logs every round and keeps in its ``Result``): the bytes both ways, the upload's compression
+#: ratio and error, how many replies were folded; with DP the epsilon figures. Every other figure of
+#: the round stays in ``CompressedStrategy.history`` (and the reference app's ``metrics.json``).
+HEADLINE_KEYS = ("upload-bytes", "download-bytes", "compression-ratio", "compression-error", "num-replies",
+                 "epsilon", "epsilon-max")
+
+
+def headline(metrics: dict) -> dict:
+    """The :data:`HEADLINE_KEYS` of a round's metrics that it has (DP's only with DP)."""
+    return {k: metrics[k] for k in HEADLINE_KEYS if k in metrics}
+
+
 #: The round metrics of the legacy-API wrapper (``LegacyCompressedStrategy``), in its order.
 UPLOAD_KEYS = ("upload-bytes", "dense-bytes", "compression-ratio", "compression-error", "num-replies",
                "rejected-replies", "failed-clients")

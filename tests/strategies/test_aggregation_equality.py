@@ -59,11 +59,13 @@ def _lockstep(run_config: dict, nodes: int = 2) -> tuple[list[float], Compressed
         assert (want is None) == (got is None)
         if got is not None:
             diffs.append(_rel_diff(got, want))
+        want_all = {**dict(want_m or {}), **dense.history.get(rnd, {})}  # Flower's record + the round's own
+        got_all = {**dict(got_m or {}), **streaming.history.get(rnd, {})}
         for key in ("num-replies", "rejected-replies", "failed-clients", "upload-bytes", "train-loss"):
-            if want_m.get(key) is None:
-                assert got_m.get(key) is None, key
+            if want_all.get(key) is None:
+                assert got_all.get(key) is None, key
             else:
-                assert got_m.get(key) == pytest.approx(want_m.get(key), rel=1e-9), key
+                assert got_all.get(key) == pytest.approx(want_all.get(key), rel=1e-9), key
         return got, got_m
 
     orig_configure = streaming.configure_train
