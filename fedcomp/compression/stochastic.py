@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -54,3 +55,9 @@ class StochasticRounder:
         u = scratch[: v.numel()].view(v.shape)
         torch.rand(v.shape, generator=self._gen(v.device), out=u)
         return v.add_(u).floor_()
+
+    def uniform_into(self, out: np.ndarray) -> np.ndarray:
+        """Fill the float32 numpy array ``out`` with the next ``out.size`` CPU draws, U[0, 1) (the
+        numbers :meth:`round_` would add on a CPU tensor of that size); returns ``out``."""
+        torch.rand(out.size, generator=self._gen(torch.device("cpu")), out=torch.from_numpy(out.reshape(-1)))
+        return out
