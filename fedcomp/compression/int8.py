@@ -84,9 +84,10 @@ class Int8Compressor(Compressor):
         n = xn.size
         nb = -(-n // bs)
         scales, q = np.empty(nb, dtype=np.float32), np.empty(n, dtype=np.int8)
-        per = max(1, CHUNK // bs)
-        work, u = np.empty(min(per, nb) * bs, dtype=np.float32), np.empty(min(per, nb) * bs, dtype=np.float32)
-        for b0, b1, start, stop in blocks(n, bs, torch.device("cpu")):
+        chunks = list(blocks(n, bs, torch.device("cpu")))
+        work = np.empty(max(1, min(CHUNK // bs, nb)) * bs, dtype=np.float32)
+        draws = self._rounder.uniform_chunks([(b1 - b0) * bs for b0, b1, _, _ in chunks])
+        for (b0, b1, start, stop), u in zip(chunks, draws):
             rows = padded_rows_np(xn, b0, b1, bs)
             w = work[: rows.size].reshape(rows.shape)
             scale = scales[b0:b1]
@@ -94,7 +95,7 @@ class Int8Compressor(Compressor):
             np.minimum(scale, _SCALE_CAP32, out=scale)  # keep 127 * scale finite: decoding never overflows
             np.divide(rows, np.where(scale > 0, scale, np.float32(1.0))[:, None], out=w)
             w = w.reshape(-1)
-            w += self._rounder.uniform_into(u[: w.size])
+            w += u
             np.floor(w, out=w)
             np.clip(w, -127, 127, out=w)
             q[start:stop] = w[: stop - start]

@@ -204,25 +204,25 @@ class QSGDCompressor(Compressor):
         signs, levels = UintStreamWriter(n, 1), UintStreamWriter(n, w_bits)
         # torch's ``s / safe`` is ``safe.reciprocal() * s``: the same two roundings here
         factor = None if exponential else np.reciprocal(safe) * np.float32(s)
-        per = max(1, CHUNK // bs)
-        work = np.empty(min(per, safe.size) * bs, dtype=np.float32)
-        u = np.empty_like(work)
+        chunks = list(blocks(n, bs, torch.device("cpu")))
+        work = np.empty(max(1, min(CHUNK // bs, safe.size)) * bs, dtype=np.float32)
         dt = uint_dtype(w_bits)
-        for b0, b1, start, stop in blocks(n, bs, torch.device("cpu")):
+        draws = self._rounder.uniform_chunks([(b1 - b0) * bs for b0, b1, _, _ in chunks])
+        for (b0, b1, start, stop), u in zip(chunks, draws):
             rows = padded_rows_np(xn, b0, b1, bs)
             m = np.abs(rows, out=work[: rows.size].reshape(rows.shape))
             if exponential:
                 np.divide(m, safe[b0:b1, None], out=m)
                 np.minimum(m, np.float32(1.0), out=m)
                 j, p = exponential_position_np(m.reshape(-1), s)
-                p += self._rounder.uniform_into(u[: p.size])
+                p += u
                 np.floor(p, out=p)
                 p += j
                 level = p
             else:
                 m *= factor[b0:b1, None]
                 level = m.reshape(-1)
-                level += self._rounder.uniform_into(u[: level.size])
+                level += u
                 np.floor(level, out=level)
             np.clip(level, 0, s, out=level)
             levels.push(level[: stop - start].astype(dt))
