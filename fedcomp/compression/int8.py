@@ -86,12 +86,15 @@ class Int8Compressor(Compressor):
         scales, q = np.empty(nb, dtype=np.float32), np.empty(n, dtype=np.int8)
         chunks = list(blocks(n, bs, torch.device("cpu")))
         work = np.empty(max(1, min(CHUNK // bs, nb)) * bs, dtype=np.float32)
+        starts = np.arange(0, work.size, bs)
         draws = self._rounder.uniform_chunks([(b1 - b0) * bs for b0, b1, _, _ in chunks])
         for (b0, b1, start, stop), u in zip(chunks, draws):
             rows = padded_rows_np(xn, b0, b1, bs)
             w = work[: rows.size].reshape(rows.shape)
             scale = scales[b0:b1]
-            np.divide(np.abs(rows, out=w).max(axis=1), np.float32(127.0), out=scale)
+            np.abs(rows, out=w)
+            # the block maxima: reduceat over the flat chunk is several times faster than max(axis=1)
+            np.divide(np.maximum.reduceat(work[: rows.size], starts[: b1 - b0]), np.float32(127.0), out=scale)
             np.minimum(scale, _SCALE_CAP32, out=scale)  # keep 127 * scale finite: decoding never overflows
             np.divide(rows, np.where(scale > 0, scale, np.float32(1.0))[:, None], out=w)
             w = w.reshape(-1)
