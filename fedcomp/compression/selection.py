@@ -43,7 +43,7 @@ def _candidates(flat: torch.Tensor, thr: float) -> tuple[np.ndarray, np.ndarray]
         chunk = xn[start : start + CHUNK]
         a, m = mag[: chunk.size], hit[: chunk.size]
         np.greater_equal(np.abs(chunk, out=a), thr, out=m)
-        i = np.flatnonzero(m)
+        i = m.nonzero()[0]
         if i.size:
             values.append(chunk[i])
             i += start
