@@ -69,8 +69,20 @@ def exponential_position(r: torch.Tensor, s: int) -> tuple[torch.Tensor, torch.T
 
 
 def exponential_position_np(r: np.ndarray, s: int) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`exponential_position` of a float32 numpy array (1-D, entries in [0, 1]): the same
-    exact values, int32 j and float32 p."""
+    """:func:`exponential_position` in numpy, for the CPU path: the same exact values.
+
+    Parameters
+    ----------
+    r : np.ndarray
+        float32, 1-D, contiguous, entries in [0, 1].
+    s : int
+        Number of non-zero levels, 1..126.
+
+    Returns
+    -------
+    (np.ndarray, np.ndarray)
+        int32 j in [0, s] and float32 p in [0, 1), both of r's shape.
+    """
     bits = r.view(np.int32)
     e = (bits >> 23) - np.int32(127)
     upper = e >= 1 - s

@@ -135,19 +135,6 @@ def top_k(flat: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def topk_indices(flat: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the k entries of largest magnitude of a 1-D tensor, sorted ascending
-    (:func:`top_k`'s positions).
-
-    Parameters
-    ----------
-    flat : torch.Tensor
-        1-D float32 tensor, shape ``(n,)``, finite, any device.
-    k : int
-        ``1 <= k <= n``.
-
-    Returns
-    -------
-    torch.Tensor
-        int64 tensor of shape ``(k,)`` on ``flat.device``, strictly increasing.
-    """
+    """:func:`top_k`'s positions alone: int64, shape ``(k,)``, strictly increasing, on ``flat.device``
+    (``flat``: 1-D float32, finite; ``1 <= k <= n``)."""
     return top_k(flat, k)[0]
