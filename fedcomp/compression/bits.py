@@ -168,6 +168,50 @@ def pack_uint_array(values: np.ndarray, width: int) -> np.ndarray:
     return out
 
 
+class UintStreamWriter:
+    """Packs ``count`` fixed-width unsigned values pushed chunk by chunk into one :func:`pack_uint`
+    stream (width 1: :func:`pack_bits`' stream), so that no n-sized array of the values is held.
+
+    Values are packed 8 at a time (a whole group: byte-aligned at every width); up to 7 wait for
+    the next :meth:`push`. The bytes equal those of one :func:`pack_uint_array` over all values.
+
+    Parameters
+    ----------
+    count : int
+        Values the stream will hold.
+    width : int
+        Bits per value, 1..64.
+    """
+
+    def __init__(self, count: int, width: int) -> None:
+        self.width = width
+        self.out = np.empty(nbytes_for_bits(count * width), dtype=np.uint8)
+        self._done = 0  # values packed so far, a multiple of 8 until :meth:`finish`
+        self._pending: np.ndarray | None = None
+
+    def push(self, values: np.ndarray) -> None:
+        """Append ``values`` (1-D, entries in ``[0, 2**width)``; bool for width 1)."""
+        if self._pending is not None and self._pending.size:
+            values = np.concatenate([self._pending, values])
+        whole = values.size - values.size % _GROUP
+        if whole:
+            self._write(values[:whole])
+        self._pending = values[whole:].copy()
+
+    def finish(self) -> np.ndarray:
+        """The packed stream (uint8), after the last values and their zero padding."""
+        if self._pending is not None and self._pending.size:
+            self._write(self._pending)
+            self._pending = None
+        return self.out
+
+    def _write(self, values: np.ndarray) -> None:
+        first = self._done * self.width // 8
+        packed = pack_bits_array(values) if self.width == 1 else pack_uint_array(values, self.width)
+        self.out[first : first + packed.size] = packed
+        self._done += values.size
+
+
 def uint_dtype(width: int) -> np.dtype:
     """Smallest unsigned dtype holding ``width``-bit values (uint8, uint16, uint32 or uint64)."""
     for dt in (np.uint8, np.uint16, np.uint32):

@@ -53,6 +53,17 @@ def padded_rows(flat: torch.Tensor, b0: int, b1: int, block: int) -> torch.Tenso
     return seg.reshape(b1 - b0, block)
 
 
+def padded_rows_np(xn: np.ndarray, b0: int, b1: int, block: int) -> np.ndarray:
+    """:func:`padded_rows` of a 1-D numpy array ``xn``: blocks ``b0 .. b1 - 1`` as a
+    ``(b1 - b0, block)`` view of xn's dtype, the short last block zero-padded (a copy of that
+    chunk only)."""
+    seg = xn[b0 * block : b1 * block]
+    short = (b1 - b0) * block - seg.size
+    if short:
+        seg = np.concatenate([seg, np.zeros(short, dtype=seg.dtype)])
+    return seg.reshape(b1 - b0, block)
+
+
 def on_cpu(t: torch.Tensor) -> bool:
     """Whether ``t`` takes the chunked numpy path: a CPU tensor (``.numpy()`` works on it)."""
     return t.device.type == "cpu"

@@ -96,7 +96,8 @@ class EdenCompressor(Compressor):
         scales = []
         wide = buffer(power_of_two_blocks(n)[0][1] if n else 0, torch.float64) if cpu else None
         for off, size in power_of_two_blocks(n):
-            blk = fwht_(y[off : off + size]).mul_(size**-0.5)
+            # only |y| and y >= 0 are read: the sign of a zero does not matter
+            blk = fwht_(y[off : off + size], zero_signs=False).mul_(size**-0.5)
             l1 = float(torch.linalg.vector_norm(_double(blk, wide), ord=1))
             if not math.isfinite(l1) or l1 / size > 3.4e38:
                 raise ValueError("eden: the rotated input overflows float32 (entries near 3.4e38); refusing to compress")

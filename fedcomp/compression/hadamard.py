@@ -13,7 +13,7 @@ import torch
 from fedcomp.compression.chunked import spans
 
 
-def fwht_(x: torch.Tensor, buf: torch.Tensor | None = None) -> torch.Tensor:
+def fwht_(x: torch.Tensor, buf: torch.Tensor | None = None, zero_signs: bool = True) -> torch.Tensor:
     """Unnormalised fast Walsh-Hadamard transform of a 1-D tensor, in place: ``x <- H x``.
 
     H is the Sylvester Hadamard matrix (``H @ H = len(x) * I``); ``H / sqrt(len(x))`` is
@@ -31,6 +31,11 @@ def fwht_(x: torch.Tensor, buf: torch.Tensor | None = None) -> torch.Tensor:
         Scratch space of at least ``len(x) // 2`` entries (x's dtype and device), e.g. from a numpy
         array so that its memory is counted where numpy's is; allocated if omitted. Unused by the
         cache-blocked CPU path, whose scratch is three cache-sized tensors.
+    zero_signs : bool
+        True (default): the exact operations above, signed zeros included. False (CPU, cache-blocked
+        path): ``-(b - a)`` is computed as ``a - b``, one operation less per level; the two differ
+        only where ``a == b``, giving +0.0 instead of -0.0, so every entry is the same number and
+        only the sign of a zero may differ (for callers that read ``|y|`` and ``y >= 0`` only).
 
     Returns
     -------
@@ -47,7 +52,7 @@ def fwht_(x: torch.Tensor, buf: torch.Tensor | None = None) -> torch.Tensor:
     if n & (n - 1):
         raise ValueError(f"fwht_: length {n} is not a power of two")
     if x.device.type == "cpu" and n >= BLOCKED_MIN and x.is_contiguous():
-        return _fwht_blocked(x)
+        return _fwht_blocked(x, zero_signs)
     if buf is None:
         buf = torch.empty(n // 2, dtype=x.dtype, device=x.device)
     h = 1
@@ -69,28 +74,32 @@ _GROUP = 1 << 16
 _TRANSPOSE = 64
 
 
-def _level(src: torch.Tensor, dst: torch.Tensor, h: int, inner: int = 1) -> None:
+def _level(src: torch.Tensor, dst: torch.Tensor, h: int, inner: int = 1, zero_signs: bool = True) -> None:
     """One butterfly level from ``src`` into ``dst`` (same shape): entries ``h * inner`` apart
-    pair up as ``(a, b) -> (a + b, -(b - a))``, the exact operations of the in-place loop."""
+    pair up as ``(a, b) -> (a + b, -(b - a))``, the exact operations of the in-place loop (with
+    ``zero_signs=False``: ``a - b``, the same but for the sign of a zero)."""
     s, d = src.view(-1, 2, h * inner), dst.view(-1, 2, h * inner)
     a, b, da, db = s[:, 0], s[:, 1], d[:, 0], d[:, 1]
     torch.add(a, b, out=da)
-    torch.sub(b, a, out=db)
-    db.neg_()
+    if zero_signs:
+        torch.sub(b, a, out=db)
+        db.neg_()
+    else:
+        torch.sub(a, b, out=db)
 
 
-def _levels(src: torch.Tensor, dst: torch.Tensor, count: int, inner: int) -> torch.Tensor:
+def _levels(src: torch.Tensor, dst: torch.Tensor, count: int, inner: int, zero_signs: bool = True) -> torch.Tensor:
     """Levels h = 1, 2, .., count / 2 on entries ``h * inner`` apart, ping-ponged between ``src``
     and ``dst``; returns the one holding the result."""
     h = 1
     while h < count:
-        _level(src, dst, h, inner)
+        _level(src, dst, h, inner, zero_signs)
         src, dst = dst, src
         h *= 2
     return src
 
 
-def _fwht_blocked(x: torch.Tensor) -> torch.Tensor:
+def _fwht_blocked(x: torch.Tensor, zero_signs: bool = True) -> torch.Tensor:
     """:func:`fwht_` on the CPU, cache-blocked, every entry's operations unchanged.
 
     With the length cut into R rows of G = :data:`_GROUP` entries (``H_n = H_R (x) H_G``): each
@@ -107,12 +116,12 @@ def _fwht_blocked(x: torch.Tensor) -> torch.Tensor:
     for r in range(rows):
         xg = x[r * group : (r + 1) * group]
         s1.view(t, cols).copy_(xg.view(cols, t).t())
-        res = _levels(s1, s2, t, cols)  # pairs h apart in the row are transposed rows h apart
+        res = _levels(s1, s2, t, cols, zero_signs)  # pairs h apart in the row are transposed rows h apart
         xg.view(cols, t).copy_(res.view(t, cols).t())
         h = t
         src, dst = xg, s1
         while h < group:
-            _level(src, dst, h)
+            _level(src, dst, h, 1, zero_signs)
             src, dst = dst, src
             h *= 2
         if src is not xg:
@@ -125,7 +134,7 @@ def _fwht_blocked(x: torch.Tensor) -> torch.Tensor:
             w = min(width, group - c)
             a, b = tile1[: rows * w], tile2[: rows * w]
             a.view(rows, w).copy_(mat[:, c : c + w])
-            mat[:, c : c + w].copy_(_levels(a, b, rows, w).view(rows, w))
+            mat[:, c : c + w].copy_(_levels(a, b, rows, w, zero_signs).view(rows, w))
     return x
 
 

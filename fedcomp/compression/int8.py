@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from fedcomp.compression.base import Compressor, check_range, register
-from fedcomp.compression.chunked import CHUNK, blocks, buffer, float32_out, on_cpu, padded_rows
+from fedcomp.compression.chunked import CHUNK, blocks, float32_out, on_cpu, padded_rows, padded_rows_np
 from fedcomp.compression.errors import PayloadError
 from fedcomp.compression.options import Option
 from fedcomp.compression.stochastic import StochasticRounder
@@ -23,6 +23,7 @@ from fedcomp.compression.wire import BodyReader, Header, unpack_params
 MAX_BLOCK = 2**31 - 1
 #: Largest block scale: ``127 * scale`` stays a finite float32.
 _SCALE_CAP = float(np.finfo(np.float32).max) / 127.0 * (1 - 2**-20)
+_SCALE_CAP32 = np.float32(_SCALE_CAP)  # the cap as torch's clamp rounds it (to float32)
 
 
 @register
@@ -62,20 +63,46 @@ class Int8Compressor(Compressor):
     def _encode(self, flat: torch.Tensor) -> tuple[bytes, bytes | tuple]:
         n, bs = flat.numel(), self.block_size
         bs = min(bs, max(n, 1))  # a block larger than the tensor is one block: pad no further than n
+        params = struct.pack(self._PARAMS, self.block_size)
+        if on_cpu(flat):
+            return params, self._encode_cpu(flat.numpy(), bs)
         nb = -(-n // bs)
         scales = torch.empty(nb, device=flat.device)
-        q = buffer(n, torch.int8) if on_cpu(flat) else torch.empty(n, dtype=torch.int8, device=flat.device)
-        scratch = None
-        # block scales and stochastic rounding in one pass over cache-sized chunks of whole blocks
-        for b0, b1, start, stop in blocks(n, bs, flat.device):
+        q = torch.empty(n, dtype=torch.int8, device=flat.device)
+        for b0, b1, start, stop in blocks(n, bs, flat.device):  # one chunk: every block at once
             rows = padded_rows(flat, b0, b1, bs)
             # keep 127 * scale finite, so that decoding never overflows
             scale = torch.clamp(rows.abs().amax(dim=1) / 127.0, max=_SCALE_CAP, out=scales[b0:b1])
             safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-            v = rows / safe[:, None]
-            scratch = scratch if scratch is not None else torch.empty(v.numel(), device=v.device)
-            q[start:stop] = self._rounder.round_(v, scratch).clamp_(-127, 127).reshape(-1)[: stop - start]
-        return struct.pack(self._PARAMS, self.block_size), (scales.cpu().numpy(), q.cpu().numpy())
+            q[start:stop] = self._rounder.round_(rows / safe[:, None]).clamp_(-127, 127).reshape(-1)[: stop - start]
+        return params, (scales.cpu().numpy(), q.cpu().numpy())
+
+    def _encode_cpu(self, xn: np.ndarray, bs: int) -> tuple[np.ndarray, np.ndarray]:
+        """Block scales and stochastic rounding in one numpy pass over cache-sized chunks of whole
+        blocks: the same float32 operations per entry as the torch path, in the same order, and
+        the same draws (the CPU generator is read in order, padding of the short block included)."""
+        n = xn.size
+        nb = -(-n // bs)
+        scales, q = np.empty(nb, dtype=np.float32), np.empty(n, dtype=np.int8)
+        chunks = list(blocks(n, bs, torch.device("cpu")))
+        work = np.empty(max(1, min(CHUNK // bs, nb)) * bs, dtype=np.float32)
+        starts = np.arange(0, work.size, bs)
+        draws = self._rounder.uniform_chunks([(b1 - b0) * bs for b0, b1, _, _ in chunks])
+        for (b0, b1, start, stop), u in zip(chunks, draws):
+            rows = padded_rows_np(xn, b0, b1, bs)
+            w = work[: rows.size].reshape(rows.shape)
+            scale = scales[b0:b1]
+            np.abs(rows, out=w)
+            # the block maxima: reduceat over the flat chunk is several times faster than max(axis=1)
+            np.divide(np.maximum.reduceat(work[: rows.size], starts[: b1 - b0]), np.float32(127.0), out=scale)
+            np.minimum(scale, _SCALE_CAP32, out=scale)  # keep 127 * scale finite: decoding never overflows
+            np.divide(rows, np.where(scale > 0, scale, np.float32(1.0))[:, None], out=w)
+            w = w.reshape(-1)
+            w += u
+            np.floor(w, out=w)
+            np.clip(w, -127, 127, out=w)
+            q[start:stop] = w[: stop - start]
+        return scales, q
 
     @classmethod
     def _decode_into(cls, header: Header, payload: memoryview, out: np.ndarray) -> None:

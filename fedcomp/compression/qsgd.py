@@ -15,6 +15,7 @@ import torch
 
 from fedcomp.compression.base import Compressor, check_range, register
 from fedcomp.compression.bits import (
+    UintStreamWriter,
     check_padding,
     check_uint_stream,
     nbytes_for_bits,
@@ -23,7 +24,7 @@ from fedcomp.compression.bits import (
     uint_dtype,
     unpack_uint_range,
 )
-from fedcomp.compression.chunked import CHUNK, blocks, float32_out, on_cpu, padded_rows, spans
+from fedcomp.compression.chunked import CHUNK, blocks, float32_out, on_cpu, padded_rows, padded_rows_np
 from fedcomp.compression.errors import PayloadError
 from fedcomp.compression.options import Option
 from fedcomp.compression.stochastic import StochasticRounder
@@ -64,6 +65,31 @@ def exponential_position(r: torch.Tensor, s: int) -> tuple[torch.Tensor, torch.T
     frac = (bits & 0x7FFFFF).to(torch.float32) * 2.0**-23
     j = torch.where(upper, e + s, torch.zeros((), dtype=torch.int32, device=r.device))
     p = torch.where(upper, frac, r * float(2.0 ** (s - 1)))
+    return j, p
+
+
+def exponential_position_np(r: np.ndarray, s: int) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`exponential_position` in numpy, for the CPU path: the same exact values.
+
+    Parameters
+    ----------
+    r : np.ndarray
+        float32, 1-D, contiguous, entries in [0, 1].
+    s : int
+        Number of non-zero levels, 1..126.
+
+    Returns
+    -------
+    (np.ndarray, np.ndarray)
+        int32 j in [0, s] and float32 p in [0, 1), both of r's shape.
+    """
+    bits = r.view(np.int32)
+    e = (bits >> 23) - np.int32(127)
+    upper = e >= 1 - s
+    frac = (bits & np.int32(0x7FFFFF)).astype(np.float32)
+    frac *= np.float32(2.0**-23)
+    j = np.where(upper, e + np.int32(s), np.int32(0))
+    p = np.where(upper, frac, r * np.float32(2.0 ** (s - 1)))
     return j, p
 
 
@@ -166,23 +192,54 @@ class QSGDCompressor(Compressor):
             raise ValueError("qsgd: a bucket's L2 norm overflows float32")
         safe = torch.where(norms > 0, norms, torch.ones_like(norms))
         exponential = self.spacing == "exponential"
-        lv = np.empty(n, dtype=uint_dtype(self.width(s)))
-        lvt, scratch = torch.from_numpy(lv), None
-        for b0, b1, start, stop in blocks(n, bs, flat.device):
-            mag = padded_rows(flat, b0, b1, bs).abs()
-            scratch = scratch if scratch is not None else torch.empty(mag.numel(), device=mag.device)
-            if exponential:
-                j, p = exponential_position(mag.div_(safe[b0:b1, None]).clamp_(max=1.0), s)
-                level = self._rounder.round_(p, scratch).add_(j).clamp_(0, s)
-            else:
-                level = self._rounder.round_(mag.mul_(s / safe[b0:b1, None]), scratch).clamp_(0, s)
-            lvt[start:stop] = level.reshape(-1)[: stop - start].to(torch.int32).cpu()
         params = struct.pack(self._PARAMS_SPACED, s, self.bucket_size, 1) if exponential else \
             struct.pack(self._PARAMS, s, self.bucket_size)
-        signs = np.empty(nbytes_for_bits(n), dtype=np.uint8)
-        for start, stop in spans(n, CHUNK if on_cpu(flat) else max(n, 1)):  # one transfer from a GPU
-            signs[start // 8 : nbytes_for_bits(stop)] = pack_bits_array((flat[start:stop] < 0).cpu().numpy())
+        if on_cpu(flat):
+            signs, lv = self._levels_cpu(flat.numpy(), bs, safe.numpy(), exponential)
+            return params, (norms.numpy(), signs, lv)
+        rows = padded_rows(flat, 0, nb, bs).abs()  # one chunk: every bucket at once
+        if exponential:
+            j, p = exponential_position(rows.div_(safe[:, None]).clamp_(max=1.0), s)
+            level = self._rounder.round_(p).add_(j).clamp_(0, s)
+        else:
+            level = self._rounder.round_(rows.mul_(s / safe[:, None])).clamp_(0, s)
+        lv = level.reshape(-1)[:n].to(torch.int32).cpu().numpy().astype(uint_dtype(self.width(s)))
+        signs = pack_bits_array((flat < 0).cpu().numpy())
         return params, (norms.cpu().numpy(), signs, pack_uint_array(lv, self.width(s)))
+
+    def _levels_cpu(self, xn: np.ndarray, bs: int, safe: np.ndarray,
+                    exponential: bool) -> tuple[np.ndarray, np.ndarray]:
+        """Sign bits and packed levels in one numpy pass over cache-sized chunks of whole buckets:
+        per entry the float32 operations of the torch path in the same order, the same draws."""
+        s, n = self.levels, xn.size
+        w_bits = self.width(s)
+        signs, levels = UintStreamWriter(n, 1), UintStreamWriter(n, w_bits)
+        # torch's ``s / safe`` is ``safe.reciprocal() * s``: the same two roundings here
+        factor = None if exponential else np.reciprocal(safe) * np.float32(s)
+        chunks = list(blocks(n, bs, torch.device("cpu")))
+        work = np.empty(max(1, min(CHUNK // bs, safe.size)) * bs, dtype=np.float32)
+        dt = uint_dtype(w_bits)
+        draws = self._rounder.uniform_chunks([(b1 - b0) * bs for b0, b1, _, _ in chunks])
+        for (b0, b1, start, stop), u in zip(chunks, draws):
+            rows = padded_rows_np(xn, b0, b1, bs)
+            m = np.abs(rows, out=work[: rows.size].reshape(rows.shape))
+            if exponential:
+                np.divide(m, safe[b0:b1, None], out=m)
+                np.minimum(m, np.float32(1.0), out=m)
+                j, p = exponential_position_np(m.reshape(-1), s)
+                p += u
+                np.floor(p, out=p)
+                p += j
+                level = p
+            else:
+                m *= factor[b0:b1, None]
+                level = m.reshape(-1)
+                level += u
+                np.floor(level, out=level)
+            np.clip(level, 0, s, out=level)
+            levels.push(level[: stop - start].astype(dt))
+            signs.push(xn[start:stop] < 0)
+        return signs.finish(), levels.finish()
 
     @classmethod
     def _decode_into(cls, header: Header, payload: memoryview, out: np.ndarray) -> None:

@@ -25,14 +25,6 @@ def check_density(density: float) -> float:
     return float(density)
 
 
-def gather(flat: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """``flat[idx]`` (1-D, idx int64 on flat's device); on the CPU by numpy's take, several times
-    faster than torch's index kernel for a few hundred thousand positions. The same values."""
-    if flat.device.type != "cpu":
-        return flat[idx]
-    return torch.from_numpy(np.take(flat.numpy(), idx.numpy()))
-
-
 def positions_to_bytes(idx: torch.Tensor, n: int) -> tuple[int, int, bytes]:
     """Rice-code a sorted int64 index tensor (any device). Returns (b, unary_bits, bytes)."""
     return encode_positions(idx.cpu().numpy(), n)

@@ -16,11 +16,10 @@ from fedcomp.compression.base import Compressor, register
 from fedcomp.compression.bits import nbytes_for_bits, pack_bits_array, unpack_bits
 from fedcomp.compression.errors import PayloadError
 from fedcomp.compression.options import DENSITY
-from fedcomp.compression.selection import topk_indices
+from fedcomp.compression.selection import top_k
 from fedcomp.compression.sparse import (
     ChunkedSparseDecoding,
     check_density,
-    gather,
     k_for,
     positions_to_bytes,
     read_positions,
@@ -71,8 +70,7 @@ class STCCompressor(ChunkedSparseDecoding, Compressor):
         k = k_for(self.density, n)
         if k == 0:
             return struct.pack(self._PARAMS, 0, 0, 0, 0.0), b""
-        idx = topk_indices(flat, k)
-        kept = gather(flat, idx)
+        idx, kept = top_k(flat, k)
         mu = float(kept.abs().mean(dtype=torch.float64))
         b, unary_bits, pos = positions_to_bytes(idx, n)
         signs = (kept >= 0).cpu().numpy()

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
 import torch
+
+#: Fewest draws for which :meth:`StochasticRounder.uniform_chunks` draws ahead on a helper thread.
+AHEAD_MIN = 1 << 20
 
 
 class StochasticRounder:
@@ -54,3 +61,37 @@ class StochasticRounder:
         u = scratch[: v.numel()].view(v.shape)
         torch.rand(v.shape, generator=self._gen(v.device), out=u)
         return v.add_(u).floor_()
+
+    def uniform_chunks(self, sizes: Sequence[int]) -> Iterator[np.ndarray]:
+        """The next CPU draws, U[0, 1) float32, as consecutive numpy arrays of ``sizes`` entries: the
+        numbers :meth:`round_` would add on CPU tensors of those sizes, in order.
+
+        Above :data:`AHEAD_MIN` draws in all, a helper thread draws the next chunk while the caller
+        works on the current one (the Mersenne Twister behind ``torch.rand`` is sequential, and
+        most of a stochastic-rounding encoder's time on the CPU): two buffers of the largest size
+        alternate, so a yielded array is valid until the next one is requested. The generator
+        ends up where one ``torch.rand`` of ``sum(sizes)`` entries leaves it, unless the caller
+        stops early (then up to one chunk more has been drawn).
+        """
+        sizes = list(sizes)
+        if not sizes:
+            return
+        gen = self._gen(torch.device("cpu"))
+        bufs = [np.empty(max(sizes), dtype=np.float32) for _ in range(2)]
+        views = [torch.from_numpy(b) for b in bufs]
+
+        def draw(i: int) -> np.ndarray:
+            torch.rand(sizes[i], generator=gen, out=views[i % 2][: sizes[i]])
+            return bufs[i % 2][: sizes[i]]
+
+        if sum(sizes) < AHEAD_MIN or len(sizes) == 1:
+            for i in range(len(sizes)):
+                yield draw(i)
+            return
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="fedcomp-draws") as pool:
+            pending = pool.submit(draw, 0)
+            for i in range(len(sizes)):
+                u = pending.result()
+                if i + 1 < len(sizes):
+                    pending = pool.submit(draw, i + 1)
+                yield u

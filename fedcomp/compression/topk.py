@@ -16,11 +16,10 @@ import torch
 from fedcomp.compression.base import Compressor, register
 from fedcomp.compression.errors import PayloadError
 from fedcomp.compression.options import DENSITY, VALUE_DTYPE
-from fedcomp.compression.selection import topk_indices
+from fedcomp.compression.selection import top_k
 from fedcomp.compression.sparse import (
     ChunkedSparseDecoding,
     check_density,
-    gather,
     k_for,
     positions_to_bytes,
     read_positions,
@@ -70,8 +69,7 @@ class TopKCompressor(ChunkedSparseDecoding, Compressor):
         k = k_for(self.density, n)
         if k == 0:
             return struct.pack(self._PARAMS, 0, 0, 0, code), b""
-        idx = topk_indices(flat, k)
-        vals = gather(flat, idx)
+        idx, vals = top_k(flat, k)
         if np_dt is np.float16:
             vals = vals.clamp(-65504.0, 65504.0).to(torch.float16)
         b, unary_bits, pos = positions_to_bytes(idx, n)

@@ -50,6 +50,20 @@ def test_fwht_equals_the_hadamard_matrix(n):
         fwht_(torch.zeros(6))
 
 
+@pytest.mark.parametrize("n", [1 << 12, 1 << 17])
+def test_fwht_without_zero_signs_differs_only_in_the_sign_of_zeros(n):
+    """Equal entries cancel to exact zeros at every level: the one-op-shorter butterfly gives the same
+    numbers, its zeros +0.0 where the exact one gives -0.0."""
+    x = torch.from_numpy(random_sign_bits(3, n).astype(np.float32) * 2 - 1).repeat_interleave(2)[:n]
+    # pairs of equal entries: every odd output of the first level, and so half the output, is zero
+    exact, short = fwht_(x.clone()), fwht_(x.clone(), zero_signs=False)
+    assert torch.equal(exact, short)  # -0.0 == +0.0
+    nonzero = exact != 0
+    assert torch.equal(exact[nonzero].view(torch.int32), short[nonzero].view(torch.int32))
+    assert int((exact == 0).sum()) >= n // 2 and bool((short[~nonzero].view(torch.int32) == 0).all())
+    assert bool((exact[~nonzero].view(torch.int32) != 0).any())  # the exact one has some -0.0
+
+
 def test_blocks_cover_n_without_padding():
     assert power_of_two_blocks(1000) == [(0, 512), (512, 256), (768, 128), (896, 64), (960, 32), (992, 8)]
     assert power_of_two_blocks(0) == [] and power_of_two_blocks(1) == [(0, 1)]

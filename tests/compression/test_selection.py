@@ -92,3 +92,24 @@ def test_non_finite_input_is_refused_before_selection(bad):
     x[123_456] = bad
     with pytest.raises(ValueError, match="non-finite"):
         fc.get_compressor("stc", density=1 / 400).compress(x)
+
+
+def test_a_threshold_from_a_skewed_sample_is_refined_without_a_full_topk(monkeypatch):
+    """The strided sample overstates the tail (every 64th entry is drawn from a wider law), so the
+    first threshold passes fewer than k entries; the refined one finds the exact top-k set."""
+    import fedcomp.compression.selection as sel
+
+    n = 1 << 20
+    rng = np.random.default_rng(5)
+    x = rng.uniform(0.0, 1.0, n).astype(np.float32)
+    wide = rng.random(n) < 1 / 3
+    x[wide] *= 10.0
+    x[:: n // sel._SAMPLE] = rng.uniform(0.0, 10.0, sel._SAMPLE).astype(np.float32)
+    x[1::2] *= -1.0
+    t, k = torch.from_numpy(x), n // 100
+    first = sel._candidates(t, float(torch.topk(t[:: n // sel._SAMPLE].abs(), int(sel._SAMPLE * 2 * k / n)).values[-1]))
+    assert first[0].size < k  # the first threshold is too high
+    monkeypatch.setattr(sel, "_torch_topk", lambda *a: pytest.fail("full torch.topk after a refinement"))
+    idx, vals = sel.top_k(t, k)
+    np.testing.assert_array_equal(idx.numpy(), _reference(t, k))
+    np.testing.assert_array_equal(vals.numpy(), x[idx.numpy()])
