@@ -164,11 +164,12 @@ def check_codec_under_secagg(run_config: Mapping[str, Any]) -> None:
                          "secagg = true (use true or false: the server only sees the masked sum, not each client's "
                          "EF21 estimate)")
     dp = run_config.get("dp", DP_DEFAULTS["dp"])
-    if dp not in ("none", "client-level"):
-        raise ValueError(f"run config 'dp' = {dp!r} is not supported with secagg = true (use 'none' or "
-                         "'client-level': clients clip their shared k values, the server adds the noise to the sum)")
-    if dp == "client-level" and ef is not False:
-        raise ValueError("run config dp = 'client-level' with secagg = true needs error-feedback = false: with error "
+    if dp not in ("none", "client-level", "distributed"):
+        raise ValueError(f"run config 'dp' = {dp!r} is not supported with secagg = true (use 'none', 'client-level': "
+                         "clients clip their shared k values, the server adds the noise to the sum, or 'distributed': "
+                         "clients clip and add their shares of the noise)")
+    if dp in ("client-level", "distributed") and ef is not False:
+        raise ValueError(f"run config dp = {dp!r} with secagg = true needs error-feedback = false: with error "
                          "feedback the residual carries the clipped excess into later rounds and voids the clipping "
                          "bound")
     unsupported = { "downstream": "none", "client-sampling": "fraction", "layer-codecs": "",

@@ -33,6 +33,7 @@ from fedcomp.compression.bits import nbytes_for_bits, pack_uint, unpack_uint
 from fedcomp.config.secagg import SECAGG_CODECS
 from fedcomp.protocol.messages import (
     SECAGG_APPLIED_KEY,
+    SECAGG_DDP_NOISE_KEY,
     SECAGG_DP_CLIP_KEY,
     SECAGG_KEYS_KEY,
     SECAGG_PACK_KEY,
@@ -163,6 +164,11 @@ def shared_randomk_mod(msg: Message, ctxt: Context, call_next) -> Message:
     values after rounding onto the grid stay within C; the server adds the noise
     (:class:`fedcomp.secagg.SharedRandomKStrategy` with ``client_dp``).
 
+    Distributed DP (``fedcomp-secagg-ddp-noise`` = z as well): the same uniform weights and clipping,
+    then the client adds its share of integer Skellam noise to its values on the grid, of variance
+    ``(z C / step)**2 / t`` per value with t the round's SecAgg+ threshold from Flower's own client
+    state, drawn from the OS CSPRNG (:mod:`fedcomp.privacy.distributed`); the server adds nothing.
+
     Raises
     ------
     ValueError
@@ -219,6 +225,12 @@ def shared_randomk_mod(msg: Message, ctxt: Context, call_next) -> Message:
     reported = num_examples
     values, rotated = proj.encode(corrected)
     dp_clipped = 0
+    ddp = None
+    if dp_clip is not None and cfg.get(SECAGG_DDP_NOISE_KEY) is not None:
+        from fedcomp.privacy.distributed import DistributedDP
+
+        ddp = DistributedDP(float(dp_clip), float(cfg[SECAGG_DDP_NOISE_KEY]), c, q)
+        ddp.check_range(int(state["threshold"]))  # its noisy values must stay inside SecAgg+'s [-c, c]
     if dp_clip is not None:
         # DP: uniform weights (every client reports max_weight) and ||sent|| <= C, the rounding onto the grid
         # (< one step per entry) included
@@ -236,6 +248,8 @@ def shared_randomk_mod(msg: Message, ctxt: Context, call_next) -> Message:
         weight = flower_weight(num_examples, max_weight, q)
     sent, clipped = prequantize(values, weight, c, q, np.random.default_rng())  # OS entropy
     rotated.numpy()[proj.positions()] -= sent
+    if ddp is not None:  # its share of the noise, on the grid: the masked sum carries the sum of the shares
+        sent = add_noise_share(sent, ddp, proj.k, int(state["threshold"]))
     new_residual = proj.unrotate_(rotated).numpy()
     norm = float(np.linalg.norm(corrected))
     res_norm = float(np.linalg.norm(new_residual))
@@ -247,6 +261,38 @@ def shared_randomk_mod(msg: Message, ctxt: Context, call_next) -> Message:
                     "residual-norm": res_norm if ef else 0.0, "secagg-dp-clipped": dp_clipped})
     fitres = FitRes(Status(Code.OK, ""), ndarrays_to_parameters([sent]), reported, metrics)
     return Message(compat.fitres_to_recorddict(fitres, keep_input=True), reply_to=msg)
+
+
+def add_noise_share(sent: np.ndarray, ddp, k: int, threshold: int, generator=None) -> np.ndarray:
+    """``sent`` (k values on SecAgg+'s grid, weight 1) plus this client's Skellam noise share, on the grid.
+
+    Parameters
+    ----------
+    sent : np.ndarray
+        float64 shape ``(k,)``, each ``j * step - c`` for an integer j in ``[0, Q]``.
+    ddp : fedcomp.privacy.distributed.DistributedDP
+    k, threshold : int
+        Values and the round's SecAgg+ reconstruction threshold.
+    generator : torch.Generator, optional
+        Tests only; by default a fresh OS-CSPRNG generator.
+
+    Returns
+    -------
+    np.ndarray
+        float64 shape ``(k,)``: ``(j + noise) * step - c``.
+
+    Raises
+    ------
+    ValueError
+        A noisy value outside ``[-c, c]`` (SecAgg+ would clip it and change the noise): the client
+        sends nothing this round (SecAgg+ treats it as dropped).
+    """
+    c, q = ddp.clipping_range, ddp.quantization_range
+    j = np.rint((sent + c) * (q / (2 * c))) + ddp.noise_share(k, threshold, generator)
+    if j.size and (j.min() < 0 or j.max() > q):
+        raise ValueError("dp = 'distributed': a noisy value left secagg-clipping-range; this client sends nothing "
+                         "this round (raise 'secagg-clipping-range')")
+    return j * (2 * c / q) - c
 
 
 # -- packing of the masked vectors ---------------------------------------------------------------
