@@ -1,9 +1,9 @@
 """Distributed DP under SecAgg+ (Skellam shares on the clients) against central client-level DP at
 the same epsilon and delta: final accuracy, epsilon, bits per parameter.
 
-Rows, all at one target epsilon after ``--rounds`` rounds (delta 1e-5, clipping norm C = 1,
+A block of rows per target epsilon after ``--rounds`` rounds (delta 1e-5, clipping norm C = 1,
 no amplification by sampling), default CNN on sklearn digits, ``--nodes`` clients, Dirichlet 0.5,
-shared-seed random-k at ``--density`` without error feedback:
+dense updates (``--density`` < 1: shared-seed random-k) without error feedback:
 
 - central client-level DP without SecAgg (``dp = "client-level"``, the server sees every update);
 - central client-level DP under SecAgg+ (the server adds Gaussian noise to the unmasked sum, with
@@ -18,7 +18,7 @@ distributed row. ``secagg-clipping-range`` of the distributed row is the smalles
 client's noisy values inside it (:func:`fedcomp.privacy.distributed.min_clipping_range`).
 
 Run: ``python benchmarks/distributed_dp.py [--rounds 20] [--nodes 10] [--seeds 42 43 44]
-[--epsilon 50]`` (``--quick``: 2 rounds, 4 clients, one seed; writes to a temporary file unless
+[--epsilons 50 200]`` (``--quick``: 2 rounds, 4 clients, one seed; writes to a temporary file unless
 ``--out``, see ``benchmarks/outputs.py``). Prints a table and writes
 ``benchmarks/results/distributed_dp.json``.
 """
@@ -106,8 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--nodes", type=int, default=10)
     ap.add_argument("--seeds", type=int, nargs="+", default=[42])
-    ap.add_argument("--epsilon", type=float, default=50.0, help="target epsilon after the last round")
-    ap.add_argument("--density", type=float, default=0.0625)
+    ap.add_argument("--epsilons", type=float, nargs="+", default=[50.0, 200.0],
+                    help="target epsilons after the last round (one block of rows each)")
+    ap.add_argument("--density", type=float, default=1.0, help="1 = dense (compressor none), else shared random-k")
     ap.add_argument("--quick", action="store_true", help="2 rounds, 4 clients, one seed (smoke test)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -116,44 +117,50 @@ def main(argv: list[str] | None = None) -> int:
     out = output_path("distributed_dp", args.out, args.quick)
     logging.getLogger("flwr").setLevel(logging.WARNING)
     torch.set_num_threads(1)
-    base = {"num-server-rounds": args.rounds, "lr": 0.1, "compressor": "randomk", "density": args.density,
-            "error-feedback": False, "clipping-norm": CLIP, "target-delta": DELTA}
+    codec = {"compressor": "none"} if args.density >= 1 else {"compressor": "randomk", "density": args.density}
+    base = {"num-server-rounds": args.rounds, "lr": 0.1, **codec, "error-feedback": False, "clipping-norm": CLIP,
+            "target-delta": DELTA}
     secure = {"secagg": True, "secagg-shares": 1.0, "secagg-threshold": 0.7, "secagg-rotation": True,
               "secagg-quantization-bits": QBITS}
-    zc = central_z(args.epsilon, args.rounds)
-    zd, cd = distributed_setup(args.epsilon, args.rounds, args.nodes, args.density)
-    cases = [
-        ("central client-level DP, no SecAgg", False, {"dp": "client-level", "noise-multiplier": zc}, zc),
-        ("central client-level DP under SecAgg+ (server noise)", True,
-         {**secure, "dp": "client-level", "noise-multiplier": zc}, zc),
-        ("distributed DP under SecAgg+ (Skellam shares)", True,
-         {**secure, "dp": "distributed", "noise-multiplier": zd, "secagg-clipping-range": cd}, zd),
-    ]
-    rows, t0 = [], time.perf_counter()
+    rows, gaps, t0 = [], {}, time.perf_counter()
     print(f"{'configuration':<54} {'z':>6} {'epsilon':>8} {'bits/p':>7} {'final acc':>9}  ({args.nodes} clients, "
-          f"{args.rounds} rounds, seeds {args.seeds}, target epsilon {args.epsilon:g} at delta {DELTA:g})")
-    for label, sec, extra, z in cases:
-        runs = []
-        for seed in args.seeds:
-            rc = {**base, **extra, "seed": seed}
-            runs.append(run_secure(rc, args.nodes) if sec else run_one(rc, args.nodes))
-        cfg_extra = {"secagg-clipping-range": extra["secagg-clipping-range"]} if "secagg-clipping-range" in extra else {}
-        row = summarize(label, runs, sec, z, cfg_extra)
-        rows.append(row)
-        print(f"{label:<54} {z:>6.3f} {row['epsilon']:>8.2f} {row['bits-per-parameter']:>7.3f} "
-              f"{row['final-accuracy']:>9.4f}  ({time.perf_counter() - t0:.0f} s)", flush=True)
-    gap = rows[1]["final-accuracy"] - rows[2]["final-accuracy"]
-    print(f"gap (central under SecAgg+ minus distributed), final accuracy: {gap:+.4f}")
+          f"{args.rounds} rounds, seeds {args.seeds}, delta {DELTA:g})")
+    for target in args.epsilons:
+        zc = central_z(target, args.rounds)
+        zd, cd = distributed_setup(target, args.rounds, args.nodes, args.density)
+        cases = [
+            ("central client-level DP, no SecAgg", False, {"dp": "client-level", "noise-multiplier": zc}, zc),
+            ("central client-level DP under SecAgg+ (server noise)", True,
+             {**secure, "dp": "client-level", "noise-multiplier": zc}, zc),
+            ("distributed DP under SecAgg+ (Skellam shares)", True,
+             {**secure, "dp": "distributed", "noise-multiplier": zd, "secagg-clipping-range": cd}, zd),
+        ]
+        block = []
+        for label, sec, extra, z in cases:
+            runs = []
+            for seed in args.seeds:
+                rc = {**base, **extra, "seed": seed}
+                runs.append(run_secure(rc, args.nodes) if sec else run_one(rc, args.nodes))
+            cfg_extra = {"target-epsilon": target, **({"secagg-clipping-range": extra["secagg-clipping-range"]}
+                                                      if "secagg-clipping-range" in extra else {})}
+            row = summarize(label, runs, sec, z, cfg_extra)
+            block.append(row)
+            print(f"{label:<54} {z:>6.3f} {row['epsilon']:>8.2f} {row['bits-per-parameter']:>7.3f} "
+                  f"{row['final-accuracy']:>9.4f}  ({time.perf_counter() - t0:.0f} s)", flush=True)
+        gaps[f"{target:g}"] = {
+            "central-secagg-minus-distributed": block[1]["final-accuracy"] - block[2]["final-accuracy"],
+            "central-plain-minus-distributed": block[0]["final-accuracy"] - block[2]["final-accuracy"]}
+        print(f"epsilon {target:g}: gap in final accuracy, central (under SecAgg+) minus distributed: "
+              f"{gaps[f'{target:g}']['central-secagg-minus-distributed']:+.4f}")
+        rows += block
     out.parent.mkdir(parents=True, exist_ok=True)
     cmd = "python benchmarks/distributed_dp.py " + " ".join(
         a for a in (f"--rounds {args.rounds}", f"--nodes {args.nodes}", "--seeds " + " ".join(map(str, args.seeds)),
-                    f"--epsilon {args.epsilon:g}", f"--density {args.density:g}", "--quick" if args.quick else "") if a)
+                    "--epsilons " + " ".join(f"{e:g}" for e in args.epsilons), f"--density {args.density:g}",
+                    "--quick" if args.quick else "") if a)
     out.write_text(json.dumps({"command": cmd, "nodes": args.nodes, "rounds": args.rounds, "seeds": args.seeds,
-                               "target-epsilon": args.epsilon, "delta": DELTA, "clipping-norm": CLIP,
-                               "density": args.density, "threshold": secagg_threshold(args.nodes),
-                               "gap-central-secagg-minus-distributed": gap,
-                               "gap-central-plain-minus-distributed": rows[0]["final-accuracy"] - rows[2]["final-accuracy"],
-                               "rows": rows}, indent=1))
+                               "delta": DELTA, "clipping-norm": CLIP, "density": args.density,
+                               "threshold": secagg_threshold(args.nodes), "gaps": gaps, "rows": rows}, indent=1))
     print(f"wrote {shown(out)}")
     return 0
 
