@@ -131,6 +131,16 @@ class SecAggRounds:
         """Nothing: the SecAgg+ path writes no checkpoint."""
 
 
+def _warn_noise_room(ddp: DistributedDP) -> None:
+    """Log, at start-up, the smallest SecAgg+ threshold whose noise shares ``secagg-clipping-range``
+    holds (clients refuse rounds with a lower one, naming the range they need)."""
+    t = ddp.min_threshold()
+    if t > 2:
+        log(WARNING, "fedcomp  dp = 'distributed': secagg-clipping-range = %g holds the clients' noise shares only for "
+            "rounds whose SecAgg+ threshold is >= %d; clients refuse rounds with fewer (raise it for smaller rounds)",
+            ddp.clipping_range, t)
+
+
 def run_secagg(grid, context, cfg: AppConfig, out_dir) -> list[dict]:
     """Run ``num-server-rounds`` rounds of SecAgg+ with shared-seed random-k; returns the round records.
 
@@ -161,6 +171,8 @@ def run_secagg(grid, context, cfg: AppConfig, out_dir) -> list[dict]:
                                             max_weight=sa.max_weight, clipping_range=sa.clipping_range,
                                             quantization_range=sa.quantization_range, timeout=cfg.round_timeout)
     rounds.strategy, rounds.workflow = strategy, workflow
+    if strategy.distributed_dp is not None:
+        _warn_noise_room(strategy.distributed_dp)
     log(INFO, "fedcomp  secure aggregation (Flower SecAgg+): %s, c = %g, Q = 2**%d, modulus %s, max-weight %g%s",
         strategy.describe(), sa.clipping_range, sa.quantization_bits,
         f"2**{sa.modulus_bits}" if sa.modulus_bits else "auto", sa.max_weight, ", packed" if sa.pack else "")

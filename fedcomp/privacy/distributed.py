@@ -232,6 +232,18 @@ class DistributedDP:
                              f"secagg-clipping-range = {self.clipping_range:g} with probability up to {p:.2g} per "
                              f"value (limit {OVERFLOW_LIMIT:g}): set 'secagg-clipping-range' >= {need:.3g}")
 
+    def min_threshold(self) -> int:
+        """Smallest threshold t >= 2 that :meth:`check_range` accepts (the shares shrink as t grows);
+        2**20 if none up to it does."""
+        hi = 2
+        while hi < 1 << 20 and self.overflow_probability(hi) > OVERFLOW_LIMIT:
+            hi *= 2
+        lo = max(2, hi // 2)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (mid + 1, hi) if self.overflow_probability(mid) > OVERFLOW_LIMIT else (lo, mid)
+        return hi
+
     def noise_share(self, k: int, threshold: int, generator: torch.Generator | None = None) -> np.ndarray:
         """One client's integer noise share for k values (grid units), int64 shape ``(k,)``, drawn
         from ``generator`` or, by default, a fresh :func:`secure_generator` (OS CSPRNG)."""

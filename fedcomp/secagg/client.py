@@ -76,7 +76,8 @@ def check_node_floor(ctxt: Context, cfg: dict) -> None:
     """Refuse a secure round that would lower this node's own settings (node config wins, always).
 
     Under SecAgg+ every client sends the round's shared random-k at the server's ``density`` and no
-    local noise: a node whose own config asks for local DP (``dp = "local"``), for a codec the
+    local noise: a node whose own config asks for local DP (``dp = "local"``), for distributed DP
+    (``dp = "distributed"``) with a higher ``noise-multiplier`` than the server's (or none), for a codec the
     secure path cannot use, or for a lower ``density`` than the server's does not train.
 
     Raises
@@ -91,6 +92,11 @@ def check_node_floor(ctxt: Context, cfg: dict) -> None:
     if own_local_dp(ctxt) is not None:
         problem = ("its config sets dp = 'local' (a local-DP floor), and the secure path adds no local noise: the "
                    "server cannot switch it off")
+    elif node.get("dp") == "distributed" and not (
+            isinstance(cfg.get(SECAGG_DDP_NOISE_KEY), (int, float))
+            and float(cfg[SECAGG_DDP_NOISE_KEY]) >= float(node.get("noise-multiplier", 1.0))):
+        problem = (f"its config sets dp = 'distributed' with noise-multiplier {node.get('noise-multiplier', 1.0)}, the "
+                   f"server asked for {'no distributed noise' if cfg.get(SECAGG_DDP_NOISE_KEY) is None else 'noise multiplier ' + str(cfg[SECAGG_DDP_NOISE_KEY])}")
     elif "compressor" in node and node["compressor"] not in SECAGG_CODECS:
         problem = (f"its config sets compressor = {node['compressor']!r}, which cannot run under secure aggregation "
                    f"({list(SECAGG_CODECS)} can)")

@@ -100,6 +100,9 @@ def test_overflow_bound_and_the_clipping_range_it_needs():
     with pytest.raises(ValueError, match="secagg-clipping-range' >= "):
         DistributedDP(1.0, 1.0, c * 0.9, Q16).check_range(7)
     assert DistributedDP(1.0, 1.0, c, Q16).overflow_probability(7) <= OVERFLOW_LIMIT
+    assert DistributedDP(1.0, 1.0, c, Q16).min_threshold() <= 7
+    assert DistributedDP(1.0, 0.6, 3.0, Q16).min_threshold() == 7  # min_clipping_range: 3.06 at t = 6, 2.91 at 7
+    assert DistributedDP(1.0, 0.6, 4.6, Q16).min_threshold() == 2
     assert skellam_tail(10.0, 0.0) == 1.0 and skellam_tail(0.0, 1.0) == 0.0
     # Chernoff bound >= the exact tail: P(Sk(2) >= 3), by summing the Skellam pmf numerically
     gen = torch.Generator().manual_seed(3)

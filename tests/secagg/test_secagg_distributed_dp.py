@@ -104,3 +104,16 @@ def test_serverapp_path_with_distributed_dp_writes_epsilon(tmp_path):
     r1, r2 = rounds[1], rounds[2]
     assert r1["num-replies"] == 3 and r1["dp-survivors"] == 3 and 0 < r1["epsilon"] < r2["epsilon"] < 100
     assert r2["epsilon-round"] == pytest.approx(r2["epsilon"] - r1["epsilon"])
+
+
+@pytest.mark.parametrize("server_z, replies", [(None, 3), (0.5, 3), (1.0, 4)], ids=["no-ddp", "less-noise", "enough"])
+def test_a_node_with_its_own_distributed_dp_floor_refuses_less_noise(server_z, replies, caplog):
+    import logging
+
+    caplog.set_level(logging.ERROR, logger="flwr")
+    node = {"dp": "distributed", "noise-multiplier": 1.0}
+    kw = {} if server_z is None else {"distributed_dp": DistributedDP(0.05, server_z, 1.0, Q16)}
+    _, strategy, _, _ = run_round(4, 0.25, ef=False, node_configs=[node, {}, {}, {}], **kw)
+    assert strategy.history[1]["num-replies"] == replies
+    refused = [r for r in caplog.records if "dp = 'distributed' with noise-multiplier 1.0" in r.getMessage()]
+    assert bool(refused) == (replies == 3)
