@@ -141,8 +141,10 @@ def main(argv: list[str] | None = None) -> int:
             for seed in args.seeds:
                 rc = {**base, **extra, "seed": seed}
                 runs.append(run_secure(rc, args.nodes) if sec else run_one(rc, args.nodes))
-            cfg_extra = {"target-epsilon": target, **({"secagg-clipping-range": extra["secagg-clipping-range"]}
-                                                      if "secagg-clipping-range" in extra else {})}
+            ddp = extra["dp"] == "distributed"  # the sum of n shares sized for t: std z * sqrt(n / t) * C
+            cfg_extra = {"target-epsilon": target,
+                         "sum-noise-std-over-clip": z * math.sqrt(args.nodes / secagg_threshold(args.nodes)) if ddp else z,
+                         **({"secagg-clipping-range": extra["secagg-clipping-range"]} if ddp else {})}
             row = summarize(label, runs, sec, z, cfg_extra)
             block.append(row)
             print(f"{label:<54} {z:>6.3f} {row['epsilon']:>8.2f} {row['bits-per-parameter']:>7.3f} "
