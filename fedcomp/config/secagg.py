@@ -31,7 +31,7 @@ SECAGG_KEYS = table(
         "the shares; more than half the shares (a lower one lets a curious server split a client's neighbours "
         "and unmask it)", rule="integer in (shares / 2, shares), or a fraction in (0.5, 1]"),
     Key("secagg-clipping-range", float, 1.0, "c: weighted update entries clipped to [-c, c] (error feedback keeps "
-        "the rest)", rule="number > 0, c * 2**quantization-bits < 2**52"),
+        "the rest); dp = distributed: must hold clipping-norm plus the clients' noise shares", rule="number > 0, c * 2**quantization-bits < 2**52"),
     Key("secagg-quantization-bits", int, 16, "Q = 2**bits levels over [-c, c]", lo=1, hi=MAX_MODULUS_BITS - 2,
         rule=f"integer in [1, {MAX_MODULUS_BITS - 2}]"),
     Key("secagg-modulus-bits", int, 0, "masks and sums live modulo 2**bits; 0 = auto per round: "
