@@ -21,8 +21,11 @@ alpha > 1, noise variance ``mu`` per coordinate and integer-vector sensitivities
 
 composed over rounds by adding RDP, converted to (epsilon, delta) by Opacus' conversion
 (``opacus.accountants.analysis.rdp.get_privacy_spent``, Balle et al. AISTATS 2020). Neighbouring
-federations differ by one client's whole update (add/remove), Delta_2 = C / step in grid units and
-Delta_1 <= sqrt(k) Delta_2 for k coordinates. No amplification by sampling is claimed (q = 1).
+federations differ in one client's whole update, replaced by zero (zero-out adjacency: the client
+still takes part and adds its noise share), Delta_2 = C / step in grid units and
+Delta_1 <= sqrt(k) Delta_2 for k coordinates. No amplification by sampling is claimed (q = 1). The
+accountant counts the noise of every summed client: clients that collude with the server (and
+reveal their shares) lower the noise that protects the others, which it does not model.
 
 Rounding: clients round stochastically (each coordinate moves by less than one step), so they clip
 to ``C - sqrt(k) * step`` first; the rounded vector then has L2 norm at most C (a deterministic
