@@ -40,7 +40,7 @@ from fedcomp.protocol.messages import (
     SECAGG_ROTATION_KEY,
     SECAGG_SEED_KEY,
 )
-from fedcomp.secagg.encoding import SharedProjection, flower_weight, prequantize
+from fedcomp.secagg.encoding import SharedProjection, add_noise_share, flower_weight, prequantize
 from fedcomp.secagg.guard import check_request
 
 #: First bytes of a packed masked vector (an ``.npy`` starts with b"\x93NUMPY").
@@ -267,38 +267,6 @@ def shared_randomk_mod(msg: Message, ctxt: Context, call_next) -> Message:
                     "residual-norm": res_norm if ef else 0.0, "secagg-dp-clipped": dp_clipped})
     fitres = FitRes(Status(Code.OK, ""), ndarrays_to_parameters([sent]), reported, metrics)
     return Message(compat.fitres_to_recorddict(fitres, keep_input=True), reply_to=msg)
-
-
-def add_noise_share(sent: np.ndarray, ddp, k: int, threshold: int, generator=None) -> np.ndarray:
-    """``sent`` (k values on SecAgg+'s grid, weight 1) plus this client's Skellam noise share, on the grid.
-
-    Parameters
-    ----------
-    sent : np.ndarray
-        float64 shape ``(k,)``, each ``j * step - c`` for an integer j in ``[0, Q]``.
-    ddp : fedcomp.privacy.distributed.DistributedDP
-    k, threshold : int
-        Values and the round's SecAgg+ reconstruction threshold.
-    generator : torch.Generator, optional
-        Tests only; by default a fresh OS-CSPRNG generator.
-
-    Returns
-    -------
-    np.ndarray
-        float64 shape ``(k,)``: ``(j + noise) * step - c``.
-
-    Raises
-    ------
-    ValueError
-        A noisy value outside ``[-c, c]`` (SecAgg+ would clip it and change the noise): the client
-        sends nothing this round (SecAgg+ treats it as dropped).
-    """
-    c, q = ddp.clipping_range, ddp.quantization_range
-    j = np.rint((sent + c) * (q / (2 * c))) + ddp.noise_share(k, threshold, generator)
-    if j.size and (j.min() < 0 or j.max() > q):
-        raise ValueError("dp = 'distributed': a noisy value left secagg-clipping-range; this client sends nothing "
-                         "this round (raise 'secagg-clipping-range')")
-    return j * (2 * c / q) - c
 
 
 # -- packing of the masked vectors ---------------------------------------------------------------

@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 
 from fedcomp.privacy.distributed import DistributedDP
-from fedcomp.secagg.client import add_noise_share
-from fedcomp.secagg.encoding import SharedProjection, round_seed
+from fedcomp.secagg.encoding import SharedProjection, add_noise_share, round_seed
 
 from .helpers import client_delta, global_model, run_round
 
