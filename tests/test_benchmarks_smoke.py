@@ -82,7 +82,7 @@ def test_quick_outputs_never_name_a_reference():
     sys.path.insert(0, str(REPO / "benchmarks"))
     from outputs import RESULTS, output_path, shown
 
-    for name in ("federated", "privacy", "scale"):
+    for name in ("federated", "privacy", "scale", "distributed_dp"):
         assert output_path(name, None, quick=False) == RESULTS / f"{name}.json"
         assert (RESULTS / f"{name}.json").exists()
         assert RESULTS not in output_path(name, None, quick=True).parents
@@ -109,6 +109,18 @@ def test_secagg_benchmark_quick_runs(tmp_path):
     assert packed["modulus-bits"] == 19
     assert packed["bits-per-parameter"] == 8 * (15 + (k * 19 + 7) // 8 + 15 + 3) / 38282
     assert rows["SecAgg+ randomk d=0.0625, int64"]["bits-per-parameter"] > 4.0
+
+
+@pytest.mark.slow
+def test_distributed_dp_benchmark_quick_runs(tmp_path):
+    res = run_benchmark(tmp_path, "distributed_dp.py", "--quick", "--epsilons", "50")
+    rows = {r["label"]: r for r in res["rows"]}
+    assert len(rows) == 3 and res["threshold"] == 3  # 4 clients: threshold round(0.7 * 4) = 3
+    for r in rows.values():  # each row's z is calibrated to the target by its own accountant
+        assert r["epsilon"] == pytest.approx(50.0, rel=1e-3)
+    ddp = rows["distributed DP under SecAgg+ (Skellam shares)"]
+    assert ddp["sum-noise-std-over-clip"] == pytest.approx(ddp["noise-multiplier"] * (4 / 3) ** 0.5)
+    assert ddp["bits-per-parameter"] == rows["central client-level DP under SecAgg+ (server noise)"]["bits-per-parameter"]
 
 
 @pytest.mark.slow

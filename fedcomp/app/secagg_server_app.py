@@ -8,6 +8,7 @@ and shares of the four stages).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from logging import INFO, WARNING
 from typing import Any
@@ -23,6 +24,7 @@ from fedcomp.app.results import MB, plot_rounds
 from fedcomp.config import AppConfig
 from fedcomp.config.secagg import SecAggConfig, check_codec_under_secagg
 from fedcomp.privacy import NO_AMPLIFICATION, ClientLevelDP
+from fedcomp.privacy.distributed import DistributedDP
 from fedcomp.secagg.strategy import SharedRandomKStrategy
 from fedcomp.statedict import untie
 from fedcomp.secagg.workflow import CompressedSecAggPlusWorkflow
@@ -76,6 +78,14 @@ class SecAggRounds:
             "mode": "client-level", "level": "client-level (a client's whole update) under SecAgg+: clients clip "
             "their shared k values, the server adds Gaussian noise to the unmasked sum",
             "delta": cfg.target_delta, "accountant": "rdp", "assumption": NO_AMPLIFICATION}
+        if cfg.dp == "distributed":
+            self.privacy = {
+                "mode": "distributed", "level": "client-level (a client's whole update), distributed under SecAgg+: "
+                "clients clip their shared k values and add their shares of Skellam noise; the server unmasks only "
+                "the noised sum (private to the server too, if it follows the SecAgg+ protocol)",
+                "delta": cfg.target_delta, "accountant": "rdp (Skellam, Agarwal et al. 2021), the noise of the "
+                "clients whose vectors were summed", "assumption": NO_AMPLIFICATION + "; the guarantee is (epsilon, "
+                "delta + (1 + e^epsilon) * dp-overflow-bound)"}
 
     def describe(self) -> str:
         return self.strategy.describe() if self.strategy else ""
@@ -102,7 +112,11 @@ class SecAggRounds:
         up = wire["upload-bytes"]
         down = h["dense-bytes"]  # the secure path sends each client the model dense (fp32), as Flower's workflow
         recorder.add_bytes(up, down, h["dense-bytes"])
-        return {**h, **wire, "upload-mb": up / MB, "cumulative-upload-mb": recorder.cum_mb,
+        eps = {}
+        if isinstance(h.get("epsilon"), float):  # client-level or distributed DP: this round's increase
+            eps["epsilon-round"] = math.inf if math.isinf(h["epsilon"]) else h["epsilon"] - recorder.last_eps
+            recorder.last_eps = h["epsilon"]
+        return {**h, **wire, **eps, "upload-mb": up / MB, "cumulative-upload-mb": recorder.cum_mb,
                 "download-bytes": down, "download-mb": down / MB, "cumulative-download-mb": recorder.cum_down_mb,
                 **recorder.totals(),
                 "compression-ratio": h["dense-bytes"] / up if up else 0.0,
@@ -115,6 +129,16 @@ class SecAggRounds:
 
     def after_round(self, recorder: RoundRecorder, server_round: int, arrays) -> None:
         """Nothing: the SecAgg+ path writes no checkpoint."""
+
+
+def _warn_noise_room(ddp: DistributedDP) -> None:
+    """Log, at start-up, the smallest SecAgg+ threshold whose noise shares ``secagg-clipping-range``
+    holds (clients refuse rounds with a lower one, naming the range they need)."""
+    t = ddp.min_threshold()
+    if t > 2:
+        log(WARNING, "fedcomp  dp = 'distributed': secagg-clipping-range = %g holds the clients' noise shares only for "
+            "rounds whose SecAgg+ threshold is >= %d; clients refuse rounds with fewer (raise it for smaller rounds)",
+            ddp.clipping_range, t)
 
 
 def run_secagg(grid, context, cfg: AppConfig, out_dir) -> list[dict]:
@@ -138,11 +162,17 @@ def run_secagg(grid, context, cfg: AppConfig, out_dir) -> list[dict]:
                                      error_feedback=cfg.codec.error_feedback, seed=cfg.seed, keys=recorder.keys,
                                      pack=sa.pack, max_weight=sa.max_weight,
                                      client_dp=ClientLevelDP(cfg.clipping_norm, cfg.noise_multiplier, cfg.target_delta)
-                                     if cfg.dp == "client-level" else None)
+                                     if cfg.dp == "client-level" else None,
+                                     distributed_dp=DistributedDP(cfg.clipping_norm, cfg.noise_multiplier,
+                                                                  sa.clipping_range, sa.quantization_range,
+                                                                  cfg.target_delta)
+                                     if cfg.dp == "distributed" else None)
     workflow = CompressedSecAggPlusWorkflow(sa.shares, sa.threshold, modulus_bits=sa.modulus_bits,
                                             max_weight=sa.max_weight, clipping_range=sa.clipping_range,
                                             quantization_range=sa.quantization_range, timeout=cfg.round_timeout)
     rounds.strategy, rounds.workflow = strategy, workflow
+    if strategy.distributed_dp is not None:
+        _warn_noise_room(strategy.distributed_dp)
     log(INFO, "fedcomp  secure aggregation (Flower SecAgg+): %s, c = %g, Q = 2**%d, modulus %s, max-weight %g%s",
         strategy.describe(), sa.clipping_range, sa.quantization_bits,
         f"2**{sa.modulus_bits}" if sa.modulus_bits else "auto", sa.max_weight, ", packed" if sa.pack else "")

@@ -86,7 +86,11 @@ class AppConfig:
             valid name (:func:`check_known_keys`).
         """
         check_known_keys(cfg)
-        KEYS["secagg"].read(cfg)  # "true" or 1 would otherwise run silently WITHOUT secure aggregation
+        secagg = KEYS["secagg"].read(cfg)  # "true" or 1 would otherwise run silently WITHOUT secure aggregation
+        if cfg.get("dp") == "distributed" and not secagg:
+            raise ValueError("run config dp = 'distributed' needs secagg = true: the clients' noise shares only "
+                             "add up to the intended noise inside SecAgg+'s masked sum (without secure aggregation "
+                             "use dp = 'client-level' or 'local')")
         out = cls(**{f.name: KEYS[f.name.replace("_", "-")].read(cfg) for f in fields(cls) if f.name != "codec"},
                   codec=CodecConfig.from_mapping(cfg))
         # "auto": FedAvgM for stc/topk below 1/400, else FedAvg (fedcomp.config.low_density)

@@ -31,7 +31,7 @@ SECAGG_KEYS = table(
         "the shares; more than half the shares (a lower one lets a curious server split a client's neighbours "
         "and unmask it)", rule="integer in (shares / 2, shares), or a fraction in (0.5, 1]"),
     Key("secagg-clipping-range", float, 1.0, "c: weighted update entries clipped to [-c, c] (error feedback keeps "
-        "the rest)", rule="number > 0, c * 2**quantization-bits < 2**52"),
+        "the rest); dp = distributed: must hold clipping-norm plus the clients' noise shares", rule="number > 0, c * 2**quantization-bits < 2**52"),
     Key("secagg-quantization-bits", int, 16, "Q = 2**bits levels over [-c, c]", lo=1, hi=MAX_MODULUS_BITS - 2,
         rule=f"integer in [1, {MAX_MODULUS_BITS - 2}]"),
     Key("secagg-modulus-bits", int, 0, "masks and sums live modulo 2**bits; 0 = auto per round: "
@@ -164,11 +164,12 @@ def check_codec_under_secagg(run_config: Mapping[str, Any]) -> None:
                          "secagg = true (use true or false: the server only sees the masked sum, not each client's "
                          "EF21 estimate)")
     dp = run_config.get("dp", DP_DEFAULTS["dp"])
-    if dp not in ("none", "client-level"):
-        raise ValueError(f"run config 'dp' = {dp!r} is not supported with secagg = true (use 'none' or "
-                         "'client-level': clients clip their shared k values, the server adds the noise to the sum)")
-    if dp == "client-level" and ef is not False:
-        raise ValueError("run config dp = 'client-level' with secagg = true needs error-feedback = false: with error "
+    if dp not in ("none", "client-level", "distributed"):
+        raise ValueError(f"run config 'dp' = {dp!r} is not supported with secagg = true (use 'none', 'client-level': "
+                         "clients clip their shared k values, the server adds the noise to the sum, or 'distributed': "
+                         "clients clip and add their shares of the noise)")
+    if dp in ("client-level", "distributed") and ef is not False:
+        raise ValueError(f"run config dp = {dp!r} with secagg = true needs error-feedback = false: with error "
                          "feedback the residual carries the clipped excess into later rounds and voids the clipping "
                          "bound")
     unsupported = { "downstream": "none", "client-sampling": "fraction", "layer-codecs": "",

@@ -6,6 +6,8 @@ DP mode.
 - :mod:`.calibration`: DP-SGD's sampling arithmetic and noise calibration.
 - :mod:`.client_level`: client-level DP-FedAvg on the server (:class:`ClientLevelDP`).
 - :mod:`.local`: local DP, clip-and-noise on each client (:class:`LocalDP`).
+- :mod:`.distributed`: distributed DP under secure aggregation, the clients' Skellam noise shares
+  and their RDP accountant (:class:`~fedcomp.privacy.distributed.DistributedDP`).
 - :mod:`.sample_level`: DP-SGD's settings (:class:`DPSGDConfig`) and one client's plan (steps,
   noise multiplier, projected epsilon); the Opacus training loop is :mod:`fedcomp.privacy.dp_sgd`.
 

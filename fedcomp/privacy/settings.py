@@ -11,13 +11,16 @@ from fedcomp.privacy.accounting import ACCOUNTANTS
 from fedcomp.util.declared_key import Key, defaults, table
 
 #: ``dp`` modes: none; sample-level DP-SGD on clients (Opacus); client-level DP-FedAvg on the
-#: server; local clip + noise of each update on the client before compression.
-DP_MODES = ("none", "dp-sgd", "client-level", "local")
+#: server; local clip + noise of each update on the client before compression; distributed DP under
+#: SecAgg+ (each client clips and adds its share of Skellam noise, so the server only unmasks a noised sum).
+DP_MODES = ("none", "dp-sgd", "client-level", "local", "distributed")
 
 DP_KEYS = table(
     Key("dp", str, "none", "privacy mode: sample-level DP-SGD (Opacus, clients), client-level DP-FedAvg "
-        "(server, on the decoded updates) or local clip + noise (client, before compression)", choices=DP_MODES),
-    Key("clipping-norm", float, 1.0, "client-level / local: L2 bound of one client's update", lo=0.0, lo_open=True),
+        "(server, on the decoded updates), local clip + noise (client, before compression) or distributed "
+        "(secagg = true only: each client adds its share of Skellam noise, the server sees only the noised sum)",
+        choices=DP_MODES),
+    Key("clipping-norm", float, 1.0, "client-level / local / distributed: L2 bound of one client's update", lo=0.0, lo_open=True),
     Key("noise-multiplier", float, 1.0, "noise std = noise-multiplier x clipping norm (dp-sgd: x max-grad-norm)",
         lo=0.0),
     Key("max-grad-norm", float, 1.0, "dp-sgd: per-sample gradient clipping norm C", lo=0.0, lo_open=True),

@@ -70,6 +70,9 @@ SECAGG_ROTATION_KEY = "fedcomp-secagg-rotation"
 SECAGG_PACK_KEY = "fedcomp-secagg-pack"
 #: Client-level DP under SecAgg+: the L2 bound every client clips its k selected values to.
 SECAGG_DP_CLIP_KEY = "fedcomp-secagg-dp-clip"
+#: Distributed DP under SecAgg+: the noise multiplier z; each client adds its share of Skellam noise so
+#: that a sum of threshold-many shares has std z * clip per value.
+SECAGG_DDP_NOISE_KEY = "fedcomp-secagg-ddp-noise"
 #: Per-node train-config key: the last round whose applied secure sum included this node's masked vector
 #: (0: none). The client commits the error-feedback residual of that round and rolls back a later one.
 SECAGG_APPLIED_KEY = "fedcomp-secagg-applied-round"

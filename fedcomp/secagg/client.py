@@ -33,13 +33,14 @@ from fedcomp.compression.bits import nbytes_for_bits, pack_uint, unpack_uint
 from fedcomp.config.secagg import SECAGG_CODECS
 from fedcomp.protocol.messages import (
     SECAGG_APPLIED_KEY,
+    SECAGG_DDP_NOISE_KEY,
     SECAGG_DP_CLIP_KEY,
     SECAGG_KEYS_KEY,
     SECAGG_PACK_KEY,
     SECAGG_ROTATION_KEY,
     SECAGG_SEED_KEY,
 )
-from fedcomp.secagg.encoding import SharedProjection, flower_weight, prequantize
+from fedcomp.secagg.encoding import SharedProjection, add_noise_share, flower_weight, prequantize
 from fedcomp.secagg.guard import check_request
 
 #: First bytes of a packed masked vector (an ``.npy`` starts with b"\x93NUMPY").
@@ -75,7 +76,8 @@ def check_node_floor(ctxt: Context, cfg: dict) -> None:
     """Refuse a secure round that would lower this node's own settings (node config wins, always).
 
     Under SecAgg+ every client sends the round's shared random-k at the server's ``density`` and no
-    local noise: a node whose own config asks for local DP (``dp = "local"``), for a codec the
+    local noise: a node whose own config asks for local DP (``dp = "local"``), for distributed DP
+    (``dp = "distributed"``) with a higher ``noise-multiplier`` than the server's (or none), for a codec the
     secure path cannot use, or for a lower ``density`` than the server's does not train.
 
     Raises
@@ -90,6 +92,11 @@ def check_node_floor(ctxt: Context, cfg: dict) -> None:
     if own_local_dp(ctxt) is not None:
         problem = ("its config sets dp = 'local' (a local-DP floor), and the secure path adds no local noise: the "
                    "server cannot switch it off")
+    elif node.get("dp") == "distributed" and not (
+            isinstance(cfg.get(SECAGG_DDP_NOISE_KEY), (int, float))
+            and float(cfg[SECAGG_DDP_NOISE_KEY]) >= float(node.get("noise-multiplier", 1.0))):
+        problem = (f"its config sets dp = 'distributed' with noise-multiplier {node.get('noise-multiplier', 1.0)}, the "
+                   f"server asked for {'no distributed noise' if cfg.get(SECAGG_DDP_NOISE_KEY) is None else 'noise multiplier ' + str(cfg[SECAGG_DDP_NOISE_KEY])}")
     elif "compressor" in node and node["compressor"] not in SECAGG_CODECS:
         problem = (f"its config sets compressor = {node['compressor']!r}, which cannot run under secure aggregation "
                    f"({list(SECAGG_CODECS)} can)")
@@ -163,6 +170,11 @@ def shared_randomk_mod(msg: Message, ctxt: Context, call_next) -> Message:
     values after rounding onto the grid stay within C; the server adds the noise
     (:class:`fedcomp.secagg.SharedRandomKStrategy` with ``client_dp``).
 
+    Distributed DP (``fedcomp-secagg-ddp-noise`` = z as well): the same uniform weights and clipping,
+    then the client adds its share of integer Skellam noise to its values on the grid, of variance
+    ``(z C / step)**2 / t`` per value with t the round's SecAgg+ threshold from Flower's own client
+    state, drawn from the OS CSPRNG (:mod:`fedcomp.privacy.distributed`); the server adds nothing.
+
     Raises
     ------
     ValueError
@@ -219,6 +231,12 @@ def shared_randomk_mod(msg: Message, ctxt: Context, call_next) -> Message:
     reported = num_examples
     values, rotated = proj.encode(corrected)
     dp_clipped = 0
+    ddp = None
+    if dp_clip is not None and cfg.get(SECAGG_DDP_NOISE_KEY) is not None:
+        from fedcomp.privacy.distributed import DistributedDP
+
+        ddp = DistributedDP(float(dp_clip), float(cfg[SECAGG_DDP_NOISE_KEY]), c, q)
+        ddp.check_range(int(state["threshold"]))  # its noisy values must stay inside SecAgg+'s [-c, c]
     if dp_clip is not None:
         # DP: uniform weights (every client reports max_weight) and ||sent|| <= C, the rounding onto the grid
         # (< one step per entry) included
@@ -236,6 +254,8 @@ def shared_randomk_mod(msg: Message, ctxt: Context, call_next) -> Message:
         weight = flower_weight(num_examples, max_weight, q)
     sent, clipped = prequantize(values, weight, c, q, np.random.default_rng())  # OS entropy
     rotated.numpy()[proj.positions()] -= sent
+    if ddp is not None:  # its share of the noise, on the grid: the masked sum carries the sum of the shares
+        sent = add_noise_share(sent, ddp, proj.k, int(state["threshold"]))
     new_residual = proj.unrotate_(rotated).numpy()
     norm = float(np.linalg.norm(corrected))
     res_norm = float(np.linalg.norm(new_residual))

@@ -8,6 +8,8 @@ summation. The server scatters the unmasked sum back into the positions and undo
 
 The values are also pre-rounded onto SecAgg+'s quantization grid (stochastic rounding) by the
 client, so Flower's own quantizer is exact on them and error feedback sees the real error.
+Under distributed DP a client adds its integer Skellam noise share on that same grid
+(:func:`add_noise_share`, :mod:`fedcomp.privacy.distributed`).
 
 Sources: Stich, Cordonnier, Jaggi, NeurIPS 2018 (rand-k with memory); Konečný et al. 2016
 (shared random masks); Chen, Choquette-Choo, Kairouz, Suresh, ICML 2022 ("The Fundamental
@@ -220,3 +222,35 @@ def quantization_bound(weights: list[float], clipping_range: float, quantization
     (same weights, no clipping): each client's rounding moves ``w_i * x_i`` by less than one step
     ``2c / Q``, so the mean moves by less than ``n * 2c / Q / sum(w_i)``."""
     return len(weights) * 2 * clipping_range / quantization_range / sum(weights)
+
+
+def add_noise_share(sent: np.ndarray, ddp, k: int, threshold: int, generator=None) -> np.ndarray:
+    """``sent`` (k values on SecAgg+'s grid, weight 1) plus this client's Skellam noise share, on the grid.
+
+    Parameters
+    ----------
+    sent : np.ndarray
+        float64 shape ``(k,)``, each ``j * step - c`` for an integer j in ``[0, Q]``.
+    ddp : fedcomp.privacy.distributed.DistributedDP
+    k, threshold : int
+        Values and the round's SecAgg+ reconstruction threshold.
+    generator : torch.Generator, optional
+        Tests only; by default a fresh OS-CSPRNG generator.
+
+    Returns
+    -------
+    np.ndarray
+        float64 shape ``(k,)``: ``(j + noise) * step - c``.
+
+    Raises
+    ------
+    ValueError
+        A noisy value outside ``[-c, c]`` (SecAgg+ would clip it and change the noise): the client
+        sends nothing this round (SecAgg+ treats it as dropped).
+    """
+    c, q = ddp.clipping_range, ddp.quantization_range
+    j = np.rint((sent + c) * (q / (2 * c))) + ddp.noise_share(k, threshold, generator)
+    if j.size and (j.min() < 0 or j.max() > q):
+        raise ValueError("dp = 'distributed': a noisy value left secagg-clipping-range; this client sends nothing "
+                         "this round (raise 'secagg-clipping-range')")
+    return j * (2 * c / q) - c

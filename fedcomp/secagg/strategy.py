@@ -40,8 +40,10 @@ from flwr.server.client_proxy import ClientProxy
 from flwr.server.strategy import Strategy
 
 from fedcomp.privacy import ClientLevelDP
+from fedcomp.privacy.distributed import DistributedDP
 from fedcomp.protocol.messages import (
     SECAGG_APPLIED_KEY,
+    SECAGG_DDP_NOISE_KEY,
     SECAGG_DP_CLIP_KEY,
     SECAGG_KEYS_KEY,
     SECAGG_PACK_KEY,
@@ -83,6 +85,13 @@ class SharedRandomKStrategy(Strategy):
         (OS CSPRNG) to the k values, accounted by RDP per round (McMahan et al. 2018, DP-FedAvg).
         The server sees the exact sum before adding the noise: the guarantee holds for whoever sees
         the released models (clients, the public), with an honest server.
+    distributed_dp : fedcomp.privacy.distributed.DistributedDP, optional
+        Distributed DP (needs ``error_feedback=False``, not with ``client_dp``): clients clip their k
+        values to its ``clipping_norm`` with uniform weights and add their shares of Skellam noise
+        (sized by the round's SecAgg+ threshold, which
+        :class:`fedcomp.secagg.CompressedSecAggPlusWorkflow` sets in :attr:`round_threshold`); the
+        server divides the unmasked sum by the number of clients sampled, adds nothing, and accounts
+        the round with the number of clients whose noise is in the sum (Agarwal et al. 2021).
     max_weight : float, optional
         SecAgg+'s ``max_weight`` (run config ``secagg-max-weight``): a round in which any client
         reports ``num_examples`` outside ``[1, max_weight]`` is refused (the masked sum is already
@@ -98,13 +107,19 @@ class SharedRandomKStrategy(Strategy):
 
     def __init__(self, strategy: Strategy, density: float, *, rotation: bool = False, error_feedback: bool = True,
                  seed: int = 0, keys: list[str] | None = None, pack: bool = False,
-                 client_dp: ClientLevelDP | None = None, max_weight: float | None = None) -> None:
+                 client_dp: ClientLevelDP | None = None, max_weight: float | None = None,
+                 distributed_dp: DistributedDP | None = None) -> None:
         super().__init__()
         self.max_weight = None if max_weight is None else float(max_weight)
-        if client_dp is not None and error_feedback:
+        if (client_dp is not None or distributed_dp is not None) and error_feedback:
             raise ValueError("client-level DP under SecAgg+ needs error-feedback = false: with error feedback the "
                              "residual carries the clipped excess into later rounds and voids the clipping bound")
+        if client_dp is not None and distributed_dp is not None:
+            raise ValueError("SharedRandomKStrategy: client_dp and distributed_dp are two DP modes; pass one")
         self.client_dp = client_dp
+        self.distributed_dp = distributed_dp
+        #: The current round's SecAgg+ reconstruction threshold (set by CompressedSecAggPlusWorkflow).
+        self.round_threshold: int | None = None
         if not 0 < density <= 1:
             raise ValueError(f"SharedRandomKStrategy: density must be in (0, 1], got {density}")
         self.inner, self.density, self.rotation = strategy, float(density), bool(rotation)
@@ -167,6 +182,13 @@ class SharedRandomKStrategy(Strategy):
         }
         if self.client_dp is not None:
             extra[SECAGG_DP_CLIP_KEY] = float(self.client_dp.clipping_norm)
+        if self.distributed_dp is not None:
+            if not self.unpacking_workflow:
+                raise ValueError("SharedRandomKStrategy(distributed_dp=...) needs fedcomp's CompressedSecAggPlusWorkflow: "
+                                 "the accountant needs each round's SecAgg+ threshold, which Flower's workflow does "
+                                 "not hand over")
+            extra[SECAGG_DP_CLIP_KEY] = float(self.distributed_dp.clipping_norm)
+            extra[SECAGG_DDP_NOISE_KEY] = float(self.distributed_dp.noise_multiplier)
         if self.keys is not None:
             if len(self.keys) != len(self._global):
                 raise ValueError(f"SharedRandomKStrategy: {len(self.keys)} keys for {len(self._global)} arrays")
@@ -215,6 +237,14 @@ class SharedRandomKStrategy(Strategy):
                                                     max(self._sampled, len(results)))
             dp_info.pop("max-update-norm")
             dp_info.pop("clipped-fraction")
+        elif self.distributed_dp is not None:  # the noised sum of the survivors, over the clients sampled
+            if self.round_threshold is None:
+                log(ERROR, "fedcomp secagg round %d refused (model kept): no SecAgg+ threshold for the accountant",
+                    server_round)
+                return None, {}
+            m = len(results)
+            values = values.astype(np.float64) * m / max(self._sampled, m)
+            dp_info = self.distributed_dp.record(self._proj.k, m, int(self.round_threshold))
         try:
             delta = self._proj.decode(values)
         except ValueError as exc:  # non-finite or wrong-size aggregate: drop the round, keep the run
@@ -274,5 +304,6 @@ class SharedRandomKStrategy(Strategy):
             "compression-error": sum(num(m, "compression-error") for m in ms) / len(ms),
             # what the summed updates would have cost in fp32, from what the server received (not client reports)
             "dense-bytes": float(4 * self._proj.dim * len(results)),
-            **({"clipped-fraction": sum(num(m, "secagg-dp-clipped") for m in ms) / len(ms)} if self.client_dp else {}),
+            **({"clipped-fraction": sum(num(m, "secagg-dp-clipped") for m in ms) / len(ms)}
+               if self.client_dp or self.distributed_dp else {}),
         }

@@ -163,6 +163,8 @@ class CompressedSecAggPlusWorkflow(SecAggPlusWorkflow):
             strategy.max_weight = float(self.max_weight)
         if hasattr(strategy, "unpacking_workflow"):  # SharedRandomKStrategy(pack=True) needs this workflow
             strategy.unpacking_workflow = True
+        if hasattr(strategy, "round_threshold"):  # set again by this round's setup stage
+            strategy.round_threshold = None
         super().__call__(_CountingGrid(grid, self), context)
         if self.halted:
             raise SecAggHalted(self.halted)
@@ -188,6 +190,8 @@ class CompressedSecAggPlusWorkflow(SecAggPlusWorkflow):
             return self._skip(f"{len(state.nid_to_fitins)} client(s) sampled: SecAgg+ needs at least 2")
         n = len(state.sampled_node_ids)
         self.round_modulus_bits = state.mod_range.bit_length() - 1
+        if hasattr(strategy, "round_threshold"):  # distributed DP: clients size their noise shares by it
+            strategy.round_threshold = int(state.threshold)
         if not state.active_node_ids:
             reasons = sorted(set(self._setup_errors))[:3]
             log(ERROR, "fedcomp secagg: none of the %d sampled nodes answered the SecAgg+ setup stage with keys "

@@ -63,7 +63,7 @@ def test_reference_table_lists_every_key_once():
     row = dict(zip(names, lines[2:]))
     assert row["density"].split("|")[3].strip() == "`0.01`"
     assert row["lr"] == "| `lr` | float | `0.1` | number > 0 | client learning rate |"
-    assert row["dp"].split("|")[4].strip() == "one of: `none`, `dp-sgd`, `client-level`, `local`"
+    assert row["dp"].split("|")[4].strip() == "one of: `none`, `dp-sgd`, `client-level`, `local`, `distributed`"
     assert row["secagg-pack"].split("|")[2:4] == [" bool ", " `true` "]
     assert all(k.help for k in KEYS.values())
 

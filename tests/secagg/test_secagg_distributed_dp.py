@@ -1,0 +1,118 @@
+"""dp = 'distributed' through a real SecAgg+ round: the clients' Skellam shares are in the unmasked
+sum, the server adds nothing, and a dropout lowers the noise the accountant charges."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from fedcomp.privacy.distributed import DistributedDP
+from fedcomp.secagg.encoding import SharedProjection, add_noise_share, round_seed
+
+from .helpers import client_delta, global_model, run_round
+
+Q16 = 1 << 16
+DIM = 2050
+
+
+def _flat(d):
+    return np.concatenate([d["w"].reshape(-1), d["b"].reshape(-1)]).astype(np.float64)
+
+
+def _delta(new):
+    g = global_model()
+    return _flat({k: new[k].astype(np.float64) - g[k].astype(np.float64) for k in ("w", "b")})
+
+
+@pytest.mark.parametrize("drop", [(), (3,)])
+def test_distributed_dp_round_sums_the_survivors_noise(drop):
+    n, density, clip, z = 4, 0.25, 0.05, 1.0
+    ddp = DistributedDP(clip, z, 1.0, Q16, 1e-5)
+    new, strategy, workflow, _ = run_round(n, density, ef=False, distributed_dp=ddp, drop=drop)
+    proj = SharedProjection(DIM, density, round_seed(3, 1))
+    bound = clip - math.sqrt(proj.k) * 2.0 / Q16
+    survivors = [p for p in range(n) if p not in drop]
+    clipped = []
+    for p in survivors:
+        v = proj.encode(_flat(client_delta(p)))[0]
+        clipped.append(v * min(1.0, bound / np.linalg.norm(v)))
+    expected = sum(clipped) / n  # divided by the clients sampled
+    noise = _delta(new)[proj.positions()] - expected
+    h = strategy.history[1]
+    t = strategy.round_threshold
+    assert t == 3  # threshold 0.6 of 4 shares, raised to a majority
+    want = z * clip * math.sqrt(len(survivors) / t) / n  # the survivors' shares, over the clients sampled
+    assert h["dp-survivors"] == len(survivors)
+    assert h["dp-noise-std"] == pytest.approx(want * n, rel=1e-12)
+    assert 0.85 * want < float(np.std(noise)) < 1.15 * want  # k = 512 entries
+    assert abs(float(np.mean(noise))) < 4 * want / math.sqrt(proj.k)
+    assert 0 < h["epsilon"] < 100 and h["clipped-fraction"] == 1.0
+
+
+def test_a_dropout_raises_epsilon():
+    eps = {}
+    for drop in ((), (3,)):
+        ddp = DistributedDP(0.05, 1.0, 1.0, Q16, 1e-5)
+        _, strategy, _, _ = run_round(4, 0.25, ef=False, distributed_dp=ddp, drop=drop)
+        eps[drop] = strategy.history[1]["epsilon"]
+    assert eps[()] < eps[(3,)]
+
+
+def test_distributed_dp_needs_the_compressed_workflow_and_no_error_feedback():
+    from flwr.server.workflow import SecAggPlusWorkflow
+
+    with pytest.raises(ValueError, match="needs error-feedback = false"):
+        run_round(2, 0.25, ef=True, distributed_dp=DistributedDP(0.05, 1.0, 1.0, Q16))
+    with pytest.raises(ValueError, match="CompressedSecAggPlusWorkflow"):
+        run_round(3, 0.25, ef=False, pack=False, distributed_dp=DistributedDP(0.05, 1.0, 1.0, Q16),
+                  workflow_cls=SecAggPlusWorkflow)
+
+
+def test_noise_share_stays_on_the_grid_and_refuses_overflow():
+    import torch
+
+    ddp = DistributedDP(0.05, 1.0, 1.0, Q16)
+    step = 2.0 / Q16
+    sent = (np.arange(-100, 100) * step)
+    out = add_noise_share(sent, ddp, sent.size, 3, torch.Generator().manual_seed(0))
+    j = (out + 1.0) / step
+    assert np.allclose(j, np.rint(j), atol=1e-6) and not np.allclose(out, sent)
+    tight = DistributedDP(0.05, 1.0, 0.06, Q16)  # c barely above C: the noise leaves [-c, c]
+    with pytest.raises(ValueError, match="left secagg-clipping-range"):
+        add_noise_share(np.full(1000, 0.05), tight, 1000, 3, torch.Generator().manual_seed(0))
+
+
+def test_serverapp_path_with_distributed_dp_writes_epsilon(tmp_path):
+    import json
+
+    from flwr.app import Context, RecordDict
+
+    from fedcomp.app.client_app import app
+    from fedcomp.app.secagg_server_app import run_secagg
+    from fedcomp.config import AppConfig
+    from fedcomp.run.inprocess_grid import InProcessGrid
+
+    rc = {"num-server-rounds": 2, "secagg": True, "compressor": "randomk", "density": 0.0625, "dp": "distributed",
+          "error-feedback": False, "clipping-norm": 0.5, "noise-multiplier": 0.8, "secagg-clipping-range": 4.0}
+    ctx = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=rc)
+    rounds = run_secagg(InProcessGrid(app, 3, rc), ctx, AppConfig.from_run_config(rc), tmp_path)
+    data = json.loads((tmp_path / "metrics.json").read_text())
+    assert data["privacy"]["mode"] == "distributed" and data["rounds"] == rounds
+    r1, r2 = rounds[1], rounds[2]
+    assert r1["num-replies"] == 3 and r1["dp-survivors"] == 3 and 0 < r1["epsilon"] < r2["epsilon"] < 100
+    assert r2["epsilon-round"] == pytest.approx(r2["epsilon"] - r1["epsilon"])
+
+
+@pytest.mark.parametrize("server_z, replies", [(None, 3), (0.5, 3), (1.0, 4)], ids=["no-ddp", "less-noise", "enough"])
+def test_a_node_with_its_own_distributed_dp_floor_refuses_less_noise(server_z, replies, caplog):
+    import logging
+
+    caplog.set_level(logging.ERROR, logger="flwr")
+    node = {"dp": "distributed", "noise-multiplier": 1.0}
+    kw = {} if server_z is None else {"distributed_dp": DistributedDP(0.05, server_z, 1.0, Q16)}
+    _, strategy, _, _ = run_round(4, 0.25, ef=False, node_configs=[node, {}, {}, {}], **kw)
+    assert strategy.history[1]["num-replies"] == replies
+    refused = [r for r in caplog.records if "dp = 'distributed' with noise-multiplier 1.0" in r.getMessage()]
+    assert bool(refused) == (replies == 3)
