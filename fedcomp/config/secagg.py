@@ -24,7 +24,8 @@ MAX_MODULUS_BITS = 32
 
 SECAGG_KEYS = table(
     Key("secagg", bool, False, "run Flower's SecAgg+ (DefaultWorkflow + SecAggPlusWorkflow); compressor must "
-        "be randomk (the round's shared seed) or none (dense)"),
+        "be randomk (the round's shared seed) or none (dense); left at its default, the secure setting: randomk "
+        "at density 1/16 with secagg-rotation and 8-bit quantization"),
     Key("secagg-shares", float, 1.0, "Flower's num_shares: an integer > 2, or a fraction of the sampled clients",
         rule="integer > 2, or a fraction in (0, 1]"),
     Key("secagg-threshold", float, 0.7, "Flower's reconstruction_threshold: an integer < shares, or a fraction of "

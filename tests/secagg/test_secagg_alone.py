@@ -92,3 +92,17 @@ def test_secagg_alone_trains_through_the_server_app(tmp_path, caplog):
         assert r["upload-bytes"] == 4 * (15 + (k * m + 7) // 8 + 15 + (m + 7) // 8)
     assert data["secagg"]["rotation"] is True and data["secagg"]["quantization-range"] == 1 << bits
     assert rounds[-1]["accuracy"] > rounds[0]["accuracy"] + 0.05  # it trains (slowly at first: 1/16 per round)
+
+
+def test_a_client_whose_weight_rounds_to_zero_is_weighted_at_one_step_not_refused():
+    """With few quantization levels (Q = 2**3: one weight step is 125 examples at max-weight 1000) a
+    client with 50 examples was refused (weight 0) and left out of every round; it now reports the floor."""
+    from fedcomp.secagg.encoding import flower_weight, weight_floor
+
+    from .helpers import num_examples, run_round
+
+    assert weight_floor(1000.0, 8) == 125 and flower_weight(125, 1000.0, 8) == 1 / 8
+    assert num_examples(0) < 1000 / 16  # its own weight rounds to 0
+    new, strategy, workflow, _ = run_round(4, 0.25, qbits=3, clipping_range=0.05)
+    assert strategy.history[1]["num-replies"] == 4 and workflow.round_skipped == {}
+    assert workflow.round_modulus_bits == 6  # ceil(log2(4 * 8 + 1))
