@@ -25,7 +25,7 @@ MAX_MODULUS_BITS = 32
 SECAGG_KEYS = table(
     Key("secagg", bool, False, "run Flower's SecAgg+ (DefaultWorkflow + SecAggPlusWorkflow); compressor must "
         "be randomk (the round's shared seed) or none (dense); left at its default, the secure setting: randomk "
-        "at density 1/16 with secagg-rotation and 8-bit quantization"),
+        "at density 1/16 with secagg-rotation and 3-bit quantization"),
     Key("secagg-shares", float, 1.0, "Flower's num_shares: an integer > 2, or a fraction of the sampled clients",
         rule="integer > 2, or a fraction in (0, 1]"),
     Key("secagg-threshold", float, 0.7, "Flower's reconstruction_threshold: an integer < shares, or a fraction of "
@@ -51,7 +51,7 @@ SECAGG_DEFAULTS: dict[str, Any] = defaults(SECAGG_KEYS)
 SECURE_CODEC: dict[str, Any] = {"compressor": "randomk", "density": 1 / 16, "secagg-rotation": True}
 #: With error feedback on and no DP, also few quantization levels over a narrow range: the residual
 #: keeps the rounding and clipping error, and the modulus (auto) shrinks with the levels.
-SECURE_QUANTIZATION: dict[str, Any] = {"secagg-quantization-bits": 8, "secagg-clipping-range": 0.05}
+SECURE_QUANTIZATION: dict[str, Any] = {"secagg-quantization-bits": 3, "secagg-clipping-range": 0.05}
 
 
 def allows_split(threshold: int, num_shares: int) -> bool:

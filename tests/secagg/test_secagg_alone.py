@@ -91,7 +91,8 @@ def test_secagg_alone_trains_through_the_server_app(tmp_path, caplog):
         assert r["modulus-bits"] == m
         assert r["upload-bytes"] == 4 * (15 + (k * m + 7) // 8 + 15 + (m + 7) // 8)
     assert data["secagg"]["rotation"] is True and data["secagg"]["quantization-range"] == 1 << bits
-    assert rounds[-1]["accuracy"] > rounds[0]["accuracy"] + 0.05  # it trains (slowly at first: 1/16 per round)
+    # it trains, slowly at first (1/16 of the rotated update per round; error feedback carries the rest)
+    assert rounds[-1]["loss"] < rounds[0]["loss"] - 0.004 and rounds[-1]["accuracy"] > rounds[0]["accuracy"]
 
 
 def test_a_client_whose_weight_rounds_to_zero_is_weighted_at_one_step_not_refused():
