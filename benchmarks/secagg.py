@@ -10,7 +10,11 @@ Dirichlet 0.5. Bytes are those of the masked vectors in the real replies (``uplo
 Packing is lossless, so an int64 row trains exactly like its packed row: int64 rows run
 ``--bytes-rounds`` rounds for their bytes only.
 
-Run: ``python benchmarks/secagg.py [--rounds 50] [--seeds 42] [--densities 0.0625 0.015625]``
+Run: ``python benchmarks/secagg.py [--rounds 50] [--seeds 42] [--densities 0.0625 0.015625]``;
+``--sweep D,BITS,C ...`` runs only packed + rotated random-k rows at density D with
+``secagg-quantization-bits = BITS`` and ``secagg-clipping-range = C`` (modulus auto: the fewest bits
+that hold the sum), each labelled with its settings, for the bits-per-parameter sweep
+(``--with-fp32`` adds the plain fp32 reference row)
 (``--quick``: 2 rounds, 4 clients, one density; writes to a temporary file unless ``--out``,
 see ``benchmarks/outputs.py``).
 Prints a table and writes ``benchmarks/results/secagg.json``.
@@ -70,6 +74,16 @@ def summarize(label: str, rounds_by_seed: list[list[dict]], secure: bool) -> dic
     return out
 
 
+def _sweep_spec(spec: str) -> tuple[float, int, float]:
+    """``"0.0625,8,0.05"`` -> (density, quantization bits, clipping range); a density may be ``1/16``."""
+    try:
+        d, bits, c = spec.split(",")
+        num, _, den = d.partition("/")
+        return float(num) / (float(den) if den else 1.0), int(bits), float(c)
+    except ValueError:
+        raise SystemExit(f"--sweep {spec!r}: expected DENSITY,BITS,CLIPPING-RANGE, e.g. 1/16,8,0.05") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=50)
@@ -78,6 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--densities", type=float, nargs="+", default=[0.0625, 0.015625])
     ap.add_argument("--bytes-rounds", type=int, default=1, help="rounds of the int64 rows (bytes only)")
     ap.add_argument("--skip-dense", action="store_true", help="only the random-k rows (densities, seeds)")
+    ap.add_argument("--sweep", nargs="+", default=None, metavar="D,BITS,C",
+                    help="only rotated packed random-k rows: density, quantization bits, clipping range")
+    ap.add_argument("--with-fp32", action="store_true", help="with --sweep: the plain fp32 FedAvg row too")
     ap.add_argument("--quick", action="store_true", help="2 rounds, 4 clients, one density (smoke test)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -101,12 +118,21 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"{'configuration':<44} {'bits/p':>8} {'final acc':>8}  ({args.nodes} clients, {args.rounds} rounds, "
           f"seeds {args.seeds})")
-    if not args.skip_dense:
+    if args.sweep:
+        if args.with_fp32:
+            go("plain FedAvg fp32 (no SecAgg, no compression)", False, {"compressor": "none"})
+        for spec in args.sweep:
+            d, bits, c = _sweep_spec(spec)
+            go(f"SecAgg+ randomk d={d:g}, {bits}-bit, c={c:g}, packed + rotation", True,
+               {"secagg": True, "compressor": "randomk", "density": d, "secagg-rotation": True,
+                "secagg-quantization-bits": bits, "secagg-clipping-range": c})
+            rows[-1].update({"density": d, "quantization-bits": bits, "clipping-range": c})
+    if not args.skip_dense and not args.sweep:
         go("SecAgg+ dense, Flower int64 (today)", True, {"secagg": True, "compressor": "none", "secagg-pack": False},
            rounds=args.bytes_rounds)
         go("plain FedAvg fp32 (no SecAgg, no compression)", False, {"compressor": "none"})
         go("SecAgg+ dense, packed", True, {"secagg": True, "compressor": "none"})
-    for d in args.densities:
+    for d in [] if args.sweep else args.densities:
         rk = {"compressor": "randomk", "density": d}
         go(f"plain randomk d={d:g} (no SecAgg)", False, rk)
         go(f"SecAgg+ randomk d={d:g}, int64", True, {"secagg": True, **rk, "secagg-pack": False},

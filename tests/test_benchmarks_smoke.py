@@ -111,6 +111,16 @@ def test_secagg_benchmark_quick_runs(tmp_path):
     assert rows["SecAgg+ randomk d=0.0625, int64"]["bits-per-parameter"] > 4.0
 
 
+def test_secagg_benchmark_sweep_quick_runs(tmp_path):
+    """The bits sweep: one row per density, quantization bits and clipping range, modulus auto."""
+    rows = run_benchmark(tmp_path, "secagg.py", "--quick", "--sweep", "1/16,3,0.05")["rows"]
+    assert [r["label"] for r in rows] == ["SecAgg+ randomk d=0.0625, 3-bit, c=0.05, packed + rotation"]
+    r, k = rows[0], round(0.0625 * 38282)
+    assert (r["density"], r["quantization-bits"], r["clipping-range"]) == (0.0625, 3, 0.05)
+    assert r["modulus-bits"] == 6  # 4 clients, Q = 2**3: ceil(log2(4 * 8 + 1))
+    assert r["bits-per-parameter"] == 8 * (15 + (k * 6 + 7) // 8 + 15 + 1) / 38282
+
+
 @pytest.mark.slow
 def test_distributed_dp_benchmark_quick_runs(tmp_path):
     res = run_benchmark(tmp_path, "distributed_dp.py", "--quick", "--epsilons", "50")

@@ -22,7 +22,7 @@ from fedcomp.app.inner import build_inner
 from fedcomp.app.recorder import RoundRecorder
 from fedcomp.app.results import MB, plot_rounds
 from fedcomp.config import AppConfig
-from fedcomp.config.secagg import SecAggConfig, check_codec_under_secagg
+from fedcomp.config.secagg import SecAggConfig, check_codec_under_secagg, resolve_secure_defaults, secure_defaults_note
 from fedcomp.privacy import NO_AMPLIFICATION, ClientLevelDP
 from fedcomp.privacy.distributed import DistributedDP
 from fedcomp.secagg.strategy import SharedRandomKStrategy
@@ -153,8 +153,10 @@ def run_secagg(grid, context, cfg: AppConfig, out_dir) -> list[dict]:
         sum (the run stops after that round; the message names the fix).
     """
     sa = check_secagg_config(context.run_config)
+    if note := secure_defaults_note(context.run_config):  # what secagg = true alone chose
+        log(INFO, "fedcomp  %s", note)
     rounds = SecAggRounds(cfg, sa)
-    recorder = RoundRecorder(cfg, rounds, out_dir, dict(context.run_config))
+    recorder = RoundRecorder(cfg, rounds, out_dir, dict(resolve_secure_defaults(context.run_config)))
     initial = ndarrays_to_parameters([v.numpy().copy() for v in untie(recorder.model.state_dict()).values()])
     density = cfg.codec.density if cfg.codec.compressor == "randomk" else 1.0
     inner = build_inner(cfg, legacy_evaluate_fn=recorder.legacy_evaluate, initial_parameters=initial)

@@ -13,6 +13,7 @@ from fedcomp.config.codec import TENSOR_ONLY_CODECS, CodecConfig
 from fedcomp.config.keys import KEYS, check_known_keys
 from fedcomp.config.downstream import resolve_downstream
 from fedcomp.config.low_density import check_ramp_direction, resolve_strategy
+from fedcomp.config.secagg import resolve_secure_defaults
 from fedcomp.privacy.settings import DP_MODES
 
 
@@ -25,6 +26,9 @@ class AppConfig:
     """Everything the ServerApp and ClientApp read from the run config; each field is the key of
     the same name in kebab case (``num_server_rounds``: ``num-server-rounds``), its default the
     key's declared default.
+
+    With ``secagg = true`` and ``compressor`` at its default, the codec keys are those of
+    :func:`fedcomp.config.secagg.secure_defaults`.
 
     ``strategy`` "auto" (the default) is resolved when parsing: "fedavgm" with server learning rate
     1.0 and momentum 0.5 for stc/topk below density 1/400 with classic error feedback, no momentum
@@ -91,6 +95,7 @@ class AppConfig:
             raise ValueError("run config dp = 'distributed' needs secagg = true: the clients' noise shares only "
                              "add up to the intended noise inside SecAgg+'s masked sum (without secure aggregation "
                              "use dp = 'client-level' or 'local')")
+        cfg = resolve_secure_defaults(cfg)  # secagg = true with the default compressor: the secure codec
         out = cls(**{f.name: KEYS[f.name.replace("_", "-")].read(cfg) for f in fields(cls) if f.name != "codec"},
                   codec=CodecConfig.from_mapping(cfg))
         # "auto": FedAvgM for stc/topk below 1/400, else FedAvg (fedcomp.config.low_density)

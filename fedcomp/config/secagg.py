@@ -24,7 +24,8 @@ MAX_MODULUS_BITS = 32
 
 SECAGG_KEYS = table(
     Key("secagg", bool, False, "run Flower's SecAgg+ (DefaultWorkflow + SecAggPlusWorkflow); compressor must "
-        "be randomk (the round's shared seed) or none (dense)"),
+        "be randomk (the round's shared seed) or none (dense); left at its default, the secure setting: randomk "
+        "at density 1/16 with secagg-rotation and 3-bit quantization"),
     Key("secagg-shares", float, 1.0, "Flower's num_shares: an integer > 2, or a fraction of the sampled clients",
         rule="integer > 2, or a fraction in (0, 1]"),
     Key("secagg-threshold", float, 0.7, "Flower's reconstruction_threshold: an integer < shares, or a fraction of "
@@ -43,6 +44,14 @@ SECAGG_KEYS = table(
     Key("secagg-pack", bool, True, "masked values travel packed at modulus-bits bits each instead of int64"),
 )
 SECAGG_DEFAULTS: dict[str, Any] = defaults(SECAGG_KEYS)
+
+#: What ``secagg = true`` runs when the run config leaves ``compressor`` at its declared default (a
+#: codec that cannot run under SecAgg): shared-seed random-k behind the shared randomised Hadamard
+#: rotation. Each key is filled only where the run config holds its declared default.
+SECURE_CODEC: dict[str, Any] = {"compressor": "randomk", "density": 1 / 16, "secagg-rotation": True}
+#: With error feedback on and no DP, also few quantization levels over a narrow range: the residual
+#: keeps the rounding and clipping error, and the modulus (auto) shrinks with the levels.
+SECURE_QUANTIZATION: dict[str, Any] = {"secagg-quantization-bits": 3, "secagg-clipping-range": 0.05}
 
 
 def allows_split(threshold: int, num_shares: int) -> bool:
@@ -95,13 +104,15 @@ class SecAggConfig:
 
     @classmethod
     def from_run_config(cls, cfg: Mapping[str, Any]) -> SecAggConfig:
-        """Parse and validate the ``secagg*`` keys (other keys are ignored).
+        """Parse and validate the ``secagg*`` keys (other keys are ignored), after
+        :func:`resolve_secure_defaults`.
 
         Raises
         ------
         ValueError
             Naming the key and its allowed range.
         """
+        cfg = resolve_secure_defaults(cfg)
         shares, threshold = _number(cfg, "secagg-shares"), _number(cfg, "secagg-threshold")
         if isinstance(shares, int) and shares not in (1,) and shares <= 2:
             raise ValueError(f"run config 'secagg-shares' as an integer must be > 2 (or a fraction in (0, 1]), got {shares}")
@@ -144,6 +155,60 @@ class SecAggConfig:
                    rotation=flags["secagg-rotation"], pack=flags["secagg-pack"])
 
 
+def _declared_default(key: str) -> Any:
+    return SECAGG_DEFAULTS[key] if key in SECAGG_DEFAULTS else CODEC_DEFAULTS[key]
+
+
+def secure_defaults(run_config: Mapping[str, Any]) -> dict[str, Any]:
+    """The settings ``secagg = true`` fills in when ``compressor`` is at its declared default.
+
+    Flower's run config holds every key, so "left alone" means "equal to the declared default":
+    with ``secagg = true`` and ``compressor`` at its default, each key of :data:`SECURE_CODEC`
+    (and, with ``error-feedback = true`` and ``dp = "none"``, of :data:`SECURE_QUANTIZATION`)
+    that holds its declared default takes the secure value. A run config that names a codec
+    (``compressor = "randomk"`` or ``"none"``) keeps every key as given.
+
+    Parameters
+    ----------
+    run_config : Mapping
+        Flower's run config (a missing key counts as its declared default).
+
+    Returns
+    -------
+    dict
+        Key -> the value chosen (empty when nothing is filled in).
+    """
+    if run_config.get("secagg", False) is not True:
+        return {}
+    if run_config.get("compressor", CODEC_DEFAULTS["compressor"]) != CODEC_DEFAULTS["compressor"]:
+        return {}
+    chosen = dict(SECURE_CODEC)
+    if (run_config.get("error-feedback", CODEC_DEFAULTS["error-feedback"]) is True
+            and run_config.get("dp", DP_DEFAULTS["dp"]) == "none"):
+        chosen.update(SECURE_QUANTIZATION)
+    return {k: v for k, v in chosen.items() if k == "compressor"
+            or run_config.get(k, _declared_default(k)) == _declared_default(k)}
+
+
+def resolve_secure_defaults(run_config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``run_config`` with :func:`secure_defaults` applied (a new dict), or ``run_config`` itself when
+    nothing is filled in; applying it twice changes nothing."""
+    chosen = secure_defaults(run_config)
+    return {**run_config, **chosen} if chosen else run_config
+
+
+def secure_defaults_note(run_config: Mapping[str, Any]) -> str:
+    """The INFO line the server logs when :func:`secure_defaults` chose settings ("" otherwise)."""
+    chosen = secure_defaults(run_config)
+    if not chosen:
+        return ""
+    shown = ", ".join(f"{k} = {v!r}" if isinstance(v, str) else f"{k} = {v:g}" if not isinstance(v, bool)
+                      else f"{k} = {str(v).lower()}" for k, v in chosen.items())
+    return (f"secagg = true with compressor at its default ({CODEC_DEFAULTS['compressor']!r}, which cannot run "
+            f"under SecAgg): chose {shown}; set compressor = 'randomk' (or 'none': dense) and the secagg-* keys "
+            "to choose otherwise")
+
+
 def check_codec_under_secagg(run_config: Mapping[str, Any]) -> None:
     """Refuse run-config settings that cannot work when the server only sees a masked sum.
 
@@ -151,8 +216,10 @@ def check_codec_under_secagg(run_config: Mapping[str, Any]) -> None:
     ------
     ValueError
         A codec other than :data:`SECAGG_CODECS` (its per-client positions or scales make a
-        masked sum meaningless), or a feature the secure path does not implement (naming it).
+        masked sum meaningless; ``compressor`` at its declared default is resolved first, see
+        :func:`secure_defaults`), or a feature the secure path does not implement (naming it).
     """
+    run_config = resolve_secure_defaults(run_config)
     comp = run_config.get("compressor", CODEC_DEFAULTS["compressor"])
     if comp not in SECAGG_CODECS:
         raise ValueError(f"run config 'compressor' = {comp!r} cannot work under secure aggregation: the server only "

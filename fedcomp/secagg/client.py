@@ -40,7 +40,7 @@ from fedcomp.protocol.messages import (
     SECAGG_ROTATION_KEY,
     SECAGG_SEED_KEY,
 )
-from fedcomp.secagg.encoding import SharedProjection, add_noise_share, flower_weight, prequantize
+from fedcomp.secagg.encoding import SharedProjection, add_noise_share, flower_weight, prequantize, weight_floor
 from fedcomp.secagg.guard import check_request
 
 #: First bytes of a packed masked vector (an ``.npy`` starts with b"\x93NUMPY").
@@ -164,6 +164,10 @@ def shared_randomk_mod(msg: Message, ctxt: Context, call_next) -> Message:
     Adds metrics ``secagg-k``, ``secagg-clipped`` (entries clipped to +-c), ``dense-bytes``
     (fp32 cost of the float update), ``compression-error`` and ``residual-norm``.
 
+    A client whose ``num_examples`` rounds to weight 0 (below
+    :func:`fedcomp.secagg.encoding.weight_floor`, ``max_weight / Q``) reports that floor instead: it
+    is weighted at one step ``1 / Q``.
+
     Client-level DP (``fedcomp-secagg-dp-clip`` = C in the train config, error feedback off): the
     client reports ``num_examples = max_weight`` to SecAgg+ (uniform weights, so one client moves
     the sum by at most C) and clips its k values to L2 norm ``C - sqrt(k) * 2c / Q``, so that the
@@ -251,7 +255,9 @@ def shared_randomk_mod(msg: Message, ctxt: Context, call_next) -> Message:
             values *= bound / norm_v
             dp_clipped = 1
     else:
-        weight = flower_weight(num_examples, max_weight, q)
+        if 0 < num_examples < weight_floor(max_weight, q):  # weighted at one step 1/Q, not refused
+            reported = weight_floor(max_weight, q)
+        weight = flower_weight(reported, max_weight, q)
     sent, clipped = prequantize(values, weight, c, q, np.random.default_rng())  # OS entropy
     rotated.numpy()[proj.positions()] -= sent
     if ddp is not None:  # its share of the noise, on the grid: the masked sum carries the sum of the shares

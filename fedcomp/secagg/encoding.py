@@ -174,6 +174,17 @@ def flower_weight(num_examples: int, max_weight: float, quantization_range: int)
     return q / quantization_range
 
 
+def weight_floor(max_weight: float, quantization_range: int) -> int:
+    """The smallest ``num_examples`` whose SecAgg+ weight does not round to 0:
+    ``ceil(max_weight / Q)`` (its weight is at least one step, ``1 / Q``).
+
+    With few quantization levels (Q = 2**3: one step is 125 examples at ``max_weight`` 1000) a small
+    client reports this count instead of its own, so that it is weighted at one step instead of being
+    refused; the server's check of the weight sum uses the reported count.
+    """
+    return max(1, math.ceil(float(max_weight) / int(quantization_range)))
+
+
 def prequantize(values: np.ndarray, weight: float, clipping_range: float, quantization_range: int,
                 rng: np.random.Generator) -> tuple[np.ndarray, int]:
     """Round ``weight * values`` onto SecAgg+'s grid, stochastically (unbiased inside the range).

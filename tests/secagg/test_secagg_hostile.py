@@ -120,9 +120,10 @@ def test_secagg_flag_is_checked_by_the_simulation_precheck():
     root = pathlib.Path(__file__).resolve().parents[2]
     with pytest.raises(ValueError, match="'secagg' must be true or false"):
         check_run_config(root, 'secagg="true" compressor="randomk"')
-    with pytest.raises(ValueError, match="'compressor' = 'stc' cannot work under secure aggregation"):
-        check_run_config(root, 'secagg=true compressor="stc"')
+    with pytest.raises(ValueError, match="'compressor' = 'topk' cannot work under secure aggregation"):
+        check_run_config(root, 'secagg=true compressor="topk"')
     assert check_run_config(root, 'secagg=true compressor="randomk"')["secagg"] is True
+    assert check_run_config(root, "secagg=true")["secagg"] is True  # the default codec resolves to the secure one
 
 
 def test_secagg_clipping_range_beyond_float64_resolution_is_refused():
