@@ -102,10 +102,12 @@ def check_run_config(app: pathlib.Path, overrides: str) -> dict[str, Any]:
 
 
 def _is_fedcomp_app(app: pathlib.Path) -> bool:
+    """Whether ``app`` runs fedcomp's reference ServerApp (through the bundle's ``fedcomp_app`` entry
+    point, or ``fedcomp.app`` named directly), whose run config the pre-check can validate."""
     from flwr.common.config import get_project_config
 
     comps = get_project_config(app)["tool"]["flwr"]["app"].get("components", {})
-    return str(comps.get("serverapp", "")).startswith("fedcomp.")
+    return str(comps.get("serverapp", "")).startswith(("fedcomp_app.", "fedcomp."))
 
 
 def flwr_command(app: pathlib.Path, supernodes: int, overrides: str, extra: list[str]) -> list[str]:
