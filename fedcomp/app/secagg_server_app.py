@@ -96,8 +96,8 @@ class SecAggRounds:
                            "modulus-bits": sa.modulus_bits or "auto", "max-weight": sa.max_weight,
                            "shares": sa.shares, "threshold": sa.threshold, "pack": sa.pack, "rotation": sa.rotation}}
 
-    def stopped(self) -> None:
-        return None
+    def stopped(self) -> str | None:
+        return getattr(self.strategy, "stopped_reason", "") or None
 
     def round_fields(self, server_round: int, recorder: RoundRecorder) -> dict:
         """The strategy's round metrics, the workflow's bytes and their running total, the download
@@ -168,7 +168,8 @@ def run_secagg(grid, context, cfg: AppConfig, out_dir) -> list[dict]:
                                      distributed_dp=DistributedDP(cfg.clipping_norm, cfg.noise_multiplier,
                                                                   sa.clipping_range, sa.quantization_range,
                                                                   cfg.target_delta)
-                                     if cfg.dp == "distributed" else None)
+                                     if cfg.dp == "distributed" else None,
+                                     max_epsilon=cfg.max_epsilon or None)
     workflow = CompressedSecAggPlusWorkflow(sa.shares, sa.threshold, modulus_bits=sa.modulus_bits,
                                             max_weight=sa.max_weight, clipping_range=sa.clipping_range,
                                             quantization_range=sa.quantization_range, timeout=cfg.round_timeout)

@@ -286,6 +286,12 @@ class DistributedDP:
                 "dp-noise-std": math.sqrt(survivors * self.share_variance(threshold)) * self.step,
                 "dp-survivors": float(survivors), "dp-overflow-bound": self.overflow_bound}
 
+    def epsilon_after(self, k: int) -> float:
+        """Epsilon at ``target_delta`` if one more round of k values were released with the least noise
+        SecAgg+ can unmask: as many survivors as the threshold t, whose shares add up to the variance
+        of :meth:`sum_variance` whatever t is. What a privacy budget checks before a round."""
+        return epsilon_from_rdp(SKELLAM_ORDERS, self._rdp + self.round_rdp(k, 1, 1), self.target_delta)
+
     def epsilon(self) -> float:
         """Cumulative epsilon of the recorded rounds at ``target_delta`` (0.0 before any)."""
         if self.rounds == 0:

@@ -19,6 +19,7 @@ quantization can push a small variance below 0).
 
 from __future__ import annotations
 
+import math
 from logging import ERROR, WARNING
 
 import numpy as np
@@ -97,6 +98,12 @@ class SharedRandomKStrategy(Strategy):
         reports ``num_examples`` outside ``[1, max_weight]`` is refused (the masked sum is already
         scaled by that client's weight, so it cannot be dropped alone). None: only the lower bound
         is checked here; :class:`fedcomp.secagg.CompressedSecAggPlusWorkflow` fills in its own.
+    max_epsilon : float, optional
+        Privacy budget (run config ``max-epsilon``) with ``client_dp`` or ``distributed_dp``: a round
+        whose release could raise the run's epsilon above it samples nobody (``configure_fit``
+        returns no clients), and :attr:`stopped_reason` says why; every later round likewise. For
+        distributed DP the projection assumes the fewest survivors SecAgg+ unmasks (the threshold),
+        whose noise is the smallest. None: no budget.
 
     Attributes
     ----------
@@ -108,8 +115,15 @@ class SharedRandomKStrategy(Strategy):
     def __init__(self, strategy: Strategy, density: float, *, rotation: bool = False, error_feedback: bool = True,
                  seed: int = 0, keys: list[str] | None = None, pack: bool = False,
                  client_dp: ClientLevelDP | None = None, max_weight: float | None = None,
-                 distributed_dp: DistributedDP | None = None) -> None:
+                 distributed_dp: DistributedDP | None = None, max_epsilon: float | None = None) -> None:
         super().__init__()
+        if max_epsilon is not None and (isinstance(max_epsilon, bool) or not isinstance(max_epsilon, (int, float))
+                                        or not 0 < max_epsilon < math.inf):
+            raise ValueError(f"SharedRandomKStrategy: max_epsilon (run config 'max-epsilon') must be a finite "
+                             f"number > 0, or None for no budget; got {max_epsilon!r}")
+        self.max_epsilon = None if max_epsilon is None else float(max_epsilon)
+        #: Why no further rounds are run ("" while rounds go on): the privacy budget.
+        self.stopped_reason = ""
         self.max_weight = None if max_weight is None else float(max_weight)
         if (client_dp is not None or distributed_dp is not None) and error_feedback:
             raise ValueError("client-level DP under SecAgg+ needs error-feedback = false: with error feedback the "
@@ -176,6 +190,8 @@ class SharedRandomKStrategy(Strategy):
         self._global = parameters_to_ndarrays(parameters)
         dim = sum(a.size for a in self._global if a.dtype.kind == "f")
         self._proj = SharedProjection(max(dim, 1), self.density, round_seed(self.seed, server_round), self.rotation)
+        if self._over_budget(server_round):
+            return []
         extra: dict[str, Scalar] = {
             "server-round": server_round, SECAGG_SEED_KEY: self._proj.seed, "density": self.density,
             SECAGG_ROTATION_KEY: self.rotation, "error-feedback": self.error_feedback, SECAGG_PACK_KEY: self.pack,
@@ -203,6 +219,26 @@ class SharedRandomKStrategy(Strategy):
         return [(proxy, FitIns(ins.parameters, {**ins.config, **extra,
                                                 SECAGG_APPLIED_KEY: self.included.get(proxy.node_id, 0)}))
                 for proxy, ins in sample]
+
+    def _over_budget(self, server_round: int) -> bool:
+        """True (and :attr:`stopped_reason` set, logged once) if releasing ``server_round`` could
+        raise epsilon above :attr:`max_epsilon`."""
+        if self.stopped_reason:
+            return True
+        if self.max_epsilon is None:
+            return False
+        if self.client_dp is not None:
+            nxt = self.client_dp.epsilon(self.client_dp.rounds + 1)
+        elif self.distributed_dp is not None:
+            nxt = self.distributed_dp.epsilon_after(self._proj.k)
+        else:
+            return False
+        if nxt <= self.max_epsilon:
+            return False
+        self.stopped_reason = (f"privacy budget: round {server_round} would raise epsilon to about {nxt:.3g} > "
+                               f"max-epsilon {self.max_epsilon:g}; no further rounds are run")
+        log(WARNING, "fedcomp secagg: %s", self.stopped_reason)
+        return True
 
     def aggregate_fit(self, server_round: int, results: list[tuple[ClientProxy, FitRes]],
                       failures) -> tuple[Parameters | None, dict[str, Scalar]]:

@@ -116,3 +116,40 @@ def test_a_node_with_its_own_distributed_dp_floor_refuses_less_noise(server_z, r
     assert strategy.history[1]["num-replies"] == replies
     refused = [r for r in caplog.records if "dp = 'distributed' with noise-multiplier 1.0" in r.getMessage()]
     assert bool(refused) == (replies == 3)
+
+
+@pytest.mark.parametrize("dp", ["distributed", "client-level"])
+def test_max_epsilon_stops_the_secure_path(tmp_path, dp):
+    """max-epsilon was ignored under SecAgg+: the run went on past the budget. Now a round that could
+    raise epsilon past it samples nobody, and the run's results say why it stopped."""
+    import json
+
+    from flwr.app import Context, RecordDict
+
+    from fedcomp.app.client_app import app
+    from fedcomp.app.secagg_server_app import run_secagg
+    from fedcomp.config import AppConfig
+    from fedcomp.run.inprocess_grid import InProcessGrid
+
+    rc = {"num-server-rounds": 4, "secagg": True, "compressor": "randomk", "density": 0.0625, "dp": dp,
+          "error-feedback": False, "clipping-norm": 0.5, "noise-multiplier": 0.8, "secagg-clipping-range": 4.0}
+    ctx = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=rc)
+    (tmp_path / "free").mkdir()
+    (tmp_path / "capped").mkdir()
+    free = run_secagg(InProcessGrid(app, 3, rc), ctx, AppConfig.from_run_config(rc), tmp_path / "free")
+    eps = [free[r]["epsilon"] for r in (1, 2, 3, 4)]
+    assert eps == sorted(eps) and eps[0] > 0
+    budget = (eps[1] + eps[2]) / 2  # two rounds fit, the third would not
+    rc = {**rc, "max-epsilon": budget}
+    ctx = Context(run_id=2, node_id=0, node_config={}, state=RecordDict(), run_config=rc)
+    rounds = run_secagg(InProcessGrid(app, 3, rc), ctx, AppConfig.from_run_config(rc), tmp_path / "capped")
+    data = json.loads((tmp_path / "capped" / "metrics.json").read_text())
+    trained = [r for r in rounds if r.get("num-replies")]
+    # client-level DP projects exactly; distributed DP projects the fewest survivors' (least) noise, so it
+    # may stop a round earlier than the rounds that ran with more survivors would have needed
+    want = [1, 2] if dp == "client-level" else [[1], [1, 2]]
+    got = [r["round"] for r in trained]
+    assert (got == want) if dp == "client-level" else (got in want)
+    assert max(r["epsilon"] for r in trained) <= budget
+    assert data["stopped"].startswith(f"privacy budget: round {len(got) + 1} would raise epsilon to about ")
+    assert f"max-epsilon {budget:g}" in data["stopped"]
