@@ -77,7 +77,8 @@ def check_node_floor(ctxt: Context, cfg: dict) -> None:
 
     Under SecAgg+ every client sends the round's shared random-k at the server's ``density`` and no
     local noise: a node whose own config asks for local DP (``dp = "local"``), for distributed DP
-    (``dp = "distributed"``) with a higher ``noise-multiplier`` than the server's (or none), for a codec the
+    (``dp = "distributed"``) with a higher ``noise-multiplier`` than the server's (or none, or no valid
+    clipping norm, without which no noise share is added), for a codec the
     secure path cannot use, or for a lower ``density`` than the server's does not train.
 
     Raises
@@ -97,6 +98,11 @@ def check_node_floor(ctxt: Context, cfg: dict) -> None:
             and float(cfg[SECAGG_DDP_NOISE_KEY]) >= float(node.get("noise-multiplier", 1.0))):
         problem = (f"its config sets dp = 'distributed' with noise-multiplier {node.get('noise-multiplier', 1.0)}, the "
                    f"server asked for {'no distributed noise' if cfg.get(SECAGG_DDP_NOISE_KEY) is None else 'noise multiplier ' + str(cfg[SECAGG_DDP_NOISE_KEY])}")
+    elif node.get("dp") == "distributed" and not _positive_number(cfg.get(SECAGG_DP_CLIP_KEY)):
+        # without a clipping norm the client would clip nothing and add no noise share
+        problem = (f"its config sets dp = 'distributed', the server sent no valid clipping norm "
+                   f"({SECAGG_DP_CLIP_KEY} = {cfg.get(SECAGG_DP_CLIP_KEY)!r}; a number > 0), so no noise would "
+                   "be added")
     elif "compressor" in node and node["compressor"] not in SECAGG_CODECS:
         problem = (f"its config sets compressor = {node['compressor']!r}, which cannot run under secure aggregation "
                    f"({list(SECAGG_CODECS)} can)")
@@ -107,6 +113,11 @@ def check_node_floor(ctxt: Context, cfg: dict) -> None:
     if problem:
         log(ERROR, "fedcomp secagg: node %s refuses the secure round: %s", ctxt.node_id, problem)
         raise ValueError(f"this node refuses the secure round: {problem}")
+
+
+def _positive_number(v) -> bool:
+    """Whether ``v`` is a finite int or float > 0 (not a bool)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
 
 
 def _train(msg: Message, ctxt: Context, call_next, global_arrays: list[np.ndarray], cfg: dict):

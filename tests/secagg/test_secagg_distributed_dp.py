@@ -116,3 +116,20 @@ def test_a_node_with_its_own_distributed_dp_floor_refuses_less_noise(server_z, r
     assert strategy.history[1]["num-replies"] == replies
     refused = [r for r in caplog.records if "dp = 'distributed' with noise-multiplier 1.0" in r.getMessage()]
     assert bool(refused) == (replies == 3)
+
+
+@pytest.mark.parametrize("clip", [None, 0.0, float("nan"), "0.05"], ids=["no-clip", "zero", "nan", "str"])
+def test_a_node_floor_is_not_passed_by_a_noise_multiplier_without_a_clipping_norm(clip):
+    """The client adds its noise share only with both keys: a server that sends a high enough noise
+    multiplier but no valid clipping norm (so the client would clip nothing and add no noise) is refused."""
+    from flwr.app import Context, RecordDict
+
+    from fedcomp.protocol.messages import SECAGG_DDP_NOISE_KEY, SECAGG_DP_CLIP_KEY
+    from fedcomp.secagg.client import check_node_floor
+
+    ctx = Context(run_id=1, node_id=5, node_config={"dp": "distributed", "noise-multiplier": 1.0}, state=RecordDict(),
+                  run_config={})
+    cfg = {SECAGG_DDP_NOISE_KEY: 2.0, "density": 0.25} | ({} if clip is None else {SECAGG_DP_CLIP_KEY: clip})
+    with pytest.raises(ValueError, match="refuses the secure round: its config sets dp = 'distributed'"):
+        check_node_floor(ctx, cfg)
+    check_node_floor(ctx, {**cfg, SECAGG_DP_CLIP_KEY: 0.05})  # both: accepted
