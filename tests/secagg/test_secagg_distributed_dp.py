@@ -133,3 +133,19 @@ def test_a_node_floor_is_not_passed_by_a_noise_multiplier_without_a_clipping_nor
     with pytest.raises(ValueError, match="refuses the secure round: its config sets dp = 'distributed'"):
         check_node_floor(ctx, cfg)
     check_node_floor(ctx, {**cfg, SECAGG_DP_CLIP_KEY: 0.05})  # both: accepted
+
+
+def test_a_refused_round_whose_noised_sum_was_unmasked_is_still_charged(monkeypatch):
+    """Under distributed DP the server is the adversary: a round refused after SecAgg+ unmasked its sum
+    (here a client masked another weight than it reported) still gave the server one noised sum, so
+    the accountant counts it (the next round's epsilon is that of two releases)."""
+    from . import helpers
+    from .test_secagg_curious_server import _reweighting_grid
+
+    honest = DistributedDP(0.05, 1.0, 1.0, Q16, 1e-5)
+    _, strategy, _, _ = run_round(4, 0.25, ef=False, distributed_dp=honest)
+    monkeypatch.setattr(helpers, "RecordingGrid", _reweighting_grid(3))
+    ddp = DistributedDP(0.05, 1.0, 1.0, Q16, 1e-5)
+    _, strategy, workflow, _ = helpers.run_round(4, 0.25, ef=False, distributed_dp=ddp)
+    assert 1 not in strategy.history and "unmasked weight sum" in workflow.round_skipped[1]
+    assert ddp.rounds == 1 and ddp.epsilon() == honest.epsilon()  # same k, 4 survivors, threshold 3
