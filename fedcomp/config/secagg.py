@@ -217,7 +217,8 @@ def check_codec_under_secagg(run_config: Mapping[str, Any]) -> None:
     ValueError
         A codec other than :data:`SECAGG_CODECS` (its per-client positions or scales make a
         masked sum meaningless; ``compressor`` at its declared default is resolved first, see
-        :func:`secure_defaults`), or a feature the secure path does not implement (naming it).
+        :func:`secure_defaults`), a non-integer ``secagg-max-weight`` with ``dp = "distributed"``, or a
+        feature the secure path does not implement (naming it).
     """
     run_config = resolve_secure_defaults(run_config)
     comp = run_config.get("compressor", CODEC_DEFAULTS["compressor"])
@@ -235,6 +236,11 @@ def check_codec_under_secagg(run_config: Mapping[str, Any]) -> None:
         raise ValueError(f"run config 'dp' = {dp!r} is not supported with secagg = true (use 'none', 'client-level': "
                          "clients clip their shared k values, the server adds the noise to the sum, or 'distributed': "
                          "clients clip and add their shares of the noise)")
+    mw = run_config.get("secagg-max-weight", SECAGG_DEFAULTS["secagg-max-weight"])
+    if dp == "distributed" and isinstance(mw, (int, float)) and not float(mw).is_integer():
+        raise ValueError(f"run config 'secagg-max-weight' = {mw!r} must be an integer with dp = 'distributed': each "
+                         "client reports it as its weight, which must be exactly 1 for its noise share to stay on "
+                         "SecAgg+'s grid")
     if dp in ("client-level", "distributed") and ef is not False:
         raise ValueError(f"run config dp = {dp!r} with secagg = true needs error-feedback = false: with error "
                          "feedback the residual carries the clipped excess into later rounds and voids the clipping "

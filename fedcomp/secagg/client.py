@@ -196,7 +196,8 @@ def shared_randomk_mod(msg: Message, ctxt: Context, call_next) -> Message:
         ``num_examples`` outside ``(0, max_weight]`` (the dense path without a shared seed too: Flower's
         mod would only warn and mask an outsized weight); a non-finite update (the residual is kept as it was); a
         reply under other names than received; a round that would lower this node's own settings
-        (:func:`check_node_floor`). Flower turns it into an error reply: SecAgg+ then
+        (:func:`check_node_floor`); distributed DP at a SecAgg+ weight other than 1 (a fractional
+        ``max_weight``). Flower turns it into an error reply: SecAgg+ then
         treats this client as dropped.
     """
     from fedcomp.secagg.residual import keep_residual, settled_residual  # client-side only (see check_node_floor)
@@ -257,6 +258,10 @@ def shared_randomk_mod(msg: Message, ctxt: Context, call_next) -> Message:
         # (< one step per entry) included
         reported = int(max_weight)
         weight = flower_weight(reported, max_weight, q)
+        if ddp is not None and weight != 1.0:  # Flower would rescale and re-round each noisy value on its own
+            raise ValueError(f"dp = 'distributed' needs each client's SecAgg+ weight to be exactly 1 (its noise share "
+                             f"on the grid), but secagg-max-weight = {max_weight:g} gives {weight:g}: use an integer "
+                             "'secagg-max-weight'")
         bound = float(dp_clip) - np.sqrt(proj.k) * 2 * c / q / weight
         if bound <= 0:
             raise ValueError(f"DP clipping norm {dp_clip} is below the quantization slack sqrt(k) * 2c / Q: raise "

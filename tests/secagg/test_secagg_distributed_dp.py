@@ -149,3 +149,23 @@ def test_a_refused_round_whose_noised_sum_was_unmasked_is_still_charged(monkeypa
     _, strategy, workflow, _ = helpers.run_round(4, 0.25, ef=False, distributed_dp=ddp)
     assert 1 not in strategy.history and "unmasked weight sum" in workflow.round_skipped[1]
     assert ddp.rounds == 1 and ddp.epsilon() == honest.epsilon()  # same k, 4 survivors, threshold 3
+
+
+def test_distributed_dp_clients_refuse_a_weight_other_than_one():
+    """The noise shares are integers on SecAgg+'s grid only at weight 1: with a fractional max_weight
+    (here 1000.5, set by the server in the SecAgg+ setup) Flower would scale each client's noisy
+    values and re-round them one by one, so the server would not see just the noised sum. Every
+    client refuses (the round is skipped); the run config is refused at start-up."""
+    from fedcomp.config.secagg import check_codec_under_secagg
+    from fedcomp.secagg import CompressedSecAggPlusWorkflow
+
+    def fractional(*args, **kw):
+        return CompressedSecAggPlusWorkflow(*args, **{**kw, "max_weight": 1000.5})
+
+    ddp = DistributedDP(0.05, 1.0, 1.0, Q16, 1e-5)
+    _, strategy, workflow, _ = run_round(4, 0.25, ef=False, distributed_dp=ddp, workflow_cls=fractional)
+    assert 1 not in strategy.history and ddp.rounds == 0 and 1 in workflow.round_skipped
+    rc = {"secagg": True, "compressor": "randomk", "dp": "distributed", "error-feedback": False}
+    with pytest.raises(ValueError, match="'secagg-max-weight' = 1000.5"):
+        check_codec_under_secagg({**rc, "secagg-max-weight": 1000.5})
+    check_codec_under_secagg({**rc, "secagg-max-weight": 1000.0})
