@@ -39,7 +39,8 @@ SECAGG_KEYS = table(
         "ceil(log2(n * Q + 1)) for n clients", lo=0, hi=MAX_MODULUS_BITS,
         rule=f"0, or an integer in (quantization-bits + 1, {MAX_MODULUS_BITS}]"),
     Key("secagg-max-weight", float, 1000.0, "Flower's max_weight: a client weighs num_examples / max_weight "
-        "(must be <= 1)", rule="number > 0"),
+        "(must be <= 1); dp = distributed: an integer (every client's weight is exactly 1)",
+        rule="number > 0 (an integer with dp = distributed)"),
     Key("secagg-rotation", bool, False, "shared randomised Hadamard rotation before the random-k selection"),
     Key("secagg-pack", bool, True, "masked values travel packed at modulus-bits bits each instead of int64"),
 )
