@@ -40,7 +40,7 @@ SECAGG_KEYS = table(
         rule=f"0, or an integer in (quantization-bits + 1, {MAX_MODULUS_BITS}]"),
     Key("secagg-max-weight", float, 1000.0, "Flower's max_weight: a client weighs num_examples / max_weight "
         "(must be <= 1); dp = distributed: an integer (every client's weight is exactly 1)",
-        rule="number > 0 (an integer with dp = distributed)"),
+        rule="number >= 1 (an integer with dp = distributed)"),
     Key("secagg-rotation", bool, False, "shared randomised Hadamard rotation before the random-k selection"),
     Key("secagg-pack", bool, True, "masked values travel packed at modulus-bits bits each instead of int64"),
 )
@@ -148,8 +148,8 @@ class SecAggConfig:
             raise ValueError(f"run config 'secagg-modulus-bits' = {mbits} must exceed secagg-quantization-bits + 1 "
                              f"= {qbits + 1} (the sum of two clients already needs {qbits + 2} bits), or be 0 (auto)")
         mw = float(_number(cfg, "secagg-max-weight"))
-        if mw <= 0:
-            raise ValueError(f"run config 'secagg-max-weight' must be > 0, got {mw}")
+        if mw < 1:
+            raise ValueError(f"run config 'secagg-max-weight' must be >= 1 (a client's count of examples), got {mw}")
         flags = {k: SECAGG_KEYS[k].read(cfg) for k in ("secagg", "secagg-rotation", "secagg-pack")}
         return cls(enabled=flags["secagg"], shares=shares, threshold=threshold, clipping_range=c,
                    quantization_bits=qbits, modulus_bits=mbits, max_weight=mw,
