@@ -39,7 +39,8 @@ SECAGG_KEYS = table(
         "ceil(log2(n * Q + 1)) for n clients", lo=0, hi=MAX_MODULUS_BITS,
         rule=f"0, or an integer in (quantization-bits + 1, {MAX_MODULUS_BITS}]"),
     Key("secagg-max-weight", float, 1000.0, "Flower's max_weight: a client weighs num_examples / max_weight "
-        "(must be <= 1)", rule="number > 0"),
+        "(must be <= 1); dp = distributed: an integer (every client's weight is exactly 1)",
+        rule="number >= 1 (an integer with dp = distributed)"),
     Key("secagg-rotation", bool, False, "shared randomised Hadamard rotation before the random-k selection"),
     Key("secagg-pack", bool, True, "masked values travel packed at modulus-bits bits each instead of int64"),
 )
@@ -147,8 +148,8 @@ class SecAggConfig:
             raise ValueError(f"run config 'secagg-modulus-bits' = {mbits} must exceed secagg-quantization-bits + 1 "
                              f"= {qbits + 1} (the sum of two clients already needs {qbits + 2} bits), or be 0 (auto)")
         mw = float(_number(cfg, "secagg-max-weight"))
-        if mw <= 0:
-            raise ValueError(f"run config 'secagg-max-weight' must be > 0, got {mw}")
+        if mw < 1:
+            raise ValueError(f"run config 'secagg-max-weight' must be >= 1 (a client's count of examples), got {mw}")
         flags = {k: SECAGG_KEYS[k].read(cfg) for k in ("secagg", "secagg-rotation", "secagg-pack")}
         return cls(enabled=flags["secagg"], shares=shares, threshold=threshold, clipping_range=c,
                    quantization_bits=qbits, modulus_bits=mbits, max_weight=mw,
@@ -217,7 +218,8 @@ def check_codec_under_secagg(run_config: Mapping[str, Any]) -> None:
     ValueError
         A codec other than :data:`SECAGG_CODECS` (its per-client positions or scales make a
         masked sum meaningless; ``compressor`` at its declared default is resolved first, see
-        :func:`secure_defaults`), or a feature the secure path does not implement (naming it).
+        :func:`secure_defaults`), a non-integer ``secagg-max-weight`` with ``dp = "distributed"``, or a
+        feature the secure path does not implement (naming it).
     """
     run_config = resolve_secure_defaults(run_config)
     comp = run_config.get("compressor", CODEC_DEFAULTS["compressor"])
@@ -235,6 +237,11 @@ def check_codec_under_secagg(run_config: Mapping[str, Any]) -> None:
         raise ValueError(f"run config 'dp' = {dp!r} is not supported with secagg = true (use 'none', 'client-level': "
                          "clients clip their shared k values, the server adds the noise to the sum, or 'distributed': "
                          "clients clip and add their shares of the noise)")
+    mw = run_config.get("secagg-max-weight", SECAGG_DEFAULTS["secagg-max-weight"])
+    if dp == "distributed" and isinstance(mw, (int, float)) and not float(mw).is_integer():
+        raise ValueError(f"run config 'secagg-max-weight' = {mw!r} must be an integer with dp = 'distributed': each "
+                         "client reports it as its weight, which must be exactly 1 for its noise share to stay on "
+                         "SecAgg+'s grid")
     if dp in ("client-level", "distributed") and ef is not False:
         raise ValueError(f"run config dp = {dp!r} with secagg = true needs error-feedback = false: with error "
                          "feedback the residual carries the clipped excess into later rounds and voids the clipping "

@@ -10,7 +10,8 @@ Noise that survives dropouts: each client draws variance ``V / t`` per coordinat
 (grid units) is the variance the noise multiplier asks of the sum and ``t`` is the round's
 SecAgg+ reconstruction threshold. SecAgg+ unmasks a sum only when at least ``t`` clients' masked
 vectors are in it, so the sum of the ``m >= t`` survivors carries variance ``m V / t >= V``; the
-accountant charges each round with the ``m`` that was actually summed.
+accountant charges each round with the ``m`` that was actually summed, a round refused after its
+sum was unmasked included (the server has seen that sum).
 
 Accounting: Rényi DP of the Skellam mechanism (Agarwal, Kairouz & Liu, "The Skellam Mechanism for
 Differentially Private Federated Learning", NeurIPS 2021, Theorem 3.5 / Corollary 3.6): for integer

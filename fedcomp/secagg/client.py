@@ -77,7 +77,8 @@ def check_node_floor(ctxt: Context, cfg: dict) -> None:
 
     Under SecAgg+ every client sends the round's shared random-k at the server's ``density`` and no
     local noise: a node whose own config asks for local DP (``dp = "local"``), for distributed DP
-    (``dp = "distributed"``) with a higher ``noise-multiplier`` than the server's (or none), for a codec the
+    (``dp = "distributed"``) with a higher ``noise-multiplier`` than the server's (or none, or no valid
+    clipping norm, without which no noise share is added), for a codec the
     secure path cannot use, or for a lower ``density`` than the server's does not train.
 
     Raises
@@ -97,6 +98,11 @@ def check_node_floor(ctxt: Context, cfg: dict) -> None:
             and float(cfg[SECAGG_DDP_NOISE_KEY]) >= float(node.get("noise-multiplier", 1.0))):
         problem = (f"its config sets dp = 'distributed' with noise-multiplier {node.get('noise-multiplier', 1.0)}, the "
                    f"server asked for {'no distributed noise' if cfg.get(SECAGG_DDP_NOISE_KEY) is None else 'noise multiplier ' + str(cfg[SECAGG_DDP_NOISE_KEY])}")
+    elif node.get("dp") == "distributed" and not _positive_number(cfg.get(SECAGG_DP_CLIP_KEY)):
+        # without a clipping norm the client would clip nothing and add no noise share
+        problem = (f"its config sets dp = 'distributed', the server sent no valid clipping norm "
+                   f"({SECAGG_DP_CLIP_KEY} = {cfg.get(SECAGG_DP_CLIP_KEY)!r}; a number > 0), so no noise would "
+                   "be added")
     elif "compressor" in node and node["compressor"] not in SECAGG_CODECS:
         problem = (f"its config sets compressor = {node['compressor']!r}, which cannot run under secure aggregation "
                    f"({list(SECAGG_CODECS)} can)")
@@ -107,6 +113,11 @@ def check_node_floor(ctxt: Context, cfg: dict) -> None:
     if problem:
         log(ERROR, "fedcomp secagg: node %s refuses the secure round: %s", ctxt.node_id, problem)
         raise ValueError(f"this node refuses the secure round: {problem}")
+
+
+def _positive_number(v) -> bool:
+    """Whether ``v`` is a finite int or float > 0 (not a bool)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
 
 
 def _train(msg: Message, ctxt: Context, call_next, global_arrays: list[np.ndarray], cfg: dict):
@@ -185,7 +196,8 @@ def shared_randomk_mod(msg: Message, ctxt: Context, call_next) -> Message:
         ``num_examples`` outside ``(0, max_weight]`` (the dense path without a shared seed too: Flower's
         mod would only warn and mask an outsized weight); a non-finite update (the residual is kept as it was); a
         reply under other names than received; a round that would lower this node's own settings
-        (:func:`check_node_floor`). Flower turns it into an error reply: SecAgg+ then
+        (:func:`check_node_floor`); distributed DP at a SecAgg+ weight other than 1 (a fractional
+        ``max_weight``). Flower turns it into an error reply: SecAgg+ then
         treats this client as dropped.
     """
     from fedcomp.secagg.residual import keep_residual, settled_residual  # client-side only (see check_node_floor)
@@ -246,6 +258,10 @@ def shared_randomk_mod(msg: Message, ctxt: Context, call_next) -> Message:
         # (< one step per entry) included
         reported = int(max_weight)
         weight = flower_weight(reported, max_weight, q)
+        if ddp is not None and weight != 1.0:  # Flower would rescale and re-round each noisy value on its own
+            raise ValueError(f"dp = 'distributed' needs each client's SecAgg+ weight to be exactly 1 (its noise share "
+                             f"on the grid), but secagg-max-weight = {max_weight:g} gives {weight:g}: use an integer "
+                             "'secagg-max-weight'")
         bound = float(dp_clip) - np.sqrt(proj.k) * 2 * c / q / weight
         if bound <= 0:
             raise ValueError(f"DP clipping norm {dp_clip} is below the quantization slack sqrt(k) * 2c / Q: raise "

@@ -161,9 +161,12 @@ def flower_weight(num_examples: int, max_weight: float, quantization_range: int)
     Raises
     ------
     ValueError
-        ``num_examples > max_weight`` (the weighted values and the weight sum could overflow the
-        modulus) or a weight that rounds to 0.
+        ``num_examples < 1``, ``num_examples > max_weight`` (the weighted values and the weight sum
+        could overflow the modulus) or a weight that rounds to 0.
     """
+    if not num_examples >= 1:
+        raise ValueError(f"num-examples = {num_examples}: a client needs at least one training example to take part "
+                         "in a secure round")
     if num_examples > max_weight:
         raise ValueError(f"this client has num-examples = {num_examples} > secagg-max-weight = {max_weight}: the "
                          "masked sum could overflow; raise 'secagg-max-weight' to at least the largest client's size")

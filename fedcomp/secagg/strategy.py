@@ -263,6 +263,7 @@ class SharedRandomKStrategy(Strategy):
             log(ERROR, "fedcomp secagg round %d refused (model kept): num-examples outside [1, %g] from (node, "
                 "num-examples) %s; the masked sum carries their weight (raise 'secagg-max-weight' if honest)",
                 server_round, hi, bad[:10])
+            self.charge_refused_round(server_round, len(results))
             return None, {}
         vec = parameters_to_ndarrays(results[0][1].parameters)
         if len(vec) != 1:
@@ -326,6 +327,24 @@ class SharedRandomKStrategy(Strategy):
         metrics = {**self._round_metrics(results, failures), **dp_info}
         self.history[server_round] = metrics
         return agg, metrics
+
+    def charge_refused_round(self, server_round: int, survivors: int) -> None:
+        """Distributed DP: count a round whose noised sum SecAgg+ unmasked but that is then refused
+        (the model kept): the server has seen that sum, so the accountant composes it like any other.
+        Without distributed DP, without this round's threshold or without survivors: nothing.
+
+        Parameters
+        ----------
+        server_round : int
+            For the log.
+        survivors : int
+            Clients whose masked vectors were in the unmasked sum.
+        """
+        if self.distributed_dp is None or self.round_threshold is None or survivors < 1 or self._proj is None:
+            return
+        self.distributed_dp.record(self._proj.k, survivors, int(self.round_threshold))
+        log(WARNING, "fedcomp secagg round %d: refused, but its noised sum was unmasked; counted by the privacy "
+            "accountant (epsilon now %.4g)", server_round, self.distributed_dp.epsilon())
 
     def _round_metrics(self, results, failures) -> dict[str, Scalar]:
         ms = [fr.metrics or {} for _, fr in results]

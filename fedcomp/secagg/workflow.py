@@ -240,6 +240,9 @@ class CompressedSecAggPlusWorkflow(SecAggPlusWorkflow):
                 ok = super().unmask_stage(grid, context, state)
         except _WeightMismatch as exc:
             log(ERROR, "fedcomp secagg round %d refused (model kept): %s", self._round, exc)
+            charge = getattr(context.strategy, "charge_refused_round", None)
+            if callable(charge):  # distributed DP: the unmasked, noised sum was seen all the same
+                charge(self._round, len(state.legacy_results))
             return self._skip(str(exc))
         if not ok:
             return self._skip(f"too few unmasking shares for threshold {state.threshold}")

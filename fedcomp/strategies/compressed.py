@@ -28,7 +28,7 @@ from fedcomp.strategies.presets import apply_preset
 from fedcomp.strategies.privacy_budget import PoissonSampling, PrivacyBudget
 from fedcomp.strategies.replies import RoundReplies, evaluate_replies, fold_replies, note_failures
 from fedcomp.strategies.round_history import RoundHistory, SentRound
-from fedcomp.strategies.round_metrics import common_metric_keys, headline, layers_mean, round_metrics
+from fedcomp.strategies.round_metrics import HEADLINE_KEYS, common_metric_keys, headline, layers_mean, round_metrics
 from fedcomp.strategies.wrapping import load_optimizer_state, optimizer_state
 
 
@@ -78,7 +78,8 @@ class CompressedStrategy(ForwardsToInner, Strategy):
        returned to Flower (its per-round log line and ``Result``) holds the inner strategy's
        average of the app's own client metrics (``compression_mod``'s report,
        :data:`fedcomp.protocol.messages.REPORT_KEYS`, is left out of it) and the headline figures
-       :data:`.round_metrics.HEADLINE_KEYS`.
+       :data:`.round_metrics.HEADLINE_KEYS`, which are the wrapper's own: a client metric under one of
+       those names (e.g. DP-SGD clients' ``epsilon``) is not averaged into Flower's record.
 
     Parameters
     ----------
@@ -336,7 +337,9 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         arrays, agg_metrics, dp_info = hand_over(self.inner, server_round, sent.model, got, sent.sampled,
                                                    self.half_remainders)
         ours = self._record(server_round, sent, got, bool(replies), dp_info, ef21_missing)
-        merged = dict(agg_metrics) if agg_metrics is not None else {}
+        # the headline names are the wrapper's: an average of client-reported values under one of them
+        # (a client's own ``epsilon``, a planted ``epsilon-max``) never stands in for a figure it did not compute
+        merged = {k: v for k, v in (agg_metrics or {}).items() if k not in HEADLINE_KEYS}
         merged.update(headline(ours))  # the rest of the round's figures: self.history
         return arrays, MetricRecord(merged)
 

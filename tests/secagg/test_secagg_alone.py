@@ -107,3 +107,12 @@ def test_a_client_whose_weight_rounds_to_zero_is_weighted_at_one_step_not_refuse
     new, strategy, workflow, _ = run_round(4, 0.25, qbits=3, clipping_range=0.05)
     assert strategy.history[1]["num-replies"] == 4 and workflow.round_skipped == {}
     assert workflow.round_modulus_bits == 6  # ceil(log2(4 * 8 + 1))
+
+
+@pytest.mark.parametrize("n", [0, -5])
+def test_a_client_without_examples_is_refused_for_that_not_for_the_max_weight(n):
+    """0 or fewer examples is not a weight that rounds to 0: lowering secagg-max-weight would not help."""
+    from fedcomp.secagg.encoding import flower_weight
+
+    with pytest.raises(ValueError, match=rf"num-examples = {n}: a client needs at least one training example"):
+        flower_weight(n, 1000.0, 8)

@@ -153,3 +153,56 @@ def test_max_epsilon_stops_the_secure_path(tmp_path, dp):
     assert max(r["epsilon"] for r in trained) <= budget
     assert data["stopped"].startswith(f"privacy budget: round {len(got) + 1} would raise epsilon to about ")
     assert f"max-epsilon {budget:g}" in data["stopped"]
+
+
+@pytest.mark.parametrize("clip", [None, 0.0, float("nan"), "0.05"], ids=["no-clip", "zero", "nan", "str"])
+def test_a_node_floor_is_not_passed_by_a_noise_multiplier_without_a_clipping_norm(clip):
+    """The client adds its noise share only with both keys: a server that sends a high enough noise
+    multiplier but no valid clipping norm (so the client would clip nothing and add no noise) is refused."""
+    from flwr.app import Context, RecordDict
+
+    from fedcomp.protocol.messages import SECAGG_DDP_NOISE_KEY, SECAGG_DP_CLIP_KEY
+    from fedcomp.secagg.client import check_node_floor
+
+    ctx = Context(run_id=1, node_id=5, node_config={"dp": "distributed", "noise-multiplier": 1.0}, state=RecordDict(),
+                  run_config={})
+    cfg = {SECAGG_DDP_NOISE_KEY: 2.0, "density": 0.25} | ({} if clip is None else {SECAGG_DP_CLIP_KEY: clip})
+    with pytest.raises(ValueError, match="refuses the secure round: its config sets dp = 'distributed'"):
+        check_node_floor(ctx, cfg)
+    check_node_floor(ctx, {**cfg, SECAGG_DP_CLIP_KEY: 0.05})  # both: accepted
+
+
+def test_a_refused_round_whose_noised_sum_was_unmasked_is_still_charged(monkeypatch):
+    """Under distributed DP the server is the adversary: a round refused after SecAgg+ unmasked its sum
+    (here a client masked another weight than it reported) still gave the server one noised sum, so
+    the accountant counts it (the next round's epsilon is that of two releases)."""
+    from . import helpers
+    from .test_secagg_curious_server import _reweighting_grid
+
+    honest = DistributedDP(0.05, 1.0, 1.0, Q16, 1e-5)
+    _, strategy, _, _ = run_round(4, 0.25, ef=False, distributed_dp=honest)
+    monkeypatch.setattr(helpers, "RecordingGrid", _reweighting_grid(3))
+    ddp = DistributedDP(0.05, 1.0, 1.0, Q16, 1e-5)
+    _, strategy, workflow, _ = helpers.run_round(4, 0.25, ef=False, distributed_dp=ddp)
+    assert 1 not in strategy.history and "unmasked weight sum" in workflow.round_skipped[1]
+    assert ddp.rounds == 1 and ddp.epsilon() == honest.epsilon()  # same k, 4 survivors, threshold 3
+
+
+def test_distributed_dp_clients_refuse_a_weight_other_than_one():
+    """The noise shares are integers on SecAgg+'s grid only at weight 1: with a fractional max_weight
+    (here 1000.5, set by the server in the SecAgg+ setup) Flower would scale each client's noisy
+    values and re-round them one by one, so the server would not see just the noised sum. Every
+    client refuses (the round is skipped); the run config is refused at start-up."""
+    from fedcomp.config.secagg import check_codec_under_secagg
+    from fedcomp.secagg import CompressedSecAggPlusWorkflow
+
+    def fractional(*args, **kw):
+        return CompressedSecAggPlusWorkflow(*args, **{**kw, "max_weight": 1000.5})
+
+    ddp = DistributedDP(0.05, 1.0, 1.0, Q16, 1e-5)
+    _, strategy, workflow, _ = run_round(4, 0.25, ef=False, distributed_dp=ddp, workflow_cls=fractional)
+    assert 1 not in strategy.history and ddp.rounds == 0 and 1 in workflow.round_skipped
+    rc = {"secagg": True, "compressor": "randomk", "dp": "distributed", "error-feedback": False}
+    with pytest.raises(ValueError, match="'secagg-max-weight' = 1000.5"):
+        check_codec_under_secagg({**rc, "secagg-max-weight": 1000.5})
+    check_codec_under_secagg({**rc, "secagg-max-weight": 1000.0})

@@ -78,3 +78,14 @@ def test_run_config_defaults_and_refusals():
     with pytest.raises(ValueError, match="'error-feedback' = 'ef21' is not supported with secagg"):
         check_codec_under_secagg({"compressor": "randomk", "error-feedback": "ef21"})
     check_codec_under_secagg({"compressor": "randomk", "density": 0.015625, "error-feedback": False})
+
+
+@pytest.mark.parametrize("mw", [0.5, 0.999])
+def test_a_max_weight_below_one_is_refused_at_start_up(mw):
+    """Below 1 no client can take part (a count >= 1 exceeds it; under DP the count reported is
+    int(max_weight) = 0), so the run config is refused instead of every round failing on every client."""
+    from fedcomp.config.secagg import SecAggConfig
+
+    with pytest.raises(ValueError, match=rf"'secagg-max-weight' must be >= 1 \(a client's count of examples\), got {mw}"):
+        SecAggConfig.from_run_config({"secagg-max-weight": mw})
+    assert SecAggConfig.from_run_config({"secagg-max-weight": 1.0}).max_weight == 1.0

@@ -54,3 +54,21 @@ def test_non_finite_client_metrics_are_dropped_and_results_are_strict_json(tmp_p
     assert all(math.isfinite(v) for v in m.values() if isinstance(v, float))
     write_json(tmp_path / "m.json", {"a": float("nan"), "b": [1.0, float("inf")]})
     assert json.loads((tmp_path / "m.json").read_text()) == {"a": None, "b": [1.0, None]}
+
+
+def test_flowers_record_holds_no_headline_figure_that_the_wrapper_did_not_compute():
+    """``epsilon``/``epsilon-max`` in Flower's round record are the wrapper's figures: clients reporting
+    them (every client, so the common-keys trim keeps them) in a run without DP do not plant a privacy
+    figure there, and DP-SGD clients' own ``epsilon`` is not averaged into one (its max is the figure)."""
+    g, t1, t2 = weights(0), weights(1), weights(2)
+    planted = {"epsilon": 0.1, "epsilon-max": 0.2}
+    s = CompressedStrategy(fedavg(), compressor="none")
+    setup(s, g)
+    _, m = s.aggregate_train(1, [compressed_reply(g, t1, 1, n=10, metrics={"epsilon-max": 0.2, "train-acc": 0.5}),
+                                 compressed_reply(g, t2, 2, n=30, metrics={"epsilon-max": 0.2, "train-acc": 0.9})])
+    assert "epsilon-max" not in m and "epsilon" not in m and m["train-acc"] == pytest.approx(0.8)
+    s = CompressedStrategy(fedavg(), compressor="none")  # DP-SGD clients report their own epsilon
+    setup(s, g)
+    _, m = s.aggregate_train(1, [compressed_reply(g, t1, 1, n=10, metrics={**planted, "epsilon": 1.0}),
+                                 compressed_reply(g, t2, 2, n=30, metrics={**planted, "epsilon": 3.0})])
+    assert "epsilon" not in m and m["epsilon-max"] == 3.0 == s.history[1]["epsilon-max"]
