@@ -236,6 +236,9 @@ def shared_randomk_mod(msg: Message, ctxt: Context, call_next) -> Message:
         raise ValueError("non-finite update: the client does not send it (its residual is kept)")
     ef = bool(cfg.get("error-feedback", True))
     dp_clip = cfg.get(SECAGG_DP_CLIP_KEY)
+    if dp_clip is not None and not _positive_number(dp_clip):  # NaN would clip nothing: refuse, do not send
+        raise ValueError(f"the server's DP clipping norm ({SECAGG_DP_CLIP_KEY}) must be a finite number > 0, got "
+                         f"{dp_clip!r}: the client does not send an unclipped update")
     if dp_clip is not None and ef:
         raise ValueError("client-level DP under SecAgg+ needs error-feedback = false: the residual would carry the "
                          "clipped excess into later rounds and void the clipping bound")

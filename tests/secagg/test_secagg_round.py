@@ -200,3 +200,15 @@ def test_serverapp_path_with_client_level_dp_writes_epsilon(tmp_path):
     r = rounds[1]
     assert r["num-replies"] == 2 and r["k"] == round(0.0625 * 38282) and 0 < r["epsilon"] < 100
     assert (tmp_path / "plot.png").exists()
+
+
+@pytest.mark.parametrize("clip, replies", [(float("nan"), 0), (float("inf"), 0), (-1.0, 0), (0.0, 0), (0.05, 3)])
+def test_a_clipping_norm_that_clips_nothing_is_refused_by_the_clients(clip, replies):
+    """A server sending a NaN (or inf, <= 0) DP clipping norm made clients skip clipping and send their
+    raw update (3 replies folded): now each client refuses the round and sends nothing."""
+    from fedcomp.privacy import ClientLevelDP
+
+    dp = ClientLevelDP(0.05, 1.0, 1e-5)
+    dp.clipping_norm = clip  # what a hostile (or broken) server sends in the train config
+    _, _, workflow, _ = run_round(3, 0.25, ef=False, client_dp=dp)
+    assert (workflow.round_bytes["upload-bytes"] > 0) == (replies > 0)  # masked vectors that reached the server
