@@ -166,7 +166,8 @@ def main() -> None:
                     help="cnn: the default federation; resnet / transformer: MODEL_CASES (own JSON name)")
     ap.add_argument("--rounds", type=int, default=None, help="default: 50 (cnn), 8 (resnet), 20 (transformer)")
     ap.add_argument("--nodes", type=int, default=None, help="default: 10 (cnn, resnet), 8 (transformer)")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads (default: 1 with --model resnet/transformer, torch's own for cnn)")
     ap.add_argument("--cases", nargs="+", default=None, help="case names (default: all)")
     ap.add_argument("--merge", nargs="+", default=[], help="merge the runs of these JSONs into --out (no runs)")
     ap.add_argument("--quick", action="store_true", help="3 rounds, 1 seed, 3 cases (smoke test)")
@@ -174,7 +175,8 @@ def main() -> None:
                     "with --quick a file in the temporary folder)")
     args = ap.parse_args()
     logging.getLogger("flwr").setLevel(logging.ERROR)
-    torch.set_num_threads(args.threads)
+    if args.threads or args.model != "cnn":
+        torch.set_num_threads(args.threads or 1)
     table = CASES if args.model == "cnn" else {k: {**MODEL_BASES[args.model], **v}
                                                 for k, v in MODEL_CASES[args.model].items()}
     args.seeds = args.seeds or ([3] if args.model == "transformer" else [42, 43, 44])
