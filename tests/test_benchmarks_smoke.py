@@ -140,3 +140,48 @@ def test_memory_share_benchmark_quick_runs(tmp_path):
     model = res["plain"][0]["model_bytes"]  # 1/4-width ResNet-18: 4 bytes per float entry
     assert rows["fp32"]["residual-bytes"] == model and rows["fp16"]["residual-bytes"] == model / 2
     assert all(r["peak-bytes"] > res["plain"][0]["base_bytes"] for r in rows.values())
+
+
+def test_both_ways_counts_bytes_to_fp32s_accuracy_minus_one_point():
+    """Bytes both ways until fp32's median final accuracy minus 1 point, first model included."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from both_ways import bytes_to, summarize
+
+    def run(case, seed, curve, sent):
+        return {"case": case, "seed": seed, "final_accuracy": curve[-1], "upload_bytes": sum(sent) / 2,
+                "download_bytes": sum(sent) / 2, "first_download_bytes": sent[1] / 2, "fp32_one_way_bytes": 300.0,
+                "accuracy_curve": curve, "bytes_both_ways_curve": sent}
+
+    fp32 = [run("fp32 both ways", s, [0.1, 0.8, 0.9], [0.0, 300.0, 300.0]) for s in (1, 2)]
+    small = run("small", 1, [0.1, 0.85, 0.95], [0.0, 10.0, 5.0])
+    never = run("never", 1, [0.1, 0.5, 0.88], [0.0, 1.0, 1.0])
+    assert bytes_to(small, 0.89) == 15.0 and bytes_to(small, 0.85) == 10.0 and bytes_to(never, 0.89) is None
+    rows = {s["case"]: s for s in summarize([*fp32, small, never])}
+    assert rows["fp32 both ways"]["bytes_to_fp32_minus_1pt"] == 600.0  # 0.9 - 0.01 first reached at round 2
+    assert rows["small"]["ratio_to_fp32_minus_1pt"] == 40.0
+    assert rows["never"]["bytes_to_fp32_minus_1pt"] is None and rows["never"]["ratio_to_fp32_minus_1pt"] is None
+    assert rows["small"]["last3_accuracy"] == pytest.approx((0.1 + 0.85 + 0.95) / 3)
+    assert rows["small"]["ratio_both_ways"] == 40.0  # 2 x 300 fp32 bytes one way / 15
+
+
+@pytest.mark.slow
+def test_both_ways_resnet_quick_run_and_merge(tmp_path):
+    """``--model resnet --quick`` writes ``both_ways_resnet-quick.json`` in the temporary folder (never
+    the reference); ``--merge`` joins runs of separate processes and keeps every run."""
+    env = {**os.environ, "TMPDIR": str(tmp_path), "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "benchmarks")])}
+    script = str(REPO / "benchmarks" / "both_ways.py")
+    subprocess.run([sys.executable, script, "--model", "resnet", "--quick", "--nodes", "3"], check=True,
+                   capture_output=True, text=True, timeout=600, env=env)
+    out = tmp_path / "fedcomp-benchmarks" / "both_ways_resnet-quick.json"
+    res = json.loads(out.read_text())
+    rows = {s["case"]: s for s in res["summary"]}
+    assert list(rows) == ["fp32 both ways", "sign up, auto down"] and res["rounds"] == 3
+    assert rows["fp32 both ways"]["ratio_both_ways"] == pytest.approx(2 * res["runs"][0]["fp32_one_way_bytes"] / (
+        res["runs"][0]["upload_bytes"] + res["runs"][0]["download_bytes"]))
+    # sign up (1 bit a parameter) and STC 5 % down, seeded first model: more than 10x fewer bytes both ways
+    assert rows["sign up, auto down"]["ratio_both_ways"] > 10
+    assert rows["sign up, auto down"]["first_download_bytes"] < rows["fp32 both ways"]["first_download_bytes"] / 20
+    merged = tmp_path / "merged.json"
+    subprocess.run([sys.executable, script, "--model", "resnet", "--merge", str(out), str(out), "--out", str(merged)],
+                   check=True, capture_output=True, text=True, timeout=120, env=env)
+    assert len(json.loads(merged.read_text())["runs"]) == 2 * len(res["runs"])
