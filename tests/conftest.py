@@ -14,6 +14,14 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(autouse=True)
+def _results_never_land_in_the_users_home(tmp_path_factory, monkeypatch):
+    """A run that names no ``results-dir`` writes under ``$FEDCOMP_RESULTS_ROOT`` (default
+    ``~/fedcomp-results``, the user's own folder, with its ``latest`` link): in tests that is a
+    temporary folder, so the test suite never adds runs to (or repoints ``latest`` in) the user's."""
+    monkeypatch.setenv("FEDCOMP_RESULTS_ROOT", str(tmp_path_factory.mktemp("results-root")))
+
+
+@pytest.fixture(autouse=True)
 def _same_python_random_state_in_every_test():
     """Flower samples nodes with Python's global ``random`` (``random.sample`` in its strategies): every
     test starts from ``random.seed(0)``, so which nodes a round samples does not depend on which tests
