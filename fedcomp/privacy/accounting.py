@@ -12,6 +12,7 @@ Opacus is imported inside the functions, through :func:`fedcomp.privacy.opacus_i
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Mapping
 from functools import lru_cache
@@ -29,6 +30,21 @@ ACCOUNTANTS = ("rdp", "prv")
 #: Keys of the plain-data accountant state: parallel lists of floats, one entry per
 #: (noise multiplier, sample rate) segment of the history.
 STATE_KEYS = ("noise-multiplier", "sample-rate", "steps")
+
+
+def checked_max_epsilon(max_epsilon) -> float | None:
+    """A privacy budget (run config ``max-epsilon``) as a float, or None for no budget.
+
+    Raises
+    ------
+    ValueError
+        Not None and not a finite number > 0 (bools refused), naming the key.
+    """
+    if max_epsilon is not None and (isinstance(max_epsilon, bool) or not isinstance(max_epsilon, (int, float))
+                                    or not max_epsilon > 0 or not math.isfinite(max_epsilon)):
+        raise ValueError(f"max_epsilon (run config 'max-epsilon') must be a finite number > 0, or None for no "
+                         f"budget; got {max_epsilon!r}")
+    return None if max_epsilon is None else float(max_epsilon)
 
 
 def rdp_orders() -> tuple[float, ...]:

@@ -19,7 +19,6 @@ quantization can push a small variance below 0).
 
 from __future__ import annotations
 
-import math
 from logging import ERROR, WARNING
 
 import numpy as np
@@ -41,6 +40,7 @@ from flwr.server.client_proxy import ClientProxy
 from flwr.server.strategy import Strategy
 
 from fedcomp.privacy import ClientLevelDP
+from fedcomp.privacy.accounting import checked_max_epsilon
 from fedcomp.privacy.distributed import DistributedDP
 from fedcomp.protocol.messages import (
     SECAGG_APPLIED_KEY,
@@ -117,11 +117,7 @@ class SharedRandomKStrategy(Strategy):
                  client_dp: ClientLevelDP | None = None, max_weight: float | None = None,
                  distributed_dp: DistributedDP | None = None, max_epsilon: float | None = None) -> None:
         super().__init__()
-        if max_epsilon is not None and (isinstance(max_epsilon, bool) or not isinstance(max_epsilon, (int, float))
-                                        or not 0 < max_epsilon < math.inf):
-            raise ValueError(f"SharedRandomKStrategy: max_epsilon (run config 'max-epsilon') must be a finite "
-                             f"number > 0, or None for no budget; got {max_epsilon!r}")
-        self.max_epsilon = None if max_epsilon is None else float(max_epsilon)
+        self.max_epsilon = checked_max_epsilon(max_epsilon)
         #: Why no further rounds are run ("" while rounds go on): the privacy budget.
         self.stopped_reason = ""
         self.max_weight = None if max_weight is None else float(max_weight)

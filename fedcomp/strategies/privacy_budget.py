@@ -18,6 +18,7 @@ from flwr.app import ConfigRecord, Message
 from flwr.common.logger import log
 
 from fedcomp.privacy import ClientLevelDP, LocalDP
+from fedcomp.privacy.accounting import checked_max_epsilon
 
 
 class PoissonSampling:
@@ -69,13 +70,9 @@ class PrivacyBudget:
 
     def __init__(self, client_dp: ClientLevelDP | None = None, local_dp: LocalDP | None = None,
                  max_epsilon: float | None = None) -> None:
-        if max_epsilon is not None and (isinstance(max_epsilon, bool) or not isinstance(max_epsilon, (int, float))
-                                        or not max_epsilon > 0 or not math.isfinite(max_epsilon)):
-            raise ValueError(f"max_epsilon (run config 'max-epsilon') must be a finite number > 0, or None for no "
-                             f"budget; got {max_epsilon!r}")
         self.client_dp = client_dp
         self.local_dp = local_dp
-        self.max_epsilon = max_epsilon
+        self.max_epsilon = checked_max_epsilon(max_epsilon)
         #: Why no further rounds are run ("" while rounds go on).
         self.stopped_reason = ""
         #: Rounds in which local-DP updates may have left the clients.
