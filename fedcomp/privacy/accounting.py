@@ -12,7 +12,7 @@ Opacus is imported inside the functions, through :func:`fedcomp.privacy.opacus_i
 
 from __future__ import annotations
 
-import math
+import sys
 import warnings
 from collections.abc import Mapping
 from functools import lru_cache
@@ -41,7 +41,7 @@ def checked_max_epsilon(max_epsilon) -> float | None:
         Not None and not a finite number > 0 (bools refused), naming the key.
     """
     if max_epsilon is not None and (isinstance(max_epsilon, bool) or not isinstance(max_epsilon, (int, float))
-                                    or not max_epsilon > 0 or not math.isfinite(max_epsilon)):
+                                    or not 0 < max_epsilon <= sys.float_info.max):  # also NaN, inf, ints past float range
         raise ValueError(f"max_epsilon (run config 'max-epsilon') must be a finite number > 0, or None for no "
                          f"budget; got {max_epsilon!r}")
     return None if max_epsilon is None else float(max_epsilon)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import struct
+import sys
 from logging import ERROR, WARNING
 
 import numpy as np
@@ -117,7 +118,7 @@ def check_node_floor(ctxt: Context, cfg: dict) -> None:
 
 def _positive_number(v) -> bool:
     """Whether ``v`` is a finite int or float > 0 (not a bool)."""
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= sys.float_info.max  # not NaN, inf, ints past float range
 
 
 def _train(msg: Message, ctxt: Context, call_next, global_arrays: list[np.ndarray], cfg: dict):

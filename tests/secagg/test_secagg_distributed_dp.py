@@ -206,3 +206,18 @@ def test_distributed_dp_clients_refuse_a_weight_other_than_one():
     with pytest.raises(ValueError, match="'secagg-max-weight' = 1000.5"):
         check_codec_under_secagg({**rc, "secagg-max-weight": 1000.5})
     check_codec_under_secagg({**rc, "secagg-max-weight": 1000.0})
+
+
+def test_a_budget_or_clipping_norm_past_float_range_is_refused_with_a_clear_error():
+    """An int budget past float range raised OverflowError ('int too large to convert to
+    float') from math.isfinite, naming no setting; the client's clipping-norm check did the same."""
+    from fedcomp.privacy.accounting import checked_max_epsilon
+    from fedcomp.secagg.client import _positive_number
+    from fedcomp.secagg.strategy import SharedRandomKStrategy
+
+    with pytest.raises(ValueError, match="max-epsilon"):
+        checked_max_epsilon(10**400)
+    with pytest.raises(ValueError, match="max-epsilon"):
+        SharedRandomKStrategy(None, 0.25, max_epsilon=10**400)
+    assert checked_max_epsilon(1e308) == 1e308 and checked_max_epsilon(3) == 3.0
+    assert [_positive_number(v) for v in (10**400, 1e308, 5, 0.05)] == [False, True, True, True]
