@@ -130,6 +130,11 @@ THROUGHPUT_CASES = [
 ]
 SLOW_TARGETS = {"qsgd": (10.0, 3.0), "eden": (10.0, 3.0)}
 TARGETS = (5.0, 1.5)
+#: The part of an encode that identical payload bytes pin (issue 34 asks for both): int8's and QSGD's
+#: stochastic rounding reads torch's sequential CPU generator once per entry (``torch.rand`` into a
+#: reused buffer); sign's scale is torch's float mean of |x|, which needs |x| written out
+#: (``torch.abs`` into a reused buffer, then ``mean``). Measured in the same run as the codecs.
+FLOORS = {"int8": "draws", "qsgd": "draws", "sign": "abs_mean"}
 
 
 def throughput(n: int, repeats: int) -> dict:
@@ -140,17 +145,22 @@ def throughput(n: int, repeats: int) -> dict:
     Returns
     -------
     dict
-        ``{"n", "repeats", "torch_threads", "sum_ms", "clone_ms", "rows"}``; each row: codec, its
+        ``{"n", "repeats", "torch_threads", "sum_ms", "clone_ms", "floors_ms", "rows"}``; each row: codec, its
         parameters, ``bytes``, ``encode_ms``, ``decode_ms`` (fresh tensor), ``decode_out_ms``
         (``decompress(out=...)`` into one reused numpy-allocated buffer, where available), ``encode_vs_sum``,
         ``decode_vs_clone``, ``encode_target`` (the issue's bound in read passes: ENC + the
-        payload's share of a copy over a read pass) and ``decode_target``.
+        payload's share of a copy over a read pass) and ``decode_target``; int8, qsgd and sign also
+        ``floor`` and ``floor_vs_sum``: the part of their encode that identical payload bytes pin
+        (:data:`FLOORS`), in read passes.
     """
     torch.manual_seed(0)
     x = torch.randn(n)
     sum_ms = median_ms(lambda: torch.sum(x), 4 * repeats)
     clone_ms = median_ms(lambda: x.clone(), 4 * repeats)
     out_buf = torch.from_numpy(np.empty(n, dtype=np.float32))  # as RunningSum allocates its buffer
+    gen, scratch = torch.Generator().manual_seed(0), torch.from_numpy(np.empty(n, dtype=np.float32))
+    floors = {"draws": median_ms(lambda: torch.rand(n, generator=gen, out=scratch), repeats),
+              "abs_mean": median_ms(lambda: torch.abs(x, out=scratch).mean(), repeats)}
     rows = []
     for name, params in THROUGHPUT_CASES:
         seeded = {"seed": 0} if fc.CODECS[name].seeded else {}
@@ -167,23 +177,29 @@ def throughput(n: int, repeats: int) -> dict:
         rows.append({"codec": name, **params, "bytes": len(payload), "encode_ms": enc, "decode_ms": dec,
                      "decode_out_ms": dec_out, "encode_vs_sum": enc / sum_ms, "decode_vs_clone": dec / clone_ms,
                      "encode_target": (enc_x * sum_ms + share) / sum_ms, "decode_target": dec_x})
+        if name in FLOORS:
+            rows[-1]["floor"] = FLOORS[name]
+            rows[-1]["floor_vs_sum"] = floors[FLOORS[name]] / sum_ms
     return {"n": n, "repeats": repeats, "torch_threads": torch.get_num_threads(), "sum_ms": sum_ms,
-            "clone_ms": clone_ms, "rows": rows}
+            "clone_ms": clone_ms, "floors_ms": floors, "rows": rows}
 
 
 def print_throughput(res: dict) -> None:
     """The throughput table: medians in ms and the ratios against the read pass and the copy."""
     print(f"n = {res['n']}, medians of {res['repeats']}; read pass (torch.sum) {res['sum_ms']:.2f} ms, "
           f"fresh copy (clone) {res['clone_ms']:.2f} ms, {res['torch_threads']} torch threads")
-    hdr = f"{'codec':<8} {'param':<16} {'enc ms':>8} {'enc/sum':>8} {'target':>7} {'dec ms':>8} " \
+    hdr = f"{'codec':<8} {'param':<16} {'enc ms':>8} {'enc/sum':>8} {'target':>7} {'floor':>6} {'dec ms':>8} " \
           f"{'dec/clone':>9} {'target':>6} {'out= ms':>8}"
     print(hdr)
     print("-" * len(hdr))
     for r in res["rows"]:
         out = f"{r['decode_out_ms']:>8.2f}" if r["decode_out_ms"] is not None else f"{'':>8}"
+        floor = f"{r['floor_vs_sum']:>6.1f}" if "floor_vs_sum" in r else f"{'':>6}"
         print(f"{r['codec']:<8} {_param(r):<16} {r['encode_ms']:>8.2f} {r['encode_vs_sum']:>8.1f} "
-              f"{r['encode_target']:>7.1f} {r['decode_ms']:>8.2f} {r['decode_vs_clone']:>9.2f} "
+              f"{r['encode_target']:>7.1f} {floor} {r['decode_ms']:>8.2f} {r['decode_vs_clone']:>9.2f} "
               f"{r['decode_target']:>6.1f} {out}")
+    print("floor: in read passes, what identical payload bytes pin (int8, qsgd: torch.rand of n draws; "
+          "sign: torch.abs into a buffer, then mean)")
 
 
 def _param(r: dict) -> str:

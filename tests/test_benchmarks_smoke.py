@@ -43,6 +43,11 @@ def test_codecs_throughput_mode_reports_ratios(tmp_path):
         assert r["encode_vs_sum"] == pytest.approx(r["encode_ms"] / res["sum_ms"])
         assert r["decode_vs_clone"] == pytest.approx(r["decode_ms"] / res["clone_ms"])
         assert r["decode_out_ms"] is not None and r["decode_out_ms"] > 0
+    assert set(res["floors_ms"]) == {"draws", "abs_mean"} and min(res["floors_ms"].values()) > 0
+    for r in res["rows"]:  # the floor that identical bytes pin, for the codecs that have one
+        assert ("floor_vs_sum" in r) == (r["codec"] in ("int8", "qsgd", "sign"))
+        if "floor" in r:
+            assert r["floor_vs_sum"] == pytest.approx(res["floors_ms"][r["floor"]] / res["sum_ms"])
 
 
 def _references() -> dict:
