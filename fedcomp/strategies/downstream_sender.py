@@ -40,7 +40,10 @@ still holds, one per node that holds a catch-up (``diff``) copy, and the broadca
 needed for chains. Bounded by ``max_copies`` (model copies of the compressed part, payload bytes
 included): past it the server forgets the least recently replying nodes first (their copy, and the
 versions and payloads no other node needs); a forgotten node is treated as new (seeded ``init`` +
-catch-up, or ``dense``), as after a missed reply.
+catch-up, or ``dense``), as after a missed reply. Between a round's sends and its replies the server
+keeps each node's diff payload (the bytes its message carries), not the copy the node will hold: that
+copy is rebuilt when the node replies (:meth:`Downstream.received`), so a round of N catch-ups costs N
+payloads rather than N model copies (``benchmarks/scale.py --only-downstream``).
 """
 
 from __future__ import annotations
@@ -124,7 +127,10 @@ class Downstream:
         self._private: dict[int, np.ndarray] = {}  # node -> compressed part it holds, if not exactly some B_u
         self._versions: dict[int, np.ndarray] = {}  # u -> compressed part of B_u (held by some node)
         self._payloads: dict[int, bytes] = {}  # u -> broadcast payload B_{u-1} -> B_u
-        self._pending: dict[int, tuple[int, np.ndarray | None]] = {}
+        #: node -> (version it will hold, None: exactly that B; else the diff it was sent and what the diff
+        #: is relative to: ("private",), ("version", u) or ("init",)): the copy is rebuilt when it replies
+        #: (:meth:`received`), so a round of N catch-ups holds N payloads, not N model copies
+        self._pending: dict[int, tuple[int, tuple | None]] = {}
         self._init_vec: np.ndarray | None = None  # B_1's compressed part, if new nodes can build it
         self._start: list[bytes] = []  # the compressed start's payload (empty: seeded start)
         self._start_init: SeededInit | None = None  # the rules of a new node's base (seeded, or zeros)
@@ -135,8 +141,6 @@ class Downstream:
         #: "exact": B_1's version and the payloads after it are kept for nodes not seen yet, until the
         #: copies reach ``max_copies`` with no node left to forget (then new nodes get a diff)
         self._pin_start = True
-        #: version -> flat B (every float tensor, model order; current and previous version)
-        self.history: dict[int, np.ndarray] = {}
         #: this round: node -> bytes sent / kind of message ("payload", "chain", "diff", "init", "dense")
         self.sent_bytes: dict[int, int] = {}
         self.sent_kind: dict[int, str] = {}
@@ -156,6 +160,12 @@ class Downstream:
         if compressor not in available_compressors():
             raise ValueError(f"downstream must be 'none' or one of {available_compressors()}, got {compressor!r}")
         return cls(codec, compressor, **options)
+
+    @property
+    def history(self) -> dict[int, np.ndarray]:
+        """``{version: B}``: this version's broadcast model, every float tensor flat in model order (a
+        copy; empty before the first round). Not kept per round: the server holds no model copy for it."""
+        return {} if self.model is None else {self.version: self.model.flat.copy()}
 
     @property
     def broadcast(self) -> np.ndarray | None:
@@ -210,7 +220,7 @@ class Downstream:
         self._drop_unheld()
         self._evict(self.max_copies - 1)  # room for the version this round adds
 
-    def _copies(self) -> float:
+    def copies(self) -> float:
         """Stored model copies: versions, per-node copies and payload bytes in vectors of the compressed part."""
         vec_bytes = 4 * max(getattr(self, "num_lossy", 0), 1)
         return len(self._versions) + len(self._private) + sum(len(p) for p in self._payloads.values()) / vec_bytes
@@ -218,7 +228,7 @@ class Downstream:
     def _evict(self, budget: float, keep: int | None = None) -> None:
         """Forget the least recently replying nodes (not ``keep``, not those holding exactly this version
         without a private copy: they cost nothing) until at most ``budget`` copies are stored."""
-        while self._copies() > budget:
+        while self.copies() > budget:
             cands = [n for n, v in self.node_version.items()
                      if n != keep and (n in self._private or v != self.version)]
             if not cands:
@@ -276,8 +286,6 @@ class Downstream:
             for k in self.exempt_keys:
                 self.model.float_view(k)[...] = target.float_view(k)
             self.model.exact = target.exact
-        self.history = {self.version: self.model.flat.copy(),
-                        **{v: h for v, h in self.history.items() if v == self.version - 1}}
         g = self._lossy(target)
         extras = {k: payload_array(get_compressor("none").compress(torch.from_numpy(self.model.float_view(k).copy())))
                   for k in self.exempt_keys}
@@ -324,9 +332,9 @@ class Downstream:
         return messages
 
     def _plan(self, server_round: int, node: int, payload: bytes | None, g: np.ndarray,
-              extra_bytes: int) -> tuple[str, list[bytes], int, np.ndarray | None]:
+              extra_bytes: int) -> tuple[str, list[bytes], int, tuple | None]:
         """The cheapest message for ``node``: ``(kind, compressed payloads, base version, what the
-        node will hold if not exactly B_v)``."""
+        node will hold if not exactly B_v: ``(diff payload, *its base)``, see ``_pending``)``."""
         v = self.version
         known = node in self.node_version
         if known:
@@ -342,21 +350,29 @@ class Downstream:
             return "payload", [payload], label, None
         prefix = "init+" if not known else ""
         start_cost = sum(len(p) for p in start)
-        held = private if private is not None else (self._init_vec if not known and label == 1 else
-                                                     self._versions.get(label))
+        base = ("private",) if private is not None else ("init",) if not known and label == 1 else ("version", label)
+        held = self._base(node, base)
         options: list[tuple[int, int, str, list[bytes], np.ndarray | None]] = []
         if private is None and all(u in self._payloads for u in range(label + 1, v + 1)):
             chain = [self._payloads[u] for u in range(label + 1, v + 1)]
             options.append((start_cost + sum(len(p) for p in chain), 0, prefix + "chain", start + chain, None))
         if held is not None and not (self.exact_catchup and options):
             diff = self._codec(server_round, node).compress(torch.from_numpy(g - held))
-            options.append((start_cost + len(diff), 1, prefix + "diff", start + [diff],
-                            self._settle(held + self._decode(diff))))
+            options.append((start_cost + len(diff), 1, prefix + "diff", start + [diff], (diff, *base)))
         dense_cost = self.model.dense_bytes - extra_bytes
         best = min(options, key=lambda o: (o[0], o[1]), default=None)
         if best is None or best[0] >= dense_cost:
             return "dense", [], 0, None
         return best[2], best[3], label, best[4]
+
+    def _base(self, node: int, base: tuple) -> np.ndarray | None:
+        """The compressed part a diff to ``node`` is relative to: its own copy (``("private",)``), B_u
+        (``("version", u)``) or a new node's B_1 (``("init",)``); None once the server no longer has it."""
+        if base[0] == "private":
+            return self._private.get(node)
+        if base[0] == "init":
+            return self._init_vec
+        return self._versions.get(base[1])
 
     def _compressed_start(self, server_round: int, target: FlatModel) -> None:
         """B_1 := the initial model compressed from zero with the first-contact codec (server-side
@@ -393,15 +409,21 @@ class Downstream:
     def received(self, node: int) -> None:
         """``node`` replied this round, so it holds what it was sent."""
         if node in self._pending:
-            label, held = self._pending.pop(node)
+            label, diff = self._pending.pop(node)
+            held = None if diff is None else self._base(node, diff[1:])
+            if diff is not None and held is None:  # its base was forgotten meanwhile: the node is new next time
+                self.node_version.pop(node, None)
+                self._private.pop(node, None)
+                self._last_seen.pop(node, None)
+                return
             self.node_version[node] = label
-            if held is None:
+            if diff is None:
                 self._private.pop(node, None)
             else:
-                self._private[node] = held
+                self._private[node] = self._settle(held + self._decode(diff[0]))
             self._receipts += 1
             self._last_seen[node] = self._receipts
-            if self._copies() > self.max_copies:  # over budget: first what nobody needs, then the oldest nodes
+            if self.copies() > self.max_copies:  # over budget: first what nobody needs, then the oldest nodes
                 self._drop_unheld()
                 self._evict(self.max_copies, keep=node)
 

@@ -124,6 +124,6 @@ def test_downstream_server_memory_is_bounded_with_many_clients():
         ds.prepare(r, rec, msgs)
         for n in nodes:
             ds.received(n)
-        assert ds._copies() <= ds.max_copies == 8
+        assert ds.copies() <= ds.max_copies == 8
     copies = (sum(v.nbytes for v in ds._versions.values()) + sum(v.nbytes for v in ds._private.values())) / (4 * D)
     assert copies <= 8  # before the fix: ~250 model copies after 100 rounds
