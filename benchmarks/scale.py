@@ -164,6 +164,75 @@ print(json.dumps({"seconds": med(times), "codec_seconds": med(codec_times), "sum
 """
 
 
+DOWNSTREAM_CHILD = r"""
+import collections, json, random, statistics, sys, time, logging
+import numpy as np, torch
+sys.path.insert(0, sys.argv[1])
+from scale import resnet18_shapes, reply_records, replies_from, rss_mib, reset_peak, peak_mib, trim_heap
+from flwr.app import ConfigRecord
+from flwr.serverapp.strategy import FedAvg
+from flwr.supercore.task_identity import TaskIdentity
+from fedcomp.config.downstream import resolve_downstream
+from fedcomp.strategies import CompressedStrategy
+from fedcomp.statedict import FlatModel
+logging.getLogger("flwr").setLevel(logging.ERROR)
+spec = json.loads(sys.argv[2])
+torch.set_num_threads(1)
+TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 1, 0  # Flower's Message needs them
+random.seed(spec["seed"])  # Flower's FedAvg samples nodes with the random module
+shapes = resnet18_shapes(spec["width"])
+rng = np.random.default_rng(0)
+g = {k: (rng.standard_normal(s).astype(np.float32) * 0.05 if d == "float32" else np.array(7, np.int64))
+     for k, (s, d) in shapes.items()}
+model_bytes = 4 * sum(int(np.prod(s)) for s, d in shapes.values() if d == "float32")
+down, down_density = resolve_downstream("auto", 0.0, spec["codec"]["compressor"], "full", False)
+strategy = CompressedStrategy(FedAvg(fraction_train=spec["fraction"], fraction_evaluate=0.0, min_train_nodes=1,
+                                     min_available_nodes=1), downstream=down, downstream_density=down_density,
+                              **spec["codec"])
+records = reply_records(g, strategy.codec, distinct=4)
+arrays = FlatModel.from_numpy(g).record(check=False)
+del g
+
+class Grid:
+    def get_node_ids(self):
+        return list(range(1, spec["nodes"] + 1))
+
+grid = Grid()
+x = lambda mib: mib * 2**20 / model_bytes
+trim_heap(); start = rss_mib()
+rounds = []
+for r in range(1, spec["rounds"] + 1):
+    trim_heap(); base = rss_mib(); reset_peak()
+    t0 = time.perf_counter()
+    msgs = list(strategy.configure_train(r, arrays, ConfigRecord(), grid))
+    conf_s = time.perf_counter() - t0
+    conf_peak = x(peak_mib() - base)
+    ds = strategy.downstream
+    sent = [ds.sent_bytes[m.metadata.dst_node_id] for m in msgs]
+    kinds = dict(collections.Counter(ds.sent_kind.values()))
+    by_kind = {k: statistics.mean(ds.sent_bytes[n] for n, kk in ds.sent_kind.items() if kk == k) / model_bytes
+               for k in kinds}
+    replies = replies_from(records, [m.metadata.dst_node_id for m in msgs])
+    del msgs
+    trim_heap(); base = rss_mib(); reset_peak()
+    t0 = time.perf_counter()
+    arrays, metrics = strategy.aggregate_train(r, replies)
+    agg_s = time.perf_counter() - t0
+    agg_peak = x(peak_mib() - base)
+    assert arrays is not None and metrics["num-replies"] == len(replies), metrics
+    del replies
+    trim_heap()
+    rounds.append({"round": r, "sampled": len(sent), "configure_seconds": conf_s, "configure_peak_x_model": conf_peak,
+                   "aggregate_seconds": agg_s, "aggregate_peak_x_model": agg_peak,
+                   "resident_x_model": x(rss_mib() - start), "download_x_model_per_node": statistics.mean(sent) / model_bytes,
+                   "download_kib_per_node": statistics.mean(sent) / 1024, "kinds": kinds,
+                   "download_x_model_by_kind": by_kind,
+                   "nodes_known": len(ds.node_version), "copies_kept": ds.copies()})
+print(json.dumps({"model_mib": model_bytes / 2**20, "downstream": down, "downstream_density": down_density,
+                  "rounds": rounds}))
+"""
+
+
 def rss_mib() -> float:
     """Current resident set size of this process (MiB, from /proc/self/status)."""
     return _status("VmRSS")
@@ -205,8 +274,13 @@ def _status(field: str) -> float:
 def make_replies(g: dict, codec, clients: int, distinct: int = 4) -> list:
     """``clients`` compressed train replies (``distinct`` different client updates, reused), as
     ``compression_mod`` would send them; node ids 1..clients, weights 10..."""
+    return replies_from(reply_records(g, codec, distinct), range(1, clients + 1))
+
+
+def reply_records(g: dict, codec, distinct: int = 4) -> list[dict]:
+    """The payload arrays of ``distinct`` different client updates of ``g`` (float tensors + 0.01 noise,
+    integers + 3), compressed with ``codec`` as ``compression_mod`` would send them."""
     import numpy as np
-    from flwr.app import ArrayRecord, Message, Metadata, MetricRecord, RecordDict
 
     from fedcomp.client.update import compress_update
     from fedcomp.protocol.messages import payload_array
@@ -218,11 +292,19 @@ def make_replies(g: dict, codec, clients: int, distinct: int = 4) -> list:
              for k, v in g.items()}
         payloads, _, _ = compress_update(g, t, codec, {}, seed=1)
         records.append({k: payload_array(p) for k, p in payloads.items()})
+    return records
+
+
+def replies_from(records: list[dict], nodes) -> list:
+    """One train reply per node id in ``nodes``, the i-th carrying ``records[i % len(records)]`` (the
+    payload bytes shared, not copied), weights 10..16."""
+    from flwr.app import ArrayRecord, Message, Metadata, MetricRecord, RecordDict
+
     out = []
-    for i in range(clients):
-        md = Metadata(run_id=1, message_id=f"r{i}", src_node_id=i + 1, dst_node_id=0, reply_to_message_id="q",
+    for i, node in enumerate(nodes):
+        md = Metadata(run_id=1, message_id=f"r{i}", src_node_id=node, dst_node_id=0, reply_to_message_id="q",
                       group_id="1", created_at=time.time(), ttl=3600.0, message_type="train")
-        content = RecordDict({"arrays": ArrayRecord(dict(records[i % distinct])),
+        content = RecordDict({"arrays": ArrayRecord(dict(records[i % len(records)])),
                               "metrics": MetricRecord({"num-examples": 10 + i % 7, "train-loss": 0.5})})
         out.append(Message(content=content, metadata=md))
     return out
@@ -265,6 +347,35 @@ def client_rows(width: int, codecs: list[str], repeats: int) -> list[dict]:
               f"({r['codec_seconds']:.3f} s), torch.sum {r['sum_seconds'] * 1e3:.1f} ms = {r['sum_over_default_codec']:.3f}x "
               f"the {name} payloads' encode + decode, peak RSS growth "
               f"{r['peak_growth_x_model']:.2f}x model (the new residual is {r['residual_x_model']:.2f}x)", flush=True)
+    return rows
+
+
+def downstream_rows(width: int, nodes: list[int], fraction: float, rounds: int, repeats: int) -> list[dict]:
+    """The server with the default download (``downstream = "auto"``: STC 5 % with server-side error
+    feedback, compressed first contact, catch-ups): ``rounds`` rounds of ``configure_train`` +
+    ``aggregate_train`` with ``fraction`` of N nodes sampled a round (Flower's FedAvg, seeded), one
+    fresh process per repeat; per round the medians over repeats of each figure."""
+    rows = []
+    for n in nodes:
+        runs = [_child(DOWNSTREAM_CHILD, {"width": width, "nodes": n, "fraction": fraction, "rounds": rounds,
+                                          "codec": CODECS["stc"], "seed": seed}) for seed in range(repeats)]
+        for i in range(rounds):
+            per = [run["rounds"][i] for run in runs]
+            row = {"nodes": n, "fraction": fraction, "round": i + 1, "model_mib": runs[0]["model_mib"],
+                   "downstream": runs[0]["downstream"], "downstream_density": runs[0]["downstream_density"],
+                   "kinds": per[0]["kinds"],  # the kinds of message sent in the first repeat, and their mean bytes
+                   "download_x_model_by_kind": per[0]["download_x_model_by_kind"]}
+            for key in ("sampled", "configure_seconds", "configure_peak_x_model", "aggregate_seconds",
+                        "aggregate_peak_x_model", "resident_x_model", "download_x_model_per_node",
+                        "download_kib_per_node", "nodes_known", "copies_kept"):
+                row[key] = statistics.median(p[key] for p in per)
+            rows.append(row)
+            kinds = " ".join(f"{k}={v}" for k, v in sorted(row["kinds"].items()))
+            print(f"downstream N={n:5d} round {row['round']:2d}: configure {row['configure_seconds']:6.2f} s "
+                  f"peak +{row['configure_peak_x_model']:5.2f}x | aggregate {row['aggregate_seconds']:6.2f} s "
+                  f"peak +{row['aggregate_peak_x_model']:5.2f}x | resident {row['resident_x_model']:5.2f}x "
+                  f"(kept {row['copies_kept']:.2f}) | download {row['download_x_model_per_node']:.3f}x model/node "
+                  f"[{kinds}]", flush=True)
     return rows
 
 
@@ -311,12 +422,20 @@ def main() -> None:
                     help="only the client table at full size (merged into --out; with --smoke, a file in the temporary folder)")
     ap.add_argument("--only-server", action="store_true",
                     help="only the server rows of --codecs and --clients (merged into --out by codec, clients and path)")
+    ap.add_argument("--only-downstream", action="store_true",
+                    help="only the server with the default download over --rounds rounds, --nodes nodes in all, "
+                    "--fraction sampled a round (merged into --out)")
+    ap.add_argument("--nodes", default="100,1000", help="downstream: nodes in all")
+    ap.add_argument("--fraction", type=float, default=0.1, help="downstream: fraction of the nodes sampled a round")
+    ap.add_argument("--rounds", type=int, default=6, help="downstream: rounds")
     ap.add_argument("--out", default=None, help="JSON to write (default: the reference benchmarks/results/scale.json; "
                     "with --smoke a file in the temporary folder)")
     args = ap.parse_args()
     width, clients, repeats = (8, [4, 12], 1) if args.smoke else (64, [int(c) for c in args.clients.split(",")],
                                                                  args.repeats)
     codecs = args.codecs.split(",")
+    nodes = [20, 60] if args.smoke else [int(n) for n in args.nodes.split(",")]
+    rounds = 4 if args.smoke else args.rounds
     args.out = str(output_path("scale", args.out, args.smoke))
     if args.only_client:
         result = json.loads(pathlib.Path(args.out).read_text()) if pathlib.Path(args.out).exists() else {}
@@ -334,6 +453,13 @@ def main() -> None:
         pathlib.Path(args.out).write_text(json.dumps(result, indent=1))
         print(f"wrote {shown(pathlib.Path(args.out))}")
         return
+    if args.only_downstream:
+        result = json.loads(pathlib.Path(args.out).read_text()) if pathlib.Path(args.out).exists() else {"width": width}
+        result["downstream"] = downstream_rows(width, nodes, args.fraction, rounds, repeats)
+        pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        pathlib.Path(args.out).write_text(json.dumps(result, indent=1))
+        print(f"wrote {shown(pathlib.Path(args.out))}")
+        return
     if args.only_flwr:
         result = json.loads(pathlib.Path(args.out).read_text()) if pathlib.Path(args.out).exists() else {}
         result["cross_device"] = cross_device()
@@ -341,7 +467,8 @@ def main() -> None:
         pathlib.Path(args.out).write_text(json.dumps(result, indent=1))
         return
     result = {"width": width, "server": server_rows(width, clients, codecs, repeats, dense_max=32),
-              "client": client_rows(width, codecs, max(repeats, 3))}
+              "client": client_rows(width, codecs, max(repeats, 3)),
+              "downstream": downstream_rows(width, nodes, args.fraction, rounds, repeats)}
     if args.flwr:
         result["cross_device"] = cross_device()
         print("cross-device:", result["cross_device"], flush=True)
