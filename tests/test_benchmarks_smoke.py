@@ -106,6 +106,28 @@ def test_scale_benchmark_smoke_runs(tmp_path):
     assert all(r["seconds"] > 0 and r["codec_seconds"] > 0 for r in res["client"])
 
 
+@pytest.mark.slow
+def test_scale_benchmark_downstream_smoke_runs(tmp_path):
+    """--only-downstream --smoke: the server with the default download over 4 rounds, 10 % of 20 and 60
+    nodes a round; written to the temporary folder, never over the reference."""
+    before = _references()
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "scale.py"), "--smoke", "--only-downstream"],
+                          check=True, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "TMPDIR": str(tmp_path)})
+    out = tmp_path / "fedcomp-benchmarks" / "scale-quick.json"
+    assert f"wrote {out}" in proc.stdout and _references() == before
+    rows = {(r["nodes"], r["round"]): r for r in json.loads(out.read_text())["downstream"]}
+    assert set(rows) == {(n, r) for n in (20, 60) for r in range(1, 5)}
+    for (n, r), row in rows.items():
+        assert (row["downstream"], row["downstream_density"]) == ("stc", 0.05)  # what "auto" resolves to
+        assert row["sampled"] == n // 10 == sum(row["kinds"].values())
+        assert row["copies_kept"] <= 8  # max_copies, whatever the nodes
+        assert row["nodes_known"] <= min(n, r * n // 10)
+        assert 0 < row["download_x_model_per_node"] < 0.5  # the int8 start (1/4) and a 5 % diff at most
+        assert row["configure_seconds"] > 0 and row["aggregate_seconds"] > 0
+    assert rows[(20, 1)]["kinds"] == {"init": 2} and rows[(60, 1)]["kinds"] == {"init": 6}  # first contact
+
+
 def test_secagg_benchmark_quick_runs(tmp_path):
     rows = {r["label"]: r for r in run_benchmark(tmp_path, "secagg.py", "--quick", "--skip-dense")["rows"]}
     assert len(rows) == 4
