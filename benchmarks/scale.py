@@ -14,12 +14,22 @@ the error-feedback decode) and one ``torch.sum`` pass over the model, in the sam
 thread (one torch thread), timed in thread CPU seconds (``time.thread_time``: user + system time,
 page faults included, but not the time other processes on a shared machine take the core away).
 
+Downstream (``--only-downstream``): the server with the default download (run config ``downstream =
+"auto"``: STC 5 % with server-side error feedback, compressed first contact, catch-ups) for ``--rounds``
+rounds, ``--fraction`` of ``--nodes`` nodes sampled a round by Flower's FedAvg (seeded), each
+sampled node replying with an stc 1/400 update: per round ``configure_train``'s and
+``aggregate_train``'s time and peak RSS growth, the server's resident memory after the round (growth
+from before round 1, freed heap handed back; the driver's one global model not counted), the copies
+the sender keeps, the bytes each
+node is sent and the kinds of message; one fresh process per repeat, medians over repeats.
+
 Cross-device (``--flwr``): ``flwr run .`` with 100 SuperNodes and fraction-train 0.1 for 5 rounds on
 the default data, private FLWR_HOME and ports; reports the wall time per round.
 
-Run: ``python benchmarks/scale.py`` (about 15 min on 2 cores), ``--smoke`` (a small model, seconds),
+Run: ``python benchmarks/scale.py`` (about 20 min on 2 cores), ``--smoke`` (a small model, seconds),
 ``--only-client`` (the client table alone at full size, merged into the results file, about a minute),
-``--only-server`` (the server rows of ``--codecs`` and ``--clients`` alone, merged into the results file);
+``--only-server`` (the server rows of ``--codecs`` and ``--clients`` alone, merged into the results file),
+``--only-downstream`` (the downstream rows alone, merged into the results file, about 6 min);
 prints tables and writes ``benchmarks/results/scale.json`` (``--smoke``: a file in the temporary folder). Medians over ``--repeats`` runs.
 """
 
