@@ -45,8 +45,9 @@ POLICY_KEYS: dict[str, Key] = table(
     Key("min-compress-numel", int, 0, "tensors with fewer elements use small-tensor-compressor; 0 = off", lo=0),
     SMALL_TENSOR,
     Key("batchnorm-stats", str, "auto", "BatchNorm running mean/var: auto: their change as a scaled sign per "
-        "tensor with error feedback both ways (exact where the update is; running_var clamped at 0); "
-        "small: small-tensor-compressor up, exact down; codec: like any tensor", choices=("auto", "small", "codec")),
+        "tensor with error feedback, both ways (up only with a lossy codec and classic error feedback); "
+        "running_var at most halved per exchange; small: small-tensor-compressor up, exact down; codec: "
+        "like any tensor", choices=("auto", "small", "codec")),
     Key("batchnorm-affine", str, "codec", "BatchNorm weight/bias: the codec, or small-tensor-compressor (small) "
         "with the sparsifying codecs", choices=("small", "codec")),
     Key("layer-codecs", str, "", "per-layer codecs, first matching rule wins; empty: compressor everywhere",

@@ -45,16 +45,17 @@ def stat_delta_key(key: str) -> str:
 
 
 def apply_stat_delta(model: FlatModel, key: str, change: np.ndarray) -> None:
-    """``key``'s values += ``change`` (float32, the tensor's shape or flat) in place, added in float32
-    (float64 for a float64 tensor) whatever the model's flat dtype, rounded to the tensor's dtype (:func:`settle`), a running variance then clamped at 0 (a lossy change can
-    undershoot; BatchNorm adds its eps). The server applies it to its record of a node's copy, the
-    node to its copy: the same float operations, so both copies stay equal bit for bit."""
+    """``key``'s values += ``change`` (float32, the tensor's shape or flat) in place: added in float32
+    (float64 for a float64 tensor) whatever the model's flat dtype; a running variance then kept at
+    >= :data:`VAR_FLOOR` times its previous value (so >= 0: a lossy change can undershoot); then
+    rounded to the tensor's dtype (:func:`settle`). The server applies it to its record of a node's
+    copy, the node to its copy: the same float operations, so both copies stay equal bit for bit."""
     view = model.float_view(key).reshape(-1)
     wide = np.float64 if model.specs[key].dtype == "float64" else np.float32  # not the flat's: the tensor's
-    vec = settle(model, [key], view.astype(wide) + change.reshape(-1).astype(wide))
+    vec = view.astype(wide) + change.reshape(-1).astype(wide)
     if is_running_var(key):
-        np.maximum(vec, view * VAR_FLOOR, out=vec)
-    view[...] = vec
+        np.maximum(vec, view.astype(wide) * VAR_FLOOR, out=vec)
+    view[...] = settle(model, [key], vec)
 
 
 def chain_key(i: int) -> str:

@@ -15,10 +15,11 @@ What travels, per message (self-describing; :mod:`fedcomp.client.downstream_rece
   of the statistics (one vector of them per node, kept while the node is) and sends a node that
   holds one the change ``G - H`` of each statistic as a ``sign`` payload (1 bit per entry and one
   scale; key :func:`fedcomp.protocol.broadcast.stat_delta_key`); node and server both apply it
-  with :func:`fedcomp.protocol.broadcast.apply_stat_delta` (a running variance clamped at 0), so
+  with :func:`fedcomp.protocol.broadcast.apply_stat_delta` (a running variance kept at >= half its
+  previous value), so
   the node's copy is known bit for bit and what was not sent stays in ``G - H`` (per-node error
   feedback). A node without a known copy gets them exactly (fp32, or dense/init forms). A client
-  of a release before this form refuses the message (unknown keys): ``"small"`` serves it.
+  of an older fedcomp refuses the message (unknown keys): ``"small"`` serves it.
 
 The server keeps the *broadcast model* B_v (version v) and the true global G. Each round it sends
 ``C(G - B_{v-1})`` and sets ``B_v = B_{v-1} + decompress(...)`` (server-side error feedback: what
