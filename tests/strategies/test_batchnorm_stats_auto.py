@@ -160,3 +160,51 @@ def test_a_change_for_a_tensor_that_is_no_statistic_is_refused():
         else:
             rebuild(msg, ctx, "arrays", rec, dict(msg.content["config"]))
             ds.received(5)
+
+
+def test_copies_agree_under_partial_participation_and_a_lost_reply():
+    """5 nodes, 2 sampled a round, one reply lost in round 3: a node that skipped rounds gets the
+    change since its own (older) copy, a node whose reply was lost is sent the statistics exactly
+    again; every node that replied holds what the server recorded, bit for bit."""
+    from flwr.serverapp.strategy import FedAvg
+
+    from fedcomp.run.inprocess_grid import InProcessGrid
+    from fedcomp.strategies import CompressedStrategy
+    from tests.strategies.test_downstream_batchnorm import _model, bn_app
+
+    lost = {}
+
+    def fault(rnd, pid):
+        if rnd == 3 and not lost:
+            lost[rnd] = pid
+            return "reply lost"
+        return None
+
+    grid = InProcessGrid(bn_app, 5, {}, fault=fault)
+    s = CompressedStrategy(FedAvg(fraction_train=0.4, min_train_nodes=2, min_available_nodes=5,
+                                  fraction_evaluate=0.0), compressor="stc", downstream="stc", seed=4)
+    arrays = ArrayRecord(_model().state_dict())
+    forms, lost_node, resent = set(), [], []
+    for rnd in range(1, 9):
+        msgs = list(s.configure_train(rnd, arrays, ConfigRecord({"seed": 1}), grid))
+        for m in msgs:
+            node, rec = m.metadata.dst_node_id, m.content["arrays"]
+            forms.add("change" if stat_delta_key("1.running_var") in rec else "exact")
+            # a node the server knows a copy of gets the change, any other (the lost reply's) the values
+            assert (stat_delta_key("1.running_var") in rec) == (node in s.downstream._stats), (rnd, node)
+            if lost and node == lost_node[0]:
+                resent.append(stat_delta_key("1.running_var") in rec)
+        replies = grid.send_and_receive(msgs)
+        arrays, _ = s.aggregate_train(rnd, replies)
+        if rnd == 3:
+            lost_node.extend(n for n, c in grid.contexts.items() if c.node_config["partition-id"] == lost[3])
+        for m in msgs:
+            node = m.metadata.dst_node_id
+            if node in s.downstream._stats:
+                held = _stats_of(grid.contexts[node].state[MODEL_STATE_KEY])
+                for k in STATS[:2]:
+                    assert np.array_equal(held[k], s.downstream._stats[node][k]), (rnd, node, k)
+                assert held["1.running_var"].min() >= 0
+        assert arrays["1.running_var"].numpy().min() > 0
+    assert forms == {"change", "exact"} and lost
+    assert resent and resent[0] is False  # sampled again after the lost reply: the values, exactly
