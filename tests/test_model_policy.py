@@ -40,7 +40,8 @@ def test_sparse_codecs_send_batchnorm_affine_parameters_with_the_small_tensor_co
 
 
 def test_dense_and_per_tensor_codecs_are_unchanged():
-    units = {k: c for k, _, c in plan_units(RESNET, CodecConfig(compressor="sign", batchnorm_affine="small"))}
+    units = {k: c for k, _, c in plan_units(RESNET, CodecConfig(compressor="sign", batchnorm_affine="small",
+                                                                batchnorm_stats="small"))}
     assert units["bn1.weight"] == "sign" and units["bn1.running_var"] == "none"
     cnn = {k: tuple(v.shape) for k, v in build_model("cnn").state_dict().items()}
     assert plan_units(cnn, CodecConfig(compressor="stc", batchnorm_affine="small")) == [(MODEL_KEY, list(cnn), "stc")]

@@ -92,14 +92,19 @@ def test_resnet_with_update_level_dp_keeps_integer_buffers_at_the_server_value(d
     assert all(h["rejected-replies"] == 0 and h["failed-clients"] == 0 for h in strategy.history.values() if h)
 
 
-def test_batchnorm_statistics_go_to_the_small_tensor_codec_by_default():
-    """Regression: sign + EF pushed bn1.running_var to -0.013 at round 4 (then 10 % accuracy)."""
+def test_batchnorm_statistics_go_to_their_own_payloads():
+    """Regression: sign + EF on every tensor together pushed bn1.running_var to -0.013 at round 4 (then
+    10 % accuracy). "small": small-tensor-compressor; "auto" (default): a scaled sign of their own each,
+    the server keeping a running variance at >= half its value (tests/strategies/test_batchnorm_stats_auto.py)."""
     from fedcomp.client.update import plan_units
     from fedcomp.config import CodecConfig
 
     shapes = {k: tuple(v.shape) for k, v in build_model("resnet").state_dict().items() if v.is_floating_point()}
-    units = {k: c for k, _, c in plan_units(shapes, CodecConfig(compressor="sign"))}
+    units = {k: c for k, _, c in plan_units(shapes, CodecConfig(compressor="sign", batchnorm_stats="small"))}
     assert units["bn1.running_var"] == "none" and units["layer3.bn2.running_mean"] == "none"
+    auto = {u: (members, c) for u, members, c in plan_units(shapes, CodecConfig(compressor="stc"))}
+    assert auto["bn1.running_var"] == (["bn1.running_var"], "sign")
+    assert auto["layer3.bn2.running_mean"] == (["layer3.bn2.running_mean"], "sign")
     assert units["bn1.weight"] == "sign" and units["conv1.weight"] == "sign"
     plain = {k: c for k, _, c in plan_units(shapes, CodecConfig(compressor="sign", batchnorm_stats="codec"))}
     assert plain["bn1.running_var"] == "sign"

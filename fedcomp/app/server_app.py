@@ -76,7 +76,8 @@ def check_same_codec(saved: dict | None, cfg: AppConfig) -> None:
     what *that* codec (and selection scope) failed to send, so another codec drops or misreads
     them, and ``metrics.json`` records one codec for all its rounds. A run that should change
     codec starts as a new run in a new ``results-dir``. A key the checkpoint does not hold (added
-    to fedcomp after it was written) counts as its default, which is what that run used.
+    to fedcomp after it was written) counts as its default, which is what that run used; a
+    checkpoint's ``batchnorm-stats = "small"`` (the default before "auto") resumes under "auto".
 
     Raises
     ------
@@ -91,6 +92,9 @@ def check_same_codec(saved: dict | None, cfg: AppConfig) -> None:
     if saved.get("density-schedule") == "auto":  # a default "auto" resolves from the checkpoint's own codec
         saved["density-schedule"] = resolve_schedule("auto", saved.get("compressor"), saved.get("density", 1.0),
                                                      saved.get("error-feedback"), saved.get("warmup-rounds", 0))
+    if saved.get("batchnorm-stats") == "small" and now.get("batchnorm-stats") == "auto":
+        # the default before "auto": exact statistics left no residual to misread, so the run may go on with "auto"
+        saved["batchnorm-stats"] = "auto"
     ramps = ("exponential", "linear")
     # the ramp's keys do nothing while neither schedule ramps (a changed default must not block a resume)
     unused = () if now.get("density-schedule") in ramps or saved.get("density-schedule") in ramps \

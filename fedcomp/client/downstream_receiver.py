@@ -8,7 +8,9 @@ Message forms (written by :mod:`fedcomp.strategies.downstream_sender`; the train
 - payload / chain / diff: ``fedcomp-base-version`` names the copy this node must hold; the record
   holds the compressed payloads ``fedcomp.model``, ``fedcomp.model/1``, ... (applied in order to the
   compressed part: every float tensor not sent by name), the BatchNorm statistics as exact fp32
-  payloads and the integer/bool tensors as exact payloads, under their own names.
+  payloads under their own names or (``batchnorm-stats = "auto"``) as their change since this
+  node's copy under ``fedcomp.stat-delta/<name>`` (:func:`fedcomp.protocol.broadcast.apply_stat_delta`),
+  and the integer/bool tensors as exact payloads, under their own names.
 - init: ``fedcomp-init-seed`` is set; the compressed part's tensors arrive as seeded-init rules
   (:mod:`fedcomp.protocol.seeded_init`: dtype, shape, bound), the others as plain arrays; payloads, if any,
   apply on top of that start.
@@ -23,7 +25,15 @@ from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord
 from fedcomp.client.update import CompositionError
 from fedcomp.compression import PayloadError, decode_exact, decompress
 from fedcomp.compression.wire import DEFAULT_MAX_NUMEL
-from fedcomp.protocol.broadcast import chain_key, gather, scatter, settle
+from fedcomp.protocol.broadcast import (
+    STAT_DELTA_PREFIX,
+    apply_stat_delta,
+    chain_key,
+    gather,
+    is_batchnorm_stat,
+    scatter,
+    settle,
+)
 from fedcomp.protocol.messages import (
     BASE_VERSION,
     MODEL_KEY,
@@ -132,10 +142,17 @@ def _held_base(rec: ArrayRecord, context: Context, cfg, part_keys: set[str]) -> 
     if held != cfg.get(BASE_VERSION):
         raise CompositionError(f"this node holds model version {held}, the payload applies to {cfg.get(BASE_VERSION)}")
     base = FlatModel.from_record(context.state[MODEL_STATE_KEY])
-    named = [k for k in rec.keys() if k not in part_keys]
-    unknown = sorted(set(named) - set(base.keys))
+    changes = {k[len(STAT_DELTA_PREFIX):]: k for k in rec.keys() if k.startswith(STAT_DELTA_PREFIX)}
+    named = [k for k in rec.keys() if k not in part_keys and k not in changes.values()]
+    unknown = sorted(set(named) - set(base.keys)) + sorted(
+        k for k, rk in changes.items() if k not in base.float_keys or not is_batchnorm_stat(k) or k in named)
     if unknown:
         raise PayloadError(f"downstream payload carries unknown keys {unknown[:5]}")
+    for k, rk in changes.items():  # a BatchNorm statistic's change since this node's copy
+        if rec[rk].stype != PAYLOAD_STYPE:
+            raise PayloadError(f"'{rk}' is not a fedcomp payload (stype {rec[rk].stype!r})")
+        n = base.specs[k].numel
+        apply_stat_delta(base, k, decompress(bytes(rec[rk].data), max_numel=max(n, 1), expected_shape=(n,)).numpy())
     for k in named:
         spec = base.specs[k]
         if spec.is_float:  # exempt (BatchNorm statistics): the exact fp32 values
@@ -143,6 +160,7 @@ def _held_base(rec: ArrayRecord, context: Context, cfg, part_keys: set[str]) -> 
                                                  expected_shape=spec.shape).numpy()
         else:
             base.exact[k] = decode_exact(rec[k].data, spec.shape, spec.dtype)
+    named += list(changes)
     return base, [k for k in base.float_keys if k not in named]
 
 

@@ -31,9 +31,10 @@ def plan_units(shapes: dict[str, tuple[int, ...]], codec: CodecConfig) -> list[t
 
     Per parameter, in order: the first ``layer-codecs`` rule whose pattern matches its name;
     else ``small-tensor-compressor`` if it has fewer than ``min-compress-numel`` elements;
-    else the default ``compressor``. BatchNorm statistics (:func:`is_batchnorm_stat`) go to
-    ``small-tensor-compressor`` while ``batchnorm-stats = "small"`` (a lossy codec can make a
-    running variance negative), and so do BatchNorm's affine parameters with a sparse codec
+    else the default ``compressor``. BatchNorm statistics (:func:`is_batchnorm_stat`) get their own
+    payload with :meth:`CodecConfig.batchnorm_stats_codec` (``sign`` under ``batchnorm-stats =
+    "auto"`` with a lossy codec and error feedback, else ``small-tensor-compressor``; with the
+    rest under "codec"), and BatchNorm's affine parameters go ``small-tensor-compressor`` with a sparse codec
     (stc, topk, randomk) while ``batchnorm-affine = "small"``
     (:func:`fedcomp.config.model_policy.batchnorm_affine_keys`). Default-codec parameters share one payload under
     ``MODEL_KEY`` (their updates flattened and concatenated in model order) when the scope is
@@ -43,6 +44,7 @@ def plan_units(shapes: dict[str, tuple[int, ...]], codec: CodecConfig) -> list[t
     rules = codec.rules
     sparse = CODECS[codec.compressor].sparse
     affine = set(batchnorm_affine_keys(shapes)) if codec.batchnorm_affine == "small" and sparse else set()
+    stats_codec = codec.batchnorm_stats_codec()
     default: list[str] = []
     units: list[tuple[str, list[str], str]] = []
     for key, shape in shapes.items():
@@ -50,8 +52,9 @@ def plan_units(shapes: dict[str, tuple[int, ...]], codec: CodecConfig) -> list[t
         n = int(np.prod(shape)) if shape else 1
         if rule is not None:
             units.append((key, [key], rule))
-        elif (n < codec.min_compress_numel or (codec.batchnorm_stats == "small" and is_batchnorm_stat(key))
-              or key in affine):
+        elif stats_codec is not None and is_batchnorm_stat(key):
+            units.append((key, [key], stats_codec))
+        elif n < codec.min_compress_numel or key in affine:
             units.append((key, [key], codec.small_tensor_compressor))
         elif codec.scope == "model":
             default.append(key)

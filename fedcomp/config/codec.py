@@ -23,6 +23,10 @@ from fedcomp.util.validate import closest_hint, read_string
 #: Codecs that choose entries (their k is taken over the whole model with selection "auto"):
 #: ``Compressor.sparse``.
 SPARSE_CODECS = codecs_with(sparse=True)
+#: Codec of each BatchNorm statistic's change under ``batchnorm-stats = "auto"`` (both ways): a
+#: scaled sign, 1 bit per entry and one fp32 scale per tensor (Karimireddy et al., ICML 2019, with
+#: error feedback), so the mean's and the variance's changes keep their own scale.
+BATCHNORM_STATS_CODEC = "sign"
 DENSITY_SCHEDULES = ("auto", "constant", "exponential", "linear", "adaptive")
 #: Codecs that work per tensor only ("selection" must resolve to "tensor"): ``Compressor.per_tensor_only``.
 TENSOR_ONLY_CODECS = codecs_with(per_tensor_only=True)
@@ -40,8 +44,10 @@ POLICY_KEYS: dict[str, Key] = table(
         "model for the sparsifying codecs, else tensor", choices=("auto", "tensor", "model")),
     Key("min-compress-numel", int, 0, "tensors with fewer elements use small-tensor-compressor; 0 = off", lo=0),
     SMALL_TENSOR,
-    Key("batchnorm-stats", str, "small", "BatchNorm running mean/var: small-tensor-compressor (small) or the "
-        "codec", choices=("small", "codec")),
+    Key("batchnorm-stats", str, "auto", "BatchNorm running mean/var: auto: their change as a scaled sign per "
+        "tensor with error feedback, both ways (up only with a lossy codec and classic error feedback); "
+        "running_var at most halved per exchange; small: small-tensor-compressor up, exact down; codec: "
+        "like any tensor", choices=("auto", "small", "codec")),
     Key("batchnorm-affine", str, "codec", "BatchNorm weight/bias: the codec, or small-tensor-compressor (small) "
         "with the sparsifying codecs", choices=("small", "codec")),
     Key("layer-codecs", str, "", "per-layer codecs, first matching rule wins; empty: compressor everywhere",
@@ -142,10 +148,15 @@ class CodecConfig:
     Per-layer policy: ``layer-codecs`` rules (first match wins) give some parameters their
     own codec; parameters with fewer than ``min-compress-numel`` elements use
     ``small-tensor-compressor`` ("none" or "fp16"); the rest use ``compressor``. BatchNorm's
-    statistics (tensors named ``*.running_mean`` / ``*.running_var``) use
-    ``small-tensor-compressor`` too while ``batchnorm-stats = "small"`` (the default): a lossy
-    codec can push a running variance below zero, which turns every later output into NaN;
-    ``"codec"`` sends them like any other tensor. BatchNorm's
+    statistics (tensors named ``*.running_mean`` / ``*.running_var``): with ``batchnorm-stats =
+    "auto"`` (the default) each travels as its own ``sign`` payload (1 bit per entry and one
+    scale per tensor) with error feedback whenever the update codec is lossy with classic error
+    feedback and no momentum correction (:meth:`batchnorm_stats_codec`), and the server clamps an
+    aggregated running variance at 0; the download sends each node their change since its copy
+    the same way (:mod:`fedcomp.strategies.downstream_sender`). ``"small"`` sends them with
+    ``small-tensor-compressor`` up and exactly down (a lossy codec without the clamp can push a
+    running variance below zero, which turns every later output into NaN); ``"codec"`` sends them
+    like any other tensor. BatchNorm's
     affine parameters (``<bn>.weight`` / ``<bn>.bias``) go there too with stc/topk/randomk when
     ``batchnorm-affine = "small"`` (default "codec"; see :mod:`fedcomp.config.model_policy`).
     Schedules (applied by the server each round): ``warmup-rounds`` rounds with
@@ -191,6 +202,18 @@ class CodecConfig:
         # "auto": DGC's warm-up for stc/topk below 1/400, else constant (fedcomp.config.low_density)
         object.__setattr__(self, "density_schedule", resolve_schedule(
             self.density_schedule, self.compressor, self.density, self.error_feedback, self.warmup_rounds))
+
+    def batchnorm_stats_codec(self) -> str | None:
+        """The codec of each BatchNorm statistic's own upload payload: ``small-tensor-compressor``
+        under ``batchnorm-stats = "small"``, ``"sign"`` under "auto" with a lossy ``compressor``,
+        classic error feedback and no momentum correction (else "auto" is "small"); None under
+        "codec" (they go with the other tensors)."""
+        if self.batchnorm_stats == "codec":
+            return None
+        if (self.batchnorm_stats == "auto" and self.compressor != "none" and self.error_feedback is True
+                and not self.momentum_correction):
+            return BATCHNORM_STATS_CODEC
+        return self.small_tensor_compressor
 
     @property
     def scope(self) -> str:

@@ -2,8 +2,10 @@
 
 A downstream message splits a model's float tensors into the *compressed part* (one flat float32
 vector, model order, changed by compressed payloads) and the *exempt part* (BatchNorm running
-statistics while ``batchnorm-stats = "small"``: sent exactly in every message, like the integer
-and bool tensors). The server's :mod:`fedcomp.strategies.downstream_sender` writes messages,
+statistics unless ``batchnorm-stats = "codec"``: with "small", sent exactly in every message, like
+the integer and bool tensors; with "auto", the default, a node that holds a copy gets each
+statistic's change since that copy as a scaled-sign payload under :func:`stat_delta_key`, applied
+by :func:`apply_stat_delta` on both sides, so the server knows each node's copy bit for bit). The server's :mod:`fedcomp.strategies.downstream_sender` writes messages,
 :mod:`fedcomp.client.downstream_receiver` reads them.
 """
 
@@ -20,6 +22,40 @@ def is_batchnorm_stat(key: str) -> bool:
     """True for BatchNorm's float statistics in a state_dict: ``<module>.running_mean`` /
     ``<module>.running_var`` (the names ``torch.nn.modules.batchnorm`` registers)."""
     return key.rsplit(".", 1)[-1] in ("running_mean", "running_var")
+
+
+#: Prefix of the ArrayRecord key of a BatchNorm statistic's change (``batchnorm-stats = "auto"``).
+STAT_DELTA_PREFIX = "fedcomp.stat-delta/"
+
+
+#: A running variance falls at most to this fraction of its previous value in one lossy exchange (a
+#: scaled sign's change is one magnitude per tensor: it can undershoot a small variance to <= 0, and a
+#: variance of 0 makes BatchNorm's output ``x / sqrt(eps)``); what is held back arrives in later rounds.
+VAR_FLOOR = 0.5
+
+
+def is_running_var(key: str) -> bool:
+    """True for BatchNorm's running variance (``<module>.running_var``): never below zero."""
+    return key.rsplit(".", 1)[-1] == "running_var"
+
+
+def stat_delta_key(key: str) -> str:
+    """ArrayRecord key of the change of BatchNorm statistic ``key`` in a downstream message."""
+    return STAT_DELTA_PREFIX + key
+
+
+def apply_stat_delta(model: FlatModel, key: str, change: np.ndarray) -> None:
+    """``key``'s values += ``change`` (float32, the tensor's shape or flat) in place: added in float32
+    (float64 for a float64 tensor) whatever the model's flat dtype; a running variance then kept at
+    >= :data:`VAR_FLOOR` times its previous value (so >= 0: a lossy change can undershoot); then
+    rounded to the tensor's dtype (:func:`settle`). The server applies it to its record of a node's
+    copy, the node to its copy: the same float operations, so both copies stay equal bit for bit."""
+    view = model.float_view(key).reshape(-1)
+    wide = np.float64 if model.specs[key].dtype == "float64" else np.float32  # not the flat's: the tensor's
+    vec = view.astype(wide) + change.reshape(-1).astype(wide)
+    if is_running_var(key):
+        np.maximum(vec, view.astype(wide) * VAR_FLOOR, out=vec)
+    view[...] = settle(model, [key], vec)
 
 
 def chain_key(i: int) -> str:
@@ -65,4 +101,5 @@ def settle(model: FlatModel, keys: list[str], vec: np.ndarray) -> np.ndarray:
     return vec
 
 
-__all__ = ["chain_key", "gather", "is_batchnorm_stat", "scatter", "segments", "settle"]
+__all__ = ["STAT_DELTA_PREFIX", "VAR_FLOOR", "apply_stat_delta", "chain_key", "gather", "is_batchnorm_stat", "is_running_var", "scatter",
+           "segments", "settle", "stat_delta_key"]

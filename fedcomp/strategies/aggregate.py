@@ -25,6 +25,7 @@ from flwr.app import Array, ArrayRecord, Message, MetricRecord
 from flwr.serverapp.strategy import FedAdagrad, FedAdam, FedAvg, FedAvgM, FedProx, FedYogi
 
 from fedcomp.privacy import ClientLevelDP
+from fedcomp.protocol.broadcast import is_running_var
 from fedcomp.statedict import (
     HALF_DTYPES,
     FlatModel,
@@ -287,9 +288,11 @@ class DenseFold:
 
 
 def in_model_dtypes(arrays: ArrayRecord, model: FlatModel, exact: dict[str, np.ndarray],
-                    half_remainders: dict[str, np.ndarray] | None = None) -> ArrayRecord:
+                    half_remainders: dict[str, np.ndarray] | None = None, var_floor: float = 0.0) -> ArrayRecord:
     """The aggregate with every float tensor in the model's dtype and shape, and the exact
-    tensors ``exact`` (copied).
+    tensors ``exact`` (copied); a BatchNorm running variance (``*.running_var``) kept at >=
+    ``var_floor`` times the round's global one, so >= 0 (a scaled-sign change, ``batchnorm-stats =
+    "auto"``, can undershoot a small variance: :data:`fedcomp.protocol.broadcast.VAR_FLOOR`).
 
     Parameters
     ----------
@@ -304,6 +307,9 @@ def in_model_dtypes(arrays: ArrayRecord, model: FlatModel, exact: dict[str, np.n
         float32 rounding remainder per fp16/bf16 tensor, carried from round to round
         (:func:`fedcomp.statedict.cast_carried`); updated only when every tensor is finite, so a
         refused round leaves it as it was. None: each round rounds on its own.
+    var_floor : float
+        Fraction of the round's global running variance below which the aggregate's is raised
+        (0, the default: only a negative one, to 0).
 
     Raises
     ------
@@ -318,12 +324,15 @@ def in_model_dtypes(arrays: ArrayRecord, model: FlatModel, exact: dict[str, np.n
             continue
         a = arrays[k]
         w = array_to_numpy(a)
-        if spec.dtype not in HALF_DTYPES and w.dtype == np.dtype(spec.dtype) and w.shape == spec.shape:
+        if (spec.dtype not in HALF_DTYPES and w.dtype == np.dtype(spec.dtype) and w.shape == spec.shape
+                and not (is_running_var(k) and bool((w < model.float_view(k) * var_floor).any()))):
             if w.size and not np.isfinite(w).all():  # already in the model's dtype: check, keep
                 raise ValueError(f"'{k}': aggregate is not finite in the model's dtype {spec.dtype}")
             out[k] = a
             continue
         w = np.asarray(w, dtype=np.float64 if spec.dtype == "float64" else np.float32).reshape(spec.shape)
+        if is_running_var(k):  # a lossy change (or the inner strategy) can undershoot
+            w = np.maximum(w, model.float_view(k) * var_floor)
         if spec.dtype in HALF_DTYPES and half_remainders is not None:
             w, carried[k] = cast_carried(k, w, spec.dtype, half_remainders.get(k))
         else:

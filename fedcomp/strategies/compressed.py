@@ -14,7 +14,9 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from fedcomp.config import CodecConfig
+from fedcomp.config.codec import BATCHNORM_STATS_CODEC
 from fedcomp.privacy import ClientLevelDP, LocalDP
+from fedcomp.protocol.broadcast import VAR_FLOOR
 from fedcomp.protocol.seeded_init import SeededInit
 from fedcomp.statedict import FlatModel
 from fedcomp.strategies.admission import admit, check_max_num_examples
@@ -334,8 +336,11 @@ class CompressedStrategy(ForwardsToInner, Strategy):
                            refuse_dense, keep_exact=self.local_dp is None)  # local DP: the server keeps its own
         ef21_missing = self._bookkeeping(server_round, sent, replies, refused, mismatched, got)
         common_metric_keys(got.metric_contents)
+        # BatchNorm statistics sent as a scaled sign ("auto"): a running variance falls at most to VAR_FLOOR
+        signed = self.codec.for_round(server_round).batchnorm_stats_codec() == BATCHNORM_STATS_CODEC
+        var_floor = VAR_FLOOR if signed else 0.0
         arrays, agg_metrics, dp_info = hand_over(self.inner, server_round, sent.model, got, sent.sampled,
-                                                   self.half_remainders)
+                                                   self.half_remainders, var_floor)
         ours = self._record(server_round, sent, got, bool(replies), dp_info, ef21_missing)
         # the headline names are the wrapper's: an average of client-reported values under one of them
         # (a client's own ``epsilon``, a planted ``epsilon-max``) never stands in for a figure it did not compute

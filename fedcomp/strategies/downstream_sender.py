@@ -7,12 +7,19 @@ accumulated change).
 
 What travels, per message (self-describing; :mod:`fedcomp.client.downstream_receiver` rebuilds it):
 
-- **Compressed part**: every float tensor except BatchNorm's running statistics (while
-  ``batchnorm-stats = "small"``, the default, as upstream) is one flat float32 vector in model order.
-- **Exempt part**: BatchNorm ``running_mean``/``running_var`` travel as exact fp32 payloads in every
-  message, and integer/bool tensors as exact payloads, so every client's copy of them *is* the
-  global model's (a lossy running variance can turn negative, and a client's update of a running
-  average taken against a stale copy corrupts the global one).
+- **Compressed part**: every float tensor except BatchNorm's running statistics (unless
+  ``batchnorm-stats = "codec"``) is one flat float32 vector in model order.
+- **Exempt part**: integer/bool tensors travel as exact payloads in every message; BatchNorm
+  ``running_mean``/``running_var`` too with ``batchnorm-stats = "small"``, so every client's copy
+  of them *is* the global model's. With ``"auto"`` (the default) the server keeps each node's copy
+  of the statistics (one vector of them per node, kept while the node is) and sends a node that
+  holds one the change ``G - H`` of each statistic as a ``sign`` payload (1 bit per entry and one
+  scale; key :func:`fedcomp.protocol.broadcast.stat_delta_key`); node and server both apply it
+  with :func:`fedcomp.protocol.broadcast.apply_stat_delta` (a running variance kept at >= half its
+  previous value), so
+  the node's copy is known bit for bit and what was not sent stays in ``G - H`` (per-node error
+  feedback). A node without a known copy gets them exactly (fp32, or dense/init forms). A client
+  of an older fedcomp refuses the message (unknown keys): ``"small"`` serves it.
 
 The server keeps the *broadcast model* B_v (version v) and the true global G. Each round it sends
 ``C(G - B_{v-1})`` and sets ``B_v = B_{v-1} + decompress(...)`` (server-side error feedback: what
@@ -58,7 +65,16 @@ from flwr.common.logger import log
 
 from fedcomp.compression import available_compressors, decompress, encode_exact, get_compressor
 from fedcomp.config import CodecConfig
-from fedcomp.protocol.broadcast import chain_key, gather, is_batchnorm_stat, scatter, settle
+from fedcomp.config.codec import BATCHNORM_STATS_CODEC
+from fedcomp.protocol.broadcast import (
+    apply_stat_delta,
+    chain_key,
+    gather,
+    is_batchnorm_stat,
+    scatter,
+    settle,
+    stat_delta_key,
+)
 from fedcomp.protocol.messages import BASE_VERSION, MODEL_VERSION, payload_array
 from fedcomp.protocol.seeded_init import INIT_SEED, INIT_STYPE, SeededInit
 from fedcomp.statedict import FlatModel
@@ -72,7 +88,8 @@ class Downstream:
     ----------
     codec : CodecConfig
         Parameters (density, levels, ...) for the downstream codec; ``batchnorm_stats`` says whether
-        BatchNorm statistics are exempt ("small", the default) or compressed ("codec").
+        BatchNorm statistics travel as per-node sign changes ("auto", the default), exactly ("small")
+        or with the compressed part ("codec").
     compressor : str
         Downstream codec name ("fp16", "stc", "sign", ...).
     seed : int
@@ -144,6 +161,10 @@ class Downstream:
         #: this round: node -> bytes sent / kind of message ("payload", "chain", "diff", "init", "dense")
         self.sent_bytes: dict[int, int] = {}
         self.sent_kind: dict[int, str] = {}
+        #: ``batchnorm-stats = "auto"``: node -> its copy of the BatchNorm statistics (committed when it
+        #: replied), and what each node sent something this round will hold
+        self._stats: dict[int, FlatModel] = {}
+        self._stats_pending: dict[int, FlatModel] = {}
 
     @classmethod
     def for_run(cls, codec: CodecConfig, compressor: str | None, **options) -> Downstream | None:
@@ -174,8 +195,9 @@ class Downstream:
 
     # -- the compressed part -------------------------------------------------------------
     def _setup(self, target: FlatModel) -> None:
-        exempt = self.codec.batchnorm_stats == "small"
+        exempt = self.codec.batchnorm_stats != "codec"
         self.exempt_keys = [k for k in target.float_keys if exempt and is_batchnorm_stat(k)]
+        self.stat_deltas = bool(self.exempt_keys) and self.codec.batchnorm_stats == "auto"
         self.lossy_keys = [k for k in target.float_keys if k not in self.exempt_keys]
         self.num_lossy = sum(target.specs[k].numel for k in self.lossy_keys)
 
@@ -213,10 +235,8 @@ class Downstream:
         """Nodes sent something last round that did not reply: their copy is unknown; and drop what
         no node needs any more."""
         for node in self._pending:
-            self.node_version.pop(node, None)
-            self._private.pop(node, None)
-            self._last_seen.pop(node, None)
-        self._pending = {}
+            self._forget(node)
+        self._pending, self._stats_pending = {}, {}
         self._drop_unheld()
         self._evict(self.max_copies - 1)  # room for the version this round adds
 
@@ -237,11 +257,15 @@ class Downstream:
                     self._drop_unheld()
                     continue
                 return
-            node = min(cands, key=lambda n: (self._last_seen.get(n, -1), n))
-            self.node_version.pop(node, None)
-            self._private.pop(node, None)
-            self._last_seen.pop(node, None)
+            self._forget(min(cands, key=lambda n: (self._last_seen.get(n, -1), n)))
             self._drop_unheld()
+
+    def _forget(self, node: int) -> None:
+        """Forget what ``node`` holds: it is treated as new."""
+        self.node_version.pop(node, None)
+        self._private.pop(node, None)
+        self._last_seen.pop(node, None)
+        self._stats.pop(node, None)
 
     def _drop_unheld(self) -> None:
         """Drop the versions and payloads that no node needs any more."""
@@ -322,14 +346,39 @@ class Downstream:
                     cfg[BASE_VERSION] = base
                     for k, a in extras.items():
                         rec[k] = a
+                    if self.stat_deltas and node in self._stats:
+                        self._stat_changes(node, rec)
                 for i, p in enumerate(parts):
                     rec[chain_key(i)] = payload_array(p)
                 self._pending[node] = (self.version, held)
+            if self.stat_deltas and node not in self._stats_pending:  # sent the statistics exactly
+                self._stats_pending[node] = self._exempt_copy()
             msg.content[arr_key] = rec
             self.sent_bytes[node] = sum(len(a.data) for a in rec.values())
             self.sent_kind[node] = kind
             msg.content[cfg_key] = ConfigRecord(cfg)
         return messages
+
+    def _exempt_copy(self) -> FlatModel:
+        """The global BatchNorm statistics (as this round's B holds them) as a model of their own."""
+        return FlatModel({k: self.model[k].copy() for k in self.exempt_keys},
+                         {k: self.model.specs[k].dtype for k in self.exempt_keys})
+
+    def _stat_changes(self, node: int, rec: ArrayRecord) -> None:
+        """Replace the exact statistics in ``rec`` by their change since ``node``'s copy (one
+        ``sign`` payload per tensor) and record what the node will hold once it replies."""
+        held = FlatModel({k: self._stats[node][k].copy() for k in self.exempt_keys},
+                         {k: self.model.specs[k].dtype for k in self.exempt_keys})
+        sign = get_compressor(BATCHNORM_STATS_CODEC)
+        for k in self.exempt_keys:
+            del rec[k]
+            spec = held.specs[k]
+            change = np.asarray(self.model.float_view(k), np.float32) - np.asarray(held.float_view(k), np.float32)
+            payload = sign.compress(torch.from_numpy(np.ascontiguousarray(change.reshape(-1))))
+            rec[stat_delta_key(k)] = payload_array(payload)
+            apply_stat_delta(held, k, decompress(payload, max_numel=max(spec.numel, 1),
+                                                 expected_shape=(spec.numel,)).numpy())
+        self._stats_pending[node] = held
 
     def _plan(self, server_round: int, node: int, payload: bytes | None, g: np.ndarray,
               extra_bytes: int) -> tuple[str, list[bytes], int, tuple | None]:
@@ -412,11 +461,12 @@ class Downstream:
             label, diff = self._pending.pop(node)
             held = None if diff is None else self._base(node, diff[1:])
             if diff is not None and held is None:  # its base was forgotten meanwhile: the node is new next time
-                self.node_version.pop(node, None)
-                self._private.pop(node, None)
-                self._last_seen.pop(node, None)
+                self._stats_pending.pop(node, None)
+                self._forget(node)
                 return
             self.node_version[node] = label
+            if node in self._stats_pending:
+                self._stats[node] = self._stats_pending.pop(node)
             if diff is None:
                 self._private.pop(node, None)
             else:
@@ -445,5 +495,7 @@ class Downstream:
             return None
         out = FlatModel({k: v for k, v in self.model.items()}, {k: s.dtype for k, s in self.model.specs.items()})
         scatter(out, self.lossy_keys, vec)
+        for k in self.exempt_keys if node in self._stats else []:
+            out.float_view(k)[...] = self._stats[node].float_view(k)
         return out.flat
 

@@ -50,7 +50,8 @@ def mean_metrics(inner: Any, metric_contents: list[RecordDict]) -> MetricRecord:
 
 
 def hand_over(inner: Any, server_round: int, model: FlatModel, got: RoundReplies, sampled: float,
-              half_remainders: dict[str, np.ndarray] | None = None) -> tuple[ArrayRecord | None, MetricRecord | None, dict]:
+              half_remainders: dict[str, np.ndarray] | None = None,
+              var_floor: float = 0.0) -> tuple[ArrayRecord | None, MetricRecord | None, dict]:
     """The round's aggregate in the model's dtypes and shapes, the inner strategy's metrics, and
     the DP figures of the round (client-level DP; else empty).
 
@@ -68,6 +69,9 @@ def hand_over(inner: Any, server_round: int, model: FlatModel, got: RoundReplies
     half_remainders : dict, optional
         The rounding remainders of the fp16/bf16 tensors, carried from round to round (updated
         in place; :func:`.aggregate.in_model_dtypes`). None: no carry.
+    var_floor : float
+        A BatchNorm running variance falls at most to this fraction of the round's global one
+        (:func:`.aggregate.in_model_dtypes`; 0: it only stays >= 0).
 
     Returns
     -------
@@ -94,7 +98,7 @@ def hand_over(inner: Any, server_round: int, model: FlatModel, got: RoundReplies
     if arrays is None:
         return None, metrics, dp_info
     try:
-        return in_model_dtypes(arrays, model, exact, half_remainders), metrics, dp_info
+        return in_model_dtypes(arrays, model, exact, half_remainders, var_floor), metrics, dp_info
     except ValueError as exc:
         log(ERROR, "round %s: the aggregated model is not finite (%s); keeping the previous global model",
             server_round, exc)

@@ -102,3 +102,15 @@ def test_a_codec_key_newer_than_the_checkpoint_counts_as_its_default():
     check_same_codec(saved, AppConfig.from_run_config({}))
     with pytest.raises(ValueError, match="'density' = 0.5 \\(checkpoint: 0.01\\)"):
         check_same_codec(saved, AppConfig.from_run_config({"density": 0.5}))
+
+
+def test_a_checkpoint_with_the_old_batchnorm_default_resumes_under_auto():
+    """``batchnorm-stats = "small"`` was the default before "auto" (issue 31): the fixture checkpoints hold it."""
+    from fedcomp.config import AppConfig
+    from fedcomp.app.server_app import check_same_codec
+
+    saved = AppConfig.from_run_config({}).codec.to_mapping()
+    assert saved["batchnorm-stats"] == "auto"
+    check_same_codec({**saved, "batchnorm-stats": "small"}, AppConfig.from_run_config({}))
+    with pytest.raises(ValueError, match="'batchnorm-stats' = 'small' \\(checkpoint: 'auto'\\)"):
+        check_same_codec(saved, AppConfig.from_run_config({"batchnorm-stats": "small"}))

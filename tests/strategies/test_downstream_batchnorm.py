@@ -1,6 +1,7 @@
-"""Downstream compression must not corrupt BatchNorm. The running statistics
-travel exactly downstream (as upstream with ``batchnorm-stats = "small"``), so every client's copy
-of them is the global model's, and the global running variance stays positive."""
+"""Downstream compression must not corrupt BatchNorm. With ``batchnorm-stats = "small"`` the running
+statistics travel exactly downstream (and with ``small-tensor-compressor`` upstream), so every
+client's copy of them is the global model's, and the global running variance stays positive
+(``"auto"``, the default: ``test_batchnorm_stats_auto.py``)."""
 
 import logging
 
@@ -50,10 +51,13 @@ def _train(msg: Message, context: Context) -> Message:
     return Message(content=content, reply_to=msg)
 
 
-def _run(downstream: str, rounds: int = 4):
+def _run(downstream: str, rounds: int = 4, batchnorm_stats: str = "small", after_send=None, keep_bytes=False):
+    """``rounds`` rounds of 3 clients; per round (sent statistics, what each node holds), or with
+    ``keep_bytes`` the bytes sent to each node; ``after_send(strategy, grid, msgs, round)`` runs once
+    the nodes have rebuilt their copies."""
     grid = InProcessGrid(bn_app, 3, {})
     s = CompressedStrategy(FedAvg(min_available_nodes=3, fraction_evaluate=0.0), compressor="sign",
-                           downstream=downstream)
+                           downstream=downstream, batchnorm_stats=batchnorm_stats)
     arrays = ArrayRecord(_model().state_dict())
     sent_stats = []
     for rnd in range(1, rounds + 1):
@@ -61,7 +65,9 @@ def _run(downstream: str, rounds: int = 4):
         msgs = list(s.configure_train(rnd, arrays, ConfigRecord({"seed": 1}), grid))
         replies = grid.send_and_receive(msgs)
         held = [grid.contexts[m.metadata.dst_node_id].state[MODEL_STATE_KEY] for m in msgs]
-        sent_stats.append((sent, held))
+        if after_send is not None:
+            after_send(s, grid, msgs, rnd)
+        sent_stats.append(dict(s.downstream.sent_bytes) if keep_bytes else (sent, held))
         arrays, _ = s.aggregate_train(rnd, replies)
         assert arrays["1.running_var"].numpy().min() > 0, f"round {rnd}: running_var went negative"
     return arrays, sent_stats
@@ -92,6 +98,6 @@ def test_statistics_compressed_only_when_asked():
     sd = {k: v.numpy() for k, v in _model().state_dict().items()}
     d._setup(FlatModel(sd, {k: str(v.dtype) for k, v in sd.items()}))
     assert "1.running_var" in d.lossy_keys and d.exempt_keys == []
-    d2 = Downstream(CodecConfig(), "stc")
+    d2 = Downstream(CodecConfig(batchnorm_stats="small"), "stc")
     d2._setup(FlatModel(sd, {k: str(v.dtype) for k, v in sd.items()}))
     assert d2.exempt_keys == ["1.running_mean", "1.running_var"] and "1.running_var" not in d2.lossy_keys

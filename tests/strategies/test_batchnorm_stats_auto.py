@@ -1,0 +1,210 @@
+"""``batchnorm-stats = "auto"`` (issue 31): BatchNorm's running statistics travel as their change, a
+scaled sign per tensor with error feedback, both ways; the server knows every node's copy bit for bit,
+a running variance is never negative on any side, and models without BatchNorm send the same bytes."""
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+
+from fedcomp.client import compression_mod
+from fedcomp.client.downstream_receiver import rebuild
+from fedcomp.client.plan import plan_units
+from fedcomp.compression import PayloadError, get_compressor
+from fedcomp.config import CodecConfig
+from fedcomp.protocol.broadcast import is_batchnorm_stat, stat_delta_key
+from fedcomp.protocol.messages import MODEL_STATE_KEY
+from fedcomp.statedict import FlatModel, to_record, to_state_dict
+from fedcomp.strategies.aggregate import in_model_dtypes
+from fedcomp.strategies.downstream_sender import Downstream
+from tests.messages import make_ctx, make_msg
+from tests.model_zoo import ZOO, trained_state, zoo
+from tests.strategies.test_downstream_batchnorm import STATS, _run
+
+logging.getLogger("flwr").setLevel(logging.WARNING)
+
+
+def _stats_of(rec: ArrayRecord) -> dict[str, np.ndarray]:
+    return {k: rec[k].numpy().copy() for k in STATS[:2]}
+
+
+@pytest.mark.parametrize("codec", ["stc", "sign"])
+def test_every_client_copy_equals_the_servers_record_of_it(codec):
+    """Six rounds of lossy exchange both ways: what each node holds is what the server recorded, bit
+    for bit; both are non-negative variances; and the change travelled as sign payloads, not fp32."""
+    seen = []
+
+    def check(strategy, grid, msgs, rnd):
+        for m in msgs:
+            node = m.metadata.dst_node_id
+            rec = m.content["arrays"]
+            if rnd > 1:  # a node with a known copy gets the change, never the exact statistics
+                assert stat_delta_key("1.running_var") in rec and "1.running_var" not in rec
+            held = _stats_of(grid.contexts[node].state[MODEL_STATE_KEY])
+            ours = strategy.downstream._stats_pending[node]
+            for k in STATS[:2]:
+                assert np.array_equal(held[k], ours[k]), (rnd, node, k)
+            assert held["1.running_var"].min() >= 0
+            seen.append(rnd)
+
+    arrays, _ = _run(codec, rounds=6, batchnorm_stats="auto", after_send=check)
+    assert sorted(set(seen)) == list(range(1, 7)) and len(seen) == 18
+    assert arrays["1.running_var"].numpy().min() >= 0
+
+
+def test_the_download_of_the_statistics_is_their_sign_size():
+    """Per message, ``auto`` sends 1 bit per entry and a scale per statistic instead of fp32: with a
+    sign download (fixed-size payloads) the bytes differ by exactly that (16 entries, two tensors)."""
+    def sent(stats):
+        _, history = _run("sign", rounds=3, batchnorm_stats=stats, keep_bytes=True)
+        return history
+
+    exact, auto = sent("small"), sent("auto")
+    saving = 2 * (len(get_compressor("none").compress(torch.zeros(16)))
+                  - len(get_compressor("sign").compress(torch.zeros(16))))
+    assert saving == 2 * (16 * 4 - 16 // 8 - 4)
+    assert exact[0] == auto[0]  # round 1: every node is new (the statistics go exactly)
+    for e, a in zip(exact[1:], auto[1:]):
+        assert set(e) == set(a) and all(e[n] - a[n] == saving for n in e)
+
+
+def test_the_upload_sends_each_statistic_as_sign_with_a_lossy_codec():
+    shapes = {"0.weight": (4, 6), "1.running_mean": (4,), "1.running_var": (4,), "1.weight": (4,)}
+    units = {k: c for k, _, c in plan_units(shapes, CodecConfig(compressor="stc"))}
+    assert units == {"1.running_mean": "sign", "1.running_var": "sign", "fedcomp.model": "stc"}
+    small = {k: c for k, _, c in plan_units(shapes, CodecConfig(compressor="stc", batchnorm_stats="small"))}
+    assert small == {"1.running_mean": "none", "1.running_var": "none", "fedcomp.model": "stc"}
+    # no error feedback, EF21, momentum correction or an uncompressed update: as "small"
+    for cfg in (CodecConfig(compressor="stc", error_feedback=False), CodecConfig(compressor="none"),
+                CodecConfig(compressor="stc", error_feedback="ef21"),
+                CodecConfig(compressor="stc", momentum_correction=0.9)):
+        assert {k: c for k, _, c in plan_units(shapes, cfg)}["1.running_var"] == "none", cfg
+
+
+def test_the_server_clamps_an_aggregated_running_variance_at_zero():
+    sd = {"bn.running_var": np.array([0.5, 0.01, 2.0], np.float32), "bn.running_mean": np.array([-1.0, 0, 1], np.float32)}
+    model = FlatModel(sd, {k: "float32" for k in sd})
+    agg = to_record({"bn.running_var": torch.tensor([0.4, -0.03, 1.0]), "bn.running_mean": torch.tensor([-2.0, 0, 1])})
+    out = to_state_dict(in_model_dtypes(agg, model, {}))
+    assert out["bn.running_var"].tolist() == [pytest.approx(0.4), 0.0, 1.0]
+    assert out["bn.running_mean"].tolist() == [-2.0, 0.0, 1.0]  # a mean may be negative
+    half = to_state_dict(in_model_dtypes(agg, model, {}, var_floor=0.5))  # "auto": at most halved per round
+    assert half["bn.running_var"].tolist() == [pytest.approx(0.4), pytest.approx(0.005), 1.0]
+
+
+@pytest.mark.parametrize("name", ZOO)
+def test_zoo_downstream_copies_agree_over_rounds(name):
+    """Every zoo model (BatchNorm in fp16 too, int/bool buffers, 0-d and empty parameters): five
+    rounds of a downstream with ``auto`` statistics; the node's statistics equal the server's record."""
+    sd = zoo()[name].state_dict()
+    ds = Downstream(CodecConfig(compressor="stc"), "stc")
+    ctx = make_ctx(node_id=5)
+    weights, kinds = sd, []
+    for rnd in range(1, 6):
+        weights = trained_state(weights, rnd) if rnd > 1 else sd
+        msg = make_msg(RecordDict({"arrays": to_record(weights), "config": ConfigRecord({"server-round": rnd})}),
+                       dst=5)
+        ds.prepare(rnd, to_record(weights), [msg])
+        sent = set(msg.content["arrays"].keys())
+        rebuilt = to_state_dict(rebuild(msg, ctx, "arrays", msg.content["arrays"], dict(msg.content["config"])))
+        ds.received(5)
+        stats = [k for k in sd if is_batchnorm_stat(k)]
+        assert bool(stats) == (name in ("batchnorm1d", "batchnorm2d", "fp16"))
+        for k in stats:
+            assert rebuilt[k].dtype == sd[k].dtype
+            assert torch.equal(rebuilt[k], torch.from_numpy(ds._stats[5][k].copy()).to(sd[k].dtype)), (rnd, k)
+            if k.endswith("running_var"):
+                assert float(rebuilt[k].float().min()) >= 0
+            assert (stat_delta_key(k) in sent) == (rnd > 1 and ds.sent_kind[5] != "dense")
+        kinds.append(ds.sent_kind[5])
+    if stats:  # the statistics' change travelled in most rounds
+        assert kinds[0] == "init" and sum(k != "dense" for k in kinds[1:]) >= 3, kinds
+
+
+@pytest.mark.parametrize("name", [n for n in ZOO if not n.startswith("batchnorm") and n != "fp16"])
+@pytest.mark.parametrize("codec", ["stc", "sign"])
+def test_models_without_batchnorm_send_the_same_bytes(name, codec):
+    """``auto`` changes nothing on a model without BatchNorm statistics: the same payloads, byte for byte."""
+    sd = zoo()[name].state_dict()
+
+    def reply(stats):
+        config = {"server-round": 1, "seed": 3, **CodecConfig(compressor=codec, batchnorm_stats=stats).to_mapping()}
+        msg = make_msg(RecordDict({"arrays": to_record(sd), "config": ConfigRecord(config)}), dst=10)
+
+        def handler(m, c):
+            content = RecordDict({"arrays": to_record(trained_state(sd, 0)), "metrics": MetricRecord({"num-examples": 1})})
+            return Message(content=content, reply_to=m)
+
+        out = compression_mod(msg, make_ctx(node_id=10), handler)
+        assert not out.has_error()
+        return {k: bytes(a.data) for k, a in out.content["arrays"].items()}
+
+    auto = reply("auto")
+    assert auto == reply("small") and len(auto) >= 1
+
+
+def test_a_change_for_a_tensor_that_is_no_statistic_is_refused():
+    sd = zoo()["batchnorm1d"].state_dict()
+    ds = Downstream(CodecConfig(compressor="stc"), "stc")
+    ctx = make_ctx(node_id=5)
+    for rnd in (1, 2):
+        msg = make_msg(RecordDict({"arrays": to_record(sd), "config": ConfigRecord({"server-round": rnd})}), dst=5)
+        ds.prepare(rnd, to_record(sd), [msg])
+        rec = msg.content["arrays"]
+        if rnd == 2:
+            rec[stat_delta_key("0.weight")] = rec[stat_delta_key("1.running_mean")]
+            with pytest.raises(PayloadError, match="unknown keys"):
+                rebuild(msg, ctx, "arrays", rec, dict(msg.content["config"]))
+        else:
+            rebuild(msg, ctx, "arrays", rec, dict(msg.content["config"]))
+            ds.received(5)
+
+
+def test_copies_agree_under_partial_participation_and_a_lost_reply():
+    """5 nodes, 2 sampled a round, one reply lost in round 3: a node that skipped rounds gets the
+    change since its own (older) copy, a node whose reply was lost is sent the statistics exactly
+    again; every node that replied holds what the server recorded, bit for bit."""
+    from flwr.serverapp.strategy import FedAvg
+
+    from fedcomp.run.inprocess_grid import InProcessGrid
+    from fedcomp.strategies import CompressedStrategy
+    from tests.strategies.test_downstream_batchnorm import _model, bn_app
+
+    lost = {}
+
+    def fault(rnd, pid):
+        if rnd == 3 and not lost:
+            lost[rnd] = pid
+            return "reply lost"
+        return None
+
+    grid = InProcessGrid(bn_app, 5, {}, fault=fault)
+    s = CompressedStrategy(FedAvg(fraction_train=0.4, min_train_nodes=2, min_available_nodes=5,
+                                  fraction_evaluate=0.0), compressor="stc", downstream="stc", seed=4)
+    arrays = ArrayRecord(_model().state_dict())
+    forms, lost_node, resent = set(), [], []
+    for rnd in range(1, 9):
+        msgs = list(s.configure_train(rnd, arrays, ConfigRecord({"seed": 1}), grid))
+        for m in msgs:
+            node, rec = m.metadata.dst_node_id, m.content["arrays"]
+            forms.add("change" if stat_delta_key("1.running_var") in rec else "exact")
+            # a node the server knows a copy of gets the change, any other (the lost reply's) the values
+            assert (stat_delta_key("1.running_var") in rec) == (node in s.downstream._stats), (rnd, node)
+            if lost and node == lost_node[0]:
+                resent.append(stat_delta_key("1.running_var") in rec)
+        replies = grid.send_and_receive(msgs)
+        arrays, _ = s.aggregate_train(rnd, replies)
+        if rnd == 3:
+            lost_node.extend(n for n, c in grid.contexts.items() if c.node_config["partition-id"] == lost[3])
+        for m in msgs:
+            node = m.metadata.dst_node_id
+            if node in s.downstream._stats:
+                held = _stats_of(grid.contexts[node].state[MODEL_STATE_KEY])
+                for k in STATS[:2]:
+                    assert np.array_equal(held[k], s.downstream._stats[node][k]), (rnd, node, k)
+                assert held["1.running_var"].min() >= 0
+        assert arrays["1.running_var"].numpy().min() > 0
+    assert forms == {"change", "exact"} and lost
+    assert resent and resent[0] is False  # sampled again after the lost reply: the values, exactly
