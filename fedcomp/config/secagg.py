@@ -43,6 +43,9 @@ SECAGG_KEYS = table(
         rule="number >= 1 (an integer with dp = distributed)"),
     Key("secagg-rotation", bool, False, "shared randomised Hadamard rotation before the random-k selection"),
     Key("secagg-pack", bool, True, "masked values travel packed at modulus-bits bits each instead of int64"),
+    Key("secagg-server-lr", float, 1.0, "the server multiplies the decoded secure mean update by this before applying "
+        "it (error feedback at a low density sends most of an update rounds later; a step above 1 makes up for "
+        "that lag)", rule="number > 0"),
 )
 SECAGG_DEFAULTS: dict[str, Any] = defaults(SECAGG_KEYS)
 
@@ -97,6 +100,7 @@ class SecAggConfig:
     max_weight: float = SECAGG_DEFAULTS["secagg-max-weight"]
     rotation: bool = SECAGG_DEFAULTS["secagg-rotation"]
     pack: bool = SECAGG_DEFAULTS["secagg-pack"]
+    server_lr: float = SECAGG_DEFAULTS["secagg-server-lr"]
 
     @property
     def quantization_range(self) -> int:
@@ -150,10 +154,14 @@ class SecAggConfig:
         mw = float(_number(cfg, "secagg-max-weight"))
         if mw < 1:
             raise ValueError(f"run config 'secagg-max-weight' must be >= 1 (a client's count of examples), got {mw}")
+        server_lr = float(_number(cfg, "secagg-server-lr"))
+        if server_lr <= 0:
+            raise ValueError(f"run config 'secagg-server-lr' must be > 0 (it scales the decoded secure mean update), "
+                             f"got {server_lr:g}")
         flags = {k: SECAGG_KEYS[k].read(cfg) for k in ("secagg", "secagg-rotation", "secagg-pack")}
         return cls(enabled=flags["secagg"], shares=shares, threshold=threshold, clipping_range=c,
                    quantization_bits=qbits, modulus_bits=mbits, max_weight=mw,
-                   rotation=flags["secagg-rotation"], pack=flags["secagg-pack"])
+                   rotation=flags["secagg-rotation"], pack=flags["secagg-pack"], server_lr=server_lr)
 
 
 def _declared_default(key: str) -> Any:

@@ -147,6 +147,33 @@ def test_fedavgm_inside_applies_the_same_aggregate_as_its_pseudo_gradient():
     assert avgm["w"].dtype == np.float32 and avgm["steps"] == 7
 
 
+@pytest.mark.parametrize("server_lr", [1.0, 2.5])
+def test_the_server_step_scales_the_decoded_mean_update(server_lr):
+    """``secagg-server-lr``: the model moves by server_lr times the secure weighted mean, at the shared
+    positions only (fails on main: SharedRandomKStrategy had no server_lr)."""
+    new, strategy, *_ = run_round(3, 0.25, server_lr=server_lr)
+    proj, plain_vals, w = _plain_aggregate(range(3), 0.25)
+    got = _model_delta(new)
+    pos = proj.positions()
+    fp32 = 2e-7 * np.abs(_flat(global_model())).max() + 1e-9
+    assert np.abs(got[pos] - server_lr * plain_vals).max() <= server_lr * quantization_bound(w, 1.0, Q16) + fp32
+    assert 1.5 * np.abs(plain_vals).max() > 10 * 2.5 * quantization_bound(w, 1.0, Q16)  # steps 1 and 2.5 told apart
+    others = np.ones(DIM, bool)
+    others[pos] = False
+    assert np.abs(got[others]).max() <= fp32
+    assert strategy.server_lr == server_lr and ("server-lr=2.5" in strategy.describe()) == (server_lr == 2.5)
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("nan"), float("inf"), True, "2"])
+def test_a_server_step_that_is_not_a_positive_number_is_refused(bad):
+    from flwr.server.strategy import FedAvg
+
+    from fedcomp.secagg import SharedRandomKStrategy
+
+    with pytest.raises(ValueError, match=r"'secagg-server-lr'\) must be a finite number > 0"):
+        SharedRandomKStrategy(FedAvg(), 0.25, server_lr=bad)
+
+
 @pytest.mark.parametrize("z", [0.0, 1.0])
 def test_client_level_dp_clips_each_client_and_noises_the_sum(z):
     from fedcomp.privacy import ClientLevelDP
