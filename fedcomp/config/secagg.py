@@ -46,6 +46,8 @@ SECAGG_KEYS = table(
     Key("secagg-server-lr", float, 1.0, "the server multiplies the decoded secure mean update by this before applying "
         "it (error feedback at a low density sends most of an update rounds later; a step above 1 makes up for "
         "that lag)", rule="number > 0"),
+    Key("secagg-server-lr-decay", bool, False, "secagg-server-lr falls linearly to 1 at the last round "
+        "(num-server-rounds): the full step early, where error feedback lags most, FedAvg's step at the end"),
 )
 SECAGG_DEFAULTS: dict[str, Any] = defaults(SECAGG_KEYS)
 
@@ -101,6 +103,7 @@ class SecAggConfig:
     rotation: bool = SECAGG_DEFAULTS["secagg-rotation"]
     pack: bool = SECAGG_DEFAULTS["secagg-pack"]
     server_lr: float = SECAGG_DEFAULTS["secagg-server-lr"]
+    server_lr_decay: bool = SECAGG_DEFAULTS["secagg-server-lr-decay"]
 
     @property
     def quantization_range(self) -> int:
@@ -158,10 +161,12 @@ class SecAggConfig:
         if server_lr <= 0:
             raise ValueError(f"run config 'secagg-server-lr' must be > 0 (it scales the decoded secure mean update), "
                              f"got {server_lr:g}")
-        flags = {k: SECAGG_KEYS[k].read(cfg) for k in ("secagg", "secagg-rotation", "secagg-pack")}
+        flags = {k: SECAGG_KEYS[k].read(cfg) for k in ("secagg", "secagg-rotation", "secagg-pack",
+                                                        "secagg-server-lr-decay")}
         return cls(enabled=flags["secagg"], shares=shares, threshold=threshold, clipping_range=c,
                    quantization_bits=qbits, modulus_bits=mbits, max_weight=mw,
-                   rotation=flags["secagg-rotation"], pack=flags["secagg-pack"], server_lr=server_lr)
+                   rotation=flags["secagg-rotation"], pack=flags["secagg-pack"], server_lr=server_lr,
+                   server_lr_decay=flags["secagg-server-lr-decay"])
 
 
 def _declared_default(key: str) -> Any:
