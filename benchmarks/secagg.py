@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sweep", nargs="+", default=None, metavar="D,BITS,C",
                     help="only rotated packed random-k rows: density, quantization bits, clipping range")
     ap.add_argument("--with-fp32", action="store_true", help="with --sweep: the plain fp32 FedAvg row too")
-    ap.add_argument("--alone", action="store_true", help="with --sweep: the row of secagg = true and nothing else")
+    ap.add_argument("--alone", action="store_true", help="the row of secagg = true and nothing else (alone or with --sweep)")
     ap.add_argument("--quick", action="store_true", help="2 rounds, 4 clients, one density (smoke test)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -125,24 +125,25 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"{'configuration':<44} {'bits/p':>8} {'final acc':>8}  ({args.nodes} clients, {args.rounds} rounds, "
           f"seeds {args.seeds})")
-    if args.sweep:
+    sweeping = bool(args.sweep or args.alone)
+    if sweeping:
         if args.with_fp32:
             go("plain FedAvg fp32 (no SecAgg, no compression)", False, {"compressor": "none"})
         if args.alone:
             go("SecAgg+ secagg = true alone", True, {"secagg": True})
-        for spec in args.sweep:
+        for spec in args.sweep or []:
             d, bits, c, lr = _sweep_spec(spec)
             go(f"SecAgg+ randomk d={d:g}, {bits}-bit, c={c:g}, packed + rotation"
                + ("" if lr == 1 else f", server-lr {lr:g}"), True,
                {"secagg": True, "compressor": "randomk", "density": d, "secagg-rotation": True,
                 "secagg-quantization-bits": bits, "secagg-clipping-range": c, "secagg-server-lr": lr})
             rows[-1].update({"density": d, "quantization-bits": bits, "clipping-range": c, "server-lr": lr})
-    if not args.skip_dense and not args.sweep:
+    if not args.skip_dense and not sweeping:
         go("SecAgg+ dense, Flower int64 (today)", True, {"secagg": True, "compressor": "none", "secagg-pack": False},
            rounds=args.bytes_rounds)
         go("plain FedAvg fp32 (no SecAgg, no compression)", False, {"compressor": "none"})
         go("SecAgg+ dense, packed", True, {"secagg": True, "compressor": "none"})
-    for d in [] if args.sweep else args.densities:
+    for d in [] if sweeping else args.densities:
         rk = {"compressor": "randomk", "density": d}
         go(f"plain randomk d={d:g} (no SecAgg)", False, rk)
         go(f"SecAgg+ randomk d={d:g}, int64", True, {"secagg": True, **rk, "secagg-pack": False},
