@@ -11,10 +11,11 @@ Packing is lossless, so an int64 row trains exactly like its packed row: int64 r
 ``--bytes-rounds`` rounds for their bytes only.
 
 Run: ``python benchmarks/secagg.py [--rounds 50] [--seeds 42] [--densities 0.0625 0.015625]``;
-``--sweep D,BITS,C ...`` runs only packed + rotated random-k rows at density D with
-``secagg-quantization-bits = BITS`` and ``secagg-clipping-range = C`` (modulus auto: the fewest bits
-that hold the sum), each labelled with its settings, for the bits-per-parameter sweep
-(``--with-fp32`` adds the plain fp32 reference row)
+``--sweep D,BITS,C[,LR] ...`` runs only packed + rotated random-k rows at density D with
+``secagg-quantization-bits = BITS``, ``secagg-clipping-range = C`` and ``secagg-server-lr = LR``
+(default 1; modulus auto: the fewest bits that hold the sum), each labelled with its settings, for
+the bits-per-parameter sweep (``--with-fp32`` adds the plain fp32 reference row; ``--alone`` adds
+the row of ``secagg = true`` and nothing else, whatever it resolves to)
 (``--quick``: 2 rounds, 4 clients, one density; writes to a temporary file unless ``--out``,
 see ``benchmarks/outputs.py``).
 Prints a table and writes ``benchmarks/results/secagg.json``.
@@ -64,6 +65,7 @@ def summarize(label: str, rounds_by_seed: list[list[dict]], secure: bool) -> dic
     up = statistics.median(x["upload-bytes"] for x in trained)
     replies = statistics.median(x["num-replies"] for x in trained)
     out = {"label": label, "secure": secure, "final-accuracy": statistics.median(finals), "finals": finals,
+           "accuracy-every-10-rounds": [[x["accuracy"] for x in r if x["round"] % 10 == 0] for r in rounds_by_seed],
            "best-accuracy": statistics.median(max(x["accuracy"] for x in r) for r in rounds_by_seed),
            "rounds": rounds_by_seed[0][-1]["round"], "upload-bytes-per-round": up,
            "bits-per-parameter": 8 * up / (replies * N_PARAMS)}
@@ -74,14 +76,18 @@ def summarize(label: str, rounds_by_seed: list[list[dict]], secure: bool) -> dic
     return out
 
 
-def _sweep_spec(spec: str) -> tuple[float, int, float]:
-    """``"0.0625,8,0.05"`` -> (density, quantization bits, clipping range); a density may be ``1/16``."""
+def _sweep_spec(spec: str) -> tuple[float, int, float, float]:
+    """``"0.0625,8,0.05"`` -> (density, quantization bits, clipping range, server lr 1.0); a density may be
+    ``1/16``; a fourth field is ``secagg-server-lr``."""
     try:
-        d, bits, c = spec.split(",")
+        d, bits, c, *lr = spec.split(",")
+        if len(lr) > 1:
+            raise ValueError(spec)
         num, _, den = d.partition("/")
-        return float(num) / (float(den) if den else 1.0), int(bits), float(c)
+        return float(num) / (float(den) if den else 1.0), int(bits), float(c), float(lr[0]) if lr else 1.0
     except ValueError:
-        raise SystemExit(f"--sweep {spec!r}: expected DENSITY,BITS,CLIPPING-RANGE, e.g. 1/16,8,0.05") from None
+        raise SystemExit(f"--sweep {spec!r}: expected DENSITY,BITS,CLIPPING-RANGE[,SERVER-LR], e.g. 1/16,8,0.05 "
+                         "or 1/16,3,0.05,4") from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sweep", nargs="+", default=None, metavar="D,BITS,C",
                     help="only rotated packed random-k rows: density, quantization bits, clipping range")
     ap.add_argument("--with-fp32", action="store_true", help="with --sweep: the plain fp32 FedAvg row too")
+    ap.add_argument("--alone", action="store_true", help="the row of secagg = true and nothing else (alone or with --sweep)")
     ap.add_argument("--quick", action="store_true", help="2 rounds, 4 clients, one density (smoke test)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -118,21 +125,25 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"{'configuration':<44} {'bits/p':>8} {'final acc':>8}  ({args.nodes} clients, {args.rounds} rounds, "
           f"seeds {args.seeds})")
-    if args.sweep:
+    sweeping = bool(args.sweep or args.alone)
+    if sweeping:
         if args.with_fp32:
             go("plain FedAvg fp32 (no SecAgg, no compression)", False, {"compressor": "none"})
-        for spec in args.sweep:
-            d, bits, c = _sweep_spec(spec)
-            go(f"SecAgg+ randomk d={d:g}, {bits}-bit, c={c:g}, packed + rotation", True,
+        if args.alone:
+            go("SecAgg+ secagg = true alone", True, {"secagg": True})
+        for spec in args.sweep or []:
+            d, bits, c, lr = _sweep_spec(spec)
+            go(f"SecAgg+ randomk d={d:g}, {bits}-bit, c={c:g}, packed + rotation"
+               + ("" if lr == 1 else f", server-lr {lr:g}"), True,
                {"secagg": True, "compressor": "randomk", "density": d, "secagg-rotation": True,
-                "secagg-quantization-bits": bits, "secagg-clipping-range": c})
-            rows[-1].update({"density": d, "quantization-bits": bits, "clipping-range": c})
-    if not args.skip_dense and not args.sweep:
+                "secagg-quantization-bits": bits, "secagg-clipping-range": c, "secagg-server-lr": lr})
+            rows[-1].update({"density": d, "quantization-bits": bits, "clipping-range": c, "server-lr": lr})
+    if not args.skip_dense and not sweeping:
         go("SecAgg+ dense, Flower int64 (today)", True, {"secagg": True, "compressor": "none", "secagg-pack": False},
            rounds=args.bytes_rounds)
         go("plain FedAvg fp32 (no SecAgg, no compression)", False, {"compressor": "none"})
         go("SecAgg+ dense, packed", True, {"secagg": True, "compressor": "none"})
-    for d in [] if args.sweep else args.densities:
+    for d in [] if sweeping else args.densities:
         rk = {"compressor": "randomk", "density": d}
         go(f"plain randomk d={d:g} (no SecAgg)", False, rk)
         go(f"SecAgg+ randomk d={d:g}, int64", True, {"secagg": True, **rk, "secagg-pack": False},

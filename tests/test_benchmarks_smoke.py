@@ -140,12 +140,19 @@ def test_secagg_benchmark_quick_runs(tmp_path):
 
 def test_secagg_benchmark_sweep_quick_runs(tmp_path):
     """The bits sweep: one row per density, quantization bits and clipping range, modulus auto."""
-    rows = run_benchmark(tmp_path, "secagg.py", "--quick", "--sweep", "1/16,3,0.05")["rows"]
-    assert [r["label"] for r in rows] == ["SecAgg+ randomk d=0.0625, 3-bit, c=0.05, packed + rotation"]
-    r, k = rows[0], round(0.0625 * 38282)
-    assert (r["density"], r["quantization-bits"], r["clipping-range"]) == (0.0625, 3, 0.05)
-    assert r["modulus-bits"] == 6  # 4 clients, Q = 2**3: ceil(log2(4 * 8 + 1))
-    assert r["bits-per-parameter"] == 8 * (15 + (k * 6 + 7) // 8 + 15 + 1) / 38282
+    rows = run_benchmark(tmp_path, "secagg.py", "--quick", "--alone", "--sweep", "1/16,3,0.05", "1/16,3,0.05,4")["rows"]
+    assert [r["label"] for r in rows] == ["SecAgg+ secagg = true alone",
+                                          "SecAgg+ randomk d=0.0625, 3-bit, c=0.05, packed + rotation",
+                                          "SecAgg+ randomk d=0.0625, 3-bit, c=0.05, packed + rotation, server-lr 4"]
+    k = round(0.0625 * 38282)
+    for r in rows[1:]:
+        assert (r["density"], r["quantization-bits"], r["clipping-range"]) == (0.0625, 3, 0.05)
+        assert r["modulus-bits"] == 6  # 4 clients, Q = 2**3: ceil(log2(4 * 8 + 1))
+        assert r["bits-per-parameter"] == 8 * (15 + (k * 6 + 7) // 8 + 15 + 1) / 38282
+    assert [r["server-lr"] for r in rows[1:]] == [1.0, 4.0]
+    k = round(0.07 * 38282)  # secagg = true alone: density 0.07, 3 bits, modulus 6 bits for 4 clients
+    assert rows[0]["bits-per-parameter"] == 8 * (15 + (k * 6 + 7) // 8 + 15 + 1) / 38282
+    assert len(rows[0]["accuracy-every-10-rounds"]) == 1  # one seed (2 rounds: no multiple of 10)
 
 
 @pytest.mark.slow

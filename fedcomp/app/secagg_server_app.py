@@ -94,7 +94,8 @@ class SecAggRounds:
         sa = self.sa
         return {"secagg": {"clipping-range": sa.clipping_range, "quantization-range": sa.quantization_range,
                            "modulus-bits": sa.modulus_bits or "auto", "max-weight": sa.max_weight,
-                           "shares": sa.shares, "threshold": sa.threshold, "pack": sa.pack, "rotation": sa.rotation}}
+                           "shares": sa.shares, "threshold": sa.threshold, "pack": sa.pack, "rotation": sa.rotation,
+                           "server-lr": sa.server_lr, "server-lr-decay": sa.server_lr_decay}}
 
     def stopped(self) -> str | None:
         return getattr(self.strategy, "stopped_reason", "") or None
@@ -169,7 +170,8 @@ def run_secagg(grid, context, cfg: AppConfig, out_dir) -> list[dict]:
                                                                   sa.clipping_range, sa.quantization_range,
                                                                   cfg.target_delta)
                                      if cfg.dp == "distributed" else None,
-                                     max_epsilon=cfg.max_epsilon or None)
+                                     max_epsilon=cfg.max_epsilon or None, server_lr=sa.server_lr,
+                                     server_lr_rounds=cfg.num_server_rounds if sa.server_lr_decay else 0)
     workflow = CompressedSecAggPlusWorkflow(sa.shares, sa.threshold, modulus_bits=sa.modulus_bits,
                                             max_weight=sa.max_weight, clipping_range=sa.clipping_range,
                                             quantization_range=sa.quantization_range, timeout=cfg.round_timeout)

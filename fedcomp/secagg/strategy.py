@@ -115,8 +115,16 @@ class SharedRandomKStrategy(Strategy):
     def __init__(self, strategy: Strategy, density: float, *, rotation: bool = False, error_feedback: bool = True,
                  seed: int = 0, keys: list[str] | None = None, pack: bool = False,
                  client_dp: ClientLevelDP | None = None, max_weight: float | None = None,
-                 distributed_dp: DistributedDP | None = None, max_epsilon: float | None = None) -> None:
+                 distributed_dp: DistributedDP | None = None, max_epsilon: float | None = None,
+                 server_lr: float = 1.0, server_lr_rounds: int = 0) -> None:
         super().__init__()
+        if isinstance(server_lr_rounds, bool) or not isinstance(server_lr_rounds, int) or server_lr_rounds < 0:
+            raise ValueError(f"SharedRandomKStrategy: server_lr_rounds must be an integer >= 0, got {server_lr_rounds!r}")
+        self.server_lr_rounds = server_lr_rounds
+        if isinstance(server_lr, bool) or not isinstance(server_lr, (int, float)) or not 0 < server_lr < float("inf"):
+            raise ValueError(f"SharedRandomKStrategy: server_lr (run config 'secagg-server-lr') must be a finite "
+                             f"number > 0, got {server_lr!r}")
+        self.server_lr = float(server_lr)
         self.max_epsilon = checked_max_epsilon(max_epsilon)
         #: Why no further rounds are run ("" while rounds go on): the privacy budget.
         self.stopped_reason = ""
@@ -143,13 +151,26 @@ class SharedRandomKStrategy(Strategy):
         #: Set by :class:`fedcomp.secagg.CompressedSecAggPlusWorkflow` (it unpacks packed vectors).
         self.unpacking_workflow = False
 
+    def step(self, server_round: int) -> float:
+        """The factor on the decoded mean update in ``server_round``: ``server_lr``, or with
+        ``server_lr_rounds = R > 1`` ``server_lr - (server_lr - 1) * (r - 1) / (R - 1)`` for round r
+        (r clamped to [1, R]): ``server_lr`` in round 1, 1 in round R."""
+        big_r = self.server_lr_rounds
+        if big_r <= 1:
+            return self.server_lr
+        r = min(max(int(server_round), 1), big_r)
+        return self.server_lr - (self.server_lr - 1.0) * (r - 1) / (big_r - 1)
+
     def __repr__(self) -> str:
         return f"SharedRandomKStrategy({self.inner!r}, density={self.density}, rotation={self.rotation})"
 
     def describe(self) -> str:
         """One line for logs and ``metrics.json``."""
         return (f"secagg+ shared randomk density={self.density:g}" + (" rotation" if self.rotation else "")
-                + ("" if self.error_feedback else " no-ef"))
+                + ("" if self.error_feedback else " no-ef")
+                + ("" if self.server_lr == 1.0 else f" server-lr={self.server_lr:g}")
+                + (f" falling to 1 at round {self.server_lr_rounds}" if self.server_lr_rounds > 1
+                   and self.server_lr != 1.0 else ""))
 
     # -- delegated ----------------------------------------------------------------------------
     def initialize_parameters(self, client_manager: ClientManager) -> Parameters | None:
@@ -279,7 +300,7 @@ class SharedRandomKStrategy(Strategy):
             values = values.astype(np.float64) * m / max(self._sampled, m)
             dp_info = self.distributed_dp.record(self._proj.k, m, int(self.round_threshold))
         try:
-            delta = self._proj.decode(values)
+            delta = self._proj.decode(values) * self.step(server_round)
         except ValueError as exc:  # non-finite or wrong-size aggregate: drop the round, keep the run
             log(ERROR, "fedcomp secagg round %d refused (model kept): %s", server_round, exc)
             return None, {}

@@ -266,7 +266,7 @@ def test_compose_up_with_secure_aggregation_alone(project):
         assert r["num-replies"] == 3 and r["k"] == k and r["modulus-bits"] == m, r
         assert r["upload-bytes"] == 3 * (15 + (k * m + 7) // 8 + 15 + (m + 7) // 8)
         assert r["secagg-protocol-bytes"] > 0
-    # it trains, slowly at first (1/16 of the rotated update per round; error feedback carries the rest)
+    # it trains, slowly at first (7 % of the rotated update per round; error feedback carries the rest)
     assert rounds[-1]["loss"] < rounds[0]["loss"] - 0.004, [(r["loss"], r["accuracy"]) for r in rounds]
     assert "secagg = true with compressor at its default" in log
     assert "fedcomp  results written to /results" in log

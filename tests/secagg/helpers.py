@@ -119,7 +119,8 @@ def run_round(n: int, density: float, **kw):
 
 def run_rounds(num_rounds: int, n: int, density: float, *, rotation=False, pack=True, drop=(), corrupt=(), scale=0.01,
                clipping_range=1.0, qbits=16, shares=1.0, threshold=0.6, ef=True, inner_cls=FedAvg, client_dp=None,
-               distributed_dp=None, node_configs=None, mods=(secagg_mod,), workflow_cls=None, **inner_kw):
+               distributed_dp=None, node_configs=None, mods=(secagg_mod,), workflow_cls=None, server_lr=1.0,
+               **inner_kw):
     """``num_rounds`` SecAgg+ rounds; returns ({round: model dict after it}, strategy, workflow, grid)."""
     g = global_model()
     keys = list(g)
@@ -134,7 +135,7 @@ def run_rounds(num_rounds: int, n: int, density: float, *, rotation=False, pack=
     inner = inner_cls(**inner_kw, fraction_evaluate=0.0, min_evaluate_clients=0, evaluate_fn=evaluate_fn,
                       initial_parameters=ndarrays_to_parameters([g[k] for k in keys]))
     strategy = SharedRandomKStrategy(inner, density, rotation=rotation, error_feedback=ef, seed=3, keys=keys, pack=pack,
-                                     client_dp=client_dp, distributed_dp=distributed_dp)
+                                     client_dp=client_dp, distributed_dp=distributed_dp, server_lr=server_lr)
     workflow = (workflow_cls or CompressedSecAggPlusWorkflow)(shares, threshold, max_weight=1000.0,
                                                               clipping_range=clipping_range,
                                                               quantization_range=1 << qbits)

@@ -24,19 +24,21 @@ PYPROJECT = pathlib.Path(__file__).resolve().parents[2] / "pyproject.toml"
 DEFAULTS = tomllib.loads(PYPROJECT.read_text())["tool"]["flwr"]["app"]["config"]  # what Flower's run config holds
 
 
-def test_secagg_alone_resolves_to_the_secure_codec_density_rotation_and_quantization():
+def test_secagg_alone_resolves_to_the_secure_codec_density_rotation_quantization_and_server_step():
     rc = {**DEFAULTS, "secagg": True}
     cfg = AppConfig.from_run_config(rc)
     sa = SecAggConfig.from_run_config(rc)
-    assert (cfg.codec.compressor, cfg.codec.density) == ("randomk", SECURE_CODEC["density"]) == ("randomk", 1 / 16)
+    assert (cfg.codec.compressor, cfg.codec.density) == ("randomk", SECURE_CODEC["density"]) == ("randomk", 0.07)
     assert sa.rotation is True
     assert (sa.quantization_bits, sa.clipping_range) == (SECURE_QUANTIZATION["secagg-quantization-bits"],
-                                                         SECURE_QUANTIZATION["secagg-clipping-range"])
+                                                         SECURE_QUANTIZATION["secagg-clipping-range"]) == (3, 0.05)
+    assert sa.server_lr == SECURE_QUANTIZATION["secagg-server-lr"] == 4.0 and sa.server_lr_decay is False
     assert cfg.codec.error_feedback is True and cfg.strategy == "fedavg" and cfg.downstream == "none"
     check_codec_under_secagg(rc)  # no longer refused
     assert resolve_secure_defaults(resolve_secure_defaults(rc)) == resolve_secure_defaults(rc)
     note = secure_defaults_note(rc)
-    assert "compressor = 'randomk'" in note and "density = 0.0625" in note and "secagg-rotation = true" in note
+    assert "compressor = 'randomk'" in note and "density = 0.07" in note and "secagg-rotation = true" in note
+    assert "secagg-server-lr = 4" in note
     assert "set compressor = 'randomk'" in note
 
 
@@ -52,13 +54,16 @@ def test_without_secagg_or_with_a_named_codec_nothing_is_filled_in():
 def test_explicit_values_win_over_the_secure_setting():
     rc = {**DEFAULTS, "secagg": True, "density": 0.125, "secagg-quantization-bits": 12}
     assert secure_defaults(rc) == {"compressor": "randomk", "secagg-rotation": True,
-                                   "secagg-clipping-range": SECURE_QUANTIZATION["secagg-clipping-range"]}
+                                   "secagg-clipping-range": SECURE_QUANTIZATION["secagg-clipping-range"],
+                                   "secagg-server-lr": SECURE_QUANTIZATION["secagg-server-lr"]}
+    assert SecAggConfig.from_run_config({**rc, "secagg-server-lr": 2.0}).server_lr == 2.0  # an explicit step stays
     assert AppConfig.from_run_config(rc).codec.density == 0.125
     assert SecAggConfig.from_run_config(rc).quantization_bits == 12
     # client-level DP (error feedback off): the codec is chosen, the quantization keeps its defaults
     dp = {**DEFAULTS, "secagg": True, "dp": "client-level", "error-feedback": False}
     assert secure_defaults(dp) == SECURE_CODEC
     assert SecAggConfig.from_run_config(dp).quantization_bits == 16
+    assert SecAggConfig.from_run_config(dp).server_lr == 1.0  # no error feedback: no lag to make up for
 
 
 @pytest.mark.parametrize("codec", ["topk", "qsgd", "sign"])
@@ -82,7 +87,7 @@ def test_secagg_alone_trains_through_the_server_app(tmp_path, caplog):
     rounds = data["rounds"]
     assert [r["round"] for r in rounds] == [0, 1, 2, 3]
     assert data["codec"].startswith("secagg+ shared randomk")
-    k = round(38282 / 16)
+    k = round(38282 * SECURE_CODEC["density"])
     bits = SECURE_QUANTIZATION["secagg-quantization-bits"]
     for r in rounds[1:]:
         assert r["num-replies"] == 4 and r["k"] == k and "skipped" not in r
@@ -91,7 +96,8 @@ def test_secagg_alone_trains_through_the_server_app(tmp_path, caplog):
         assert r["modulus-bits"] == m
         assert r["upload-bytes"] == 4 * (15 + (k * m + 7) // 8 + 15 + (m + 7) // 8)
     assert data["secagg"]["rotation"] is True and data["secagg"]["quantization-range"] == 1 << bits
-    # it trains, slowly at first (1/16 of the rotated update per round; error feedback carries the rest)
+    assert data["secagg"]["server-lr"] == 4.0 and "server-lr=4" in data["codec"]
+    # it trains, slowly at first (7 % of the rotated update per round; error feedback carries the rest)
     assert rounds[-1]["loss"] < rounds[0]["loss"] - 0.004 and rounds[-1]["accuracy"] > rounds[0]["accuracy"]
 
 

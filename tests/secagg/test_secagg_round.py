@@ -147,6 +147,75 @@ def test_fedavgm_inside_applies_the_same_aggregate_as_its_pseudo_gradient():
     assert avgm["w"].dtype == np.float32 and avgm["steps"] == 7
 
 
+@pytest.mark.parametrize("server_lr", [1.0, 2.5])
+def test_the_server_step_scales_the_decoded_mean_update(server_lr):
+    """``secagg-server-lr``: the model moves by server_lr times the secure weighted mean, at the shared
+    positions only (fails on main: SharedRandomKStrategy had no server_lr)."""
+    new, strategy, *_ = run_round(3, 0.25, server_lr=server_lr)
+    proj, plain_vals, w = _plain_aggregate(range(3), 0.25)
+    got = _model_delta(new)
+    pos = proj.positions()
+    fp32 = 2e-7 * np.abs(_flat(global_model())).max() + 1e-9
+    assert np.abs(got[pos] - server_lr * plain_vals).max() <= server_lr * quantization_bound(w, 1.0, Q16) + fp32
+    assert 1.5 * np.abs(plain_vals).max() > 10 * 2.5 * quantization_bound(w, 1.0, Q16)  # steps 1 and 2.5 told apart
+    others = np.ones(DIM, bool)
+    others[pos] = False
+    assert np.abs(got[others]).max() <= fp32
+    assert strategy.server_lr == server_lr and ("server-lr=2.5" in strategy.describe()) == (server_lr == 2.5)
+
+
+def test_the_decaying_server_step_falls_linearly_to_one_at_the_last_round():
+    """``secagg-server-lr-decay``: 4 in round 1, 1 in round R, linear between (fails on main: no such step)."""
+    from flwr.server.strategy import FedAvg
+
+    from fedcomp.secagg import SharedRandomKStrategy
+
+    s = SharedRandomKStrategy(FedAvg(), 0.25, server_lr=4.0, server_lr_rounds=5)
+    assert [s.step(r) for r in range(8)] == [4.0, 4.0, 3.25, 2.5, 1.75, 1.0, 1.0, 1.0]
+    assert "server-lr=4 falling to 1 at round 5" in s.describe()
+    assert [SharedRandomKStrategy(FedAvg(), 0.25, server_lr=4.0, server_lr_rounds=r).step(3) for r in (0, 1)] == [4.0] * 2
+    for bad in (-1, 2.5, True):
+        with pytest.raises(ValueError, match="server_lr_rounds must be an integer >= 0"):
+            SharedRandomKStrategy(FedAvg(), 0.25, server_lr_rounds=bad)
+
+
+def test_the_decaying_server_step_is_wired_from_the_run_config(tmp_path):
+    """run config ``secagg-server-lr-decay = true`` -> the strategy decays over ``num-server-rounds``."""
+    from flwr.app import Context, RecordDict
+
+    from fedcomp.app.client_app import app as client_app
+    from fedcomp.app.secagg_server_app import SecAggRounds, run_secagg
+    from fedcomp.config import AppConfig
+    from fedcomp.run.inprocess_grid import InProcessGrid
+
+    seen = {}
+    orig = SecAggRounds.round_fields
+
+    def spy(self, server_round, recorder):
+        seen[server_round] = self.strategy.step(server_round)
+        return orig(self, server_round, recorder)
+
+    rc = {"secagg": True, "num-server-rounds": 3, "secagg-server-lr": 3.0, "secagg-server-lr-decay": True,
+          "secagg-threshold": 0.7}
+    SecAggRounds.round_fields = spy
+    try:
+        run_secagg(InProcessGrid(client_app, 3, rc), Context(run_id=1, node_id=0, node_config={}, state=RecordDict(),
+                                                            run_config=rc), AppConfig.from_run_config(rc), tmp_path)
+    finally:
+        SecAggRounds.round_fields = orig
+    assert {r: v for r, v in seen.items() if r >= 1} == {1: 3.0, 2: 2.0, 3: 1.0}
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("nan"), float("inf"), True, "2"])
+def test_a_server_step_that_is_not_a_positive_number_is_refused(bad):
+    from flwr.server.strategy import FedAvg
+
+    from fedcomp.secagg import SharedRandomKStrategy
+
+    with pytest.raises(ValueError, match=r"'secagg-server-lr'\) must be a finite number > 0"):
+        SharedRandomKStrategy(FedAvg(), 0.25, server_lr=bad)
+
+
 @pytest.mark.parametrize("z", [0.0, 1.0])
 def test_client_level_dp_clips_each_client_and_noises_the_sum(z):
     from fedcomp.privacy import ClientLevelDP

@@ -80,6 +80,15 @@ def test_run_config_defaults_and_refusals():
     check_codec_under_secagg({"compressor": "randomk", "density": 0.015625, "error-feedback": False})
 
 
+def test_secagg_server_lr_is_read_and_a_bad_one_is_refused_naming_the_key():
+    """Fails on main: the key did not exist (SecAggConfig had no server_lr)."""
+    assert SecAggConfig.from_run_config({}).server_lr == 1.0
+    assert SecAggConfig.from_run_config({"secagg-server-lr": 3}).server_lr == 3.0
+    for bad in (0.0, -2.0, float("nan"), "4", True):
+        with pytest.raises(ValueError, match="'secagg-server-lr' must be"):
+            SecAggConfig.from_run_config({"secagg-server-lr": bad})
+
+
 @pytest.mark.parametrize("mw", [0.5, 0.999])
 def test_a_max_weight_below_one_is_refused_at_start_up(mw):
     """Below 1 no client can take part (a count >= 1 exceeds it; under DP the count reported is
