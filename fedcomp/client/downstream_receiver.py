@@ -19,6 +19,8 @@ Message forms (written by :mod:`fedcomp.strategies.downstream_sender`; the train
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord
 
@@ -126,6 +128,15 @@ def _init_base(rec: ArrayRecord, seed: int, part_keys: set[str]) -> tuple[FlatMo
     return model, lossy
 
 
+@contextmanager
+def _naming(key: str) -> Iterator[None]:
+    """Re-raise a :class:`PayloadError` from decoding the array ``key`` with the key in front."""
+    try:
+        yield
+    except PayloadError as err:
+        raise PayloadError(f"'{key}': {err}") from None
+
+
 def _held_base(rec: ArrayRecord, context: Context, cfg, part_keys: set[str]) -> tuple[FlatModel, list[str]]:
     """The kept copy with the exactly sent tensors replaced: (model, names of the compressed part).
 
@@ -134,7 +145,8 @@ def _held_base(rec: ArrayRecord, context: Context, cfg, part_keys: set[str]) -> 
     CompositionError
         No copy kept, or a copy of another version.
     PayloadError
-        A tensor sent by name that the model does not have, or a malformed exact payload.
+        A tensor sent by name that the model does not have, or a malformed exact payload or
+        statistic change (the message names the array key).
     """
     if MODEL_STATE_KEY not in context.state:
         raise CompositionError("received a compressed model but this node keeps no model copy (new node?)")
@@ -152,14 +164,17 @@ def _held_base(rec: ArrayRecord, context: Context, cfg, part_keys: set[str]) -> 
         if rec[rk].stype != PAYLOAD_STYPE:
             raise PayloadError(f"'{rk}' is not a fedcomp payload (stype {rec[rk].stype!r})")
         n = base.specs[k].numel
-        apply_stat_delta(base, k, decompress(bytes(rec[rk].data), max_numel=max(n, 1), expected_shape=(n,)).numpy())
+        with _naming(rk):
+            apply_stat_delta(base, k, decompress(bytes(rec[rk].data), max_numel=max(n, 1),
+                                                 expected_shape=(n,)).numpy())
     for k in named:
         spec = base.specs[k]
-        if spec.is_float:  # exempt (BatchNorm statistics): the exact fp32 values
-            base.float_view(k)[...] = decompress(rec[k].data, max_numel=max(spec.numel, 1),
-                                                 expected_shape=spec.shape).numpy()
-        else:
-            base.exact[k] = decode_exact(rec[k].data, spec.shape, spec.dtype)
+        with _naming(k):
+            if spec.is_float:  # exempt (BatchNorm statistics): the exact fp32 values
+                base.float_view(k)[...] = decompress(rec[k].data, max_numel=max(spec.numel, 1),
+                                                     expected_shape=spec.shape).numpy()
+            else:
+                base.exact[k] = decode_exact(rec[k].data, spec.shape, spec.dtype)
     named += list(changes)
     return base, [k for k in base.float_keys if k not in named]
 
@@ -189,7 +204,8 @@ def rebuild(msg: Message, context: Context, arr_key: str, rec: ArrayRecord, cfg)
         A payload arrives but this node holds no copy, or a copy of another version.
     PayloadError
         A malformed payload or seeded-init rule, unknown keys, another shape or dtype; rules or
-        payloads without ``fedcomp-model-version``.
+        payloads without ``fedcomp-model-version``; a BatchNorm statistic change
+        (``fedcomp.stat-delta/<name>``) in an init or dense message (no held copy to apply it to).
     ValueError
         The rebuilt model is not finite in its dtypes.
     """
@@ -202,6 +218,10 @@ def rebuild(msg: Message, context: Context, arr_key: str, rec: ArrayRecord, cfg)
     _version_keys(cfg)
     parts = _parts(rec)
     part_keys = {chain_key(i) for i in range(len(parts))}
+    changes = sorted(k for k in rec.keys() if k.startswith(STAT_DELTA_PREFIX))
+    if changes and (INIT_SEED in cfg or not parts):  # a change needs the copy a payload message names
+        raise PayloadError(f"downstream message carries BatchNorm statistic changes {changes[:5]} but names no "
+                           f"held copy to apply them to ({'init' if INIT_SEED in cfg else 'dense'} message)")
     if INIT_SEED in cfg:
         base, lossy = _init_base(rec, int(cfg[INIT_SEED]), part_keys)
     elif parts:

@@ -208,3 +208,60 @@ def test_copies_agree_under_partial_participation_and_a_lost_reply():
         assert arrays["1.running_var"].numpy().min() > 0
     assert forms == {"change", "exact"} and lost
     assert resent and resent[0] is False  # sampled again after the lost reply: the values, exactly
+
+
+def _second_message(model_sd: dict, init: str = "auto"):
+    """Round 1 rebuilt and acknowledged on node 5; round 2's message (its ArrayRecord still to rebuild),
+    the node's context and the bytes of its held copy."""
+    ds = Downstream(CodecConfig(compressor="stc"), "stc", init=init)
+    ctx = make_ctx(node_id=5)
+    for rnd in (1, 2):
+        w = trained_state(model_sd, rnd) if rnd > 1 else model_sd
+        msg = make_msg(RecordDict({"arrays": to_record(w), "config": ConfigRecord({"server-round": rnd})}), dst=5)
+        ds.prepare(rnd, to_record(w), [msg])
+        if rnd == 1:
+            rebuild(msg, ctx, "arrays", msg.content["arrays"], dict(msg.content["config"]))
+            ds.received(5)
+    held = {k: bytes(a.data) for k, a in ctx.state[MODEL_STATE_KEY].items()}
+    return msg, ctx, held
+
+
+def _sign(values):
+    from fedcomp.protocol.messages import payload_array
+
+    return payload_array(get_compressor("sign").compress(torch.tensor(values, dtype=torch.float32)))
+
+
+@pytest.mark.parametrize("bad", ["wrong-shape", "truncated", "bad-scale"])
+def test_a_malformed_statistic_change_is_refused_naming_it_and_the_copy_is_kept(bad):
+    """A hostile server's change of ``1.running_var`` that does not decode: PayloadError naming the
+    key (main: the codec's message alone, e.g. "truncated: sign bits need 1 bytes, 0 left"), held copy unchanged."""
+    from fedcomp.protocol.messages import payload_array
+
+    msg, ctx, held = _second_message(zoo()["batchnorm1d"].state_dict())
+    rec, key = msg.content["arrays"], stat_delta_key("1.running_var")
+    data = bytes(rec[key].data)
+    rec[key] = {"wrong-shape": _sign([1.0] * 5),
+                "truncated": payload_array(data[:-1]),
+                "bad-scale": payload_array(data[:-5] + np.float32(-2.0).tobytes() + data[-1:])}[bad]
+    with pytest.raises(PayloadError, match=r"^'fedcomp\.stat-delta/1\.running_var': "):
+        rebuild(msg, ctx, "arrays", rec, dict(msg.content["config"]))
+    assert {k: bytes(a.data) for k, a in ctx.state[MODEL_STATE_KEY].items()} == held
+
+
+@pytest.mark.parametrize("init", ["dense", "auto"])
+def test_a_statistic_change_without_a_held_copy_is_refused(init):
+    """A change under ``fedcomp.stat-delta/`` in a dense (or init) message has no copy to apply to:
+    refused naming it, nothing kept (main: a dense message kept it as a model tensor named
+    'fedcomp.stat-delta/1.running_var' in the node's copy and in the weights handed to training)."""
+    sd = zoo()["batchnorm1d"].state_dict()
+    ds = Downstream(CodecConfig(compressor="stc"), "stc", init=init)
+    ctx = make_ctx(node_id=5)
+    msg = make_msg(RecordDict({"arrays": to_record(sd), "config": ConfigRecord({"server-round": 1})}), dst=5)
+    ds.prepare(1, to_record(sd), [msg])
+    assert ds.sent_kind[5] == ("dense" if init == "dense" else "init")
+    rec = msg.content["arrays"]
+    rec[stat_delta_key("1.running_var")] = _sign([1.0] * 4)
+    with pytest.raises(PayloadError, match=r"changes \['fedcomp\.stat-delta/1\.running_var'\] but names no held copy"):
+        rebuild(msg, ctx, "arrays", rec, dict(msg.content["config"]))
+    assert MODEL_STATE_KEY not in ctx.state
