@@ -204,8 +204,16 @@ def secure_defaults(run_config: Mapping[str, Any]) -> dict[str, Any]:
     if (run_config.get("error-feedback", CODEC_DEFAULTS["error-feedback"]) is True
             and run_config.get("dp", DP_DEFAULTS["dp"]) == "none"):
         chosen.update(SECURE_QUANTIZATION)
-    return {k: v for k, v in chosen.items() if k == "compressor"
-            or run_config.get(k, _declared_default(k)) == _declared_default(k)}
+    return {k: v for k, v in chosen.items() if k == "compressor" or _left_alone(run_config, k)}
+
+
+def _left_alone(run_config: Mapping[str, Any], key: str) -> bool:
+    """``key`` holds its declared default (missing counts as it): equal *and* a bool exactly when the
+    default is one, so ``true`` for a number key (``True == 1.0`` in Python) or ``0`` for a flag stays
+    as given and is refused by the key's own check instead of silently becoming the secure value."""
+    d = _declared_default(key)
+    v = run_config.get(key, d)
+    return isinstance(v, bool) == isinstance(d, bool) and v == d
 
 
 def resolve_secure_defaults(run_config: Mapping[str, Any]) -> Mapping[str, Any]:

@@ -122,3 +122,18 @@ def test_a_client_without_examples_is_refused_for_that_not_for_the_max_weight(n)
 
     with pytest.raises(ValueError, match=rf"num-examples = {n}: a client needs at least one training example"):
         flower_weight(n, 1000.0, 8)
+
+
+@pytest.mark.parametrize(("key", "value", "match"), [
+    ("secagg-server-lr", True, "'secagg-server-lr' must be a finite number, got True"),
+    ("secagg-clipping-range", True, "'secagg-clipping-range' must be a finite number, got True"),
+    ("secagg-rotation", 0, "'secagg-rotation' must be true or false, got 0"),
+])
+def test_a_value_of_the_wrong_type_equal_to_the_default_is_refused_not_replaced(key, value, match):
+    """``True == 1.0`` and ``0 == False`` in Python: ``secagg-server-lr = true`` (default 1.0) was taken
+    for "left alone" and silently became the secure step 4 (main: SecAggConfig.server_lr == 4.0; likewise
+    clipping range true -> 0.05, rotation 0 -> true); the key's own check now refuses it, naming the key."""
+    rc = {**DEFAULTS, "secagg": True, key: value}
+    assert key not in secure_defaults(rc)
+    with pytest.raises(ValueError, match=match):
+        SecAggConfig.from_run_config(rc)
