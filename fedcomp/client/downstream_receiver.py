@@ -33,6 +33,7 @@ from fedcomp.protocol.broadcast import (
     chain_key,
     gather,
     is_batchnorm_stat,
+    is_running_var,
     scatter,
     settle,
 )
@@ -145,8 +146,9 @@ def _held_base(rec: ArrayRecord, context: Context, cfg, part_keys: set[str]) -> 
     CompositionError
         No copy kept, or a copy of another version.
     PayloadError
-        A tensor sent by name that the model does not have, or a malformed exact payload or
-        statistic change (the message names the array key).
+        A tensor sent by name that the model does not have, a malformed exact payload or
+        statistic change, or a running variance sent with a negative entry (the message names the
+        array key).
     """
     if MODEL_STATE_KEY not in context.state:
         raise CompositionError("received a compressed model but this node keeps no model copy (new node?)")
@@ -171,8 +173,10 @@ def _held_base(rec: ArrayRecord, context: Context, cfg, part_keys: set[str]) -> 
         spec = base.specs[k]
         with _naming(k):
             if spec.is_float:  # exempt (BatchNorm statistics): the exact fp32 values
-                base.float_view(k)[...] = decompress(rec[k].data, max_numel=max(spec.numel, 1),
-                                                     expected_shape=spec.shape).numpy()
+                values = decompress(rec[k].data, max_numel=max(spec.numel, 1), expected_shape=spec.shape).numpy()
+                if is_running_var(k) and values.size and float(values.min()) < 0:  # never sent by a fedcomp server
+                    raise PayloadError(f"a running variance cannot be negative (min {float(values.min()):g})")
+                base.float_view(k)[...] = values
             else:
                 base.exact[k] = decode_exact(rec[k].data, spec.shape, spec.dtype)
     named += list(changes)

@@ -265,3 +265,21 @@ def test_a_statistic_change_without_a_held_copy_is_refused(init):
     with pytest.raises(PayloadError, match=r"changes \['fedcomp\.stat-delta/1\.running_var'\] but names no held copy"):
         rebuild(msg, ctx, "arrays", rec, dict(msg.content["config"]))
     assert MODEL_STATE_KEY not in ctx.state
+
+
+def test_a_negative_running_variance_sent_exactly_is_refused_naming_it():
+    """A node the server knows no statistics of gets them exactly; a fedcomp server never sends a
+    negative running variance (its aggregate is floored), so one is refused naming the key and the
+    held copy is kept (main: applied; BatchNorm's eval output then NaN where var + eps < 0)."""
+    from fedcomp.protocol.messages import payload_array
+
+    msg, ctx, held = _second_message(zoo()["batchnorm1d"].state_dict())
+    rec = msg.content["arrays"]
+    del rec[stat_delta_key("1.running_var")]  # the change form is floored: send the exact form
+    rec["1.running_var"] = payload_array(get_compressor("none").compress(torch.tensor([1.0, -0.5, 1.0, 1.0])))
+    with pytest.raises(PayloadError, match=r"^'1\.running_var': a running variance cannot be negative \(min -0\.5\)"):
+        rebuild(msg, ctx, "arrays", rec, dict(msg.content["config"]))
+    assert {k: bytes(a.data) for k, a in ctx.state[MODEL_STATE_KEY].items()} == held
+    rec["1.running_var"] = payload_array(get_compressor("none").compress(torch.tensor([1.0, 0.0, 2.0, 1.0])))
+    out = rebuild(msg, ctx, "arrays", rec, dict(msg.content["config"]))  # zero is a variance
+    assert out["1.running_var"].numpy().tolist() == [1.0, 0.0, 2.0, 1.0]
