@@ -116,9 +116,13 @@ class DecodedUpdate:
             yield from part.parts(scratch)
 
     def sq_norm(self) -> float:
-        """Squared L2 norm of the float update (float64 accumulation; integer tensors excluded)."""
+        """Squared L2 norm of the float update (float64 accumulation; integer tensors excluded).
+
+        The dense segments' squares are added in the order of their flat start, so the result does
+        not depend on which payloads were deferred (a deferred one is decoded last)."""
         total = sum(float(np.dot(v.astype(np.float64), v.astype(np.float64))) for _, v in self.sparse)
-        return total + sum(float(np.dot(v, v.astype(np.float64))) for _, v in self.dense_parts())
+        dense = sorted((start, float(np.dot(v, v.astype(np.float64)))) for start, v in self.dense_parts())
+        return total + sum(sq for _, sq in dense)
 
     def to_flat(self, num_float: int, dtype=np.float32) -> np.ndarray:
         """The float update as one dense vector of ``num_float`` entries (dense path only); ``dtype``
