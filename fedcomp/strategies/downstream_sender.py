@@ -359,16 +359,17 @@ class Downstream:
             msg.content[cfg_key] = ConfigRecord(cfg)
         return messages
 
-    def _exempt_copy(self) -> FlatModel:
-        """The global BatchNorm statistics (as this round's B holds them) as a model of their own."""
-        return FlatModel({k: self.model[k].copy() for k in self.exempt_keys},
+    def _exempt_copy(self, source: FlatModel | None = None) -> FlatModel:
+        """A copy of the BatchNorm statistics of ``source`` (default: the global ones, as this round's B
+        holds them) as a model of their own."""
+        source = self.model if source is None else source
+        return FlatModel({k: source[k].copy() for k in self.exempt_keys},
                          {k: self.model.specs[k].dtype for k in self.exempt_keys})
 
     def _stat_changes(self, node: int, rec: ArrayRecord) -> None:
         """Replace the exact statistics in ``rec`` by their change since ``node``'s copy (one
         ``sign`` payload per tensor) and record what the node will hold once it replies."""
-        held = FlatModel({k: self._stats[node][k].copy() for k in self.exempt_keys},
-                         {k: self.model.specs[k].dtype for k in self.exempt_keys})
+        held = self._exempt_copy(self._stats[node])
         sign = get_compressor(BATCHNORM_STATS_CODEC)
         for k in self.exempt_keys:
             del rec[k]
