@@ -87,10 +87,27 @@ CASES = {
     "randsign 25% up, sign down": {"compressor": "randsign", "density": 0.25, "downstream": "sign"},
     "randsign 50%, exact catch-ups": {"compressor": "randsign", "density": 0.5, "downstream": "randsign",
                                       "exact-catchup": True},
+    # FFA-LoRA (Sun et al., ICLR 2024): lora_A frozen at its seeded start, only lora_B trained
+    "fp32 FFA-LoRA": {"compressor": "none", "downstream": "none", "freeze-a": True},
+    "sign+EF FFA-LoRA": {"compressor": "sign", "downstream": "sign", "freeze-a": True},
+    "sign+EF FFA-LoRA, dense down": {"compressor": "sign", "downstream": "none", "freeze-a": True},
+    # what the download costs: a denser download, and per-tensor codecs
+    "sign up, int8 down": {"compressor": "sign", "downstream": "int8"},
+    "sign up, eden down": {"compressor": "sign", "downstream": "eden"},
+    "sign+EF, exact catch-ups": {"compressor": "sign", "downstream": "sign", "exact-catchup": True},
+    "sign+EF, 8 copies": {"compressor": "sign", "downstream": "sign", "downstream_max_copies": 8},
 }
+#: case keys that are not CompressedStrategy arguments
+NOT_CODEC = ("downstream", "exact-catchup", "freeze-a")
 FLOWERTUNE = {"adapter_params": 13.63e6, "clients_per_round": 2, "directions": 2, "rounds": 200,
               "reported_gb": 40.7}
 NVFLARE = {"8-bit (NVFlare)": 0.25, "4-bit (NVFlare)": 0.14}
+#: FlowerTune's General NLP leaderboard (https://flower.ai/benchmarks/llm-leaderboard/nlp/, read
+#: 2026-12-02): communication cost of the Mistral-7B baseline, of the one Mistral-7B entry and of the
+#: lowest-cost entries, as reported there (GB per run; each entry its own base model, rank and rounds).
+LEADERBOARD = [("baseline, Mistral-7B-v0.3", 40.7), ("ZJUDAI, Mistral-7B-Instruct-v0.3", 2.0),
+               ("T-IoI@UNR, Gemma2-9b-cpt-sahabatai-v1-instruct", 0.7), ("Gachon, Gemma2-9B-instruct", 0.7),
+               ("ZJUDAI, Qwen2.5-1.5B-Instruct", 0.7), ("ZJUDAI, Llama-3.2-1B-Instruct (lowest)", 0.5)]
 
 
 def _windows(parts: list[bytes], limit: int | None = None) -> TensorDataset:
@@ -147,13 +164,16 @@ def run_case(name: str, case: dict, base: pathlib.Path, roles, test, args) -> di
     grid = InProcessGrid(app, len(roles), run_config)
     init, seeded = initial_adapters(settings, args.seed)
     n_params = sum(v.numel() for v in init.values())
-    codec = {k: v for k, v in case.items() if k not in ("downstream", "exact-catchup")}
+    codec = {k: v for k, v in case.items() if k not in NOT_CODEC}
     catchup = "exact" if case.get("exact-catchup") else "smallest"
     strategy = CompressedStrategy(FedAvg(fraction_train=args.per_round / len(roles), min_train_nodes=args.per_round,
                                          min_available_nodes=len(roles), fraction_evaluate=0.0),
                                   downstream=case["downstream"], downstream_init=seeded, downstream_catchup=catchup,
                                   **codec)
-    model = lora_model(settings)
+    model = lora_model(settings)  # the process's one peft model: the ClientApp trains this object too
+    frozen = [p for n, p in model.named_parameters() if case.get("freeze-a") and "lora_A" in n]
+    for p in frozen:  # FFA-LoRA: train_adapters optimises the parameters that require grad, lora_B only
+        p.requires_grad_(False)
     curve = []
 
     def evaluate(rnd: int, arrays):
@@ -164,8 +184,12 @@ def run_case(name: str, case: dict, base: pathlib.Path, roles, test, args) -> di
 
     random.seed(args.seed)  # Flower samples with random.sample: the same clients in every case
     t0 = time.perf_counter()
-    strategy.start(grid=grid, initial_arrays=to_record(init), num_rounds=args.rounds,
-                   train_config=ConfigRecord({"seed": args.seed}), evaluate_fn=evaluate)
+    try:
+        strategy.start(grid=grid, initial_arrays=to_record(init), num_rounds=args.rounds,
+                       train_config=ConfigRecord({"seed": args.seed}), evaluate_fn=evaluate)
+    finally:
+        for p in frozen:
+            p.requires_grad_(True)
     secs = time.perf_counter() - t0
     hist = [strategy.history[r] for r in sorted(strategy.history) if strategy.history[r]]
     up = sum(h["upload-bytes"] for h in hist)
@@ -241,6 +265,9 @@ def markdown_lora(part: dict) -> str:
               "|---|---|---|"]
     for p in part["projection"]:
         lines.append(f"| {p['codec']} | {p['gib']:.3g} | {p['ratio']:.0f}x |")
+    lines += ["", "| FlowerTune General NLP leaderboard entry (reported) | GB per run | x fewer than the baseline |",
+              "|---|---|---|"]
+    lines += [f"| {name} | {gb:g} | {LEADERBOARD[0][1] / gb:.0f}x |" for name, gb in LEADERBOARD]
     return "\n".join(lines)
 
 

@@ -237,7 +237,7 @@ for r in range(1, spec["rounds"] + 1):
                    "resident_x_model": x(rss_mib() - start), "download_x_model_per_node": statistics.mean(sent) / model_bytes,
                    "download_kib_per_node": statistics.mean(sent) / 1024, "kinds": kinds,
                    "download_x_model_by_kind": by_kind,
-                   "nodes_known": len(ds.node_version), "copies_kept": ds.copies()})
+                   "nodes_known": len(ds.node_version), "copies_kept": ds.copies(), "copy_budget": ds.copy_budget()})
 print(json.dumps({"model_mib": model_bytes / 2**20, "downstream": down, "downstream_density": down_density,
                   "rounds": rounds}))
 """
@@ -377,7 +377,7 @@ def downstream_rows(width: int, nodes: list[int], fraction: float, rounds: int, 
                    "download_x_model_by_kind": per[0]["download_x_model_by_kind"]}
             for key in ("sampled", "configure_seconds", "configure_peak_x_model", "aggregate_seconds",
                         "aggregate_peak_x_model", "resident_x_model", "download_x_model_per_node",
-                        "download_kib_per_node", "nodes_known", "copies_kept"):
+                        "download_kib_per_node", "nodes_known", "copies_kept", "copy_budget"):
                 row[key] = statistics.median(p[key] for p in per)
             rows.append(row)
             kinds = " ".join(f"{k}={v}" for k, v in sorted(row["kinds"].items()))

@@ -31,6 +31,7 @@ from fedcomp.protocol.broadcast import (
     STAT_DELTA_PREFIX,
     apply_stat_delta,
     chain_key,
+    decode_step,
     gather,
     is_batchnorm_stat,
     is_running_var,
@@ -233,10 +234,10 @@ def rebuild(msg: Message, context: Context, arr_key: str, rec: ArrayRecord, cfg)
     else:
         base = None
     if base is not None:
-        n = sum(base.specs[k].numel for k in lossy)
+        sizes = [base.specs[k].numel for k in lossy]
         vec = gather(base, lossy)
         for p in parts:
-            vec = settle(base, lossy, vec + decompress(p, max_numel=max(n, 1), expected_shape=(n,)).numpy())
+            vec = settle(base, lossy, vec + decode_step(p, sizes))
         scatter(base, lossy, vec)
         rec = base.record(check=True)
         msg.content[arr_key] = rec

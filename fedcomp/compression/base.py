@@ -99,6 +99,9 @@ class Compressor:
     sparse: ClassVar[bool] = False
     #: Works per parameter tensor only (a low-rank codec): ``selection = "model"`` is refused.
     per_tensor_only: ClassVar[bool] = False
+    #: One magnitude for the whole payload (sign): over a whole model's tensors, whose changes differ in
+    #: size, it misfits every tensor, so the download sends such a codec per tensor by default.
+    one_scale: ClassVar[bool] = False
     #: Usable under SecAgg+: clients' payloads add up entry-wise (no per-client positions or scales).
     secagg: ClassVar[bool] = False
     #: ``density-schedule = "auto"`` ramps its density down (DGC's warm-up) below density 1/400

@@ -37,6 +37,7 @@ class SignCompressor(Compressor):
 
     name = "sign"
     codec_id = 3
+    one_scale = True
     _PARAMS = "<f"
 
     def _encode(self, flat: torch.Tensor) -> tuple[bytes, bytes | tuple]:

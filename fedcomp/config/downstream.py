@@ -9,7 +9,8 @@ federation (digits, CNN, 10 clients, 50 rounds, 3 seeds; ``benchmarks/results/bo
   error feedback) at density :data:`AUTO_DENSITY`, whatever the upload's density (a sparser
   download loses accuracy: the clients train from a broadcast model that lags the global one);
 - LoRA fine-tuning (``finetune = "lora"``): ``sign`` (every entry moves each round, so a client that
-  missed rounds under partial participation does not drift; ``benchmarks/llm_lora.py``);
+  missed rounds under partial participation does not drift; one scale per adapter tensor; the server
+  keeps each client's copy for its catch-ups: ``benchmarks/llm_lora.py``);
 - ``compressor = "none"``: no compression either way (the fp32 baseline stays fp32 both ways);
 - ``secagg = true``: dense (the secure path sends the model as Flower's SecAgg+ workflow does; an
   explicit codec there is refused).

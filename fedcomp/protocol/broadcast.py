@@ -11,9 +11,13 @@ by :func:`apply_stat_delta` on both sides, so the server knows each node's copy 
 
 from __future__ import annotations
 
+import struct
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
+from fedcomp.compression import PayloadError, decompress
 from fedcomp.protocol.messages import MODEL_KEY
 from fedcomp.statedict import BF16, FlatModel
 
@@ -63,6 +67,74 @@ def chain_key(i: int) -> str:
     return MODEL_KEY if i == 0 else f"{MODEL_KEY}/{i}"
 
 
+#: First bytes of a compressed step sent per tensor (:func:`encode_per_tensor`); a step of the whole
+#: vector is one fedcomp payload and starts with the wire format's ``b"FCMP"``.
+PER_TENSOR_MAGIC = b"FCPT"
+_COUNT = struct.Struct("<I")
+
+
+def encode_per_tensor(compress: Callable[[int, np.ndarray], bytes], vec: np.ndarray, sizes: list[int]) -> bytes:
+    """One compressed step of the compressed part, each tensor its own fedcomp payload (its own scale,
+    norm or rotation), as the upload's ``selection = "tensor"`` sends it.
+
+    Layout (little-endian): ``b"FCPT"``, uint32 count of payloads, then per non-empty tensor in model
+    order uint32 length and the payload (a header of 22-26 bytes each besides the body).
+
+    Parameters
+    ----------
+    compress : callable
+        ``compress(i, values)``: the payload of the ``i``-th non-empty tensor's float32 values.
+    vec : numpy.ndarray
+        float32, shape ``(sum(sizes),)``: the tensors' values flat, in model order.
+    sizes : list of int
+        Each tensor's number of entries, in model order (0: skipped).
+    """
+    out, off, count = [], 0, 0
+    for n in sizes:
+        if n:
+            payload = compress(count, np.ascontiguousarray(vec[off: off + n]))
+            out += [_COUNT.pack(len(payload)), payload]
+            count += 1
+        off += n
+    return PER_TENSOR_MAGIC + _COUNT.pack(count) + b"".join(out)
+
+
+def decode_step(payload: bytes | memoryview, sizes: list[int]) -> np.ndarray:
+    """The float32 values, shape ``(sum(sizes),)``, of one compressed step: a fedcomp payload of the
+    whole vector, or a per-tensor step (:func:`encode_per_tensor`) whose payloads must be exactly one
+    per non-empty tensor of ``sizes``, each of that tensor's size, with nothing after the last.
+
+    Raises
+    ------
+    fedcomp.compression.PayloadError
+        A malformed step: wrong count, a length past the end, trailing bytes, or a payload that does
+        not decode to its tensor's size (a hostile server's bytes are refused, never guessed at).
+    """
+    n = sum(sizes)
+    view = memoryview(payload).cast("B")
+    if bytes(view[:4]) != PER_TENSOR_MAGIC:
+        return decompress(view, max_numel=max(n, 1), expected_shape=(n,)).numpy()
+    want = [m for m in sizes if m]
+    if len(view) < 8 or _COUNT.unpack_from(view, 4)[0] != len(want):
+        got = _COUNT.unpack_from(view, 4)[0] if len(view) >= 8 else "no"
+        raise PayloadError(f"per-tensor downstream step: {got} payloads for {len(want)} tensors")
+    out, pos, off = np.zeros(n, np.float32), 8, 0
+    for m in sizes:
+        if m:
+            if pos + 4 > len(view):
+                raise PayloadError("per-tensor downstream step ends inside a length")
+            (ln,) = _COUNT.unpack_from(view, pos)
+            pos += 4
+            if pos + ln > len(view):
+                raise PayloadError(f"per-tensor downstream step: a payload of {ln} bytes runs past the end")
+            out[off: off + m] = decompress(view[pos: pos + ln], max_numel=m, expected_shape=(m,)).numpy()
+            pos += ln
+        off += m
+    if pos != len(view):
+        raise PayloadError(f"per-tensor downstream step: {len(view) - pos} bytes after the last payload")
+    return out
+
+
 def segments(model: FlatModel, keys: list[str]) -> list[tuple[int, int]]:
     """``[(flat offset, numel), ...]`` of float tensors ``keys`` in ``model.flat``."""
     return [(model.offsets[k], model.specs[k].numel) for k in keys]
@@ -101,5 +173,6 @@ def settle(model: FlatModel, keys: list[str], vec: np.ndarray) -> np.ndarray:
     return vec
 
 
-__all__ = ["STAT_DELTA_PREFIX", "VAR_FLOOR", "apply_stat_delta", "chain_key", "gather", "is_batchnorm_stat", "is_running_var", "scatter",
+__all__ = ["PER_TENSOR_MAGIC", "STAT_DELTA_PREFIX", "VAR_FLOOR", "apply_stat_delta", "chain_key", "decode_step",
+           "encode_per_tensor", "gather", "is_batchnorm_stat", "is_running_var", "scatter",
            "segments", "settle", "stat_delta_key"]

@@ -139,10 +139,11 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         What clients that missed rounds get: the smaller of the missed payloads and a per-client
         compressed diff (default), or the missed payloads whenever they exist ("exact": every client
         trains from a broadcast version; steadier with sparse downstream codecs such as STC).
-    downstream_max_copies : float
+    downstream_max_copies : float or None
         With ``downstream``: most model copies the server keeps for nodes (older versions, per-node
         catch-up copies, payloads); least recently replying nodes are forgotten first and then treated
-        as new. Default 8 (:class:`.downstream.Downstream`).
+        as new. Default None: 8, or as many as 256 MiB holds when that is more (a small model keeps
+        every node's copy; :meth:`.downstream_sender.Downstream.copy_budget`).
     require_compression : bool
         Refuse dense replies (plain weights from a client without ``compression_mod``). Default
         False: a mixed fleet works, each dense reply is validated like a payload (the model's keys,
@@ -180,7 +181,7 @@ class CompressedStrategy(ForwardsToInner, Strategy):
                  local_dp: LocalDP | None = None, max_epsilon: float | None = None, downstream: str | None = None,
                  client_sampling: float | None = None, seed: int | None = None, aggregation: str = "auto",
                  downstream_init: SeededInit | str | None = "auto", require_compression: bool = False,
-                 downstream_catchup: str = "smallest", downstream_max_copies: float = 8,
+                 downstream_catchup: str = "smallest", downstream_max_copies: float | None = None,
                  downstream_density: float | None = None, preset: str | None = None, **params) -> None:
         if preset is not None:  # one argument for the codecs both ways (strategies/presets.py)
             given = {"compressor": compressor, "error_feedback": error_feedback, "downstream": downstream,

@@ -3,14 +3,15 @@
 ``CompressedStrategy(FedAvg(...), preset="lora")`` in a FlowerTune-style app (adapters from
 ``get_peft_model_state_dict``, ``compression_mod`` on the ClientApp, nothing else):
 
-- ``sign`` with error feedback upward and ``sign`` downward (server-side error feedback): on the
-  Shakespeare LoRA benchmark (``benchmarks/llm_lora.py``, 2 of 8 clients per round) it kept 90 % of
-  fp32's eval-loss gain at 31x fewer bytes both ways, the most of any codec at >= 30x; sparse
-  codecs (STC, top-k at 1-5 %) downward drift under partial participation (a client that missed
-  rounds trains from a copy that lacks much of the recent change) and kept 25-63 %; so does sign
-  on a random half (``randsign``, 0.5 bit) downward, which diverged; upward only (sign down) it
-  kept 76-77 % at 44x against sign's 79-85 % at 31x in a 20-round rerun (seeds 42, 43), so sign
-  both ways stays the preset;
+- ``sign`` with error feedback upward and ``sign`` downward (server-side error feedback, one scale
+  per adapter tensor, each client's copy kept for its catch-ups): on the Shakespeare LoRA benchmark
+  (``benchmarks/llm_lora.py``, 2 of 8 clients per round, 20 rounds, seeds 42-44) it keeps 90.5 % of
+  fp32's eval-loss gain (median; 90.8 / 90.5 / 85.4) at 29x fewer bytes both ways, the most of any
+  setting at >= 20x; sparse codecs (STC, top-k at 1-5 %) downward drift under partial participation
+  (a client that missed rounds trains from a copy that lacks much of the recent change) and kept
+  25-63 %; so does sign on a random half (``randsign``, 0.5 bit) downward, which diverged; upward
+  only (sign down) it keeps 78 % at 41x; FFA-LoRA (A frozen) 81 %; exact catch-ups 94.5 % at 14x
+  and an int8 download 97.5 % at 7x (the gain a few more bytes buy);
 - the seeded start (``downstream_init = "auto"``): the strategy recognises adapters at peft's
   initialisation (``lora_B`` zero, ``lora_A`` Kaiming-uniform) and draws ``lora_A`` from a seed
   that every client rebuilds, so no client downloads the adapters dense;

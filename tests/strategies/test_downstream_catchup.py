@@ -99,8 +99,9 @@ def test_missed_payloads_travel_when_smaller_than_a_diff():
     init, seq = _walk(rounds=5)
 
     class FatDiffs(Downstream):  # per-node diffs in fp32: the chain of sign payloads is smaller
-        def _codec(self, server_round, node=None):
-            return super()._codec(server_round) if node is None else CodecConfig(compressor="none").build()
+        def _codec(self, server_round, node=None, compressor=None, tensor=0):
+            return (super()._codec(server_round, None, compressor, tensor) if node is None
+                    else CodecConfig(compressor="none").build())
 
     fed = Fed("sign", 2)
     fed.ds = FatDiffs(CodecConfig(), "sign", init=init)
@@ -237,7 +238,7 @@ def test_a_round_of_catch_ups_holds_no_model_copy_per_node():
            for n, m in enumerate(msgs)]
     for n in range(n_nodes):
         fed.ds.received(n)
-    assert fed.ds.copies() <= fed.ds.max_copies
+    assert fed.ds.copies() <= fed.ds.copy_budget()
     kept = [n for n in range(n_nodes) if fed.ds.held(n) is not None]
     assert kept  # the latest repliers are remembered, the others forgotten (new next time)
     for n in kept:
