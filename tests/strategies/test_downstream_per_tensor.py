@@ -82,3 +82,26 @@ def test_selection_model_keeps_one_payload_and_sparse_codecs_stay_whole():
     assert int8.ds._payloads[2].startswith(PER_TENSOR_MAGIC)
     assert np.array_equal(_flat(got[0]), int8.ds.held(0))
     assert CodecConfig().selection == "auto"
+
+
+@pytest.mark.parametrize("codec, shared", [("stc", True), ("sign", True), ("int8", False)])
+def test_new_nodes_with_the_same_start_share_one_encoded_diff(codec, shared, monkeypatch):
+    """Nodes that build the same start (or hold the same version) get ``C(G - base)`` encoded once a
+    round when the codec draws nothing from its seed: the same bytes for each (1000 nodes, 10 % a
+    round: ~100 whole-model encodes a round were one); a seeded codec still draws per node. Every
+    node's copy is what the server records, bit for bit."""
+    init, seq = _walk(rounds=3)
+    fed = Fed(codec, 8, init=init, density=0.1)
+    fed.round(seq[0], [0])
+    fed.round(seq[1], [0])
+    calls = []
+    real = type(fed.ds)._compress
+    monkeypatch.setattr(type(fed.ds), "_compress", lambda self, *a, **k: calls.append(a[2] if len(a) > 2 else None)
+                        or real(self, *a, **k))
+    got = fed.round(seq[2], list(range(8)))  # node 0 holds the last version; 1-7 are new
+    assert [fed.ds.sent_kind[n] for n in range(1, 8)] == ["init+diff"] * 7
+    sent = {fed.ds.sent_bytes[n] for n in range(1, 8)}
+    diffs = [m for m in calls if m is not None]  # per-node encodes (the broadcast has node None)
+    assert len(diffs) == (1 if shared else 7) and len(sent) == 1
+    for n in range(8):
+        assert np.array_equal(_flat(got[n]), fed.ds.held(n))
