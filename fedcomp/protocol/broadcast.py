@@ -108,7 +108,8 @@ def decode_step(payload: bytes | memoryview, sizes: list[int]) -> np.ndarray:
     ------
     fedcomp.compression.PayloadError
         A malformed step: wrong count, a length past the end, trailing bytes, or a payload that does
-        not decode to its tensor's size (a hostile server's bytes are refused, never guessed at).
+        not decode to its tensor's size, or (per tensor) to float32 values (a hostile server's bytes
+        are refused, never guessed at).
     """
     n = sum(sizes)
     view = memoryview(payload).cast("B")
@@ -127,7 +128,10 @@ def decode_step(payload: bytes | memoryview, sizes: list[int]) -> np.ndarray:
             pos += 4
             if pos + ln > len(view):
                 raise PayloadError(f"per-tensor downstream step: a payload of {ln} bytes runs past the end")
-            out[off: off + m] = decompress(view[pos: pos + ln], max_numel=m, expected_shape=(m,)).numpy()
+            part = decompress(view[pos: pos + ln], max_numel=m, expected_shape=(m,)).numpy()
+            if part.dtype != np.float32:  # a float64 `none` payload: never sent per tensor, and would overflow
+                raise PayloadError(f"per-tensor downstream step: a payload decodes to {part.dtype}, not float32")
+            out[off: off + m] = part
             pos += ln
         off += m
     if pos != len(view):
@@ -158,7 +162,8 @@ def scatter(model: FlatModel, keys: list[str], vec: np.ndarray) -> None:
 
 def settle(model: FlatModel, keys: list[str], vec: np.ndarray) -> np.ndarray:
     """Round ``vec`` (the float32 values of ``keys``) in place to each tensor's dtype (fp16, bf16),
-    as a copy held in the model's own dtypes is; float32/float64 tensors are left as they are.
+    as a copy held in the model's own dtypes is; float32 tensors too when ``vec`` is float64 (a model
+    with a float64 tensor); float64 tensors are left as they are.
     Values beyond fp16's range become +-inf here (the caller's cast check refuses them)."""
     off = 0
     for k in keys:
@@ -169,6 +174,9 @@ def settle(model: FlatModel, keys: list[str], vec: np.ndarray) -> np.ndarray:
         elif spec.dtype == "float16":
             with np.errstate(over="ignore"):
                 vec[off: off + n] = vec[off: off + n].astype(np.float16).astype(np.float32)
+        elif spec.dtype == "float32" and vec.dtype == np.float64:  # a float64 model's flat: as the record stores it
+            with np.errstate(over="ignore"):
+                vec[off: off + n] = vec[off: off + n].astype(np.float32)
         off += n
     return vec
 

@@ -485,7 +485,8 @@ class Downstream:
         error feedback keeps ``G - B_1``); every new node gets that one start payload."""
         codec = self.init if isinstance(self.init, str) and self.init not in INIT_POLICIES else START_CODEC
         payload = self._compress(self._versions[1], server_round, compressor=codec)
-        b1 = self._settle(self._decode(payload))
+        # in the flat's dtype (float64 for a float64 model), as the client adds the start to its zeros
+        b1 = self._settle(self._decode(payload).astype(self._versions[1].dtype))
         if len(payload) >= self.model.dense_bytes:
             return  # nothing to gain: new nodes get the model dense
         self._start, self._init_vec = [payload], b1

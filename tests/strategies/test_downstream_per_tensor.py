@@ -4,11 +4,15 @@ when its bytes do not fit the model the client holds."""
 import numpy as np
 import pytest
 import torch
+from flwr.app import ConfigRecord, RecordDict
 
+from fedcomp.client.downstream_receiver import rebuild
 from fedcomp.compression import PayloadError, get_compressor
 from fedcomp.config import CodecConfig
 from fedcomp.protocol.broadcast import PER_TENSOR_MAGIC, decode_step, encode_per_tensor
+from fedcomp.statedict import FlatModel, to_record
 
+from tests.messages import make_msg
 from tests.strategies.test_downstream_catchup import SHAPES, Fed, _flat, _walk
 
 SIGN = get_compressor("sign")
@@ -105,3 +109,35 @@ def test_new_nodes_with_the_same_start_share_one_encoded_diff(codec, shared, mon
     assert len(diffs) == (1 if shared else 7) and len(sent) == 1
     for n in range(8):
         assert np.array_equal(_flat(got[n]), fed.ds.held(n))
+
+def test_a_per_tensor_payload_of_float64_values_is_refused():
+    """A ``none`` payload of float64 values (1e300) per tensor: refused, not cast to float32's inf."""
+    wide = get_compressor("none").compress(torch.full((6,), 1e300, dtype=torch.float64))
+    parts = [wide, SIGN.compress(torch.ones(4))]
+    step = PER_TENSOR_MAGIC + len(parts).to_bytes(4, "little") + b"".join(
+        len(p).to_bytes(4, "little") + p for p in parts)
+    with pytest.raises(PayloadError, match="float64, not float32"):
+        decode_step(step, [6, 4])
+
+
+@pytest.mark.parametrize("codec", ["sign", "int8"])
+@pytest.mark.parametrize("dtypes", [("float64", "float64"), ("float16", "float32", "bfloat16", "float64")])
+def test_a_model_with_a_float64_tensor_holds_what_the_server_records(codec, dtypes):
+    """A float64 model (and float32 tensors next to a float64 one) after a compressed start: the
+    server's record was float32 (start) or unrounded float32 tensors, the client's copy not."""
+    g = torch.Generator().manual_seed(0)
+    shapes = [(8, 8), (6,), (5,), (4,)]
+    seq = [{f"t{i}": torch.randn(shapes[i], generator=g).to(getattr(torch, d)) for i, d in enumerate(dtypes)}]
+    for _ in range(3):
+        seq.append({k: (v.double() + 0.01 * torch.randn(v.shape, generator=g, dtype=torch.float64)).to(v.dtype)
+                    for k, v in seq[-1].items()})
+    fed = Fed(codec, 1, init="auto")
+    for r, w in enumerate(seq):
+        fed.rnd += 1
+        rec = to_record({k: v.clone() for k, v in w.items()})
+        msg = make_msg(RecordDict({"arrays": rec, "config": ConfigRecord({"server-round": fed.rnd})}), dst=0)
+        fed.ds.prepare(fed.rnd, rec, [msg])
+        got = rebuild(msg, fed.ctx[0], "arrays", msg.content["arrays"], dict(msg.content["config"]))
+        fed.ds.received(0)
+        assert fed.ds.sent_kind[0] == ("init" if r == 0 else "payload")
+        assert np.array_equal(FlatModel.from_record(got).flat, fed.ds.held(0))
