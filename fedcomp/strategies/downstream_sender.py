@@ -279,10 +279,12 @@ class Downstream:
 
     def copy_budget(self) -> float:
         """Most copies kept (:meth:`copies`): ``max_copies`` if given, else ``max(8, COPY_BYTES_FLOOR /
-        the bytes of one float32 copy of the compressed part)``."""
+        the bytes of one copy of the compressed part)`` (float32 entries; float64 for a model with a
+        float64 tensor, whose copies are float64)."""
         if self.max_copies is not None:
             return self.max_copies
-        return max(DEFAULT_MAX_COPIES, COPY_BYTES_FLOOR / (4 * max(getattr(self, "num_lossy", 0), 1)))
+        itemsize = 4 if self.model is None else self.model.flat.dtype.itemsize
+        return max(DEFAULT_MAX_COPIES, COPY_BYTES_FLOOR / (itemsize * max(getattr(self, "num_lossy", 0), 1)))
 
     def copies(self) -> float:
         """Stored model copies: versions, per-node copies and payload bytes in vectors of the compressed part."""

@@ -141,3 +141,21 @@ def test_a_model_with_a_float64_tensor_holds_what_the_server_records(codec, dtyp
         fed.ds.received(0)
         assert fed.ds.sent_kind[0] == ("init" if r == 0 else "payload")
         assert np.array_equal(FlatModel.from_record(got).flat, fed.ds.held(0))
+
+
+def test_the_copy_budget_counts_a_float64_models_copies_at_8_bytes_an_entry():
+    """A model with a float64 tensor keeps float64 copies: the 256 MiB floor holds half as many."""
+    from flwr.app import ConfigRecord, RecordDict
+
+    from fedcomp.statedict import to_record
+    from fedcomp.strategies.downstream_sender import COPY_BYTES_FLOOR, Downstream
+    from tests.messages import make_msg
+
+    budgets = {}
+    for dtype in (torch.float32, torch.float64):
+        ds = Downstream(CodecConfig(compressor="sign"), "sign")
+        rec = to_record({"w": torch.zeros(1000, dtype=dtype), "b": torch.zeros(24, dtype=torch.float32)})
+        ds.prepare(1, rec, [make_msg(RecordDict({"arrays": rec, "config": ConfigRecord({"server-round": 1})}), dst=0)])
+        budgets[dtype] = ds.copy_budget()
+    assert budgets[torch.float32] == COPY_BYTES_FLOOR / (4 * 1024)
+    assert budgets[torch.float64] == COPY_BYTES_FLOOR / (8 * 1024)
