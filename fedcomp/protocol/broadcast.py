@@ -78,7 +78,7 @@ def encode_per_tensor(compress: Callable[[int, np.ndarray], bytes], vec: np.ndar
     norm or rotation), as the upload's ``selection = "tensor"`` sends it.
 
     Layout (little-endian): ``b"FCPT"``, uint32 count of payloads, then per non-empty tensor in model
-    order uint32 length and the payload (a header of 22-26 bytes each besides the body).
+    order uint32 length and the payload (its own wire header, 22 bytes for a 1-d sign payload, and body).
 
     Parameters
     ----------
