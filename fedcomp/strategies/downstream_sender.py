@@ -182,6 +182,8 @@ class Downstream:
         #: replied), and what each node sent something this round will hold
         self._stats: dict[int, FlatModel] = {}
         self._stats_pending: dict[int, FlatModel] = {}
+        #: this round's diffs from a shared base (:meth:`_diff`), emptied by :meth:`prepare`
+        self._round_diffs: dict[tuple, bytes] = {}
 
     @classmethod
     def for_run(cls, codec: CodecConfig, compressor: str | None, **options) -> Downstream | None:
@@ -285,8 +287,9 @@ class Downstream:
         float64 tensor, whose copies are float64)."""
         if self.max_copies is not None:
             return self.max_copies
-        itemsize = 4 if self.model is None else self.model.flat.dtype.itemsize
-        return max(DEFAULT_MAX_COPIES, COPY_BYTES_FLOOR / (itemsize * max(getattr(self, "num_lossy", 0), 1)))
+        if self.model is None:  # before the first round: nothing is kept yet
+            return max(DEFAULT_MAX_COPIES, COPY_BYTES_FLOOR / 4)
+        return max(DEFAULT_MAX_COPIES, COPY_BYTES_FLOOR / (self.model.flat.dtype.itemsize * max(self.num_lossy, 1)))
 
     def copies(self) -> float:
         """Stored model copies: versions, per-node copies and payload bytes in vectors of the compressed part."""
@@ -337,7 +340,7 @@ class Downstream:
         """
         target = FlatModel.from_record(arrays)
         self._forget_silent_nodes()
-        self._round_diffs: dict[tuple, bytes] = {}  # this round's diffs from a shared base (:meth:`_diff`)
+        self._round_diffs = {}
         payload = None
         if self.model is None:
             self._setup(target)
