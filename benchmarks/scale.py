@@ -237,7 +237,7 @@ for r in range(1, spec["rounds"] + 1):
                    "resident_x_model": x(rss_mib() - start), "download_x_model_per_node": statistics.mean(sent) / model_bytes,
                    "download_kib_per_node": statistics.mean(sent) / 1024, "kinds": kinds,
                    "download_x_model_by_kind": by_kind,
-                   "nodes_known": len(ds.node_version), "copies_kept": ds.copies(), "copy_budget": ds.copy_budget()})
+                   "nodes_known": len(ds.nodes.node_version), "copies_kept": ds.nodes.copies(), "copy_budget": ds.nodes.copy_budget()})
 print(json.dumps({"model_mib": model_bytes / 2**20, "downstream": down, "downstream_density": down_density,
                   "rounds": rounds}))
 """

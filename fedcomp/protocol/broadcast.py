@@ -145,11 +145,12 @@ def segments(model: FlatModel, keys: list[str]) -> list[tuple[int, int]]:
 
 
 def gather(model: FlatModel, keys: list[str]) -> np.ndarray:
-    """The float32 values of ``keys`` concatenated (a copy), shape ``(sum numel,)``."""
+    """The values of ``keys`` concatenated (a copy), shape ``(sum numel,)``, in ``model.flat``'s dtype
+    (float32; float64 for a model with a float64 tensor)."""
     if keys == model.float_keys:
         return model.flat.copy()
     parts = [model.flat[o: o + n] for o, n in segments(model, keys)]
-    return np.concatenate(parts) if parts else np.zeros(0, np.float32)
+    return np.concatenate(parts) if parts else np.zeros(0, model.flat.dtype)
 
 
 def scatter(model: FlatModel, keys: list[str], vec: np.ndarray) -> None:

@@ -143,7 +143,7 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         With ``downstream``: most model copies the server keeps for nodes (older versions, per-node
         catch-up copies, payloads); least recently replying nodes are forgotten first and then treated
         as new. Default None: 8, or as many as 256 MiB holds when that is more (a small model keeps
-        every node's copy; :meth:`.downstream_sender.Downstream.copy_budget`).
+        every node's copy; :meth:`.node_copies.NodeCopies.copy_budget`).
     require_compression : bool
         Refuse dense replies (plain weights from a client without ``compression_mod``). Default
         False: a mixed fleet works, each dense reply is validated like a payload (the model's keys,

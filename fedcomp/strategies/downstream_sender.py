@@ -42,15 +42,9 @@ was not sent stays in ``G - B``). Per destination node, the cheapest of:
 A node counts as holding what it was sent only once its reply arrives (:meth:`Downstream.received`);
 a node that was sent something and did not reply is treated as new next time (its copy is unknown).
 
-Server memory: B and G, one float32 vector of the compressed part per older version that some node
-still holds, one per node that holds a catch-up (``diff``) copy, and the broadcast payloads still
-needed for chains. Bounded by ``max_copies`` (model copies of the compressed part, payload bytes
-included): past it the server forgets the least recently replying nodes first (their copy, and the
-versions and payloads no other node needs); a forgotten node is treated as new (seeded ``init`` +
-catch-up, or ``dense``), as after a missed reply. Between a round's sends and its replies the server
-keeps each node's diff payload (the bytes its message carries), not the copy the node will hold: that
-copy is rebuilt when the node replies (:meth:`Downstream.received`), so a round of N catch-ups costs N
-payloads rather than N model copies (``benchmarks/scale.py --only-downstream``).
+Server memory: B and G, and what :class:`.node_copies.NodeCopies` keeps for catch-ups (the versions
+and per-node copies nodes hold, the payloads of chains) within its copy budget; a forgotten node is
+treated as new (seeded ``init`` + catch-up, or ``dense``), as after a missed reply.
 """
 
 from __future__ import annotations
@@ -81,16 +75,7 @@ from fedcomp.protocol.messages import BASE_VERSION, MODEL_VERSION, payload_array
 from fedcomp.protocol.seeded_init import INIT_SEED, INIT_STYPE, SeededInit
 from fedcomp.statedict import FlatModel
 from fedcomp.strategies.first_contact import INIT_POLICIES, START_CODEC, check_init_policy, starting_model
-
-
-#: Model copies the server keeps for nodes by default (``max_copies = None``) at the least ...
-DEFAULT_MAX_COPIES = 8
-#: ... or as many as fit in this many bytes (float32 copies of the compressed part), if more. On the
-#: LoRA benchmark (2 of 8 clients a round, 47,104 adapter parameters) 8 copies forgot a node every
-#: round or two, and sign both ways (one scale downward) kept 79 / 85 % of fp32's gain (seeds 42 / 43);
-#: remembering every node, 89.4 / 89.6 / 84.6 % (seeds 42-44; ``benchmarks/llm_lora.py``). A
-#: ResNet-18-sized model (44.6 MB) still gets 8.
-COPY_BYTES_FLOOR = 256 * 2**20
+from fedcomp.strategies.node_copies import NodeCopies
 
 
 class Downstream:
@@ -126,8 +111,8 @@ class Downstream:
         per-node catch-up copies and broadcast payloads (their bytes / the vector's bytes) together,
         besides B and G; at least 2 (this version and the previous one). Least recently replying
         nodes are forgotten first, and a forgotten node restarts from the first contact (a per-node
-        error-feedback copy lost). None (default, :meth:`copy_budget`): 8, or as many as
-        :data:`COPY_BYTES_FLOOR` (256 MiB) holds when that is more, so that a small model (LoRA
+        error-feedback copy lost). None (default, :meth:`.node_copies.NodeCopies.copy_budget`): 8, or as many as
+        :data:`.node_copies.COPY_BYTES_FLOOR` (256 MiB) holds when that is more, so that a small model (LoRA
         adapters, a small CNN) keeps a copy for every node of a cross-silo federation; the server's
         memory stays bounded whatever the number of nodes.
 
@@ -150,40 +135,28 @@ class Downstream:
         if max_copies is not None and (isinstance(max_copies, bool) or not isinstance(max_copies, (int, float))
                                        or not max_copies >= 2):
             raise ValueError(f"downstream max_copies must be a number >= 2 or None (auto), got {max_copies!r}")
-        self.max_copies = None if max_copies is None else float(max_copies)
-        self._last_seen: dict[int, int] = {}  # node -> receipt counter (least recently replying evicted first)
-        self._receipts = 0
         self.codec, self.compressor, self.seed, self.init = codec, compressor, seed, init
         self.model: FlatModel | None = None  # B_v: every tensor
-        self.version = 0
-        #: node -> version label of the copy it holds (committed when it replied)
-        self.node_version: dict[int, int] = {}
-        self._private: dict[int, np.ndarray] = {}  # node -> compressed part it holds, if not exactly some B_u
-        self._versions: dict[int, np.ndarray] = {}  # u -> compressed part of B_u (held by some node)
-        self._payloads: dict[int, bytes] = {}  # u -> broadcast payload B_{u-1} -> B_u
-        #: node -> (version it will hold, None: exactly that B; else the diff it was sent and what the diff
-        #: is relative to: ("private",), ("version", u) or ("init",)): the copy is rebuilt when it replies
-        #: (:meth:`received`), so a round of N catch-ups holds N payloads, not N model copies
-        self._pending: dict[int, tuple[int, tuple | None]] = {}
-        self._init_vec: np.ndarray | None = None  # B_1's compressed part, if new nodes can build it
-        self._start: list[bytes] = []  # the compressed start's payload (empty: seeded start)
-        self._start_init: SeededInit | None = None  # the rules of a new node's base (seeded, or zeros)
         #: "exact": lagging clients get the chain of missed payloads whenever it exists, never a per-client
         #: diff, so every client trains from a broadcast version exactly (a per-client diff through a sparse
         #: codec such as STC drifts from the broadcast under partial participation; the chain does not)
         self.exact_catchup = catchup == "exact"
-        #: "exact": B_1's version and the payloads after it are kept for nodes not seen yet, until the
-        #: copies reach ``max_copies`` with no node left to forget (then new nodes get a diff)
-        self._pin_start = True
+        #: what each node holds and the server's memory for it; with "exact", B_1 and the payloads after
+        #: it are kept for nodes not seen yet until the budget has no node left to forget
+        self.nodes = NodeCopies(None if max_copies is None else float(max_copies))
+        self.nodes.pin_start = self.exact_catchup
+        self._start: list[bytes] = []  # the compressed start's payload (empty: seeded start)
+        self._start_init: SeededInit | None = None  # the rules of a new node's base (seeded, or zeros)
         #: this round: node -> bytes sent / kind of message ("payload", "chain", "diff", "init", "dense")
         self.sent_bytes: dict[int, int] = {}
         self.sent_kind: dict[int, str] = {}
-        #: ``batchnorm-stats = "auto"``: node -> its copy of the BatchNorm statistics (committed when it
-        #: replied), and what each node sent something this round will hold
-        self._stats: dict[int, FlatModel] = {}
-        self._stats_pending: dict[int, FlatModel] = {}
         #: this round's diffs from a shared base (:meth:`_diff`), emptied by :meth:`prepare`
         self._round_diffs: dict[tuple, bytes] = {}
+
+    @property
+    def version(self) -> int:
+        """The latest broadcast version v (0 before the first round)."""
+        return self.nodes.version
 
     @classmethod
     def for_run(cls, codec: CodecConfig, compressor: str | None, **options) -> Downstream | None:
@@ -272,63 +245,6 @@ class Downstream:
         return arrays
 
     # -- one round --------------------------------------------------------------------------
-    def _forget_silent_nodes(self) -> None:
-        """Nodes sent something last round that did not reply: their copy is unknown; and drop what
-        no node needs any more."""
-        for node in self._pending:
-            self._forget(node)
-        self._pending, self._stats_pending = {}, {}
-        self._drop_unheld()
-        self._evict(self.copy_budget() - 1)  # room for the version this round adds
-
-    def copy_budget(self) -> float:
-        """Most copies kept (:meth:`copies`): ``max_copies`` if given, else ``max(8, COPY_BYTES_FLOOR /
-        the bytes of one copy of the compressed part)`` (float32 entries; float64 for a model with a
-        float64 tensor, whose copies are float64)."""
-        if self.max_copies is not None:
-            return self.max_copies
-        if self.model is None:  # before the first round: nothing is kept yet
-            return max(DEFAULT_MAX_COPIES, COPY_BYTES_FLOOR / 4)
-        return max(DEFAULT_MAX_COPIES, COPY_BYTES_FLOOR / (self.model.flat.dtype.itemsize * max(self.num_lossy, 1)))
-
-    def copies(self) -> float:
-        """Stored model copies: versions, per-node copies and payload bytes in vectors of the compressed part."""
-        vec_bytes = 4 * max(getattr(self, "num_lossy", 0), 1)
-        return len(self._versions) + len(self._private) + sum(len(p) for p in self._payloads.values()) / vec_bytes
-
-    def _evict(self, budget: float, keep: int | None = None) -> None:
-        """Forget the least recently replying nodes (not ``keep``, not those holding exactly this version
-        without a private copy: they cost nothing) until at most ``budget`` copies are stored."""
-        while self.copies() > budget:
-            cands = [n for n, v in self.node_version.items()
-                     if n != keep and (n in self._private or v != self.version)]
-            if not cands:
-                if self._pin_start:  # let go of the chain from B_1 kept for nodes not seen yet (init + diff)
-                    self._pin_start = False
-                    self._drop_unheld()
-                    continue
-                return
-            self._forget(min(cands, key=lambda n: (self._last_seen.get(n, -1), n)))
-            self._drop_unheld()
-
-    def _forget(self, node: int) -> None:
-        """Forget what ``node`` holds: it is treated as new."""
-        self.node_version.pop(node, None)
-        self._private.pop(node, None)
-        self._last_seen.pop(node, None)
-        self._stats.pop(node, None)
-
-    def _drop_unheld(self) -> None:
-        """Drop the versions and payloads that no node needs any more."""
-        held = {v for n, v in self.node_version.items() if n not in self._private}
-        if self.exact_catchup and self._init_vec is not None and self._pin_start:
-            held.add(1)  # nodes not seen yet start from the seeded B_1 (until max_copies needs the room)
-        for u in [u for u in self._versions if u not in held and u != self.version]:
-            del self._versions[u]
-        oldest = min(held | {self.version})
-        for u in [u for u in self._payloads if u <= oldest]:
-            del self._payloads[u]
-
     def prepare(self, server_round: int, arrays: ArrayRecord, messages: list[Message]) -> list[Message]:
         """Advance B to this round's global model and rewrite each message's arrays and config.
 
@@ -339,24 +255,21 @@ class Downstream:
         keys (and the init seed for ``init`` messages).
         """
         target = FlatModel.from_record(arrays)
-        self._forget_silent_nodes()
+        self.nodes.start_round()
         self._round_diffs = {}
         payload = None
         if self.model is None:
             self._setup(target)
             self.model = target
-            self.version = 1
-            self._versions = {1: self._lossy(target)}
-            self._init_vec = self._check_init(target)
-            if self._init_vec is None and self.init != "dense":
+            self.nodes.add_version(self._lossy(target))
+            self.nodes.start = self._check_init(target)
+            if self.nodes.start is None and self.init != "dense":
                 self._compressed_start(server_round, target)
         else:
-            b = self._versions[self.version]
+            b = self.nodes.versions[self.version]
             payload = self._compress(self._lossy(target) - b, server_round)
             b = self._settle(b + self._decode(payload))
-            self.version += 1
-            self._versions[self.version] = b
-            self._payloads[self.version] = payload
+            self.nodes.add_version(b, payload)
             scatter(self.model, self.lossy_keys, b)
             for k in self.exempt_keys:
                 self.model.float_view(k)[...] = target.float_view(k)
@@ -380,7 +293,7 @@ class Downstream:
             if kind == "dense":
                 dense = dense or self.model.record(check=False)
                 rec = ArrayRecord(dict(dense.items()))
-                self._pending[node] = (self.version, None)
+                self.nodes.pending[node] = (self.version, None)
             else:
                 rec = ArrayRecord()
                 if kind.startswith("init"):
@@ -397,13 +310,13 @@ class Downstream:
                     cfg[BASE_VERSION] = base
                     for k, a in extras.items():
                         rec[k] = a
-                    if self.stat_deltas and node in self._stats:
+                    if self.stat_deltas and node in self.nodes.stats:
                         self._stat_changes(node, rec)
                 for i, p in enumerate(parts):
                     rec[chain_key(i)] = payload_array(p)
-                self._pending[node] = (self.version, held)
-            if self.stat_deltas and node not in self._stats_pending:  # sent the statistics exactly
-                self._stats_pending[node] = self._exempt_copy()
+                self.nodes.pending[node] = (self.version, held)
+            if self.stat_deltas and node not in self.nodes.stats_pending:  # sent the statistics exactly
+                self.nodes.stats_pending[node] = self._exempt_copy()
             msg.content[arr_key] = rec
             self.sent_bytes[node] = sum(len(a.data) for a in rec.values())
             self.sent_kind[node] = kind
@@ -420,7 +333,7 @@ class Downstream:
     def _stat_changes(self, node: int, rec: ArrayRecord) -> None:
         """Replace the exact statistics in ``rec`` by their change since ``node``'s copy (one
         ``sign`` payload per tensor) and record what the node will hold once it replies."""
-        held = self._exempt_copy(self._stats[node])
+        held = self._exempt_copy(self.nodes.stats[node])
         sign = get_compressor(BATCHNORM_STATS_CODEC)
         for k in self.exempt_keys:
             del rec[k]
@@ -430,17 +343,18 @@ class Downstream:
             rec[stat_delta_key(k)] = payload_array(payload)
             apply_stat_delta(held, k, decompress(payload, max_numel=max(spec.numel, 1),
                                                  expected_shape=(spec.numel,)).numpy())
-        self._stats_pending[node] = held
+        self.nodes.stats_pending[node] = held
 
     def _plan(self, server_round: int, node: int, payload: bytes | None, g: np.ndarray,
               extra_bytes: int) -> tuple[str, list[bytes], int, tuple | None]:
         """The cheapest message for ``node``: ``(kind, compressed payloads, base version, what the
-        node will hold if not exactly B_v: ``(diff payload, *its base)``, see ``_pending``)``."""
+        node will hold if not exactly B_v: ``(diff payload, *its base)``, see :attr:`.NodeCopies.pending`)``."""
         v = self.version
-        known = node in self.node_version
+        nodes = self.nodes
+        known = node in nodes.node_version
         if known:
-            label, private = self.node_version[node], self._private.get(node)
-        elif self._init_vec is not None:
+            label, private = nodes.node_version[node], nodes.private.get(node)
+        elif nodes.start is not None:
             label, private = 1, None  # builds B_1 itself from the seed
         else:
             return "dense", [], 0, None
@@ -452,10 +366,10 @@ class Downstream:
         prefix = "init+" if not known else ""
         start_cost = sum(len(p) for p in start)
         base = ("private",) if private is not None else ("init",) if not known and label == 1 else ("version", label)
-        held = self._base(node, base)
+        held = nodes.base(node, base)
         options: list[tuple[int, int, str, list[bytes], np.ndarray | None]] = []
-        if private is None and all(u in self._payloads for u in range(label + 1, v + 1)):
-            chain = [self._payloads[u] for u in range(label + 1, v + 1)]
+        if private is None and all(u in nodes.payloads for u in range(label + 1, v + 1)):
+            chain = [nodes.payloads[u] for u in range(label + 1, v + 1)]
             options.append((start_cost + sum(len(p) for p in chain), 0, prefix + "chain", start + chain, None))
         if held is not None and not (self.exact_catchup and options):
             diff = self._diff(server_round, node, base, g, held)
@@ -478,27 +392,19 @@ class Downstream:
             self._round_diffs[base] = self._compress(g - held, server_round, node)
         return self._round_diffs[base]
 
-    def _base(self, node: int, base: tuple) -> np.ndarray | None:
-        """The compressed part a diff to ``node`` is relative to: its own copy (``("private",)``), B_u
-        (``("version", u)``) or a new node's B_1 (``("init",)``); None once the server no longer has it."""
-        if base[0] == "private":
-            return self._private.get(node)
-        if base[0] == "init":
-            return self._init_vec
-        return self._versions.get(base[1])
-
     def _compressed_start(self, server_round: int, target: FlatModel) -> None:
         """B_1 := the initial model compressed from zero with the first-contact codec (server-side
         error feedback keeps ``G - B_1``); every new node gets that one start payload."""
         codec = self.init if isinstance(self.init, str) and self.init not in INIT_POLICIES else START_CODEC
-        payload = self._compress(self._versions[1], server_round, compressor=codec)
+        first = self.nodes.versions[1]
+        payload = self._compress(first, server_round, compressor=codec)
         # in the flat's dtype (float64 for a float64 model), as the client adds the start to its zeros
-        b1 = self._settle(self._decode(payload).astype(self._versions[1].dtype))
+        b1 = self._settle(self._decode(payload).astype(first.dtype))
         if len(payload) >= self.model.dense_bytes:
             return  # nothing to gain: new nodes get the model dense
-        self._start, self._init_vec = [payload], b1
+        self._start, self.nodes.start = [payload], b1
         self._start_init = SeededInit(0, dict.fromkeys(self.lossy_keys, 0.0))
-        self._versions[1] = b1
+        self.nodes.versions[1] = b1
         scatter(self.model, self.lossy_keys, b1)
 
     def _check_init(self, target: FlatModel) -> np.ndarray | None:
@@ -513,7 +419,7 @@ class Downstream:
             log(WARNING, "fedcomp downstream: the seeded init does not describe this model (%s); new clients "
                 "get a compressed start", exc)
             return None
-        if not np.array_equal(vec, self._versions[1]):
+        if not np.array_equal(vec, self.nodes.versions[1]):
             log(WARNING, "fedcomp downstream: the initial global model is not the seeded init; "
                 "new clients get a compressed start")
             return None
@@ -521,26 +427,8 @@ class Downstream:
         return vec
 
     def received(self, node: int) -> None:
-        """``node`` replied this round, so it holds what it was sent."""
-        if node in self._pending:
-            label, diff = self._pending.pop(node)
-            held = None if diff is None else self._base(node, diff[1:])
-            if diff is not None and held is None:  # its base was forgotten meanwhile: the node is new next time
-                self._stats_pending.pop(node, None)
-                self._forget(node)
-                return
-            self.node_version[node] = label
-            if node in self._stats_pending:
-                self._stats[node] = self._stats_pending.pop(node)
-            if diff is None:
-                self._private.pop(node, None)
-            else:
-                self._private[node] = self._settle(held + self._decode(diff[0]))
-            self._receipts += 1
-            self._last_seen[node] = self._receipts
-            if self.copies() > self.copy_budget():  # over budget: first what nobody needs, then the oldest nodes
-                self._drop_unheld()
-                self._evict(self.copy_budget(), keep=node)
+        """``node`` replied this round, so it holds what it was sent (a diff's copy rebuilt here)."""
+        self.nodes.commit(node, lambda base, diff: self._settle(base + self._decode(diff)))
 
     def note_replies(self, stats: list[dict]) -> None:
         """Each replying node (``stats``: per-client figures with ``node``) holds what it was sent
@@ -551,16 +439,11 @@ class Downstream:
 
     def held(self, node: int) -> np.ndarray | None:
         """Every float tensor (flat, model order) the server believes ``node`` holds (None: unknown)."""
-        if node not in self.node_version:
-            return None
-        vec = self._private.get(node)
-        if vec is None:
-            vec = self._versions.get(self.node_version[node])
+        vec = self.nodes.held(node)
         if vec is None:
             return None
         out = FlatModel({k: v for k, v in self.model.items()}, {k: s.dtype for k, s in self.model.specs.items()})
         scatter(out, self.lossy_keys, vec)
-        for k in self.exempt_keys if node in self._stats else []:
-            out.float_view(k)[...] = self._stats[node].float_view(k)
+        for k in self.exempt_keys if node in self.nodes.stats else []:
+            out.float_view(k)[...] = self.nodes.stats[node].float_view(k)
         return out.flat
-

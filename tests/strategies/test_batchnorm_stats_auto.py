@@ -43,7 +43,7 @@ def test_every_client_copy_equals_the_servers_record_of_it(codec):
             if rnd > 1:  # a node with a known copy gets the change, never the exact statistics
                 assert stat_delta_key("1.running_var") in rec and "1.running_var" not in rec
             held = _stats_of(grid.contexts[node].state[MODEL_STATE_KEY])
-            ours = strategy.downstream._stats_pending[node]
+            ours = strategy.downstream.nodes.stats_pending[node]
             for k in STATS[:2]:
                 assert np.array_equal(held[k], ours[k]), (rnd, node, k)
             assert held["1.running_var"].min() >= 0
@@ -114,7 +114,7 @@ def test_zoo_downstream_copies_agree_over_rounds(name):
         assert bool(stats) == (name in ("batchnorm1d", "batchnorm2d", "fp16"))
         for k in stats:
             assert rebuilt[k].dtype == sd[k].dtype
-            assert torch.equal(rebuilt[k], torch.from_numpy(ds._stats[5][k].copy()).to(sd[k].dtype)), (rnd, k)
+            assert torch.equal(rebuilt[k], torch.from_numpy(ds.nodes.stats[5][k].copy()).to(sd[k].dtype)), (rnd, k)
             if k.endswith("running_var"):
                 assert float(rebuilt[k].float().min()) >= 0
             assert (stat_delta_key(k) in sent) == (rnd > 1 and ds.sent_kind[5] != "dense")
@@ -191,7 +191,7 @@ def test_copies_agree_under_partial_participation_and_a_lost_reply():
             node, rec = m.metadata.dst_node_id, m.content["arrays"]
             forms.add("change" if stat_delta_key("1.running_var") in rec else "exact")
             # a node the server knows a copy of gets the change, any other (the lost reply's) the values
-            assert (stat_delta_key("1.running_var") in rec) == (node in s.downstream._stats), (rnd, node)
+            assert (stat_delta_key("1.running_var") in rec) == (node in s.downstream.nodes.stats), (rnd, node)
             if lost and node == lost_node[0]:
                 resent.append(stat_delta_key("1.running_var") in rec)
         replies = grid.send_and_receive(msgs)
@@ -200,10 +200,10 @@ def test_copies_agree_under_partial_participation_and_a_lost_reply():
             lost_node.extend(n for n, c in grid.contexts.items() if c.node_config["partition-id"] == lost[3])
         for m in msgs:
             node = m.metadata.dst_node_id
-            if node in s.downstream._stats:
+            if node in s.downstream.nodes.stats:
                 held = _stats_of(grid.contexts[node].state[MODEL_STATE_KEY])
                 for k in STATS[:2]:
-                    assert np.array_equal(held[k], s.downstream._stats[node][k]), (rnd, node, k)
+                    assert np.array_equal(held[k], s.downstream.nodes.stats[node][k]), (rnd, node, k)
                 assert held["1.running_var"].min() >= 0
         assert arrays["1.running_var"].numpy().min() > 0
     assert forms == {"change", "exact"} and lost

@@ -33,7 +33,7 @@ def test_partial_participation_models_match_the_server_record_bit_for_bit(init):
     dense_size = sum(len(a.data) for a in arrays.values())
     kinds = []
     for rnd in range(1, 11):
-        before = dict(s.downstream.node_version)
+        before = dict(s.downstream.nodes.node_version)
         msgs = list(s.configure_train(rnd, arrays, ConfigRecord({"seed": 1}), grid))
         replies = grid.send_and_receive(msgs)
         arrays, _ = s.aggregate_train(rnd, replies)
@@ -95,7 +95,7 @@ def test_dense_reply_under_downstream_is_rejected():
     for rnd in range(1, 4):
         arrays, _ = s.aggregate_train(rnd, grid.send_and_receive(list(s.configure_train(rnd, arrays, ConfigRecord({"seed": 1}), grid))))
     x = sorted(grid.contexts)[0]
-    s.downstream.node_version.pop(x)
+    s.downstream.nodes.node_version.pop(x)
     msgs = list(s.configure_train(4, arrays, ConfigRecord({"seed": 1}), grid))
     mx = next(m for m in msgs if m.metadata.dst_node_id == x)
     others = [m for m in msgs if m is not mx]
@@ -125,8 +125,8 @@ def test_downstream_server_memory_is_bounded_with_many_clients():
         ds.prepare(r, rec, msgs)
         for n in nodes:
             ds.received(n)
-        assert ds.copies() <= ds.copy_budget() == 8
-    copies = (sum(v.nbytes for v in ds._versions.values()) + sum(v.nbytes for v in ds._private.values())) / (4 * D)
+        assert ds.nodes.copies() <= ds.nodes.copy_budget() == 8
+    copies = (sum(v.nbytes for v in ds.nodes.versions.values()) + sum(v.nbytes for v in ds.nodes.private.values())) / (4 * D)
     assert copies <= 8  # before the fix: ~250 model copies after 100 rounds
 
 
@@ -137,8 +137,9 @@ def test_the_default_copy_budget_keeps_every_node_of_a_small_model_and_stays_bou
     fp32's gain against 89-90 %); with many nodes the copies stop at the 256 MiB floor."""
     from fedcomp.config import CodecConfig
     from fedcomp.statedict import to_record
-    from fedcomp.strategies import downstream_sender
-    from fedcomp.strategies.downstream_sender import COPY_BYTES_FLOOR, Downstream
+    from fedcomp.strategies import node_copies
+    from fedcomp.strategies.downstream_sender import Downstream
+    from fedcomp.strategies.node_copies import COPY_BYTES_FLOOR
     from tests.messages import make_msg
 
     def run(D, nodes_total, per_round, rounds):
@@ -156,13 +157,13 @@ def test_the_default_copy_budget_keeps_every_node_of_a_small_model_and_stays_bou
         return ds
 
     small = run(1_000, 8, 2, 30)  # 2 of 8 a round, as the LoRA benchmark
-    assert small.copy_budget() == COPY_BYTES_FLOOR / 4_000
-    assert len(small.node_version) == 8 and len(small._private) >= 6  # nobody forgotten
+    assert small.nodes.copy_budget() == COPY_BYTES_FLOOR / 4_000
+    assert len(small.nodes.node_version) == 8 and len(small.nodes.private) >= 6  # nobody forgotten
     floor = 4 * 2**20  # a smaller floor, as if the model were 64x larger: the same rule, less to allocate
-    monkeypatch.setattr(downstream_sender, "COPY_BYTES_FLOOR", floor)
+    monkeypatch.setattr(node_copies, "COPY_BYTES_FLOOR", floor)
     big = run(floor // 4 // 4, 60, 10, 6)  # a copy is 1/4 of the floor: the budget is 8
-    assert big.copy_budget() == 8
-    assert big.copies() <= 8 and len(big.node_version) < 60
+    assert big.nodes.copy_budget() == 8
+    assert big.nodes.copies() <= 8 and len(big.nodes.node_version) < 60
     mid = run(floor // 4 // 32, 60, 10, 6)  # a copy is 1/32 of the floor: 32 copies, past 8
-    assert mid.copy_budget() == 32
-    assert 8 < mid.copies() <= 32
+    assert mid.nodes.copy_budget() == 32
+    assert 8 < mid.nodes.copies() <= 32

@@ -110,7 +110,7 @@ def test_missed_payloads_travel_when_smaller_than_a_diff():
         fed.round(seq[r], [0])
     got = fed.round(seq[3], [0, 1])
     assert fed.ds.sent_kind[1] == "chain"
-    assert fed.ds.sent_bytes[1] == sum(len(fed.ds._payloads[u]) for u in (2, 3, 4))  # versions 2, 3, 4
+    assert fed.ds.sent_bytes[1] == sum(len(fed.ds.nodes.payloads[u]) for u in (2, 3, 4))  # versions 2, 3, 4
     assert np.array_equal(_flat(got[1]), fed.ds.history[fed.ds.version])  # exactly B_v
     assert np.array_equal(_flat(got[0]), _flat(got[1]))
 
@@ -175,14 +175,14 @@ def test_server_memory_is_bounded_and_evicted_nodes_start_again(codec, tol):
     holds what the server records for it (fp16: within fp16 rounding of the global model)."""
     init, seq = _walk(rounds=40)
     fed = Fed(codec, 60, init=init, density=0.05)
-    fed.ds.max_copies = 4.0
+    fed.ds.nodes.max_copies = 4.0
     rng = np.random.default_rng(1)
     kinds = set()
     for w in seq:
         nodes = sorted(rng.choice(60, 5, replace=False).tolist())
         got = fed.round(w, nodes)
         kinds |= set(fed.ds.sent_kind.values())
-        assert fed.ds.copies() <= 4.0
+        assert fed.ds.nodes.copies() <= 4.0
         g = np.concatenate([w[k].ravel() for k in SHAPES])
         for n, rec in got.items():
             held = fed.ds.held(n)
@@ -191,7 +191,7 @@ def test_server_memory_is_bounded_and_evicted_nodes_start_again(codec, tol):
             if tol is not None:
                 assert np.abs(_flat(rec) - g).max() <= tol
     assert any(k.startswith("init+") for k in kinds)  # forgotten / new nodes after round 1 start from the seed
-    assert len(fed.ds._versions) + len(fed.ds._private) <= 4
+    assert len(fed.ds.nodes.versions) + len(fed.ds.nodes.private) <= 4
 
 
 def test_max_copies_is_validated():
@@ -238,7 +238,7 @@ def test_a_round_of_catch_ups_holds_no_model_copy_per_node():
            for n, m in enumerate(msgs)]
     for n in range(n_nodes):
         fed.ds.received(n)
-    assert fed.ds.copies() <= fed.ds.copy_budget()
+    assert fed.ds.nodes.copies() <= fed.ds.nodes.copy_budget()
     kept = [n for n in range(n_nodes) if fed.ds.held(n) is not None]
     assert kept  # the latest repliers are remembered, the others forgotten (new next time)
     for n in kept:

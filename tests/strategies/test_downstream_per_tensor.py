@@ -62,7 +62,7 @@ def test_the_sign_download_scales_each_tensor_and_the_client_holds_what_the_serv
     fed.round(seq[0], [0, 1])
     got = fed.round(seq[1], [0])
     assert fed.ds.per_tensor() and fed.ds.sent_kind[0] == "payload"
-    payload = fed.ds._payloads[fed.ds.version]
+    payload = fed.ds.nodes.payloads[fed.ds.version]
     assert payload.startswith(PER_TENSOR_MAGIC)
     assert len(payload) == 8 + len(SHAPES) * (4 + 22 + 256 // 8)
     for k in (big, small):  # every entry moved by exactly its tensor's own change
@@ -75,15 +75,15 @@ def test_selection_model_keeps_one_payload_and_sparse_codecs_stay_whole():
     fed = Fed("sign", 1, init=init, selection="model")
     fed.round(seq[0], [0])
     fed.round(seq[1], [0])
-    assert not fed.ds.per_tensor() and not fed.ds._payloads[2].startswith(PER_TENSOR_MAGIC)
+    assert not fed.ds.per_tensor() and not fed.ds.nodes.payloads[2].startswith(PER_TENSOR_MAGIC)
     stc = Fed("stc", 1, init=init, density=0.05)
     stc.round(seq[0], [0])
     stc.round(seq[1], [0])
-    assert not stc.ds.per_tensor() and not stc.ds._payloads[2].startswith(PER_TENSOR_MAGIC)
+    assert not stc.ds.per_tensor() and not stc.ds.nodes.payloads[2].startswith(PER_TENSOR_MAGIC)
     int8 = Fed("int8", 1, init=init, selection="tensor")  # asked for: any codec per tensor
     int8.round(seq[0], [0])
     got = int8.round(seq[1], [0])
-    assert int8.ds._payloads[2].startswith(PER_TENSOR_MAGIC)
+    assert int8.ds.nodes.payloads[2].startswith(PER_TENSOR_MAGIC)
     assert np.array_equal(_flat(got[0]), int8.ds.held(0))
     assert CodecConfig().selection == "auto"
 
@@ -148,7 +148,8 @@ def test_the_copy_budget_counts_a_float64_models_copies_at_8_bytes_an_entry():
     from flwr.app import ConfigRecord, RecordDict
 
     from fedcomp.statedict import to_record
-    from fedcomp.strategies.downstream_sender import COPY_BYTES_FLOOR, Downstream
+    from fedcomp.strategies.downstream_sender import Downstream
+    from fedcomp.strategies.node_copies import COPY_BYTES_FLOOR
     from tests.messages import make_msg
 
     budgets = {}
@@ -156,6 +157,6 @@ def test_the_copy_budget_counts_a_float64_models_copies_at_8_bytes_an_entry():
         ds = Downstream(CodecConfig(compressor="sign"), "sign")
         rec = to_record({"w": torch.zeros(1000, dtype=dtype), "b": torch.zeros(24, dtype=torch.float32)})
         ds.prepare(1, rec, [make_msg(RecordDict({"arrays": rec, "config": ConfigRecord({"server-round": 1})}), dst=0)])
-        budgets[dtype] = ds.copy_budget()
+        budgets[dtype] = ds.nodes.copy_budget()
     assert budgets[torch.float32] == COPY_BYTES_FLOOR / (4 * 1024)
     assert budgets[torch.float64] == COPY_BYTES_FLOOR / (8 * 1024)

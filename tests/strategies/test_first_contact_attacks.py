@@ -184,7 +184,7 @@ def test_exact_catch_up_after_a_seeded_or_compressed_start_stays_within_max_copi
         msg = make_msg(RecordDict({"arrays": to_record(g), "config": ConfigRecord({})}), dst=1)
         ds.prepare(r, to_record(g), [msg])
         ds.received(1)
-        assert ds.copies() <= 3, r
+        assert ds.nodes.copies() <= 3, r
         g = {k: t + 0.01 * torch.randn_like(t) for k, t in g.items()}
     late = make_msg(RecordDict({"arrays": to_record(g), "config": ConfigRecord({})}), dst=9)
     ds.prepare(41, to_record(g), [late])

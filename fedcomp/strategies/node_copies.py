@@ -1,0 +1,187 @@
+"""What each node holds of the broadcast, and the server's memory for it: the per-node side of
+downstream compression (:mod:`.downstream_sender` plans and encodes the messages; this room keeps the
+copies those messages are relative to, and forgets within a budget).
+
+Per node the server knows one of: exactly a broadcast version B_u (``node_version[node] = u``), or a
+*private* copy (a version plus a per-node catch-up diff, ``private[node]``), or nothing (a new or
+forgotten node). A node counts as holding what it was sent only once its reply arrives
+(:meth:`NodeCopies.commit`); until then the message's plan is *pending*, and a node that was sent
+something and did not reply is forgotten at the next round (:meth:`NodeCopies.start_round`).
+
+Server memory: one vector of the compressed part per version some node still holds, one per node that
+holds a private copy, and the broadcast payloads still needed for chains (their bytes counted in
+vectors). Bounded by the copy budget (:meth:`NodeCopies.copy_budget`): past it the least recently
+replying nodes are forgotten first (their copy, and the versions and payloads no other node needs); a
+forgotten node is treated as new, as after a missed reply. Between a round's sends and its replies only
+each node's diff payload is kept (the bytes its message carries), not the copy the node will hold: that
+copy is rebuilt when it replies, so a round of N catch-ups costs N payloads rather than N model copies
+(``benchmarks/scale.py --only-downstream``).
+
+Source of the policy: Sattler et al., IEEE TNNLS 2019 ("caching": a client that missed rounds gets the
+accumulated change); the budget and least-recently-replying eviction are fedcomp's.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from fedcomp.statedict import FlatModel
+
+#: Model copies the server keeps for nodes by default (``max_copies = None``) at the least ...
+DEFAULT_MAX_COPIES = 8
+#: ... or as many as fit in this many bytes (float32 copies of the compressed part), if more. On the
+#: LoRA benchmark (2 of 8 clients a round, 47,104 adapter parameters) 8 copies forgot a node every
+#: round or two, and sign both ways (one scale downward) kept 79 / 85 % of fp32's gain (seeds 42 / 43);
+#: remembering every node, 89.4 / 89.6 / 84.6 % (seeds 42-44; ``benchmarks/llm_lora.py``). A
+#: ResNet-18-sized model (44.6 MB) still gets 8.
+COPY_BYTES_FLOOR = 256 * 2**20
+
+
+class NodeCopies:
+    """The versions, per-node copies and chain payloads the server keeps for downstream catch-ups,
+    within a copy budget.
+
+    Vectors are the compressed part of the model (every float tensor sent through the codec, flat in
+    model order, ``(entries,)``, float32, or float64 for a model with a float64 tensor); a *base* names
+    what a diff is relative to: ``("private",)`` the node's own copy, ``("version", u)`` B_u,
+    ``("init",)`` the start B_1 that a new node builds itself (:attr:`start`).
+
+    Parameters
+    ----------
+    max_copies : float or None
+        Most copies kept (:meth:`copies`), besides the broadcast model and the global one; at least 2
+        (checked by :class:`.downstream_sender.Downstream`). None: :meth:`copy_budget`'s default.
+    """
+
+    def __init__(self, max_copies: float | None = None) -> None:
+        self.max_copies = max_copies
+        self.version = 0  # the latest broadcast version
+        self.entries = 0  # entries of one vector (set with the first version)
+        self.itemsize = 4  # bytes of one entry (8 for a float64 model)
+        #: node -> version label of the copy it holds (committed when it replied)
+        self.node_version: dict[int, int] = {}
+        self.private: dict[int, np.ndarray] = {}  # node -> its copy, if not exactly some B_u
+        self.versions: dict[int, np.ndarray] = {}  # u -> B_u (held by some node, or the latest)
+        self.payloads: dict[int, bytes] = {}  # u -> broadcast payload B_{u-1} -> B_u
+        #: B_1, if new nodes build it themselves (a seeded or compressed start); else None
+        self.start: np.ndarray | None = None
+        #: keep B_1 and the payloads after it for nodes not seen yet (exact catch-ups), until the budget
+        #: has no node left to forget
+        self.pin_start = False
+        #: node -> (version it will hold, None: exactly that B; else ``(diff payload, *base)``): the copy
+        #: is rebuilt when the node replies (:meth:`commit`)
+        self.pending: dict[int, tuple[int, tuple | None]] = {}
+        #: ``batchnorm-stats = "auto"``: node -> its copy of the BatchNorm statistics (committed when it
+        #: replied), and what each node sent something this round will hold
+        self.stats: dict[int, FlatModel] = {}
+        self.stats_pending: dict[int, FlatModel] = {}
+        self._last_seen: dict[int, int] = {}  # node -> receipt counter (least recently replying forgotten first)
+        self._receipts = 0
+
+    def add_version(self, vec: np.ndarray, payload: bytes | None = None) -> None:
+        """Store the next broadcast version ``vec`` (the first one sets the vectors' size and dtype) and,
+        after the first, the ``payload`` that led to it from the previous version."""
+        self.version += 1
+        if self.version == 1:
+            self.entries, self.itemsize = vec.size, vec.dtype.itemsize
+        self.versions[self.version] = vec
+        if payload is not None:
+            self.payloads[self.version] = payload
+
+    def base(self, node: int, base: tuple) -> np.ndarray | None:
+        """The vector a diff to ``node`` is relative to (``base``: see the class); None once forgotten."""
+        if base[0] == "private":
+            return self.private.get(node)
+        if base[0] == "init":
+            return self.start
+        return self.versions.get(base[1])
+
+    def held(self, node: int) -> np.ndarray | None:
+        """The vector ``node`` holds (None: unknown, or its version is no longer kept)."""
+        if node not in self.node_version:
+            return None
+        vec = self.private.get(node)
+        return self.versions.get(self.node_version[node]) if vec is None else vec
+
+    # -- a round -----------------------------------------------------------------------------
+    def start_round(self) -> None:
+        """Before this round's sends: forget the nodes sent something last round that did not reply (their
+        copy is unknown), drop what no node needs, and make room for the version this round adds."""
+        for node in self.pending:
+            self.forget(node)
+        self.pending, self.stats_pending = {}, {}
+        self.drop_unheld()
+        self.evict(self.copy_budget() - 1)
+
+    def commit(self, node: int, rebuild: Callable[[np.ndarray, bytes], np.ndarray]) -> None:
+        """``node`` replied, so it holds what it was sent: ``rebuild(base vector, diff payload)`` gives a
+        private copy. A node whose diff's base was forgotten meanwhile is forgotten too (new next time).
+        Over the budget afterwards: first what nobody needs, then the least recently replying nodes."""
+        if node not in self.pending:
+            return
+        label, diff = self.pending.pop(node)
+        base = None if diff is None else self.base(node, diff[1:])
+        if diff is not None and base is None:
+            self.stats_pending.pop(node, None)
+            self.forget(node)
+            return
+        self.node_version[node] = label
+        if node in self.stats_pending:
+            self.stats[node] = self.stats_pending.pop(node)
+        if diff is None:
+            self.private.pop(node, None)
+        else:
+            self.private[node] = rebuild(base, diff[0])
+        self._receipts += 1
+        self._last_seen[node] = self._receipts
+        if self.copies() > self.copy_budget():
+            self.drop_unheld()
+            self.evict(self.copy_budget(), keep=node)
+
+    # -- the budget ----------------------------------------------------------------------------
+    def copy_budget(self) -> float:
+        """Most copies kept (:meth:`copies`): ``max_copies`` if given, else ``max(8, COPY_BYTES_FLOOR /
+        the bytes of one vector)`` (float32 entries; float64 for a model with a float64 tensor)."""
+        if self.max_copies is not None:
+            return self.max_copies
+        return max(DEFAULT_MAX_COPIES, COPY_BYTES_FLOOR / (self.itemsize * max(self.entries, 1)))
+
+    def copies(self) -> float:
+        """Stored copies: versions, private copies and payload bytes, in float32 vectors of the compressed part."""
+        vec_bytes = 4 * max(self.entries, 1)
+        return len(self.versions) + len(self.private) + sum(len(p) for p in self.payloads.values()) / vec_bytes
+
+    def evict(self, budget: float, keep: int | None = None) -> None:
+        """Forget the least recently replying nodes (not ``keep``, not those holding exactly the latest
+        version without a private copy: they cost nothing) until at most ``budget`` copies are stored."""
+        while self.copies() > budget:
+            cands = [n for n, v in self.node_version.items()
+                     if n != keep and (n in self.private or v != self.version)]
+            if not cands:
+                if self.pin_start:  # let go of the chain from B_1 kept for nodes not seen yet (init + diff)
+                    self.pin_start = False
+                    self.drop_unheld()
+                    continue
+                return
+            self.forget(min(cands, key=lambda n: (self._last_seen.get(n, -1), n)))
+            self.drop_unheld()
+
+    def forget(self, node: int) -> None:
+        """Forget what ``node`` holds: it is treated as new."""
+        self.node_version.pop(node, None)
+        self.private.pop(node, None)
+        self._last_seen.pop(node, None)
+        self.stats.pop(node, None)
+
+    def drop_unheld(self) -> None:
+        """Drop the versions and payloads that no node needs any more (the latest version stays)."""
+        held = {v for n, v in self.node_version.items() if n not in self.private}
+        if self.start is not None and self.pin_start:
+            held.add(1)  # nodes not seen yet start from B_1 (until the budget needs the room)
+        for u in [u for u in self.versions if u not in held and u != self.version]:
+            del self.versions[u]
+        oldest = min(held | {self.version})
+        for u in [u for u in self.payloads if u <= oldest]:
+            del self.payloads[u]
