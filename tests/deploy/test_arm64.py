@@ -65,7 +65,8 @@ def test_arm64_supernode_joins_an_amd64_superlink(tmp_path, capsys):
             "--app", str(REPO), "--port", str(base), "--base-node-port", str(base + 1), "--workdir", str(tmp_path),
             "--timeout", "1500", "--supernodes", "2",
             "--node-wrapper", f"0={SCRIPT} exec {root}", "--node-config", "0=data-file='/data/partition-0.npz'",
-            "--run-config", "num-server-rounds=2 compressor='stc'"])
+            # no federated evaluation: each round is one emulated ClientApp process per node, not two
+            "--run-config", "num-server-rounds=2 compressor='stc' fraction-evaluate=0.0"])
     finally:
         subprocess.run([str(SCRIPT), "umount", str(root)], check=False, timeout=60)
     out = capsys.readouterr().out

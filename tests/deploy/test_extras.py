@@ -111,6 +111,11 @@ def test_partition_file_equals_the_computed_partition_and_refuses_other_settings
     (tmp_path / "junk.npz").write_bytes(b"not a zip")
     with pytest.raises(ValueError, match="not a fedcomp partition file"):
         load_partition_file(tmp_path / "junk.npz", cfg, 0, 3)
+    # a file cut short (a copy interrupted): one line, not zipfile's traceback
+    for cut in (100, paths[0].stat().st_size // 2, paths[0].stat().st_size - 10):
+        (tmp_path / "torn.npz").write_bytes(paths[0].read_bytes()[:cut])
+        with pytest.raises(ValueError, match="torn.npz is not a fedcomp partition file"):
+            load_partition_file(tmp_path / "torn.npz", cfg, 0, 3)
 
 
 BLOCKED_ROUND = r"""
