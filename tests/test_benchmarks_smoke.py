@@ -220,3 +220,15 @@ def test_both_ways_resnet_quick_run_and_merge(tmp_path):
     subprocess.run([sys.executable, script, "--model", "resnet", "--merge", str(out), str(out), "--out", str(merged)],
                    check=True, capture_output=True, text=True, timeout=120, env=env)
     assert len(json.loads(merged.read_text())["runs"]) == 2 * len(res["runs"])
+
+
+@pytest.mark.slow
+def test_clientapp_process_benchmark_quick_runs(tmp_path):
+    """Both sides answer a train message; only the uncached side imports the partitioning libraries."""
+    res = run_benchmark(tmp_path, "clientapp_process.py", "--quick", timeout=600)
+    assert res["repeats"] == 2
+    assert all(r["heavy"] == [] for r in res["runs"]["cached"])
+    assert all(r["heavy"] == ["datasets", "flwr_datasets", "sklearn"] for r in res["runs"]["uncached"])
+    assert all(r["cpu"] > 0 and r["wall"] > 0 for side in res["runs"].values() for r in side)
+    assert res["ratio_uncached_over_cached"]["cpu"] == pytest.approx(
+        res["median"]["uncached"]["cpu"] / res["median"]["cached"]["cpu"])
