@@ -9,10 +9,13 @@ forgotten node). A node counts as holding what it was sent only once its reply a
 something and did not reply is forgotten at the next round (:meth:`NodeCopies.start_round`).
 
 Server memory: one vector of the compressed part per version some node still holds, one per node that
-holds a private copy, and the broadcast payloads still needed for chains (their bytes counted in
-vectors). Bounded by the copy budget (:meth:`NodeCopies.copy_budget`): past it the least recently
-replying nodes are forgotten first (their copy, and the versions and payloads no other node needs); a
-forgotten node is treated as new, as after a missed reply. Between a round's sends and its replies only
+holds a private copy, the broadcast payloads still needed for chains, and (``batchnorm-stats = "auto"``)
+each node's copy of the BatchNorm statistics (payload and statistics bytes counted in vectors).
+Bounded by the copy budget (:meth:`NodeCopies.copy_budget`): past it the least recently replying nodes
+are forgotten first (their copy, and the versions and payloads no other node needs); a forgotten node
+is treated as new, as after a missed reply. A node that holds exactly the latest version costs only
+its statistics copy: it keeps its model copy and lets go of that copy alone (it is then sent the exact
+statistics, as a new node is). Between a round's sends and its replies only
 each node's diff payload is kept (the bytes its message carries), not the copy the node will hold: that
 copy is rebuilt when it replies, so a round of N catch-ups costs N payloads rather than N model copies
 (``benchmarks/scale.py --only-downstream``).
@@ -149,24 +152,34 @@ class NodeCopies:
         return max(DEFAULT_MAX_COPIES, COPY_BYTES_FLOOR / (self.itemsize * max(self.entries, 1)))
 
     def copies(self) -> float:
-        """Stored copies: versions, private copies and payload bytes, in float32 vectors of the compressed part."""
+        """Stored copies: versions, private copies, payload bytes and the nodes' BatchNorm statistics
+        copies (:attr:`stats`: their flat float and exact bytes), in float32 vectors of the compressed part."""
         vec_bytes = 4 * max(self.entries, 1)
-        return len(self.versions) + len(self.private) + sum(len(p) for p in self.payloads.values()) / vec_bytes
+        extra = sum(len(p) for p in self.payloads.values()) + sum(_nbytes(s) for s in self.stats.values())
+        return len(self.versions) + len(self.private) + extra / vec_bytes
 
     def evict(self, budget: float, keep: int | None = None) -> None:
-        """Forget the least recently replying nodes (not ``keep``, not those holding exactly the latest
-        version without a private copy: they cost nothing) until at most ``budget`` copies are stored."""
+        """Forget the least recently replying nodes (not ``keep``) until at most ``budget`` copies are
+        stored. A node holding exactly the latest version without a private copy costs only its statistics
+        copy: that copy alone is dropped (without one it costs nothing and is not a candidate)."""
         while self.copies() > budget:
-            cands = [n for n, v in self.node_version.items()
-                     if n != keep and (n in self.private or v != self.version)]
+            cands = [n for n in self.node_version if n != keep and (not self._latest(n) or n in self.stats)]
             if not cands:
                 if self.pin_start:  # let go of the chain from B_1 kept for nodes not seen yet (init + diff)
                     self.pin_start = False
                     self.drop_unheld()
                     continue
                 return
-            self.forget(min(cands, key=lambda n: (self._last_seen.get(n, -1), n)))
-            self.drop_unheld()
+            node = min(cands, key=lambda n: (self._last_seen.get(n, -1), n))
+            if self._latest(node):
+                del self.stats[node]  # next time it is sent the exact statistics
+            else:
+                self.forget(node)
+                self.drop_unheld()
+
+    def _latest(self, node: int) -> bool:
+        """``node`` holds exactly the latest version (its model copy costs no memory)."""
+        return node not in self.private and self.node_version.get(node) == self.version
 
     def forget(self, node: int) -> None:
         """Forget what ``node`` holds: it is treated as new."""
@@ -185,3 +198,8 @@ class NodeCopies:
         oldest = min(held | {self.version})
         for u in [u for u in self.payloads if u <= oldest]:
             del self.payloads[u]
+
+
+def _nbytes(model: FlatModel) -> int:
+    """Memory of a statistics copy: its flat float vector and its exact (integer) tensors."""
+    return model.flat.nbytes + sum(v.nbytes for v in model.exact.values())

@@ -283,3 +283,40 @@ def test_a_negative_running_variance_sent_exactly_is_refused_naming_it():
     rec["1.running_var"] = payload_array(get_compressor("none").compress(torch.tensor([1.0, 0.0, 2.0, 1.0])))
     out = rebuild(msg, ctx, "arrays", rec, dict(msg.content["config"]))  # zero is a variance
     assert out["1.running_var"].numpy().tolist() == [1.0, 0.0, 2.0, 1.0]
+
+
+def _stats_copy(n: int) -> FlatModel:
+    """A node's statistics copy: running mean and variance of ``n`` channels and the batch counter."""
+    return FlatModel({"1.running_mean": np.zeros(n, np.float32), "1.running_var": np.ones(n, np.float32),
+                      "1.num_batches_tracked": np.array(3, np.int64)},
+                     {"1.running_mean": "float32", "1.running_var": "float32", "1.num_batches_tracked": "int64"})
+
+
+def test_the_copy_budget_counts_the_nodes_statistics_copies():
+    """Many nodes at the latest version each hold a statistics copy: before, those copies were not counted
+    and grew with the number of nodes past any budget. Now they count (bytes in vectors of the compressed
+    part) and, past the budget, the least recently replying node lets go of its statistics copy alone: it
+    stays known (no dense first contact again) and is sent the exact statistics next time."""
+    from fedcomp.strategies.node_copies import NodeCopies
+
+    nodes = NodeCopies(max_copies=4)
+    nodes.add_version(np.zeros(1000, np.float32))
+    stat_vectors = (2 * 250 * 4 + 8) / (4 * 1000)  # one copy: 250 channels x 2 float32 + an int64, per 4,000 B
+    for node in range(1, 41):
+        nodes.pending[node] = (nodes.version, None)
+        nodes.stats_pending[node] = _stats_copy(250)
+        nodes.commit(node, rebuild=None)
+        assert nodes.copies() <= 4 + 1e-12
+    assert nodes.copies() == pytest.approx(1 + len(nodes.stats) * stat_vectors)
+    assert len(nodes.stats) == int(3 / stat_vectors) == 5  # the budget's 3 spare vectors hold 5 copies
+    assert sorted(nodes.stats) == list(range(36, 41))  # the most recently replying ones
+    assert sorted(nodes.node_version) == list(range(1, 41))  # nobody forgotten: their models cost nothing
+    # once a newer version exists, holding version 1 costs a vector: past the budget nodes are forgotten
+    # whole, least recently replying first, and version 1 goes with the last of them
+    nodes.add_version(np.ones(1000, np.float32))
+    # versions 1 and 2 plus 5 statistics copies (2.51 vectors) = 4.51; the nodes without a statistics copy
+    # free nothing while others still hold version 1, so 1-38 go before the total is under 3.5
+    nodes.evict(3.5)
+    assert sorted(nodes.stats) == [39, 40] and sorted(nodes.node_version) == [39, 40]
+    nodes.evict(2)
+    assert nodes.node_version == {} and nodes.stats == {} and list(nodes.versions) == [2] and nodes.copies() == 1
