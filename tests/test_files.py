@@ -30,3 +30,21 @@ def test_a_writer_that_fails_leaves_the_old_file(tmp_path):
     with pytest.raises(OSError, match="disk full"):
         write_atomically(path, crash)
     assert path.read_text() == "{}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f.json"]  # the temporary file is removed too
+
+
+def test_interleaved_writers_of_one_path_each_write_their_own_temporary(tmp_path):
+    """A second writer of the same path starts while the first is mid-write (two processes filling the
+    same cache file): with one shared ``<name>.tmp`` the second truncated and renamed the first's file,
+    whose own rename then failed with FileNotFoundError. Now both complete and the last rename wins."""
+    path = tmp_path / "p.npz"
+
+    def outer(f):
+        f.write(b"outer ")
+        write_atomically(path, b"inner, complete")  # another writer, start to finish, in between
+        assert path.read_bytes() == b"inner, complete"
+        f.write(b"complete")
+
+    write_atomically(path, outer)
+    assert path.read_bytes() == b"outer complete"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.npz"]

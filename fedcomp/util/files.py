@@ -8,8 +8,10 @@ over the target (``os.replace``: readers see the old file or the new one, never 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
+import secrets
 from typing import BinaryIO, Callable
 
 
@@ -27,18 +29,27 @@ def write_atomically(path: pathlib.Path, write: Callable[[BinaryIO], None] | byt
     Raises
     ------
     OSError
-        The folder is not writable or the disk is full; ``path`` is then left as it was (a
-        temporary ``<name>.tmp`` may remain next to it).
+        The folder is not writable or the disk is full; ``path`` is then left as it was and the
+        temporary file is removed (one may remain only if the process dies mid-write).
+
+    Each call writes its own temporary file (``.<name>.<pid>.<random>.tmp``), so writers of the same
+    path in other processes or threads (two SuperNodes filling the same partition cache file) never
+    share one: the last ``os.replace`` wins, and a reader sees one writer's whole file.
     """
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        if callable(write):
-            write(f)
-        else:
-            f.write(write)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    try:
+        with open(tmp, "xb") as f:
+            if callable(write):
+                write(f)
+            else:
+                f.write(write)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
     try:
         fd = os.open(path.parent, os.O_RDONLY)
     except OSError:  # pragma: no cover - folders cannot be opened on some platforms
