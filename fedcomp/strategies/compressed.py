@@ -141,8 +141,8 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         trains from a broadcast version; steadier with sparse downstream codecs such as STC).
     downstream_max_copies : float or None
         With ``downstream``: most model copies the server keeps for nodes (older versions, per-node
-        catch-up copies, payloads); least recently replying nodes are forgotten first and then treated
-        as new. Default None: 8, or as many as 256 MiB holds when that is more (a small model keeps
+        catch-up copies, payloads); past it nodes are forgotten and then treated as new, first those
+        whose forgetting alone frees memory (least recently replying first among them). Default None: 8, or as many as 256 MiB holds when that is more (a small model keeps
         every node's copy; :meth:`.node_copies.NodeCopies.copy_budget`).
     require_compression : bool
         Refuse dense replies (plain weights from a client without ``compression_mod``). Default

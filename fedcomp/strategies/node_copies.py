@@ -11,9 +11,10 @@ something and did not reply is forgotten at the next round (:meth:`NodeCopies.st
 Server memory: one vector of the compressed part per version some node still holds, one per node that
 holds a private copy, the broadcast payloads still needed for chains, and (``batchnorm-stats = "auto"``)
 each node's copy of the BatchNorm statistics (payload and statistics bytes counted in vectors).
-Bounded by the copy budget (:meth:`NodeCopies.copy_budget`): past it the least recently replying nodes
-are forgotten first (their copy, and the versions and payloads no other node needs); a forgotten node
-is treated as new, as after a missed reply. A node that holds exactly the latest version costs only
+Bounded by the copy budget (:meth:`NodeCopies.copy_budget`): past it nodes are forgotten (their copy,
+and the versions and payloads no other node needs), those whose forgetting frees memory by itself
+first and among them the least recently replying (:meth:`NodeCopies.evict`); a forgotten node is
+treated as new, as after a missed reply. A node that holds exactly the latest version costs only
 its statistics copy: it keeps its model copy and lets go of that copy alone (it is then sent the exact
 statistics, as a new node is). Between a round's sends and its replies only
 each node's diff payload is kept (the bytes its message carries), not the copy the node will hold: that
@@ -21,7 +22,7 @@ copy is rebuilt when it replies, so a round of N catch-ups costs N payloads rath
 (``benchmarks/scale.py --only-downstream``).
 
 Source of the policy: Sattler et al., IEEE TNNLS 2019 ("caching": a client that missed rounds gets the
-accumulated change); the budget and least-recently-replying eviction are fedcomp's.
+accumulated change); the budget and the eviction order are fedcomp's.
 """
 
 from __future__ import annotations
@@ -159,9 +160,14 @@ class NodeCopies:
         return len(self.versions) + len(self.private) + extra / vec_bytes
 
     def evict(self, budget: float, keep: int | None = None) -> None:
-        """Forget the least recently replying nodes (not ``keep``) until at most ``budget`` copies are
-        stored. A node holding exactly the latest version without a private copy costs only its statistics
-        copy: that copy alone is dropped (without one it costs nothing and is not a candidate)."""
+        """Forget nodes (not ``keep``) until at most ``budget`` copies are stored: first those whose
+        forgetting frees memory by itself (a private copy, a statistics copy, or the only node holding
+        an old version), least recently replying first; only then nodes that share an old version with
+        others (forgetting one of them frees nothing until the last goes). Under random sampling a node
+        that replied long ago is as likely to be sampled next as any other, so forgetting as few nodes
+        as possible keeps more of them on cheap catch-ups. A node holding exactly the latest version
+        without a private copy costs only its statistics copy: that copy alone is dropped (without one
+        it costs nothing and is not a candidate)."""
         while self.copies() > budget:
             cands = [n for n in self.node_version if n != keep and (not self._latest(n) or n in self.stats)]
             if not cands:
@@ -170,12 +176,24 @@ class NodeCopies:
                     self.drop_unheld()
                     continue
                 return
-            node = min(cands, key=lambda n: (self._last_seen.get(n, -1), n))
+            holders: dict[int, int] = {}
+            for n, v in self.node_version.items():
+                if n not in self.private:
+                    holders[v] = holders.get(v, 0) + 1
+            node = min(cands, key=lambda n: (not self._frees(n, holders), self._last_seen.get(n, -1), n))
             if self._latest(node):
                 del self.stats[node]  # next time it is sent the exact statistics
             else:
                 self.forget(node)
                 self.drop_unheld()
+
+    def _frees(self, node: int, holders: dict[int, int]) -> bool:
+        """Whether forgetting ``node`` alone frees memory (``holders``: version -> nodes holding it
+        exactly): a private or statistics copy, or an old version no other node holds."""
+        if node in self.private or node in self.stats:
+            return True
+        version = self.node_version[node]
+        return version != self.version and holders.get(version, 0) <= 1 and not (self.pin_start and version == 1)
 
     def _latest(self, node: int) -> bool:
         """``node`` holds exactly the latest version (its model copy costs no memory)."""

@@ -312,11 +312,17 @@ def test_the_copy_budget_counts_the_nodes_statistics_copies():
     assert sorted(nodes.stats) == list(range(36, 41))  # the most recently replying ones
     assert sorted(nodes.node_version) == list(range(1, 41))  # nobody forgotten: their models cost nothing
     # once a newer version exists, holding version 1 costs a vector: past the budget nodes are forgotten
-    # whole, least recently replying first, and version 1 goes with the last of them
+    # whole; those with a statistics copy first (forgetting one frees its copy), least recently replying
+    # first, and version 1 goes only with the last of the nodes that hold it
     nodes.add_version(np.ones(1000, np.float32))
-    # versions 1 and 2 plus 5 statistics copies (2.51 vectors) = 4.51; the nodes without a statistics copy
-    # free nothing while others still hold version 1, so 1-38 go before the total is under 3.5
+    # versions 1 and 2 plus 5 statistics copies (2.51 vectors) = 4.51; forgetting 36, 37, 38 gets it to
+    # 3.004 <= 3.5. (Before, the least recently replying went first: nodes 1-38, which free nothing while
+    # others still hold version 1.)
     nodes.evict(3.5)
-    assert sorted(nodes.stats) == [39, 40] and sorted(nodes.node_version) == [39, 40]
-    nodes.evict(2)
-    assert nodes.node_version == {} and nodes.stats == {} and list(nodes.versions) == [2] and nodes.copies() == 1
+    assert sorted(nodes.stats) == [39, 40]
+    assert sorted(nodes.node_version) == [*range(1, 36), 39, 40]
+    assert nodes.copies() == pytest.approx(2 + 2 * stat_vectors)
+    nodes.evict(2)  # 39 and 40 go (their statistics); versions 1 and 2 remain, 2 copies
+    assert sorted(nodes.node_version) == list(range(1, 36)) and nodes.stats == {} and nodes.copies() == 2
+    nodes.evict(1)  # version 1 goes with the last of its 35 holders
+    assert nodes.node_version == {} and list(nodes.versions) == [2] and nodes.copies() == 1

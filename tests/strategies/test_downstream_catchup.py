@@ -243,3 +243,29 @@ def test_a_round_of_catch_ups_holds_no_model_copy_per_node():
     assert kept  # the latest repliers are remembered, the others forgotten (new next time)
     for n in kept:
         assert np.array_equal(got[n]["w"].numpy(), fed.ds.held(n))  # bit for bit
+
+
+def test_eviction_forgets_the_nodes_whose_forgetting_frees_memory_first():
+    """Three nodes that replied long ago share version 1; a more recent node holds a private copy. One copy
+    over the budget: before, the least recently replying went first, so all three holders of version 1
+    were forgotten (the first two freed nothing) and would each start again from the first contact. Now
+    the node whose forgetting alone frees a copy goes: one node forgotten, not three."""
+    from fedcomp.strategies.node_copies import NodeCopies
+
+    nodes = NodeCopies(max_copies=10)
+    nodes.add_version(np.zeros(100, np.float32))
+    for node in (1, 2, 3):
+        nodes.pending[node] = (1, None)
+        nodes.commit(node, rebuild=None)
+    nodes.add_version(np.ones(100, np.float32))
+    nodes.pending[4] = (2, (b"diff", "version", 1))
+    nodes.commit(4, rebuild=lambda base, payload: base + 0.5)
+    nodes.add_version(np.full(100, 2.0, np.float32))
+    nodes.drop_unheld()
+    assert sorted(nodes.versions) == [1, 3] and list(nodes.private) == [4]
+    assert nodes.copies() == 3  # B_1 (nodes 1-3), node 4's private copy, the latest B_3
+    nodes.evict(2)
+    assert sorted(nodes.node_version) == [1, 2, 3] and nodes.private == {}
+    assert nodes.copies() == 2
+    nodes.evict(1)  # nobody frees memory alone: the least recently replying go until B_1 does
+    assert nodes.node_version == {} and list(nodes.versions) == [3] and nodes.copies() == 1
