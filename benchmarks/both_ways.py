@@ -51,8 +51,11 @@ CASES = {
     "stc 10 % down": {"downstream-density": 0.1},
     "sign down": {"downstream": "sign"},
     "int8 start, stc 5 % down": {"downstream-init": "int8"},
+    "default, downstream correction on": {"downstream-correction": "on"},
 }
 QUICK_CASES = ["fp32 both ways", "default upload, dense download", "default (stc 5 % down, seeded start)"]
+#: the downstream correction off (the Transformer's levers were measured before it existed)
+_OFF = {"downstream-correction": "off"}
 #: ``--model``: the models where compression is hardest (issue 31's item 4), each on its own data and
 #: local training, with fp32 both ways, the upload codecs of the issue's rows with ``downstream =
 #: "auto"`` and the levers tried; the default (``cnn``) keeps :data:`CASES` above.
@@ -81,12 +84,30 @@ MODEL_CASES = {
         "sign up, auto down, avgm": {"compressor": "sign", "strategy": "fedavgm", "server-lr": 1.0,
                                      "server-momentum": 0.5},
     },
+    # the levers after the first four rows ran before the downstream correction existed, i.e. with it off
     "transformer": {
         "fp32 both ways": {"compressor": "none"},
         "stc 4 % up, auto down": {"compressor": "stc", "density": 0.04},
+        "stc 4 % up, auto down, no correction": {"compressor": "stc", "density": 0.04, **_OFF},
         "stc 4 % up, dense download": {"compressor": "stc", "density": 0.04, "downstream": "none"},
         "stc 4 % up, top-k 1 % down": {"compressor": "stc", "density": 0.04, "downstream": "topk",
-                                       "downstream-density": 0.01},
+                                       "downstream-density": 0.01, **_OFF},
+        "randsign 25 % up, auto down": {"compressor": "randsign", "density": 0.25, **_OFF},
+        "randsign 25 % up, randsign 25 % down": {"compressor": "randsign", "density": 0.25, "downstream": "randsign",
+                                                 "downstream-density": 0.25, **_OFF},
+        "stc 4 % up, randsign 30 % down": {"compressor": "stc", "density": 0.04, "downstream": "randsign",
+                                           "downstream-density": 0.3, **_OFF},
+        "stc 4 % up, auto down, ramp": {"compressor": "stc", "density": 0.04, "density-schedule": "exponential",
+                                        "density-start": 0.25, "schedule-rounds": 5, **_OFF},
+        "stc 4 % up, auto down, per tensor": {"compressor": "stc", "density": 0.04, "selection": "tensor", **_OFF},
+        "stc 4 % up, sign down": {"compressor": "stc", "density": 0.04, "downstream": "sign", **_OFF},
+        "stc 2 % up, stc 10 % down": {"compressor": "stc", "density": 0.02, "downstream-density": 0.1, **_OFF},
+        "stc 6 % up, stc 3 % down": {"compressor": "stc", "density": 0.06, "downstream-density": 0.03, **_OFF},
+        "stc 4 % up, auto down, dense first model": {"compressor": "stc", "density": 0.04, "downstream-init": "dense",
+                                                     **_OFF},
+        "stc 4 % up, int8 down": {"compressor": "stc", "density": 0.04, "downstream": "int8", **_OFF},
+        "stc 4 % up, auto down, avgm": {"compressor": "stc", "density": 0.04, "strategy": "fedavgm", "server-lr": 1.0,
+                                        "server-momentum": 0.5, **_OFF},
     },
 }
 #: rounds and nodes of ``--model`` runs (the issue's ResNet rows: 8 rounds; llm.py's full-model part)

@@ -24,6 +24,7 @@ from fedcomp.app.startup import (
 )
 from fedcomp.app.strategy_record import check_same_strategy
 from fedcomp.config import CODEC_DEFAULTS, AppConfig
+from fedcomp.config.downstream import resolve_correction
 from fedcomp.config.low_density import auto_note, resolve_schedule, short_ramp_note
 from fedcomp.privacy import ClientLevelDP, DPSGDConfig, LocalDP, check_accountable
 from fedcomp.statedict import copy_array, to_record, untie
@@ -38,7 +39,7 @@ app = ServerApp()
 
 def privacy_options(cfg: AppConfig, context: Context | None = None) -> dict:
     """``CompressedStrategy`` keyword arguments for run config ``dp`` (validated at start-up) and the
-    downstream settings (``downstream``, ``downstream-density``, ``downstream-init``).
+    downstream settings (``downstream``, ``downstream-density``, ``downstream-init``, ``downstream-correction``).
 
     Raises
     ------
@@ -47,6 +48,7 @@ def privacy_options(cfg: AppConfig, context: Context | None = None) -> dict:
     """
     opts: dict = {"max_epsilon": cfg.max_epsilon or None, "downstream": cfg.downstream,
                   "require_compression": cfg.require_compression, "downstream_density": cfg.downstream_density or None,
+                  "downstream_correction": resolve_correction(cfg.downstream_correction, cfg.downstream, cfg.optimizer),
                   # this app trains its model from scratch: new clients build it from a seed (on resume the
                   # model is trained: a compressed start, the library's "auto")
                   "downstream_init": "seeded" if cfg.downstream_init == "auto" and not cfg.resume else cfg.downstream_init}

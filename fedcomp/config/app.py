@@ -64,6 +64,7 @@ class AppConfig:
     downstream: str = _d("downstream")
     downstream_density: float = _d("downstream-density")
     downstream_init: str = _d("downstream-init")
+    downstream_correction: str = _d("downstream-correction")
     dp: str = _d("dp")
     clipping_norm: float = _d("clipping-norm")
     noise_multiplier: float = _d("noise-multiplier")

@@ -40,6 +40,9 @@ APP = table(
     Key("downstream-init", str, "auto", "what a client that holds nothing gets first: auto (a seeded start for the "
         "model trained from scratch; on resume a compressed start with int8), seeded, dense, or a codec name (a "
         "compressed start with it)", choices=("auto", "seeded", "dense") + tuple(available_compressors())),
+    Key("downstream-correction", str, "auto", "count each client's update from the global model, not from the "
+        "compressed copy it trained from: on, off, or auto (on for optimizer adamw with a sparse downstream codec)",
+        choices=("auto", "on", "off")),
     Key("uplink-mbps", float, DEFAULT_UPLINK_MBPS, "a client's default upload speed (node config overrides), "
         "for the simulated round time", lo=MIN_LINK_MBPS),
     Key("downlink-mbps", float, DEFAULT_DOWNLINK_MBPS, "a client's default download speed (node config "

@@ -139,6 +139,15 @@ class RunningSum:
         self.total += factor if weight is None else weight
         self.count += 1
 
+    def add_vector(self, keys: list[str], vec: np.ndarray, factor: float) -> None:
+        """Fold ``factor * vec`` in without a reply (:attr:`total` and :attr:`count` unchanged): ``vec``
+        holds the values of ``keys`` concatenated in model order, shape ``(sum numel,)``, any float dtype."""
+        off = 0
+        for k in keys:
+            n = self.model.specs[k].numel
+            self.acc[k] += factor * vec[off: off + n].astype(np.float64, copy=False)
+            off += n
+
     def flat(self) -> np.ndarray:
         """The whole sum as one flat float64 vector (model order; for client-level DP's noise)."""
         return np.concatenate([self.acc[k] for k in self.model.float_keys]) if self.acc else np.zeros(0)
@@ -222,10 +231,13 @@ class MeanFold:
 
     def __init__(self, model: FlatModel, remainders: dict[str, np.ndarray] | None = None) -> None:
         self.running, self.votes = RunningSum(model), ExactVotes(model, remainders)
+        #: node id -> the weight its update was folded with (the downstream correction needs both)
+        self.weights: dict[int, float] = {}
 
     def add(self, reply: Message, decoded: TrainReply) -> None:
         """Fold ``decoded`` in with its weight; the reply itself is not kept."""
         self.running.add(decoded.update, decoded.weight)
+        self.weights[reply.metadata.src_node_id] = decoded.weight
         self.votes.add(decoded.update.exact, decoded.weight)
 
 

@@ -144,6 +144,13 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         catch-up copies, payloads); past it nodes are forgotten and then treated as new, first those
         whose forgetting alone frees memory (least recently replying first among them). Default None: 8, or as many as 256 MiB holds when that is more (a small model keeps
         every node's copy; :meth:`.node_copies.NodeCopies.copy_budget`).
+    downstream_correction : float
+        With ``downstream``: fold each client's update as ``delta_i - c (G - H_i)``, where ``H_i`` is
+        the copy of the global model ``G`` it trained from (local training re-learns much of what the
+        compressed download left out; counted again on top of ``G``, it overshoots:
+        :mod:`.copy_correction`). ``c`` in [0, 1], default 0; 1 measured best with AdamW on the
+        clients and STC downward (fedcomp's app sets it so). Weighted-mean rounds only (not under
+        client-level DP, EF21, or an inner strategy that needs every client's weights).
     require_compression : bool
         Refuse dense replies (plain weights from a client without ``compression_mod``). Default
         False: a mixed fleet works, each dense reply is validated like a payload (the model's keys,
@@ -182,7 +189,8 @@ class CompressedStrategy(ForwardsToInner, Strategy):
                  client_sampling: float | None = None, seed: int | None = None, aggregation: str = "auto",
                  downstream_init: SeededInit | str | None = "auto", require_compression: bool = False,
                  downstream_catchup: str = "smallest", downstream_max_copies: float | None = None,
-                 downstream_density: float | None = None, preset: str | None = None, **params) -> None:
+                 downstream_density: float | None = None, downstream_correction: float = 0.0,
+                 preset: str | None = None, **params) -> None:
         if preset is not None:  # one argument for the codecs both ways (strategies/presets.py)
             given = {"compressor": compressor, "error_feedback": error_feedback, "downstream": downstream,
                      "downstream_init": downstream_init, "downstream_catchup": downstream_catchup}
@@ -213,7 +221,8 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         self.ef21 = (EF21Aggregate.for_strategy(inner, client_dp, aggregation)
                      if self.codec.error_feedback == "ef21" else None)
         self.downstream = Downstream.for_run(self.codec, downstream, init=downstream_init, catchup=downstream_catchup,
-                                             max_copies=downstream_max_copies, density=downstream_density)
+                                             max_copies=downstream_max_copies, density=downstream_density,
+                                             correction=downstream_correction)
         self.rounds = RoundHistory()
         # -- what a round leaves for the next call ----------------------------------------
         #: The global model sent in the current round (set by :meth:`configure_train`).
@@ -324,7 +333,8 @@ class CompressedStrategy(ForwardsToInner, Strategy):
 
         Orchestration only: admit (:mod:`.admission`, EF21's state check) -> decode, validate and fold
         (:func:`.replies.fold_replies`, a policy of :mod:`.aggregate`) -> the round's bookkeeping
-        (failures, downstream, EF21's estimate) -> hand over (:func:`.handover.hand_over`: the inner
+        (failures, downstream, EF21's estimate) -> the downstream correction (:mod:`.copy_correction`)
+        -> hand over (:func:`.handover.hand_over`: the inner
         strategy, dtypes, the integer/bool rule) -> metrics and the privacy accounting of the round.
         """
         sent = self.sent_round
@@ -336,6 +346,8 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         got = fold_replies(server_round, replies, fold, sent.model, weight_key(self.inner), self.max_num_examples,
                            refuse_dense, keep_exact=self.local_dp is None)  # local DP: the server keeps its own
         ef21_missing = self._bookkeeping(server_round, sent, replies, refused, mismatched, got)
+        if self.downstream is not None and self.ef21 is None:  # updates counted from G, not the clients' copies
+            self.downstream.correct(got.fold, sent.model)
         common_metric_keys(got.metric_contents)
         # BatchNorm statistics sent as a scaled sign ("auto"): a running variance falls at most to VAR_FLOOR
         signed = self.codec.for_round(server_round).batchnorm_stats_codec() == BATCHNORM_STATS_CODEC

@@ -75,6 +75,7 @@ from fedcomp.protocol.messages import BASE_VERSION, MODEL_VERSION, payload_array
 from fedcomp.protocol.seeded_init import INIT_SEED, INIT_STYPE, SeededInit
 from fedcomp.statedict import FlatModel
 from fedcomp.strategies.first_contact import INIT_POLICIES, START_CODEC, check_init_policy, starting_model
+from fedcomp.strategies.copy_correction import check_correction, correct_for_copies
 from fedcomp.strategies.node_copies import NodeCopies
 
 
@@ -109,23 +110,29 @@ class Downstream:
     max_copies : float or None
         Most model copies (float32 vectors of the compressed part) kept for nodes: stored versions,
         per-node catch-up copies and broadcast payloads (their bytes / the vector's bytes) together,
-        besides B and G; at least 2 (this version and the previous one). Least recently replying
-        nodes are forgotten first, and a forgotten node restarts from the first contact (a per-node
-        error-feedback copy lost). None (default, :meth:`.node_copies.NodeCopies.copy_budget`): 8, or as many as
+        besides B and G; at least 2 (this version and the previous one). Past it nodes are forgotten
+        (:meth:`.node_copies.NodeCopies.evict`), and a forgotten node restarts from the first contact
+        (a per-node error-feedback copy lost). None (default, :meth:`.node_copies.NodeCopies.copy_budget`): 8, or as many as
         :data:`.node_copies.COPY_BYTES_FLOOR` (256 MiB) holds when that is more, so that a small model (LoRA
         adapters, a small CNN) keeps a copy for every node of a cross-silo federation; the server's
         memory stays bounded whatever the number of nodes.
+    correction : float
+        ``c`` in [0, 1] of :mod:`.copy_correction`: each update is folded as ``delta_i - c (G - H_i)``,
+        counted from the global model rather than the copy ``H_i`` its client trained from. Default 0.
 
     Raises
     ------
     ValueError
-        ``catchup`` not one of the two, ``max_copies`` < 2 (or not a number or None), ``init`` not a policy or codec name, or
-        ``density`` outside (0, 1].
+        ``catchup`` not one of the two, ``max_copies`` < 2 (or not a number or None), ``init`` not a policy or codec name,
+        ``density`` outside (0, 1], or ``correction`` not in [0, 1].
     """
 
     def __init__(self, codec: CodecConfig, compressor: str, seed: int = 0, init: SeededInit | str | None = "auto",
-                 catchup: str = "smallest", max_copies: float | None = None, density: float | None = None) -> None:
+                 catchup: str = "smallest", max_copies: float | None = None, density: float | None = None,
+                 correction: float = 0.0) -> None:
         init = check_init_policy("auto" if init is None else init)
+        #: c of :mod:`.copy_correction`: each update folded as ``delta_i - c (G - H_i)``
+        self.correction = check_correction(correction)
         if density is not None and (isinstance(density, bool) or not isinstance(density, (int, float))
                                     or not 0 < density <= 1):
             raise ValueError(f"downstream density must be in (0, 1], got {density!r}")
@@ -436,6 +443,14 @@ class Downstream:
         for stat in stats:
             self.received(stat["node"])
             stat["download-bytes"] = float(self.sent_bytes.get(stat["node"], 0))
+
+    def correct(self, fold, sent: FlatModel) -> int:
+        """Count each reply of the round from the global model ``sent`` rather than from the copy its
+        client trained from (:func:`.copy_correction.correct_for_copies`, with :attr:`correction`);
+        after the replies were committed (:meth:`note_replies`). Returns the clients corrected."""
+        if self.model is None:
+            return 0
+        return correct_for_copies(fold, self.lossy_keys, sent, self.nodes.held, self.correction)
 
     def held(self, node: int) -> np.ndarray | None:
         """Every float tensor (flat, model order) the server believes ``node`` holds (None: unknown)."""

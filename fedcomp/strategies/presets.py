@@ -16,7 +16,11 @@
   initialisation (``lora_B`` zero, ``lora_A`` Kaiming-uniform) and draws ``lora_A`` from a seed
   that every client rebuilds, so no client downloads the adapters dense;
 - lagging clients get the cheaper of the missed sign payloads and one sign-coded difference from
-  the copy they hold (per-client error feedback).
+  the copy they hold (per-client error feedback);
+- no downstream correction (``downstream_correction = 0``, the default): counting each update from the
+  global model rather than the client's copy kept 81 % of the gain with sign downward (median, seeds
+  42-44), against 90.5 % without; it rescues sparse downloads (STC 5 % both ways: 65 % at 95x instead of
+  diverging), which still keep less than sign.
 """
 
 from __future__ import annotations
