@@ -25,6 +25,8 @@ needs each client's dense weights.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import numpy as np
 
 from fedcomp.protocol.broadcast import gather
@@ -43,39 +45,39 @@ def check_correction(value: float) -> float:
     return float(value)
 
 
-def correct_for_copies(fold, keys: list[str], sent: FlatModel, held, c: float) -> int:
-    """Fold ``c * w_i * (H_i - G)`` into ``fold``'s weighted sum for every client of the round whose
-    copy the server knows.
+def correct_for_copies(fold, keys: list[str], sent: FlatModel, copies: Iterable[tuple[np.ndarray, float]],
+                       c: float) -> int:
+    """Fold ``c * w * (H - G)`` into ``fold``'s weighted sum for every ``(H, w)`` of ``copies``.
 
     Parameters
     ----------
     fold : MeanFold
-        The round's fold (``weights``: node -> weight; ``running``: the weighted sum). Any other
-        fold is left as it is.
+        The round's fold (``running``: the weighted sum). Any fold without per-client weights
+        (client-level DP's clipped sum, dense replies) is left as it is.
     keys : list of str
-        The compressed part's tensors (what ``held`` returns, concatenated in model order).
+        The compressed part's tensors (each ``H`` is their values concatenated in model order).
     sent : FlatModel
         The global model ``G`` the round was sent from.
-    held : callable
-        ``held(node) -> (sum numel,)`` float vector the node trained from, or None (unknown: that
-        client's update is folded as it is).
+    copies : iterable of (np.ndarray, float)
+        A copy the round's clients trained from, ``(sum numel,)`` float, and the total weight of the
+        clients that held it (:meth:`.downstream_sender.Downstream.correct` groups the clients on one
+        broadcast version, so a round where every client holds B costs one vector operation, not one
+        per client).
     c : float
         In [0, 1]; 0 changes nothing.
 
     Returns
     -------
     int
-        The number of clients whose update was corrected.
+        The number of copies folded in.
     """
-    weights = getattr(fold, "weights", None)
-    if not c or not isinstance(weights, dict) or not weights:
+    if not c or not isinstance(getattr(fold, "weights", None), dict):
         return 0
-    g = gather(sent, keys).astype(np.float64)
+    g = None
     done = 0
-    for node, w in weights.items():
-        h = held(node)
-        if h is None:
-            continue
+    for h, w in copies:
+        if g is None:
+            g = gather(sent, keys).astype(np.float64)
         fold.running.add_vector(keys, h.astype(np.float64) - g, c * w)
         done += 1
     return done

@@ -446,11 +446,23 @@ class Downstream:
 
     def correct(self, fold, sent: FlatModel) -> int:
         """Count each reply of the round from the global model ``sent`` rather than from the copy its
-        client trained from (:func:`.copy_correction.correct_for_copies`, with :attr:`correction`);
-        after the replies were committed (:meth:`note_replies`). Returns the clients corrected."""
-        if self.model is None:
+        client trained from (:func:`.copy_correction.correct_for_copies`, with :attr:`correction`),
+        after the replies were committed (:meth:`note_replies`): ``fold.weights`` (node -> weight)
+        grouped by the broadcast version the node holds, a private copy on its own; a node whose copy
+        is unknown is folded as it is. Returns the copies folded in."""
+        weights = getattr(fold, "weights", None)
+        if self.model is None or not self.correction or not isinstance(weights, dict):
             return 0
-        return correct_for_copies(fold, self.lossy_keys, sent, self.nodes.held, self.correction)
+        by_version: dict[int, float] = {}
+        private = []
+        for node, w in weights.items():
+            if node in self.nodes.private:
+                private.append((self.nodes.private[node], w))
+            elif self.nodes.node_version.get(node) in self.nodes.versions:
+                u = self.nodes.node_version[node]
+                by_version[u] = by_version.get(u, 0.0) + w
+        copies = [(self.nodes.versions[u], w) for u, w in by_version.items()] + private
+        return correct_for_copies(fold, self.lossy_keys, sent, copies, self.correction)
 
     def held(self, node: int) -> np.ndarray | None:
         """Every float tensor (flat, model order) the server believes ``node`` holds (None: unknown)."""

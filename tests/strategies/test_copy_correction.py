@@ -26,20 +26,20 @@ def _model() -> FlatModel:
 
 
 def test_each_update_is_folded_from_the_global_model():
-    """sum_i w_i delta_i gains c * w_i * (H_i - G) for every client whose copy is known; unknown copies
-    (None) and the integer tensors are left alone; c = 0 changes nothing."""
+    """sum_i w_i delta_i gains c * w * (H - G) for every copy H held by clients of total weight w; the
+    integer tensors are left alone; c = 0 changes nothing."""
     g = _model()
     fold = MeanFold(g)
     fold.weights = {1: 2.0, 2: 3.0, 3: 5.0}
     g_vec = np.concatenate([g.float_view("w").ravel(), g.float_view("b")])
-    copies = {1: g_vec + 1.0, 2: g_vec - np.arange(8, dtype=np.float32)}  # node 3: copy unknown
-    done = correct_for_copies(fold, ["w", "b"], g, copies.get, 0.5)
+    copies = [(g_vec + 1.0, 2.0), (g_vec - np.arange(8, dtype=np.float32), 3.0)]
+    done = correct_for_copies(fold, ["w", "b"], g, copies, 0.5)
     assert done == 2
     want = 0.5 * (2.0 * 1.0 + 3.0 * -np.arange(8, dtype=np.float64))
     assert np.array_equal(np.concatenate([fold.running.acc["w"], fold.running.acc["b"]]), want)
     assert fold.running.total == 0 and fold.running.count == 0  # weights come from the replies, not from here
     before = {k: v.copy() for k, v in fold.running.acc.items()}
-    assert correct_for_copies(fold, ["w", "b"], g, copies.get, 0.0) == 0
+    assert correct_for_copies(fold, ["w", "b"], g, copies, 0.0) == 0
     assert all(np.array_equal(before[k], fold.running.acc[k]) for k in before)
 
 
@@ -51,7 +51,7 @@ def test_folds_without_per_client_weights_are_left_alone():
         clipping_norm = 1.0
 
     fold = ClippedFold(g, _DP())
-    assert correct_for_copies(fold, ["w", "b"], g, lambda node: np.zeros(8, np.float32), 1.0) == 0
+    assert correct_for_copies(fold, ["w", "b"], g, [(np.zeros(8, np.float32), 1.0)], 1.0) == 0
     assert not fold.running.flat().any()
 
 
@@ -116,3 +116,27 @@ def test_with_every_client_on_the_broadcast_c_1_is_fedavg_of_the_client_models()
     assert np.array_equal(g, g_) and np.array_equal(b1, b1_)  # the same start, the same copies
     assert np.abs(b1 - g).max() > 1e-3  # the int8 start left something out
     np.testing.assert_allclose(on - off, b1 - g, rtol=0, atol=2e-6)
+
+
+def test_the_sender_groups_clients_by_the_copy_they_hold():
+    """Under partial participation clients hold different broadcast versions or private catch-up copies
+    (some forgotten): the folded correction equals sum over the known clients of w_i (H_i - G), computed
+    with one vector per version held, and clients whose copy is unknown add nothing."""
+    from tests.strategies.test_downstream_catchup import SHAPES, Fed, _walk
+
+    init, seq = _walk(rounds=8)
+    fed = Fed("stc", 6, init=init, density=0.05)
+    fed.ds.correction = 1.0
+    rng = np.random.default_rng(3)
+    for w in seq:
+        fed.round(w, sorted(rng.choice(6, 3, replace=False).tolist()))
+    g_model = FlatModel({k: v.copy() for k, v in seq[-1].items()}, dict.fromkeys(SHAPES, "float32"))
+    g = np.concatenate([seq[-1][k].ravel() for k in SHAPES]).astype(np.float64)
+    fold = MeanFold(g_model)
+    fold.weights = {n: float(n + 1) for n in range(6)} | {99: 7.0}  # 99: a node the server never saw
+    known = {n: fed.ds.nodes.held(n) for n in fold.weights if fed.ds.nodes.held(n) is not None}
+    assert len(known) >= 3 and fed.ds.nodes.private  # a mix: versions and private copies
+    fed.ds.correct(fold, g_model)
+    want = sum(fold.weights[n] * (h.astype(np.float64) - g) for n, h in known.items())
+    got = np.concatenate([fold.running.acc[k] for k in SHAPES])
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
