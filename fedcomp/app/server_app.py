@@ -48,7 +48,8 @@ def privacy_options(cfg: AppConfig, context: Context | None = None) -> dict:
     """
     opts: dict = {"max_epsilon": cfg.max_epsilon or None, "downstream": cfg.downstream,
                   "require_compression": cfg.require_compression, "downstream_density": cfg.downstream_density or None,
-                  "downstream_correction": resolve_correction(cfg.downstream_correction, cfg.downstream, cfg.optimizer),
+                  "downstream_correction": resolve_correction(cfg.downstream_correction, cfg.downstream, cfg.optimizer,
+                                                              cfg.dp, cfg.codec.error_feedback),
                   # this app trains its model from scratch: new clients build it from a seed (on resume the
                   # model is trained: a compressed start, the library's "auto")
                   "downstream_init": "seeded" if cfg.downstream_init == "auto" and not cfg.resume else cfg.downstream_init}

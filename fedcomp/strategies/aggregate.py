@@ -139,15 +139,6 @@ class RunningSum:
         self.total += factor if weight is None else weight
         self.count += 1
 
-    def add_vector(self, keys: list[str], vec: np.ndarray, factor: float) -> None:
-        """Fold ``factor * vec`` in without a reply (:attr:`total` and :attr:`count` unchanged): ``vec``
-        holds the values of ``keys`` concatenated in model order, shape ``(sum numel,)``, any float dtype."""
-        off = 0
-        for k in keys:
-            n = self.model.specs[k].numel
-            self.acc[k] += factor * vec[off: off + n].astype(np.float64, copy=False)
-            off += n
-
     def flat(self) -> np.ndarray:
         """The whole sum as one flat float64 vector (model order; for client-level DP's noise)."""
         return np.concatenate([self.acc[k] for k in self.model.float_keys]) if self.acc else np.zeros(0)

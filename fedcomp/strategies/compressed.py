@@ -20,7 +20,9 @@ from fedcomp.protocol.broadcast import VAR_FLOOR
 from fedcomp.protocol.seeded_init import SeededInit
 from fedcomp.statedict import FlatModel
 from fedcomp.strategies.admission import admit, check_max_num_examples
+from fedcomp.strategies.aggregate import streams
 from fedcomp.strategies.codec_round import add_codec, check_feedback_under_dp, check_model
+from fedcomp.strategies.copy_correction import check_correction, correction_refusal
 from fedcomp.strategies.downstream_sender import Downstream
 from fedcomp.strategies.ef21_aggregate import EF21Aggregate
 from fedcomp.strategies.fold_policy import FoldPolicy, dense_refusal
@@ -149,8 +151,9 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         the copy of the global model ``G`` it trained from (local training re-learns much of what the
         compressed download left out; counted again on top of ``G``, it overshoots:
         :mod:`.copy_correction`). ``c`` in [0, 1], default 0; 1 measured best with AdamW on the
-        clients and STC downward (fedcomp's app sets it so). Weighted-mean rounds only (not under
-        client-level DP, EF21, or an inner strategy that needs every client's weights).
+        clients and STC downward (fedcomp's app sets it so). Weighted-mean rounds only: ``c > 0``
+        without ``downstream``, with client-level DP, EF21, or an inner strategy that needs every
+        client's weights is refused (ValueError).
     require_compression : bool
         Refuse dense replies (plain weights from a client without ``compression_mod``). Default
         False: a mixed fleet works, each dense reply is validated like a payload (the model's keys,
@@ -220,6 +223,11 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         self.sampling = None if client_sampling is None else PoissonSampling(client_sampling, seed)
         self.ef21 = (EF21Aggregate.for_strategy(inner, client_dp, aggregation)
                      if self.codec.error_feedback == "ef21" else None)
+        why = correction_refusal(check_correction(downstream_correction), downstream not in (None, "none"),
+                                 client_dp is not None, self.ef21 is not None,
+                                 aggregation == "auto" and streams(inner))
+        if why:
+            raise ValueError(f"downstream_correction = {downstream_correction!r} cannot apply: {why}")
         self.downstream = Downstream.for_run(self.codec, downstream, init=downstream_init, catchup=downstream_catchup,
                                              max_copies=downstream_max_copies, density=downstream_density,
                                              correction=downstream_correction)

@@ -12,8 +12,9 @@ time, and adding it to ``G``, which already holds it, overshoots. The server kno
 with the client's weight instead of ``delta_i``. ``c = 1`` is FedAvg of the models the clients
 computed (``H_i + delta_i``): what was not sent and not re-learned is dropped; ``c = 0`` is the
 plain bidirectional error feedback of Sattler et al. (IEEE TNNLS 2019). Measured (``benchmarks/both_ways.py``, docs/benchmarks/both-ways.md): with STC downward and AdamW
-on the clients (the Transformer from scratch, every client every round) ``c = 1`` is 3 points better
-at round 20; with SGD on the clients (the default CNN federation) it is 1.6 points worse, and with
+on the clients (the Transformer from scratch, every client every round) ``c = 1`` is 2.2 points better
+at round 20 (median of 3 seeds); with SGD on the clients (the default CNN federation) it is 1.4 points
+worse, and with
 ``sign`` downward under 2-of-8 sampling (the LoRA preset) it keeps less of the gain. So the
 strategy's default is 0, and fedcomp's app turns it on for AdamW with a sparse downstream codec
 (run config ``downstream-correction = "auto"``, :func:`fedcomp.config.downstream.resolve_correction`).
@@ -25,11 +26,11 @@ needs each client's dense weights.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterable
 
 import numpy as np
 
-from fedcomp.protocol.broadcast import gather
 from fedcomp.statedict import FlatModel
 
 def check_correction(value: float) -> float:
@@ -38,16 +39,34 @@ def check_correction(value: float) -> float:
     Raises
     ------
     ValueError
-        ``value`` is not a number in [0, 1] (a bool, NaN or a string included).
+        ``value`` is not a real number in [0, 1] (a bool, NaN or a string included).
     """
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
-        raise ValueError(f"downstream correction must be a number in [0, 1], got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 <= float(value) <= 1.0:
+        raise ValueError(f"downstream_correction must be a number in [0, 1], got {value!r}")
     return float(value)
+
+
+def correction_refusal(c: float, downstream: bool, client_dp: bool, ef21: bool, weighted_mean: bool) -> str:
+    """Why ``downstream_correction = c`` cannot apply to this strategy ("": it can, or c is 0): it
+    corrects the clients' copies of a compressed download, in a weighted mean of their updates."""
+    if not c:
+        return ""
+    if not downstream:
+        return "it corrects for the compressed download: set downstream too"
+    if client_dp:
+        return "client-level DP clips and noises each update as it came (the correction is not applied there)"
+    if ef21:
+        return "EF21 folds the clients' innovations, not their updates"
+    if not weighted_mean:
+        return ("the inner strategy needs every client's weights (not a weighted mean of the updates), where the "
+                "correction is not applied")
+    return ""
 
 
 def correct_for_copies(fold, keys: list[str], sent: FlatModel, copies: Iterable[tuple[np.ndarray, float]],
                        c: float) -> int:
-    """Fold ``c * w * (H - G)`` into ``fold``'s weighted sum for every ``(H, w)`` of ``copies``.
+    """Fold ``c * w * (H - G)`` into ``fold``'s weighted sum for every ``(H, w)`` of ``copies``,
+    tensor by tensor (one float64 scratch buffer of the largest tensor, no model-sized temporaries).
 
     Parameters
     ----------
@@ -55,14 +74,15 @@ def correct_for_copies(fold, keys: list[str], sent: FlatModel, copies: Iterable[
         The round's fold (``running``: the weighted sum). Any fold without per-client weights
         (client-level DP's clipped sum, dense replies) is left as it is.
     keys : list of str
-        The compressed part's tensors (each ``H`` is their values concatenated in model order).
+        The compressed part's tensors (each ``H`` is their values concatenated in model order);
+        BatchNorm's running statistics are not among them by default (they travel apart,
+        ``batchnorm-stats``) and are folded as they came.
     sent : FlatModel
         The global model ``G`` the round was sent from.
     copies : iterable of (np.ndarray, float)
         A copy the round's clients trained from, ``(sum numel,)`` float, and the total weight of the
         clients that held it (:meth:`.downstream_sender.Downstream.correct` groups the clients on one
-        broadcast version, so a round where every client holds B costs one vector operation, not one
-        per client).
+        broadcast version, so a round where every client holds B costs one pass, not one per client).
     c : float
         In [0, 1]; 0 changes nothing.
 
@@ -73,14 +93,19 @@ def correct_for_copies(fold, keys: list[str], sent: FlatModel, copies: Iterable[
     """
     if not c or not isinstance(getattr(fold, "weights", None), dict):
         return 0
-    g = None
+    sizes = [sent.specs[k].numel for k in keys]
+    scratch = np.empty(max(sizes, default=0), dtype=np.float64)
     done = 0
     for h, w in copies:
-        if g is None:
-            g = gather(sent, keys).astype(np.float64)
-        fold.running.add_vector(keys, h.astype(np.float64) - g, c * w)
+        off = 0
+        for k, n in zip(keys, sizes):
+            buf = scratch[:n]
+            np.subtract(h[off: off + n], sent.float_view(k).ravel(), out=buf, dtype=np.float64)
+            buf *= c * w
+            fold.running.acc[k] += buf
+            off += n
         done += 1
     return done
 
 
-__all__ = ["check_correction", "correct_for_copies"]
+__all__ = ["check_correction", "correct_for_copies", "correction_refusal"]

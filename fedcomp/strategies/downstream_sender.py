@@ -159,6 +159,8 @@ class Downstream:
         self.sent_kind: dict[int, str] = {}
         #: this round's diffs from a shared base (:meth:`_diff`), emptied by :meth:`prepare`
         self._round_diffs: dict[tuple, bytes] = {}
+        #: this round: node -> (key, vector) of the copy it trained from (:meth:`received`, with a correction)
+        self._trained_from: dict[int, tuple[tuple, np.ndarray]] = {}
 
     @property
     def version(self) -> int:
@@ -264,6 +266,7 @@ class Downstream:
         target = FlatModel.from_record(arrays)
         self.nodes.start_round()
         self._round_diffs = {}
+        self._trained_from = {}
         payload = None
         if self.model is None:
             self._setup(target)
@@ -434,8 +437,16 @@ class Downstream:
         return vec
 
     def received(self, node: int) -> None:
-        """``node`` replied this round, so it holds what it was sent (a diff's copy rebuilt here)."""
+        """``node`` replied this round, so it holds what it was sent (a diff's copy rebuilt here); with a
+        correction, the copy it trained from is noted for :meth:`correct` (a reference: the copy budget
+        may forget the node later in the same round, when other replies are committed)."""
         self.nodes.commit(node, lambda base, diff: self._settle(base + self._decode(diff)))
+        if self.correction and node in self.nodes.node_version:
+            if node in self.nodes.private:
+                self._trained_from[node] = (("private", node), self.nodes.private[node])
+            elif self.nodes.node_version[node] in self.nodes.versions:
+                u = self.nodes.node_version[node]
+                self._trained_from[node] = (("version", u), self.nodes.versions[u])
 
     def note_replies(self, stats: list[dict]) -> None:
         """Each replying node (``stats``: per-client figures with ``node``) holds what it was sent
@@ -446,23 +457,21 @@ class Downstream:
 
     def correct(self, fold, sent: FlatModel) -> int:
         """Count each reply of the round from the global model ``sent`` rather than from the copy its
-        client trained from (:func:`.copy_correction.correct_for_copies`, with :attr:`correction`),
-        after the replies were committed (:meth:`note_replies`): ``fold.weights`` (node -> weight)
-        grouped by the broadcast version the node holds, a private copy on its own; a node whose copy
-        is unknown is folded as it is. Returns the copies folded in."""
+        client trained from (:func:`.copy_correction.correct_for_copies`, with :attr:`correction`), after
+        the replies were committed (:meth:`note_replies`, which notes each copy): ``fold.weights``
+        (node -> weight) grouped by the broadcast version held, a private copy on its own; a node whose
+        copy the server did not know (its catch-up's base forgotten before it replied) is folded as it
+        came. Returns the copies folded in."""
         weights = getattr(fold, "weights", None)
         if self.model is None or not self.correction or not isinstance(weights, dict):
             return 0
-        by_version: dict[int, float] = {}
-        private = []
+        groups: dict[tuple, list] = {}
         for node, w in weights.items():
-            if node in self.nodes.private:
-                private.append((self.nodes.private[node], w))
-            elif self.nodes.node_version.get(node) in self.nodes.versions:
-                u = self.nodes.node_version[node]
-                by_version[u] = by_version.get(u, 0.0) + w
-        copies = [(self.nodes.versions[u], w) for u, w in by_version.items()] + private
-        return correct_for_copies(fold, self.lossy_keys, sent, copies, self.correction)
+            if node in self._trained_from:
+                key, vec = self._trained_from[node]
+                groups.setdefault(key, [vec, 0.0])[1] += w
+        self._trained_from = {}
+        return correct_for_copies(fold, self.lossy_keys, sent, [(v, w) for v, w in groups.values()], self.correction)
 
     def held(self, node: int) -> np.ndarray | None:
         """Every float tensor (flat, model order) the server believes ``node`` holds (None: unknown)."""

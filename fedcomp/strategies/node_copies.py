@@ -11,12 +11,11 @@ something and did not reply is forgotten at the next round (:meth:`NodeCopies.st
 Server memory: one vector of the compressed part per version some node still holds, one per node that
 holds a private copy, the broadcast payloads still needed for chains, and (``batchnorm-stats = "auto"``)
 each node's copy of the BatchNorm statistics (payload and statistics bytes counted in vectors).
-Bounded by the copy budget (:meth:`NodeCopies.copy_budget`): past it nodes are forgotten (their copy,
-and the versions and payloads no other node needs), those whose forgetting frees memory by itself
-first and among them the least recently replying (:meth:`NodeCopies.evict`); a forgotten node is
-treated as new, as after a missed reply. A node that holds exactly the latest version costs only
-its statistics copy: it keeps its model copy and lets go of that copy alone (it is then sent the exact
-statistics, as a new node is). Between a round's sends and its replies only
+Bounded by the copy budget (:meth:`NodeCopies.copy_budget`): past it statistics copies are dropped and
+then nodes forgotten (their copy, and the versions and payloads no other node needs), in the order that
+forgets fewest nodes (:meth:`NodeCopies.evict`); a forgotten node is treated as new, as after a missed
+reply. A node whose statistics copy is dropped stays known and is sent the exact statistics next time,
+as a new node is. Between a round's sends and its replies only
 each node's diff payload is kept (the bytes its message carries), not the copy the node will hold: that
 copy is rebuilt when it replies, so a round of N catch-ups costs N payloads rather than N model copies
 (``benchmarks/scale.py --only-downstream``).
@@ -160,16 +159,24 @@ class NodeCopies:
         return len(self.versions) + len(self.private) + extra / vec_bytes
 
     def evict(self, budget: float, keep: int | None = None) -> None:
-        """Forget nodes (not ``keep``) until at most ``budget`` copies are stored: first those whose
-        forgetting frees memory by itself (a private copy, a statistics copy, or the only node holding
-        an old version), least recently replying first; only then nodes that share an old version with
-        others (forgetting one of them frees nothing until the last goes). Under random sampling a node
-        that replied long ago is as likely to be sampled next as any other, so forgetting as few nodes
-        as possible keeps more of them on cheap catch-ups. A node holding exactly the latest version
-        without a private copy costs only its statistics copy: that copy alone is dropped (without one
-        it costs nothing and is not a candidate)."""
+        """Let go of memory until at most ``budget`` copies are stored, forgetting as few nodes as
+        possible: first statistics copies alone (the node stays known and is sent exact statistics next
+        time), then nodes whose forgetting alone frees a model copy (a private copy, or the only node
+        holding an old version), then nodes that share an old version with others (forgetting one frees
+        nothing until the last goes); least recently replying first within each. Under random sampling a
+        node that replied long ago is as likely to be sampled next as any other, so fewer forgotten nodes
+        means more of them on cheap catch-ups. ``keep`` and the nodes still to reply this round are never
+        candidates: their catch-up's base must outlive their reply (before, committing one reply could
+        forget the copy another node's diff was relative to, and that node became unknown). A node holding
+        exactly the latest version costs nothing beyond its statistics copy."""
         while self.copies() > budget:
-            cands = [n for n in self.node_version if n != keep and (not self._latest(n) or n in self.stats)]
+            others = [n for n in self.node_version if n != keep and n not in self.pending]
+            recency = lambda n: (self._last_seen.get(n, -1), n)  # noqa: E731 - least recently replying first
+            with_stats = [n for n in others if n in self.stats]
+            if with_stats:
+                del self.stats[min(with_stats, key=recency)]
+                continue
+            cands = [n for n in others if not self._latest(n)]
             if not cands:
                 if self.pin_start:  # let go of the chain from B_1 kept for nodes not seen yet (init + diff)
                     self.pin_start = False
@@ -180,20 +187,18 @@ class NodeCopies:
             for n, v in self.node_version.items():
                 if n not in self.private:
                     holders[v] = holders.get(v, 0) + 1
-            node = min(cands, key=lambda n: (not self._frees(n, holders), self._last_seen.get(n, -1), n))
-            if self._latest(node):
-                del self.stats[node]  # next time it is sent the exact statistics
-            else:
-                self.forget(node)
-                self.drop_unheld()
+            self.forget(min(cands, key=lambda n: (not self._frees(n, holders), *recency(n))))
+            self.drop_unheld()
 
     def _frees(self, node: int, holders: dict[int, int]) -> bool:
-        """Whether forgetting ``node`` alone frees memory (``holders``: version -> nodes holding it
-        exactly): a private or statistics copy, or an old version no other node holds."""
-        if node in self.private or node in self.stats:
+        """Whether forgetting ``node`` alone frees a model copy (``holders``: version -> nodes holding it
+        exactly): its private copy, or an old version no other node holds (and not B_1 kept for nodes not
+        seen yet)."""
+        if node in self.private:
             return True
         version = self.node_version[node]
-        return version != self.version and holders.get(version, 0) <= 1 and not (self.pin_start and version == 1)
+        pinned = self.start is not None and self.pin_start and version == 1
+        return version != self.version and holders.get(version, 0) <= 1 and not pinned
 
     def _latest(self, node: int) -> bool:
         """``node`` holds exactly the latest version (its model copy costs no memory)."""

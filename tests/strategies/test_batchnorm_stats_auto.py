@@ -311,18 +311,18 @@ def test_the_copy_budget_counts_the_nodes_statistics_copies():
     assert len(nodes.stats) == int(3 / stat_vectors) == 5  # the budget's 3 spare vectors hold 5 copies
     assert sorted(nodes.stats) == list(range(36, 41))  # the most recently replying ones
     assert sorted(nodes.node_version) == list(range(1, 41))  # nobody forgotten: their models cost nothing
-    # once a newer version exists, holding version 1 costs a vector: past the budget nodes are forgotten
-    # whole; those with a statistics copy first (forgetting one frees its copy), least recently replying
-    # first, and version 1 goes only with the last of the nodes that hold it
+    # once a newer version exists, holding version 1 costs a vector: past the budget the statistics copies
+    # go first, alone (least recently replying first; their nodes stay known), and nodes are forgotten
+    # only when none is left; version 1 goes only with the last of the nodes that hold it
     nodes.add_version(np.ones(1000, np.float32))
-    # versions 1 and 2 plus 5 statistics copies (2.51 vectors) = 4.51; forgetting 36, 37, 38 gets it to
-    # 3.004 <= 3.5. (Before, the least recently replying went first: nodes 1-38, which free nothing while
-    # others still hold version 1.)
+    # versions 1 and 2 plus 5 statistics copies (2.51 vectors) = 4.51; dropping 36's, 37's and 38's
+    # statistics gets it to 3.004 <= 3.5. (Before: nodes 1-38 forgotten whole, least recently replying
+    # first, though 1-35 freed nothing while others still held version 1.)
     nodes.evict(3.5)
     assert sorted(nodes.stats) == [39, 40]
-    assert sorted(nodes.node_version) == [*range(1, 36), 39, 40]
+    assert sorted(nodes.node_version) == list(range(1, 41))  # nobody forgotten
     assert nodes.copies() == pytest.approx(2 + 2 * stat_vectors)
-    nodes.evict(2)  # 39 and 40 go (their statistics); versions 1 and 2 remain, 2 copies
-    assert sorted(nodes.node_version) == list(range(1, 36)) and nodes.stats == {} and nodes.copies() == 2
-    nodes.evict(1)  # version 1 goes with the last of its 35 holders
+    nodes.evict(2)  # 39's and 40's statistics go; versions 1 and 2 remain, 2 copies
+    assert sorted(nodes.node_version) == list(range(1, 41)) and nodes.stats == {} and nodes.copies() == 2
+    nodes.evict(1)  # version 1 goes with the last of its 40 holders
     assert nodes.node_version == {} and list(nodes.versions) == [2] and nodes.copies() == 1

@@ -245,23 +245,32 @@ def test_a_round_of_catch_ups_holds_no_model_copy_per_node():
         assert np.array_equal(got[n]["w"].numpy(), fed.ds.held(n))  # bit for bit
 
 
+def _shared_and_private(shared, private: int, entries: int, stats=None):
+    """NodeCopies (budget 10) where the ``shared`` nodes hold version 1 (each with the statistics copy
+    ``stats``, if given), node ``private`` a private copy made from version 2, and version 3 is the latest."""
+    from fedcomp.strategies.node_copies import NodeCopies
+
+    nodes = NodeCopies(max_copies=10)
+    nodes.add_version(np.zeros(entries, np.float32))
+    for node in shared:
+        nodes.pending[node] = (1, None)
+        if stats is not None:
+            nodes.stats_pending[node] = stats
+        nodes.commit(node, rebuild=None)
+    nodes.add_version(np.ones(entries, np.float32))
+    nodes.pending[private] = (2, (b"diff", "version", 1))
+    nodes.commit(private, rebuild=lambda base, payload: base + 0.5)
+    nodes.add_version(np.full(entries, 2.0, np.float32))
+    nodes.drop_unheld()
+    return nodes
+
+
 def test_eviction_forgets_the_nodes_whose_forgetting_frees_memory_first():
     """Three nodes that replied long ago share version 1; a more recent node holds a private copy. One copy
     over the budget: before, the least recently replying went first, so all three holders of version 1
     were forgotten (the first two freed nothing) and would each start again from the first contact. Now
     the node whose forgetting alone frees a copy goes: one node forgotten, not three."""
-    from fedcomp.strategies.node_copies import NodeCopies
-
-    nodes = NodeCopies(max_copies=10)
-    nodes.add_version(np.zeros(100, np.float32))
-    for node in (1, 2, 3):
-        nodes.pending[node] = (1, None)
-        nodes.commit(node, rebuild=None)
-    nodes.add_version(np.ones(100, np.float32))
-    nodes.pending[4] = (2, (b"diff", "version", 1))
-    nodes.commit(4, rebuild=lambda base, payload: base + 0.5)
-    nodes.add_version(np.full(100, 2.0, np.float32))
-    nodes.drop_unheld()
+    nodes = _shared_and_private((1, 2, 3), 4, 100)
     assert sorted(nodes.versions) == [1, 3] and list(nodes.private) == [4]
     assert nodes.copies() == 3  # B_1 (nodes 1-3), node 4's private copy, the latest B_3
     nodes.evict(2)
@@ -269,3 +278,42 @@ def test_eviction_forgets_the_nodes_whose_forgetting_frees_memory_first():
     assert nodes.copies() == 2
     nodes.evict(1)  # nobody frees memory alone: the least recently replying go until B_1 does
     assert nodes.node_version == {} and list(nodes.versions) == [3] and nodes.copies() == 1
+
+
+def test_eviction_drops_statistics_copies_before_forgetting_any_node():
+    """Ten nodes share version 1, each with a small BatchNorm statistics copy; one more holds a private
+    copy. One copy over the budget: before, every node with a statistics copy counted as one whose
+    forgetting frees memory, so the ten were forgotten whole, least recently replying first. Now their
+    statistics copies go alone (the nodes stay known), then the private copy's node: one node forgotten."""
+    from fedcomp.statedict import FlatModel
+
+    stats = FlatModel({"bn.running_mean": np.zeros(1, np.float32)}, {"bn.running_mean": "float32"})
+    nodes = _shared_and_private(range(10), 10, 1000, stats)
+    assert nodes.copies() == pytest.approx(3 + 10 * 4 / 4000)  # B_1, node 10's copy, B_3, 10 statistics copies
+    nodes.evict(2)
+    assert sorted(nodes.node_version) == list(range(10)) and nodes.stats == {} and nodes.private == {}
+    assert nodes.copies() == 2
+
+
+def test_a_node_still_to_reply_keeps_the_base_of_its_catch_up():
+    """Committing one reply over the budget used to be able to forget the private copy another node's
+    catch-up diff was relative to, before that node replied: the node then became unknown (a new first
+    contact next time, and its update could not be counted from its copy). Pending nodes are not evicted."""
+    from fedcomp.strategies.node_copies import NodeCopies
+
+    nodes = NodeCopies(max_copies=3)
+    nodes.add_version(np.zeros(100, np.float32))
+    for node in (1, 2):  # both hold private copies
+        nodes.pending[node] = (1, (b"d", "version", 1))
+        nodes.commit(node, rebuild=lambda base, payload: base + 1.0)
+    nodes.add_version(np.ones(100, np.float32))
+    nodes.drop_unheld()
+    # this round: node 1 gets a diff from its private copy, node 2 one from its own; node 2 replies first
+    nodes.pending[1] = (2, (b"d", "private"))
+    nodes.pending[2] = (2, (b"d", "private"))
+    nodes.max_copies = 2.0
+    nodes.commit(2, rebuild=lambda base, payload: base + 1.0)
+    assert 1 in nodes.private  # node 1's base survives node 2's commit
+    nodes.commit(1, rebuild=lambda base, payload: base + 1.0)
+    assert 1 in nodes.node_version and np.array_equal(nodes.held(1), np.full(100, 2.0, np.float32))
+    assert nodes.copies() <= 2.0
