@@ -143,9 +143,10 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         trains from a broadcast version; steadier with sparse downstream codecs such as STC).
     downstream_max_copies : float or None
         With ``downstream``: most model copies the server keeps for nodes (older versions, per-node
-        catch-up copies, payloads); past it nodes are forgotten and then treated as new, first those
-        whose forgetting alone frees memory (least recently replying first among them). Default None: 8, or as many as 256 MiB holds when that is more (a small model keeps
-        every node's copy; :meth:`.node_copies.NodeCopies.copy_budget`).
+        catch-up copies, payloads); past it statistics copies are dropped, then nodes forgotten (and
+        treated as new) in the order that forgets fewest (:meth:`.node_copies.NodeCopies.evict`).
+        Default None: 8, or as many as 256 MiB holds when that is more (a small model keeps every
+        node's copy; :meth:`.node_copies.NodeCopies.copy_budget`).
     downstream_correction : float
         With ``downstream``: fold each client's update as ``delta_i - c (G - H_i)``, where ``H_i`` is
         the copy of the global model ``G`` it trained from (local training re-learns much of what the
@@ -342,8 +343,8 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         Orchestration only: admit (:mod:`.admission`, EF21's state check) -> decode, validate and fold
         (:func:`.replies.fold_replies`, a policy of :mod:`.aggregate`) -> the round's bookkeeping
         (failures, downstream, EF21's estimate) -> the downstream correction (:mod:`.copy_correction`)
-        -> hand over (:func:`.handover.hand_over`: the inner
-        strategy, dtypes, the integer/bool rule) -> metrics and the privacy accounting of the round.
+        -> hand over (:func:`.handover.hand_over`: the inner strategy, dtypes, the integer/bool rule)
+        -> metrics and the privacy accounting of the round.
         """
         sent = self.sent_round
         if sent is None or sent.server_round != server_round:

@@ -11,12 +11,13 @@ time, and adding it to ``G``, which already holds it, overshoots. The server kno
 
 with the client's weight instead of ``delta_i``. ``c = 1`` is FedAvg of the models the clients
 computed (``H_i + delta_i``): what was not sent and not re-learned is dropped; ``c = 0`` is the
-plain bidirectional error feedback of Sattler et al. (IEEE TNNLS 2019). Measured (``benchmarks/both_ways.py``, docs/benchmarks/both-ways.md): with STC downward and AdamW
-on the clients (the Transformer from scratch, every client every round) ``c = 1`` is 2.2 points better
-at round 20 (median of 3 seeds); with SGD on the clients (the default CNN federation) it is 1.4 points
-worse, and with
-``sign`` downward under 2-of-8 sampling (the LoRA preset) it keeps less of the gain. So the
-strategy's default is 0, and fedcomp's app turns it on for AdamW with a sparse downstream codec
+plain bidirectional error feedback of Sattler et al. (IEEE TNNLS 2019).
+
+Measured (``benchmarks/both_ways.py``, docs/benchmarks/both-ways.md): with STC downward and AdamW on
+the clients (the Transformer from scratch, every client every round) ``c = 1`` is 2.2 points better at
+round 20 (median of 3 seeds); with SGD on the clients (the default CNN federation) it is 1.4 points
+worse, and with ``sign`` downward under 2-of-8 sampling (the LoRA preset) it keeps less of the gain.
+So the strategy's default is 0, and fedcomp's app turns it on for AdamW with a sparse downstream codec
 (run config ``downstream-correction = "auto"``, :func:`fedcomp.config.downstream.resolve_correction`).
 
 Applies where the round is a weighted mean of the updates (:class:`.aggregate.MeanFold`); not under
@@ -32,6 +33,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from fedcomp.statedict import FlatModel
+
 
 def check_correction(value: float) -> float:
     """``value`` as the correction ``c``, a float in [0, 1].

@@ -74,8 +74,8 @@ from fedcomp.protocol.broadcast import (
 from fedcomp.protocol.messages import BASE_VERSION, MODEL_VERSION, payload_array
 from fedcomp.protocol.seeded_init import INIT_SEED, INIT_STYPE, SeededInit
 from fedcomp.statedict import FlatModel
-from fedcomp.strategies.first_contact import INIT_POLICIES, START_CODEC, check_init_policy, starting_model
 from fedcomp.strategies.copy_correction import check_correction, correct_for_copies
+from fedcomp.strategies.first_contact import INIT_POLICIES, START_CODEC, check_init_policy, starting_model
 from fedcomp.strategies.node_copies import NodeCopies
 
 
@@ -112,7 +112,8 @@ class Downstream:
         per-node catch-up copies and broadcast payloads (their bytes / the vector's bytes) together,
         besides B and G; at least 2 (this version and the previous one). Past it nodes are forgotten
         (:meth:`.node_copies.NodeCopies.evict`), and a forgotten node restarts from the first contact
-        (a per-node error-feedback copy lost). None (default, :meth:`.node_copies.NodeCopies.copy_budget`): 8, or as many as
+        (a per-node error-feedback copy lost). None (default,
+        :meth:`.node_copies.NodeCopies.copy_budget`): 8, or as many as
         :data:`.node_copies.COPY_BYTES_FLOOR` (256 MiB) holds when that is more, so that a small model (LoRA
         adapters, a small CNN) keeps a copy for every node of a cross-silo federation; the server's
         memory stays bounded whatever the number of nodes.
@@ -123,8 +124,8 @@ class Downstream:
     Raises
     ------
     ValueError
-        ``catchup`` not one of the two, ``max_copies`` < 2 (or not a number or None), ``init`` not a policy or codec name,
-        ``density`` outside (0, 1], or ``correction`` not in [0, 1].
+        ``catchup`` not one of the two, ``max_copies`` < 2 (or not a number or None), ``init`` not a
+        policy or codec name, ``density`` outside (0, 1], or ``correction`` not in [0, 1].
     """
 
     def __init__(self, codec: CodecConfig, compressor: str, seed: int = 0, init: SeededInit | str | None = "auto",
@@ -441,12 +442,8 @@ class Downstream:
         correction, the copy it trained from is noted for :meth:`correct` (a reference: the copy budget
         may forget the node later in the same round, when other replies are committed)."""
         self.nodes.commit(node, lambda base, diff: self._settle(base + self._decode(diff)))
-        if self.correction and node in self.nodes.node_version:
-            if node in self.nodes.private:
-                self._trained_from[node] = (("private", node), self.nodes.private[node])
-            elif self.nodes.node_version[node] in self.nodes.versions:
-                u = self.nodes.node_version[node]
-                self._trained_from[node] = (("version", u), self.nodes.versions[u])
+        if self.correction and (found := self.nodes.copy_of(node)) is not None:
+            self._trained_from[node] = found
 
     def note_replies(self, stats: list[dict]) -> None:
         """Each replying node (``stats``: per-client figures with ``node``) holds what it was sent

@@ -103,10 +103,18 @@ class NodeCopies:
 
     def held(self, node: int) -> np.ndarray | None:
         """The vector ``node`` holds (None: unknown, or its version is no longer kept)."""
+        found = self.copy_of(node)
+        return None if found is None else found[1]
+
+    def copy_of(self, node: int) -> tuple[tuple, np.ndarray] | None:
+        """``(key, vector)`` of the copy ``node`` holds: key ``("private", node)`` or ``("version", u)``
+        (nodes holding one version share its key); None: unknown, or its version is no longer kept."""
         if node not in self.node_version:
             return None
-        vec = self.private.get(node)
-        return self.versions.get(self.node_version[node]) if vec is None else vec
+        if node in self.private:
+            return ("private", node), self.private[node]
+        u = self.node_version[node]
+        return (("version", u), self.versions[u]) if u in self.versions else None
 
     # -- a round -----------------------------------------------------------------------------
     def start_round(self) -> None:
