@@ -29,6 +29,7 @@ from fedcomp.config.low_density import auto_note, resolve_schedule, short_ramp_n
 from fedcomp.privacy import ClientLevelDP, DPSGDConfig, LocalDP, check_accountable
 from fedcomp.statedict import copy_array, to_record, untie
 from fedcomp.strategies import CompressedStrategy
+from fedcomp.strategies.copy_correction import correction_refusal
 from fedcomp.strategies.offset import RoundOffset
 from fedcomp.task.data import DataConfig
 from fedcomp.task.lora import LoraSettings, initial_adapters, weights_record
@@ -53,6 +54,10 @@ def privacy_options(cfg: AppConfig, context: Context | None = None) -> dict:
                   # this app trains its model from scratch: new clients build it from a seed (on resume the
                   # model is trained: a compressed start, the library's "auto")
                   "downstream_init": "seeded" if cfg.downstream_init == "auto" and not cfg.resume else cfg.downstream_init}
+    why = correction_refusal(opts["downstream_correction"], cfg.downstream != "none", cfg.dp == "client-level",
+                             cfg.codec.error_feedback == "ef21", True)
+    if why:
+        raise ValueError(f"run config 'downstream-correction' = {cfg.downstream_correction!r} cannot apply: {why}")
     q = None
     if cfg.client_sampling == "poisson":
         q = cfg.fraction_train

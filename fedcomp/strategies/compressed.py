@@ -225,8 +225,7 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         self.ef21 = (EF21Aggregate.for_strategy(inner, client_dp, aggregation)
                      if self.codec.error_feedback == "ef21" else None)
         why = correction_refusal(check_correction(downstream_correction), downstream not in (None, "none"),
-                                 client_dp is not None, self.ef21 is not None,
-                                 aggregation == "auto" and streams(inner))
+                                 client_dp is not None, self.ef21 is not None, streams(inner), aggregation == "dense")
         if why:
             raise ValueError(f"downstream_correction = {downstream_correction!r} cannot apply: {why}")
         self.downstream = Downstream.for_run(self.codec, downstream, init=downstream_init, catchup=downstream_catchup,

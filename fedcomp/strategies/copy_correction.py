@@ -48,17 +48,20 @@ def check_correction(value: float) -> float:
     return float(value)
 
 
-def correction_refusal(c: float, downstream: bool, client_dp: bool, ef21: bool, weighted_mean: bool) -> str:
+def correction_refusal(c: float, downstream: bool, client_dp: bool, ef21: bool, weighted_mean: bool,
+                       dense_aggregation: bool = False) -> str:
     """Why ``downstream_correction = c`` cannot apply to this strategy ("": it can, or c is 0): it
     corrects the clients' copies of a compressed download, in a weighted mean of their updates."""
     if not c:
         return ""
     if not downstream:
-        return "it corrects for the compressed download: set downstream too"
+        return "it corrects for a compressed download, and the download is dense (downstream none)"
     if client_dp:
         return "client-level DP clips and noises each update as it came (the correction is not applied there)"
     if ef21:
         return "EF21 folds the clients' innovations, not their updates"
+    if dense_aggregation:
+        return "aggregation = 'dense' rebuilds every client's weights, where the correction is not applied"
     if not weighted_mean:
         return ("the inner strategy needs every client's weights (not a weighted mean of the updates), where the "
                 "correction is not applied")

@@ -95,10 +95,10 @@ def test_a_correction_that_cannot_apply_is_refused_naming_why():
 
     from fedcomp.privacy import ClientLevelDP
 
-    cases = [({"downstream": None}, "set downstream too"),
+    cases = [({"downstream": None}, "the download is dense"),
              ({"downstream": "stc", "client_dp": ClientLevelDP(1.0, 1.0, 1e-5)}, "client-level DP"),
              ({"downstream": "stc", "error_feedback": "ef21"}, "EF21"),
-             ({"downstream": "stc", "aggregation": "dense"}, "every client's weights")]
+             ({"downstream": "stc", "aggregation": "dense"}, "aggregation = 'dense'")]
     for kwargs, why in cases:
         with pytest.raises(ValueError, match=f"downstream_correction = 1.0 cannot apply: .*{why}"):
             CompressedStrategy(FedAvg(), compressor="stc", downstream_correction=1.0, **kwargs)
@@ -179,3 +179,28 @@ def test_the_sender_corrects_from_the_copies_the_clients_hold_even_when_forgotte
     want = sum(fold.weights[n] * (h.astype(np.float64) - g) for n, h in held.items())
     got_sum = np.concatenate([fold.running.acc[k] for k in SHAPES])
     np.testing.assert_allclose(got_sum, want, rtol=1e-12, atol=1e-9)
+
+
+@pytest.mark.parametrize("extra, why", [({"error-feedback": "ef21"}, "EF21"),
+                                        ({"dp": "client-level", "clipping-norm": 1.0, "noise-multiplier": 1.0},
+                                         "client-level DP"),
+                                        ({"compressor": "none"}, "the download is dense")])
+def test_the_run_config_on_where_it_cannot_apply_is_one_error_naming_the_key(extra, why):
+    """Found by a new user: these combinations passed the config stage and failed in the strategy's
+    constructor, a traceback naming the Python argument (exit code 700) instead of the run-config key."""
+    from fedcomp.app.server_app import privacy_options
+    from fedcomp.config import AppConfig
+
+    cfg = AppConfig.from_run_config({"downstream-correction": "on", **extra})
+    with pytest.raises(ValueError, match=f"run config 'downstream-correction' = 'on' cannot apply: .*{why}"):
+        privacy_options(cfg)
+
+
+def test_secure_aggregation_refuses_the_correction():
+    """The secure path sends the model dense (no copies to correct): 'on' was silently ignored there."""
+    from fedcomp.app.secagg_server_app import check_secagg_config
+
+    with pytest.raises(ValueError, match="'downstream-correction' = 'on' is not supported with secagg"):
+        check_secagg_config({"secagg": True, "downstream-correction": "on"})
+    check_secagg_config({"secagg": True, "downstream-correction": "auto"})
+    check_secagg_config({"secagg": True, "downstream-correction": "off"})
