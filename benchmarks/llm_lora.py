@@ -99,6 +99,17 @@ CASES = {
     # the downstream correction (strategies/copy_correction.py): updates counted from the global model
     "stc 5%, correction": {"compressor": "stc", "density": 0.05, "downstream": "stc", "downstream_correction": 1.0},
     "sign+EF, correction": {"compressor": "sign", "downstream": "sign", "downstream_correction": 1.0},
+    # the two sides of the 100x budget alone (issue 31): each direction compressed, the other exact
+    "stc 10% up, dense down": {"compressor": "stc", "density": 0.1, "downstream": "none"},
+    "fp32 up, stc 5% down": {"compressor": "none", "downstream": "stc", "downstream_density": 0.05},
+    "fp32 up, stc 5% down, correction": {"compressor": "none", "downstream": "stc", "downstream_density": 0.05,
+                                         "downstream_correction": 1.0},
+    "fp32 up, stc 10% down, correction": {"compressor": "none", "downstream": "stc", "downstream_density": 0.1,
+                                          "downstream_correction": 1.0},
+    "fp32 up, sign down": {"compressor": "none", "downstream": "sign"},
+    "fp32 up, randsign 50% down": {"compressor": "none", "downstream": "randsign", "downstream_density": 0.5},
+    "fp32 up, randsign 50% down, correction": {"compressor": "none", "downstream": "randsign",
+                                               "downstream_density": 0.5, "downstream_correction": 1.0},
 }
 #: case keys that are not CompressedStrategy arguments
 NOT_CODEC = ("downstream", "exact-catchup", "freeze-a")

@@ -29,7 +29,9 @@ the default data, private FLWR_HOME and ports; reports the wall time per round.
 Run: ``python benchmarks/scale.py`` (about 20 min on 2 cores), ``--smoke`` (a small model, seconds),
 ``--only-client`` (the client table alone at full size, merged into the results file, about a minute),
 ``--only-server`` (the server rows of ``--codecs`` and ``--clients`` alone, merged into the results file),
-``--only-downstream`` (the downstream rows alone, merged into the results file, about 6 min);
+``--only-downstream`` (the downstream rows alone, merged into the results file, about 6 min; with
+``--corrections 0,1`` the same rows without and with ``downstream_correction = 1``, paired per repeat,
+under the key ``downstream_correction``);
 prints tables and writes ``benchmarks/results/scale.json`` (``--smoke``: a file in the temporary folder). Medians over ``--repeats`` runs.
 """
 
@@ -198,7 +200,7 @@ model_bytes = 4 * sum(int(np.prod(s)) for s, d in shapes.values() if d == "float
 down, down_density = resolve_downstream("auto", 0.0, spec["codec"]["compressor"], "full", False)
 strategy = CompressedStrategy(FedAvg(fraction_train=spec["fraction"], fraction_evaluate=0.0, min_train_nodes=1,
                                      min_available_nodes=1), downstream=down, downstream_density=down_density,
-                              **spec["codec"])
+                              downstream_correction=spec["correction"], **spec["codec"])
 records = reply_records(g, strategy.codec, distinct=4)
 arrays = FlatModel.from_numpy(g).record(check=False)
 del g
@@ -360,28 +362,41 @@ def client_rows(width: int, codecs: list[str], repeats: int) -> list[dict]:
     return rows
 
 
-def downstream_rows(width: int, nodes: list[int], fraction: float, rounds: int, repeats: int) -> list[dict]:
+def downstream_rows(width: int, nodes: list[int], fraction: float, rounds: int, repeats: int,
+                    corrections: tuple[float, ...] = (0.0,)) -> list[dict]:
     """The server with the default download (``downstream = "auto"``: STC 5 % with server-side error
     feedback, compressed first contact, catch-ups): ``rounds`` rounds of ``configure_train`` +
     ``aggregate_train`` with ``fraction`` of N nodes sampled a round (Flower's FedAvg, seeded), one
-    fresh process per repeat; per round the medians over repeats of each figure."""
+    fresh process per repeat and ``downstream_correction`` in ``corrections`` (the values alternate
+    within each repeat, so that a busy machine slows them alike); per round the medians over repeats
+    of each figure."""
     rows = []
     for n in nodes:
-        runs = [_child(DOWNSTREAM_CHILD, {"width": width, "nodes": n, "fraction": fraction, "rounds": rounds,
-                                          "codec": CODECS["stc"], "seed": seed}) for seed in range(repeats)]
-        for i in range(rounds):
-            per = [run["rounds"][i] for run in runs]
-            row = {"nodes": n, "fraction": fraction, "round": i + 1, "model_mib": runs[0]["model_mib"],
-                   "downstream": runs[0]["downstream"], "downstream_density": runs[0]["downstream_density"],
+        runs = {c: [] for c in corrections}
+        for seed in range(repeats):
+            for c in corrections:
+                runs[c].append(_child(DOWNSTREAM_CHILD, {"width": width, "nodes": n, "fraction": fraction,
+                                                         "rounds": rounds, "codec": CODECS["stc"], "seed": seed,
+                                                         "correction": c}))
+        for c, i in ((c, i) for c in corrections for i in range(rounds)):
+            per = [run["rounds"][i] for run in runs[c]]
+            row = {"nodes": n, "fraction": fraction, "correction": c, "round": i + 1, "model_mib": runs[c][0]["model_mib"],
+                   "downstream": runs[c][0]["downstream"], "downstream_density": runs[c][0]["downstream_density"],
                    "kinds": per[0]["kinds"],  # the kinds of message sent in the first repeat, and their mean bytes
                    "download_x_model_by_kind": per[0]["download_x_model_by_kind"]}
             for key in ("sampled", "configure_seconds", "configure_peak_x_model", "aggregate_seconds",
                         "aggregate_peak_x_model", "resident_x_model", "download_x_model_per_node",
                         "download_kib_per_node", "nodes_known", "copies_kept", "copy_budget"):
                 row[key] = statistics.median(p[key] for p in per)
+            if c != 0.0 and 0.0 in runs:  # paired with the uncorrected run of the same repeat (same sampled nodes)
+                pairs = [(run["rounds"][i], off["rounds"][i]) for run, off in zip(runs[c], runs[0.0])]
+                row["aggregate_seconds_x_uncorrected"] = statistics.median(
+                    p["aggregate_seconds"] / q["aggregate_seconds"] for p, q in pairs)
+                row["aggregate_peak_minus_uncorrected_x_model"] = statistics.median(
+                    p["aggregate_peak_x_model"] - q["aggregate_peak_x_model"] for p, q in pairs)
             rows.append(row)
             kinds = " ".join(f"{k}={v}" for k, v in sorted(row["kinds"].items()))
-            print(f"downstream N={n:5d} round {row['round']:2d}: configure {row['configure_seconds']:6.2f} s "
+            print(f"downstream N={n:5d} c={c:g} round {row['round']:2d}: configure {row['configure_seconds']:6.2f} s "
                   f"peak +{row['configure_peak_x_model']:5.2f}x | aggregate {row['aggregate_seconds']:6.2f} s "
                   f"peak +{row['aggregate_peak_x_model']:5.2f}x | resident {row['resident_x_model']:5.2f}x "
                   f"(kept {row['copies_kept']:.2f}) | download {row['download_x_model_per_node']:.3f}x model/node "
@@ -438,6 +453,8 @@ def main() -> None:
     ap.add_argument("--nodes", default="100,1000", help="downstream: nodes in all")
     ap.add_argument("--fraction", type=float, default=0.1, help="downstream: fraction of the nodes sampled a round")
     ap.add_argument("--rounds", type=int, default=6, help="downstream: rounds")
+    ap.add_argument("--corrections", default="0", help="downstream: downstream_correction values, e.g. 0,1 "
+                    "(each value its own process, alternating; ratios against 0 where it is listed)")
     ap.add_argument("--out", default=None, help="JSON to write (default: the reference benchmarks/results/scale.json; "
                     "with --smoke a file in the temporary folder)")
     args = ap.parse_args()
@@ -446,6 +463,7 @@ def main() -> None:
     codecs = args.codecs.split(",")
     nodes = [20, 60] if args.smoke else [int(n) for n in args.nodes.split(",")]
     rounds = 4 if args.smoke else args.rounds
+    corrections = tuple(float(c) for c in args.corrections.split(","))
     args.out = str(output_path("scale", args.out, args.smoke))
     if args.only_client:
         result = json.loads(pathlib.Path(args.out).read_text()) if pathlib.Path(args.out).exists() else {}
@@ -465,7 +483,8 @@ def main() -> None:
         return
     if args.only_downstream:
         result = json.loads(pathlib.Path(args.out).read_text()) if pathlib.Path(args.out).exists() else {"width": width}
-        result["downstream"] = downstream_rows(width, nodes, args.fraction, rounds, repeats)
+        key = "downstream" if corrections == (0.0,) else "downstream_correction"  # keep the plain rows apart
+        result[key] = downstream_rows(width, nodes, args.fraction, rounds, repeats, corrections)
         pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         pathlib.Path(args.out).write_text(json.dumps(result, indent=1))
         print(f"wrote {shown(pathlib.Path(args.out))}")
@@ -478,7 +497,7 @@ def main() -> None:
         return
     result = {"width": width, "server": server_rows(width, clients, codecs, repeats, dense_max=32),
               "client": client_rows(width, codecs, max(repeats, 3)),
-              "downstream": downstream_rows(width, nodes, args.fraction, rounds, repeats)}
+              "downstream": downstream_rows(width, nodes, args.fraction, rounds, repeats, corrections)}
     if args.flwr:
         result["cross_device"] = cross_device()
         print("cross-device:", result["cross_device"], flush=True)

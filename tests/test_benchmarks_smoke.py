@@ -109,16 +109,18 @@ def test_scale_benchmark_smoke_runs(tmp_path):
 @pytest.mark.slow
 def test_scale_benchmark_downstream_smoke_runs(tmp_path):
     """--only-downstream --smoke: the server with the default download over 4 rounds, 10 % of 20 and 60
-    nodes a round; written to the temporary folder, never over the reference."""
+    nodes a round, without and with the downstream correction; written to the temporary folder, never
+    over the reference."""
     before = _references()
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "scale.py"), "--smoke", "--only-downstream"],
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "scale.py"), "--smoke", "--only-downstream",
+                           "--corrections", "0,1"],
                           check=True, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "TMPDIR": str(tmp_path)})
     out = tmp_path / "fedcomp-benchmarks" / "scale-quick.json"
     assert f"wrote {out}" in proc.stdout and _references() == before
-    rows = {(r["nodes"], r["round"]): r for r in json.loads(out.read_text())["downstream"]}
-    assert set(rows) == {(n, r) for n in (20, 60) for r in range(1, 5)}
-    for (n, r), row in rows.items():
+    rows = {(r["nodes"], r["correction"], r["round"]): r for r in json.loads(out.read_text())["downstream_correction"]}
+    assert set(rows) == {(n, c, r) for n in (20, 60) for c in (0.0, 1.0) for r in range(1, 5)}
+    for (n, c, r), row in rows.items():
         assert (row["downstream"], row["downstream_density"]) == ("stc", 0.05)  # what "auto" resolves to
         assert row["sampled"] == n // 10 == sum(row["kinds"].values())
         assert row["copy_budget"] >= 256 / row["model_mib"] > 8  # a small model: what 256 MiB holds, past 8
@@ -126,7 +128,13 @@ def test_scale_benchmark_downstream_smoke_runs(tmp_path):
         assert row["nodes_known"] <= min(n, r * n // 10)
         assert 0 < row["download_x_model_per_node"] < 0.5  # the int8 start (1/4) and a 5 % diff at most
         assert row["configure_seconds"] > 0 and row["aggregate_seconds"] > 0
-    assert rows[(20, 1)]["kinds"] == {"init": 2} and rows[(60, 1)]["kinds"] == {"init": 6}  # first contact
+        if c == 1.0:  # paired with the uncorrected run: the same nodes sampled, the same kinds of message
+            off = rows[(n, 0.0, r)]
+            assert row["kinds"] == off["kinds"] and row["nodes_known"] == off["nodes_known"]
+            assert row["aggregate_seconds_x_uncorrected"] > 0
+        else:
+            assert "aggregate_seconds_x_uncorrected" not in row
+    assert rows[(20, 0.0, 1)]["kinds"] == {"init": 2} and rows[(60, 1.0, 1)]["kinds"] == {"init": 6}  # first contact
 
 
 def test_secagg_benchmark_quick_runs(tmp_path):

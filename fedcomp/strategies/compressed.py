@@ -341,9 +341,10 @@ class CompressedStrategy(ForwardsToInner, Strategy):
 
         Orchestration only: admit (:mod:`.admission`, EF21's state check) -> decode, validate and fold
         (:func:`.replies.fold_replies`, a policy of :mod:`.aggregate`) -> the round's bookkeeping
-        (failures, downstream, EF21's estimate) -> the downstream correction (:mod:`.copy_correction`)
-        -> hand over (:func:`.handover.hand_over`: the inner strategy, dtypes, the integer/bool rule)
-        -> metrics and the privacy accounting of the round.
+        (failures; the downstream's record of what each node holds, with the downstream correction,
+        :mod:`.copy_correction`, as each reply is committed; EF21's estimate) -> hand over
+        (:func:`.handover.hand_over`: the inner strategy, dtypes, the integer/bool rule) -> metrics
+        and the privacy accounting of the round.
         """
         sent = self.sent_round
         if sent is None or sent.server_round != server_round:
@@ -354,8 +355,6 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         got = fold_replies(server_round, replies, fold, sent.model, weight_key(self.inner), self.max_num_examples,
                            refuse_dense, keep_exact=self.local_dp is None)  # local DP: the server keeps its own
         ef21_missing = self._bookkeeping(server_round, sent, replies, refused, mismatched, got)
-        if self.downstream is not None and self.ef21 is None:  # updates counted from G, not the clients' copies
-            self.downstream.correct(got.fold, sent.model)
         common_metric_keys(got.metric_contents)
         # BatchNorm statistics sent as a scaled sign ("auto"): a running variance falls at most to VAR_FLOOR
         signed = self.codec.for_round(server_round).batchnorm_stats_codec() == BATCHNORM_STATS_CODEC
@@ -399,8 +398,8 @@ class CompressedStrategy(ForwardsToInner, Strategy):
                       self.rounds.oom_seen)
         self.failure_history[server_round] = got.failures
         got.rejected += len(refused)
-        if self.downstream is not None:
-            self.downstream.note_replies(got.stats)
+        if self.downstream is not None:  # with a correction, updates counted from G, not the clients' copies
+            self.downstream.note_replies(got.stats, got.fold if self.ef21 is None else None, sent.model)
         else:  # the bytes this server sent each node, not what the node reports (the both-ways ratio)
             sent_bytes = {m.metadata.dst_node_id: sum(len(a.data) for r in m.content.array_records.values()
                                                       for a in r.values()) for m in sent.messages}

@@ -86,8 +86,8 @@ def correct_for_copies(fold, keys: list[str], sent: FlatModel, copies: Iterable[
         The global model ``G`` the round was sent from.
     copies : iterable of (np.ndarray, float)
         A copy the round's clients trained from, ``(sum numel,)`` float, and the total weight of the
-        clients that held it (:meth:`.downstream_sender.Downstream.correct` groups the clients on one
-        broadcast version, so a round where every client holds B costs one pass, not one per client).
+        clients that held it (:meth:`.downstream_sender.Downstream.note_replies` groups the clients on
+        one broadcast version, so a round where every client holds B costs one pass, not one per client).
     c : float
         In [0, 1]; 0 changes nothing.
 

@@ -160,8 +160,6 @@ class Downstream:
         self.sent_kind: dict[int, str] = {}
         #: this round's diffs from a shared base (:meth:`_diff`), emptied by :meth:`prepare`
         self._round_diffs: dict[tuple, bytes] = {}
-        #: this round: node -> (key, vector) of the copy it trained from (:meth:`received`, with a correction)
-        self._trained_from: dict[int, tuple[tuple, np.ndarray]] = {}
 
     @property
     def version(self) -> int:
@@ -267,7 +265,6 @@ class Downstream:
         target = FlatModel.from_record(arrays)
         self.nodes.start_round()
         self._round_diffs = {}
-        self._trained_from = {}
         payload = None
         if self.model is None:
             self._setup(target)
@@ -438,37 +435,39 @@ class Downstream:
         return vec
 
     def received(self, node: int) -> None:
-        """``node`` replied this round, so it holds what it was sent (a diff's copy rebuilt here); with a
-        correction, the copy it trained from is noted for :meth:`correct` (a reference: the copy budget
-        may forget the node later in the same round, when other replies are committed)."""
+        """``node`` replied this round, so it holds what it was sent (a diff's copy rebuilt here)."""
         self.nodes.commit(node, lambda base, diff: self._settle(base + self._decode(diff)))
-        if self.correction and (found := self.nodes.copy_of(node)) is not None:
-            self._trained_from[node] = found
 
-    def note_replies(self, stats: list[dict]) -> None:
+    def note_replies(self, stats: list[dict], fold=None, sent: FlatModel | None = None) -> int:
         """Each replying node (``stats``: per-client figures with ``node``) holds what it was sent
-        (:meth:`received`); its ``download-bytes`` becomes the bytes the server sent it this round."""
-        for stat in stats:
-            self.received(stat["node"])
-            stat["download-bytes"] = float(self.sent_bytes.get(stat["node"], 0))
+        (:meth:`received`); its ``download-bytes`` becomes the bytes the server sent it this round.
 
-    def correct(self, fold, sent: FlatModel) -> int:
-        """Count each reply of the round from the global model ``sent`` rather than from the copy its
-        client trained from (:func:`.copy_correction.correct_for_copies`, with :attr:`correction`), after
-        the replies were committed (:meth:`note_replies`, which notes each copy): ``fold.weights``
-        (node -> weight) grouped by the broadcast version held, a private copy on its own; a node whose
-        copy the server did not know (its catch-up's base forgotten before it replied) is folded as it
-        came. Returns the copies folded in."""
-        weights = getattr(fold, "weights", None)
-        if self.model is None or not self.correction or not isinstance(weights, dict):
-            return 0
-        groups: dict[tuple, list] = {}
-        for node, w in weights.items():
-            if node in self._trained_from:
-                key, vec = self._trained_from[node]
-                groups.setdefault(key, [vec, 0.0])[1] += w
-        self._trained_from = {}
-        return correct_for_copies(fold, self.lossy_keys, sent, [(v, w) for v, w in groups.values()], self.correction)
+        With :attr:`correction` and the round's ``fold`` (its ``weights``: node -> weight, complete)
+        and global model ``sent``, each reply is counted from ``sent`` rather than from the copy its
+        client trained from (:func:`.copy_correction.correct_for_copies`): a private copy as soon as
+        its node is committed, before committing the next reply can make the copy budget forget it (so
+        the round holds one private copy beyond the budget at a time, whatever the number of clients);
+        the nodes on one broadcast version in one pass at the end (a version is shared: the round holds
+        at most the versions the budget kept). A node whose copy the server did not know (its catch-up's
+        base forgotten before it replied) is folded as it came. Returns the copies folded in."""
+        weights = getattr(fold, "weights", None) if self.correction and self.model is not None else None
+        versions: dict[tuple, list] = {}
+        done = 0
+        for stat in stats:
+            node = stat["node"]
+            self.received(node)
+            stat["download-bytes"] = float(self.sent_bytes.get(node, 0))
+            if not isinstance(weights, dict) or node not in weights or (found := self.nodes.copy_of(node)) is None:
+                continue
+            key, vec = found
+            if key[0] == "private":
+                done += correct_for_copies(fold, self.lossy_keys, sent, [(vec, weights[node])], self.correction)
+            else:
+                versions.setdefault(key, [vec, 0.0])[1] += weights[node]
+        if versions:
+            done += correct_for_copies(fold, self.lossy_keys, sent, [(v, w) for v, w in versions.values()],
+                                       self.correction)
+        return done
 
     def held(self, node: int) -> np.ndarray | None:
         """Every float tensor (flat, model order) the server believes ``node`` holds (None: unknown)."""

@@ -166,19 +166,63 @@ def test_the_sender_corrects_from_the_copies_the_clients_hold_even_when_forgotte
     rng = np.random.default_rng(3)
     for w in seq[:-1]:
         fed.round(w, sorted(rng.choice(8, 3, replace=False).tolist()))
-    got = fed.round(seq[-1], list(range(8)))  # every node: new, lagging (diffs), in sync
-    forgotten = [n for n in range(8) if fed.ds.nodes.held(n) is None]
-    assert forgotten  # the budget forgot some of this round's repliers before the correction
+    got = fed.round(seq[-1], list(range(8)), reply=False)  # every node: new, lagging (diffs), in sync
     g_model = FlatModel({k: v.copy() for k, v in seq[-1].items()}, dict.fromkeys(SHAPES, "float32"))
     g = np.concatenate([seq[-1][k].ravel() for k in SHAPES]).astype(np.float64)
     fold = MeanFold(g_model)
     fold.weights = {n: float(n + 1) for n in range(8)}
-    groups = fed.ds.correct(fold, g_model)
+    stats = [{"node": n, "download-bytes": -1.0} for n in range(8)]
+    groups = fed.ds.note_replies(stats, fold, g_model)
+    assert all(st["download-bytes"] == fed.ds.sent_bytes[st["node"]] > 0 for st in stats)
+    forgotten = [n for n in range(8) if fed.ds.nodes.held(n) is None]
+    assert forgotten  # the budget forgot some of this round's repliers before the round ended
     held = {n: np.concatenate([rec[k].numpy().ravel() for k in SHAPES]) for n, rec in got.items()}
     assert len(held) == 8 and 1 <= groups <= 8  # at most one pass per client
     want = sum(fold.weights[n] * (h.astype(np.float64) - g) for n, h in held.items())
     got_sum = np.concatenate([fold.running.acc[k] for k in SHAPES])
     np.testing.assert_allclose(got_sum, want, rtol=1e-12, atol=1e-9)
+
+
+def test_the_correction_holds_no_more_private_copies_than_the_budget_whatever_the_clients():
+    """At ResNet-18 size with 1,000 nodes and 100 new or lagging clients a round, each with a private
+    copy, the correction used to keep every replier's copy referenced until the end of the round
+    (benchmarks/scale.py --corrections 0,1: +5x the model's bytes at the aggregation's peak with 10
+    repliers; one more copy per replier). Now each private copy is folded as its node is committed:
+    while the round's replies are committed, at most the budget's copies plus the one being folded are
+    alive, and the correction is the same."""
+    import gc
+    import weakref
+
+    from tests.strategies.test_downstream_catchup import SHAPES, Fed, _walk
+
+    init, seq = _walk(rounds=6)
+    fed = Fed("stc", 24, init=init, density=0.05)
+    fed.ds.correction = 1.0
+    fed.ds.nodes.max_copies = 3.0
+    for i, w in enumerate(seq[:-1]):  # every node seen, then lagging: the last round's repliers get private diffs
+        fed.round(w, list(range(24)) if i == 0 else [i])
+    got = fed.round(seq[-1], list(range(24)), reply=False)
+    g_model = FlatModel({k: v.copy() for k, v in seq[-1].items()}, dict.fromkeys(SHAPES, "float32"))
+    fold = MeanFold(g_model)
+    fold.weights = {n: 1.0 for n in range(24)}
+    alive, most = [], 0
+    commit = fed.ds.nodes.commit
+
+    def counting_commit(node, rebuild):
+        nonlocal most
+        commit(node, rebuild)
+        if node in fed.ds.nodes.private:
+            alive.append(weakref.ref(fed.ds.nodes.private[node]))
+        gc.collect()
+        most = max(most, sum(r() is not None for r in alive))
+
+    fed.ds.nodes.commit = counting_commit
+    fed.ds.note_replies([{"node": n} for n in range(24)], fold, g_model)
+    assert len(alive) >= 20  # the lagging nodes each rebuilt a private copy
+    assert most <= 3 + 1  # was 24: every replier's copy held until the round's correction
+    g = np.concatenate([seq[-1][k].ravel() for k in SHAPES]).astype(np.float64)
+    want = sum(np.concatenate([rec[k].numpy().ravel() for k in SHAPES]).astype(np.float64) - g for rec in got.values())
+    np.testing.assert_allclose(np.concatenate([fold.running.acc[k] for k in SHAPES]), want, rtol=1e-12, atol=1e-9)
 
 
 @pytest.mark.parametrize("extra, why", [({"error-feedback": "ef21"}, "EF21"),
