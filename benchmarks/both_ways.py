@@ -92,6 +92,7 @@ MODEL_CASES = {
         "stc 4 % up, dense download": {"compressor": "stc", "density": 0.04, "downstream": "none"},
         # each direction alone (issue 31's 100x budget, 2.1 MB both ways here): the other one exact
         "stc 8 % up, dense download": {"compressor": "stc", "density": 0.08, "downstream": "none"},
+        "stc 16 % up, dense download": {"compressor": "stc", "density": 0.16, "downstream": "none"},
         "fp32 up, stc 5 % down": {"compressor": "none", "downstream": "stc", "downstream-density": 0.05},
         # with the correction (app default for AdamW): the density split at ~100x both ways
         "stc 6 % up, stc 3 % down": {"compressor": "stc", "density": 0.06, "downstream-density": 0.03},
