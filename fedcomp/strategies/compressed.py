@@ -391,8 +391,9 @@ class CompressedStrategy(ForwardsToInner, Strategy):
 
     def _bookkeeping(self, server_round: int, sent: SentRound, replies: list[Message], refused: list,
                      mismatched: list, got: RoundReplies) -> int | None:
-        """Name the round's failed clients, tell the downstream sender who replied, fold the sends into
-        EF21's estimate and let the budget see refusals; returns EF21's count of missing clients."""
+        """Name the round's failed clients, tell the downstream sender who replied (which, with a
+        downstream correction, folds each reply's ``c * w * (H_i - G)`` into ``got.fold``), fold the sends
+        into EF21's estimate and let the budget see refusals; returns EF21's count of missing clients."""
         got.failures.extend(failure for _, failure in mismatched)  # EF21: a named failure each
         note_failures(server_round, sent.nodes, sent.sent_to(), replies, [r for r, _ in refused + mismatched], got,
                       self.rounds.oom_seen)

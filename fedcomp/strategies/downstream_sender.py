@@ -447,10 +447,19 @@ class Downstream:
         client trained from (:func:`.copy_correction.correct_for_copies`): a private copy as soon as
         its node is committed, before committing the next reply can make the copy budget forget it (so
         the round holds one private copy beyond the budget at a time, whatever the number of clients);
-        the nodes on one broadcast version in one pass at the end (a version is shared: the round holds
-        at most the versions the budget kept). A node whose copy the server did not know (its catch-up's
-        base forgotten before it replied) is folded as it came. Returns the copies folded in."""
+        the nodes on the broadcast version in one pass at the end (after its commit a node holds either
+        its own copy or the latest version, which the budget never forgets). A node whose copy the
+        server did not know (its catch-up's base forgotten before it replied) is folded as it came.
+        Returns the copies folded in.
+
+        Raises
+        ------
+        ValueError
+            A ``fold`` with per-client weights and a correction, but no ``sent``.
+        """
         weights = getattr(fold, "weights", None) if self.correction and self.model is not None else None
+        if isinstance(weights, dict) and sent is None:
+            raise ValueError("note_replies: the downstream correction needs the round's global model (sent)")
         versions: dict[tuple, list] = {}
         done = 0
         for stat in stats:
@@ -462,6 +471,7 @@ class Downstream:
             key, vec = found
             if key[0] == "private":
                 done += correct_for_copies(fold, self.lossy_keys, sent, [(vec, weights[node])], self.correction)
+                found = vec = None  # no reference past its fold: the budget may forget it at the next commit
             else:
                 versions.setdefault(key, [vec, 0.0])[1] += weights[node]
         if versions:

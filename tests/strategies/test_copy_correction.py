@@ -225,6 +225,24 @@ def test_the_correction_holds_no_more_private_copies_than_the_budget_whatever_th
     np.testing.assert_allclose(np.concatenate([fold.running.acc[k] for k in SHAPES]), want, rtol=1e-12, atol=1e-9)
 
 
+def test_a_fold_without_the_global_model_is_refused_and_commits_nothing():
+    """note_replies with a correction and a fold but no ``sent`` names what is missing (was an
+    AttributeError deep in the fold) before committing any reply."""
+    from tests.strategies.test_downstream_catchup import SHAPES, Fed, _walk
+
+    init, seq = _walk(rounds=2)
+    fed = Fed("stc", 2, init=init, density=0.05)
+    fed.ds.correction = 1.0
+    fed.round(seq[0], [0, 1])
+    fed.round(seq[1], [0, 1], reply=False)
+    fold = MeanFold(FlatModel({k: v.copy() for k, v in seq[1].items()}, dict.fromkeys(SHAPES, "float32")))
+    fold.weights = {0: 1.0, 1: 1.0}
+    pending = dict(fed.ds.nodes.pending)
+    with pytest.raises(ValueError, match="needs the round's global model"):
+        fed.ds.note_replies([{"node": 0}, {"node": 1}], fold, None)
+    assert fed.ds.nodes.pending == pending and len(pending) == 2
+
+
 @pytest.mark.parametrize("extra, why", [({"error-feedback": "ef21"}, "EF21"),
                                         ({"dp": "client-level", "clipping-norm": 1.0, "noise-multiplier": 1.0},
                                          "client-level DP"),
