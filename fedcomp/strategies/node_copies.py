@@ -26,6 +26,7 @@ accumulated change); the budget and the eviction order are fedcomp's.
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Callable
 
 import numpy as np
@@ -177,9 +178,11 @@ class NodeCopies:
         candidates: their catch-up's base must outlive their reply (before, committing one reply could
         forget the copy another node's diff was relative to, and that node became unknown). A node holding
         exactly the latest version costs nothing beyond its statistics copy."""
+        def recency(n: int) -> tuple[int, int]:  # least recently replying first
+            return self._last_seen.get(n, -1), n
+
         while self.copies() > budget:
             others = [n for n in self.node_version if n != keep and n not in self.pending]
-            recency = lambda n: (self._last_seen.get(n, -1), n)  # noqa: E731 - least recently replying first
             with_stats = [n for n in others if n in self.stats]
             if with_stats:
                 del self.stats[min(with_stats, key=recency)]
@@ -191,10 +194,7 @@ class NodeCopies:
                     self.drop_unheld()
                     continue
                 return
-            holders: dict[int, int] = {}
-            for n, v in self.node_version.items():
-                if n not in self.private:
-                    holders[v] = holders.get(v, 0) + 1
+            holders = Counter(v for n, v in self.node_version.items() if n not in self.private)
             self.forget(min(cands, key=lambda n: (not self._frees(n, holders), *recency(n))))
             self.drop_unheld()
 
