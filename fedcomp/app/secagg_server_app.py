@@ -56,6 +56,21 @@ def check_secagg_config(run_config: Mapping[str, Any]) -> SecAggConfig:
     return SecAggConfig.from_run_config(run_config)
 
 
+def distributed_dp(cfg: AppConfig, sa: SecAggConfig) -> DistributedDP | None:
+    """``dp = "distributed"``'s noise and accountant from the run config (None for any other ``dp``).
+
+    Raises
+    ------
+    ValueError
+        A bad ``clipping-norm``, ``noise-multiplier`` or ``target-delta``, or ``secagg-clipping-range``
+        not above ``clipping-norm`` (naming the keys; :class:`fedcomp.privacy.distributed.DistributedDP`).
+    """
+    if cfg.dp != "distributed":
+        return None
+    return DistributedDP(cfg.clipping_norm, cfg.noise_multiplier, sa.clipping_range, sa.quantization_range,
+                         cfg.target_delta)
+
+
 class SecAggRounds:
     """The round figures of the SecAgg+ path (a :class:`fedcomp.app.recorder.RoundSource`): the strategy's
     history, the bytes of the real SecAgg+ replies, bits per parameter; ``secagg`` settings in
@@ -166,10 +181,7 @@ def run_secagg(grid, context, cfg: AppConfig, out_dir) -> list[dict]:
                                      pack=sa.pack, max_weight=sa.max_weight,
                                      client_dp=ClientLevelDP(cfg.clipping_norm, cfg.noise_multiplier, cfg.target_delta)
                                      if cfg.dp == "client-level" else None,
-                                     distributed_dp=DistributedDP(cfg.clipping_norm, cfg.noise_multiplier,
-                                                                  sa.clipping_range, sa.quantization_range,
-                                                                  cfg.target_delta)
-                                     if cfg.dp == "distributed" else None,
+                                     distributed_dp=distributed_dp(cfg, sa),
                                      max_epsilon=cfg.max_epsilon or None, server_lr=sa.server_lr,
                                      server_lr_rounds=cfg.num_server_rounds if sa.server_lr_decay else 0)
     workflow = CompressedSecAggPlusWorkflow(sa.shares, sa.threshold, modulus_bits=sa.modulus_bits,

@@ -15,7 +15,7 @@ from fedcomp.app.data_record import check_same_data
 from fedcomp.app.inner import build_inner
 from fedcomp.app.recorder import CompressedRounds, RoundRecorder, privacy_settings, privacy_statement
 from fedcomp.app.results import plot_rounds
-from fedcomp.app.secagg_server_app import check_secagg_config, run_secagg, secagg_requested
+from fedcomp.app.secagg_server_app import check_secagg_config, distributed_dp, run_secagg, secagg_requested
 from fedcomp.app.startup import (
     RunConfigError,
     check_supernodes_fit_the_data,
@@ -159,7 +159,7 @@ def main(grid: Grid, context: Context) -> None:
         cfg = AppConfig.from_run_config(context.run_config)
         options = privacy_options(cfg, context)
         if secagg_requested(context.run_config):  # Flower SecAgg+ (legacy workflow), fedcomp.secagg
-            check_secagg_config(context.run_config)
+            distributed_dp(cfg, check_secagg_config(context.run_config))  # its keys too, before anything starts
     except ValueError as err:
         raise RunConfigError(str(err)) from err
     check_supernodes_fit_the_data(len(list(grid.get_node_ids())),

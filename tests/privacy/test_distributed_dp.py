@@ -140,3 +140,25 @@ def test_dp_distributed_needs_secagg_naming_both_keys():
     with pytest.raises(ValueError, match="needs error-feedback = false"):
         check_codec_under_secagg({"compressor": "randomk", "dp": "distributed"})
     check_codec_under_secagg({"compressor": "randomk", "dp": "distributed", "error-feedback": False})
+
+
+def test_distributed_dp_at_its_defaults_stops_before_round_0_in_one_line(tmp_path):
+    """Found by running each DP mode once: dp = 'distributed' with secagg = true and the default
+    secagg-clipping-range (1, equal to the default clipping-norm) got past the start-up checks and
+    crashed inside the SecAgg+ strategy's construction with a traceback (Flower exit code 700). It is
+    now a RunConfigError (one line naming both keys) before anything starts or is written."""
+    from flwr.app import Context, RecordDict
+
+    from fedcomp.app.client_app import app as client_app
+    from fedcomp.app.server_app import main
+    from fedcomp.app.startup import RunConfigError
+    from fedcomp.run.inprocess_grid import InProcessGrid
+
+    results = tmp_path / "results"
+    rc = {"num-server-rounds": 1, "dp": "distributed", "secagg": True, "error-feedback": False,
+          "results-dir": str(results)}
+    ctx = Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config=rc)
+    with pytest.raises(RunConfigError, match=r"'secagg-clipping-range' = 1 must exceed 'clipping-norm' = 1 "
+                                             r"\(room for the noise shares; e\.g\. 6\.94 holds them"):
+        main(InProcessGrid(client_app, 10, rc), ctx)
+    assert not results.exists()
