@@ -435,6 +435,18 @@ def cross_device(nodes: int = 100, rounds: int = 5) -> dict:
             "final_accuracy": recs[-1]["accuracy"]}
 
 
+def corrections_arg(text: str) -> tuple[float, ...]:
+    """``--corrections``: comma-separated distinct values in [0, 1] (argparse's type: a bad one is
+    argparse's one-line error before any run)."""
+    try:
+        values = tuple(float(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"numbers in [0, 1] separated by commas, got {text!r}") from None
+    if not all(0.0 <= v <= 1.0 for v in values) or len(set(values)) != len(values):
+        raise argparse.ArgumentTypeError(f"distinct numbers in [0, 1], got {text!r}")
+    return values
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--smoke", action="store_true", help="small model (width 8), 4 and 12 clients: seconds")
@@ -453,7 +465,8 @@ def main() -> None:
     ap.add_argument("--nodes", default="100,1000", help="downstream: nodes in all")
     ap.add_argument("--fraction", type=float, default=0.1, help="downstream: fraction of the nodes sampled a round")
     ap.add_argument("--rounds", type=int, default=6, help="downstream: rounds")
-    ap.add_argument("--corrections", default="0", help="downstream: downstream_correction values, e.g. 0,1 "
+    ap.add_argument("--corrections", default=(0.0,), type=corrections_arg,
+                    help="downstream: downstream_correction values in [0, 1], distinct, e.g. 0,1 "
                     "(each value its own process, alternating; ratios against 0 where it is listed)")
     ap.add_argument("--out", default=None, help="JSON to write (default: the reference benchmarks/results/scale.json; "
                     "with --smoke a file in the temporary folder)")
@@ -463,7 +476,7 @@ def main() -> None:
     codecs = args.codecs.split(",")
     nodes = [20, 60] if args.smoke else [int(n) for n in args.nodes.split(",")]
     rounds = 4 if args.smoke else args.rounds
-    corrections = tuple(float(c) for c in args.corrections.split(","))
+    corrections = args.corrections
     args.out = str(output_path("scale", args.out, args.smoke))
     if args.only_client:
         result = json.loads(pathlib.Path(args.out).read_text()) if pathlib.Path(args.out).exists() else {}

@@ -106,6 +106,20 @@ def test_scale_benchmark_smoke_runs(tmp_path):
     assert all(r["seconds"] > 0 and r["codec_seconds"] > 0 for r in res["client"])
 
 
+def test_scale_corrections_argument_is_refused_in_one_line_before_any_run():
+    """Found by a new user: '--corrections yes' was a traceback, '2' or 'nan' a child's nested
+    traceback after the runs started, and '0,0' silently duplicated rows (and mispaired the ratios)."""
+    import argparse
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from scale import corrections_arg
+
+    assert corrections_arg("0,1") == (0.0, 1.0) and corrections_arg("0.5") == (0.5,)
+    for bad in ("yes", "", "0.5,", "nan", "-1", "2", "inf", "0,0", "1,1.0"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            corrections_arg(bad)
+
+
 @pytest.mark.slow
 def test_scale_benchmark_downstream_smoke_runs(tmp_path):
     """--only-downstream --smoke: the server with the default download over 4 rounds, 10 % of 20 and 60

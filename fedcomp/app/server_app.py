@@ -157,9 +157,10 @@ def main(grid: Grid, context: Context) -> None:
     one_line_config_errors()
     try:
         cfg = AppConfig.from_run_config(context.run_config)
-        options = privacy_options(cfg, context)
-        if secagg_requested(context.run_config):  # Flower SecAgg+ (legacy workflow), fedcomp.secagg
+        if secagg_requested(context.run_config):  # Flower SecAgg+ (legacy workflow), fedcomp.secagg: first, so
+            # that a setting it does not support is named as such (not by what it makes downstream resolve to)
             distributed_dp(cfg, check_secagg_config(context.run_config))  # its keys too, before anything starts
+        options = privacy_options(cfg, context)
     except ValueError as err:
         raise RunConfigError(str(err)) from err
     check_supernodes_fit_the_data(len(list(grid.get_node_ids())),

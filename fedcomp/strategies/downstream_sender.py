@@ -50,6 +50,7 @@ treated as new (seeded ``init`` + catch-up, or ``dense``), as after a missed rep
 from __future__ import annotations
 
 import hashlib
+import numbers
 from logging import WARNING
 
 import numpy as np
@@ -134,13 +135,13 @@ class Downstream:
         init = check_init_policy("auto" if init is None else init)
         #: c of :mod:`.copy_correction`: each update folded as ``delta_i - c (G - H_i)``
         self.correction = check_correction(correction)
-        if density is not None and (isinstance(density, bool) or not isinstance(density, (int, float))
+        if density is not None and (isinstance(density, bool) or not isinstance(density, numbers.Real)
                                     or not 0 < density <= 1):
             raise ValueError(f"downstream density must be in (0, 1], got {density!r}")
         self.density = None if density is None else float(density)
         if catchup not in ("smallest", "exact"):
             raise ValueError(f"downstream catch-up must be 'smallest' or 'exact', got {catchup!r}")
-        if max_copies is not None and (isinstance(max_copies, bool) or not isinstance(max_copies, (int, float))
+        if max_copies is not None and (isinstance(max_copies, bool) or not isinstance(max_copies, numbers.Real)
                                        or not max_copies >= 2):
             raise ValueError(f"downstream max_copies must be a number >= 2 or None (auto), got {max_copies!r}")
         self.codec, self.compressor, self.seed, self.init = codec, compressor, seed, init

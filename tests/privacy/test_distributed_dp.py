@@ -162,3 +162,21 @@ def test_distributed_dp_at_its_defaults_stops_before_round_0_in_one_line(tmp_pat
                                              r"\(room for the noise shares; e\.g\. 6\.94 holds them"):
         main(InProcessGrid(client_app, 10, rc), ctx)
     assert not results.exists()
+
+
+def test_a_setting_secagg_does_not_support_is_named_as_such(tmp_path):
+    """Found by a new user: downstream-correction = 'on' with secagg = true was refused as 'the download
+    is dense (downstream none)', a setting the user never set: the secure-aggregation checks now come
+    first and name the key and secagg."""
+    from flwr.app import Context, RecordDict
+
+    from fedcomp.app.client_app import app as client_app
+    from fedcomp.app.server_app import main
+    from fedcomp.app.startup import RunConfigError
+    from fedcomp.run.inprocess_grid import InProcessGrid
+
+    rc = {"num-server-rounds": 1, "downstream-correction": "on", "secagg": True, "results-dir": str(tmp_path / "r")}
+    ctx = Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config=rc)
+    with pytest.raises(RunConfigError, match=r"^run config 'downstream-correction' = 'on' is not supported with "
+                                             r"secagg = true \(use 'off'\)$"):
+        main(InProcessGrid(client_app, 10, rc), ctx)

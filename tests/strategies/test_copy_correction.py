@@ -266,3 +266,17 @@ def test_secure_aggregation_refuses_the_correction():
         check_secagg_config({"secagg": True, "downstream-correction": "on"})
     check_secagg_config({"secagg": True, "downstream-correction": "auto"})
     check_secagg_config({"secagg": True, "downstream-correction": "off"})
+
+
+def test_numpy_numbers_are_numbers_for_every_download_setting():
+    """Found by a new user: downstream_correction took np.float32 / np.int64 but downstream_density
+    and downstream_max_copies refused them ("must be in (0, 1], got np.float32(0.05)")."""
+    s = CompressedStrategy(FedAvg(), compressor="stc", downstream="stc", downstream_density=np.float32(0.05),
+                           downstream_max_copies=np.int64(2), downstream_correction=np.float32(1.0))
+    assert s.downstream.density == pytest.approx(0.05) and s.downstream.correction == 1.0
+    assert s.downstream.nodes.max_copies == 2.0 and type(s.downstream.nodes.max_copies) is float
+    for bad in (np.float32("nan"), np.float32(1.5), np.int64(0)):
+        with pytest.raises(ValueError, match="downstream density must be in"):
+            CompressedStrategy(FedAvg(), compressor="stc", downstream="stc", downstream_density=bad)
+    with pytest.raises(ValueError, match="downstream max_copies must be a number >= 2"):
+        CompressedStrategy(FedAvg(), compressor="stc", downstream="stc", downstream_max_copies=np.int64(1))
