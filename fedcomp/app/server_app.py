@@ -172,6 +172,10 @@ def main(grid: Grid, context: Context) -> None:
         log(INFO, "fedcomp  %s", note)
     if note := short_ramp_note(cfg):
         log(WARNING, "fedcomp  %s", note)
+    if cfg.downstream_correction == "auto" and options["downstream_correction"]:  # what "auto" chose, once
+        log(INFO, "fedcomp  downstream-correction 'auto' chose on (optimizer %r, downstream %s): each update is "
+            "counted from the global model, not the client's compressed copy; set it to \"off\" to fold them as "
+            "they came", cfg.optimizer, options["downstream"])
     if secagg_requested(context.run_config):
         run_secagg(grid, context, cfg, out_dir)
         return

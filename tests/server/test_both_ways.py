@@ -40,3 +40,20 @@ def test_the_default_run_compresses_both_ways_from_the_first_model_on(tmp_path):
 def test_fp32_is_fp32_both_ways_and_its_ratio_is_one(tmp_path):
     rounds = _run(tmp_path, compressor="none")[1:]
     assert all(r["cumulative-ratio-both-ways"] == pytest.approx(1.0, abs=0.01) for r in rounds)
+
+
+def test_the_correction_auto_chose_is_said_once_and_only_when_on(tmp_path, caplog):
+    """Found by a new user: with optimizer adamw, downstream-correction = 'auto' turned the correction
+    on and nothing in the run's output said so. One INFO line now names it; the default run (SGD, auto
+    off) prints no such line."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="flwr")
+    _run(tmp_path / "adamw", **{"optimizer": "adamw", "lr": 0.003, "num-server-rounds": 1})
+    said = [r.getMessage() for r in caplog.records if "downstream-correction" in r.getMessage()]
+    assert said == ["fedcomp  downstream-correction 'auto' chose on (optimizer 'adamw', downstream stc): each update "
+                    "is counted from the global model, not the client's compressed copy; set it to \"off\" to fold "
+                    "them as they came"]
+    caplog.clear()
+    _run(tmp_path / "sgd", **{"num-server-rounds": 1})
+    assert not [r for r in caplog.records if "downstream-correction" in r.getMessage()]
