@@ -125,12 +125,14 @@ class RoundRecorder:
         if server_round > 0 and arrays is not None:
             self.source.after_round(self, server_round, arrays)
 
-    def add_bytes(self, upload: float, download: float = 0.0, dense: float = 0.0) -> None:
+    def add_bytes(self, upload: float, download: float = 0.0, dense: float = 0.0,
+                  dense_both: float | None = None) -> None:
         """Add a round's bytes (upload, download, and ``dense``: one way's fp32 bytes of the round's
-        replies, counted for each direction) to the run's cumulative MB."""
+        replies, counted for each direction; or ``dense_both``: fp32 bytes both ways, counted as the
+        messages travel) to the run's cumulative MB."""
         self.cum_mb += upload / MB
         self.cum_down_mb += download / MB
-        self.cum_dense_mb += 2 * dense / MB
+        self.cum_dense_mb += (2 * dense if dense_both is None else dense_both) / MB
 
     def near_chance_note(self, margin: float = 0.05) -> str:
         """A warning ("" if none) when the last round's accuracy is within ``margin`` of chance: the
@@ -217,10 +219,13 @@ class CompressedRounds:
         rec: dict[str, Any] = {}
         h = self.strategy.history.get(server_round)
         if h is not None:
-            recorder.add_bytes(h["upload-bytes"], h["download-bytes"], h["dense-bytes"])
+            # what travelled: every message's serialised content both ways, evaluation included
+            # (:mod:`fedcomp.strategies.wire_bytes`); the payloads alone are upload-bytes / download-bytes
+            up, down = h.get("wire-bytes-up", h["upload-bytes"]), h.get("wire-bytes-down", h["download-bytes"])
+            recorder.add_bytes(up, down, h["dense-bytes"], h.get("wire-bytes-fp32"))
             rec.update({
-                "upload-mb": h["upload-bytes"] / MB, "cumulative-upload-mb": recorder.cum_mb,
-                "download-mb": h["download-bytes"] / MB, "cumulative-download-mb": recorder.cum_down_mb,
+                "upload-mb": up / MB, "cumulative-upload-mb": recorder.cum_mb,
+                "download-mb": down / MB, "cumulative-download-mb": recorder.cum_down_mb,
                 **recorder.totals(), **h,
             })
             now = _epsilon_now(rec)

@@ -31,6 +31,7 @@ from fedcomp.protocol.messages import (
     DEFAULT_UPLINK_MBPS,
     ESTIMATE_ROUND_METRIC,
     MIN_LINK_MBPS,
+    MODEL_VERSION,
     PAYLOAD_STYPE,
     SECAGG_SEED_KEY,
     payload_array,
@@ -83,6 +84,9 @@ def compression_mod(msg: Message, context: Context, call_next) -> Message:
         that the server counts as a failed client.
     """
     if not is_ours(msg):
+        if is_compressed_evaluate(msg):  # the model to evaluate rides the compressed download
+            arr_key, rec = only_record(msg.content, "array")
+            rebuild(msg, context, arr_key, rec, _version_config(msg))
         return call_next(msg, context)
     request = TrainRequest.parse(msg, context)  # refuses before training if local DP is below this node's floor
     download = sum(len(a.data) for a in request.arrays.values())
@@ -127,6 +131,20 @@ def is_ours(msg: Message) -> bool:
         SECAGG_SEED_KEY)
     raise ValueError(f"train message carries '{SECAGG_SEED_KEY}' outside this node's secure-aggregation mod: this "
                      "node compresses (and applies its own privacy floor to) every plain train reply; refused")
+
+
+def is_compressed_evaluate(msg: Message) -> bool:
+    """Whether ``msg`` is an evaluate message in the compressed download's form (one ArrayRecord, and a
+    ConfigRecord with ``fedcomp-model-version``): ``compression_mod`` rebuilds the model it describes
+    from this node's copy (:func:`.downstream_receiver.rebuild`) before the app evaluates it."""
+    content = msg.content
+    return (msg.metadata.message_type.split(".")[0] == "evaluate" and len(content.array_records) == 1
+            and any(MODEL_VERSION in c for c in content.config_records.values()))
+
+
+def _version_config(msg: Message):
+    """The ConfigRecord of ``msg`` that carries the model version (the first, if several do)."""
+    return next(c for c in msg.content.config_records.values() if MODEL_VERSION in c)
 
 
 def _trained_weights(reply: Message) -> tuple[str, dict[str, np.ndarray]]:

@@ -33,6 +33,7 @@ from fedcomp.strategies.privacy_budget import PoissonSampling, PrivacyBudget
 from fedcomp.strategies.replies import RoundReplies, evaluate_replies, fold_replies, note_failures
 from fedcomp.strategies.round_history import RoundHistory, SentRound
 from fedcomp.strategies.round_metrics import HEADLINE_KEYS, common_metric_keys, headline, layers_mean, round_metrics
+from fedcomp.strategies.wire_bytes import WireCount
 from fedcomp.strategies.wrapping import load_optimizer_state, optimizer_state
 
 
@@ -232,6 +233,10 @@ class CompressedStrategy(ForwardsToInner, Strategy):
                                              max_copies=downstream_max_copies, density=downstream_density,
                                              correction=downstream_correction)
         self.rounds = RoundHistory()
+        #: The serialised bytes of every message both ways, and their fp32 equivalent (:mod:`.wire_bytes`).
+        self.wire = WireCount()
+        #: The dense global model of the current round (what a plain app's messages would carry).
+        self._round_arrays: ArrayRecord | None = None
         # -- what a round leaves for the next call ----------------------------------------
         #: The global model sent in the current round (set by :meth:`configure_train`).
         self.sent_round: SentRound | None = None
@@ -315,11 +320,18 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         self.sent_round.messages = msgs
         if self.downstream is not None and msgs:
             self.downstream.prepare(server_round, arrays, msgs)
+        self._round_arrays = arrays
+        self.wire.sent(server_round, "train", msgs, arrays)
         return msgs
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
-        """Delegate unchanged (evaluation messages carry dense global weights)."""
+        """Delegate; with ``downstream``, the evaluate messages ride the compressed download as train
+        messages do (:meth:`.downstream_sender.Downstream.prepare`: each node gets the step or catch-up
+        that brings its copy to the round's model, never the model dense); their bytes are counted."""
         self._evaluate_sent = list(self.inner.configure_evaluate(server_round, arrays, config, grid))
+        if self.downstream is not None and self._evaluate_sent:
+            self.downstream.prepare(server_round, arrays, self._evaluate_sent, phase="evaluate")
+        self.wire.sent(server_round, "evaluate", self._evaluate_sent, arrays)
         return self._evaluate_sent
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
@@ -328,7 +340,14 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         (error replies charged to their sender, sampled nodes that sent nothing) in
         ``evaluate_failure_history`` (logged with the reason)."""
         sent_to = {m.metadata.message_id: m.metadata.dst_node_id for m in self._evaluate_sent}
-        replies, self.evaluate_failure_history[server_round] = evaluate_replies(server_round, sent_to, list(replies))
+        replies = list(replies)
+        self.wire.received(server_round, "evaluate", replies, None)
+        self._note_wire(server_round)
+        replies, self.evaluate_failure_history[server_round] = evaluate_replies(server_round, sent_to, replies)
+        if self.downstream is not None:  # a node that answered holds the copy it evaluated
+            for reply in replies:
+                if not reply.has_error():
+                    self.downstream.received(reply.metadata.src_node_id)
         metrics = self.inner.aggregate_evaluate(server_round, replies)
         if metrics is not None:
             ok = sum(1 for r in replies if not r.has_error())
@@ -349,7 +368,9 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         sent = self.sent_round
         if sent is None or sent.server_round != server_round:
             raise RuntimeError(f"aggregate_train for round {server_round} without configure_train")
-        replies, refused, mismatched = self._admit(server_round, sent, list(replies))
+        replies = list(replies)
+        self.wire.received(server_round, "train", replies, self._round_arrays)
+        replies, refused, mismatched = self._admit(server_round, sent, replies)
         fold = self.folding.new_fold(sent.model, len(replies), self.client_dp, self.int_remainders)
         refuse_dense = dense_refusal(self.require_compression, self.local_dp, self.ef21, self.downstream)
         got = fold_replies(server_round, replies, fold, sent.model, weight_key(self.inner), self.max_num_examples,
@@ -426,7 +447,13 @@ class CompressedStrategy(ForwardsToInner, Strategy):
             ours["uncharged-error-replies"] = float(got.uncharged)
         self.budget.account(server_round, any_replies, got.stats, ours)
         self.rounds.record_train(server_round, ours, got.stats, layers_mean(got.layer_stats, sent.model.float_keys))
+        self._note_wire(server_round)
         return ours
+
+    def _note_wire(self, server_round: int) -> None:
+        """Put the round's wire figures (:mod:`.wire_bytes`, evaluation included once it ran) in ``history``."""
+        if server_round in self.history:
+            self.history[server_round].update(self.wire.get(server_round))
 
     # -- state for checkpoints -----------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -80,6 +80,11 @@ from fedcomp.strategies.first_contact import INIT_POLICIES, START_CODEC, check_i
 from fedcomp.strategies.node_copies import NodeCopies
 
 
+#: Added to the round in the codec seeds of an evaluate message's step, so that a seeded codec
+#: (random-k) draws other positions than the train step of the same round.
+EVALUATE_SEED_OFFSET = 2**31 - 1
+
+
 class Downstream:
     """Per-run state of downstream compression.
 
@@ -254,15 +259,26 @@ class Downstream:
         return arrays
 
     # -- one round --------------------------------------------------------------------------
-    def prepare(self, server_round: int, arrays: ArrayRecord, messages: list[Message]) -> list[Message]:
+    def prepare(self, server_round: int, arrays: ArrayRecord, messages: list[Message],
+                phase: str = "train") -> list[Message]:
         """Advance B to this round's global model and rewrite each message's arrays and config.
 
         Every message gets its own RecordDict and ArrayRecord (as the real transport gives each
         node its own copy), so a handler that edits its input affects no other client.
 
+        Train and evaluate messages go the same way (``phase``): federated evaluation after a round
+        advances B towards the round's new global model and sends each evaluating node the step
+        (or catch-up) that brings its copy there; the next round's train messages send what that
+        step left out (server-side error feedback). A node evaluates the model it will train from.
+        ``phase = "evaluate"`` only changes the seeds of seeded codecs (:data:`EVALUATE_SEED_OFFSET`).
+
         Returns the messages (modified in place) with a per-message ConfigRecord carrying the version
         keys (and the init seed for ``init`` messages).
         """
+        if phase not in ("train", "evaluate"):
+            raise ValueError(f"phase must be 'train' or 'evaluate', got {phase!r}")
+        if phase == "evaluate":
+            server_round += EVALUATE_SEED_OFFSET
         target = FlatModel.from_record(arrays)
         self.nodes.start_round()
         self._round_diffs = {}

@@ -29,8 +29,9 @@ def test_the_default_run_compresses_both_ways_from_the_first_model_on(tmp_path):
     assert rounds[0]["download-bytes"] < 3 * dense / 100  # 3 seeded starts: rules, not the model
     assert all(r["download-bytes"] < 3 * dense / 10 for r in rounds)  # STC 5 %: positions and signs
     up = down = fp32 = 0.0
-    for r in rounds:
-        up, down, fp32 = up + r["upload-bytes"], down + r["download-bytes"], fp32 + 2 * r["dense-bytes"]
+    for r in rounds:  # the run's totals are what travelled: every message serialised, both ways
+        assert r["wire-bytes-up"] > r["upload-bytes"] and r["wire-bytes-down"] > r["download-bytes"]
+        up, down, fp32 = up + r["wire-bytes-up"], down + r["wire-bytes-down"], fp32 + r["wire-bytes-fp32"]
         assert r["cumulative-mb"] == pytest.approx((up + down) / MB, rel=1e-12)
         assert r["cumulative-ratio-both-ways"] == pytest.approx(fp32 / (up + down), rel=1e-12)
     assert rounds[-1]["cumulative-ratio-both-ways"] > 50
