@@ -335,8 +335,9 @@ def decompress(
         Decode into this caller's buffer instead of a fresh tensor (a server reusing one buffer
         for every reply saves the allocation and its page faults): a contiguous CPU tensor of
         ``numel`` entries (any shape), float32 (float64 for a ``none`` payload of a float64
-        tensor). Checked against the header before the body is read. If decoding raises, its
-        contents are unspecified.
+        tensor). Checked against the header before the body is read. It may share memory with
+        the payload (the payload's bytes are then copied before ``out`` is written). If decoding
+        raises, its contents are unspecified.
 
     Returns
     -------
@@ -362,6 +363,8 @@ def decompress(
     view = memoryview(payload).cast("B")
     if out is not None:
         flat = _out_array(out, header.numel)
+        if flat.size and view.nbytes and np.may_share_memory(flat, np.frombuffer(view, dtype=np.uint8)):
+            view = memoryview(view.tobytes())  # out overlaps the payload: decode from a copy of its bytes
         with np.errstate(over="ignore", invalid="ignore"):
             cls._decode_into(header, view, flat)
     else:

@@ -80,16 +80,17 @@ class EF21(ErrorFeedback):
         if self.residual is not None and self.residual.shape != x.shape:
             raise ValueError(f"input shape {tuple(x.shape)} differs from the estimate's {tuple(self.residual.shape)}")
         v = x.detach()
-        if not (v.dtype == torch.float32 and inplace):
-            v = v.to(torch.float32, copy=True)
+        if not (v.dtype == torch.float32 and inplace and v.is_contiguous()):  # row-major: v and h are viewed flat
+            v = v.to(torch.float32, copy=True, memory_format=torch.contiguous_format)
         h = (torch.zeros_like(v) if self.residual is None
-             else self.residual.to(device=v.device, dtype=torch.float32, copy=True))
+             else self.residual.to(device=v.device, dtype=torch.float32, copy=True,
+                                   memory_format=torch.contiguous_format))
         v -= h
-        flat = v.reshape(-1)
+        flat = v.view(-1)
         sizes = [flat.numel()] if segments is None else list(segments)
         norms = segment_sq_norms(flat, sizes)
         payload = self.compressor.compress(v)
-        hflat = h.reshape(-1)
+        hflat = h.view(-1)
         sparse = decompress_sparse(payload, max_numel=max(v.numel(), 1))
         if sparse is not None:
             pos, vals = (torch.from_numpy(a).to(v.device) for a in sparse)

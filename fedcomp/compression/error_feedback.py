@@ -73,11 +73,14 @@ def encode_and_subtract(compressor: Compressor, v: torch.Tensor, segments: list[
     ValueError
         From the codec: NaN/Inf in ``v`` (``v`` is then unchanged).
     """
-    flat = v.reshape(-1)
+    # A strided v (a transposed or channels_last tensor) has no flat view: work on a row-major copy
+    # and write the error back, so that the in-place subtraction reaches v.
+    work = v if v.is_contiguous() else v.contiguous()
+    flat = work.view(-1)
     sizes = [flat.numel()] if segments is None else list(segments)
     norms = segment_sq_norms(flat, sizes) if sq_norms is None else sq_norms
-    payload = compressor.compress_finite(v) if finite else compressor.compress(v)
-    # The error v - v_hat, in place in v: O(k) for sparse payloads, one decode otherwise.
+    payload = compressor.compress_finite(work) if finite else compressor.compress(work)
+    # The error v - v_hat, in place: O(k) for sparse payloads, one decode otherwise.
     sparse = decompress_sparse(payload, max_numel=max(v.numel(), 1))
     positions = None
     if sparse is not None:
@@ -85,10 +88,12 @@ def encode_and_subtract(compressor: Compressor, v: torch.Tensor, segments: list[
         flat[pos] -= vals
         positions = pos[vals != 0] if sent else None
     else:
-        v_hat = decompress(payload, max_numel=max(v.numel(), 1)).to(v.device)
-        v -= v_hat
-        positions = torch.nonzero(v_hat.reshape(-1)).reshape(-1) if sent else None
+        v_hat = decompress(payload, max_numel=max(v.numel(), 1)).to(v.device).reshape(-1)
+        flat -= v_hat
+        positions = torch.nonzero(v_hat).reshape(-1) if sent else None
         del v_hat
+    if work is not v:
+        v.copy_(work)
     return payload, norms, segment_sq_norms(flat, sizes), positions
 
 
@@ -198,9 +203,9 @@ class ErrorFeedback:
         if mom is not None and mom.shape != x.shape:
             raise ValueError(f"input shape {tuple(x.shape)} differs from the momentum buffer's {tuple(mom.shape)}")
         v = x.detach()
-        shared = v.dtype == torch.float32 and inplace and mom is None  # v is x itself
-        if not shared:
-            v = v.to(torch.float32, copy=True)
+        shared = v.dtype == torch.float32 and inplace and mom is None and v.is_contiguous()  # v is x itself
+        if not shared:  # row-major whatever x's strides: the residual and the momentum buffer are viewed flat
+            v = v.to(torch.float32, copy=True, memory_format=torch.contiguous_format)
         if mom is not None:  # DGC: u <- beta * u + x
             v.add_(mom.to(device=v.device, dtype=torch.float32), alpha=self.momentum)
         u = v.clone() if self.momentum > 0 else None

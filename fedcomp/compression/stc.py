@@ -31,9 +31,11 @@ from fedcomp.compression.wire import BodyReader, Header, unpack_params
 class STCCompressor(ChunkedSparseDecoding, Compressor):
     """Sparse ternary: top-k by magnitude, every kept value becomes ``±mu``.
 
-    ``k = clamp(round(density * n), 1, n)``; ``mu = mean |kept values|`` (fp32). Body:
-    Golomb-Rice-coded positions (see ``positions``), then one sign bit per kept value
-    (1 = positive; a kept 0 only occurs when ``mu = 0`` and then decodes to 0).
+    ``k = clamp(round(density * n), 1, n)``, and at most the number of non-zero entries:
+    zeros (``-0.0`` included) are never kept, so they decode to 0 and do not lower ``mu``.
+    ``mu = mean |kept values|`` (fp32). Body: Golomb-Rice-coded positions (see ``positions``),
+    then one sign bit per kept value (1 = positive). An all-zero tensor keeps one entry with
+    ``mu = 0``, the only kept 0, and decodes to exact zeros.
 
     Size: about ``k * (b + 1/(1-(1-p)**2**b) + 1)`` bits, p = k/n; at density 1/400
     that is ~11.1 bits per kept value, i.e. ~0.028 bit/parameter, + 33 bytes of
@@ -71,6 +73,12 @@ class STCCompressor(ChunkedSparseDecoding, Compressor):
         if k == 0:
             return struct.pack(self._PARAMS, 0, 0, 0, 0.0), b""
         idx, kept = top_k(flat, k)
+        nonzero = kept != 0
+        if not bool(nonzero.all()):  # fewer non-zeros than k, all in the top-k set: keep them alone
+            if not bool(nonzero.any()):  # all zero: one entry, mu = 0
+                nonzero = torch.arange(k, device=idx.device) == 0
+            idx, kept = idx[nonzero], kept[nonzero]
+            k = idx.numel()
         mu = float(kept.abs().mean(dtype=torch.float64))
         b, unary_bits, pos = positions_to_bytes(idx, n)
         signs = (kept >= 0).cpu().numpy()

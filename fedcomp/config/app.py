@@ -13,7 +13,7 @@ from fedcomp.config.codec import TENSOR_ONLY_CODECS, CodecConfig
 from fedcomp.config.keys import KEYS, check_known_keys
 from fedcomp.config.downstream import resolve_downstream
 from fedcomp.config.low_density import check_ramp_direction, resolve_strategy
-from fedcomp.config.secagg import resolve_secure_defaults
+from fedcomp.config.secagg import SecAggConfig, resolve_secure_defaults
 from fedcomp.privacy.settings import DP_MODES
 
 
@@ -97,6 +97,7 @@ class AppConfig:
                              "add up to the intended noise inside SecAgg+'s masked sum (without secure aggregation "
                              "use dp = 'client-level' or 'local')")
         cfg = resolve_secure_defaults(cfg)  # secagg = true with the default compressor: the secure codec
+        SecAggConfig.from_run_config(cfg)  # the secagg-* keys, named when bad, even with secagg = false
         out = cls(**{f.name: KEYS[f.name.replace("_", "-")].read(cfg) for f in fields(cls) if f.name != "codec"},
                   codec=CodecConfig.from_mapping(cfg))
         # "auto": FedAvgM for stc/topk below 1/400, else FedAvg (fedcomp.config.low_density)

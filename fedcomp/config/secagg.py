@@ -21,6 +21,8 @@ from fedcomp.util.declared_key import Key, defaults, table
 SECAGG_CODECS = tuple(sorted(codecs_with(secagg=True), key=lambda name: not CODECS[name].sparse))
 #: Flower's limit: ``modulus_range`` below 2**32 (its quantizer and masks use 32/64-bit integers).
 MAX_MODULUS_BITS = 32
+#: The largest float32: the server step times the clipping range must stay below it.
+_FP32_MAX = 3.4028234663852886e38
 
 SECAGG_KEYS = table(
     Key("secagg", bool, False, "run Flower's SecAgg+ (DefaultWorkflow + SecAggPlusWorkflow); compressor must "
@@ -45,7 +47,7 @@ SECAGG_KEYS = table(
     Key("secagg-pack", bool, True, "masked values travel packed at modulus-bits bits each instead of int64"),
     Key("secagg-server-lr", float, 1.0, "the server multiplies the decoded secure mean update by this before applying "
         "it (error feedback at a low density sends most of an update rounds later; a step above 1 makes up for "
-        "that lag)", rule="number > 0"),
+        "that lag)", rule="number > 0, times secagg-clipping-range < 3.4e38 (float32)"),
     Key("secagg-server-lr-decay", bool, False, "secagg-server-lr falls linearly to 1 at the last round "
         "(num-server-rounds): the full step early, where error feedback lags most, FedAvg's step at the end"),
 )
@@ -117,7 +119,7 @@ class SecAggConfig:
     @classmethod
     def from_run_config(cls, cfg: Mapping[str, Any]) -> SecAggConfig:
         """Parse and validate the ``secagg*`` keys (other keys are ignored), after
-        :func:`resolve_secure_defaults`.
+        :func:`resolve_secure_defaults`; with ``secagg = false`` too (a bad key is named, never ignored).
 
         Raises
         ------
@@ -165,6 +167,10 @@ class SecAggConfig:
         if server_lr <= 0:
             raise ValueError(f"run config 'secagg-server-lr' must be > 0 (it scales the decoded secure mean update), "
                              f"got {server_lr:g}")
+        if server_lr * c >= _FP32_MAX:
+            raise ValueError(f"run config 'secagg-server-lr' = {server_lr:g} times secagg-clipping-range = {c:g} (the "
+                             "largest entry of the decoded mean update) overflows a float32 model (3.4e38): every "
+                             "round would be refused; a step above 1 only makes up for error feedback's lag")
         flags = {k: SECAGG_KEYS[k].read(cfg) for k in ("secagg", "secagg-rotation", "secagg-pack",
                                                         "secagg-server-lr-decay")}
         return cls(enabled=flags["secagg"], shares=shares, threshold=threshold, clipping_range=c,

@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import math
 import struct
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -95,11 +95,15 @@ class SeededInit:
     centers : dict of str to float
         Tensors whose values are centred elsewhere than 0 -> their center (others: 0). A tensor with
         bound 0 is the constant ``center`` (BatchNorm's weight 1, a zero bias).
+    exact : frozenset of str
+        Tensors the seed does not draw (a fixed buffer: a sinusoidal table, a mask): their rule is
+        zeros (bound 0) and the server sends their values in the first contact's start payload.
     """
 
     seed: int
     bounds: Mapping[str, float] = field(default_factory=dict)
     centers: Mapping[str, float] = field(default_factory=dict)
+    exact: frozenset[str] = frozenset()
 
     def rule(self, key: str) -> bytes:
         """The ``data`` of ``key``'s :data:`INIT_STYPE` Array: ``<d`` bound, or ``<dd`` bound, center."""
@@ -139,11 +143,56 @@ def parse_rule(key: str, data: bytes) -> tuple[float, float]:
     return bound, center
 
 
-def seeded_like(arrays: Mapping[str, np.ndarray], seed: int) -> SeededInit:
+#: Fewest entries of a tensor :func:`looks_drawn` can tell from a fixed one (smaller ones are kept).
+MIN_DRAWN_NUMEL = 16
+#: At most this many distinct values in a strided sample: a mask or a table of levels, not a draw.
+_FEW_VALUES = 16
+#: Entries of the strided sample :func:`looks_drawn` counts distinct values in.
+_VALUE_SAMPLE = 4096
+#: A neighbour correlation beyond this many standard errors (``1 / sqrt(pairs)``) is structure.
+_CORRELATION_SIGMAS = 6.0
+
+
+def looks_drawn(a: np.ndarray) -> bool:
+    """Whether a float tensor's values look like an i.i.d. random draw, as PyTorch's initialisers
+    make a parameter's (uniform, normal, Kaiming, Xavier): at least :data:`MIN_DRAWN_NUMEL` entries,
+    more than a few distinct values, and no correlation between neighbours along any axis beyond
+    what chance gives (6 standard errors, ``6 / sqrt(pairs)``). A fixed buffer fails it: a causal
+    mask (two values, long runs), a sinusoidal positional table (neighbouring positions correlate
+    near 1), a constant. Only a tensor that passes may be redrawn from a seed (:func:`seeded_like`);
+    the test errs towards keeping a tensor, which costs bytes, never the model.
+
+    Parameters
+    ----------
+    a : numpy.ndarray
+        Any float dtype and shape, finite.
+    """
+    x = np.asarray(a, dtype=np.float64)
+    if x.size < MIN_DRAWN_NUMEL:
+        return False
+    sample = x.reshape(-1)[:: max(x.size // _VALUE_SAMPLE, 1)]
+    distinct = np.unique(sample).size
+    if distinct <= _FEW_VALUES and 2 * distinct <= sample.size:
+        return False
+    for axis in range(x.ndim):
+        if x.shape[axis] < 2:
+            continue
+        moved = np.moveaxis(x, axis, -1)
+        u, v = moved[..., :-1].reshape(-1), moved[..., 1:].reshape(-1)
+        u, v = u - u.mean(), v - v.mean()
+        scale = math.sqrt(float(u @ u) * float(v @ v))
+        if scale == 0.0 or abs(float(u @ v)) / scale > _CORRELATION_SIGMAS / math.sqrt(u.size):
+            return False
+    return True
+
+
+def seeded_like(arrays: Mapping[str, np.ndarray], seed: int, exact: Iterable[str] = ()) -> SeededInit:
     """A seeded start with the first two moments of a freshly initialised model, per float tensor.
 
     A tensor whose entries are all equal (a zero bias, BatchNorm's weight 1, a 0-d or one-element
-    parameter) stays that constant exactly. Any other tensor becomes ``mean`` + uniform in
+    parameter) stays that constant exactly; a tensor named in ``exact`` is not drawn either (its
+    rule is zeros, :attr:`SeededInit.exact`: its values travel beside the seed). Any other tensor
+    becomes ``mean`` + uniform in
     ``[-sqrt(3) std, sqrt(3) std]``: the same mean and variance. PyTorch's default initialisation
     of ``Linear``/``Conv`` weights and biases is itself uniform (Kaiming-uniform with ``a = sqrt(5)``:
     bound ``1/sqrt(fan_in)``, He et al., ICCV 2015), so for such layers the seeded start is a draw
@@ -157,24 +206,33 @@ def seeded_like(arrays: Mapping[str, np.ndarray], seed: int) -> SeededInit:
         The model's float tensors (any float dtype, any shape; integer/bool tensors are not passed).
     seed : int
         The init seed (no secret: it fixes the starting point).
+    exact : iterable of str
+        Tensors that must keep their values (buffers: only trainable parameters may be redrawn);
+        constants among them keep their constant rule.
 
     Raises
     ------
     ValueError
-        A tensor with a non-finite entry.
+        A tensor with a non-finite entry, or an ``exact`` name that is not in ``arrays``.
     """
-    bounds, centers = {}, {}
+    bounds, centers, kept = {}, {}, set()
+    exact = set(exact)
+    if exact - set(arrays):
+        raise ValueError(f"seeded start: exact tensors {sorted(exact - set(arrays))[:3]} are not in the model")
     for k, a in arrays.items():
         x = np.asarray(a, dtype=np.float64).reshape(-1)
         if x.size and not np.isfinite(x).all():
             raise ValueError(f"seeded start: '{k}' has non-finite entries")
-        if x.size == 0 or np.all(x == x[0]):
+        if k in exact and x.size and not np.all(x == x[0]):
+            bounds[k], center = 0.0, 0.0
+            kept.add(k)
+        elif x.size == 0 or np.all(x == x[0]):
             bounds[k], center = 0.0, (float(x[0]) if x.size else 0.0)
         else:
             bounds[k], center = math.sqrt(3.0) * float(x.std()), float(x.mean())
         if center != 0.0:
             centers[k] = center
-    return SeededInit(seed, bounds, centers)
+    return SeededInit(seed, bounds, centers, frozenset(kept))
 
 
 def lora_init(shapes: Mapping[str, tuple[int, ...]], seed: int) -> SeededInit:
@@ -198,4 +256,5 @@ def lora_init(shapes: Mapping[str, tuple[int, ...]], seed: int) -> SeededInit:
     return SeededInit(seed, bounds)
 
 
-__all__ = ["INIT_SEED", "INIT_STYPE", "SeededInit", "lora_init", "parse_rule", "seeded_like", "seeded_tensor"]
+__all__ = ["INIT_SEED", "INIT_STYPE", "SeededInit", "looks_drawn", "lora_init", "parse_rule", "seeded_like",
+           "seeded_tensor"]

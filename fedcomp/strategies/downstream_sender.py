@@ -50,6 +50,7 @@ treated as new (seeded ``init`` + catch-up, or ``dense``), as after a missed rep
 from __future__ import annotations
 
 import hashlib
+import math
 import numbers
 from logging import WARNING
 
@@ -83,6 +84,21 @@ from fedcomp.strategies.node_copies import NodeCopies
 #: Added to the round in the codec seeds of an evaluate message's step, so that a seeded codec
 #: (random-k) draws other positions than the train step of the same round.
 EVALUATE_SEED_OFFSET = 2**31 - 1
+
+
+def check_max_copies(max_copies: float | None) -> None:
+    """Refuse a copy budget (``CompressedStrategy(downstream_max_copies=...)``) that is not a finite
+    number >= 2 or None: ``inf`` would let the server's memory grow with the number of nodes.
+
+    Raises
+    ------
+    ValueError
+        Naming ``downstream_max_copies`` and the value.
+    """
+    if max_copies is not None and (isinstance(max_copies, bool) or not isinstance(max_copies, numbers.Real)
+                                   or not 2 <= max_copies < math.inf):
+        raise ValueError(f"downstream_max_copies must be a finite number >= 2 or None (auto: a bounded budget), "
+                         f"got {max_copies!r}")
 
 
 class Downstream:
@@ -130,7 +146,7 @@ class Downstream:
     Raises
     ------
     ValueError
-        ``catchup`` not one of the two, ``max_copies`` < 2 (or not a number or None), ``init`` not a
+        ``catchup`` not one of the two, ``max_copies`` < 2 (or not a finite number or None), ``init`` not a
         policy or codec name, ``density`` outside (0, 1], or ``correction`` not in [0, 1].
     """
 
@@ -146,9 +162,7 @@ class Downstream:
         self.density = None if density is None else float(density)
         if catchup not in ("smallest", "exact"):
             raise ValueError(f"downstream catch-up must be 'smallest' or 'exact', got {catchup!r}")
-        if max_copies is not None and (isinstance(max_copies, bool) or not isinstance(max_copies, numbers.Real)
-                                       or not max_copies >= 2):
-            raise ValueError(f"downstream max_copies must be a number >= 2 or None (auto), got {max_copies!r}")
+        check_max_copies(max_copies)
         self.codec, self.compressor, self.seed, self.init = codec, compressor, seed, init
         self.model: FlatModel | None = None  # B_v: every tensor
         #: "exact": lagging clients get the chain of missed payloads whenever it exists, never a per-client
@@ -444,12 +458,32 @@ class Downstream:
             log(WARNING, "fedcomp downstream: the seeded init does not describe this model (%s); new clients "
                 "get a compressed start", exc)
             return None
+        if self.init.exact:  # tensors the seed does not draw: their values ride in the start payload
+            vec, self._start = self._exact_start(vec)
         if not np.array_equal(vec, self.nodes.versions[1]):
+            self._start = []
             log(WARNING, "fedcomp downstream: the initial global model is not the seeded init; "
                 "new clients get a compressed start")
             return None
         self._start_init = self.init
         return vec
+
+    def _exact_start(self, vec: np.ndarray) -> tuple[np.ndarray, list[bytes]]:
+        """The seeded start ``vec`` plus the exact values of :attr:`SeededInit.exact`'s tensors (zeros
+        in ``vec``): one ``topk`` payload keeping exactly the non-zero entries of ``B_1 - vec`` (fp32
+        values); ``(B_1 as a new node rebuilds it, [that payload])``, or ``(vec, [])`` with nothing to add."""
+        first, rest, off = self.nodes.versions[1], np.zeros(vec.size, np.float32), 0
+        for k, size in zip(self.lossy_keys, self.sizes):  # elsewhere the seed must describe the model itself
+            if k in self.init.exact:
+                rest[off: off + size] = first[off: off + size] - vec[off: off + size]
+            off += size
+        nnz = int(np.count_nonzero(rest))
+        if nnz == 0:
+            return vec, []
+        n = rest.size
+        density = nnz / n if round(nnz / n * n) == nnz else 1.0
+        payload = get_compressor("topk", density=density).compress(torch.from_numpy(rest))
+        return self._settle(vec + self._decode(payload).astype(vec.dtype)), [payload]
 
     def received(self, node: int) -> None:
         """``node`` replied this round, so it holds what it was sent (a diff's copy rebuilt here)."""

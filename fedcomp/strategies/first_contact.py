@@ -7,8 +7,9 @@ broadcast model B_1 in one of three ways, by its ``init`` policy:
   (:mod:`fedcomp.protocol.seeded_init`) and builds B_1 itself, bit for bit. For LoRA adapters at
   peft's initialisation (``lora_B`` = 0, ``lora_A`` Kaiming-uniform: Hu et al., ICLR 2022) the
   strategy recognises them (``"auto"``) and redraws ``lora_A`` from the seed, so a third-party app
-  writes no seeding code; for any model trained from scratch (``"seeded"``) every float tensor is
-  redrawn with its mean and variance;
+  writes no seeding code; for any model trained from scratch (``"seeded"``) every float tensor that
+  looks like a random draw is redrawn with its mean and variance, and the others (buffers such as a
+  sinusoidal table or a mask) travel exactly beside the seed;
 - a **compressed start** (``"auto"`` for any other model, or a codec name): B_1 is the initial model
   coded with ``int8`` (or that codec), one payload for every node; what it leaves out stays in the
   server's error feedback ``G - B`` and reaches the nodes with later broadcasts;
@@ -27,7 +28,7 @@ from flwr.common.logger import log
 
 from fedcomp.compression import available_compressors, codecs_with
 from fedcomp.protocol.broadcast import is_batchnorm_stat, settle
-from fedcomp.protocol.seeded_init import SeededInit, lora_init, seeded_like
+from fedcomp.protocol.seeded_init import SeededInit, looks_drawn, lora_init, seeded_like
 from fedcomp.statedict import FlatModel, is_float_dtype, numpy_dict
 
 #: First-contact policies besides a codec name.
@@ -63,8 +64,11 @@ def starting_model(init: SeededInit | str, arrays: ArrayRecord) -> tuple[ArrayRe
 
     ``"auto"`` replaces nothing but LoRA adapters at peft's initialisation (their ``lora_A`` by the
     seed's draw from the same distribution; then the policy becomes that :class:`SeededInit`, else
-    :data:`START_CODEC`); ``"seeded"`` replaces every float tensor
-    (:func:`~fedcomp.protocol.seeded_init.seeded_like`). Integer/bool tensors are kept. The draw's
+    :data:`START_CODEC`); ``"seeded"`` replaces every float tensor whose values look like a random
+    draw (:func:`~fedcomp.protocol.seeded_init.looks_drawn`, :func:`~fedcomp.protocol.seeded_init.seeded_like`):
+    a state_dict does not tell parameters from buffers, so a fixed buffer (a sinusoidal table, a mask)
+    keeps its values, which the first contact sends exactly (:attr:`SeededInit.exact`). Integer/bool
+    tensors are kept. The draw's
     seed is a hash of ``arrays`` (an app that seeds its own initialisation per run gets a different
     start per run). The result equals what a new client builds from the seed, bit for bit (in each
     tensor's dtype). Other policies return ``(arrays, init)`` unchanged.
@@ -96,12 +100,15 @@ def starting_model(init: SeededInit | str, arrays: ArrayRecord) -> tuple[ArrayRe
                              "initialisation (the model ran forward passes, it is not trained from scratch); "
                              "use downstream_init = 'auto' (a compressed start)")
     seed = model_seed(floats)  # another initial model (another run seed), another draw
-    seeded = seeded_like(floats, seed) if init == "seeded" else peft_adapters(floats, seed)
+    # Only what looks like a parameter's random draw is redrawn: a state_dict does not say which
+    # entries are buffers, and a fixed buffer (a sinusoidal table, a mask) replaced by noise stays noise.
+    fixed = [k for k, v in floats.items() if not looks_drawn(v)] if init == "seeded" else []
+    seeded = seeded_like(floats, seed, exact=fixed) if init == "seeded" else peft_adapters(floats, seed)
     if seeded is None:
         return arrays, START_CODEC
-    log(INFO, "fedcomp downstream: seeded start (%d tensors): new clients build the first model from a seed",
-        len(floats))
-    drawn = seeded.values({k: v.shape for k, v in floats.items()})
+    log(INFO, "fedcomp downstream: seeded start (%d tensors, %d of them sent exactly): new clients build the "
+        "first model from a seed", len(floats), len(seeded.exact))
+    drawn = seeded.values({k: v.shape for k, v in floats.items() if k not in seeded.exact})
     model = FlatModel({**values, **drawn}, dtypes)
     model.flat[...] = settle(model, model.float_keys, model.flat.copy())
     return model.record(check=True), seeded

@@ -6,12 +6,15 @@ silently. :class:`ForwardsToInner` forwards reads of attributes the wrapper does
 writes of public attributes the wrapper does not have but a wrapped strategy does, to the
 strategy that owns them (walking ``.inner`` / ``.strategy``, so Flower's DP wrappers in between
 are seen through). A public write that neither the wrapper nor any wrapped strategy knows is
-refused with an ``AttributeError`` naming ``.inner`` (a misspelt setting must not vanish either).
+refused with an ``AttributeError`` that names the closest known setting, the wrapper's constructor
+arguments included (a misspelt setting must not vanish either; set on ``.inner`` it would vanish there).
 Private names (``_x``) are the wrapper's own and never forwarded.
 """
 
 from __future__ import annotations
 
+import difflib
+import inspect
 from typing import Any
 
 from fedcomp.strategies.wrapping import chain
@@ -34,7 +37,7 @@ class ForwardsToInner:
     ------
     AttributeError
         Reading a name neither the wrapper nor a wrapped strategy has; writing a public name
-        neither has (the message names ``.inner``).
+        neither has (the message names the closest known setting).
     """
 
     _INNER = "inner"
@@ -65,9 +68,27 @@ class ForwardsToInner:
         if owner is None:
             raise AttributeError(
                 f"{type(self).__name__} has no setting '{name}', nor has its wrapped strategy "
-                f"{type(inner).__name__}: set the wrapped strategy's own settings on {self._INNER_NAMED} "
-                f"(e.g. strategy.{self._INNER}.{name} = ...), or check the name")
+                f"{type(inner).__name__} ({self._INNER_NAMED}). {self._closest(name)}Check the name: set on "
+                f"{self._INNER_NAMED}, a name its strategy does not have would be ignored there")
         setattr(owner, name, value)
+
+    def _closest(self, name: str) -> str:
+        """``"Did you mean ...? "`` naming the closest public setting of the wrapper (its constructor
+        arguments included) or of a wrapped strategy, or "" if none is close."""
+        own = {k for k in inspect.signature(type(self).__init__).parameters if k not in ("self", "params")}
+        own |= {k for k in (*vars(self), *dir(type(self))) if not k.startswith("_")}
+        known = {k: "" for k in own}
+        for s in chain(self.__dict__.get(self._INNER)):
+            known.update({k: type(s).__name__ for k in vars(s) if not k.startswith("_") and k not in known})
+        match = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.75)
+        if not match:
+            return ""
+        m = match[0]
+        if known[m]:
+            return f"Did you mean '{m}' (of {known[m]}; set on the wrapper, it reaches it)? "
+        if m in vars(self) or hasattr(type(self), m):
+            return f"Did you mean '{m}' ({type(self).__name__}'s own)? "
+        return f"Did you mean '{m}', an argument of {type(self).__name__}(...) (pass it when constructing)? "
 
 
 __all__ = ["ForwardsToInner", "owner_of"]

@@ -109,3 +109,32 @@ def test_cuda_inputs_take_the_device_paths(name, params):
     assert torch.equal(fc.decompress(p, out=torch.empty(x.numel())).reshape(x.shape), fc.decompress(p))
     if name in ("none", "fp16", "bf16"):
         assert p == _payload(name, params, x)
+
+
+def _overlapping(p: bytes, numel: int, where: str) -> tuple[bytearray, torch.Tensor]:
+    """A writable copy of payload ``p`` and a float32 ``out`` of ``numel`` entries in the same memory:
+    ``out`` starting at the payload's first byte ("start"), or ending at its last byte ("end")."""
+    size = max(4 * numel, len(p))
+    backing = torch.zeros(size // 4 + 2, dtype=torch.float32)
+    raw = backing.numpy().view(np.uint8)
+    if where == "start":
+        raw[: len(p)] = np.frombuffer(p, dtype=np.uint8)
+        return memoryview(raw[: len(p)]), backing[:numel]
+    start = raw.size - len(p)
+    raw[start:] = np.frombuffer(p, dtype=np.uint8)
+    return memoryview(raw[start:]), backing[backing.numel() - numel:]
+
+
+@pytest.mark.parametrize("where", ["start", "end"])
+@pytest.mark.parametrize("name,params", CASES)
+def test_out_sharing_memory_with_the_payload_decodes_what_a_fresh_decode_returns(name, params, where):
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(2))
+    if fc.CODECS[name].per_tensor_only:
+        x = x.reshape(64, 64)
+    p = _payload(name, params, x)
+    fresh = fc.decompress(p).reshape(-1)
+    view, out = _overlapping(p, x.numel(), where)
+    assert np.may_share_memory(np.asarray(view), out.numpy())
+    got = fc.decompress(view, out=out)
+    assert got is out
+    assert np.array_equal(out.numpy().view(np.uint32), fresh.numpy().view(np.uint32))

@@ -278,5 +278,5 @@ def test_numpy_numbers_are_numbers_for_every_download_setting():
     for bad in (np.float32("nan"), np.float32(1.5), np.int64(0)):
         with pytest.raises(ValueError, match="downstream density must be in"):
             CompressedStrategy(FedAvg(), compressor="stc", downstream="stc", downstream_density=bad)
-    with pytest.raises(ValueError, match="downstream max_copies must be a number >= 2"):
+    with pytest.raises(ValueError, match="downstream_max_copies must be a finite number >= 2"):
         CompressedStrategy(FedAvg(), compressor="stc", downstream="stc", downstream_max_copies=np.int64(1))
