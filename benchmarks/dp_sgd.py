@@ -57,12 +57,16 @@ def main() -> None:
 
     def dp_round(seed: int) -> float:
         t0 = time.perf_counter()
-        _, _, eps, state["acc"] = train_dp_sgd(model, data, tc, dc, device, seed=seed, accountant_state=state["acc"])
+        _, _, eps, state["acc"] = train_dp_sgd(model, data, dc, device, lr=tc.lr, momentum=tc.momentum,
+                                               batch_size=tc.batch_size, accumulation_steps=tc.accumulation_steps,
+                                               local_epochs=tc.local_epochs, seed=seed, accountant_state=state["acc"])
         state["eps"] = eps
         return time.perf_counter() - t0
 
     def dp_train_only(seed: int) -> float:
-        private = make_private(model, data, tc, dc, device, seed=seed)
+        private = make_private(model, data, dc, device, lr=tc.lr, momentum=tc.momentum,
+                               logical_batch=tc.batch_size * tc.accumulation_steps, local_epochs=tc.local_epochs,
+                               seed=seed)
         t0 = time.perf_counter()
         run_epochs(private, tc.local_epochs, tc.batch_size, device)
         return time.perf_counter() - t0

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import random
 import logging
 import pathlib
 import statistics
@@ -27,7 +28,7 @@ from outputs import REPO, output_path, shown
 
 from fedcomp.app.client_app import app as client_app
 from fedcomp.task.training import evaluate
-from fedcomp.config import AppConfig
+from fedcomp.app.config import AppConfig
 from fedcomp.task.data import DataConfig, load_test_set
 from fedcomp.task.models import build_model
 from fedcomp.app.server_app import build_inner, privacy_options
@@ -125,6 +126,7 @@ def run_one(run_config: dict, num_nodes: int) -> list[dict]:
     """One federation; returns per-round records (round, accuracy, upload bytes, ...)."""
     cfg = AppConfig.from_run_config(run_config)
     torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)  # Flower samples the evaluating nodes with random; they move on with the download
     grid = InProcessGrid(client_app, num_nodes, run_config)
     strategy = CompressedStrategy.from_codec_config(build_inner(cfg), cfg.codec, **privacy_options(cfg))
     test = load_test_set(DataConfig(cfg.dataset, cfg.partitioner, cfg.dirichlet_alpha, cfg.seed))

@@ -42,7 +42,7 @@ from federated import run_one
 from outputs import output_path, shown
 
 from fedcomp.app.client_app import app as client_app
-from fedcomp.config import AppConfig
+from fedcomp.app.config import AppConfig
 from fedcomp.app.secagg_server_app import run_secagg
 from fedcomp.run.inprocess_grid import InProcessGrid
 

@@ -8,8 +8,4 @@ error feedback; no Flower), ``fedcomp.client`` (``compression_mod``, ``Compresse
 ``docs/architecture.md`` draws the layers.
 """
 
-from fedcomp import _aliases
-
-_aliases.install()
-
 __version__ = "0.1.0"

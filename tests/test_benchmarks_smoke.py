@@ -254,3 +254,12 @@ def test_clientapp_process_benchmark_quick_runs(tmp_path):
     assert all(r["cpu"] > 0 and r["wall"] > 0 for side in res["runs"].values() for r in side)
     assert res["ratio_uncached_over_cached"]["cpu"] == pytest.approx(
         res["median"]["uncached"]["cpu"] / res["median"]["cached"]["cpu"])
+
+
+@pytest.mark.slow
+def test_wire_benchmark_quick_counts_as_an_outside_grid_does(tmp_path):
+    res = run_benchmark(tmp_path, "wire.py", "--quick", timeout=900)
+    rows = {r["case"]: r for r in res["medians"]}
+    assert len(rows) == 8 and len(res["table"]["rows"]) == 8
+    assert all(r["reported-over-counted"] == pytest.approx(1.0, abs=1e-9) for r in rows.values())  # the outside count
+    assert rows["reference: defaults"]["ratio"] > 50 and rows["existing app + two lines, sign"]["ratio"] > 3

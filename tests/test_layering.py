@@ -2,7 +2,8 @@
 
 Every ``import`` of a fedcomp module, lazy ones inside functions included, is read from the source
 (``ast``). A package may import itself and the packages of lower layers; packages of one layer do
-not import each other (the server side, ``strategies``, never reaches ``client``).
+not import each other (the server side, ``strategies``, never reaches ``client``). The reference app
+(``task``, ``app``, ``run``) sits above every package of the library: the library never imports it.
 """
 
 from __future__ import annotations
@@ -18,16 +19,19 @@ PACKAGE = Path(__file__).resolve().parents[1] / "fedcomp"
 LAYERS = [
     ["util"],
     ["compression", "statedict"],
-    ["protocol"],
-    ["task"],
+    ["protocol", "distributed"],  # distributed: compression and util only, never Flower
     ["privacy"],
     ["config"],
     ["client", "strategies"],
     ["secagg"],
+    # the reference app, above the whole library
+    ["task"],
     ["app"],
     ["run"],
 ]
 LAYER_OF = {pkg: i for i, layer in enumerate(LAYERS) for pkg in layer}
+#: The reference app built on the library: what a node computes, the Flower apps, their launchers.
+DEMO = ("task", "app", "run")
 
 
 def _module_name(path: Path, root: Path) -> str:
@@ -68,11 +72,11 @@ def upward_imports(found: dict[str, set[str]]) -> list[str]:
     wrong = []
     for module, targets in sorted(found.items()):
         src = _package(module)
-        if src not in LAYER_OF:  # fedcomp/__init__.py and fedcomp/_aliases.py (the old-path table)
+        if src not in LAYER_OF:  # fedcomp/__init__.py
             continue
         for target in sorted(targets):
             dst = _package(target)
-            if dst == src or dst == "_aliases":
+            if dst == src:
                 continue
             if dst not in LAYER_OF or LAYER_OF[dst] >= LAYER_OF[src]:
                 wrong.append(f"{module} -> {target}")
@@ -106,7 +110,7 @@ def test_every_package_has_a_layer():
 
 def test_at_most_six_loose_modules_at_the_top():
     loose = sorted(p.name for p in PACKAGE.glob("*.py"))
-    assert loose == ["__init__.py", "_aliases.py"]
+    assert loose == ["__init__.py"]
 
 
 def test_imports_point_down_only():
@@ -136,19 +140,17 @@ def test_the_server_app_imports_no_client_module():
     assert out.stdout.strip() == "[]"
 
 
-def test_old_module_paths_load_the_new_modules():
-    code = ("import fedcomp.server.app as a, fedcomp.app.server_app as b\n"
-            "import fedcomp.client.app as c, fedcomp.app.client_app as d\n"
-            "from fedcomp.training import TrainConfig\n"
-            "from fedcomp.task.training import TrainConfig as T2\n"
-            "import importlib.util\n"
-            "print(a is b, a.app is b.app, c.app is d.app, TrainConfig is T2,"
-            " importlib.util.find_spec('fedcomp.simulate') is not None)")
+def test_the_reference_app_sits_above_every_library_package():
+    library = [pkg for pkg in LAYER_OF if pkg not in DEMO]
+    assert min(LAYER_OF[pkg] for pkg in DEMO) > max(LAYER_OF[pkg] for pkg in library)
+    found = imports_by_module()
+    assert sorted(f"{m} -> {t}" for m, targets in found.items() if _package(m) in library
+                  for t in targets if _package(t) in DEMO) == []
+
+
+def test_the_library_loads_no_module_of_the_reference_app():
+    code = ("import sys, fedcomp.strategies, fedcomp.client\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[:2] in (['fedcomp', 'task'], ['fedcomp', 'app'],"
+            " ['fedcomp', 'run'])))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["True"] * 5
-
-
-def test_python_m_runs_an_old_module_path():
-    out = subprocess.run([sys.executable, "-m", "fedcomp.simulate", "--help"], capture_output=True, text=True,
-                         timeout=120)
-    assert out.returncode == 0 and "fedcomp-simulation" in out.stdout + out.stderr
+    assert out.stdout.strip() == "[]"

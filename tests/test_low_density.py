@@ -9,7 +9,8 @@ import tomllib
 import pytest
 from flwr.app import Context, RecordDict
 
-from fedcomp.config import AppConfig, CodecConfig
+from fedcomp.app.config import AppConfig
+from fedcomp.config import CodecConfig
 from fedcomp.config.low_density import AUTO_SERVER_LR, AUTO_SERVER_MOMENTUM, LOW_DENSITY, auto_note
 from fedcomp.app.server_app import check_same_codec
 
@@ -136,7 +137,7 @@ def test_the_legacy_wrapper_sends_the_round_s_density():
 
 
 def test_a_ramp_longer_than_the_run_is_warned_with_the_last_rounds_density():
-    from fedcomp.config import AppConfig
+    from fedcomp.app.config import AppConfig
     from fedcomp.config.low_density import short_ramp_note
 
     short = AppConfig.from_run_config({"density": 0.001, "num-server-rounds": 3})

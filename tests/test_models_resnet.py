@@ -10,7 +10,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord
 
 from fedcomp.app.client_app import app as client_app
-from fedcomp.config import AppConfig
+from fedcomp.app.config import AppConfig
 from fedcomp.task.data import DataConfig, load_partition, load_test_set
 from fedcomp.task.models import build_model
 from fedcomp.app.server_app import build_inner, privacy_options

@@ -5,6 +5,5 @@ server writes (``results``, ``checkpoint``, ``strategy_record``) and prints (``c
 
 The repository's ``pyproject.toml`` names them through the app bundle's entry points
 (``fedcomp_app.server_app:app``, ``fedcomp_app.client_app:app``); ``fedcomp.app.server_app:app`` and
-``fedcomp.app.client_app:app`` work as components too where fedcomp travels in the bundle (the old
-``fedcomp.server.app:app`` / ``fedcomp.client.app:app`` still load, see ``fedcomp._aliases``).
+``fedcomp.app.client_app:app`` work as components too where fedcomp travels in the bundle.
 """

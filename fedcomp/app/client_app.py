@@ -13,8 +13,8 @@ from flwr.clientapp import ClientApp
 
 from fedcomp.client.mod import compression_mod
 from fedcomp.client.state import accountant_of, keep_accountant, state_files
-from fedcomp.config import AppConfig
-from fedcomp.privacy import DPSGDConfig, projected_epsilon
+from fedcomp.app.config import AppConfig
+from fedcomp.privacy import DPSGDConfig, logical_batch_size, projected_epsilon
 from fedcomp.protocol.device import CLIENT_INFO_KEY, client_info
 from fedcomp.protocol.messages import server_round
 from fedcomp.secagg.client import secagg_mod
@@ -82,18 +82,23 @@ def train_handler(msg: Message, context: Context) -> Message:
         dp_cfg = DPSGDConfig.from_mapping(context.run_config)
         files = state_files(context)
         prev = accountant_of(context, files)
-        if cfg.max_epsilon and projected_epsilon(dp_cfg, tcfg, len(data), prev) > cfg.max_epsilon:
+        steps = {"logical_batch": logical_batch_size(tcfg.batch_size, tcfg.accumulation_steps),
+                 "local_epochs": tcfg.local_epochs}
+        if cfg.max_epsilon and projected_epsilon(dp_cfg, len(data), prev, **steps) > cfg.max_epsilon:
             raise ValueError(f"privacy budget: this round would raise this client's epsilon past max-epsilon "
                              f"{cfg.max_epsilon}; the client does not train")
-        loss, n, eps, state = train_dp_sgd(model, data, tcfg, dp_cfg, device, seed=seed, accountant_state=prev)
+        loss, n, eps, state = train_dp_sgd(model, data, dp_cfg, device, lr=tcfg.lr, momentum=tcfg.momentum,
+                                           batch_size=tcfg.batch_size, accumulation_steps=tcfg.accumulation_steps,
+                                           local_epochs=tcfg.local_epochs, seed=seed, accountant_state=prev)
         keep_accountant(context, files, state)
         extra["epsilon"] = float(eps)
-        extra["epsilon-next"] = float(projected_epsilon(dp_cfg, tcfg, len(data), state))
+        extra["epsilon-next"] = float(projected_epsilon(dp_cfg, len(data), state, **steps))
     else:
         loss, n = train(model, data, tcfg, device, seed=seed)
     metrics = {"num-examples": n, "train-loss": float(loss), "train-seconds": time.perf_counter() - t0, **extra}
-    content = RecordDict({"arrays": weights_record(model, cfg.finetune == "lora"), "metrics": MetricRecord(metrics),
-                          CLIENT_INFO_KEY: client_info()})
+    content = RecordDict({"arrays": weights_record(model, cfg.finetune == "lora"), "metrics": MetricRecord(metrics)})
+    if CLIENT_INFO_KEY not in context.state:  # the node's machine, once a run: the server remembers it
+        content[CLIENT_INFO_KEY] = context.state[CLIENT_INFO_KEY] = client_info()
     return Message(content=content, reply_to=msg)
 
 

@@ -13,7 +13,7 @@ from logging import WARNING
 
 from flwr.common.logger import log
 
-from fedcomp.config import AppConfig
+from fedcomp.app.config import AppConfig
 
 #: Key of the record in the checkpoint manifest's ``extra``.
 DATA_KEY = "data-settings"

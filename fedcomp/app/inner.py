@@ -15,7 +15,7 @@ from flwr.common import Parameters
 from flwr.server import strategy as legacy_api
 from flwr.serverapp import strategy as message_api
 
-from fedcomp.config import AppConfig
+from fedcomp.app.config import AppConfig
 
 
 def build_inner(cfg: AppConfig, *, legacy_evaluate_fn: Callable | None = None,

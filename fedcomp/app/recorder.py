@@ -22,7 +22,7 @@ from fedcomp.app import checkpoint
 from fedcomp.app.data_record import DATA_KEY, data_settings
 from fedcomp.app.results import DP_HEADER, HEADER, MB, format_row, write_json
 from fedcomp.app.strategy_record import EXTRA_KEY, strategy_settings
-from fedcomp.config import AppConfig
+from fedcomp.app.config import AppConfig
 from fedcomp.privacy import NO_AMPLIFICATION, DPSGDConfig
 from fedcomp.statedict import retie, tied_aliases, untie
 from fedcomp.strategies import CompressedStrategy

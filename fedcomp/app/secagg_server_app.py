@@ -21,7 +21,7 @@ from flwr.server.workflow import DefaultWorkflow
 from fedcomp.app.inner import build_inner
 from fedcomp.app.recorder import RoundRecorder
 from fedcomp.app.results import MB, plot_rounds
-from fedcomp.config import AppConfig
+from fedcomp.app.config import AppConfig
 from fedcomp.config.secagg import SecAggConfig, check_codec_under_secagg, resolve_secure_defaults, secure_defaults_note
 from fedcomp.privacy import NO_AMPLIFICATION, ClientLevelDP
 from fedcomp.privacy.distributed import DistributedDP

@@ -23,7 +23,8 @@ from fedcomp.app.startup import (
     writable_results_dir,
 )
 from fedcomp.app.strategy_record import check_same_strategy
-from fedcomp.config import CODEC_DEFAULTS, AppConfig
+from fedcomp.app.config import AppConfig
+from fedcomp.config import CODEC_DEFAULTS
 from fedcomp.config.downstream import resolve_correction
 from fedcomp.config.low_density import auto_note, resolve_schedule, short_ramp_note
 from fedcomp.privacy import ClientLevelDP, DPSGDConfig, LocalDP, check_accountable
@@ -85,7 +86,7 @@ def check_same_codec(saved: dict | None, cfg: AppConfig) -> None:
     them, and ``metrics.json`` records one codec for all its rounds. A run that should change
     codec starts as a new run in a new ``results-dir``. A key the checkpoint does not hold (added
     to fedcomp after it was written) counts as its default, which is what that run used; a
-    checkpoint's ``batchnorm-stats = "small"`` (the default before "auto") resumes under "auto".
+    checkpoint's ``batchnorm-stats = "small"`` resumes under "auto".
 
     Raises
     ------

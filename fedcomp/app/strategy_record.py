@@ -17,7 +17,7 @@ from typing import Any
 
 from flwr.common.logger import log
 
-from fedcomp.config import AppConfig
+from fedcomp.app.config import AppConfig
 from fedcomp.strategies.wrapping import optimizer_state
 
 #: Key of :func:`strategy_settings` in the checkpoint manifest's ``extra``.

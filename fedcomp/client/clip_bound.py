@@ -21,8 +21,12 @@ from fedcomp.compression import decompress
 from fedcomp.compression.feedback_pass import Unit, UnitResult
 
 #: Relative margins below C of the successive rescalings (a codec whose decoded norm is not exactly
-#: proportional to its input's, fp16 rounding for one, may need a second, smaller factor).
-MARGINS = (1e-6, 1e-4, 1e-2, 1e-1)
+#: proportional to its input's, fp16 rounding for one, may need a second, smaller factor). The first,
+#: 2**-22 (two float32 rounding steps), is what an exact float32 codec (``none``) needs when Flower's
+#: clipping mod already clipped the update: Flower scales in float32 and ``reply - received`` rounds
+#: again, so the update reaching the mod can exceed C by a few float32 ulps (norm 1.00000005 for C = 1);
+#: the rescaled update then stays within 2**-22 relative (+ float32 rounding) of Flower's own.
+MARGINS = (2.0**-22, 1e-4, 1e-2, 1e-1)
 
 
 def decoded_norm(units: list[Unit], results: dict[str, UnitResult]) -> float:

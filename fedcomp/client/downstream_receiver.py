@@ -22,6 +22,7 @@ import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import numpy as np
 from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord
 
 from fedcomp.client.update import CompositionError
@@ -48,6 +49,7 @@ from fedcomp.protocol.messages import (
 )
 from fedcomp.protocol.seeded_init import INIT_SEED, INIT_STYPE, parse_rule, seeded_tensor
 from fedcomp.statedict import FlatModel, is_float_dtype, numpy_dict
+from fedcomp.statedict.arrays import numpy_view
 
 
 def _version_keys(cfg) -> None:
@@ -55,6 +57,54 @@ def _version_keys(cfg) -> None:
         v = cfg.get(key, 0)
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             raise CompositionError(f"train config '{key}' must be an integer >= 0, got {v!r}")
+
+
+def check_version(cfg, context: Context) -> None:
+    """A downloaded model's version must be newer than the copy this node holds.
+
+    The server advances its broadcast version with every message it prepares (train and evaluate),
+    so a message whose ``fedcomp-model-version`` is not above the held one is a replay or a stale
+    message.
+
+    Raises
+    ------
+    PayloadError
+        ``fedcomp-model-version`` at or below the held copy's version (the message names both).
+    """
+    if MODEL_META_KEY not in context.state:
+        return
+    held, new = int(context.state[MODEL_META_KEY]["version"]), int(cfg[MODEL_VERSION])
+    if new <= held:
+        raise PayloadError(f"train config '{MODEL_VERSION}' = {new} is not newer than the model version this node "
+                           f"holds ({held}): a replayed or stale download; refused before training, the held copy is "
+                           "kept")
+
+
+def check_download(rec: ArrayRecord) -> None:
+    """The checks every model a message delivers passes before the app sees it and before it becomes
+    this node's copy, whatever its form (dense weights, a first contact, payloads on the held copy; train
+    or evaluate): every float tensor finite in its dtype, every BatchNorm running variance >= 0.
+
+    Raises
+    ------
+    PayloadError
+        An array that does not read as a tensor, a float tensor with NaN or Inf, or a running variance
+        with a negative entry; the message names the tensor.
+    """
+    for k, a in rec.items():
+        try:
+            values = numpy_view(a)
+        except (TypeError, ValueError) as err:
+            raise PayloadError(f"downloaded model: '{k}' is not a readable tensor: {err}") from None
+        if values.dtype.kind != "f" or not values.size:
+            continue
+        finite = np.isfinite(values)
+        if not finite.all():
+            raise PayloadError(f"downloaded model: '{k}' holds {int(values.size - finite.sum())} non-finite values "
+                               "(NaN or Inf); refused before training, the held copy is kept")
+        if is_running_var(k) and float(values.min()) < 0:
+            raise PayloadError(f"downloaded model: '{k}' is a running variance with negative entries (min "
+                               f"{float(values.min()):g}); refused before training, the held copy is kept")
 
 
 def _parts(rec: ArrayRecord) -> list[bytes]:
@@ -148,8 +198,7 @@ def _held_base(rec: ArrayRecord, context: Context, cfg, part_keys: set[str]) -> 
         No copy kept, or a copy of another version.
     PayloadError
         A tensor sent by name that the model does not have, a malformed exact payload or
-        statistic change, or a running variance sent with a negative entry (the message names the
-        array key).
+        statistic change (the message names the array key).
     """
     if MODEL_STATE_KEY not in context.state:
         raise CompositionError("received a compressed model but this node keeps no model copy (new node?)")
@@ -174,10 +223,8 @@ def _held_base(rec: ArrayRecord, context: Context, cfg, part_keys: set[str]) -> 
         spec = base.specs[k]
         with _naming(k):
             if spec.is_float:  # exempt (BatchNorm statistics): the exact fp32 values
-                values = decompress(rec[k].data, max_numel=max(spec.numel, 1), expected_shape=spec.shape).numpy()
-                if is_running_var(k) and values.size and float(values.min()) < 0:  # never sent by a fedcomp server
-                    raise PayloadError(f"a running variance cannot be negative (min {float(values.min()):g})")
-                base.float_view(k)[...] = values
+                base.float_view(k)[...] = decompress(rec[k].data, max_numel=max(spec.numel, 1),
+                                                     expected_shape=spec.shape).numpy()
             else:
                 base.exact[k] = decode_exact(rec[k].data, spec.shape, spec.dtype)
     named += list(changes)
@@ -210,17 +257,20 @@ def rebuild(msg: Message, context: Context, arr_key: str, rec: ArrayRecord, cfg)
     PayloadError
         A malformed payload or seeded-init rule, unknown keys, another shape or dtype; rules or
         payloads without ``fedcomp-model-version``; a BatchNorm statistic change
-        (``fedcomp.stat-delta/<name>``) in an init or dense message (no held copy to apply it to).
-    ValueError
-        The rebuilt model is not finite in its dtypes.
+        (``fedcomp.stat-delta/<name>``) in an init or dense message (no held copy to apply it to); a
+        model version not above the held one (:func:`check_version`); a model, in any form, that
+        fails :func:`check_download` (not finite in its dtypes, a negative running variance). The held
+        copy and its version are kept.
     """
     if MODEL_VERSION not in cfg:
         ours = [k for k, a in rec.items() if a.stype in (INIT_STYPE, PAYLOAD_STYPE)]
         if ours:  # not dense weights: the version keys are missing
             raise PayloadError(f"downstream message without train config '{MODEL_VERSION}' carries seeded-init "
                                f"rules or payloads {ours[:5]}")
+        check_download(rec)
         return rec
     _version_keys(cfg)
+    check_version(cfg, context)
     parts = _parts(rec)
     part_keys = {chain_key(i) for i in range(len(parts))}
     changes = sorted(k for k in rec.keys() if k.startswith(STAT_DELTA_PREFIX))
@@ -237,9 +287,12 @@ def rebuild(msg: Message, context: Context, arr_key: str, rec: ArrayRecord, cfg)
         sizes = [base.specs[k].numel for k in lossy]
         vec = gather(base, lossy)
         for p in parts:
-            vec = settle(base, lossy, vec + decode_step(p, sizes))
+            with np.errstate(over="ignore"):  # a sum past the dtype's range: check_download names the tensor
+                vec = settle(base, lossy, vec + decode_step(p, sizes))
         scatter(base, lossy, vec)
-        rec = base.record(check=True)
+        rec = base.record(check=False)  # check_download names a tensor that is not finite in its dtype
+    check_download(rec)  # every form: the held copy is replaced only by a model that passes
+    if base is not None:
         msg.content[arr_key] = rec
     context.state[MODEL_STATE_KEY] = ArrayRecord({k: Array(dtype=a.dtype, shape=tuple(a.shape), stype=a.stype,
                                                            data=bytes(a.data)) for k, a in rec.items()})
@@ -247,4 +300,4 @@ def rebuild(msg: Message, context: Context, arr_key: str, rec: ArrayRecord, cfg)
     return rec
 
 
-__all__ = ["rebuild"]
+__all__ = ["check_download", "check_version", "rebuild"]

@@ -1,8 +1,8 @@
 """``compression_mod``: the Flower client mod that turns trained weights into compressed updates.
 
 One train message passes these stages, each a function below, in order: parse the request
-(:class:`.request.TrainRequest`) -> rebuild a downstream-compressed model
-(:func:`.downstream.rebuild`) -> let the app train -> check the reply (dense, clipped where
+(:class:`.request.TrainRequest`) -> rebuild a downstream-compressed model and check the model of
+every download form (:func:`.downstream_receiver.rebuild`) -> let the app train -> check the reply (dense, clipped where
 the server asked) -> compress with error feedback (:func:`.update.compress_update`, state from
 :mod:`.state`; a saturating fp16 residual warned once per node, :func:`warn_saturation_once`) ->
 write the payloads and metrics into the reply.
@@ -30,6 +30,8 @@ from fedcomp.protocol.messages import (
     DEFAULT_DOWNLINK_MBPS,
     DEFAULT_UPLINK_MBPS,
     ESTIMATE_ROUND_METRIC,
+    LAYER_REPORT_KEY,
+    LEAN_DEFAULTS,
     MIN_LINK_MBPS,
     MODEL_VERSION,
     PAYLOAD_STYPE,
@@ -78,6 +80,12 @@ def compression_mod(msg: Message, context: Context, call_next) -> Message:
         holds several ArrayRecords, the message holds several ConfigRecords of which not exactly
         one is the train config (:func:`.request.train_config`; raised before the next mod is
         called), or Flower's client-side clipping did not bound the update (its mod sits outside ours).
+    PayloadError
+        A download refused before the app runs, whatever its form (dense weights, a first contact,
+        payloads on the held copy; train or evaluate): a malformed payload, a float tensor that is not
+        finite, a negative BatchNorm running variance, a model version not above the held one
+        (:func:`.downstream_receiver.check_download`, :func:`.downstream_receiver.check_version`); the held
+        copy is kept.
     ValueError
         Non-finite update (the residual is kept as it was); a train message carrying the SecAgg+
         shared seed outside this node's secure mod (logged). Flower turns it into an error reply
@@ -103,7 +111,7 @@ def compression_mod(msg: Message, context: Context, call_next) -> Message:
     payloads, stats = _compress(request, context, received, trained, dtypes)
     stats["download-bytes"] = float(download)
     stats["clientapp-seconds"] = clientapp_seconds()  # a per-message ClientApp process: its whole life so far
-    _write_reply(reply, arr_key, payloads, stats)
+    _write_reply(reply, arr_key, payloads, lean_report(stats, bool(request.config.get(LAYER_REPORT_KEY))))
     return reply
 
 
@@ -145,6 +153,18 @@ def is_compressed_evaluate(msg: Message) -> bool:
 def _version_config(msg: Message):
     """The ConfigRecord of ``msg`` that carries the model version (the first, if several do)."""
     return next(c for c in msg.content.config_records.values() if MODEL_VERSION in c)
+
+
+def lean_report(stats: dict, layers: bool = False) -> dict:
+    """The figures a reply carries: ``stats`` without those the server counts itself (bytes up, down and
+    fp32) or assumes when absent (zeros, the default link speeds:
+    :data:`fedcomp.protocol.messages.LEAN_DEFAULTS`), and without the per-layer lists unless the server
+    asked for them (``layers``: the train config's ``fedcomp-report-layers``). Each figure costs its name
+    and 9 bytes on the wire in every reply; at low density the full report was larger than the payload."""
+    defaults = {**LEAN_DEFAULTS, **DEFAULT_LINK_MBPS}
+    return {k: v for k, v in stats.items()
+            if not (k in defaults and (defaults[k] is None or v == defaults[k]))
+            and (layers or k not in ("layer-update-norm", "layer-compression-error"))}
 
 
 def _trained_weights(reply: Message) -> tuple[str, dict[str, np.ndarray]]:

@@ -113,43 +113,6 @@ def _check_pair(received: dict, trained: dict, dtypes: dict) -> dict[str, np.nda
     return ordered
 
 
-def _refuse_tied(received: dict, trained: dict, float_keys: list[str]) -> None:
-    """Refuse two float tensors the app returned with the same trained values that training changed:
-    one tensor under two names (tied input/output embeddings, ``lm_head.weight is wte.weight``).
-    Compressed, error-fed and aggregated as two, they would come apart. Tensors are compared only
-    within groups of one shape and dtype, a few sampled entries first (no pass over the model unless
-    those agree).
-
-    Raises
-    ------
-    CompositionError
-        Naming both keys and how to send the tensor once.
-    """
-    groups: dict[tuple, list[str]] = {}
-    for k in float_keys:
-        t = np.asarray(trained[k])
-        if t.size >= 2:
-            groups.setdefault((t.shape, t.dtype.str), []).append(k)
-    for keys in groups.values():
-        if len(keys) < 2:
-            continue
-        seen: dict[bytes, list[str]] = {}
-        for k in keys:
-            flat = np.asarray(trained[k]).reshape(-1)
-            probe = np.ascontiguousarray(flat[:: max(flat.size // 16, 1)][:17]).tobytes()
-            for first in seen.setdefault(probe, []):
-                a, b = np.asarray(trained[first]), np.asarray(trained[k])
-                if (np.array_equal(a, b) and np.array_equal(np.asarray(received[first]), np.asarray(received[k]))
-                        and not np.array_equal(a, np.asarray(received[first]))):
-                    raise CompositionError(
-                        f"'{k}' and '{first}' hold one tensor (tied parameters, such as an output layer sharing "
-                        "the input embedding): compressed and aggregated as two tensors they would come apart. Send "
-                        "it once: reply with ArrayRecord(untie(model.state_dict())), load with model.load_state_dict("
-                        "retie(received, tied_aliases(model.state_dict()))) (fedcomp.statedict), and give the "
-                        "server's initial model the same names")
-            seen[probe].append(k)
-
-
 def plan_update(received: dict, trained: dict, codec: CodecConfig,
                 dtypes: dict[str, str] | None) -> tuple[list[Unit], list[str], dict]:
     """Check ``trained`` against ``received`` and lay out the payloads.
@@ -163,11 +126,10 @@ def plan_update(received: dict, trained: dict, codec: CodecConfig,
     Raises
     ------
     CompositionError
-        As :func:`_check_pair`; two names of one tied tensor (:func:`_refuse_tied`).
+        As :func:`_check_pair`.
     """
     trained = _check_pair(received, trained, dtypes)
     float_keys = [k for k in received if is_float_dtype(dtypes[k])]
-    _refuse_tied(received, trained, float_keys)
     shapes = {k: tuple(np.shape(received[k])) for k in float_keys}
     sizes = {k: int(np.prod(s)) if s else 1 for k, s in shapes.items()}
     units = []

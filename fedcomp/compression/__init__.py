@@ -10,23 +10,22 @@ Pure PyTorch/numpy; nothing here imports Flower.
 10
 """
 
-from fedcomp.compression.base import (
-    CODECS,
-    Compressor,
-    available_compressors,
-    codec_name,
-    compression_error,
-    decompress,
-    decompress_sparse,
-    get_compressor,
-)
+from fedcomp.compression.base import Compressor, compression_error
+from fedcomp.compression.decoding import codec_name, decompress, decompress_sparse
 from fedcomp.compression.ef21 import EF21
 from fedcomp.compression.error_feedback import ErrorFeedback, flatten_states, unflatten_states
 from fedcomp.compression.errors import PayloadError
 from fedcomp.compression.exact import EXACT_NAME, decode_exact, encode_exact, is_exact_dtype
 from fedcomp.compression.options import Option
 from fedcomp.compression.positions import information_bound_bits, rice_parameter
-from fedcomp.compression.registry import codec_options, codecs_with, discover
+from fedcomp.compression.registry import (
+    CODECS,
+    available_compressors,
+    codec_options,
+    codecs_with,
+    discover,
+    get_compressor,
+)
 from fedcomp.compression.wire import DEFAULT_MAX_NUMEL, parse_header
 
 discover()  # every codec module of this package registers its codec: a new codec is its file

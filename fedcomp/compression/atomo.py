@@ -15,9 +15,10 @@ import struct
 import numpy as np
 import torch
 
-from fedcomp.compression.base import Compressor, check_range, get_compressor, register
+from fedcomp.compression.base import Compressor, check_range
+from fedcomp.compression.dense import SMALL_TENSOR, SMALL_TENSOR_CODECS
 from fedcomp.compression.errors import PayloadError
-from fedcomp.compression.options import SMALL_TENSOR, Option
+from fedcomp.compression.options import Option
 from fedcomp.compression.powersgd import MAX_RANK, check_low_rank_args, matrix_shape
 from fedcomp.compression.wire import BodyReader, Header, unpack_params
 
@@ -56,7 +57,6 @@ def atom_probabilities(sigma: torch.Tensor, budget: int) -> torch.Tensor:
     return p.to(torch.float32)
 
 
-@register
 class AtomoCompressor(Compressor):
     """ATOMO on the SVD: the tensor viewed as a matrix M (m x n) ``= sum_i sigma_i u_i v_i^T`` is sent
     as the atoms a Bernoulli draw keeps, atom i with probability ``p_i`` (:func:`atom_probabilities`,
@@ -109,7 +109,7 @@ class AtomoCompressor(Compressor):
             self._gen.seed()
         else:
             self._gen.manual_seed(seed)
-        self._fallback = get_compressor(fallback)
+        self._fallback = SMALL_TENSOR_CODECS[fallback]()
         self._mn = (0, 0)
 
     def config(self) -> dict:

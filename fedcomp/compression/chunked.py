@@ -1,4 +1,4 @@
-"""Helpers of the codecs' one-pass CPU paths (issue 34): cache-sized chunks and n-sized buffers.
+"""Helpers of the codecs' one-pass CPU paths: cache-sized chunks and n-sized buffers.
 
 A fresh torch tensor of a model's size costs a page fault per 4 KiB on the CPU (glibc serves
 allocations above 32 MiB from fresh ``mmap``), which is what made most encoders cost many read

@@ -13,9 +13,10 @@ import struct
 import numpy as np
 import torch
 
-from fedcomp.compression.base import Compressor, register
+from fedcomp.compression.base import Compressor
 from fedcomp.compression.chunked import CHUNK, buffer, float32_out, on_cpu, spans
 from fedcomp.compression.errors import PayloadError
+from fedcomp.compression.options import Option
 from fedcomp.compression.wire import BodyReader, Header, pack_header, unpack_params
 
 
@@ -67,7 +68,6 @@ class _Cast(Compressor):
 _WIDE = struct.pack("<B", 8)
 
 
-@register
 class NoCompression(_Cast):
     """``none``: the values as they are; exact. 32 bits/parameter + header.
 
@@ -118,7 +118,6 @@ class NoCompression(_Cast):
             super()._decode_into(header, payload, out)
 
 
-@register
 class FP16(_Cast):
     """``fp16``: IEEE half precision. 16 bits/parameter + header; |x| > 65504 saturates.
 
@@ -146,7 +145,6 @@ class FP16(_Cast):
             dst[start:stop].copy_(s)
 
 
-@register
 class BF16(_Cast):
     """``bf16``: bfloat16 (8-bit exponent, 7-bit mantissa), round to nearest even.
 
@@ -169,3 +167,12 @@ class BF16(_Cast):
             o = ov[start:stop]
             o[...] = wire[start:stop]
             o <<= np.uint32(16)
+
+
+#: The small-tensor codecs by name, by codec id (the dense casts with ``small_tensor``): what
+#: ``small-tensor-compressor`` and a low-rank codec's ``fallback`` may name.
+SMALL_TENSOR_CODECS: dict[str, type[_Cast]] = {
+    cls.name: cls for cls in sorted(_Cast.__subclasses__(), key=lambda c: c.codec_id) if cls.small_tensor}
+#: The option of the codec that small tensors (and the tensors a low-rank codec does not pay on) travel with.
+SMALL_TENSOR = Option("small-tensor-compressor", str, "none", "codec of the tensors a low-rank codec does not pay "
+                      "on, and of the small tensors", choices=tuple(SMALL_TENSOR_CODECS), arg="fallback")

@@ -14,7 +14,7 @@ import struct
 import numpy as np
 import torch
 
-from fedcomp.compression.base import Compressor, check_range, register
+from fedcomp.compression.base import Compressor, check_range
 from fedcomp.compression.bits import check_padding, nbytes_for_bits, pack_bits_on_device
 from fedcomp.compression.chunked import CHUNK, buffer, float32_out, on_cpu, spans
 from fedcomp.compression.errors import PayloadError
@@ -31,7 +31,6 @@ from fedcomp.compression.sign import expand_signs
 from fedcomp.compression.wire import BodyReader, Header, unpack_params
 
 
-@register
 class EdenCompressor(Compressor):
     """Rotate, keep one sign bit per coordinate and one scale per block, rotate back.
 

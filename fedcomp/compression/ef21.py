@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from fedcomp.compression.base import check_input, decompress, decompress_sparse
+from fedcomp.compression.base import check_input
+from fedcomp.compression.decoding import decompress, decompress_sparse
 from fedcomp.compression.error_feedback import ErrorFeedback, segment_sq_norms
 
 

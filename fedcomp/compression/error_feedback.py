@@ -16,7 +16,8 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from fedcomp.compression.base import Compressor, check_input, check_range, decompress, decompress_sparse
+from fedcomp.compression.base import Compressor, check_input, check_range
+from fedcomp.compression.decoding import decompress, decompress_sparse
 
 _RESIDUAL_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 

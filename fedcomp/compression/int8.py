@@ -13,7 +13,7 @@ import struct
 import numpy as np
 import torch
 
-from fedcomp.compression.base import Compressor, check_range, register
+from fedcomp.compression.base import Compressor, check_range
 from fedcomp.compression.chunked import CHUNK, blocks, float32_out, on_cpu, padded_rows, padded_rows_np
 from fedcomp.compression.errors import PayloadError
 from fedcomp.compression.options import Option
@@ -26,7 +26,6 @@ _SCALE_CAP = float(np.finfo(np.float32).max) / 127.0 * (1 - 2**-20)
 _SCALE_CAP32 = np.float32(_SCALE_CAP)  # the cap as torch's clamp rounds it (to float32)
 
 
-@register
 class Int8Compressor(Compressor):
     """Block-wise int8: per block of ``block_size`` entries, ``scale = max|x| / 127``
     (fp32) and ``q = floor(x / scale + U[0,1))`` clipped to [-127, 127]; ``x_hat = q * scale``.

@@ -55,13 +55,6 @@ def merge_options(declared: Mapping[str, tuple[Option, ...]]) -> dict[str, Optio
     return out
 
 
-def _small_tensor_codecs() -> tuple[str, ...]:
-    from fedcomp.compression.registry import codecs_with  # registry imports the codecs, which import this module
-
-    return codecs_with(small_tensor=True)
-
-
 #: Options several codecs share (declared once, so that their declarations agree).
 DENSITY = Option("density", float, 0.01, "fraction of entries kept, in (0, 1]", lo=0.0, hi=1.0, lo_open=True, arg="density")
 VALUE_DTYPE = Option("value-dtype", str, "fp32", "wire type of the values: fp32 (exact) or fp16", choices=tuple(VALUE_DTYPES), arg="value_dtype")
-SMALL_TENSOR = Option("small-tensor-compressor", str, "none", "codec of the tensors a low-rank codec does not pay on, and of the small tensors", choices=_small_tensor_codecs, arg="fallback")

@@ -12,14 +12,15 @@ import struct
 import numpy as np
 import torch
 
-from fedcomp.compression.base import Compressor, check_range, get_compressor, register
+from fedcomp.compression.base import Compressor, check_range
+from fedcomp.compression.dense import SMALL_TENSOR, SMALL_TENSOR_CODECS
 from fedcomp.compression.errors import PayloadError
-from fedcomp.compression.options import SMALL_TENSOR, VALUE_DTYPE, Option
+from fedcomp.compression.options import VALUE_DTYPE, Option
 from fedcomp.compression.wire import VALUE_DTYPE_BY_CODE, VALUE_DTYPES, BodyReader, Header, unpack_params
 
 MAX_RANK = 2**16 - 1
 #: Fallback codecs for tensors where low rank does not pay (the small-tensor codecs).
-FALLBACKS = ("none", "fp16", "bf16")
+FALLBACKS = tuple(SMALL_TENSOR_CODECS)
 
 
 def matrix_shape(shape: tuple[int, ...]) -> tuple[int, int] | None:
@@ -85,7 +86,6 @@ def _pow2_scale(t: torch.Tensor) -> float:
     return 2.0 ** math.ceil(math.log2(top)) if top > 0 else 1.0
 
 
-@register
 class PowerSGDCompressor(Compressor):
     """Rank-r PowerSGD: the tensor viewed as a matrix M (m x n) is sent as ``P (m x r)`` and
     ``Q (n x r)``; it decodes to ``P Q^T``.
@@ -149,7 +149,7 @@ class PowerSGDCompressor(Compressor):
         self.min_compression_rate = float(min_compression_rate)
         self.seed = seed
         self.q: torch.Tensor | None = None
-        self._fallback = get_compressor(fallback)
+        self._fallback = SMALL_TENSOR_CODECS[fallback]()
         self._mn = (0, 0)
 
     def config(self) -> dict:

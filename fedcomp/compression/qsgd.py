@@ -13,7 +13,7 @@ import struct
 import numpy as np
 import torch
 
-from fedcomp.compression.base import Compressor, check_range, register
+from fedcomp.compression.base import Compressor, check_range
 from fedcomp.compression.bits import (
     UintStreamWriter,
     check_padding,
@@ -100,7 +100,6 @@ def exponential_levels(s: int) -> np.ndarray:
     return out
 
 
-@register
 class QSGDCompressor(Compressor):
     """QSGD with s levels and buckets: ``x_hat_i = ||x_B||_2 * sign(x_i) * l_i / s``.
 

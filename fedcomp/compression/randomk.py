@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from fedcomp.compression.base import Compressor, check_range, register
+from fedcomp.compression.base import Compressor, check_range
 from fedcomp.compression.errors import PayloadError
 from fedcomp.compression.options import DENSITY
 from fedcomp.compression.sparse import ChunkedSparseDecoding, check_density, k_for
@@ -184,7 +184,6 @@ class SeededPositions:
         return k, seed, torch.from_numpy(random_positions(seed, n, k)).to(flat.device)
 
 
-@register
 class RandomKCompressor(SeededPositions, ChunkedSparseDecoding, Compressor):
     """Rand-k: keep k = clamp(round(density * n), 1, n) uniformly random entries.
 

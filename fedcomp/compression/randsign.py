@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from fedcomp.compression.base import Compressor, register
+from fedcomp.compression.base import Compressor
 from fedcomp.compression.bits import nbytes_for_bits, pack_bits_on_device, unpack_bits
 from fedcomp.compression.errors import PayloadError
 from fedcomp.compression.options import DENSITY
@@ -27,7 +27,6 @@ from fedcomp.compression.sparse import ChunkedSparseDecoding
 from fedcomp.compression.wire import BodyReader, Header, unpack_params
 
 
-@register
 class RandSignCompressor(SeededPositions, ChunkedSparseDecoding, Compressor):
     """Sign on a shared random subset: keep k = clamp(round(density * n), 1, n) entries drawn
     from a seed (:func:`~fedcomp.compression.randomk.random_positions`), send each as ``±scale``.

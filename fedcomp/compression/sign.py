@@ -13,7 +13,7 @@ import struct
 import numpy as np
 import torch
 
-from fedcomp.compression.base import Compressor, register
+from fedcomp.compression.base import Compressor
 from fedcomp.compression.bits import check_padding, nbytes_for_bits, pack_bits_on_device
 from fedcomp.compression.chunked import CHUNK, buffer, float32_out, on_cpu, spans
 from fedcomp.compression.errors import PayloadError
@@ -22,7 +22,6 @@ from fedcomp.compression.wire import BodyReader, Header, unpack_params
 _FP32_MAX = float(np.finfo(np.float32).max)
 
 
-@register
 class SignCompressor(Compressor):
     """Scaled sign: ``x_hat = scale * s``, ``scale = mean |x|`` (fp32), ``s in {-1, +1}``.
 

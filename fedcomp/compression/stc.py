@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from fedcomp.compression.base import Compressor, register
+from fedcomp.compression.base import Compressor
 from fedcomp.compression.bits import nbytes_for_bits, pack_bits_array, unpack_bits
 from fedcomp.compression.errors import PayloadError
 from fedcomp.compression.options import DENSITY
@@ -27,7 +27,6 @@ from fedcomp.compression.sparse import (
 from fedcomp.compression.wire import BodyReader, Header, unpack_params
 
 
-@register
 class STCCompressor(ChunkedSparseDecoding, Compressor):
     """Sparse ternary: top-k by magnitude, every kept value becomes ``±mu``.
 

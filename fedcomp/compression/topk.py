@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from fedcomp.compression.base import Compressor, register
+from fedcomp.compression.base import Compressor
 from fedcomp.compression.errors import PayloadError
 from fedcomp.compression.options import DENSITY, VALUE_DTYPE
 from fedcomp.compression.selection import top_k
@@ -27,7 +27,6 @@ from fedcomp.compression.sparse import (
 from fedcomp.compression.wire import VALUE_DTYPE_BY_CODE, VALUE_DTYPES, BodyReader, Header, unpack_params
 
 
-@register
 class TopKCompressor(ChunkedSparseDecoding, Compressor):
     """Keep the k largest magnitudes with their values; zeros elsewhere.
 

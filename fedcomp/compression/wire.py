@@ -5,7 +5,7 @@ Layout (all integers little-endian)::
     offset  size        field
     0       4           magic b"FCMP"
     4       1           format version (currently 1)
-    5       1           codec id (``Compressor.codec_id``, see ``base.register``)
+    5       1           codec id (``Compressor.codec_id``, see ``registry.register``)
     6       1           dtype code of the original tensor (0 fp32, 1 fp16, 2 bf16, 3 fp64; exact
                         payloads of integer/bool tensors: 16.. int8..int64, uint8..uint64, bool)
     7       1           ndim (0..MAX_NDIM)

@@ -1,18 +1,19 @@
-"""Run-config parsing and validation (Flower-free).
+"""Run-config parsing and validation of the library (Flower-free).
 
-Every key of ``[tool.flwr.app.config]`` is read here, checked for type and range, and
+The library's keys of ``[tool.flwr.app.config]`` are read here, checked for type and range, and
 turned into plain dataclasses. Errors name the key and its allowed range, e.g.
 ``ValueError: run config 'density' must be in (0, 1], got 1.5``.
 
-- :mod:`.keys`: which keys exist, gathered from the one declaration of each key
+- :mod:`.keys`: which keys the library declares, gathered from the one declaration of each key
   (:class:`fedcomp.util.declared_key.Key`); an unknown key is refused with the closest valid
-  name; :func:`reference_table` renders them all as markdown.
-- :mod:`.app_keys`: the declarations of the app's own keys.
+  name; :func:`reference_table` renders keys as markdown.
 - :mod:`.codec`: :class:`CodecConfig`, the codec keys (their defaults are its fields).
-- :mod:`.app`: :class:`AppConfig`, every other key of the ServerApp and ClientApp.
+- :mod:`.secagg`: SecAgg+'s keys; :mod:`.low_density`, :mod:`.model_policy`, :mod:`.downstream`: the
+  "auto" rules.
+
+The reference app's own keys and its :class:`~fedcomp.app.config.AppConfig` are in :mod:`fedcomp.app`.
 """
 
-from fedcomp.config.app import DP_MODES, AppConfig
 from fedcomp.config.codec import (
            CODEC_DEFAULTS,
            DENSITY_SCHEDULES,
@@ -21,8 +22,7 @@ from fedcomp.config.codec import (
            CodecConfig,
            parse_layer_codecs,
 )
-from fedcomp.config.keys import APP_KEYS, KEYS, check_known_keys, reference_table, run_config_keys, unknown_key_message
+from fedcomp.config.keys import KEYS, check_known_keys, reference_table, run_config_keys, unknown_key_message
 
-__all__ = ["APP_KEYS", "CODEC_DEFAULTS", "DENSITY_SCHEDULES", "DP_MODES", "KEYS", "SPARSE_CODECS", "TENSOR_ONLY_CODECS",
-           "AppConfig", "CodecConfig", "check_known_keys", "parse_layer_codecs", "reference_table", "run_config_keys",
-           "unknown_key_message"]
+__all__ = ["CODEC_DEFAULTS", "DENSITY_SCHEDULES", "KEYS", "SPARSE_CODECS", "TENSOR_ONLY_CODECS", "CodecConfig",
+           "check_known_keys", "parse_layer_codecs", "reference_table", "run_config_keys", "unknown_key_message"]

@@ -15,7 +15,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from fedcomp.compression import CODECS, Compressor, available_compressors, codec_options, codecs_with
-from fedcomp.compression.options import SMALL_TENSOR
+from fedcomp.compression.dense import SMALL_TENSOR
 from fedcomp.config.low_density import resolve_schedule
 from fedcomp.util.declared_key import Key, defaults, table
 from fedcomp.util.validate import closest_hint, read_string

@@ -1,12 +1,10 @@
-"""Which run-config keys exist: every key a fedcomp app reads, gathered from the one declaration of
-each (:class:`fedcomp.util.declared_key.Key`), the refusal of any other key (naming the closest
-valid one, so that a misspelt key is not silently ignored) and the reference table of them all.
+"""Which run-config keys the library reads, gathered from the one declaration of each
+(:class:`fedcomp.util.declared_key.Key`), the refusal of any other key (naming the closest valid one,
+so that a misspelt key is not silently ignored) and the reference table of keys.
 
-The declarations: :data:`fedcomp.config.app_keys.APP` (federation, strategy, training, data,
-results), :data:`fedcomp.privacy.settings.DP_KEYS`, :data:`fedcomp.config.secagg.SECAGG_KEYS`,
-:data:`fedcomp.task.lora.LORA_KEYS` and the codec keys of :data:`fedcomp.config.codec.CODEC_KEYS`.
-Together they are exactly the keys of ``[tool.flwr.app.config]`` in ``pyproject.toml``, with the
-same defaults (a test holds that).
+The declarations: the codec keys of :data:`fedcomp.config.codec.CODEC_KEYS`,
+:data:`fedcomp.privacy.settings.DP_KEYS` and :data:`fedcomp.config.secagg.SECAGG_KEYS`. An app adds its
+own groups to these (fedcomp's reference app: :mod:`fedcomp.app.keys`).
 """
 
 from __future__ import annotations
@@ -14,11 +12,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from fedcomp.config.app_keys import APP
 from fedcomp.config.codec import CODEC_KEYS
 from fedcomp.config.secagg import SECAGG_KEYS
 from fedcomp.privacy.settings import DP_KEYS
-from fedcomp.task.lora import LORA_KEYS
 from fedcomp.util.declared_key import Key, table
 from fedcomp.util.validate import closest_hint
 
@@ -30,24 +26,19 @@ def _codec_keys() -> dict[str, Key]:
     return dict(CODEC_KEYS)
 
 
-#: Every declared run-config key by group, in the reference table's order.
-GROUPS: dict[str, dict[str, Key]] = {"app": APP, "codec": _codec_keys(), "dp": DP_KEYS, "lora": LORA_KEYS,
-                                     "secagg": SECAGG_KEYS}
-#: ``{name: Key}`` of every run-config key (a name declared in two groups is refused at import).
+#: Every run-config key the library declares, by group, in the reference table's order.
+GROUPS: dict[str, dict[str, Key]] = {"codec": _codec_keys(), "dp": DP_KEYS, "secagg": SECAGG_KEYS}
+#: ``{name: Key}`` of every run-config key of the library (a name declared in two groups is refused at import).
 KEYS: dict[str, Key] = table(*(k for group in GROUPS.values() for k in group.values()))
-
-#: Run-config keys fedcomp's own ServerApp and ClientApp read besides :data:`CODEC_DEFAULTS`, the
-#: ``secagg*`` keys and the LoRA keys: the app's and the privacy keys.
-APP_KEYS: tuple[str, ...] = (*APP, *DP_KEYS)
 
 
 def run_config_keys() -> frozenset[str]:
-    """Every run-config key fedcomp's apps know (the names of :data:`KEYS`)."""
+    """Every run-config key the library knows (the names of :data:`KEYS`)."""
     return frozenset(KEYS)
 
 
 def check_known_keys(cfg: Mapping[str, Any], known: frozenset[str] | None = None, source: str = "run config") -> None:
-    """Refuse keys no fedcomp app reads, naming the closest valid one (a misspelt ``densty = 0.05``
+    """Refuse keys not in ``known``, naming the closest valid one (a misspelt ``densty = 0.05``
     would otherwise be ignored silently and the default used).
 
     Parameters
@@ -55,7 +46,8 @@ def check_known_keys(cfg: Mapping[str, Any], known: frozenset[str] | None = None
     cfg : Mapping[str, Any]
         A run config (``context.run_config``, or the overrides of ``--run-config``).
     known : frozenset[str], optional
-        The valid keys; default :func:`run_config_keys`.
+        The valid keys; default :func:`run_config_keys` (an app passes its own, e.g.
+        :func:`fedcomp.app.keys.run_config_keys`).
     source : str
         What ``cfg`` is, for the message.
 
@@ -105,5 +97,5 @@ def reference_table(keys: Mapping[str, Key] | None = None) -> str:
     return "\n".join(rows)
 
 
-__all__ = ["APP_KEYS", "GROUPS", "KEYS", "check_known_keys", "reference_table", "run_config_keys",
+__all__ = ["GROUPS", "KEYS", "check_known_keys", "reference_table", "run_config_keys",
            "unknown_key_message"]

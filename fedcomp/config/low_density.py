@@ -80,7 +80,7 @@ def auto_note(run_config: Mapping[str, Any], cfg: Any) -> str:
     ----------
     run_config : Mapping
         The run config as given (a key it lacks counts as "auto", its default).
-    cfg : fedcomp.config.AppConfig
+    cfg : fedcomp.app.config.AppConfig
         The parsed (resolved) configuration.
     """
     parts = []
@@ -103,7 +103,7 @@ def short_ramp_note(cfg: Any) -> str:
 
     Parameters
     ----------
-    cfg : fedcomp.config.AppConfig
+    cfg : fedcomp.app.config.AppConfig
         The parsed (resolved) configuration (``num_server_rounds``, ``codec.schedule_rounds``, ...).
     """
     codec, rounds = cfg.codec, cfg.num_server_rounds

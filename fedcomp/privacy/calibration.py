@@ -10,17 +10,14 @@ from __future__ import annotations
 import math
 import warnings
 from functools import lru_cache
-from typing import TYPE_CHECKING
 
 from fedcomp.privacy.opacus_import import import_opacus
 
-if TYPE_CHECKING:
-    from fedcomp.task.training import TrainConfig
 
-
-def logical_batch_size(train_cfg: TrainConfig) -> int:
-    """Logical (expected) batch size ``batch_size * accumulation_steps``, in samples."""
-    return int(train_cfg.batch_size) * int(train_cfg.accumulation_steps)
+def logical_batch_size(batch_size: int, accumulation_steps: int = 1) -> int:
+    """Logical (expected) batch size ``batch_size * accumulation_steps``, in samples: what one
+    optimizer step averages over when ``accumulation_steps`` micro-batches of ``batch_size`` make a step."""
+    return int(batch_size) * int(accumulation_steps)
 
 
 def sample_rate(num_examples: int, logical_batch: int) -> float:

@@ -57,7 +57,6 @@ from fedcomp.privacy import (
     sample_rate,
     steps_per_epoch,
 )
-from fedcomp.task.training import TrainConfig
 
 # ---------------------------------------------------------------------------------------------
 # Making a model private
@@ -217,9 +216,13 @@ class PrivateTraining:
 def make_private(
     model: nn.Module,
     dataset: Dataset,
-    train_cfg: TrainConfig,
     dp_cfg: DPSGDConfig,
     device: torch.device,
+    *,
+    lr: float,
+    logical_batch: int,
+    local_epochs: int,
+    momentum: float = 0.0,
     seed: int = 0,
     accountant_state: Mapping[str, Any] | None = None,
 ) -> PrivateTraining:
@@ -227,7 +230,7 @@ def make_private(
 
     A new ``PrivacyEngine`` is created per round, but its accountant is the run's
     accountant restored from ``accountant_state``. Its ``make_private`` wraps the copy and
-    the SGD optimizer (``lr``, ``momentum`` from ``train_cfg``); the Poisson loader is built
+    the SGD optimizer (``lr``, ``momentum``); the Poisson loader is built
     here with ``q = logical_batch / N`` exactly (``make_private``'s own loader would use
     ``1 / ceil(N / logical_batch)``), and the accounting hook and the optimizer's expected
     batch size are set to that same q.
@@ -238,8 +241,17 @@ def make_private(
         The caller's plain model (or an Opacus wrapper of it); not modified.
     dataset : Dataset
         Map-style dataset of ``(x, y)`` pairs, N = ``len(dataset)`` >= 1.
-    train_cfg, dp_cfg : TrainConfig, DPSGDConfig
+    dp_cfg : DPSGDConfig
     device : torch.device
+    lr : float
+        SGD learning rate, > 0.
+    logical_batch : int
+        Expected examples per optimizer step (``batch_size * accumulation_steps``), >= 1.
+    local_epochs : int
+        Passes over the local data per round, >= 1 (with ``target_epsilon``, the calibration plans
+        for them).
+    momentum : float
+        SGD momentum, in [0, 1).
     seed : int
         Seeds the Poisson sampler and (without secure RNG) the noise generator.
     accountant_state : mapping or None
@@ -254,9 +266,9 @@ def make_private(
     n = len(dataset)
     if n < 1:
         raise ValueError("DP-SGD needs at least one local example")
-    logical = logical_batch_size(train_cfg)
+    logical = int(logical_batch)
     q = sample_rate(n, logical)
-    sigma = resolve_noise_multiplier(dp_cfg, train_cfg, n)
+    sigma = resolve_noise_multiplier(dp_cfg, n, logical_batch=logical, local_epochs=local_epochs)
     accountant = restore_accountant(dp_cfg.accountant, accountant_state)
     work, replaced = dp_compatible_copy(model)
     work.to(device)
@@ -271,7 +283,7 @@ def make_private(
         sample_gen = torch.Generator().manual_seed(int(seed))
         noise_gen = torch.Generator(device=device).manual_seed(int(seed) + 0x5EED)
     loader = poisson_loader(dataset, q, steps_per_epoch(n, logical), sample_gen)
-    optimizer = torch.optim.SGD(work.parameters(), lr=train_cfg.lr, momentum=train_cfg.momentum)
+    optimizer = torch.optim.SGD(work.parameters(), lr=lr, momentum=momentum)
     gsm, dp_opt, loader = engine.make_private(
         module=work, optimizer=optimizer, data_loader=loader, noise_multiplier=sigma,
         max_grad_norm=dp_cfg.max_grad_norm, poisson_sampling=False, noise_generator=noise_gen,
@@ -338,15 +350,20 @@ class DPTrainResult(NamedTuple):
 def train_dp_sgd(
     model: nn.Module,
     dataset: Dataset,
-    train_cfg: TrainConfig,
     dp_cfg: DPSGDConfig,
     device: torch.device,
+    *,
+    lr: float,
+    batch_size: int,
+    local_epochs: int,
+    accumulation_steps: int = 1,
+    momentum: float = 0.0,
     seed: int = 0,
     accountant_state: Mapping[str, Any] | None = None,
 ) -> DPTrainResult:
     """One round of sample-level DP-SGD on this client; ``model`` is updated in place.
 
-    Trains a private copy (see :func:`make_private`) for ``train_cfg.local_epochs`` epochs of
+    Trains a private copy (see :func:`make_private`) for ``local_epochs`` epochs of
     ``ceil(N / logical_batch)`` Poisson-sampled logical batches (expected size
     ``batch_size * accumulation_steps``; micro-batches of at most ``batch_size``), then copies
     the trained weights back into ``model`` under its original parameter names (no
@@ -359,10 +376,19 @@ def train_dp_sgd(
         Plain model, weights = the received global model. Updated in place.
     dataset : Dataset
         Local training data, ``(x, y)`` pairs, N >= 1.
-    train_cfg : TrainConfig
-        ``local_epochs``, ``batch_size`` (physical), ``accumulation_steps``, ``lr``, ``momentum``.
     dp_cfg : DPSGDConfig
     device : torch.device
+    lr : float
+        SGD learning rate, > 0.
+    batch_size : int
+        Physical micro-batch size, >= 1.
+    local_epochs : int
+        Passes over the local data, >= 1.
+    accumulation_steps : int
+        Micro-batches per logical batch, >= 1: the expected logical batch is
+        ``batch_size * accumulation_steps``.
+    momentum : float
+        SGD momentum, in [0, 1).
     seed : int
         Seeds Poisson sampling and noise (vary it per round; see ``secure_rng``).
     accountant_state : mapping or None
@@ -386,8 +412,10 @@ def train_dp_sgd(
     Abadi et al. 2016 (Alg. 1, moments accountant); Mironov 2017 (RDP); Opacus 1.6
     (``PrivacyEngine``, ``DPOptimizer``, ``BatchMemoryManager``).
     """
-    private = make_private(model, dataset, train_cfg, dp_cfg, device, seed, accountant_state)
-    loss = run_epochs(private, int(train_cfg.local_epochs), int(train_cfg.batch_size), device)
+    private = make_private(model, dataset, dp_cfg, device, lr=lr, momentum=momentum,
+                           logical_batch=logical_batch_size(batch_size, accumulation_steps),
+                           local_epochs=local_epochs, seed=seed, accountant_state=accountant_state)
+    loss = run_epochs(private, int(local_epochs), int(batch_size), device)
     trained = private.module._module
     private.module._close()  # remove hooks and per-sample attributes from the copy
     if private.replaced_modules:

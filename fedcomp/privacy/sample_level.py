@@ -9,15 +9,12 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fedcomp.privacy.accounting import ACCOUNTANTS, epsilon_spent, restore_accountant
-from fedcomp.privacy.calibration import calibrate_noise_multiplier, logical_batch_size, sample_rate, steps_per_epoch
+from fedcomp.privacy.calibration import calibrate_noise_multiplier, sample_rate, steps_per_epoch
 from fedcomp.privacy.settings import DP_DEFAULTS, DP_KEYS
 from fedcomp.util.validate import read_number
-
-if TYPE_CHECKING:
-    from fedcomp.task.training import TrainConfig
 
 
 def secure_rng_available() -> bool:
@@ -152,16 +149,30 @@ class DPSGDConfig:
         )
 
 
-def planned_steps(dp_cfg: DPSGDConfig, train_cfg: TrainConfig, num_examples: int) -> int:
+def planned_steps(dp_cfg: DPSGDConfig, num_examples: int, *, logical_batch: int, local_epochs: int) -> int:
     """Optimizer steps of the whole planned run on this client:
-    ``planned_rounds * local_epochs * steps_per_epoch``."""
-    per_epoch = steps_per_epoch(num_examples, logical_batch_size(train_cfg))
-    return dp_cfg.planned_rounds * int(train_cfg.local_epochs) * per_epoch
+    ``planned_rounds * local_epochs * steps_per_epoch(num_examples, logical_batch)``.
+
+    Parameters
+    ----------
+    dp_cfg : DPSGDConfig
+        ``planned_rounds``.
+    num_examples : int
+        N, the client's local examples, >= 1.
+    logical_batch : int
+        Expected examples per optimizer step (:func:`fedcomp.privacy.logical_batch_size`), >= 1.
+    local_epochs : int
+        Passes over the local data per round, >= 1.
+    """
+    per_epoch = steps_per_epoch(num_examples, logical_batch)
+    return dp_cfg.planned_rounds * int(local_epochs) * per_epoch
 
 
-def resolve_noise_multiplier(dp_cfg: DPSGDConfig, train_cfg: TrainConfig, num_examples: int) -> float:
+def resolve_noise_multiplier(dp_cfg: DPSGDConfig, num_examples: int, *, logical_batch: int,
+                             local_epochs: int) -> float:
     """The sigma this client uses: ``dp_cfg.noise_multiplier``, or with ``target_epsilon``
-    the calibrated one for :func:`planned_steps` at this client's sample rate.
+    the calibrated one for :func:`planned_steps` at this client's sample rate
+    ``logical_batch / num_examples``.
 
     Raises
     ------
@@ -170,25 +181,27 @@ def resolve_noise_multiplier(dp_cfg: DPSGDConfig, train_cfg: TrainConfig, num_ex
     """
     if dp_cfg.target_epsilon is None:
         return float(dp_cfg.noise_multiplier)
-    q = sample_rate(num_examples, logical_batch_size(train_cfg))
+    q = sample_rate(num_examples, logical_batch)
+    steps = planned_steps(dp_cfg, num_examples, logical_batch=logical_batch, local_epochs=local_epochs)
     return calibrate_noise_multiplier(
         target_epsilon=float(dp_cfg.target_epsilon), target_delta=float(dp_cfg.target_delta),
-        sample_rate=q, steps=planned_steps(dp_cfg, train_cfg, num_examples), accountant=dp_cfg.accountant,
+        sample_rate=q, steps=steps, accountant=dp_cfg.accountant,
     )
 
 
-def projected_epsilon(dp_cfg: DPSGDConfig, train_cfg: TrainConfig, num_examples: int,
-                      accountant_state: Mapping[str, Any] | None) -> float:
+def projected_epsilon(dp_cfg: DPSGDConfig, num_examples: int, accountant_state: Mapping[str, Any] | None, *,
+                      logical_batch: int, local_epochs: int) -> float:
     """Epsilon this client would have after one more round (at ``target_delta``), without training.
 
     Adds this round's steps (``local_epochs * steps_per_epoch`` at this client's sample rate and
     noise multiplier) to a copy of the restored accountant; used to refuse a round that would
-    exceed a privacy budget before any data is touched.
+    exceed a privacy budget before any data is touched. ``logical_batch`` and ``local_epochs`` as
+    in :func:`planned_steps`.
     """
     acc = restore_accountant(dp_cfg.accountant, accountant_state)
-    sigma = resolve_noise_multiplier(dp_cfg, train_cfg, num_examples)
-    q = sample_rate(num_examples, logical_batch_size(train_cfg))
-    steps = int(train_cfg.local_epochs) * steps_per_epoch(num_examples, logical_batch_size(train_cfg))
+    sigma = resolve_noise_multiplier(dp_cfg, num_examples, logical_batch=logical_batch, local_epochs=local_epochs)
+    q = sample_rate(num_examples, logical_batch)
+    steps = int(local_epochs) * steps_per_epoch(num_examples, logical_batch)
     if sigma == 0:
         return math.inf
     acc.history.append((sigma, q, steps))

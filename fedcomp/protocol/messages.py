@@ -28,6 +28,14 @@ REPORT_KEYS = frozenset({
     "residual-bytes", "residual-saturated", "residual-saturated-loss", "compress-seconds", "clientapp-seconds",
     "client-peak-rss-mb", "client-memory-limit-mb", "client-oom-kills", "uplink-mbps", "downlink-mbps",
     "layer-update-norm", "layer-compression-error", ESTIMATE_ROUND_METRIC})
+#: Train-config key with which the server asks for the per-layer figures (``layer-update-norm``,
+#: ``layer-compression-error``); without it a reply leaves them out.
+LAYER_REPORT_KEY = "fedcomp-report-layers"
+#: The report figures a reply leaves out when they hold the value the server assumes for a missing one
+#: (0, or the default link speeds), and the bytes the server counts itself from what it sent and received.
+LEAN_DEFAULTS = {"residual-saturated": 0.0, "residual-saturated-loss": 0.0, "client-memory-limit-mb": 0.0,
+                 "client-oom-kills": 0.0, "clientapp-seconds": 0.0, "upload-bytes": None,
+                 "dense-bytes": None, "download-bytes": None}
 #: ArrayRecord key of a whole-model payload (selection scope "model"): the update of every
 #: parameter, flattened in the global model's key order and concatenated.
 MODEL_KEY = "fedcomp.model"

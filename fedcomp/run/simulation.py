@@ -7,7 +7,7 @@ value wait for Ray to start before the ServerApp refuses it. This command:
 
 1. reads the app's ``[tool.flwr.app.config]`` and the ``--run-config`` overrides (Flower's own
    parser), refuses an unknown key naming the closest valid one, and validates every value with
-   the ServerApp's own parser (:meth:`fedcomp.config.AppConfig.from_run_config`, plus the DP-SGD
+   the ServerApp's own parser (:meth:`fedcomp.app.config.AppConfig.from_run_config`, plus the DP-SGD
    keys with ``dp = "dp-sgd"``), before anything is started: exit code 2, one line;
 2. runs ``flwr run <app> --stream`` with the simulation size given here
    (``num-supernodes``, one CPU per client) and without runtime dependency installation, and
@@ -74,7 +74,8 @@ def check_run_config(app: pathlib.Path, overrides: str) -> dict[str, Any]:
     """
     from flwr.common.config import parse_config_args
 
-    from fedcomp.config import AppConfig, check_known_keys
+    from fedcomp.app.config import AppConfig
+    from fedcomp.app.keys import check_known_keys
 
     defaults = app_defaults(app)
     try:

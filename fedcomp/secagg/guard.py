@@ -30,13 +30,40 @@ _SHARE_STATE_KEYS = ("rd_seed_share_dict:K", "rd_seed_share_dict:V", "sk1_share_
 
 
 class UnsafeRequest(ValueError):
-    """A SecAgg+ request that would let the server learn more than the sum; the client refuses it."""
+    """A SecAgg+ request that would let the server learn more than the sum; the client refuses it.
+
+    A ``ValueError``, as Flower's ``secaggplus_mod`` raises for a request that breaks the protocol; a
+    request missing a key is also a ``KeyError`` (:class:`MissingRequestKey`) and one with a value of
+    the wrong type also a ``TypeError`` (:class:`MalformedRequest`), as Flower raises for those, so
+    code written against Flower's exceptions catches fedcomp's refusals too.
+    """
+
+
+class MissingRequestKey(UnsafeRequest, KeyError):
+    """A SecAgg+ request without a key the client needs (a ``KeyError``, as in Flower's ``check_configs``)."""
+
+    __str__ = Exception.__str__  # the message as written, not ``KeyError``'s quoted form
+
+
+class MalformedRequest(UnsafeRequest, TypeError):
+    """A SecAgg+ request with a value of the wrong type (a ``TypeError``, as in Flower's ``check_configs``)."""
 
 
 def _ints(configs: ConfigRecord, key: str) -> list[int]:
-    value = configs.get(key)
+    """The node ids under ``key``.
+
+    Raises
+    ------
+    MissingRequestKey
+        ``key`` is missing.
+    MalformedRequest
+        Its value is not a list of ints (bools refused).
+    """
+    if key not in configs:
+        raise MissingRequestKey(f"SecAgg+ unmask request: the required key '{key}' is missing")
+    value = configs[key]
     if not isinstance(value, list) or any(isinstance(v, bool) or not isinstance(v, int) for v in value):
-        raise UnsafeRequest(f"SecAgg+ unmask request: '{key}' must be a list of node ids, got {value!r}")
+        raise MalformedRequest(f"SecAgg+ unmask request: '{key}' must be a list of node ids, got {value!r}")
     return list(value)
 
 
@@ -90,8 +117,9 @@ def check_request(msg: Message, ctxt: Context) -> None:
     ------
     UnsafeRequest
         Setup: ``2 * threshold <= shares`` or threshold < 1. Unmask: a node both alive and dropped,
-        a node named twice, or this node named as dropped. Logged at ERROR; the round's shares
-        this client holds are erased before raising.
+        a node named twice, or this node named as dropped; a node-id list missing
+        (:class:`MissingRequestKey`, a ``KeyError``) or not a list of ints (:class:`MalformedRequest`,
+        a ``TypeError``). Logged at ERROR; the round's shares this client holds are erased before raising.
     """
     configs = msg.content.config_records.get(RECORD_KEY_CONFIGS)
     if configs is None:

@@ -7,8 +7,8 @@ the server tells each client, in its next train config, the last round whose app
 its vector (``fedcomp-secagg-applied-round``, :data:`fedcomp.protocol.messages.SECAGG_APPLIED_KEY`).
 The pending residual of that round is committed; one of any other round is dropped (rolled back to
 the committed one: the update it came from was never applied, and the client trains again from the
-same model). A server that does not send the key (fedcomp before this change) gets the old rule:
-the new residual is committed at once.
+same model). A server that does not send the key (an older fedcomp) gets the residual committed at
+once.
 
 Both live in ``context.state`` and, when node config ``state-dir`` (or run config
 ``client-state-dir``) names a folder, in ``secagg-residual-<partition-id or node id>.npz`` there

@@ -14,8 +14,8 @@ import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord
 from flwr.common.logger import log
 
-from fedcomp.config import CodecConfig, model_policy
-from fedcomp.protocol.messages import MODEL_KEY
+from fedcomp.config import CODEC_DEFAULTS, CodecConfig, model_policy
+from fedcomp.protocol.messages import LAYER_REPORT_KEY, MODEL_KEY
 from fedcomp.strategies.wrapping import wraps
 
 
@@ -53,21 +53,37 @@ def check_feedback_under_dp(codec: CodecConfig, inner: Any) -> None:
             "(DifferentialPrivacyServerSideFixedClipping inside CompressedStrategy, or client_dp=ClientLevelDP(...))")
 
 
-def codec_entries(codec: CodecConfig, server_round: int) -> dict[str, Any]:
-    """The train-config entries of the codec in force in ``server_round``: its run-config keys and values.
+#: Rounds in which the train config asks clients for their per-layer figures (``layer-update-norm``,
+#: ``layer-compression-error``): round 1 and every this many rounds (diagnostics, not needed to aggregate;
+#: two float64 lists per reply cost more than a sparse payload of a small model).
+LAYER_REPORT_EVERY = 10
 
-    A key whose value is the empty string is left out (``layer-codecs = ""``, no per-layer rules):
-    flwr 1.42's ``ConfigRecord.count_bytes`` raises ``ValueError`` on an empty string, so Flower's
-    ``message_size_mod`` could not count the message; the client reads the absent key as its
-    default, the empty string.
+
+def codec_entries(codec: CodecConfig, server_round: int) -> dict[str, Any]:
+    """The train-config entries of the codec in force in ``server_round``: ``compressor`` and every key
+    whose value differs from its default (:data:`fedcomp.config.CODEC_DEFAULTS`); the client reads an
+    absent key as its default, so the message carries what it must and nothing more. In round 1 and
+    every :data:`LAYER_REPORT_EVERY` rounds, :data:`~fedcomp.protocol.messages.LAYER_REPORT_KEY` asks
+    the clients for their per-layer figures.
+
+    An empty string is never sent (``layer-codecs = ""`` is the default): flwr 1.42's
+    ``ConfigRecord.count_bytes`` raises ``ValueError`` on one, so Flower's ``message_size_mod`` could
+    not count the message.
     """
-    return {k: v for k, v in codec.for_round(server_round).to_mapping().items() if v != ""}
+    entries = {k: v for k, v in codec.for_round(server_round).to_mapping().items()
+               if k == "compressor" or (v != CODEC_DEFAULTS[k] and v != "")}
+    if server_round == 1 or server_round % LAYER_REPORT_EVERY == 0:
+        entries[LAYER_REPORT_KEY] = True
+    return entries
 
 
 def add_codec(codec: CodecConfig, server_round: int, config: ConfigRecord) -> None:
-    """Write :func:`codec_entries` of ``server_round`` into ``config``."""
+    """Write :func:`codec_entries` of ``server_round`` into ``config`` (Flower passes the same train config
+    every round: the codec keys of an earlier round are removed first)."""
+    for k in [k for k in config if k in CODEC_DEFAULTS or k == LAYER_REPORT_KEY]:
+        del config[k]
     for k, v in codec_entries(codec, server_round).items():
         config[k] = v
 
 
-__all__ = ["add_codec", "check_feedback_under_dp", "check_model", "codec_entries"]
+__all__ = ["LAYER_REPORT_EVERY", "add_codec", "check_feedback_under_dp", "check_model", "codec_entries"]

@@ -23,12 +23,12 @@ from fedcomp.strategies.admission import admit, check_max_num_examples
 from fedcomp.strategies.aggregate import streams
 from fedcomp.strategies.codec_round import add_codec, check_feedback_under_dp, check_model
 from fedcomp.strategies.copy_correction import check_correction, correction_refusal
-from fedcomp.strategies.downstream_sender import Downstream
+from fedcomp.strategies.downstream_sender import Downstream, check_max_copies
 from fedcomp.strategies.ef21_aggregate import EF21Aggregate
 from fedcomp.strategies.fold_policy import FoldPolicy, dense_refusal
 from fedcomp.strategies.forward import ForwardsToInner
 from fedcomp.strategies.handover import hand_over, weight_key
-from fedcomp.strategies.presets import apply_preset
+from fedcomp.strategies.presets import apply_preset, library_codec_params, library_downstream
 from fedcomp.strategies.privacy_budget import PoissonSampling, PrivacyBudget
 from fedcomp.strategies.replies import RoundReplies, evaluate_replies, fold_replies, note_failures
 from fedcomp.strategies.round_history import RoundHistory, SentRound
@@ -110,12 +110,17 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         Stop sending rounds before one would push any client's epsilon (client-level, or the
         ``epsilon`` clients report with DP-SGD) past this value.
     downstream : str, optional
-        Compress the server-to-client direction too with this codec ("fp16", "stc", ...; None
-        or "none": dense). Clients that hold the previous broadcast get ``C(global - broadcast)``
-        (server-side error feedback); new or lagging clients get the broadcast model dense.
-        Needs ``compression_mod`` on the clients (it rebuilds and keeps the model copy).
-        Clients that missed rounds get the missed payloads or a compressed difference from the
-        copy they hold, whichever is smaller (:mod:`fedcomp.strategies.downstream_sender`).
+        The server-to-client codec ("fp16", "stc", ...; None or "none": dense). ``"auto"``
+        (default): int8 with server-side error feedback for any compressed upload, dense for
+        ``compressor = "none"``, under ``local_dp`` and for inner strategies that need every
+        client's weights (:func:`.presets.library_downstream`). Clients that hold
+        the previous broadcast get ``C(global - broadcast)`` (server-side error feedback); a client
+        that holds nothing gets the first contact ``downstream_init`` says; clients that missed
+        rounds get the missed payloads or a compressed difference from the copy they hold,
+        whichever is smaller (:mod:`fedcomp.strategies.downstream_sender`). Evaluate messages
+        travel the same way. Needs ``compression_mod`` on every client (it rebuilds and keeps the
+        model copy); a client without it cannot read the download: pass ``"none"`` for a fleet
+        that mixes plain clients in.
     client_sampling : float, optional
         Poisson client sampling: the inner strategy should select every node (fraction 1.0);
         each is then kept independently with this probability q, per round. Needed for
@@ -169,7 +174,10 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         arguments with another value as well is refused.
     **params
         Codec parameters by their Python or run-config names: ``density``, ``levels``,
-        ``block_size``, ``value_dtype``, ``residual_dtype``.
+        ``block_size``, ``value_dtype``, ``residual_dtype``, ``batchnorm_stats``, ... Where one is not
+        given the run-config key's default applies, except ``batchnorm_stats``: ``"small"`` (BatchNorm's
+        running statistics exact both ways; :data:`.presets.LIBRARY_CODEC_DEFAULTS`), where the
+        reference app's run config says ``"auto"`` (their change as a scaled sign).
 
     Raises
     ------
@@ -190,7 +198,7 @@ class CompressedStrategy(ForwardsToInner, Strategy):
 
     def __init__(self, inner: Strategy, compressor: str | None = None, error_feedback: bool = True,
                  max_num_examples: int = 10**9, client_dp: ClientLevelDP | None = None,
-                 local_dp: LocalDP | None = None, max_epsilon: float | None = None, downstream: str | None = None,
+                 local_dp: LocalDP | None = None, max_epsilon: float | None = None, downstream: str | None = "auto",
                  client_sampling: float | None = None, seed: int | None = None, aggregation: str = "auto",
                  downstream_init: SeededInit | str | None = "auto", require_compression: bool = False,
                  downstream_catchup: str = "smallest", downstream_max_copies: float | None = None,
@@ -203,13 +211,15 @@ class CompressedStrategy(ForwardsToInner, Strategy):
             compressor, error_feedback, downstream = given["compressor"], given["error_feedback"], given["downstream"]
             downstream_init, downstream_catchup = given["downstream_init"], given["downstream_catchup"]
         compressor = "stc" if compressor is None else compressor  # None: the default, "stc" (a preset may set it)
+        if downstream == "auto":  # both ways by default (:func:`.presets.library_downstream`)
+            downstream, downstream_density = library_downstream(compressor, downstream_density, local_dp, inner)
         if aggregation not in ("auto", "dense"):
             raise ValueError(f"aggregation must be 'auto' or 'dense', got {aggregation!r}")
         if not isinstance(inner, Strategy):
             raise TypeError(f"inner must be a flwr.serverapp.strategy.Strategy, got {type(inner).__name__}")
         self.inner = inner
         #: The concern this wrapper adds: the codec clients are asked for (``params``: its options).
-        self.codec = CodecConfig.from_kwargs(compressor, error_feedback, **params)
+        self.codec = CodecConfig.from_kwargs(compressor, error_feedback, **library_codec_params(params))
         try:
             check_feedback_under_dp(self.codec, inner)
         except ValueError as err:
@@ -229,6 +239,7 @@ class CompressedStrategy(ForwardsToInner, Strategy):
                                  client_dp is not None, self.ef21 is not None, streams(inner), aggregation == "dense")
         if why:
             raise ValueError(f"downstream_correction = {downstream_correction!r} cannot apply: {why}")
+        check_max_copies(downstream_max_copies)  # also without a downstream codec: a bad value is named, not ignored
         self.downstream = Downstream.for_run(self.codec, downstream, init=downstream_init, catchup=downstream_catchup,
                                              max_copies=downstream_max_copies, density=downstream_density,
                                              correction=downstream_correction)
@@ -390,7 +401,8 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         return arrays, MetricRecord(merged)
 
     def _admit(self, server_round: int, sent: SentRound, replies: list[Message]) -> tuple[list, list, list]:
-        """One node, one vote (duplicates and strangers refused, :mod:`.admission`), then a fixed order
+        """One node, one vote (duplicates, strangers and replies to a message this round did not send
+        refused, :mod:`.admission`), then a fixed order
         (by node id): float sums, and so runs, do not depend on arrival order; then EF21's check that
         each node's ``h_i`` is the one the server's ``h`` holds. Returns (admitted, ``(reply, why)``
         refused, ``(reply, failure record)`` refused by EF21).
@@ -400,8 +412,10 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         which the stranger check would misreport as a reply "not sent a message this round".
         """
         errors = [r for r in replies if r.has_error()]
+        # what each reply answers is checked once the round's messages have their ids (a grid pushed them)
+        sent_to = sent.sent_to() if sent.messages and all(m.metadata.message_id for m in sent.messages) else None
         replies, refused = admit([r for r in replies if not r.has_error()], lambda r: r.metadata.src_node_id,
-                                 sent.nodes)
+                                 sent.nodes, lambda r: r.metadata.reply_to_message_id, sent_to)
         for reply, why in refused:
             log(WARNING, "round %s: rejected reply from node %s: %s", server_round, reply.metadata.src_node_id, why)
         replies = errors + sorted(replies, key=lambda r: r.metadata.src_node_id)
@@ -439,6 +453,7 @@ class CompressedStrategy(ForwardsToInner, Strategy):
                 dp_info: dict, ef21_missing: int | None) -> dict[str, float]:
         """The wrapper's round metrics (:func:`.round_metrics.round_metrics`), accounted by the budget
         and kept in the history."""
+        self.rounds.note_machines(got.stats)
         ours = round_metrics(got.stats, got.codec_bytes, len(got.metric_contents), got.rejected, got.failed)
         ours.update(dp_info)
         if ef21_missing is not None:

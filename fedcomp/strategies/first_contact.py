@@ -76,9 +76,8 @@ def starting_model(init: SeededInit | str, arrays: ArrayRecord) -> tuple[ArrayRe
     Raises
     ------
     ValueError
-        A float tensor of the initial model holds NaN or Inf (every policy: named, with its count;
-        before, a compressed start failed in round 1 with the codec's message that named no tensor
-        and a dense one sent the NaN model to every client), or ``"seeded"`` with BatchNorm
+        A float tensor of the initial model holds NaN or Inf (every policy: named, with its count,
+        before any client is sent it), or ``"seeded"`` with BatchNorm
         statistics that are not constant (a model that ran forward passes: a drawn running variance
         can be negative).
     """

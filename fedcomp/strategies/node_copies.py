@@ -175,8 +175,8 @@ class NodeCopies:
         nothing until the last goes); least recently replying first within each. Under random sampling a
         node that replied long ago is as likely to be sampled next as any other, so fewer forgotten nodes
         means more of them on cheap catch-ups. ``keep`` and the nodes still to reply this round are never
-        candidates: their catch-up's base must outlive their reply (before, committing one reply could
-        forget the copy another node's diff was relative to, and that node became unknown). A node holding
+        candidates: their catch-up's base must outlive their reply (committing one reply must never forget
+        the copy another node's diff is relative to). A node holding
         exactly the latest version costs nothing beyond its statistics copy."""
         def recency(n: int) -> tuple[int, int]:  # least recently replying first
             return self._last_seen.get(n, -1), n

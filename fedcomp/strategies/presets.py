@@ -27,6 +27,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from fedcomp.strategies.aggregate import streams
+
 #: preset name -> the ``CompressedStrategy`` arguments it sets
 PRESETS: dict[str, dict[str, Any]] = {
     "lora": {"compressor": "sign", "error_feedback": True, "downstream": "sign", "downstream_init": "auto",
@@ -64,4 +66,50 @@ def apply_preset(preset: str | None, given: dict[str, Any], defaults: dict[str, 
     return out
 
 
-__all__ = ["PRESETS", "apply_preset"]
+#: The download codec of ``CompressedStrategy(downstream="auto")``: block-wise int8 with stochastic rounding
+#: and server-side error feedback (8 bits a parameter, every entry moves every round).
+LIBRARY_DOWNSTREAM = "int8"
+
+
+def library_downstream(compressor: str, density: float | None, local_dp, inner) -> tuple[str, float | None]:
+    """``(downstream codec, downstream density)`` for ``CompressedStrategy(downstream="auto")``, the
+    library's default: :data:`LIBRARY_DOWNSTREAM` (int8), the download that kept the accuracy of a
+    dense one on models and data fedcomp was not tuned on (a BatchNorm ResNet from scratch, 8 rounds:
+    a sparse STC download lagged behind the global model and cost most of its accuracy; results in
+    ``docs/benchmarks/wire.md``), except where a compressed download cannot apply:
+    ``compressor = "none"`` (fp32 both ways), local DP (each client noises its update against the
+    global model it was sent) and inner strategies that need every client's weights (Krum, FedMedian,
+    Flower's DP wrappers: the global model they see must be the one the clients trained from).
+    Sparser downloads (``downstream="stc"``, what fedcomp's own app uses over 50 rounds) are a choice.
+
+    Parameters
+    ----------
+    compressor : str
+        The upload codec.
+    density : float or None
+        ``downstream_density`` as given (kept).
+    local_dp : LocalDP or None
+    inner : Strategy
+        The wrapped strategy.
+    """
+    if compressor == "none" or local_dp is not None or not streams(inner):
+        return "none", density
+    return LIBRARY_DOWNSTREAM, density
+
+
+#: The library's codec defaults where they differ from the run-config keys' (which are the reference
+#: app's): BatchNorm's running statistics travel exactly (``"small"``) unless ``batchnorm_stats`` is given.
+#: An ordinary Flower app (a BatchNorm ResNet from scratch on sklearn digits, 10 clients, Dirichlet 0.5,
+#: sign with error feedback, 8 rounds, dense download) kept more of its accuracy with exact statistics than
+#: with their sign-coded change, and the statistics are a small part of most models' bytes.
+LIBRARY_CODEC_DEFAULTS = {"batchnorm-stats": "small"}
+
+
+def library_codec_params(params: dict[str, Any]) -> dict[str, Any]:
+    """``params`` (codec parameters by their Python or run-config names, as ``CompressedStrategy`` takes
+    them) with :data:`LIBRARY_CODEC_DEFAULTS` for the keys not given."""
+    given = {k.replace("_", "-") for k in params}
+    return {**{k.replace("-", "_"): v for k, v in LIBRARY_CODEC_DEFAULTS.items() if k not in given}, **params}
+
+
+__all__ = ["LIBRARY_CODEC_DEFAULTS", "LIBRARY_DOWNSTREAM", "PRESETS", "apply_preset", "library_codec_params", "library_downstream"]

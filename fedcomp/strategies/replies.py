@@ -159,7 +159,8 @@ def note_failures(server_round: int, sent_nodes: set[int] | None, sent_to: dict[
 def evaluate_replies(server_round: int, sent_to: dict[str, int], replies: list[Message]) -> tuple[list[Message], list[dict]]:
     """The evaluation replies the inner strategy may count, and the clients that failed to evaluate,
     by the train round's rules: one node, one vote (:func:`.admission.admit`: a second reply of a node
-    and a reply from a node not sent an evaluate message are refused, logged), each failed client
+    a reply from a node not sent an evaluate message and one to a message not sent this round are refused,
+    logged), each failed client
     named once with its reason escaped to one log line (:func:`.failures.round_failures`: an error reply
     charged to its sender, one from a node not sampled or untraceable charged to nobody, a sampled node
     that sent nothing counted as ``NO_REPLY``).
@@ -180,7 +181,9 @@ def evaluate_replies(server_round: int, sent_to: dict[str, int], replies: list[M
     """
     sent_nodes = set(sent_to.values()) or None
     errors = [r for r in replies if r.has_error()]
-    admitted, refused = admit([r for r in replies if not r.has_error()], lambda r: r.metadata.src_node_id, sent_nodes)
+    known = sent_to if "" not in sent_to else None  # ids set once a grid pushed the messages
+    admitted, refused = admit([r for r in replies if not r.has_error()], lambda r: r.metadata.src_node_id, sent_nodes,
+                              lambda r: r.metadata.reply_to_message_id, known)
     for reply, why in refused:
         log(WARNING, "round %s: evaluation reply from node %s not counted: %s", server_round,
             reply.metadata.src_node_id, why)

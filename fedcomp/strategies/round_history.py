@@ -55,6 +55,16 @@ class RoundHistory:
     evaluate_failures: dict[int, list[dict]] = field(default_factory=dict)
     #: node -> the last ``client-oom-kills`` count it reported (an increase names an OOM kill).
     oom_seen: dict[int, int] = field(default_factory=dict)
+    #: node -> the machine it last reported (a node reports it once, in its first reply of a run).
+    machines: dict[int, str] = field(default_factory=dict)
+
+    def note_machines(self, clients: list[dict]) -> None:
+        """Fill each client's ``machine`` from what its node reported before, and remember new reports."""
+        for c in clients:
+            if c.get("machine"):
+                self.machines[c["node"]] = c["machine"]
+            else:
+                c["machine"] = self.machines.get(c["node"])
 
     def record_train(self, server_round: int, metrics: dict[str, float], clients: list[dict],
                      layers: dict[str, dict[str, float]]) -> None:

@@ -1,9 +1,10 @@
 """The declaration of one run-config key: name, type, default, allowed values and a one-line help.
 
-Each key is declared once, beside the settings it fills (the app's in :mod:`fedcomp.config`, the
-DP-SGD ones in :mod:`fedcomp.privacy.sample_level`, the LoRA ones in :mod:`fedcomp.task.lora`);
-:mod:`fedcomp.config.keys` gathers every declaration into the registry that checks for unknown
-keys, holds ``pyproject.toml``'s defaults to account and renders the reference table. The type
+Each key is declared once, beside the settings it fills (the codec's in :mod:`fedcomp.config.codec`,
+the privacy ones in :mod:`fedcomp.privacy.settings`, the reference app's in :mod:`fedcomp.app.keys`, the
+LoRA ones in :mod:`fedcomp.task.lora`); :mod:`fedcomp.config.keys` gathers the library's and
+:mod:`fedcomp.app.keys` every key of the app into the registry that checks for unknown keys, holds
+``pyproject.toml``'s defaults to account and renders the reference table. The type
 lives here, at the bottom of the layering, so that every layer can declare its own keys.
 """
 

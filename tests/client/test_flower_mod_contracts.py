@@ -29,6 +29,9 @@ from fedcomp.client import CompositionError, compression_mod
 from fedcomp.config import CodecConfig
 from fedcomp.protocol.messages import PAYLOAD_STYPE
 from fedcomp.run.inprocess_grid import InProcessGrid
+from fedcomp.secagg.client import secagg_mod
+from fedcomp.secagg.guard import UnsafeRequest
+from fedcomp.statedict import FlatModel
 from fedcomp.strategies import CompressedStrategy
 from fedcomp.strategies.codec_round import add_codec
 from tests.messages import make_ctx, make_msg, reply_with, train_msg
@@ -187,11 +190,44 @@ def test_zero_d_parameter_left_unclipped_by_flower_is_accepted(mod):
 def test_scalar_only_model_under_fixed_clipping():
     """Flower's own case: one float64 0-d weight, 0 -> 2, clipping norm 1: Flower alone sends 2 (its
     mod clips no 0-d array); stacked in compression_mod no error is raised, and the client's bound
-    check sends it within the clipping norm (1 - 1e-6: the first rescaling's margin)."""
+    check sends it within the clipping norm (1 - 2**-22: the first rescaling's margin)."""
     g, t = {"w": np.array(0.0)}, {"w": np.array(2.0)}
     assert float(_flower_alone(fixedclipping_mod, g, t, {**EXACT, "clipping_norm": 1.0})["w"]) == 2.0
     reply = _stacked(fixedclipping_mod, g, t, {**EXACT, "clipping_norm": 1.0})
-    assert float(_decoded(reply)["w"]) == pytest.approx(1.0 - 1e-6, rel=1e-9)
+    assert float(_decoded(reply)["w"]) == pytest.approx(1.0 - 2.0**-22, rel=1e-9)
+
+
+@pytest.mark.parametrize("mod", [fixedclipping_mod, adaptiveclipping_mod], ids=["fixed", "adaptive"])
+@pytest.mark.parametrize("clip", [1.0, 100.0], ids=["above the bound", "within the bound"])
+def test_codec_none_under_flower_clipping_is_flowers_update_within_a_bound(mod, clip):
+    """Codec ``none``: what the server decodes and aggregates against Flower's own clipped reply. Flower
+    scales in float32 and ``reply - received`` rounds again, so its update can exceed the bound by a few
+    float32 ulps (norm 1.00000005 here); the mod then scales it into the bound by at most 2**-21 relative
+    (the first rescaling margin, 2**-22, was 1e-6: 1.3e-7 off on 24 entries of Flower's result). Within the
+    bound nothing is rescaled and the server's model is Flower's reply bit for bit."""
+    rng = np.random.default_rng(0)
+    g = {"w": rng.normal(size=(20, 10)).astype(np.float32), "b": rng.normal(size=10).astype(np.float32)}
+    t = {k: v + rng.normal(size=v.shape).astype(np.float32) for k, v in g.items()}
+    cfg = {**EXACT, "clipping_norm": clip}
+    flower = _flower_alone(mod, g, t, cfg)
+    flower_update = {k: flower[k] - g[k] for k in g}
+    norm = float(np.sqrt(sum(np.sum(u.astype(np.float64) ** 2) for u in flower_update.values())))
+    s = CompressedStrategy(FedAvg(min_available_nodes=1, min_train_nodes=1, fraction_evaluate=0.0), compressor="none",
+                           error_feedback=False)
+    s.remember(1, FlatModel.from_numpy(g))
+    arrays, _ = s.aggregate_train(1, [_stacked(mod, g, t, cfg)])
+    server = {k: arrays[k].numpy() for k in g}
+    sent = {k: server[k] - g[k] for k in g}
+    if clip == 1.0:
+        assert norm == pytest.approx(1.0000000518468002, abs=1e-15)  # Flower's own update: over the bound
+        assert float(np.sqrt(sum(np.sum(u.astype(np.float64) ** 2) for u in sent.values()))) <= 1.0
+        for k in g:
+            size = np.abs(flower_update[k])
+            assert np.all(np.abs(server[k] - flower[k]) <= 2.0**-21 * size + np.spacing(np.abs(flower[k]))), k
+    else:
+        assert norm < clip
+        for k in g:
+            assert np.array_equal(server[k], flower[k]), k
 
 
 @pytest.mark.parametrize("scale,bit", [(1.0, 1), (0.01, 0)])
@@ -200,7 +236,7 @@ def test_adaptive_clipping_norm_bit_reaches_the_server(scale, bit):
     t = {"w": np.full(10, scale, np.float32)}  # norm sqrt(10) * scale against clipping norm 1
     reply = _stacked(adaptiveclipping_mod, g, t, {**EXACT, "clipping_norm": 1.0})
     assert reply.content["metrics"][KEY_NORM_BIT] == bit
-    assert reply.content["metrics"]["num-examples"] == 10 and "upload-bytes" in reply.content["metrics"]
+    assert reply.content["metrics"]["num-examples"] == 10 and "compression-error" in reply.content["metrics"]
 
 
 def test_clipping_mod_error_reply_goes_through_compression_mod_unchanged():
@@ -256,7 +292,8 @@ def test_message_size_mod_counts_a_compressed_round(caplog):
             return reply_with(msg, {k: v + 0.5 for k, v in received.items()})
 
         grid = InProcessGrid(app, 2, {})
-        s = CompressedStrategy(FedAvg(min_available_nodes=2, fraction_evaluate=0.0), compressor="fp16")
+        s = CompressedStrategy(FedAvg(min_available_nodes=2, fraction_evaluate=0.0), compressor="fp16",
+                               downstream="none")  # the upload's sizes on both sides of the mod
         msgs = list(s.configure_train(1, ArrayRecord({k: Array(v) for k, v in g.items()}), ConfigRecord({}), grid))
         sent = [sum(r.count_bytes() for r in m.content.values()) for m in msgs]
         caplog.clear()
@@ -303,34 +340,79 @@ def test_legacy_fit_config_carries_no_empty_value():
 # -- Flower's SecAgg+ mod inside compression_mod ------------------------------------------------------
 
 
-def _secagg_app(ctx, stage: str):
+#: The two ways a SecAgg+ client stacks its mods: Flower's mod inside compression_mod, and fedcomp's
+#: secagg_mod (Flower's mod behind fedcomp's request guard) as the docs stack it.
+SECAGG_STACKS = {"flower": lambda: [compression_mod, secaggplus_mod], "fedcomp": lambda: [secagg_mod, compression_mod]}
+
+
+def _secagg_app(ctx, stage: str, stack: str = "flower"):
     ctx.state[RECORD_KEY_STATE] = ConfigRecord(SecAggPlusState(current_stage=stage).to_dict())
-    empty = make_ffn(lambda m, c: Message(RecordDict(), reply_to=m), [compression_mod, secaggplus_mod])
+    empty = make_ffn(lambda m, c: Message(RecordDict(), reply_to=m), SECAGG_STACKS[stack]())
     return lambda cfg: empty(make_msg(RecordDict({RECORD_KEY_CONFIGS: ConfigRecord(cfg)}), dst=123), ctx)
 
 
-def test_secaggplus_stage_transitions_hold_through_compression_mod():
+@pytest.mark.parametrize("stack", list(SECAGG_STACKS))
+def test_secaggplus_stage_transitions_hold_through_compression_mod(stack):
     """Allowed transitions get as far as the stage's own config check (KeyError here: the configs
     are empty); every other transition is refused with ValueError."""
     stages = Stage.all()
     allowed = {(a, b) for a, b in zip(stages, stages[1:] + stages[:1])} | {(s, Stage.SETUP) for s in stages}
     for now in stages:
         for nxt in stages:
-            call = _secagg_app(make_ctx(node_id=123), now)
+            call = _secagg_app(make_ctx(node_id=123), now, stack)
             with pytest.raises(KeyError if (now, nxt) in allowed else ValueError):
                 call({Key.STAGE: nxt})
 
 
-def test_secaggplus_setup_config_types_are_checked_through_compression_mod():
+@pytest.mark.parametrize("stack", list(SECAGG_STACKS))
+def test_secaggplus_setup_config_types_are_checked_through_compression_mod(stack):
     setup = {Key.SAMPLE_NUMBER: 10, Key.SHARE_NUMBER: 10, Key.THRESHOLD: 10, Key.CLIPPING_RANGE: 1.0,
              Key.TARGET_RANGE: 10, Key.MOD_RANGE: 10}
     for key in setup:
-        call = _secagg_app(make_ctx(node_id=123), Stage.UNMASK)
-        with pytest.raises(TypeError):
-            call({**setup, Key.STAGE: Stage.SETUP, key: "text"})
-        call = _secagg_app(make_ctx(node_id=123), Stage.UNMASK)
+        for wrong in ("text", b"b", True, 1.0 if key != Key.CLIPPING_RANGE else 10):
+            call = _secagg_app(make_ctx(node_id=123), Stage.UNMASK, stack)
+            with pytest.raises(TypeError):
+                call({**setup, Key.STAGE: Stage.SETUP, key: wrong})
+        call = _secagg_app(make_ctx(node_id=123), Stage.UNMASK, stack)
         with pytest.raises(KeyError):
             call({Key.STAGE: Stage.SETUP, **{k: v for k, v in setup.items() if k != key}})
+
+
+@pytest.mark.parametrize("stack", list(SECAGG_STACKS))
+def test_secaggplus_share_keys_and_collect_checks_keep_flowers_exception_types(stack):
+    """Flower's share-keys and collect-masked-vectors checks: a wrong value is a TypeError, a missing
+    key a KeyError, whichever stack the client uses."""
+    for value in (b"public key 1", [b"public key 1"], [b"k1", b"k2", b"k3"]):
+        call = _secagg_app(make_ctx(node_id=123), Stage.SETUP, stack)
+        with pytest.raises(TypeError):
+            call({Key.STAGE: Stage.SHARE_KEYS, "1": value, "2": [b"k1", b"k2"]})
+    collect = {Key.CIPHERTEXT_LIST: [b"c1", b"c2"], Key.SOURCE_LIST: [32, 51324]}
+    for key in collect:
+        call = _secagg_app(make_ctx(node_id=123), Stage.SHARE_KEYS, stack)
+        with pytest.raises(KeyError):
+            call({Key.STAGE: Stage.COLLECT_MASKED_VECTORS, **{k: v for k, v in collect.items() if k != key}})
+        call = _secagg_app(make_ctx(node_id=123), Stage.SHARE_KEYS, stack)
+        with pytest.raises(TypeError):
+            call({Key.STAGE: Stage.COLLECT_MASKED_VECTORS, **collect, key: [3.1415926]})
+
+
+@pytest.mark.parametrize("stack", list(SECAGG_STACKS))
+def test_secaggplus_unmask_checks_keep_flowers_exception_types(stack):
+    """Flower's unmask check: a missing node-id list is a KeyError, a list of bools a TypeError. Through
+    fedcomp's guard the refusal is fedcomp's own UnsafeRequest (naming the key) and of Flower's type."""
+    unmask = {Key.ACTIVE_NODE_ID_LIST: [1, 2, 3, 4], Key.DEAD_NODE_ID_LIST: [32, 51324]}
+    for key in unmask:
+        call = _secagg_app(make_ctx(node_id=123), Stage.COLLECT_MASKED_VECTORS, stack)
+        with pytest.raises(KeyError) as missing:
+            call({Key.STAGE: Stage.UNMASK, **{k: v for k, v in unmask.items() if k != key}})
+        call = _secagg_app(make_ctx(node_id=123), Stage.COLLECT_MASKED_VECTORS, stack)
+        with pytest.raises(TypeError) as wrong:
+            call({Key.STAGE: Stage.UNMASK, **unmask, key: [True, False, True, False]})
+        if stack == "fedcomp":
+            assert isinstance(missing.value, UnsafeRequest) and isinstance(wrong.value, UnsafeRequest)
+            assert str(missing.value) == f"SecAgg+ unmask request: the required key '{key}' is missing"
+            assert str(wrong.value) == (f"SecAgg+ unmask request: '{key}' must be a list of node ids, got "
+                                        "[True, False, True, False]")
 
 
 def test_secaggplus_collect_stage_goes_through_compression_mod_untouched():

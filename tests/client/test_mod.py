@@ -33,15 +33,12 @@ def test_metrics_count_real_payload_bytes():
     g, t = weights(0), weights(1)
     reply, _ = run_mod(g, t, {"compressor": "sign"})
     m = reply.content["metrics"]
-    sizes = [len(a.data) for a in reply.content["arrays"].values()]
-    assert m["upload-bytes"] == float(sum(sizes))
-    assert m["dense-bytes"] == 4.0 * (200 + 10)
+    # the bytes each way are the server's to count (what it sent and received): a lean reply leaves them out
+    assert not {"upload-bytes", "dense-bytes", "download-bytes"} & set(m)
     assert m["num-examples"] == 10 and m["train-loss"] == 0.5
     assert 0.0 < m["compression-error"] < 1.0
     assert m["residual-norm"] > 0.0
-    from flwr.app import Array
-
-    assert m["download-bytes"] == float(sum(len(Array(v).data) for v in g.values()))  # .npy bytes as sent
+    assert "layer-update-norm" not in m  # per-layer figures only when the server asks for them
 
 
 def test_residual_persists_in_context_state_and_is_used_next_round():
@@ -170,7 +167,7 @@ def test_fp16_residual_saturation_is_reported_and_warned_once_per_client(caplog)
     with caplog.at_level(logging.WARNING, logger="flwr"):
         for _ in range(5):
             reply = compression_mod(train_msg(g, codec, dst=4242), ctx, lambda m, c: reply_with(m, t))
-            got.append(reply.content["metrics"]["residual-saturated"])
+            got.append(reply.content["metrics"].get("residual-saturated", 0.0))  # 0: left out of a lean reply
     # Top-k sends 10 entries a round; the other residuals grow by 2e4 a round and pass 65504 in
     # round 4 (8e4): 970 entries hold 8e4 there, 10 of them are sent, 960 saturate.
     assert got[:3] == [0.0, 0.0, 0.0] and got[3] == 960.0 and got[4] > 0

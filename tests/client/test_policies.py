@@ -9,7 +9,7 @@ from flwr.serverapp.strategy import FedAvg
 
 import fedcomp.compression as fc
 from fedcomp.client.update import adaptive_density, compress_update, plan_units
-from fedcomp.config import CodecConfig
+from fedcomp.config import CODEC_DEFAULTS, CodecConfig
 from fedcomp.protocol.messages import MODEL_KEY
 from fedcomp.strategies import CompressedStrategy
 
@@ -107,7 +107,8 @@ def test_configure_train_sends_the_codec_in_force_each_round():
     grid = InProcessGrid(client_app, 2, {})
     arrays = ArrayRecord(build_model().state_dict())
     sent = [dict(list(s.configure_train(r, arrays, ConfigRecord(), grid))[0].content["config"]) for r in (1, 2, 3)]
-    assert [(c["compressor"], c["density"]) for c in sent] == [("none", 0.01), ("stc", 0.1), ("stc", 0.01)]
+    density = [c.get("density", CODEC_DEFAULTS["density"]) for c in sent]  # a default value is not sent
+    assert [(c["compressor"], d) for c, d in zip(sent, density)] == [("none", 0.01), ("stc", 0.1), ("stc", 0.01)]
 
 
 def test_mixed_sign_and_topk_federation_trains_and_reports_bytes_per_codec():
@@ -128,6 +129,7 @@ def test_mixed_sign_and_topk_federation_trains_and_reports_bytes_per_codec():
     assert h["upload-bytes"] == h["upload-bytes-sign"] + h["upload-bytes-topk"]
     moved = sum(float(np.abs(res.arrays[k].numpy() - start[k].numpy()).sum()) for k in start.keys())
     assert moved > 0
-    layers = s.layer_history[3]
+    assert s.layer_history[3] == {}  # per-layer figures are asked for in round 1 and every 10th round
+    layers = s.layer_history[1]
     assert set(layers) == set(start.keys())
     assert all(v["update-norm"] > 0 and 0 <= v["compression-error"] <= 1.5 for v in layers.values())

@@ -126,7 +126,7 @@ def test_randomk_positions_are_unchanged(seed, n, k, digest):
 @pytest.mark.parametrize("name", ["topk", "stc", "randomk"])
 @pytest.mark.parametrize("density", [0.01, 0.3, 1.0])
 def test_sparse_decode_peaks_at_most_4x_its_output(update, name, density):
-    from fedcomp.compression.base import decompress_sparse
+    from fedcomp.compression.decoding import decompress_sparse
 
     payload = fc.get_compressor(name, density=density).compress(update)
     (pos, vals), peak = _peak(lambda: decompress_sparse(payload))

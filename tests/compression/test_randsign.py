@@ -54,7 +54,7 @@ def test_decode_is_plus_minus_mean_abs_of_the_kept_entries_at_the_seeded_positio
 
 
 def test_sparse_decode_gives_the_same_positions_and_values():
-    from fedcomp.compression.base import decompress_sparse
+    from fedcomp.compression.decoding import decompress_sparse
 
     x = randn(5000, seed=2)
     p = fc.get_compressor("randsign", density=0.1, seed=4).compress(x)

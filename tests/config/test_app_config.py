@@ -7,7 +7,9 @@ import tomllib
 
 import pytest
 
-from fedcomp.config import APP_KEYS, AppConfig, CodecConfig, check_known_keys, run_config_keys
+from fedcomp.app.config import AppConfig
+from fedcomp.app.keys import APP_KEYS, check_known_keys, run_config_keys
+from fedcomp.config import CodecConfig
 
 PYPROJECT = pathlib.Path(__file__).resolve().parents[2] / "pyproject.toml"
 

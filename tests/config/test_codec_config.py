@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from fedcomp.task.training import TrainConfig, train
-from fedcomp.config import AppConfig, CodecConfig
+from fedcomp.app.config import AppConfig
+from fedcomp.config import CodecConfig
 
 
 def test_defaults():

@@ -8,9 +8,10 @@ import tomllib
 
 import pytest
 
-from fedcomp.config import KEYS, AppConfig, CodecConfig, reference_table
+from fedcomp.app.config import AppConfig
+from fedcomp.app.keys import GROUPS, KEYS, reference_table
+from fedcomp.config import CodecConfig
 from fedcomp.config.codec import CODEC_DEFAULTS, CODEC_KEYS, POLICY_KEYS
-from fedcomp.config.keys import GROUPS
 from fedcomp.config.secagg import SecAggConfig
 from fedcomp.privacy import DPSGDConfig
 from fedcomp.task.lora import LoraSettings

@@ -3,7 +3,7 @@ server step that overflows float32 is refused at start naming the key."""
 
 import pytest
 
-from fedcomp.config import AppConfig
+from fedcomp.app.config import AppConfig
 from fedcomp.config.secagg import SECAGG_KEYS, SecAggConfig
 
 NUMBER_KEYS = [k for k, key in SECAGG_KEYS.items() if key.type in (int, float)]

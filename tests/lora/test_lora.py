@@ -153,7 +153,7 @@ def test_fine_tuning_lowers_the_loss_and_lagging_clients_catch_up_cheaply(base_d
 
 
 def test_run_config_lora_keys_are_checked():
-    from fedcomp.config import AppConfig
+    from fedcomp.app.config import AppConfig
 
     lora = {"dataset": "shakespeare", "model": "transformer", "finetune": "lora"}
     with pytest.raises(ValueError, match="'base-model' must name"):

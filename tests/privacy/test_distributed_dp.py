@@ -129,7 +129,7 @@ def test_clip_bound_includes_the_rounding_slack():
 
 
 def test_dp_distributed_needs_secagg_naming_both_keys():
-    from fedcomp.config import AppConfig
+    from fedcomp.app.config import AppConfig
     from fedcomp.config.secagg import check_codec_under_secagg
 
     with pytest.raises(ValueError, match="dp = 'distributed' needs secagg = true"):

@@ -22,7 +22,6 @@ from fedcomp.privacy import (
     epsilon_spent,
     restore_accountant,
 )
-from fedcomp.task.training import TrainConfig
 
 CPU = torch.device("cpu")
 
@@ -63,13 +62,13 @@ def params_of(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def test_epsilon_grows_when_state_is_carried_and_restarts_without_it():
     data = make_data(64)
-    tc = TrainConfig(local_epochs=1, batch_size=8, accumulation_steps=2, lr=0.05, momentum=0.9)
+    tc = dict(local_epochs=1, batch_size=8, accumulation_steps=2, lr=0.05, momentum=0.9)
     dc = DPSGDConfig(noise_multiplier=1.0, max_grad_norm=1.0, target_delta=1e-5)
     model = tiny_mlp()
-    _, n, eps1, st1 = train_dp_sgd(model, data, tc, dc, CPU, seed=1, accountant_state=None)
-    _, _, eps2, st2 = train_dp_sgd(model, data, tc, dc, CPU, seed=2, accountant_state=st1)
-    _, _, eps3, st3 = train_dp_sgd(model, data, tc, dc, CPU, seed=3, accountant_state=st2)
-    _, _, eps_fresh, st_fresh = train_dp_sgd(model, data, tc, dc, CPU, seed=4, accountant_state=None)
+    _, n, eps1, st1 = train_dp_sgd(model, data, dc, CPU, **tc, seed=1, accountant_state=None)
+    _, _, eps2, st2 = train_dp_sgd(model, data, dc, CPU, **tc, seed=2, accountant_state=st1)
+    _, _, eps3, st3 = train_dp_sgd(model, data, dc, CPU, **tc, seed=3, accountant_state=st2)
+    _, _, eps_fresh, st_fresh = train_dp_sgd(model, data, dc, CPU, **tc, seed=4, accountant_state=None)
     assert n == 64
     assert 0 < eps1 < eps2 < eps3 < math.inf
     assert eps_fresh == pytest.approx(eps1, rel=1e-12)  # a fresh state restarts the budget
@@ -85,8 +84,8 @@ def test_epsilon_grows_when_state_is_carried_and_restarts_without_it():
 
 def test_accountant_records_sample_rate_logical_batch_over_n():
     data = make_data(100)
-    tc = TrainConfig(local_epochs=2, batch_size=8, accumulation_steps=2, lr=0.05, momentum=0.0)
-    _, _, eps, st = train_dp_sgd(tiny_mlp(), data, tc, DPSGDConfig(noise_multiplier=0.8), CPU, seed=0)
+    tc = dict(local_epochs=2, batch_size=8, accumulation_steps=2, lr=0.05, momentum=0.0)
+    _, _, eps, st = train_dp_sgd(tiny_mlp(), data, DPSGDConfig(noise_multiplier=0.8), CPU, **tc, seed=0)
     # logical batch 16, N = 100: q = 0.16 (not 1/ceil(100/16) = 1/7), 7 steps/epoch x 2 epochs
     assert st["sample-rate"] == [0.16]
     assert st["steps"] == [14.0]
@@ -114,10 +113,10 @@ def test_state_is_a_valid_metric_record_and_bad_state_is_rejected():
 
 def test_prv_accountant_carries_state_and_is_tighter_than_rdp():
     data = make_data(32)
-    tc = TrainConfig(local_epochs=1, batch_size=8, accumulation_steps=1, lr=0.05, momentum=0.0)
+    tc = dict(local_epochs=1, batch_size=8, accumulation_steps=1, lr=0.05, momentum=0.0)
     dc = DPSGDConfig(noise_multiplier=1.0, accountant="prv")
-    _, _, eps1, st1 = train_dp_sgd(tiny_mlp(), data, tc, dc, CPU, seed=0)
-    _, _, eps2, st2 = train_dp_sgd(tiny_mlp(), data, tc, dc, CPU, seed=1, accountant_state=st1)
+    _, _, eps1, st1 = train_dp_sgd(tiny_mlp(), data, dc, CPU, **tc, seed=0)
+    _, _, eps2, st2 = train_dp_sgd(tiny_mlp(), data, dc, CPU, **tc, seed=1, accountant_state=st1)
     assert 0 < eps1 < eps2
     assert st2["steps"] == [8.0]
     assert eps2 < epsilon_spent(restore_accountant("rdp", st2), 1e-5)
@@ -125,11 +124,11 @@ def test_prv_accountant_carries_state_and_is_tighter_than_rdp():
 
 def test_zero_noise_reports_infinite_epsilon():
     data = make_data(32)
-    tc = TrainConfig(local_epochs=1, batch_size=8, accumulation_steps=1, lr=0.05, momentum=0.0)
-    _, _, eps, st = train_dp_sgd(tiny_mlp(), data, tc, DPSGDConfig(noise_multiplier=0.0), CPU, seed=0)
+    tc = dict(local_epochs=1, batch_size=8, accumulation_steps=1, lr=0.05, momentum=0.0)
+    _, _, eps, st = train_dp_sgd(tiny_mlp(), data, DPSGDConfig(noise_multiplier=0.0), CPU, **tc, seed=0)
     assert eps == float("inf")
     # once a noiseless step is in the history, the run never has a finite epsilon again
-    _, _, eps2, _ = train_dp_sgd(tiny_mlp(), data, tc, DPSGDConfig(noise_multiplier=1.0), CPU, seed=1,
+    _, _, eps2, _ = train_dp_sgd(tiny_mlp(), data, DPSGDConfig(noise_multiplier=1.0), CPU, **tc, seed=1,
                                  accountant_state=st)
     assert eps2 == float("inf")
     assert epsilon_spent(restore_accountant("rdp", None), 1e-5) == 0.0
@@ -150,10 +149,10 @@ def test_training_twice_on_the_same_model_never_wraps_it_and_keeps_original_keys
     keys = list(model.state_dict())
     before = params_of(model)
     data = make_data(48)
-    tc = TrainConfig(local_epochs=1, batch_size=8, accumulation_steps=2, lr=0.1, momentum=0.9)
+    tc = dict(local_epochs=1, batch_size=8, accumulation_steps=2, lr=0.1, momentum=0.9)
     st = None
     for seed in range(3):
-        _, _, _, st = train_dp_sgd(model, data, tc, DPSGDConfig(), CPU, seed=seed, accountant_state=st)
+        _, _, _, st = train_dp_sgd(model, data, DPSGDConfig(), CPU, **tc, seed=seed, accountant_state=st)
         assert type(model) is nn.Sequential
         assert list(model.state_dict()) == keys  # no "_module." prefix
         _assert_plain(model)
@@ -162,7 +161,7 @@ def test_training_twice_on_the_same_model_never_wraps_it_and_keeps_original_keys
     # An already-wrapped model is unwrapped, not wrapped again; trained weights go into it.
     wrapped = GradSampleModule(tiny_mlp(seed=3))
     inner_before = params_of(wrapped._module)
-    train_dp_sgd(wrapped, data, tc, DPSGDConfig(), CPU, seed=0)
+    train_dp_sgd(wrapped, data, DPSGDConfig(), CPU, **tc, seed=0)
     assert list(wrapped._module.state_dict()) == keys
     assert any(not torch.equal(inner_before[k], v) for k, v in wrapped._module.state_dict().items())
     x, y = data.tensors
@@ -173,8 +172,8 @@ def test_training_twice_on_the_same_model_never_wraps_it_and_keeps_original_keys
 def test_inplace_activation_is_replaced_in_the_copy_only():
     model = tiny_mlp(inplace=True)
     data = make_data(32)
-    tc = TrainConfig(local_epochs=1, batch_size=8, accumulation_steps=1, lr=0.1, momentum=0.0)
-    loss, _, _, _ = train_dp_sgd(model, data, tc, DPSGDConfig(), CPU, seed=0)
+    tc = dict(local_epochs=1, batch_size=8, accumulation_steps=1, lr=0.1, momentum=0.0)
+    loss, _, _, _ = train_dp_sgd(model, data, DPSGDConfig(), CPU, **tc, seed=0)
     assert math.isfinite(loss)
     assert model[1].inplace is True  # caller's module untouched
     _assert_plain(model)
@@ -186,9 +185,9 @@ def test_batchnorm_is_refused_with_opacus_message_and_the_model_is_untouched():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(inplace=True), nn.Linear(8, 3))
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    tc = TrainConfig(local_epochs=1, batch_size=8, accumulation_steps=1, lr=0.1, momentum=0.0)
+    tc = dict(local_epochs=1, batch_size=8, accumulation_steps=1, lr=0.1, momentum=0.0)
     with pytest.raises(ValueError, match="BatchNorm cannot support training with differential privacy"):
-        train_dp_sgd(model, make_data(32), tc, DPSGDConfig(), CPU, seed=0)
+        train_dp_sgd(model, make_data(32), DPSGDConfig(), CPU, **tc, seed=0)
     assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
 
 
@@ -200,10 +199,10 @@ def test_microbatch_accumulation_equals_one_large_batch_gradient():
     ref = copy.deepcopy(model)
     theta0 = params_of(model)
     lr = 1.0
-    tc = TrainConfig(local_epochs=1, batch_size=8, accumulation_steps=3, lr=lr, momentum=0.0)
+    tc = dict(local_epochs=1, batch_size=8, accumulation_steps=3, lr=lr, momentum=0.0)
     dc = DPSGDConfig(noise_multiplier=0.0, max_grad_norm=1e6)
     BATCH_SIZES.clear()
-    _, _, _, st = train_dp_sgd(model, data, tc, dc, CPU, seed=0)
+    _, _, _, st = train_dp_sgd(model, data, dc, CPU, **tc, seed=0)
     assert BATCH_SIZES == [8, 8, 8]  # one logical step made of three physical micro-batches
     assert st["sample-rate"] == [1.0] and st["steps"] == [1.0]
     x, y = data.tensors
@@ -215,10 +214,10 @@ def test_microbatch_accumulation_equals_one_large_batch_gradient():
 
 def test_empty_poisson_batches_still_step_and_stay_finite():
     data = make_data(5)
-    tc = TrainConfig(local_epochs=2, batch_size=1, accumulation_steps=1, lr=0.1, momentum=0.9)
+    tc = dict(local_epochs=2, batch_size=1, accumulation_steps=1, lr=0.1, momentum=0.9)
     model = Recorder()
     BATCH_SIZES.clear()
-    loss, _, eps, st = train_dp_sgd(model, data, tc, DPSGDConfig(noise_multiplier=1.0), CPU, seed=3)
+    loss, _, eps, st = train_dp_sgd(model, data, DPSGDConfig(noise_multiplier=1.0), CPU, **tc, seed=3)
     assert 0 in BATCH_SIZES  # q = 0.2 over 5 examples: some logical batches are empty
     assert st["steps"] == [10.0]  # ... and still count as (noise-only) steps
     assert all(torch.isfinite(v).all() for v in model.state_dict().values())
@@ -268,14 +267,15 @@ def test_secure_rng_fails_fast_explaining_torchcsprng():
 
 def test_target_epsilon_calibration_reaches_target_after_planned_rounds():
     data = make_data(64)
-    tc = TrainConfig(local_epochs=1, batch_size=8, accumulation_steps=2, lr=0.05, momentum=0.9)
+    tc = dict(local_epochs=1, batch_size=8, accumulation_steps=2, lr=0.05, momentum=0.9)
     dc = DPSGDConfig(target_epsilon=2.0, target_delta=1e-5, planned_rounds=3, noise_multiplier=123.0)
-    sigma = privacy.resolve_noise_multiplier(dc, tc, 64)
+    sigma = privacy.resolve_noise_multiplier(
+        dc, 64, logical_batch=privacy.logical_batch_size(tc["batch_size"], tc["accumulation_steps"]), local_epochs=1)
     assert sigma == calibrate_noise_multiplier(target_epsilon=2.0, target_delta=1e-5, sample_rate=0.25,
                                                steps=3 * 4, accountant="rdp")
     model, st, eps = tiny_mlp(), None, []
     for rnd in range(3):
-        _, _, e, st = train_dp_sgd(model, data, tc, dc, CPU, seed=rnd, accountant_state=st)
+        _, _, e, st = train_dp_sgd(model, data, dc, CPU, **tc, seed=rnd, accountant_state=st)
         eps.append(e)
     assert st["noise-multiplier"] == [sigma] and st["steps"] == [12.0]
     assert eps[0] < eps[1] < eps[2]

@@ -64,7 +64,7 @@ def test_server_noise_cannot_be_regenerated_from_the_run_config():
     # from the released model; the ServerApp's noise comes from the OS CSPRNG instead.
     import numpy as np
 
-    from fedcomp.config import AppConfig
+    from fedcomp.app.config import AppConfig
     from fedcomp.app.server_app import privacy_options
 
     cfg = AppConfig.from_run_config({"dp": "client-level", "seed": 5, "noise-multiplier": 1.0})

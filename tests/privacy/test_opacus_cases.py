@@ -27,7 +27,6 @@ from fedcomp.privacy import (
     restore_accountant,
 )
 from fedcomp.privacy.opacus_import import import_opacus
-from fedcomp.task.training import TrainConfig
 
 import_opacus()
 from opacus.accountants import RDPAccountant, create_accountant  # noqa: E402
@@ -187,10 +186,10 @@ def test_a_dp_sgd_client_calibrated_to_epsilon_spends_it_as_make_private_with_ep
     epsilon 2 at delta 1e-5: the same sigma as Opacus's make_private_with_epsilon, and epsilon 2.0 to
     2 places after the planned steps."""
     dp = DPSGDConfig(target_epsilon=2.0, target_delta=1e-5, planned_rounds=2)
-    train = TrainConfig(local_epochs=1, batch_size=64)
-    sigma = resolve_noise_multiplier(dp, train, 512)
+    train = {"logical_batch": 64, "local_epochs": 1}  # batches of 64, one local epoch a round
+    sigma = resolve_noise_multiplier(dp, 512, **train)
     assert sigma == get_noise_multiplier(target_epsilon=2.0, target_delta=1e-5, sample_rate=1 / 8, epochs=2)
     after_one = _history(sigma, 1 / 8, 8)  # round 1's 8 steps, as the client keeps them
-    eps = projected_epsilon(dp, train, 512, after_one)  # + round 2's 8 steps
+    eps = projected_epsilon(dp, 512, after_one, **train)  # + round 2's 8 steps
     assert eps == pytest.approx(2.0, abs=5e-3)  # Opacus: assertAlmostEqual(target, get_epsilon, places=2)
     assert eps == _opacus_epsilon("rdp", sigma, 1 / 8, 16, 1e-5)

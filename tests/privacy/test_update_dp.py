@@ -12,7 +12,8 @@ from flwr.serverapp.strategy import DifferentialPrivacyServerSideFixedClipping, 
 
 import fedcomp.compression as fc
 from fedcomp.client.update import compress_update
-from fedcomp.config import AppConfig, CodecConfig
+from fedcomp.app.config import AppConfig
+from fedcomp.config import CodecConfig
 from fedcomp.privacy import ClientLevelDP, LocalDP, clip_and_noise
 from fedcomp.protocol.messages import MODEL_KEY
 from fedcomp.strategies import CompressedStrategy

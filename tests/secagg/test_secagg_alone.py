@@ -9,7 +9,7 @@ import tomllib
 import pytest
 from flwr.app import Context, RecordDict
 
-from fedcomp.config import AppConfig
+from fedcomp.app.config import AppConfig
 from fedcomp.config.secagg import (
     SECURE_CODEC,
     SECURE_QUANTIZATION,

@@ -91,7 +91,7 @@ def test_serverapp_path_with_distributed_dp_writes_epsilon(tmp_path):
 
     from fedcomp.app.client_app import app
     from fedcomp.app.secagg_server_app import run_secagg
-    from fedcomp.config import AppConfig
+    from fedcomp.app.config import AppConfig
     from fedcomp.run.inprocess_grid import InProcessGrid
 
     rc = {"num-server-rounds": 2, "secagg": True, "compressor": "randomk", "density": 0.0625, "dp": "distributed",
@@ -128,7 +128,7 @@ def test_max_epsilon_stops_the_secure_path(tmp_path, dp):
 
     from fedcomp.app.client_app import app
     from fedcomp.app.secagg_server_app import run_secagg
-    from fedcomp.config import AppConfig
+    from fedcomp.app.config import AppConfig
     from fedcomp.run.inprocess_grid import InProcessGrid
 
     rc = {"num-server-rounds": 4, "secagg": True, "compressor": "randomk", "density": 0.0625, "dp": dp,

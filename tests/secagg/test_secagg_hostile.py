@@ -106,7 +106,7 @@ def test_workflow_gives_the_strategy_its_max_weight():
 @pytest.mark.parametrize("value", ["true", 1, "false", 0])
 def test_secagg_flag_must_be_a_boolean(value):
     from fedcomp.app.secagg_server_app import secagg_requested
-    from fedcomp.config import AppConfig
+    from fedcomp.app.config import AppConfig
     with pytest.raises(ValueError, match="'secagg' must be true or false"):
         AppConfig.from_run_config({"secagg": value, "compressor": "randomk"})
     with pytest.raises(ValueError, match="'secagg' must be true or false"):

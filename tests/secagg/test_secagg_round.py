@@ -185,7 +185,7 @@ def test_the_decaying_server_step_is_wired_from_the_run_config(tmp_path):
 
     from fedcomp.app.client_app import app as client_app
     from fedcomp.app.secagg_server_app import SecAggRounds, run_secagg
-    from fedcomp.config import AppConfig
+    from fedcomp.app.config import AppConfig
     from fedcomp.run.inprocess_grid import InProcessGrid
 
     seen = {}
@@ -256,7 +256,7 @@ def test_serverapp_path_with_client_level_dp_writes_epsilon(tmp_path):
     from flwr.app import Context, RecordDict
 
     from fedcomp.app.client_app import app
-    from fedcomp.config import AppConfig
+    from fedcomp.app.config import AppConfig
     from fedcomp.app.secagg_server_app import run_secagg
     from fedcomp.run.inprocess_grid import InProcessGrid
 

@@ -93,7 +93,7 @@ def test_the_privacy_budget_state_survives_a_checkpoint(tmp_path):
 
 
 def test_a_codec_key_newer_than_the_checkpoint_counts_as_its_default():
-    from fedcomp.config import AppConfig
+    from fedcomp.app.config import AppConfig
     from fedcomp.app.server_app import check_same_codec
 
     saved = AppConfig.from_run_config({}).codec.to_mapping()
@@ -106,7 +106,7 @@ def test_a_codec_key_newer_than_the_checkpoint_counts_as_its_default():
 
 def test_a_checkpoint_with_the_old_batchnorm_default_resumes_under_auto():
     """``batchnorm-stats = "small"`` was the default before "auto" (issue 31): the fixture checkpoints hold it."""
-    from fedcomp.config import AppConfig
+    from fedcomp.app.config import AppConfig
     from fedcomp.app.server_app import check_same_codec
 
     saved = AppConfig.from_run_config({}).codec.to_mapping()

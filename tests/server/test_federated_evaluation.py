@@ -8,7 +8,7 @@ import pytest
 from flwr.app import Context, RecordDict
 
 from fedcomp.app.client_app import app as client_app
-from fedcomp.config import AppConfig
+from fedcomp.app.config import AppConfig
 from fedcomp.app.server_app import build_inner, main
 from fedcomp.run.inprocess_grid import InProcessGrid
 

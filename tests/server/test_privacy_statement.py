@@ -2,7 +2,7 @@
 
 import pytest
 
-from fedcomp.config import AppConfig
+from fedcomp.app.config import AppConfig
 from fedcomp.privacy import ClientLevelDP
 from fedcomp.app.server_app import privacy_statement
 

@@ -37,7 +37,7 @@ def test_a_flower_log_line_prints_once_after_the_server_app_is_imported():
 def test_dp_sgd_keys_are_still_validated_when_dp_sgd_runs():
     from types import SimpleNamespace
 
-    from fedcomp.config import AppConfig
+    from fedcomp.app.config import AppConfig
     from fedcomp.app.server_app import privacy_options
 
     cfg = AppConfig.from_run_config({"dp": "dp-sgd"})

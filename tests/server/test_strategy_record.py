@@ -10,7 +10,7 @@ from flwr.app import Context, RecordDict
 from flwr.serverapp.strategy import FedAvg, FedAvgM
 
 from fedcomp.app.client_app import app as client_app
-from fedcomp.config import AppConfig
+from fedcomp.app.config import AppConfig
 from fedcomp.app.server_app import main
 from fedcomp.app.strategy_record import EXTRA_KEY, check_same_strategy, strategy_settings
 from fedcomp.run.inprocess_grid import InProcessGrid

@@ -182,7 +182,8 @@ def test_copies_agree_under_partial_participation_and_a_lost_reply():
 
     grid = InProcessGrid(bn_app, 5, {}, fault=fault)
     s = CompressedStrategy(FedAvg(fraction_train=0.4, min_train_nodes=2, min_available_nodes=5,
-                                  fraction_evaluate=0.0), compressor="stc", downstream="stc", seed=4)
+                                  fraction_evaluate=0.0), compressor="stc", downstream="stc", seed=4,
+                           batchnorm_stats="auto")
     arrays = ArrayRecord(_model().state_dict())
     forms, lost_node, resent = set(), [], []
     for rnd in range(1, 9):
@@ -277,7 +278,8 @@ def test_a_negative_running_variance_sent_exactly_is_refused_naming_it():
     rec = msg.content["arrays"]
     del rec[stat_delta_key("1.running_var")]  # the change form is floored: send the exact form
     rec["1.running_var"] = payload_array(get_compressor("none").compress(torch.tensor([1.0, -0.5, 1.0, 1.0])))
-    with pytest.raises(PayloadError, match=r"^'1\.running_var': a running variance cannot be negative \(min -0\.5\)"):
+    with pytest.raises(PayloadError, match=(r"^downloaded model: '1\.running_var' is a running variance with "
+                                            r"negative entries \(min -0\.5\)")):
         rebuild(msg, ctx, "arrays", rec, dict(msg.content["config"]))
     assert {k: bytes(a.data) for k, a in ctx.state[MODEL_STATE_KEY].items()} == held
     rec["1.running_var"] = payload_array(get_compressor("none").compress(torch.tensor([1.0, 0.0, 2.0, 1.0])))
@@ -326,3 +328,22 @@ def test_the_copy_budget_counts_the_nodes_statistics_copies():
     assert sorted(nodes.node_version) == list(range(1, 41)) and nodes.stats == {} and nodes.copies() == 2
     nodes.evict(1)  # version 1 goes with the last of its 40 holders
     assert nodes.node_version == {} and list(nodes.versions) == [2] and nodes.copies() == 1
+
+
+def test_the_librarys_default_is_exact_statistics_and_the_apps_stays_auto():
+    """``CompressedStrategy`` without ``batchnorm_stats`` sends BatchNorm's statistics exactly (``"small"``,
+    told to the clients in the train config); ``"auto"`` when asked for, under either name; the reference
+    app builds its strategy from the run config, whose default stays ``"auto"``."""
+    from flwr.serverapp.strategy import FedAvg
+
+    from fedcomp.strategies import CompressedStrategy
+    from fedcomp.strategies.codec_round import codec_entries
+
+    library = CompressedStrategy(FedAvg(), compressor="sign", downstream="sign")
+    assert library.codec.batchnorm_stats == "small" and library.codec.batchnorm_stats_codec() == "none"
+    assert codec_entries(library.codec, 1)["batchnorm-stats"] == "small"
+    assert library.downstream.codec.batchnorm_stats == "small"  # the download sends them exactly too
+    for asked in ({"batchnorm_stats": "auto"}, {"batchnorm-stats": "auto"}):
+        assert CompressedStrategy(FedAvg(), compressor="sign", **asked).codec.batchnorm_stats == "auto"
+    app = CompressedStrategy.from_codec_config(FedAvg(), CodecConfig(compressor="sign"))
+    assert CodecConfig().batchnorm_stats == "auto" and app.codec.batchnorm_stats == "auto"

@@ -63,7 +63,7 @@ def test_the_apps_auto_is_on_for_adamw_with_a_sparse_download(codec, optimizer, 
     """Measured: on for the AdamW Transformer with STC downward (+3 points at round 20), off for SGD (the
     default CNN: 1.4 points lower with it) and for sign downward (LoRA: less of the gain kept)."""
     from fedcomp.app.server_app import privacy_options
-    from fedcomp.config import AppConfig
+    from fedcomp.app.config import AppConfig
     from fedcomp.config.downstream import resolve_correction
 
     assert resolve_correction("auto", codec, optimizer) == want
@@ -116,7 +116,7 @@ def test_the_apps_auto_is_off_where_the_strategy_cannot_apply_it():
 
 
 def test_a_bad_run_config_value_is_refused_naming_the_key():
-    from fedcomp.config import AppConfig
+    from fedcomp.app.config import AppConfig
 
     with pytest.raises(ValueError, match="downstream-correction"):
         AppConfig.from_run_config({"downstream-correction": "yes"})
@@ -251,7 +251,7 @@ def test_the_run_config_on_where_it_cannot_apply_is_one_error_naming_the_key(ext
     """Found by a new user: these combinations passed the config stage and failed in the strategy's
     constructor, a traceback naming the Python argument (exit code 700) instead of the run-config key."""
     from fedcomp.app.server_app import privacy_options
-    from fedcomp.config import AppConfig
+    from fedcomp.app.config import AppConfig
 
     cfg = AppConfig.from_run_config({"downstream-correction": "on", **extra})
     with pytest.raises(ValueError, match=f"run config 'downstream-correction' = 'on' cannot apply: .*{why}"):

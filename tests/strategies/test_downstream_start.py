@@ -144,7 +144,7 @@ def test_bad_first_contact_settings_are_refused_naming_the_setting():
 
 def test_the_app_seeds_its_model_trained_from_scratch_but_not_a_resumed_one():
     from fedcomp.app.server_app import privacy_options
-    from fedcomp.config import AppConfig
+    from fedcomp.app.config import AppConfig
 
     fresh = privacy_options(AppConfig.from_run_config({"downstream": "stc"}))
     resumed = privacy_options(AppConfig.from_run_config({"downstream": "stc", "resume": True}))
@@ -191,14 +191,14 @@ def test_preset_conflicts_and_inner_strategies_that_cannot_take_it_are_refused_n
     ({"downstream": "none"}, ("none", 0.0)),
 ])
 def test_downstream_auto_compresses_both_ways_by_default(run_config, expected):
-    from fedcomp.config import AppConfig
+    from fedcomp.app.config import AppConfig
 
     cfg = AppConfig.from_run_config(run_config)
     assert (cfg.downstream, cfg.downstream_density) == expected
 
 
 def test_downstream_under_secagg_auto_is_dense_and_an_explicit_codec_is_refused_naming_it():
-    from fedcomp.config import AppConfig
+    from fedcomp.app.config import AppConfig
     from fedcomp.config.secagg import check_codec_under_secagg as check_secagg_config
 
     base = {"secagg": True, "compressor": "randomk", "density": 0.05, "error-feedback": False}

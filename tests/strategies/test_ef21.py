@@ -77,7 +77,7 @@ def test_server_estimate_is_the_weighted_mean_of_the_clients_and_is_applied():
 
 @pytest.mark.parametrize("extra", [{"fraction-train": 0.3}, {"client-sampling": "poisson"}])
 def test_ef21_with_client_sampling_is_refused(extra):
-    from fedcomp.config import AppConfig
+    from fedcomp.app.config import AppConfig
     with pytest.raises(ValueError, match="ef21.*fraction-train.*client-sampling"):
         AppConfig.from_run_config({"error-feedback": "ef21", **extra})
     AppConfig.from_run_config({"error-feedback": "ef21"})  # full participation: accepted
@@ -126,7 +126,7 @@ def test_a_client_that_lost_its_estimate_is_refused_by_name_not_folded(caplog):
 
     grid = InProcessGrid(client_app, 2, {"lr": 0.05})
     s = CompressedStrategy(FedAvg(min_available_nodes=2, fraction_evaluate=0.0), compressor="topk", density=0.1,
-                           error_feedback="ef21")
+                           error_feedback="ef21", downstream="none")  # the estimate's check
     arrays = ArrayRecord(build_model().state_dict())
     _, m = _ef21_round(s, grid, 1, arrays)
     assert m["failed-clients"] == 0 and s.ef21.folded == {1000: 1, 1001: 1}

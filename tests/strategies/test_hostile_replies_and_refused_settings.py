@@ -11,7 +11,8 @@ from flwr.server.strategy import FedAvgM as LegacyFedAvgM
 from flwr.serverapp.strategy import FedAvgM
 
 from fedcomp.client import compression_mod
-from fedcomp.config import AppConfig, CodecConfig
+from fedcomp.app.config import AppConfig
+from fedcomp.config import CodecConfig
 from fedcomp.privacy import LocalDP
 from fedcomp.app.server_app import privacy_options
 from fedcomp.run.inprocess_grid import InProcessGrid
@@ -105,6 +106,81 @@ def test_a_reply_from_a_node_that_was_not_asked_is_refused():
     _, _ = s.aggregate_train(1, replies)
     m = s.history[1]  # the round's own figures (Flower gets the headline ones)
     assert m["num-replies"] == 2 and m["rejected-replies"] == 1
+
+
+def _tiny_grid(num_nodes=2):
+    """An in-process grid whose nodes run ``compression_mod`` around a handler that adds
+    0.01 * (node - 999) * round to every weight."""
+    from flwr.clientapp import ClientApp
+
+    app = ClientApp(mods=[compression_mod])
+
+    @app.train()
+    def train(msg, ctx):
+        step = 0.01 * (ctx.node_id - 999) * msg.content["config"]["server-round"]
+        moved = {k: v.numpy() + step for k, v in msg.content["arrays"].items()}
+        return reply_with(msg, moved, n=10)
+
+    return InProcessGrid(app, num_nodes, {})
+
+
+def _sent_round(s, grid, rnd, g):
+    msgs = list(s.configure_train(rnd, ArrayRecord({k: _np_array(v) for k, v in g.items()}), ConfigRecord(), grid))
+    return msgs, list(grid.send_and_receive(msgs))
+
+
+def _np_array(v):
+    from flwr.app import Array
+
+    return Array(np.array(v, copy=True))
+
+
+@pytest.mark.parametrize("case", ["instead of its reply", "before its reply", "after its reply"])
+def test_a_stale_reply_from_an_earlier_round_is_refused_and_counted_as_rejected(case, caplog):
+    """Node 1000's round-1 reply delivered in round 2 (in place of its lost round-2 reply, or next to it)
+    is refused with its reason and counted in rejected-replies; round 2 counts only round-2 replies."""
+    g = weights(0)
+    grid = _tiny_grid()
+    s = CompressedStrategy(fedavg(), compressor="none")
+    _, round1 = _sent_round(s, grid, 1, g)
+    s.aggregate_train(1, round1)
+    msgs, round2 = _sent_round(s, grid, 2, g)
+    stale = next(r for r in round1 if r.metadata.src_node_id == 1000)
+    fresh = next(r for r in round2 if r.metadata.src_node_id == 1000)
+    other = next(r for r in round2 if r.metadata.src_node_id == 1001)
+    assert stale.metadata.reply_to_message_id not in {m.metadata.message_id for m in msgs}
+    replies = {"instead of its reply": [stale, other], "before its reply": [stale, fresh, other],
+               "after its reply": [fresh, other, stale]}[case]
+    with caplog.at_level(logging.WARNING, logger="flwr"):
+        arrays, _ = s.aggregate_train(2, replies)
+    m = s.history[2]
+    counted = [other] if case == "instead of its reply" else [fresh, other]
+    assert m["num-replies"] == len(counted) and m["rejected-replies"] == 1
+    assert [st["node"] for st in s.client_history[2]] == [r.metadata.src_node_id for r in counted]
+    for k in g:  # the mean of the round-2 updates counted: 0.02 * (node - 999) each
+        want = g[k] + np.mean([0.02 * (r.metadata.src_node_id - 999) for r in counted], dtype=np.float32)
+        np.testing.assert_allclose(arrays[k].numpy(), want, rtol=0, atol=1e-6)
+    why = [r.getMessage() for r in caplog.records if "rejected reply" in r.getMessage()]
+    assert why == [(f"round 2: rejected reply from node 1000: it answers message "
+                    f"{stale.metadata.reply_to_message_id!r}, which this round did not send "
+                    "(a stale reply from an earlier round, or forged)")]
+
+
+def test_a_reply_naming_another_nodes_message_is_refused():
+    """Node 1000's reply relabelled as the answer to the message sent to node 1001 (what Flower's SuperLink
+    would never store) is refused; node 1001's own reply counts once."""
+    g = weights(0)
+    grid = _tiny_grid()
+    s = CompressedStrategy(fedavg(), compressor="none")
+    msgs, replies = _sent_round(s, grid, 1, g)
+    by_node = {r.metadata.src_node_id: r for r in replies}
+    to_1001 = next(m.metadata.message_id for m in msgs if m.metadata.dst_node_id == 1001)
+    md = by_node[1000].metadata
+    md.__dict__["_reply_to_message_id"] = to_1001
+    s.aggregate_train(1, [by_node[1000], by_node[1001]])
+    m = s.history[1]
+    assert m["num-replies"] == 1 and m["rejected-replies"] == 1
+    assert [st["node"] for st in s.client_history[1]] == [1001]
 
 
 def test_the_legacy_wrapper_counts_a_duplicated_fit_result_once():
@@ -204,7 +280,7 @@ def test_dense_replies_are_counted_as_uncompressed_updates_next_to_compressed_on
 
 def test_a_fleet_of_only_dense_clients_trains_with_the_models_dtypes():
     g = {"w": np.zeros(3, np.float32), "cnt": np.array(2, np.int64)}
-    s = CompressedStrategy(fedavg(), compressor="stc", density=0.5)
+    s = CompressedStrategy(fedavg(), compressor="stc", density=0.5, downstream="none")  # plain clients
     setup(s, g)
     arrays, m = s.aggregate_train(1, [_dense_reply(g, {"w": np.ones(3, np.float32), "cnt": np.array(6, np.int64)}, 1),
                                       _dense_reply(g, {"w": np.ones(3, np.float32), "cnt": np.array(4, np.int64)}, 2)])

@@ -8,7 +8,7 @@ import pytest
 from flwr.app import Context, RecordDict
 
 from fedcomp.client.mod import _link_speeds
-from fedcomp.config import AppConfig
+from fedcomp.app.config import AppConfig
 from fedcomp.protocol.messages import MIN_LINK_MBPS
 from fedcomp.strategies.round_metrics import bounded_metrics, client_seconds, client_stats
 

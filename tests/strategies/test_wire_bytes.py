@@ -123,14 +123,16 @@ def test_evaluation_rides_the_compressed_download():
         assert strategy.history[r]["wire-bytes-evaluate-down"] < 2 * dense_model / 4
     assert set(result.evaluate_metrics_clientapp) == {1, 2, 3}
     assert all(strategy.evaluate_history[r]["num-replies"] == 2 for r in (1, 2, 3))
-    plain, plain_grid, _ = _run(compressor="stc", density=0.05)
+    plain, plain_grid, _ = _run(compressor="stc", density=0.05, downstream="none")
     assert plain.history[2]["wire-bytes-evaluate-down"] >= 2 * dense_model
 
 
 def test_an_evaluating_node_trains_next_round_from_the_copy_it_evaluated():
     """The node's copy moves on with the evaluate message; the next train message builds on it, and every
     node's copy equals the server's record of it."""
-    strategy, grid, _ = _run(rounds=3, compressor="stc", density=0.05, downstream="stc")
+    # "auto": the server records each node's BatchNorm statistics (under "small", the library's default, they
+    # are sent exactly in every message and its record of them is the latest global's)
+    strategy, grid, _ = _run(rounds=3, compressor="stc", density=0.05, downstream="stc", batchnorm_stats="auto")
     from fedcomp.protocol.messages import MODEL_STATE_KEY
     from fedcomp.statedict import FlatModel
 

@@ -1,6 +1,6 @@
-"""Everything fedcomp's ServerApp and ClientApp read from the run config (:class:`AppConfig`):
+"""Everything the reference app's ServerApp and ClientApp read from the run config (:class:`AppConfig`):
 federation, training, data, privacy mode and results settings, each read and checked by its one
-declaration (:data:`fedcomp.config.keys.KEYS`), and the combinations that cannot run refused
+declaration (:data:`fedcomp.app.keys.KEYS`), and the combinations that cannot run refused
 before anything starts."""
 
 from __future__ import annotations
@@ -9,12 +9,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from fedcomp.app.keys import KEYS, check_known_keys
 from fedcomp.config.codec import TENSOR_ONLY_CODECS, CodecConfig
-from fedcomp.config.keys import KEYS, check_known_keys
 from fedcomp.config.downstream import resolve_downstream
 from fedcomp.config.low_density import check_ramp_direction, resolve_strategy
 from fedcomp.config.secagg import SecAggConfig, resolve_secure_defaults
 from fedcomp.privacy.settings import DP_MODES
+from fedcomp.task.lora import LoraSettings
 
 
 def _d(key: str) -> Any:
@@ -136,8 +137,6 @@ class AppConfig:
             raise ValueError("run config dataset = 'shakespeare' goes with model = 'transformer' (and only it), "
                              f"got dataset = {out.dataset!r}, model = {out.model!r}")
         if out.finetune == "lora":
-            from fedcomp.task.lora import LoraSettings
-
             LoraSettings.from_mapping(cfg)  # base-model, lora-r, lora-alpha, lora-targets, ... (naming the key)
             if out.dataset != "shakespeare":
                 raise ValueError("run config finetune = 'lora' fine-tunes a causal LM on text: dataset = 'shakespeare'")

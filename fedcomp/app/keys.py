@@ -1,14 +1,23 @@
-"""The run-config keys of fedcomp's ServerApp and ClientApp other than the codec's, the privacy
-ones (:data:`fedcomp.privacy.settings.DP_KEYS`), the LoRA ones (:data:`fedcomp.task.lora.LORA_KEYS`)
-and SecAgg's (:data:`fedcomp.config.secagg.SECAGG_KEYS`), each declared once: federation, server
-strategy, local training, data and model, results. :class:`fedcomp.config.AppConfig` is filled
-from them. Local training's defaults are :class:`fedcomp.task.training.TrainConfig`'s.
+"""The run-config keys of fedcomp's reference app: its own (federation, server strategy, local
+training, data and model, results: :data:`APP`), each declared once, and the registry of every key the
+app reads: its own, the LoRA ones (:data:`fedcomp.task.lora.LORA_KEYS`) and the library's (the codec's,
+the privacy ones and SecAgg's, :data:`fedcomp.config.keys.GROUPS`). Together they are exactly the keys
+of ``[tool.flwr.app.config]`` in ``pyproject.toml``, with the same defaults (a test holds that).
+
+:class:`fedcomp.app.config.AppConfig` is filled from them. Local training's defaults are
+:class:`fedcomp.task.training.TrainConfig`'s.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from fedcomp.compression import available_compressors
+from fedcomp.config import keys as library
+from fedcomp.privacy.settings import DP_KEYS
 from fedcomp.protocol.messages import DEFAULT_DOWNLINK_MBPS, DEFAULT_UPLINK_MBPS, MIN_LINK_MBPS
+from fedcomp.task.lora import LORA_KEYS
 from fedcomp.task.training import TrainConfig
 from fedcomp.util.declared_key import Key, table
 
@@ -83,4 +92,37 @@ APP = table(
     Key("verbose", bool, False, "Flower's own per-round lines on the console too (always in flower.log)"),
 )
 
-__all__ = ["APP", "STRATEGIES"]
+#: Every run-config key of the app by group, in the reference table's order.
+GROUPS: dict[str, dict[str, Key]] = {"app": APP, "codec": library.GROUPS["codec"], "dp": library.GROUPS["dp"],
+                                     "lora": LORA_KEYS, "secagg": library.GROUPS["secagg"]}
+#: ``{name: Key}`` of every run-config key (a name declared in two groups is refused at import).
+KEYS: dict[str, Key] = table(*(k for group in GROUPS.values() for k in group.values()))
+
+#: Run-config keys the app's ServerApp and ClientApp read besides the codec keys, the ``secagg*`` keys
+#: and the LoRA keys: the app's and the privacy keys.
+APP_KEYS: tuple[str, ...] = (*APP, *DP_KEYS)
+
+
+def run_config_keys() -> frozenset[str]:
+    """Every run-config key the app knows (the names of :data:`KEYS`)."""
+    return frozenset(KEYS)
+
+
+def check_known_keys(cfg: Mapping[str, Any], known: frozenset[str] | None = None, source: str = "run config") -> None:
+    """:func:`fedcomp.config.keys.check_known_keys` against every key of the app (:func:`run_config_keys`)
+    unless ``known`` is given.
+
+    Raises
+    ------
+    ValueError
+        ``run config key 'densty' is unknown; did you mean 'density'?`` (the first unknown key in sorted order).
+    """
+    library.check_known_keys(cfg, run_config_keys() if known is None else known, source)
+
+
+def reference_table(keys: Mapping[str, Key] | None = None) -> str:
+    """:func:`fedcomp.config.keys.reference_table` of ``keys``, by default every key of the app (:data:`KEYS`)."""
+    return library.reference_table(KEYS if keys is None else keys)
+
+
+__all__ = ["APP", "APP_KEYS", "GROUPS", "KEYS", "STRATEGIES", "check_known_keys", "reference_table", "run_config_keys"]
