@@ -208,7 +208,8 @@ ctx = Context(run_id=1, node_id=7, node_config={"partition-id": 0, "num-partitio
                                                "data-file": "/data/partition-0.npz"}, state=RecordDict(), run_config={})
 reply = app(msg, ctx)
 assert not reply.has_error(), reply.error
-print(json.dumps({"absent": absent, "upload": float(reply.content["metrics"]["upload-bytes"]),
+upload = sum(len(a.data) for a in reply.content["arrays"].values())  # the payloads (the server counts them)
+print(json.dumps({"absent": absent, "upload": float(upload),
                   "machine": reply.content["fedcomp.client-info"]["machine"]}))
 """
 
