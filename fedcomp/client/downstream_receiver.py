@@ -64,14 +64,17 @@ def check_version(cfg, context: Context) -> None:
 
     The server advances its broadcast version with every message it prepares (train and evaluate),
     so a message whose ``fedcomp-model-version`` is not above the held one is a replay or a stale
-    message.
+    message. A first contact (``fedcomp-init-seed``) is the exception: it replaces the copy whatever
+    it held, and a server that started over (its versions from 1 again) sends one to every node; a
+    replayed old one cannot be folded as current (the server counts only replies to the messages of
+    the round).
 
     Raises
     ------
     PayloadError
         ``fedcomp-model-version`` at or below the held copy's version (the message names both).
     """
-    if MODEL_META_KEY not in context.state:
+    if MODEL_META_KEY not in context.state or INIT_SEED in cfg:
         return
     held, new = int(context.state[MODEL_META_KEY]["version"]), int(cfg[MODEL_VERSION])
     if new <= held:

@@ -85,10 +85,18 @@ CASES = {
                                              r"'fedcomp-model-version' = 2 is not newer .* holds \(2\)"),
     "dense whose version goes back (2 -> 1)": (_dense(), {MODEL_VERSION: 1}, r"= 1 is not newer .* holds \(2\)"),
     "dense whose version stays (2 -> 2)": (_dense(), {MODEL_VERSION: 2}, r"= 2 is not newer .* holds \(2\)"),
-    "first contact whose version goes back (2 -> 1)": (
-        {**_dense(), "w": Array(dtype="float32", shape=(4, 3), stype=INIT_STYPE, data=np.array([0.5], "<f8").tobytes())},
-        {MODEL_VERSION: 1, INIT_SEED: 7}, r"= 1 is not newer .* holds \(2\)"),
 }
+
+
+def test_a_first_contact_from_a_server_that_started_over_replaces_the_copy():
+    """A restarted server counts its versions from 1 again and sends every node a first contact: it replaces
+    the copy whatever version the node held (a replayed one cannot be folded: the server counts only replies
+    to the round's messages)."""
+    ctx = _holding(2)
+    start = {**_dense(), "w": Array(dtype="float32", shape=(4, 3), stype=INIT_STYPE,
+                                   data=np.array([0.5], "<f8").tobytes())}
+    reply = compression_mod(_msg(start, **{MODEL_VERSION: 1, INIT_SEED: 7}), ctx, _echo)
+    assert not reply.has_error() and ctx.state[MODEL_META_KEY]["version"] == 1
 
 
 @pytest.mark.parametrize("message_type", ["train", "evaluate"])

@@ -145,3 +145,33 @@ def test_an_evaluating_node_trains_next_round_from_the_copy_it_evaluated():
         np.testing.assert_array_equal(copy, held)
         compared += 1
     assert compared == 4
+
+
+@pytest.mark.parametrize("downstream", ["stc", "sign", "int8"])
+def test_partial_participation_evaluates_on_new_lagging_and_current_copies(downstream):
+    """Half of the nodes train and another random half evaluate each round: an evaluating node may hold
+    nothing (a first contact), an old copy (a catch-up) or the latest one; every evaluation succeeds and
+    every copy a node holds is the one the server records."""
+    import random
+
+    from fedcomp.protocol.broadcast import gather
+    from fedcomp.protocol.messages import MODEL_STATE_KEY
+    from fedcomp.statedict import FlatModel
+
+    random.seed(3)
+    strategy = CompressedStrategy(FedAvg(fraction_train=0.5, fraction_evaluate=0.5, min_available_nodes=6,
+                                         min_train_nodes=3, min_evaluate_nodes=3), compressor="stc", density=0.1,
+                                  downstream=downstream)
+    grid = WeighingGrid(_client_app(), 6, {})
+    strategy.start(grid=grid, initial_arrays=ArrayRecord(Net().state_dict()), num_rounds=4,
+                   train_config=ConfigRecord({}))
+    assert all(strategy.evaluate_history[r]["num-replies"] == 3 for r in (1, 2, 3, 4))
+    assert all(not strategy.evaluate_failure_history[r] and not strategy.failure_history[r] for r in (1, 2, 3, 4))
+    compared = 0
+    for nid, ctx in grid.contexts.items():
+        held = strategy.downstream.nodes.held(nid)  # the compressed part the server records for the node
+        if held is not None and MODEL_STATE_KEY in ctx.state:
+            copy = FlatModel.from_record(ctx.state[MODEL_STATE_KEY])
+            np.testing.assert_array_equal(gather(copy, strategy.downstream.lossy_keys), held)
+            compared += 1
+    assert compared >= 3
