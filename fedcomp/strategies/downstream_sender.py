@@ -236,10 +236,9 @@ class Downstream:
     def per_tensor(self) -> bool:
         """Whether a downstream step sends one payload per tensor (:func:`encode_per_tensor`):
         ``selection = "tensor"``; under ``"auto"`` (default) only for a codec with one magnitude per
-        payload (``sign``: on the LoRA benchmark, 2 of 8 clients a round, per-tensor scales downward
-        kept 90.8 / 90.5 / 85.4 % of fp32's gain, seeds 42-44, against 89.4 / 89.6 / 84.6 % with one
-        scale; int8, EDEN and QSGD scale per block, STC and top-k pick their entries over the whole
-        model); and only with more than one tensor to send."""
+        payload (``sign``: per-tensor scales downward kept more of fp32's gain on the LoRA benchmark
+        than one scale, ``docs/benchmarks/llm.md``; int8, EDEN and QSGD scale per block, STC and top-k
+        pick their entries over the whole model); and only with more than one tensor to send."""
         name = self.compressor
         per = self.codec.selection == "tensor" or (self.codec.selection == "auto" and CODECS[name].one_scale)
         return per and sum(1 for n in self.sizes if n) > 1

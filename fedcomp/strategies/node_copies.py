@@ -35,11 +35,10 @@ from fedcomp.statedict import FlatModel
 
 #: Model copies the server keeps for nodes by default (``max_copies = None``) at the least ...
 DEFAULT_MAX_COPIES = 8
-#: ... or as many as fit in this many bytes (float32 copies of the compressed part), if more. On the
-#: LoRA benchmark (2 of 8 clients a round, 47,104 adapter parameters) 8 copies forgot a node every
-#: round or two, and sign both ways (one scale downward) kept 79 / 85 % of fp32's gain (seeds 42 / 43);
-#: remembering every node, 89.4 / 89.6 / 84.6 % (seeds 42-44; ``benchmarks/llm_lora.py``). A
-#: ResNet-18-sized model (44.6 MB) still gets 8.
+#: ... or as many as fit in this many bytes (float32 copies of the compressed part), if more: on the
+#: LoRA benchmark (2 of 8 clients a round) 8 copies forgot a node every round or two and lost accuracy
+#: that remembering every node keeps (``docs/benchmarks/llm.md``). A ResNet-18-sized model (44.6 MB)
+#: still gets 8.
 COPY_BYTES_FLOOR = 256 * 2**20
 
 

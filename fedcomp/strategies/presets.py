@@ -5,13 +5,11 @@
 
 - ``sign`` with error feedback upward and ``sign`` downward (server-side error feedback, one scale
   per adapter tensor, each client's copy kept for its catch-ups): on the Shakespeare LoRA benchmark
-  (``benchmarks/llm_lora.py``, 2 of 8 clients per round, 20 rounds, seeds 42-44) it keeps 90.5 % of
-  fp32's eval-loss gain (median; 90.8 / 90.5 / 85.4) at 29x fewer bytes both ways, the most of any
-  setting at >= 20x; sparse codecs (STC, top-k at 1-5 %) downward drift under partial participation
-  (a client that missed rounds trains from a copy that lacks much of the recent change) and kept
-  25-63 %; so does sign on a random half (``randsign``, 0.5 bit) downward, which diverged; upward
-  only (sign down) it keeps 78 % at 41x; FFA-LoRA (A frozen) 81 %; exact catch-ups 94.5 % at 14x
-  and an int8 download 97.5 % at 7x (the gain a few more bytes buy);
+  (``benchmarks/llm_lora.py``; figures in ``docs/benchmarks/llm.md``) it keeps the most of fp32's
+  eval-loss gain of any setting at >= 20x fewer bytes both ways; sparse codecs (STC, top-k) downward
+  drift under partial participation (a client that missed rounds trains from a copy that lacks much
+  of the recent change), and so does sign on a random half (``randsign``); exact catch-ups and an
+  int8 download keep more of the gain for more bytes;
 - the seeded start (``downstream_init = "auto"``): the strategy recognises adapters at peft's
   initialisation (``lora_B`` zero, ``lora_A`` Kaiming-uniform) and draws ``lora_A`` from a seed
   that every client rebuilds, so no client downloads the adapters dense;
@@ -112,4 +110,5 @@ def library_codec_params(params: dict[str, Any]) -> dict[str, Any]:
     return {**{k.replace("-", "_"): v for k, v in LIBRARY_CODEC_DEFAULTS.items() if k not in given}, **params}
 
 
-__all__ = ["LIBRARY_CODEC_DEFAULTS", "LIBRARY_DOWNSTREAM", "PRESETS", "apply_preset", "library_codec_params", "library_downstream"]
+__all__ = ["LIBRARY_CODEC_DEFAULTS", "LIBRARY_DOWNSTREAM", "PRESETS", "apply_preset", "library_codec_params",
+           "library_downstream"]
