@@ -39,7 +39,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from outputs import output_path, shown  # benchmarks/outputs.py: paths printed relative to the repository
-from torch import nn
+
+# the example's model (examples/ddp/train.py), measured as users run it
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples" / "ddp"))
+from train import DigitsBNCNN  # noqa: E402
 
 #: (side name, kind, options); kind: "ddp" (no hook), "torch-fp16", "torch-bf16", "torch-powersgd", "fedcomp"
 SIDES = [
@@ -58,21 +61,6 @@ SIDES = [
 
 #: the sides of --quick: one of each kind of hook
 QUICK = [0, 1, 3, 6]
-
-
-class DigitsBNCNN(nn.Module):
-    """The example's model (examples/ddp/train.py): two 3x3 convolutions (16, 32) with BatchNorm, 2x2
-    max pooling, a 64-unit hidden layer (38.5k parameters)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.features = nn.Sequential(
-            nn.Conv2d(1, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
-            nn.Conv2d(16, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(2))
-        self.head = nn.Sequential(nn.Flatten(), nn.Linear(32 * 4 * 4, 64), nn.ReLU(), nn.Linear(64, 10))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.features(x))
 
 
 def digits(seed: int):
