@@ -2,7 +2,9 @@
 (``mkdocs build --strict``), served over HTTP, opened in Debian's headless ``chromium``.
 
 Checks that the home page renders with its navigation, that the run-config reference lists every
-key of ``[tool.flwr.app.config]`` and the API page the public names, and that searching the site for
+key of ``[tool.flwr.app.config]`` and the API page the public names, that the pages rendered from
+docstrings show no Sphinx role the Markdown renderer does not understand, that their cross-references
+lead to entries of the site and that their signatures are formatted, and that searching the site for
 a run-config key finds the reference (Material's search, driven through its ``?q=`` URL).
 
 Needs the ``docs`` extra and a ``chromium`` binary (``apt-get install chromium``); without them the
@@ -12,6 +14,7 @@ tests skip with the reason, except where ``FEDCOMP_REQUIRE_DOCS=1`` (CI) makes t
 from __future__ import annotations
 
 import functools
+import html
 import http.server
 import importlib.util
 import os
@@ -30,6 +33,12 @@ import pytest
 REPO = pathlib.Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 PUBLIC = ["CompressedStrategy", "compression_mod", "get_compressor", "ErrorFeedback", "PayloadError"]
+#: The pages mkdocstrings renders from docstrings (``::: identifier`` entries).
+DOCSTRING_PAGES = ["reference/api", "reference/wire-format"]
+#: A Sphinx role (``:func:`name```) as the Markdown renderer prints it: the role's name in colons,
+#: the backticks turned into ``<code>``. Docstrings cross-reference with mkdocstrings' autorefs,
+#: ``[`name`][fedcomp.module.name]``, or name the target in a plain code span.
+SPHINX_ROLE = re.compile(r":(?:py:)?(?:mod|func|class|meth|attr|data|exc|obj):")
 
 
 def _unavailable(reason: str):
@@ -146,6 +155,44 @@ def test_every_key_and_public_name_is_in_the_built_site(site):
     assert [n for n in PUBLIC if not re.search(rf'id="fedcomp\.[\w.]*\.{n}"', api)] == []
     index = (root / "search" / "search_index.json").read_text()
     assert "secagg-quantization-bits" in index and "reference/run-config/" in index
+
+
+def test_docstring_pages_show_no_sphinx_role_and_their_cross_references_resolve(site):
+    """An autoref whose target is not on the site fails ``mkdocs build --strict`` (the ``site`` fixture);
+    on the built pages every cross-reference is a link to an element of the site with that id, none
+    is left as ``[text][identifier]``, and the API page links a codec's docstring to
+    ``get_compressor``."""
+    root, _ = site
+    links = 0
+    for page in DOCSTRING_PAGES:
+        source = (root / page / "index.html").read_text()
+        body = source[source.index("<article"):source.index("</article>")]
+        assert [body[max(0, m.start() - 80):m.end() + 80] for m in SPHINX_ROLE.finditer(body)] == []
+        text = re.sub(r"<[^>]+>", "", body)
+        assert re.findall(r"\]\[[\w.]*\]", text) == [], "an unresolved cross-reference"
+        for href in re.findall(r'<a class="autorefs autorefs-internal"[^>]*href="([^"]+)"', body):
+            url = urllib.parse.urljoin(f"/{page}/", href)
+            path, _, anchor = url.partition("#")
+            target = (root / path.lstrip("/") / "index.html").read_text()
+            assert f'id="{anchor}"' in target, href
+            links += 1
+    assert links >= 20
+    api = (root / "reference" / "api" / "index.html").read_text()
+    assert 'href="#fedcomp.compression.get_compressor"' in api
+
+
+def test_api_signatures_are_formatted(site):
+    """mkdocstrings formats each signature with ruff (the docs extra) at ``line_length`` 88: a long one
+    is cut into one parameter a line instead of printed on a single line."""
+    root, _ = site
+    api = (root / "reference" / "api" / "index.html").read_text()
+    signatures = [html.unescape(re.sub(r"<[^>]+>", "", s)) for s in
+                  re.findall(r'<div class="doc-signature[^"]*">(.*?)</div>', api, re.DOTALL)]
+    assert len(signatures) >= 10
+    lines = [line for s in signatures for line in s.splitlines()]
+    assert [line for line in lines if len(line) > 88] == []
+    init = next(s for s in signatures if s.startswith("__init__("))
+    assert "\n    inner: Strategy,\n" in init and init.rstrip().endswith(") -> None")
 
 
 def test_the_home_page_renders_with_its_navigation(served, tmp_path):

@@ -2,15 +2,15 @@
 ``allow_pickle=False``.
 
 The unit is a pair: ``checkpoint.npz`` (plain numeric arrays) is written first
-(:func:`fedcomp.util.files.write_atomically`: temporary file, fsync, rename), then the manifest
+(`fedcomp.util.files.write_atomically`: temporary file, fsync, rename), then the manifest
 ``checkpoint.json``, written last the same way, names the round and the sha256 of the ``.npz``
 it belongs to. A crash between the two renames leaves a new
-``.npz`` next to the old manifest; :func:`load` sees the checksum disagree and refuses the pair
+``.npz`` next to the old manifest; `load` sees the checksum disagree and refuses the pair
 (it would otherwise re-run a round on weights that already include it).
 
 What is saved: the global weights (every array with its exact shape and dtype: 0-d, integer,
 bool, fp16 and zero-element arrays included), the round number, the metrics of every round so far,
-and the strategy's :meth:`~fedcomp.strategies.CompressedStrategy.state_dict`: the inner strategy's
+and the strategy's [`state_dict`][fedcomp.strategies.CompressedStrategy.state_dict]: the inner strategy's
 optimizer state where it has one (FedOpt/FedAdam ``m_t``/``v_t``, FedAvgM's momentum) and the
 integer rule's rounding remainders, the fp16/bf16 tensors' rounding remainders, EF21's server estimate h and the round it last folded each
 node's send in the ``.npz``, the privacy accounting (client-level DP rounds, local-DP rounds, the
@@ -47,7 +47,7 @@ _EF21 = "ef21"
 #: Prefix of the round EF21 last folded each node's send (``nodes`` uint64, ``rounds`` int64).
 _EF21_FOLDED = "ef21-folded"
 #: Settings the ServerApp records in the manifest's ``extra`` and compares on resume
-#: (``fedcomp.app.server_app``: privacy and codec; :mod:`.strategy_record`): each must be a JSON object.
+#: (``fedcomp.app.server_app``: privacy and codec; `strategy_record`): each must be a JSON object.
 _EXTRA_RECORDS = ("privacy-settings", "codec-settings", "strategy-settings", "data-settings")
 
 
@@ -69,7 +69,7 @@ def save(out_dir: pathlib.Path, server_round: int, weights: dict[str, np.ndarray
     weights : dict of str to np.ndarray
         Global weights after that round (model key order is kept in the JSON).
     strategy : CompressedStrategy or None
-        Its :meth:`state_dict` is saved (None: weights and metrics only).
+        Its [`state_dict`][fedcomp.strategies.CompressedStrategy.state_dict] is saved (None: weights and metrics only).
     rounds : list of dict
         The metrics records so far (as in metrics.json).
     extra : dict, optional

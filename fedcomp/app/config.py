@@ -1,6 +1,6 @@
-"""Everything the reference app's ServerApp and ClientApp read from the run config (:class:`AppConfig`):
+"""Everything the reference app's ServerApp and ClientApp read from the run config (`AppConfig`):
 federation, training, data, privacy mode and results settings, each read and checked by its one
-declaration (:data:`fedcomp.app.keys.KEYS`), and the combinations that cannot run refused
+declaration (`fedcomp.app.keys.KEYS`), and the combinations that cannot run refused
 before anything starts."""
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ class AppConfig:
     key's declared default.
 
     With ``secagg = true`` and ``compressor`` at its default, the codec keys are those of
-    :func:`fedcomp.config.secagg.secure_defaults`.
+    `fedcomp.config.secagg.secure_defaults`.
 
     ``strategy`` "auto" (the default) is resolved when parsing: "fedavgm" with server learning rate
     1.0 and momentum 0.5 for stc/topk below density 1/400 with classic error feedback, no momentum
-    correction and no DP, else "fedavg" (:mod:`fedcomp.config.low_density`).
+    correction and no DP, else "fedavg" (`fedcomp.config.low_density`).
     """
 
     num_server_rounds: int = _d("num-server-rounds")
@@ -89,7 +89,7 @@ class AppConfig:
         ------
         ValueError
             Naming the first bad key and its allowed range, or an unknown key with the closest
-            valid name (:func:`check_known_keys`).
+            valid name (`check_known_keys`).
         """
         check_known_keys(cfg)
         secagg = KEYS["secagg"].read(cfg)  # "true" or 1 would otherwise run silently WITHOUT secure aggregation

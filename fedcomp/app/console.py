@@ -2,12 +2,12 @@
 
 Flower's strategies log several INFO lines per round (one of them the whole ``Aggregated
 MetricRecord`` dict) and a closing "Final results" dump of every metric of every round. With run
-config ``verbose = false`` (the default) :func:`route_flower_logs` keeps Flower's INFO records off
+config ``verbose = false`` (the default) `route_flower_logs` keeps Flower's INFO records off
 the console, where fedcomp's own table remains (records whose message starts with ``fedcomp``) with
 every WARNING and ERROR; all records, Flower's included, still go to ``flower.log`` in the results
 folder, and every number is in ``metrics.json``.
 
-:func:`quiet_known_noise` (first thing the ServerApp does, verbose or not) keeps two messages a
+`quiet_known_noise` (first thing the ServerApp does, verbose or not) keeps two messages a
 fedcomp user cannot act on off the console, each matched by the start of its own text: Flower's
 ``fraction_evaluate is set to 0.0. Federated evaluation will be skipped.`` (fedcomp turns federated
 evaluation off itself under ``dp``; the line still goes to ``flower.log``) and Ray's start-up
@@ -27,11 +27,11 @@ from flwr.common.logger import FLOWER_LOGGER, console_handler
 PREFIX = "fedcomp"
 #: File in the results folder that receives every record of Flower's logger.
 LOG_FILE = "flower.log"
-#: Start of each Flower log message :class:`WithoutKnownNoise` keeps off the console
+#: Start of each Flower log message `WithoutKnownNoise` keeps off the console
 #: (flwr/serverapp/strategy/fedavg.py, ``FedAvg.__init__`` with ``fraction_evaluate == 0.0``).
 FLOWER_NOISE = ("fraction_evaluate is set to 0.0. Federated evaluation will be skipped.",)
 #: Start of Ray's ``FutureWarning`` at the end of ``ray.init`` (ray/_private/worker.py) that
-#: :func:`quiet_known_noise` ignores.
+#: `quiet_known_noise` ignores.
 RAY_TIP = "Tip: In future versions of Ray, Ray will no longer override accelerator visible devices"
 
 
@@ -44,16 +44,16 @@ class OwnLinesOnly(logging.Filter):
 
 
 class WithoutKnownNoise(logging.Filter):
-    """Console filter: drops the Flower records whose message starts with one of :data:`FLOWER_NOISE`."""
+    """Console filter: drops the Flower records whose message starts with one of `FLOWER_NOISE`."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        """False for a record in :data:`FLOWER_NOISE`."""
+        """False for a record in `FLOWER_NOISE`."""
         return not str(record.msg).startswith(FLOWER_NOISE)
 
 
 def quiet_known_noise() -> None:
-    """Keep :data:`FLOWER_NOISE` off Flower's console handler (``flower.log`` still receives it) and
-    ignore Ray's :data:`RAY_TIP` ``FutureWarning``; every other record and warning passes.
+    """Keep `FLOWER_NOISE` off Flower's console handler (``flower.log`` still receives it) and
+    ignore Ray's `RAY_TIP` ``FutureWarning``; every other record and warning passes.
 
     Called first thing in the ServerApp (before the run config is read, so a run that stops on a bad
     value is as quiet, and before Ray, started beside the ServerApp, ends its ``ray.init``). Idempotent.

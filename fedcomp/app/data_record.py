@@ -1,7 +1,7 @@
 """The data a run trains on, recorded in its checkpoint and checked on resume.
 
 A client's partition is a function of ``seed``, ``dataset``, ``partitioner`` and ``dirichlet-alpha``
-(:func:`fedcomp.task.data.load_partition`). A resume with another value of any of them would go on
+(`fedcomp.task.data.load_partition`). A resume with another value of any of them would go on
 training on other partitions than the checkpoint's rounds used, silently: it is refused, naming each
 key with both values. A checkpoint written before these settings were recorded holds none: it is
 resumed with one WARNING that the data settings could not be compared.

@@ -1,9 +1,9 @@
 """The inner Flower strategy both ServerApps wrap, from run config ``strategy``.
 
 The plain path wraps a Message-API strategy (``flwr.serverapp.strategy``) in
-:class:`fedcomp.strategies.CompressedStrategy`; the SecAgg+ path needs a legacy one
+[`fedcomp.strategies.CompressedStrategy`][]; the SecAgg+ path needs a legacy one
 (``flwr.server.strategy``: Flower 1.42 runs SecAgg+ only in the legacy ``DefaultWorkflow``) inside
-:class:`fedcomp.secagg.SharedRandomKStrategy`. FedAdam and FedAvgM take the same settings in both APIs.
+`fedcomp.secagg.SharedRandomKStrategy`. FedAdam and FedAvgM take the same settings in both APIs.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """The run-config keys of fedcomp's reference app: its own (federation, server strategy, local
-training, data and model, results: :data:`APP`), each declared once, and the registry of every key the
-app reads: its own, the LoRA ones (:data:`fedcomp.task.lora.LORA_KEYS`) and the library's (the codec's,
-the privacy ones and SecAgg's, :data:`fedcomp.config.keys.GROUPS`). Together they are exactly the keys
+training, data and model, results: `APP`), each declared once, and the registry of every key the
+app reads: its own, the LoRA ones (`fedcomp.task.lora.LORA_KEYS`) and the library's (the codec's,
+the privacy ones and SecAgg's, `fedcomp.config.keys.GROUPS`). Together they are exactly the keys
 of ``[tool.flwr.app.config]`` in ``pyproject.toml``, with the same defaults (a test holds that).
 
-:class:`fedcomp.app.config.AppConfig` is filled from them. Local training's defaults are
-:class:`fedcomp.task.training.TrainConfig`'s.
+`fedcomp.app.config.AppConfig` is filled from them. Local training's defaults are
+`fedcomp.task.training.TrainConfig`'s.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from fedcomp.task.training import TrainConfig
 from fedcomp.util.declared_key import Key, table
 
 _T = TrainConfig
-#: Strategies the ServerApp builds; "auto" is resolved by :func:`fedcomp.config.low_density.resolve_strategy`.
+#: Strategies the ServerApp builds; "auto" is resolved by `fedcomp.config.low_density.resolve_strategy`.
 STRATEGIES = ("auto", "fedavg", "fedadam", "fedavgm")
 
 APP = table(
@@ -104,12 +104,12 @@ APP_KEYS: tuple[str, ...] = (*APP, *DP_KEYS)
 
 
 def run_config_keys() -> frozenset[str]:
-    """Every run-config key the app knows (the names of :data:`KEYS`)."""
+    """Every run-config key the app knows (the names of `KEYS`)."""
     return frozenset(KEYS)
 
 
 def check_known_keys(cfg: Mapping[str, Any], known: frozenset[str] | None = None, source: str = "run config") -> None:
-    """:func:`fedcomp.config.keys.check_known_keys` against every key of the app (:func:`run_config_keys`)
+    """`fedcomp.config.keys.check_known_keys` against every key of the app (`run_config_keys`)
     unless ``known`` is given.
 
     Raises
@@ -121,7 +121,7 @@ def check_known_keys(cfg: Mapping[str, Any], known: frozenset[str] | None = None
 
 
 def reference_table(keys: Mapping[str, Key] | None = None) -> str:
-    """:func:`fedcomp.config.keys.reference_table` of ``keys``, by default every key of the app (:data:`KEYS`)."""
+    """`fedcomp.config.keys.reference_table` of ``keys``, by default every key of the app (`KEYS`)."""
     return library.reference_table(KEYS if keys is None else keys)
 
 

@@ -70,7 +70,7 @@ def lora_client_app(data_fn: Callable[[Context], Dataset]) -> ClientApp:
     """A ClientApp (``mods=[compression_mod]``) that fine-tunes LoRA adapters on ``data_fn(context)``.
 
     Run config: ``base-model``, ``lora-r``, ``lora-alpha``, ``lora-targets``, ``lora-dropout``,
-    ``base-quantization`` (:class:`fedcomp.task.lora.LoraSettings`), ``local-steps`` (default 10),
+    ``base-quantization`` (`fedcomp.task.lora.LoraSettings`), ``local-steps`` (default 10),
     ``batch-size`` (16), ``lr`` (AdamW, 1e-3), ``seed``.
 
     Parameters

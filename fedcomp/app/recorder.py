@@ -1,9 +1,9 @@
 """One record per round for both ServerApp paths: evaluate the global model on the server's test
 split, print the table line, rewrite ``metrics.json`` (and, on the plain path, the checkpoint).
 
-:class:`RoundRecorder` does what both paths share; what a path adds to a round's record comes from
-its *round source*: :class:`CompressedRounds` (``CompressedStrategy``'s histories) here, and
-:class:`fedcomp.app.secagg_server_app.SecAggRounds` (the SecAgg+ strategy and workflow).
+`RoundRecorder` does what both paths share; what a path adds to a round's record comes from
+its *round source*: `CompressedRounds` (``CompressedStrategy``'s histories) here, and
+`fedcomp.app.secagg_server_app.SecAggRounds` (the SecAgg+ strategy and workflow).
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ class RoundRecorder:
     ----------
     cfg : AppConfig
     source : RoundSource
-        The path's round figures (:class:`CompressedRounds`, ``SecAggRounds``).
+        The path's round figures (`CompressedRounds`, ``SecAggRounds``).
     out_dir : pathlib.Path
         The results folder.
     run_config : dict
@@ -88,7 +88,7 @@ class RoundRecorder:
             self.model = lora_model(LoraSettings.from_mapping(run_config))
         else:
             self.model = build_model(cfg.model, tuple(test.tensors[0].shape[1:]))
-        #: Parameter names in model order, each tied tensor once (what travels: :func:`fedcomp.statedict.untie`).
+        #: Parameter names in model order, each tied tensor once (what travels: `fedcomp.statedict.untie`).
         self.keys = list(untie(self.model.state_dict()))
         self.t0 = time.perf_counter()
         self.last_eps = 0.0
@@ -111,7 +111,7 @@ class RoundRecorder:
 
     def record(self, server_round: int, loss: float, acc: float, arrays: ArrayRecord | None) -> None:
         """Build the round's record, print its table line, rewrite ``metrics.json``; then the
-        source's :meth:`RoundSource.after_round` (rounds >= 1 with ``arrays``)."""
+        source's `RoundSource.after_round` (rounds >= 1 with ``arrays``)."""
         rec: dict = {"round": server_round, "accuracy": acc, "loss": loss}
         rec.update(self.source.round_fields(server_round, self))
         rec["elapsed-seconds"] = time.perf_counter() - self.t0
@@ -220,7 +220,7 @@ class CompressedRounds:
         h = self.strategy.history.get(server_round)
         if h is not None:
             # what travelled: every message's serialised content both ways, evaluation included
-            # (:mod:`fedcomp.strategies.wire_bytes`); the payloads alone are upload-bytes / download-bytes
+            # (`fedcomp.strategies.wire_bytes`); the payloads alone are upload-bytes / download-bytes
             up, down = h.get("wire-bytes-up", h["upload-bytes"]), h.get("wire-bytes-down", h["download-bytes"])
             recorder.add_bytes(up, down, h["dense-bytes"], h.get("wire-bytes-fp32"))
             rec.update({
@@ -247,7 +247,7 @@ class CompressedRounds:
         return rec
 
     def after_round(self, recorder: RoundRecorder, server_round: int, arrays: ArrayRecord) -> None:
-        """Write the checkpoint of the round (:mod:`fedcomp.app.checkpoint`)."""
+        """Write the checkpoint of the round (`fedcomp.app.checkpoint`)."""
         checkpoint.save(recorder.out_dir, server_round, {k: a.numpy() for k, a in arrays.items()}, self.strategy,
                         recorder.rounds, {"cum-mb": recorder.cum_mb, "cum-down-mb": recorder.cum_down_mb,
                                           "cum-dense-mb": recorder.cum_dense_mb,

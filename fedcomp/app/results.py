@@ -51,7 +51,7 @@ def default_results_dir(compressor: str) -> pathlib.Path:
 def resolve_results_dir(results_dir: str, compressor: str) -> pathlib.Path:
     """Absolute results folder: ``results-dir`` if given (relative paths resolve against the
     ServerApp's working directory, which under ``flwr run`` is the local SuperLink's), else
-    :func:`default_results_dir`. Created if missing; ``<root>/latest`` points at it when the
+    `default_results_dir`. Created if missing; ``<root>/latest`` points at it when the
     default is used."""
     if results_dir:
         path = pathlib.Path(results_dir).expanduser().resolve()
@@ -81,7 +81,7 @@ def finite_or_none(obj: Any) -> Any:
 
 
 def write_json(path: pathlib.Path, payload: dict[str, Any]) -> None:
-    """Write strict JSON (non-finite floats as null) atomically (:func:`fedcomp.util.files.write_atomically`)."""
+    """Write strict JSON (non-finite floats as null) atomically (`fedcomp.util.files.write_atomically`)."""
     write_atomically(path, json.dumps(finite_or_none(payload), indent=1, allow_nan=False).encode())
 
 

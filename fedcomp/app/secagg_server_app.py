@@ -31,7 +31,7 @@ from fedcomp.secagg.workflow import CompressedSecAggPlusWorkflow
 
 
 def secagg_requested(run_config: Mapping[str, Any]) -> bool:
-    """Whether the run config asks for ``secagg = true`` (validated by :func:`run_secagg`).
+    """Whether the run config asks for ``secagg = true`` (validated by `run_secagg`).
 
     Raises
     ------
@@ -63,7 +63,7 @@ def distributed_dp(cfg: AppConfig, sa: SecAggConfig) -> DistributedDP | None:
     ------
     ValueError
         A bad ``clipping-norm``, ``noise-multiplier`` or ``target-delta``, or ``secagg-clipping-range``
-        not above ``clipping-norm`` (naming the keys; :class:`fedcomp.privacy.distributed.DistributedDP`).
+        not above ``clipping-norm`` (naming the keys; `fedcomp.privacy.distributed.DistributedDP`).
     """
     if cfg.dp != "distributed":
         return None
@@ -72,7 +72,7 @@ def distributed_dp(cfg: AppConfig, sa: SecAggConfig) -> DistributedDP | None:
 
 
 class SecAggRounds:
-    """The round figures of the SecAgg+ path (a :class:`fedcomp.app.recorder.RoundSource`): the strategy's
+    """The round figures of the SecAgg+ path (a `fedcomp.app.recorder.RoundSource`): the strategy's
     history, the bytes of the real SecAgg+ replies, bits per parameter; ``secagg`` settings in
     ``metrics.json``; no checkpoint.
 

@@ -17,12 +17,12 @@ class RunConfigError(ValueError):
     """A run-config value (or the results folder it names) the ServerApp refuses at start-up.
 
     Flower logs a failed ServerApp with a long traceback; for this error
-    :class:`OneLineRunConfigError` prints one line naming the key instead (traceback at DEBUG).
+    `OneLineRunConfigError` prints one line naming the key instead (traceback at DEBUG).
     """
 
 
 class OneLineRunConfigError(logging.Filter):
-    """Filter on Flower's logger: a record carrying a :class:`RunConfigError` becomes one ERROR
+    """Filter on Flower's logger: a record carrying a `RunConfigError` becomes one ERROR
     line with the message; the traceback is logged at DEBUG. The next record that starts with
     ``Exit Code: `` (Flower's closing block for any exception of the app: ``Exit Code: 700`` /
     ``An unhandled exception occurred when running the simulation.`` / a link; 201 for a
@@ -51,14 +51,14 @@ class OneLineRunConfigError(logging.Filter):
 
 
 def one_line_config_errors() -> None:
-    """Install :class:`OneLineRunConfigError` on Flower's logger (once per process)."""
+    """Install `OneLineRunConfigError` on Flower's logger (once per process)."""
     flwr_logger = logging.getLogger("flwr")
     if not any(isinstance(f, OneLineRunConfigError) for f in flwr_logger.filters):
         flwr_logger.addFilter(OneLineRunConfigError())
 
 
 def writable_results_dir(results_dir: str, compressor: str) -> pathlib.Path:
-    """:func:`resolve_results_dir`, then a probe write: the folder must be writable now, not at
+    """`resolve_results_dir`, then a probe write: the folder must be writable now, not at
     the end of round 0.
 
     Raises
@@ -84,7 +84,7 @@ def writable_results_dir(results_dir: str, compressor: str) -> pathlib.Path:
 def check_supernodes_fit_the_data(num_nodes: int, cfg: DataConfig) -> None:
     """Refuse a federation of ``num_nodes`` SuperNodes (one partition each: Flower's simulation gives
     node ``i`` of ``N`` partition ``i`` of ``N``) that leaves partitions empty, before any round:
-    their clients would fail every round they are sampled (:func:`fedcomp.task.data.too_many_partitions`;
+    their clients would fail every round they are sampled (`fedcomp.task.data.too_many_partitions`;
     datasets whose size is not known up front are not checked).
 
     Raises

@@ -1,6 +1,6 @@
 """The server strategy a run resolved to, recorded in its checkpoint and checked on resume.
 
-``strategy = "auto"`` (:func:`fedcomp.config.low_density.resolve_strategy`) depends on the codec and on
+``strategy = "auto"`` (`fedcomp.config.low_density.resolve_strategy`) depends on the codec and on
 the fedcomp version: a version without the low-density defaults resolves it to FedAvg where this one
 chooses FedAvgM. A resumed run is the same run, so a strategy (or a server learning rate or
 momentum) that differs from the checkpoint's is refused with both values, like the codec and privacy
@@ -20,7 +20,7 @@ from flwr.common.logger import log
 from fedcomp.app.config import AppConfig
 from fedcomp.strategies.wrapping import optimizer_state
 
-#: Key of :func:`strategy_settings` in the checkpoint manifest's ``extra``.
+#: Key of `strategy_settings` in the checkpoint manifest's ``extra``.
 EXTRA_KEY = "strategy-settings"
 
 
@@ -46,8 +46,8 @@ def check_same_strategy(meta: dict, cfg: AppConfig, strategy: Any, where: str) -
     Parameters
     ----------
     meta : dict
-        The checkpoint manifest (:func:`fedcomp.app.checkpoint.load`), ``extra`` holding
-        :data:`EXTRA_KEY` when it was written by this version or later.
+        The checkpoint manifest (`fedcomp.app.checkpoint.load`), ``extra`` holding
+        `EXTRA_KEY` when it was written by this version or later.
     cfg : AppConfig
         The run config of the resumed run (strategy resolved).
     strategy : CompressedStrategy
@@ -58,7 +58,7 @@ def check_same_strategy(meta: dict, cfg: AppConfig, strategy: Any, where: str) -
     Raises
     ------
     ValueError
-        The recorded settings differ from :func:`strategy_settings` (naming both), or an old checkpoint
+        The recorded settings differ from `strategy_settings` (naming both), or an old checkpoint
         after round 1 or later holds no server-optimizer state while ``cfg`` resolves to a strategy
         that keeps one (that run used FedAvg).
     """

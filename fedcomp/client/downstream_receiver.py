@@ -1,7 +1,7 @@
 """Client side of server-to-client compression: rebuild the model a downstream message describes
 and keep it (with its version) in ``context.state``.
 
-Message forms (written by :mod:`fedcomp.strategies.downstream_sender`; the train config carries
+Message forms (written by `fedcomp.strategies.downstream_sender`; the train config carries
 ``fedcomp-model-version`` whenever the server versions the model):
 
 - dense: ordinary weights; kept as they are.
@@ -9,10 +9,10 @@ Message forms (written by :mod:`fedcomp.strategies.downstream_sender`; the train
   holds the compressed payloads ``fedcomp.model``, ``fedcomp.model/1``, ... (applied in order to the
   compressed part: every float tensor not sent by name), the BatchNorm statistics as exact fp32
   payloads under their own names or (``batchnorm-stats = "auto"``) as their change since this
-  node's copy under ``fedcomp.stat-delta/<name>`` (:func:`fedcomp.protocol.broadcast.apply_stat_delta`),
+  node's copy under ``fedcomp.stat-delta/<name>`` (`fedcomp.protocol.broadcast.apply_stat_delta`),
   and the integer/bool tensors as exact payloads, under their own names.
 - init: ``fedcomp-init-seed`` is set; the compressed part's tensors arrive as seeded-init rules
-  (:mod:`fedcomp.protocol.seeded_init`: dtype, shape, bound), the others as plain arrays; payloads, if any,
+  (`fedcomp.protocol.seeded_init`: dtype, shape, bound), the others as plain arrays; payloads, if any,
   apply on top of that start.
 """
 
@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord
 
 from fedcomp.client.update import CompositionError
 from fedcomp.compression import PayloadError, decode_exact, decompress
@@ -32,6 +32,7 @@ from fedcomp.protocol.broadcast import (
     STAT_DELTA_PREFIX,
     apply_stat_delta,
     chain_key,
+    copy_digest,
     decode_step,
     gather,
     is_batchnorm_stat,
@@ -41,6 +42,7 @@ from fedcomp.protocol.broadcast import (
 )
 from fedcomp.protocol.messages import (
     BASE_VERSION,
+    COPY_RECORD,
     MODEL_KEY,
     MODEL_META_KEY,
     MODEL_STATE_KEY,
@@ -185,7 +187,8 @@ def _init_base(rec: ArrayRecord, seed: int, part_keys: set[str]) -> tuple[FlatMo
 
 @contextmanager
 def _naming(key: str) -> Iterator[None]:
-    """Re-raise a :class:`PayloadError` from decoding the array ``key`` with the key in front."""
+    """Re-raise a [`PayloadError`][fedcomp.compression.PayloadError] from decoding the array ``key`` with the key in
+    front."""
     try:
         yield
     except PayloadError as err:
@@ -261,8 +264,8 @@ def rebuild(msg: Message, context: Context, arr_key: str, rec: ArrayRecord, cfg)
         A malformed payload or seeded-init rule, unknown keys, another shape or dtype; rules or
         payloads without ``fedcomp-model-version``; a BatchNorm statistic change
         (``fedcomp.stat-delta/<name>``) in an init or dense message (no held copy to apply it to); a
-        model version not above the held one (:func:`check_version`); a model, in any form, that
-        fails :func:`check_download` (not finite in its dtypes, a negative running variance). The held
+        model version not above the held one (`check_version`); a model, in any form, that
+        fails `check_download` (not finite in its dtypes, a negative running variance). The held
         copy and its version are kept.
     """
     if MODEL_VERSION not in cfg:
@@ -303,4 +306,15 @@ def rebuild(msg: Message, context: Context, arr_key: str, rec: ArrayRecord, cfg)
     return rec
 
 
-__all__ = ["check_download", "check_version", "rebuild"]
+def report_copy(reply: Message, context: Context) -> None:
+    """Add the digest of the model copy this node holds (`fedcomp.protocol.broadcast.copy_digest`) to
+    ``reply`` as the ConfigRecord ``fedcomp.copy``, so that the server can compare it with its record of
+    what this node holds and send a first contact when the two differ. Nothing without a copy (a node that
+    was sent dense weights without a version) or on an error reply."""
+    if reply.has_error() or MODEL_STATE_KEY not in context.state:
+        return
+    reply.content[COPY_RECORD] = ConfigRecord({"digest": copy_digest(FlatModel.from_record(
+        context.state[MODEL_STATE_KEY]))})
+
+
+__all__ = ["check_download", "check_version", "rebuild", "report_copy"]

@@ -1,11 +1,12 @@
 """``compression_mod``: the Flower client mod that turns trained weights into compressed updates.
 
 One train message passes these stages, each a function below, in order: parse the request
-(:class:`.request.TrainRequest`) -> rebuild a downstream-compressed model and check the model of
-every download form (:func:`.downstream_receiver.rebuild`) -> let the app train -> check the reply (dense, clipped where
-the server asked) -> compress with error feedback (:func:`.update.compress_update`, state from
-:mod:`.state`; a saturating fp16 residual warned once per node, :func:`warn_saturation_once`) ->
-write the payloads and metrics into the reply.
+(`request.TrainRequest`) -> rebuild a downstream-compressed model and check the model of
+every download form (`downstream_receiver.rebuild`) -> let the app train -> check the reply (dense, clipped where
+the server asked) -> compress with error feedback (`update.compress_update`, state from
+`state`; a saturating fp16 residual warned once per node, `warn_saturation_once`) ->
+write the payloads and metrics into the reply, with the digest of the model copy this node now holds
+(`downstream_receiver.report_copy`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from flwr.app import ArrayRecord, Context, Message, MetricRecord
 from flwr.common.logger import log
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
 
-from fedcomp.client.downstream_receiver import rebuild
+from fedcomp.client.downstream_receiver import rebuild, report_copy
 from fedcomp.client.request import TrainRequest, only_record
 from fedcomp.client.secure_path import encoded_by_secure_mod
 from fedcomp.client.state import keep_residuals, residuals_of, state_files
@@ -51,24 +52,24 @@ def compression_mod(msg: Message, context: Context, call_next) -> Message:
 
     Place it first (outermost) in ``ClientApp(mods=[compression_mod, ...])``. On a
     ``train`` message it reads the codec from the train ConfigRecord (keys of
-    :class:`fedcomp.config.CodecConfig`; node config keys of the same names override
+    `fedcomp.config.CodecConfig`; node config keys of the same names override
     them, e.g. a slow device forcing ``compressor = "sign"``), lets the app train, then
     replaces the reply's ArrayRecord by one fedcomp payload per parameter of
     ``delta = returned - received`` (+ error-feedback residual, kept in
     ``context.state`` across rounds). Adds metrics ``upload-bytes`` (payload bytes),
     ``dense-bytes`` (fp32 cost), ``download-bytes`` (bytes of the received arrays),
     ``compression-error``, ``residual-norm``, ``residual-bytes`` (memory of the residual),
-    ``compress-seconds``, ``clientapp-seconds`` (:func:`fedcomp.protocol.device.clientapp_seconds`: the
+    ``compress-seconds``, ``clientapp-seconds`` (`fedcomp.protocol.device.clientapp_seconds`: the
     age of a per-message ``flwr-clientapp`` process, else 0) and the node's ``uplink-mbps``/``downlink-mbps`` (node config, else
     run config; defaults 1 and 10) to the reply's MetricRecord.
 
-    Only a train message with exactly one ArrayRecord is ours (:func:`is_ours`); any other message
+    Only a train message with exactly one ArrayRecord is ours (`is_ours`); any other message
     goes to the next mod untouched, and its reply comes back untouched: other message types, a
     train message without weights or with several ArrayRecords, a Flower SecAgg+ protocol message
     (a ``secaggplus_configs`` record), and a train message whose config carries fedcomp's SecAgg+
     shared seed (``fedcomp-secagg-seed``: under ``secagg = true`` the update is encoded by
     ``fedcomp.secagg.shared_randomk_mod``) -- only inside that mod's own call
-    (:func:`fedcomp.client.secure_path.encoded_by_secure_mod`); a plain train message carrying the
+    (`fedcomp.client.secure_path.encoded_by_secure_mod`); a plain train message carrying the
     seed is refused. Error replies, and replies without an ArrayRecord (a mod further in that
     answered by itself), are passed on unchanged too.
 
@@ -78,13 +79,13 @@ def compression_mod(msg: Message, context: Context, call_next) -> Message:
         The reply is not dense weights under the received keys (e.g. the mod was placed
         after a mod that already compressed, or the app returns a different model), the reply
         holds several ArrayRecords, the message holds several ConfigRecords of which not exactly
-        one is the train config (:func:`.request.train_config`; raised before the next mod is
+        one is the train config (`request.train_config`; raised before the next mod is
         called), or Flower's client-side clipping did not bound the update (its mod sits outside ours).
     PayloadError
         A download refused before the app runs, whatever its form (dense weights, a first contact,
         payloads on the held copy; train or evaluate): a malformed payload, a float tensor that is not
         finite, a negative BatchNorm running variance, a model version not above the held one
-        (:func:`.downstream_receiver.check_download`, :func:`.downstream_receiver.check_version`); the held
+        (`downstream_receiver.check_download`, `downstream_receiver.check_version`); the held
         copy is kept.
     ValueError
         Non-finite update (the residual is kept as it was); a train message carrying the SecAgg+
@@ -92,10 +93,13 @@ def compression_mod(msg: Message, context: Context, call_next) -> Message:
         that the server counts as a failed client.
     """
     if not is_ours(msg):
-        if is_compressed_evaluate(msg):  # the model to evaluate rides the compressed download
-            arr_key, rec = only_record(msg.content, "array")
-            rebuild(msg, context, arr_key, rec, _version_config(msg))
-        return call_next(msg, context)
+        if not is_compressed_evaluate(msg):
+            return call_next(msg, context)
+        arr_key, rec = only_record(msg.content, "array")  # the model to evaluate rides the compressed download
+        rebuild(msg, context, arr_key, rec, _version_config(msg))
+        reply = call_next(msg, context)
+        report_copy(reply, context)
+        return reply
     request = TrainRequest.parse(msg, context)  # refuses before training if local DP is below this node's floor
     download = sum(len(a.data) for a in request.arrays.values())
     # server-to-client compression: the dense model the message describes (the copy kept in context.state)
@@ -112,6 +116,8 @@ def compression_mod(msg: Message, context: Context, call_next) -> Message:
     stats["download-bytes"] = float(download)
     stats["clientapp-seconds"] = clientapp_seconds()  # a per-message ClientApp process: its whole life so far
     _write_reply(reply, arr_key, payloads, lean_report(stats, bool(request.config.get(LAYER_REPORT_KEY))))
+    if MODEL_VERSION in request.config:
+        report_copy(reply, context)
     return reply
 
 
@@ -144,7 +150,7 @@ def is_ours(msg: Message) -> bool:
 def is_compressed_evaluate(msg: Message) -> bool:
     """Whether ``msg`` is an evaluate message in the compressed download's form (one ArrayRecord, and a
     ConfigRecord with ``fedcomp-model-version``): ``compression_mod`` rebuilds the model it describes
-    from this node's copy (:func:`.downstream_receiver.rebuild`) before the app evaluates it."""
+    from this node's copy (`downstream_receiver.rebuild`) before the app evaluates it."""
     content = msg.content
     return (msg.metadata.message_type.split(".")[0] == "evaluate" and len(content.array_records) == 1
             and any(MODEL_VERSION in c for c in content.config_records.values()))
@@ -158,7 +164,7 @@ def _version_config(msg: Message):
 def lean_report(stats: dict, layers: bool = False) -> dict:
     """The figures a reply carries: ``stats`` without those the server counts itself (bytes up, down and
     fp32) or assumes when absent (zeros, the default link speeds:
-    :data:`fedcomp.protocol.messages.LEAN_DEFAULTS`), and without the per-layer lists unless the server
+    `fedcomp.protocol.messages.LEAN_DEFAULTS`), and without the per-layer lists unless the server
     asked for them (``layers``: the train config's ``fedcomp-report-layers``). Each figure costs its name
     and 9 bytes on the wire in every reply; at low density the full report was larger than the payload."""
     defaults = {**LEAN_DEFAULTS, **DEFAULT_LINK_MBPS}
@@ -234,7 +240,7 @@ def warn_saturation_once(client, saturated: float, lost_fraction: float) -> bool
         Who compressed (a node id).
     saturated : float
         Residual entries clamped to ±65504 this round (the reply's ``residual-saturated``,
-        :attr:`fedcomp.compression.ErrorFeedback.last_saturated` summed over payloads).
+        `fedcomp.compression.ErrorFeedback.last_saturated` summed over payloads).
     lost_fraction : float
         Largest relative L2 norm of a payload's update the clamp dropped (``residual-saturated-loss``).
 

@@ -2,7 +2,7 @@
 
 For apps still written against Flower's legacy client API (``NumPyClient`` with ``fit``
 returning ``(parameters, num_examples, metrics)``, served by ``ClientApp(client_fn=...)``).
-The server side is :class:`fedcomp.strategies.legacy_strategy.LegacyCompressedStrategy`.
+The server side is [`fedcomp.strategies.legacy_strategy.LegacyCompressedStrategy`][].
 
 Each payload travels as a 1-D ``uint8`` NumPy array, so Flower's own ndarray serialization
 (``np.save`` without pickle) carries its bytes unchanged; only the ``.npy`` header (about
@@ -23,7 +23,7 @@ from fedcomp.config import CODEC_DEFAULTS, CodecConfig
 from fedcomp.config.codec import check_codec_kwargs
 from fedcomp.protocol.messages import RESIDUAL_STATE_KEY
 
-#: ``context.state`` key of the residuals kept by :class:`CompressedNumPyClient` (per array index).
+#: ``context.state`` key of the residuals kept by `CompressedNumPyClient` (per array index).
 LEGACY_RESIDUAL_STATE_KEY = RESIDUAL_STATE_KEY + ".legacy"
 
 
@@ -68,7 +68,7 @@ class CompressedNumPyClient(NumPyClient):
 
     Notes
     -----
-    ``fit`` raises :class:`fedcomp.client.CompositionError` when the server sent no codec
+    ``fit`` raises `fedcomp.client.CompositionError` when the server sent no codec
     (its strategy is not wrapped in ``LegacyCompressedStrategy``, so nothing could decode
     the payloads) or when the wrapped ``fit`` returns arrays of other number or shapes
     than it received, and ``ValueError`` for a non-finite update (the residual is then
@@ -144,9 +144,9 @@ class CompressedNumPyClient(NumPyClient):
         (payloads, num_examples, metrics)
             Payloads as 1-D ``uint8`` arrays; the wrapped client's ``num_examples``; its
             metrics plus the scalar statistics of
-            :func:`fedcomp.client.compress_update`: ``upload-bytes`` (payload bytes),
+            `fedcomp.client.compress_update`: ``upload-bytes`` (payload bytes),
             ``dense-bytes`` (fp32 cost), ``compression-error``, ``residual-norm``, ...
-            (all of them, lists included, are in :attr:`last_stats`).
+            (all of them, lists included, are in `last_stats`).
         """
         codec = self.codec(config)
         received = {str(i): np.asarray(p) for i, p in enumerate(parameters)}

@@ -1,9 +1,9 @@
 """The planning stage of a client update: which tensors travel in which payload, with which codec.
 
-:func:`plan_update` checks the trained weights against the received ones and lays out the
-payloads (:func:`plan_units`: per-layer rules, small tensors, BatchNorm policy, one whole-model
-payload for the default codec); :func:`density_rule` gives each payload's sparse-codec density
-(fixed, or measured by :func:`adaptive_density`). Flower-free apart from the names of the protocol.
+`plan_update` checks the trained weights against the received ones and lays out the
+payloads (`plan_units`: per-layer rules, small tensors, BatchNorm policy, one whole-model
+payload for the default codec); `density_rule` gives each payload's sparse-codec density
+(fixed, or measured by `adaptive_density`). Flower-free apart from the names of the protocol.
 """
 
 from __future__ import annotations
@@ -31,12 +31,12 @@ def plan_units(shapes: dict[str, tuple[int, ...]], codec: CodecConfig) -> list[t
 
     Per parameter, in order: the first ``layer-codecs`` rule whose pattern matches its name;
     else ``small-tensor-compressor`` if it has fewer than ``min-compress-numel`` elements;
-    else the default ``compressor``. BatchNorm statistics (:func:`is_batchnorm_stat`) get their own
-    payload with :meth:`CodecConfig.batchnorm_stats_codec` (``sign`` under ``batchnorm-stats =
+    else the default ``compressor``. BatchNorm statistics (`is_batchnorm_stat`) get their own
+    payload with `CodecConfig.batchnorm_stats_codec` (``sign`` under ``batchnorm-stats =
     "auto"`` with a lossy codec and error feedback, else ``small-tensor-compressor``; with the
     rest under "codec"), and BatchNorm's affine parameters go ``small-tensor-compressor`` with a sparse codec
     (stc, topk, randomk) while ``batchnorm-affine = "small"``
-    (:func:`fedcomp.config.model_policy.batchnorm_affine_keys`). Default-codec parameters share one payload under
+    (`fedcomp.config.model_policy.batchnorm_affine_keys`). Default-codec parameters share one payload under
     ``MODEL_KEY`` (their updates flattened and concatenated in model order) when the scope is
     "model"; every other parameter gets its own payload under its own name. Pass float tensors
     only: integer and bool tensors never join a codec's payload.
@@ -120,13 +120,13 @@ def plan_update(received: dict, trained: dict, codec: CodecConfig,
     Returns
     -------
     (units, exact_keys, trained)
-        The float payload units (:func:`plan_units` order), the integer/bool tensor names (model
+        The float payload units (`plan_units` order), the integer/bool tensor names (model
         order) and ``trained`` in ``received``'s key order.
 
     Raises
     ------
     CompositionError
-        As :func:`_check_pair`.
+        As `_check_pair`.
     """
     trained = _check_pair(received, trained, dtypes)
     float_keys = [k for k in received if is_float_dtype(dtypes[k])]
@@ -144,7 +144,7 @@ def plan_update(received: dict, trained: dict, codec: CodecConfig,
 def density_rule(unit: Unit, codec: CodecConfig) -> Density:
     """The density of a unit's sparse codec: ``density``, or for the adaptive schedule a rule that
     measures it on what is compressed (update + residual; update - estimate with EF21,
-    :func:`adaptive_density`); None for the other codecs."""
+    `adaptive_density`); None for the other codecs."""
     if unit.codec != codec.compressor or not CODECS[unit.codec].sparse:
         return None
     if codec.density_schedule != "adaptive":

@@ -1,6 +1,6 @@
 """Carry a client's error-feedback state across a change of payload plan.
 
-The payload plan (:func:`fedcomp.client.plan.plan_units`) groups float parameters into
+The payload plan (`fedcomp.client.plan.plan_units`) groups float parameters into
 payloads: one per parameter, or one whole-model vector under ``MODEL_KEY`` for the sparse
 codecs. The library changes that plan itself between rounds: a warm-up codec (``sign``, one
 payload per tensor) followed by ``stc`` (one model payload), a per-layer rule or a small-tensor
@@ -10,7 +10,7 @@ plan no longer uses: the residual would be dropped, and ``sum(decoded sends) + r
 sum(updates)`` (the telescoping invariant of error feedback; Stich et al. 2018, Karimireddy
 et al. 2019) would break by the lost residual.
 
-:func:`replan_states` cuts the saved state into per-parameter pieces (views, no copies) and
+`replan_states` cuts the saved state into per-parameter pieces (views, no copies) and
 reassembles them in the new plan's grouping, so every entry of the residual and of the
 momentum buffer reaches the payload that now carries its parameter. Codec memory such as
 PowerSGD's warm-start Q belongs to one codec on one payload: it survives only where the
@@ -52,12 +52,12 @@ def replan_states(states: Mapping[str, Mapping[str, np.ndarray]], units: Sequenc
     Parameters
     ----------
     states : mapping
-        What :func:`fedcomp.compression.unflatten_states` returned for the saved state: per
+        What `fedcomp.compression.unflatten_states` returned for the saved state: per
         payload key of the round that saved it, ``"residual"`` and ``"momentum"`` (float
         arrays, fp32 or fp16, one entry per parameter entry: the payload's shape, or flat for
         ``MODEL_KEY``) and codec memory (``"<codec>/<key>"``).
     units : sequence of (payload key, member names, codec name)
-        The plan of this round (:func:`fedcomp.client.plan.plan_units`).
+        The plan of this round (`fedcomp.client.plan.plan_units`).
     shapes : mapping of str to tuple of int
         Every float parameter's shape, in model order (the members of every plan).
 

@@ -1,7 +1,7 @@
 """What one train message asks of this node, read once: the codec (node config may override),
 local-DP settings checked against the node's own floor, Flower's client-side clipping norm, the
 round and the seed of stochastic codecs (downstream model versions are read by
-:func:`.downstream.rebuild`, which owns them)."""
+`downstream_receiver.rebuild`, which owns them)."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def train_config(content: RecordDict) -> dict:
     """The entries of a train message's ConfigRecord ({} when it has none).
 
     Other mods may add ConfigRecords of their own; then the train config is the one record that
-    carries a codec key (:data:`fedcomp.config.CODEC_DEFAULTS`) or ``server-round``.
+    carries a codec key (`fedcomp.config.CODEC_DEFAULTS`) or ``server-round``.
 
     Raises
     ------
@@ -60,7 +60,7 @@ class TrainRequest:
     Attributes
     ----------
     config : dict
-        The train ConfigRecord's entries (:func:`train_config`).
+        The train ConfigRecord's entries (`train_config`).
     array_key : str
         Key of the message's ArrayRecord.
     arrays : ArrayRecord
@@ -95,7 +95,7 @@ class TrainRequest:
         ------
         CompositionError
             Not exactly one ArrayRecord, or no one train config among several ConfigRecords
-            (:func:`train_config`).
+            (`train_config`).
         ValueError
             A codec key out of range, an unknown ``dp`` mode in the node's or run config, or
             local DP below the node's own floor (the client refuses to train; Flower sends an

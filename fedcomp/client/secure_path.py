@@ -4,9 +4,9 @@
 because ``fedcomp.secagg.shared_randomk_mod`` encodes that update. The seed is a train-config key
 the server writes, so it alone must not switch a node's compression (and its privacy floor) off: a
 plain train message carrying it would get raw, uncompressed, un-noised weights back. The secure mod
-marks the call it makes to the train handler (:func:`secure_encoding`, a context variable only code
+marks the call it makes to the train handler (`secure_encoding`, a context variable only code
 in this process can set), and ``compression_mod`` steps aside only inside that call
-(:func:`encoded_by_secure_mod`).
+(`encoded_by_secure_mod`).
 """
 
 from __future__ import annotations
@@ -29,5 +29,5 @@ def secure_encoding() -> Iterator[None]:
 
 
 def encoded_by_secure_mod() -> bool:
-    """Whether this call runs inside :func:`secure_encoding` (the node's own secure mod)."""
+    """Whether this call runs inside `secure_encoding` (the node's own secure mod)."""
     return _SECURE_ENCODING.get()

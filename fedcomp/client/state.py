@@ -5,7 +5,7 @@ Both live in ``context.state`` (Flower keeps it per node across the rounds of on
 when node config ``state-dir`` (or run config ``client-state-dir``) names a folder, in files
 there, so that a restarted SuperNode or a resumed run continues where it stopped:
 ``residual-<partition-id or node id>.npz`` and ``accountant-<partition-id or node id>.json``.
-Every file is written by :func:`fedcomp.util.files.write_atomically` and read back without pickle.
+Every file is written by `fedcomp.util.files.write_atomically` and read back without pickle.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def state_files(context: Context) -> StateFiles | None:
 
 # -- error-feedback residuals ---------------------------------------------------------------------
 def previous_path(path: pathlib.Path) -> pathlib.Path:
-    """Where :func:`save_residuals` keeps the residuals of the round before (``residual-3.prev.npz``)."""
+    """Where `save_residuals` keeps the residuals of the round before (``residual-3.prev.npz``)."""
     return path.with_name(path.name.removesuffix(".npz") + ".prev.npz")
 
 
@@ -66,7 +66,7 @@ def save_residuals(path: pathlib.Path, residuals: dict[str, np.ndarray], server_
     """Persist error-feedback residuals: plain ``.npz`` of numeric arrays plus the round they were
     computed in (read back with ``allow_pickle=False``).
 
-    The file of an earlier round is first renamed to :func:`previous_path`: a server that stops
+    The file of an earlier round is first renamed to `previous_path`: a server that stops
     after the clients saved round R+1 but before its checkpoint of R+1 resumes at round R+1, and
     the clients then continue from their round-R state (what the server's checkpoint matches:
     EF21's estimate h is the mean of the clients' h_i). A rerun of the same round keeps the
@@ -95,7 +95,7 @@ def _read_residuals(path: pathlib.Path) -> tuple[int, dict[str, np.ndarray]]:
 
 
 def load_residuals(path: pathlib.Path, before_round: int) -> dict[str, np.ndarray]:
-    """Residuals saved by :func:`save_residuals` in a round before ``before_round``: the node's
+    """Residuals saved by `save_residuals` in a round before ``before_round``: the node's
     file, else (the file is from ``before_round`` or later: the server resumed from an older
     checkpoint) the previous round's file if that one is before ``before_round``; {} if none
     fits or the file is unreadable (logged). ``before_round`` 0: the file as it is."""
@@ -103,7 +103,7 @@ def load_residuals(path: pathlib.Path, before_round: int) -> dict[str, np.ndarra
 
 
 def load_residuals_of_round(path: pathlib.Path, before_round: int) -> tuple[int, dict[str, np.ndarray]]:
-    """:func:`load_residuals` with the round they were saved in: ``(round, residuals)``, ``(0, {})``
+    """`load_residuals` with the round they were saved in: ``(round, residuals)``, ``(0, {})``
     when none fits."""
     if not path.exists():
         return 0, {}
@@ -135,7 +135,7 @@ def load_residuals_of_round(path: pathlib.Path, before_round: int) -> tuple[int,
 def residuals_of(context: Context, files: StateFiles | None, server_round: int) -> tuple[int, dict[str, np.ndarray]]:
     """The residuals of the earlier rounds and the round they were kept in: ``context.state``, else
     the node's file, else none (round 0). The round is what EF21's check compares with the server's
-    (:data:`fedcomp.protocol.messages.ESTIMATE_ROUND_METRIC`)."""
+    (`fedcomp.protocol.messages.ESTIMATE_ROUND_METRIC`)."""
     if RESIDUAL_STATE_KEY in context.state:  # read-only views of the kept bytes (no model-sized copy)
         kept = context.state.get(RESIDUAL_ROUND_KEY)
         return (int(kept["round"]) if kept is not None else 0,
@@ -189,7 +189,7 @@ def accountant_of(context: Context, files: StateFiles | None) -> dict | None:
     Raises
     ------
     ValueError
-        As :func:`load_accountant`.
+        As `load_accountant`.
     """
     if DP_ACCOUNTANT_KEY in context.state:
         return dict(context.state[DP_ACCOUNTANT_KEY])

@@ -3,12 +3,12 @@
 Flower-free apart from the names of the protocol; used by ``compression_mod`` and the legacy
 ``CompressedNumPyClient``. Float tensors become updates compressed by the codec (one payload per
 tensor, or one for the whole model with selection "model"); integer and bool tensors travel
-exactly (:mod:`fedcomp.compression.exact`), except under local DP, where they are not sent at all.
+exactly (`fedcomp.compression.exact`), except under local DP, where they are not sent at all.
 
-The stages, in the order the data flows (:func:`compress_update` runs them): :func:`plan_update`
-(:mod:`.plan`) -> :func:`encode_exact_tensors` -> :func:`restore_states` -> (local DP:
-:func:`write_deltas`, :func:`privatize`) -> :func:`encode_units` (one
-:func:`fedcomp.compression.feedback_pass.feedback_pass` per payload) -> :func:`summarize`.
+The stages, in the order the data flows (`compress_update` runs them): `plan_update`
+(`plan`) -> `encode_exact_tensors` -> `restore_states` -> (local DP:
+`write_deltas`, `privatize`) -> `encode_units` (one
+`fedcomp.compression.feedback_pass.feedback_pass` per payload) -> `summarize`.
 """
 
 from __future__ import annotations
@@ -39,15 +39,15 @@ def encode_exact_tensors(keys: list[str], received: dict, trained: dict) -> dict
     Raises
     ------
     ValueError
-        A value outside the model's dtype (:func:`fedcomp.statedict.exact_cast`: never wrapped).
+        A value outside the model's dtype (`fedcomp.statedict.exact_cast`: never wrapped).
     """
     return {k: encode_exact(exact_cast(k, trained[k], np.asarray(received[k]).dtype)) for k in keys}
 
 
 def restore_states(residuals: dict[str, np.ndarray], units: list[Unit], codec: CodecConfig,
                    shapes: dict[str, tuple[int, ...]]) -> dict[str, dict[str, np.ndarray]]:
-    """Saved client state per payload key (:func:`fedcomp.compression.unflatten_states`), regrouped for
-    this round's plan when error feedback is on (:func:`fedcomp.client.replan.replan_states`; what does
+    """Saved client state per payload key (`fedcomp.compression.unflatten_states`), regrouped for
+    this round's plan when error feedback is on (`fedcomp.client.replan.replan_states`; what does
     not fit is dropped with a warning and restarts at zero)."""
     states = unflatten_states(residuals)
     if codec.error_feedback:  # a warm-up codec or rule may have grouped the payloads otherwise last round
@@ -59,29 +59,29 @@ def restore_states(residuals: dict[str, np.ndarray], units: list[Unit], codec: C
 
 def write_deltas(units: list[Unit], received: dict, trained: dict,
                  dtypes: dict[str, str]) -> dict[str, tuple[torch.Tensor, list[float]]]:
-    """Every unit's update ``trained - received`` (:func:`fedcomp.compression.feedback_pass.write_delta`,
+    """Every unit's update ``trained - received`` (`fedcomp.compression.feedback_pass.write_delta`,
     finiteness checked) before any is encoded: local DP clips the whole model's update at once."""
     return {u.key: write_delta(u, received, trained, dtypes)[:2] for u in units}
 
 
 def privatize(buffers: list[torch.Tensor], local_dp: LocalDP) -> None:
     """Local DP in place: clip the whole float update (all buffers together) to the clipping norm and
-    add Gaussian noise from the OS CSPRNG (:func:`fedcomp.privacy.clip_and_noise_`)."""
+    add Gaussian noise from the OS CSPRNG (`fedcomp.privacy.clip_and_noise_`)."""
     clip_and_noise_(buffers, local_dp.clipping_norm, local_dp.noise_multiplier, secure_generator())
 
 
 def encode_units(units: list[Unit], states: dict[str, dict[str, np.ndarray]], codec: CodecConfig,
                  seed: int | None, pair: tuple[dict, dict, dict[str, str]] | None = None,
                  deltas: dict[str, tuple[torch.Tensor, list[float]]] | None = None) -> dict[str, UnitResult]:
-    """One :func:`fedcomp.compression.feedback_pass.feedback_pass` per unit, in plan order: from
+    """One `fedcomp.compression.feedback_pass.feedback_pass` per unit, in plan order: from
     ``pair`` (trained, received, dtypes; the residual is added in the delta's own pass where it can
-    be) or from the noisy ``deltas`` of :func:`privatize` (consumed). Saved state of another shape
+    be) or from the noisy ``deltas`` of `privatize` (consumed). Saved state of another shape
     is logged and restarts at zero.
 
     Raises
     ------
     ValueError
-        As :func:`compress_update`.
+        As `compress_update`.
     """
     results: dict[str, UnitResult] = {}
     for u in units:
@@ -107,7 +107,7 @@ def _drop_logger(unit: Unit):
 
 def summarize(units: list[Unit], results: dict[str, UnitResult], payloads: dict[str, bytes],
               update_sq: dict[str, float], exact_bytes: int, density: float, codec: CodecConfig) -> dict[str, Any]:
-    """The reply's statistics (see :func:`compress_update`, Returns) from the units' results."""
+    """The reply's statistics (see `compress_update`, Returns) from the units' results."""
     layer_sq_norm = {k: n2 for u in units for k, n2 in zip(u.members, results[u.key].sq_norms)}
     layer_sq_err = {k: e2 for u in units for k, e2 in zip(u.members, results[u.key].sq_errors)}
     float_keys = [k for k in update_sq]
@@ -147,10 +147,10 @@ def compress_update(
     """Compress ``trained - received`` with error feedback: float tensors per parameter or as one
     model vector, integer/bool tensors exactly.
 
-    Stages: :func:`plan_update` -> :func:`encode_exact_tensors` -> :func:`restore_states` ->
-    (local DP: :func:`write_deltas`, :func:`privatize`) -> :func:`encode_units` (per unit the update,
+    Stages: `plan_update` -> `encode_exact_tensors` -> `restore_states` ->
+    (local DP: `write_deltas`, `privatize`) -> `encode_units` (per unit the update,
     finiteness checked, error feedback and the codec in one
-    :func:`fedcomp.compression.feedback_pass.feedback_pass`) -> :func:`summarize`.
+    `fedcomp.compression.feedback_pass.feedback_pass`) -> `summarize`.
 
     Parameters
     ----------
@@ -160,12 +160,12 @@ def compress_update(
     codec : CodecConfig
         Codec, per-layer policy, adaptive density and error-feedback settings.
     residuals : dict of str to np.ndarray
-        Client state from earlier rounds as :func:`fedcomp.compression.flatten_states` lays it
+        Client state from earlier rounds as `fedcomp.compression.flatten_states` lays it
         out (may be empty): the residual under its payload key, DGC's momentum and codec memory
         such as PowerSGD's Q under ``"<payload key>#<entry>"``; entries of another shape are
         ignored (they restart at 0). Saved under another payload plan (a warm-up codec, a
         per-layer rule), residual and momentum are regrouped per parameter for this round's
-        plan (:func:`fedcomp.client.replan.replan_states`), so nothing sent is lost.
+        plan (`fedcomp.client.replan.replan_states`), so nothing sent is lost.
     seed : int, optional
         Seed of stochastic codecs (qsgd, int8, randomk). Never used for privacy noise.
     local_dp : LocalDP, optional
@@ -179,12 +179,12 @@ def compress_update(
         Flower's client-side ``clipping_norm`` (the server's noise assumes every update has at most
         this L2 norm): the payloads are decoded here and, where a lossy codec made the decoded
         update longer, the update is encoded again scaled down until it meets the bound
-        (:func:`fedcomp.client.clip_bound.encode_within_norm`).
+        (`fedcomp.client.clip_bound.encode_within_norm`).
 
     Returns
     -------
     (payloads, new_residuals, stats)
-        Payload bytes per payload key (see :func:`plan_units`; integer/bool tensors under their
+        Payload bytes per payload key (see `plan_units`; integer/bool tensors under their
         own names); residual per payload key (empty without error feedback); and
         ``upload-bytes``, ``dense-bytes`` (4 bytes per float parameter plus the integer tensors'
         own bytes), ``compression-error`` (||v - v_hat|| / ||v|| over the float model, v = update
@@ -201,7 +201,7 @@ def compress_update(
         Keys, shapes or dtype kinds differ between ``received`` and ``trained``.
     ValueError
         The update holds NaN/Inf (residuals are then left unchanged); an integer/bool tensor holds
-        a value outside the model's dtype (:func:`fedcomp.statedict.exact_cast`: never wrapped);
+        a value outside the model's dtype (`fedcomp.statedict.exact_cast`: never wrapped);
         A ``clipping_norm`` the codec cannot meet (e.g. an error-feedback residual longer than it).
     """
     dtypes = dtypes or {k: str(np.asarray(v).dtype) for k, v in received.items()}

@@ -59,7 +59,7 @@ def atom_probabilities(sigma: torch.Tensor, budget: int) -> torch.Tensor:
 
 class AtomoCompressor(Compressor):
     """ATOMO on the SVD: the tensor viewed as a matrix M (m x n) ``= sum_i sigma_i u_i v_i^T`` is sent
-    as the atoms a Bernoulli draw keeps, atom i with probability ``p_i`` (:func:`atom_probabilities`,
+    as the atoms a Bernoulli draw keeps, atom i with probability ``p_i`` (`atom_probabilities`,
     ``atoms`` of them expected), each as ``u_i`` (m), ``v_i`` (n) and ``w_i = sigma_i / p_i``; it
     decodes to ``sum_kept w_i u_i v_i^T``, whose expectation is M (unbiased; exact when ``atoms``
     is at least the rank of M, as every p_i is then 1).

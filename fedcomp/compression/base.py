@@ -1,7 +1,7 @@
-"""The codec base class (:class:`Compressor`) and the checks every codec shares: the input check
-(:func:`check_input`), parameter ranges (:func:`check_range`), sparse decoding (:class:`SparseDecoding`)
-and the compression error. Which codecs exist is :mod:`fedcomp.compression.registry`'s; decoding any
-payload is :mod:`fedcomp.compression.decoding`'s.
+"""The codec base class ([`Compressor`][fedcomp.compression.Compressor]) and the checks every codec shares: the input
+check (`check_input`), parameter ranges (`check_range`), sparse decoding (`SparseDecoding`)
+and the compression error. Which codecs exist is `fedcomp.compression.registry`'s; decoding any
+payload is `fedcomp.compression.decoding`'s.
 """
 
 from __future__ import annotations
@@ -56,21 +56,21 @@ def check_input(x: torch.Tensor) -> torch.Tensor:
 class Compressor:
     """Base class of every codec.
 
-    A subclass sets ``name`` and ``codec_id``, implements :meth:`_encode` (float32 1-D
-    tensor -> params bytes, body bytes) and the classmethod :meth:`_decode` (validated
+    A subclass sets ``name`` and ``codec_id``, implements `_encode` (float32 1-D
+    tensor -> params bytes, body bytes) and the classmethod `_decode` (validated
     header fields and body -> float32 numpy array of n elements). A subclass defined in a module
-    of this package is a registered codec (:func:`fedcomp.compression.registry.discover`); one
-    defined elsewhere registers with :func:`fedcomp.compression.registry.register`. Codecs know
+    of this package is a registered codec (`fedcomp.compression.registry.discover`); one
+    defined elsewhere registers with `fedcomp.compression.registry.register`. Codecs know
     nothing about Flower, nor about the registry.
     """
 
     name: ClassVar[str] = ""
     codec_id: ClassVar[int] = -1
-    #: The options the codec reads from a run config (:class:`~fedcomp.compression.options.Option`:
+    #: The options the codec reads from a run config (`Option`:
     #: constructor argument, run-config key, type, default, range). ``fedcomp.config.CodecConfig``
     #: builds its codec fields and each codec from these alone.
     options: ClassVar[tuple[Option, ...]] = ()
-    #: Constructor argument -> run-config key, derived from :attr:`options` when the codec is registered.
+    #: Constructor argument -> run-config key, derived from `options` when the codec is registered.
     config_keys: ClassVar[dict[str, str]] = {}
     #: Whether the constructor takes ``seed`` (stochastic codecs; the client passes a per-round seed).
     seeded: ClassVar[bool] = False
@@ -86,7 +86,7 @@ class Compressor:
     #: Usable under SecAgg+: clients' payloads add up entry-wise (no per-client positions or scales).
     secagg: ClassVar[bool] = False
     #: ``density-schedule = "auto"`` ramps its density down (DGC's warm-up) below density 1/400
-    #: with error feedback (:mod:`fedcomp.config.low_density`).
+    #: with error feedback (`fedcomp.config.low_density`).
     density_ramp: ClassVar[bool] = False
     #: Fit for ``small-tensor-compressor``: a dense cast, cheap on small tensors and never worse
     #: than its precision.
@@ -146,9 +146,10 @@ class Compressor:
         return _assemble(pack_header(self.codec_id, x.dtype, tuple(x.shape), params), body)
 
     def compress_finite(self, x: torch.Tensor) -> bytes:
-        """:meth:`compress` for a float32 ``x`` the caller has already proven finite (its norms are
-        finite): the same payload without the finiteness pass of :func:`check_input`. Any other
-        dtype, or a codec with a ``compress`` of its own, goes through :meth:`compress`."""
+        """[`compress`][fedcomp.compression.Compressor.compress] for a float32 ``x`` the caller has already proven
+        finite (its norms are finite): the same payload without the finiteness pass of `check_input`. Any other
+        dtype, or a codec with a ``compress`` of its own, goes through
+        [`compress`][fedcomp.compression.Compressor.compress]."""
         if type(self).compress is not Compressor.compress or not isinstance(x, torch.Tensor) or x.dtype != torch.float32:
             return self.compress(x)
         params, body = self._encode(x.detach().reshape(-1))
@@ -156,15 +157,16 @@ class Compressor:
 
     def _encode(self, flat: torch.Tensor) -> tuple[bytes, bytes | tuple]:  # pragma: no cover - abstract
         """``(params, body)``: the parameter block and the body, as bytes or as a tuple of bytes-like
-        parts (contiguous numpy arrays included) that :meth:`compress` copies once into the payload."""
+        parts (contiguous numpy arrays included) that [`compress`][fedcomp.compression.Compressor.compress] copies once
+        into the payload."""
         raise NotImplementedError
 
     @classmethod
     def _decode(cls, header: Header, payload: memoryview) -> np.ndarray:
         """Validated header and payload -> float32 numpy array of ``header.numel`` entries.
 
-        A codec overrides this or :meth:`_decode_into` (or both); this default decodes into a fresh
-        array with :meth:`_decode_into`.
+        A codec overrides this or `_decode_into` (or both); this default decodes into a fresh
+        array with `_decode_into`.
         """
         out = np.empty(header.numel, dtype=np.float32)
         cls._decode_into(header, payload, out)
@@ -172,7 +174,7 @@ class Compressor:
 
     @classmethod
     def _decode_into(cls, header: Header, payload: memoryview, out: np.ndarray) -> None:
-        """:meth:`_decode` into ``out`` (contiguous, ``header.numel`` entries, float32 or float64).
+        """`_decode` into ``out`` (contiguous, ``header.numel`` entries, float32 or float64).
 
         This default decodes a fresh array and copies it (the dtypes must match); codecs that can
         write straight into ``out`` override it. On a ``PayloadError`` the contents of ``out`` are
@@ -196,12 +198,12 @@ class Compressor:
         """Client-side memory the codec carries from one call to the next (e.g. PowerSGD's
         warm-start Q), as float numpy arrays by name; ``{}`` for stateless codecs.
 
-        :class:`~fedcomp.compression.ErrorFeedback` saves it with the residual.
+        [`ErrorFeedback`][fedcomp.compression.ErrorFeedback] saves it with the residual.
         """
         return {}
 
     def set_state(self, state: dict[str, np.ndarray]) -> None:
-        """Restore what :meth:`get_state` returned (stateless codecs ignore it)."""
+        """Restore what `get_state` returned (stateless codecs ignore it)."""
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.config().items())
@@ -247,6 +249,6 @@ def compression_error(x: torch.Tensor, x_hat: torch.Tensor) -> float:
 
 
 def check_range(name: str, value, lo, hi, *, lo_open: bool = False, integer: bool = False) -> None:
-    """Validate a codec parameter (:func:`fedcomp.util.validate.check_number`: an ``int`` where
+    """Validate a codec parameter (`fedcomp.util.validate.check_number`: an ``int`` where
     ``integer``, finite, in ``[lo, hi]`` or ``(lo, hi]``); raise ``ValueError`` naming it and its range."""
     check_number(value, name, lo=lo, hi=hi, lo_open=lo_open, integer=integer, exact_type=True)

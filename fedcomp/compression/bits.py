@@ -36,7 +36,7 @@ def pack_bits(bits: np.ndarray) -> bytes:
 
 
 def pack_bits_array(bits: np.ndarray) -> np.ndarray:
-    """:func:`pack_bits` as a uint8 array (no copy into ``bytes``)."""
+    """`pack_bits` as a uint8 array (no copy into ``bytes``)."""
     return np.packbits(bits.astype(np.bool_, copy=False), bitorder="little")
 
 
@@ -52,7 +52,7 @@ def pack_bits_on_device(bits: torch.Tensor) -> bytes:
 
 
 def unpack_bits(buf: memoryview | bytes, count: int, what: str) -> np.ndarray:
-    """Inverse of :func:`pack_bits`.
+    """Inverse of `pack_bits`.
 
     Parameters
     ----------
@@ -78,7 +78,7 @@ def unpack_bits(buf: memoryview | bytes, count: int, what: str) -> np.ndarray:
 
 
 def check_padding(buf: memoryview | bytes, count: int, what: str) -> np.ndarray:
-    """The checks of :func:`unpack_bits` without the unpacking: ``buf`` as a uint8 array.
+    """The checks of `unpack_bits` without the unpacking: ``buf`` as a uint8 array.
 
     Raises
     ------
@@ -129,11 +129,11 @@ def _word_plan(width: int) -> list[tuple[int, int, int]]:
 
 
 def pack_uint_array(values: np.ndarray, width: int) -> np.ndarray:
-    """:func:`pack_uint`'s bytes as a uint8 array, packed a group of 8 values at a time.
+    """`pack_uint`'s bytes as a uint8 array, packed a group of 8 values at a time.
 
     The 8 values of a group are OR-ed at bit offsets ``0, w, ..., 7w`` into ``ceil(w / 8)``
     little-endian 64-bit words, whose first w bytes are the group's bytes; chunks of
-    :data:`PACK_CHUNK` values bound the temporaries. ``values``: 1-D, every entry in
+    `PACK_CHUNK` values bound the temporaries. ``values``: 1-D, every entry in
     ``[0, 2**width)``; ``width`` 1..64.
     """
     m = values.size
@@ -169,11 +169,11 @@ def pack_uint_array(values: np.ndarray, width: int) -> np.ndarray:
 
 
 class UintStreamWriter:
-    """Packs ``count`` fixed-width unsigned values pushed chunk by chunk into one :func:`pack_uint`
-    stream (width 1: :func:`pack_bits`' stream), so that no n-sized array of the values is held.
+    """Packs ``count`` fixed-width unsigned values pushed chunk by chunk into one `pack_uint`
+    stream (width 1: `pack_bits`' stream), so that no n-sized array of the values is held.
 
     Values are packed 8 at a time (a whole group: byte-aligned at every width); up to 7 wait for
-    the next :meth:`push`. The bytes equal those of one :func:`pack_uint_array` over all values.
+    the next `push`. The bytes equal those of one `pack_uint_array` over all values.
 
     Parameters
     ----------
@@ -186,7 +186,7 @@ class UintStreamWriter:
     def __init__(self, count: int, width: int) -> None:
         self.width = width
         self.out = np.empty(nbytes_for_bits(count * width), dtype=np.uint8)
-        self._done = 0  # values packed so far, a multiple of 8 until :meth:`finish`
+        self._done = 0  # values packed so far, a multiple of 8 until `finish`
         self._pending: np.ndarray | None = None
 
     def push(self, values: np.ndarray) -> None:
@@ -221,7 +221,7 @@ def uint_dtype(width: int) -> np.dtype:
 
 
 def unpack_uint_range(raw: np.ndarray, first: int, count: int, width: int) -> np.ndarray:
-    """Values ``first .. first + count - 1`` of a :func:`pack_uint` stream (no length checks).
+    """Values ``first .. first + count - 1`` of a `pack_uint` stream (no length checks).
 
     Parameters
     ----------
@@ -236,8 +236,8 @@ def unpack_uint_range(raw: np.ndarray, first: int, count: int, width: int) -> np
     Returns
     -------
     np.ndarray
-        Shape ``(count,)``, dtype :func:`uint_dtype` of ``width``. Decoded a group of 8 values at a
-        time (the inverse of :func:`pack_uint_array`), :data:`PACK_CHUNK` values per step: the
+        Shape ``(count,)``, dtype `uint_dtype` of ``width``. Decoded a group of 8 values at a
+        time (the inverse of `pack_uint_array`), `PACK_CHUNK` values per step: the
         temporaries stay below ``24 * PACK_CHUNK`` bytes whatever the count.
     """
     if width == 8:
@@ -282,12 +282,12 @@ def unpack_uint_range(raw: np.ndarray, first: int, count: int, width: int) -> np
 
 
 def unpack_uint(buf: memoryview | bytes, count: int, width: int, what: str) -> np.ndarray:
-    """Inverse of :func:`pack_uint`, in chunks of :data:`PACK_CHUNK` values.
+    """Inverse of `pack_uint`, in chunks of `PACK_CHUNK` values.
 
     Returns
     -------
     np.ndarray
-        Shape ``(count,)``, dtype :func:`uint_dtype` of ``width`` (uint8 up to 8 bits, uint16 up
+        Shape ``(count,)``, dtype `uint_dtype` of ``width`` (uint8 up to 8 bits, uint16 up
         to 16, ...; uint64 for width 0). Peak memory: the result plus a bounded chunk.
 
     Raises
@@ -303,8 +303,8 @@ def unpack_uint(buf: memoryview | bytes, count: int, width: int, what: str) -> n
 
 
 def check_uint_stream(buf: memoryview | bytes, count: int, width: int, what: str) -> np.ndarray:
-    """The checks of :func:`unpack_uint` (``count >= 1``, ``width >= 1``) without the unpacking:
-    ``buf`` as a uint8 array, for :func:`unpack_uint_range` chunk by chunk.
+    """The checks of `unpack_uint` (``count >= 1``, ``width >= 1``) without the unpacking:
+    ``buf`` as a uint8 array, for `unpack_uint_range` chunk by chunk.
 
     Raises
     ------

@@ -2,7 +2,7 @@
 
 A fresh torch tensor of a model's size costs a page fault per 4 KiB on the CPU (glibc serves
 allocations above 32 MiB from fresh ``mmap``), which is what made most encoders cost many read
-passes. The codecs therefore walk their input in chunks of :data:`CHUNK` entries, keeping every
+passes. The codecs therefore walk their input in chunks of `CHUNK` entries, keeping every
 temporary in cache, and write their outputs into buffers numpy allocates (numpy asks the kernel
 for huge pages on large arrays: a few faults instead of thousands). Every chunked path performs
 the same float operations on every entry as the whole-tensor code it replaced, so payloads are
@@ -54,7 +54,7 @@ def padded_rows(flat: torch.Tensor, b0: int, b1: int, block: int) -> torch.Tenso
 
 
 def padded_rows_np(xn: np.ndarray, b0: int, b1: int, block: int) -> np.ndarray:
-    """:func:`padded_rows` of a 1-D numpy array ``xn``: blocks ``b0 .. b1 - 1`` as a
+    """`padded_rows` of a 1-D numpy array ``xn``: blocks ``b0 .. b1 - 1`` as a
     ``(b1 - b0, block)`` view of xn's dtype, the short last block zero-padded (a copy of that
     chunk only)."""
     seg = xn[b0 * block : b1 * block]

@@ -1,5 +1,5 @@
-"""Decoding any payload: the header names the codec (:func:`codec_name`), the registry gives its
-class, and :func:`decompress` / :func:`decompress_sparse` validate and decode; nothing but the
+"""Decoding any payload: the header names the codec (`codec_name`), the registry gives its
+class, and [`decompress`][fedcomp.compression.decompress] / `decompress_sparse` validate and decode; nothing but the
 payload is needed.
 """
 
@@ -148,7 +148,7 @@ def decompress_sparse(
 ) -> tuple[np.ndarray, np.ndarray] | None:
     """Decode a sparse payload (stc, topk, randomk) to its kept entries, without a dense output.
 
-    Validation is :func:`decompress`'s. Used by the server to fold a sparse update into a
+    Validation is [`decompress`][fedcomp.compression.decompress]'s. Used by the server to fold a sparse update into a
     running sum in O(k) (scatter-add of the kept entries).
 
     Parameters
@@ -156,22 +156,22 @@ def decompress_sparse(
     payload : bytes-like
         Possibly untrusted bytes.
     max_numel, expected_shape
-        As in :func:`decompress`.
+        As in [`decompress`][fedcomp.compression.decompress].
 
     Returns
     -------
     (positions, values) or None
         ``positions``: int64, shape ``(k,)``, strictly increasing, each in ``[0, numel)`` of the
         flattened tensor; ``values``: float32, shape ``(k,)``, finite. None if the payload's codec
-        is dense (sign, qsgd, int8, fp16, ...): decode it with :func:`decompress`. Memory is O(k)
-        for every sparse codec (randomk regenerates its k positions without an n-sized mask when
+        is dense (sign, qsgd, int8, fp16, ...): decode it with [`decompress`][fedcomp.compression.decompress]. Memory is
+        O(k) for every sparse codec (randomk regenerates its k positions without an n-sized mask when
         k <= n / 4).
 
     Raises
     ------
     PayloadError
-        As :func:`decompress`: an unknown codec id, an exact (integer/bool) payload and a float
-        codec's header that declares an integer dtype are refused, never answered with None.
+        As [`decompress`][fedcomp.compression.decompress]: an unknown codec id, an exact (integer/bool) payload and a
+        float codec's header that declares an integer dtype are refused, never answered with None.
     """
     payload, header, cls = _open(payload, max_numel, expected_shape)
     if not hasattr(cls, "_decode_sparse"):

@@ -83,7 +83,8 @@ class NoCompression(_Cast):
     codec_id = 0
 
     def compress(self, x: torch.Tensor) -> bytes:
-        """As :meth:`Compressor.compress`; a float64 ``x`` travels as float64 (checked finite in float64).
+        """As [`Compressor.compress`][fedcomp.compression.Compressor.compress]; a float64 ``x`` travels as float64
+        (checked finite in float64).
 
         Raises
         ------

@@ -7,8 +7,8 @@ place of its gradient, as in federated EF21 variants).
 Each client i keeps an estimate ``h_i`` of its update; the server keeps ``h = mean_i h_i``.
 Per round the client sends ``c_i = C(x_i - h_i)`` and both sides add the decoded ``c_i``:
 ``h_i <- h_i + c_i`` on the client, ``h <- h + mean_i c_i`` on the server
-(:class:`fedcomp.strategies.ef21_aggregate.EF21Aggregate`), and the server applies ``h`` as the round's
-update. Classic error feedback (:class:`~fedcomp.compression.ErrorFeedback`) sends ``C(x + e)``
+(`fedcomp.strategies.ef21_aggregate.EF21Aggregate`), and the server applies ``h`` as the round's
+update. Classic error feedback ([`ErrorFeedback`][fedcomp.compression.ErrorFeedback]) sends ``C(x + e)``
 and applies only what was sent; EF21 applies the running estimate, whose error shrinks as
 ``h_i`` follows ``x_i``, which the paper shows is what classic EF lacks on heterogeneous clients.
 
@@ -28,15 +28,15 @@ from fedcomp.compression.error_feedback import ErrorFeedback, segment_sq_norms
 class EF21(ErrorFeedback):
     """Send ``C(x - h)`` and move the estimate: ``h <- h + decompress(sent)``.
 
-    Same interface and saved state as :class:`~fedcomp.compression.ErrorFeedback` (``h`` is
-    stored where the residual is: :attr:`residual`, ``get_state()["residual"]``), so a client's
+    Same interface and saved state as [`ErrorFeedback`][fedcomp.compression.ErrorFeedback] (``h`` is
+    stored where the residual is: `residual`, ``get_state()["residual"]``), so a client's
     state, its persistence and its regrouping across payload plans work unchanged. No momentum
     correction (DGC's rule is defined on a residual, not on an estimate).
 
     Parameters
     ----------
     compressor : Compressor
-        Any codec from :func:`fedcomp.compression.get_compressor`.
+        Any codec from [`fedcomp.compression.get_compressor`][].
     residual_dtype : {"fp32", "fp16"}
         Storage of ``h`` ("fp16" saturates at ±65504; the server's ``h`` then differs by the clamp).
 
@@ -62,7 +62,8 @@ class EF21(ErrorFeedback):
         inplace : bool
             Allow overwriting a float32 ``x`` (it becomes ``x - h``, then the error of the send).
         segments : list of int, optional
-            Segment sizes for per-layer norms (see :meth:`ErrorFeedback.compress`).
+            Segment sizes for per-layer norms (see
+            [`ErrorFeedback.compress`][fedcomp.compression.ErrorFeedback.compress]).
         finite : bool
             The caller has proven ``x`` a finite float32 tensor: its check is not repeated here.
 

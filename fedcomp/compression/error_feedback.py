@@ -21,9 +21,9 @@ from fedcomp.compression.decoding import decompress, decompress_sparse
 
 _RESIDUAL_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 
-#: Keys of :meth:`ErrorFeedback.get_state` besides the codec's own ("<codec name>/<key>").
+#: Keys of `ErrorFeedback.get_state` besides the codec's own ("<codec name>/<key>").
 RESIDUAL, MOMENTUM = "residual", "momentum"
-#: Separator between a payload key and a state entry name in :func:`flatten_states`.
+#: Separator between a payload key and a state entry name in `flatten_states`.
 STATE_SEP = "#"
 
 
@@ -42,8 +42,8 @@ def encode_and_subtract(compressor: Compressor, v: torch.Tensor, segments: list[
     """Compress ``v`` and overwrite it with the compression error ``v - decompress(payload)``.
 
     The one place that turns a payload back into what the receiver sees and subtracts it: used by
-    :meth:`ErrorFeedback.compress` (the error becomes the residual) and by a client without error
-    feedback (the error only feeds its statistics).
+    [`ErrorFeedback.compress`][fedcomp.compression.ErrorFeedback.compress] (the error becomes the residual) and by a
+    client without error feedback (the error only feeds its statistics).
 
     Parameters
     ----------
@@ -60,7 +60,7 @@ def encode_and_subtract(compressor: Compressor, v: torch.Tensor, segments: list[
         The segments' squared norms of ``v`` when the caller has them already (one pass fewer).
     finite : bool
         The caller has proven ``v`` finite (float32): the codec skips its own finiteness pass
-        (:meth:`Compressor.compress_finite`; the same payload).
+        (`Compressor.compress_finite`; the same payload).
 
     Returns
     -------
@@ -116,12 +116,13 @@ class ErrorFeedback:
     every entry, u is zeroed every call and this is plain error feedback.
 
     The whole client-side state (residual, momentum buffer, and the codec's own memory such as
-    PowerSGD's warm-start Q) is saved and restored with :meth:`get_state` / :meth:`set_state`.
+    PowerSGD's warm-start Q) is saved and restored with [`get_state`][fedcomp.compression.ErrorFeedback.get_state] /
+    [`set_state`][fedcomp.compression.ErrorFeedback.set_state].
 
     Parameters
     ----------
     compressor : Compressor
-        Any codec from :func:`fedcomp.compression.get_compressor`.
+        Any codec from [`fedcomp.compression.get_compressor`][].
     residual_dtype : {"fp32", "fp16"}
         Storage of the residual (and of the momentum buffer); "fp16" halves its memory
         (4 -> 2 bytes/parameter) and saturates entries beyond ±65504.
@@ -171,7 +172,7 @@ class ErrorFeedback:
         ----------
         x : torch.Tensor
             Any shape and supported float dtype; CPU or CUDA. Must keep the same shape
-            across calls (call :meth:`reset` to change it).
+            across calls (call [`reset`][fedcomp.compression.ErrorFeedback.reset] to change it).
         inplace : bool
             Allow overwriting a float32 ``x``: it becomes ``v = x + e`` and then the new
             residual, so the call needs no model-sized copy of its own (not once a momentum
@@ -179,7 +180,7 @@ class ErrorFeedback:
         segments : list of int, optional
             Sizes of consecutive segments of the flattened ``x`` (summing to ``x.numel()``);
             their squared norms of ``v`` and of the error are then kept in
-            :attr:`last_segment_sq_norms` / :attr:`last_segment_sq_errors` (per-layer
+            `last_segment_sq_norms` / `last_segment_sq_errors` (per-layer
             monitoring without another pass by the caller).
         finite : bool
             The caller has proven ``x`` a finite float32 tensor (its norms are finite): its
@@ -224,10 +225,10 @@ class ErrorFeedback:
     def compress_summed(self, v: torch.Tensor, sq_norms: list[float], *, segments: list[int] | None = None) -> bytes:
         """Compress ``v = x + e``, which the caller has formed already, and keep its error as the residual.
 
-        For :func:`fedcomp.compression.feedback_pass.feedback_pass`, which writes the update and adds
+        For `fedcomp.compression.feedback_pass.feedback_pass`, which writes the update and adds
         the residual in one pass of its own and checks the sum: the result, payload and new state are
-        those of :meth:`compress` on ``x`` with the residual ``e`` this object would have held, bit
-        for bit.
+        those of [`compress`][fedcomp.compression.ErrorFeedback.compress] on ``x`` with the residual ``e`` this object
+        would have held, bit for bit.
 
         Parameters
         ----------
@@ -237,9 +238,9 @@ class ErrorFeedback:
             the new residual.
         sq_norms : list of float
             The segments' squared L2 norms of ``v`` (fp32 reductions, as
-            :func:`segment_sq_norms` computes them).
+            `segment_sq_norms` computes them).
         segments : list of int, optional
-            As in :meth:`compress`.
+            As in [`compress`][fedcomp.compression.ErrorFeedback.compress].
 
         Returns
         -------
@@ -249,8 +250,9 @@ class ErrorFeedback:
         Raises
         ------
         ValueError
-            With momentum correction (its buffer enters before the residual: use :meth:`compress`)
-            or ``v`` not float32 (the state is left unchanged).
+            With momentum correction (its buffer enters before the residual: use
+            [`compress`][fedcomp.compression.ErrorFeedback.compress]) or ``v`` not float32 (the state is left
+            unchanged).
         """
         if self.momentum > 0:
             raise ValueError("compress_summed: momentum correction needs compress()")
@@ -295,7 +297,8 @@ class ErrorFeedback:
     def get_residual(self, copy: bool = True) -> np.ndarray | None:
         """The residual as a numpy array (its storage dtype, CPU), or None; for saving.
 
-        ``copy=False`` returns a view of a CPU residual (valid until the next :meth:`compress`).
+        ``copy=False`` returns a view of a CPU residual (valid until the next
+        [`compress`][fedcomp.compression.ErrorFeedback.compress]).
         """
         if self.residual is None:
             return None
@@ -304,11 +307,13 @@ class ErrorFeedback:
 
     def set_residual(self, residual: np.ndarray | torch.Tensor | None, copy: bool = True, *,
                      check: bool = True) -> None:
-        """Restore a residual saved with :meth:`get_residual` (or any array of the input shape).
+        """Restore a residual saved with [`get_residual`][fedcomp.compression.ErrorFeedback.get_residual] (or any array
+        of the input shape).
 
-        ``copy=False`` keeps a reference when the dtype already matches (the next :meth:`compress`
-        only reads it, then replaces it), saving a model-sized copy. ``check=False`` skips the
-        finiteness check when the caller has made it (:meth:`set_state`).
+        ``copy=False`` keeps a reference when the dtype already matches (the next
+        [`compress`][fedcomp.compression.ErrorFeedback.compress] only reads it, then replaces it), saving a model-sized
+        copy. ``check=False`` skips the finiteness check when the caller has made it
+        ([`set_state`][fedcomp.compression.ErrorFeedback.set_state]).
 
         Raises
         ------
@@ -326,7 +331,8 @@ class ErrorFeedback:
     def get_state(self, copy: bool = True) -> dict[str, np.ndarray]:
         """The whole client-side state as numpy arrays (storage dtype, CPU), for saving.
 
-        ``copy=False`` returns views of CPU buffers (valid until the next :meth:`compress`).
+        ``copy=False`` returns views of CPU buffers (valid until the next
+        [`compress`][fedcomp.compression.ErrorFeedback.compress]).
 
         Returns
         -------
@@ -346,18 +352,21 @@ class ErrorFeedback:
 
     def set_state(self, state: Mapping[str, np.ndarray], shape: tuple[int, ...] | None = None,
                   copy: bool = True) -> list[str]:
-        """Restore what :meth:`get_state` returned (missing entries start from zero / fresh).
+        """Restore what [`get_state`][fedcomp.compression.ErrorFeedback.get_state] returned (missing entries start from
+        zero / fresh).
 
         Parameters
         ----------
         state : mapping of str to array
-            Entries as :meth:`get_state` names them; entries of another codec are ignored.
+            Entries as [`get_state`][fedcomp.compression.ErrorFeedback.get_state] names them; entries of another codec
+            are ignored.
         shape : tuple of int, optional
             The shape of the coming input: a residual or momentum buffer of another shape is
-            dropped (restarts at zero) instead of failing the next :meth:`compress`.
+            dropped (restarts at zero) instead of failing the next
+            [`compress`][fedcomp.compression.ErrorFeedback.compress].
         copy : bool
             False keeps references to residual and momentum arrays whose dtype already matches
-            (the next :meth:`compress` only reads them, then replaces them).
+            (the next [`compress`][fedcomp.compression.ErrorFeedback.compress] only reads them, then replaces them).
 
         Returns
         -------
@@ -405,7 +414,7 @@ def flatten_states(states: Mapping[str, Mapping[str, np.ndarray]]) -> dict[str, 
 
 
 def unflatten_states(flat: Mapping[str, np.ndarray]) -> dict[str, dict[str, np.ndarray]]:
-    """Inverse of :func:`flatten_states`: ``{payload key: {entry: array}}``."""
+    """Inverse of `flatten_states`: ``{payload key: {entry: array}}``."""
     out: dict[str, dict[str, np.ndarray]] = {}
     for key, arr in flat.items():
         ukey, sep, name = key.rpartition(STATE_SEP)

@@ -5,7 +5,7 @@ dtype, inside the same validated wire format (magic, version, codec id ``EXACT_C
 code, shape, then the raw little-endian elements). They are small (a ResNet-18 has 20
 ``num_batches_tracked`` scalars), so no compression is attempted.
 
-Unlike :func:`fedcomp.compression.decompress` (float codecs, float32 out), :func:`decode_exact`
+Unlike [`fedcomp.compression.decompress`][] (float codecs, float32 out), `decode_exact`
 returns a numpy array of the payload's own dtype, and only if it is the dtype and shape the
 receiver expects.
 """
@@ -17,7 +17,7 @@ import numpy as np
 from fedcomp.compression.errors import PayloadError
 from fedcomp.compression.wire import DEFAULT_MAX_NUMEL, EXACT_DTYPE_CODES, BodyReader, pack_exact_header, parse_header
 
-#: Codec id of exact payloads (not a :class:`~fedcomp.compression.Compressor`: no float codec).
+#: Codec id of exact payloads (not a `Compressor`: no float codec).
 EXACT_CODEC_ID = 64
 #: Name reported for exact payloads in byte statistics (``upload-bytes-exact``).
 EXACT_NAME = "exact"
@@ -60,7 +60,7 @@ def decode_exact(payload: bytes | bytearray | memoryview, expected_shape: tuple[
     Parameters
     ----------
     payload : bytes-like
-        From :func:`encode_exact` (possibly hostile).
+        From `encode_exact` (possibly hostile).
     expected_shape : tuple of int
         Shape of the model's tensor; the header must claim exactly this (so at most its elements
         are ever allocated).

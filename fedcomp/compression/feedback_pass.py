@@ -1,10 +1,10 @@
 """The error-feedback entry point: one payload's update from trained weights to bytes and new state.
 
-:func:`feedback_pass` is called once per payload by the client: it forms ``delta = trained -
+`feedback_pass` is called once per payload by the client: it forms ``delta = trained -
 received`` into one new buffer, adds the saved residual in that same pass when it can
-(:func:`summable_residual`), takes the norms that double as the finiteness check, compresses with
-the codec and the memory the settings name (:class:`~fedcomp.compression.ErrorFeedback`, DGC's
-momentum correction, :class:`~fedcomp.compression.EF21`, or none) and returns the payload, the state
+(`summable_residual`), takes the norms that double as the finiteness check, compresses with
+the codec and the memory the settings name ([`ErrorFeedback`][fedcomp.compression.ErrorFeedback], DGC's
+momentum correction, `EF21`, or none) and returns the payload, the state
 to keep and the statistics. Local DP, which clips the whole model's update before any payload is
 encoded, hands the noisy buffer in instead (``delta``).
 
@@ -29,7 +29,7 @@ from fedcomp.compression.error_feedback import RESIDUAL, ErrorFeedback, encode_a
 
 
 class FeedbackSettings(Protocol):
-    """What :func:`feedback_pass` reads of the settings (``fedcomp.config.CodecConfig`` has these)."""
+    """What `feedback_pass` reads of the settings (``fedcomp.config.CodecConfig`` has these)."""
 
     #: False (none), True (classic error feedback) or "ef21".
     error_feedback: bool | str
@@ -59,7 +59,7 @@ class Unit:
 
 @dataclass
 class UnitResult:
-    """What encoding one :class:`Unit` produced: payload bytes, the codec state to keep (residual,
+    """What encoding one `Unit` produced: payload bytes, the codec state to keep (residual,
     momentum, codec memory; empty without error feedback), per-member squared norms of what was
     compressed (update + residual) and of its compression error (fp32 reductions), the fp16
     residual's saturation (entries clamped, relative L2 lost), the density its codec used (None:
@@ -92,7 +92,8 @@ def feedback_pass(unit: Unit, state: Mapping[str, np.ndarray], build: Callable[[
     unit : Unit
         The payload's layout.
     state : mapping of str to np.ndarray
-        The payload's saved state (:meth:`ErrorFeedback.get_state` names); read, never written.
+        The payload's saved state ([`ErrorFeedback.get_state`][fedcomp.compression.ErrorFeedback.get_state] names);
+        read, never written.
     build : callable
         ``build(density)`` returns the payload's codec (``density`` None: the codec's own).
     settings : FeedbackSettings
@@ -182,8 +183,9 @@ def _send_exactly(unit: Unit, x: torch.Tensor, state: Mapping, build, settings: 
 
 def _send_summed(unit: Unit, v: torch.Tensor, sum_norms: list[float], state: Mapping, build,
                  settings: FeedbackSettings, density: Density, on_drop: OnDrop | None) -> UnitResult:
-    """Classic error feedback on ``v = update + residual`` formed by :func:`write_delta`: the payload
-    and new state of :meth:`ErrorFeedback.compress` on the update, without its residual pass."""
+    """Classic error feedback on ``v = update + residual`` formed by `write_delta`: the payload
+    and new state of [`ErrorFeedback.compress`][fedcomp.compression.ErrorFeedback.compress] on the update, without its
+    residual pass."""
     if not math.isfinite(sum(sum_norms)) and not bool(torch.isfinite(v).all()):
         prev = state.get(RESIDUAL)
         if prev is not None and not np.isfinite(np.asarray(prev)).all():
@@ -216,12 +218,12 @@ def _send_with_memory(unit: Unit, x: torch.Tensor, update_sq: list[float], state
 
 
 def summable_residual(unit: Unit, state: Mapping, settings: FeedbackSettings) -> tuple[bool, np.ndarray | None]:
-    """Whether :func:`write_delta` may add this unit's residual in its own pass, and that residual.
+    """Whether `write_delta` may add this unit's residual in its own pass, and that residual.
 
     Only classic error feedback without momentum correction on a float32 unit, with a residual of
     the unit's shape already in the storage dtype (``residual-dtype``), or none: everything else
     (EF21, DGC's momentum, a wide unit, a residual to convert or of another shape) takes
-    :meth:`ErrorFeedback.compress`.
+    [`ErrorFeedback.compress`][fedcomp.compression.ErrorFeedback.compress].
 
     Returns
     -------
@@ -269,7 +271,7 @@ def write_delta(unit: Unit, received: Mapping, trained: Mapping, dtypes: Mapping
         is taken in float64, then rounded); the members flattened in order; with ``add_residual``
         it holds ``update + residual``. Squared L2 norm per member of the update (the buffer's
         dtype's reduction), and with ``add_residual`` of ``update + residual`` (possibly not
-        finite: an overflow or a non-finite residual, which :func:`feedback_pass` reports), else None.
+        finite: an overflow or a non-finite residual, which `feedback_pass` reports), else None.
 
     Raises
     ------

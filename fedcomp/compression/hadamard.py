@@ -20,8 +20,8 @@ def fwht_(x: torch.Tensor, buf: torch.Tensor | None = None, zero_signs: bool = T
     orthonormal and symmetric, so it is its own inverse.
 
     Each level h = 1, 2, 4, ... maps every pair ``(a, b)`` (h apart) to ``(a + b, -(b - a))``.
-    On the CPU, from :data:`BLOCKED_MIN` entries on, the levels run cache-blocked
-    (:func:`_fwht_blocked`): the same operations on every entry, so the same bits.
+    On the CPU, from `BLOCKED_MIN` entries on, the levels run cache-blocked
+    (`_fwht_blocked`): the same operations on every entry, so the same bits.
 
     Parameters
     ----------
@@ -68,7 +68,7 @@ def fwht_(x: torch.Tensor, buf: torch.Tensor | None = None, zero_signs: bool = T
 
 #: From this length on, a CPU transform runs cache-blocked.
 BLOCKED_MIN = 1 << 12
-#: Entries per cache block of :func:`_fwht_blocked` (256 KiB of float32).
+#: Entries per cache block of `_fwht_blocked` (256 KiB of float32).
 _GROUP = 1 << 16
 #: Levels below this pair distance run on a transposed copy of the block, as row operations.
 _TRANSPOSE = 64
@@ -100,10 +100,10 @@ def _levels(src: torch.Tensor, dst: torch.Tensor, count: int, inner: int, zero_s
 
 
 def _fwht_blocked(x: torch.Tensor, zero_signs: bool = True) -> torch.Tensor:
-    """:func:`fwht_` on the CPU, cache-blocked, every entry's operations unchanged.
+    """`fwht_` on the CPU, cache-blocked, every entry's operations unchanged.
 
-    With the length cut into R rows of G = :data:`_GROUP` entries (``H_n = H_R (x) H_G``): each
-    row gets its levels below :data:`_TRANSPOSE` on a transposed copy (rows of G / T contiguous
+    With the length cut into R rows of G = `_GROUP` entries (``H_n = H_R (x) H_G``): each
+    row gets its levels below `_TRANSPOSE` on a transposed copy (rows of G / T contiguous
     entries, so every operation is vectorised) and the rest in place; then column tiles of the
     R x G matrix, copied out so that they stay in cache, get the levels across rows. Scratch: three
     tensors of at most G entries.
@@ -165,14 +165,14 @@ def random_sign_bits(seed: int, n: int) -> np.ndarray:
 
 
 def random_sign_bytes(seed: int, n: int) -> np.ndarray:
-    """:func:`random_sign_bits` packed: uint8, ``8 * ceil(n / 64)`` bytes, bit i of the stream
+    """`random_sign_bits` packed: uint8, ``8 * ceil(n / 64)`` bytes, bit i of the stream
     (little bit order) the sign of entry i."""
     return np.random.PCG64(seed).random_raw(-(-n // 64)).astype("<u8").view(np.uint8)
 
 
 def flip_signs(src: np.ndarray, signs: np.ndarray, out: np.ndarray) -> np.ndarray:
     """``out = src`` negated where bit i of ``signs`` (packed, little bit order) is 0: the float32
-    sign bit flipped (exactly IEEE negation, -0.0 included), in chunks of :data:`CHUNK` entries.
+    sign bit flipped (exactly IEEE negation, -0.0 included), in chunks of `CHUNK` entries.
 
     Parameters
     ----------

@@ -15,18 +15,18 @@ from fedcomp.util.declared_key import Key
 
 @dataclass(frozen=True)
 class Option(Key):
-    """One codec option: a run-config :class:`~fedcomp.util.declared_key.Key` (name, type, default,
+    """One codec option: a run-config `Key` (name, type, default,
     help, range or choices) and the codec constructor's keyword argument it fills (``arg``).
 
     Several codecs may share a key when they declare it identically (stc, topk and randomk share
-    ``density``: :data:`DENSITY`).
+    ``density``: `DENSITY`).
     """
 
     arg: str = ""
 
     @property
     def key(self) -> str:
-        """The run-config key (``"block-size"``), i.e. :attr:`name`."""
+        """The run-config key (``"block-size"``), i.e. `name`."""
         return self.name
 
 

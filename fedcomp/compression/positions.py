@@ -21,8 +21,8 @@ terminators are ``np.flatnonzero`` of the unary stream.
 Decoding is bounded before anything is expanded: the quotients sum to at most
 ``(n - k) >> b`` (the gaps sum to at most n - k), so a valid unary stream has at most
 ``k + ((n - k) >> b)`` bits, and a header claiming more is refused from its fields alone
-(:func:`check_stream`). The stream is then decoded in chunks of :data:`CHUNK_BITS` bits
-(:func:`iter_positions`), so a decoder scatters positions chunk by chunk and never holds
+(`check_stream`). The stream is then decoded in chunks of `CHUNK_BITS` bits
+(`iter_positions`), so a decoder scatters positions chunk by chunk and never holds
 the k int64 positions at once.
 """
 
@@ -123,7 +123,7 @@ def check_stream(k: int, n: int, b: int, unary_bits: int) -> None:
     Raises
     ------
     PayloadError
-        ``k > n``, ``b`` above :data:`MAX_RICE_PARAMETER`, a non-empty stream for k = 0, or a
+        ``k > n``, ``b`` above `MAX_RICE_PARAMETER`, a non-empty stream for k = 0, or a
         unary length outside ``[k, k + ((n - k) >> b)]`` (the most a valid stream can need).
     """
     if k > n:
@@ -144,7 +144,7 @@ def check_stream(k: int, n: int, b: int, unary_bits: int) -> None:
 
 def iter_positions(data: memoryview | bytes, k: int, n: int, b: int,
                    unary_bits: int) -> Iterator[tuple[int, np.ndarray]]:
-    """Decode and validate positions written by :func:`encode_positions`, chunk by chunk.
+    """Decode and validate positions written by `encode_positions`, chunk by chunk.
 
     Header fields and byte counts are checked when this is called; the chunks are checked as
     they are produced, so a malformed stream raises from the iteration (the caller discards
@@ -162,13 +162,13 @@ def iter_positions(data: memoryview | bytes, k: int, n: int, b: int,
     Returns
     -------
     iterator of (first, positions)
-        ``positions``: int64, strictly increasing, in ``[0, n)``, at most :data:`CHUNK_BITS`
+        ``positions``: int64, strictly increasing, in ``[0, n)``, at most `CHUNK_BITS`
         of them; ``first``: the index of its first entry among the k. Together: k positions.
 
     Raises
     ------
     PayloadError
-        The header bounds of :func:`check_stream`, a wrong byte count, padding bits set, a
+        The header bounds of `check_stream`, a wrong byte count, padding bits set, a
         wrong number of terminators, a gap past n or a position out of range.
     """
     check_stream(k, n, b, unary_bits)
@@ -219,7 +219,7 @@ def _chunks(unary: np.ndarray, rem: np.ndarray, k: int, n: int, b: int, unary_bi
 
 
 def decode_positions(data: memoryview | bytes, k: int, n: int, b: int, unary_bits: int) -> np.ndarray:
-    """All k positions at once (:func:`iter_positions`, concatenated).
+    """All k positions at once (`iter_positions`, concatenated).
 
     Returns
     -------
@@ -229,7 +229,7 @@ def decode_positions(data: memoryview | bytes, k: int, n: int, b: int, unary_bit
     Raises
     ------
     PayloadError
-        As :func:`iter_positions`.
+        As `iter_positions`.
     """
     parts = [pos for _, pos in iter_positions(data, k, n, b, unary_bits)]
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)

@@ -39,7 +39,7 @@ def low_rank_pays(m: int, n: int, rank: int, min_compression_rate: float) -> boo
 
 
 def check_low_rank_args(fallback: str, min_compression_rate: float, seed: int | None) -> None:
-    """Check the arguments the low-rank codecs share (``fallback`` one of :data:`FALLBACKS`,
+    """Check the arguments the low-rank codecs share (``fallback`` one of `FALLBACKS`,
     ``min_compression_rate`` >= 1, ``seed`` None or in [0, 2**63)); raise ``ValueError`` naming one."""
     check_range("min_compression_rate", min_compression_rate, 1.0, float("inf"))
     if fallback not in FALLBACKS:
@@ -93,8 +93,8 @@ class PowerSGDCompressor(Compressor):
     One power iteration per call (Algorithm 1): ``P = M Q_prev``, ``P <- orthogonalize(P)``
     (a Householder QR in place of the paper's Gram-Schmidt: a zero or rank-deficient M decodes
     to finite values, and a matrix of rank d <= r is recovered exactly), ``Q = M^T P``. Warm start: the Q of one call starts the next (kept on this object
-    and saved/restored through :meth:`get_state`/:meth:`set_state`, which
-    :class:`~fedcomp.compression.ErrorFeedback` persists with the residual); the first Q, and
+    and saved/restored through `get_state`/`set_state`, which
+    [`ErrorFeedback`][fedcomp.compression.ErrorFeedback] persists with the residual); the first Q, and
     any Q whose shape no longer fits, is drawn from a seeded standard normal. M is divided by a
     power of two >= max |M| before the iteration (exact), so no fp32 product overflows.
 
@@ -161,7 +161,7 @@ class PowerSGDCompressor(Compressor):
         return {} if self.q is None else {"q": self.q.detach().cpu().numpy().copy()}
 
     def set_state(self, state: dict[str, np.ndarray]) -> None:
-        """Restore the warm-start Q saved by :meth:`get_state` (``{}`` forgets it).
+        """Restore the warm-start Q saved by `get_state` (``{}`` forgets it).
 
         Raises
         ------

@@ -69,7 +69,7 @@ def exponential_position(r: torch.Tensor, s: int) -> tuple[torch.Tensor, torch.T
 
 
 def exponential_position_np(r: np.ndarray, s: int) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`exponential_position` in numpy, for the CPU path: the same exact values.
+    """`exponential_position` in numpy, for the CPU path: the same exact values.
 
     Parameters
     ----------
@@ -118,7 +118,7 @@ class QSGDCompressor(Compressor):
     ``spacing="exponential"`` is NUQSGD: the s non-zero levels are ``2**(j-s)``, j = 1..s
     (``0, 2**(1-s), ..., 1/4, 1/2, 1``), denser near 0 where most normalised entries of a
     bucket lie; stochastic rounding between the two adjacent levels keeps it unbiased
-    (see :func:`exponential_position`); same bits per level as uniform spacing.
+    (see `exponential_position`); same bits per level as uniform spacing.
 
     Parameters
     ----------
@@ -155,7 +155,7 @@ class QSGDCompressor(Compressor):
 
     @classmethod
     def check_options(cls, values) -> None:
-        """NUQSGD's exponential spacing takes at most :data:`MAX_EXPONENTIAL_LEVELS` levels.
+        """NUQSGD's exponential spacing takes at most `MAX_EXPONENTIAL_LEVELS` levels.
 
         Raises
         ------

@@ -20,7 +20,7 @@ from fedcomp.compression.options import DENSITY
 from fedcomp.compression.sparse import ChunkedSparseDecoding, check_density, k_for
 from fedcomp.compression.wire import BodyReader, Header, unpack_params
 
-#: Random keys / draws generated per step (bounds the temporaries of :func:`random_mask`).
+#: Random keys / draws generated per step (bounds the temporaries of `random_mask`).
 _STEP = 1 << 16
 #: Selections with ``k * _MASK_RATIO <= n`` are regenerated as positions (O(k)), never as the
 #: n-byte mask; denser ones use the mask (then n bytes <= 64 k bytes: O(k) as well).
@@ -35,7 +35,7 @@ def random_mask(seed: int, n: int, k: int) -> np.ndarray:
     versions. Dense selections (k > n/4) keep the k smallest of n random 64-bit keys (a tie at
     the k-th key, probability about n**2 / 2**65, goes to the lower positions); sparse ones keep
     the first k distinct values of the raw stream modulo n. Both read the stream in steps of
-    :data:`_STEP`, so the peak memory is the n-byte mask plus, for dense selections, the n
+    `_STEP`, so the peak memory is the n-byte mask plus, for dense selections, the n
     keys once (8n bytes, before the mask exists), never an n-sized index array.
     """
     mask = np.zeros(n, dtype=np.bool_)
@@ -69,7 +69,7 @@ def random_mask(seed: int, n: int, k: int) -> np.ndarray:
 
 
 def _sparse_positions(seed: int, n: int, k: int) -> np.ndarray:
-    """:func:`random_mask`'s positions for a sparse selection (``4 * k <= n``, k >= 1) in O(k) memory.
+    """`random_mask`'s positions for a sparse selection (``4 * k <= n``, k >= 1) in O(k) memory.
 
     The same selection, the first k distinct values of the raw PCG64 stream modulo n, found
     without an n-sized mask: a prefix of the stream a little longer than k (about k**2 / 2n
@@ -112,7 +112,7 @@ def _unique_first(draw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _mask_chunks(mask: np.ndarray, vals: np.ndarray, factor: np.float32) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """(positions, values * factor) of the kept entries, :data:`_STEP` positions of the mask at a time."""
+    """(positions, values * factor) of the kept entries, `_STEP` positions of the mask at a time."""
     done = 0
     for start in range(0, mask.size, _STEP):
         idx = np.flatnonzero(mask[start : start + _STEP])
@@ -121,16 +121,16 @@ def _mask_chunks(mask: np.ndarray, vals: np.ndarray, factor: np.float32) -> Iter
 
 
 def _position_chunks(pos: np.ndarray, vals: np.ndarray, factor: np.float32) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """(positions, values * factor), :data:`_STEP` entries at a time."""
+    """(positions, values * factor), `_STEP` entries at a time."""
     for start in range(0, pos.size, _STEP):
         yield pos[start : start + _STEP], vals[start : start + _STEP] * factor
 
 
 def random_positions(seed: int, n: int, k: int) -> np.ndarray:
-    """The k positions of :func:`random_mask`, sorted ascending (int64, shape ``(k,)``).
+    """The k positions of `random_mask`, sorted ascending (int64, shape ``(k,)``).
 
     Very sparse selections (``k * _MASK_RATIO <= n``) never build the n-sized mask (O(k)
-    memory); denser ones (n < 64 k, so O(n) is O(k)) read it from :func:`random_mask`.
+    memory); denser ones (n < 64 k, so O(n) is O(k)) read it from `random_mask`.
     """
     if 0 < k and k * _MASK_RATIO <= n:
         return _sparse_positions(seed, n, k)
@@ -140,7 +140,7 @@ def random_positions(seed: int, n: int, k: int) -> np.ndarray:
 def seeded_chunks(seed: int, n: int, k: int, vals: np.ndarray,
                   factor: float = 1.0) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """(positions, values * factor) pieces of the k positions ``seed`` names, in position order
-    (what :class:`~fedcomp.compression.sparse.ChunkedSparseDecoding` scatters).
+    (what `ChunkedSparseDecoding` scatters).
 
     ``vals``: float32, shape ``(k,)``, the kept values in position order. Very sparse selections
     (``k * _MASK_RATIO <= n``) are regenerated as positions (O(k)), never as an n-byte mask.
@@ -176,7 +176,7 @@ class SeededPositions:
         self._seeds = np.random.default_rng(seed)
 
     def _draw_positions(self, flat: torch.Tensor) -> tuple[int, int, torch.Tensor]:
-        """``(k, seed, positions)`` for a 1-D tensor: k = :func:`k_for` (density, n), a fresh seed
+        """``(k, seed, positions)`` for a 1-D tensor: k = `k_for` (density, n), a fresh seed
         in [0, 2**63), its k sorted positions (int64 tensor on ``flat``'s device)."""
         n = flat.numel()
         k = k_for(self.density, n)

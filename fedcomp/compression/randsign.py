@@ -29,7 +29,7 @@ from fedcomp.compression.wire import BodyReader, Header, unpack_params
 
 class RandSignCompressor(SeededPositions, ChunkedSparseDecoding, Compressor):
     """Sign on a shared random subset: keep k = clamp(round(density * n), 1, n) entries drawn
-    from a seed (:func:`~fedcomp.compression.randomk.random_positions`), send each as ``±scale``.
+    from a seed (`random_positions`), send each as ``±scale``.
 
     ``scale = mean |kept|`` (fp32), which is also the least-squares scale of the kept signs
     (``argmin_s ||v - s sign(v)||``); the other n - k entries decode to 0. Biased (the kept

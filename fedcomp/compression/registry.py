@@ -1,11 +1,11 @@
 """Which codecs exist: the registry (name and codec id -> class), how a codec gets into it, the
-factory (:func:`get_compressor`), which codecs have a trait, and every option they read from a run
-config.
+factory ([`get_compressor`][fedcomp.compression.get_compressor]), which codecs have a trait, and every option they read
+from a run config.
 
-Every :class:`~fedcomp.compression.base.Compressor` subclass defined in a module of this package
-(one with a name and a codec id) is a codec: :func:`discover` imports every module of the package
+Every [`Compressor`][fedcomp.compression.Compressor] subclass defined in a module of this package
+(one with a name and a codec id) is a codec: `discover` imports every module of the package
 and registers the codecs it finds, so a new codec file needs no edit elsewhere. Codec modules do
-not import this module; a codec defined outside the package registers with :func:`register`.
+not import this module; a codec defined outside the package registers with `register`.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from fedcomp.util.validate import closest_hint
 CODECS: dict[str, type[Compressor]] = {}
 #: codec id -> Compressor subclass (used by ``decompress``)
 _BY_ID: dict[int, type[Compressor]] = {}
-#: Traits :func:`codecs_with` answers for (class attributes of ``Compressor``).
+#: Traits `codecs_with` answers for (class attributes of ``Compressor``).
 TRAITS = ("sparse", "per_tensor_only", "secagg", "density_ramp", "seeded", "small_tensor", "requires_error_feedback")
 
 
@@ -115,7 +115,7 @@ def codec_parameters(name: str) -> frozenset[str]:
 
 
 def available_compressors() -> list[str]:
-    """Names accepted by :func:`get_compressor`, sorted."""
+    """Names accepted by [`get_compressor`][fedcomp.compression.get_compressor], sorted."""
     return sorted(CODECS)
 
 
@@ -126,7 +126,7 @@ def codecs_with(**traits: bool) -> tuple[str, ...]:
     Parameters
     ----------
     **traits : bool
-        Trait name (one of :data:`TRAITS`) -> wanted truth value: ``codecs_with(sparse=True)``
+        Trait name (one of `TRAITS`) -> wanted truth value: ``codecs_with(sparse=True)``
         gives ``("stc", "topk", "randomk")``.
 
     Raises

@@ -135,6 +135,6 @@ def top_k(flat: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def topk_indices(flat: torch.Tensor, k: int) -> torch.Tensor:
-    """:func:`top_k`'s positions alone: int64, shape ``(k,)``, strictly increasing, on ``flat.device``
+    """`top_k`'s positions alone: int64, shape ``(k,)``, strictly increasing, on ``flat.device``
     (``flat``: 1-D float32, finite; ``1 <= k <= n``)."""
     return top_k(flat, k)[0]

@@ -32,7 +32,7 @@ def positions_to_bytes(idx: torch.Tensor, n: int) -> tuple[int, int, bytes]:
 
 def read_positions(r: BodyReader, codec: str, k: int, n: int, b: int, unary_bits: int):
     """Check a sparse payload's position header, take its position block from ``r``, and return
-    the chunks of :func:`~fedcomp.compression.positions.iter_positions` (``(first, int64
+    the chunks of `iter_positions` (``(first, int64
     positions)`` pairs; the stream is validated as they are produced).
 
     Raises

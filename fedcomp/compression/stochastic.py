@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-#: Fewest draws for which :meth:`StochasticRounder.uniform_chunks` draws ahead on a helper thread.
+#: Fewest draws for which `StochasticRounder.uniform_chunks` draws ahead on a helper thread.
 AHEAD_MIN = 1 << 20
 
 
@@ -44,13 +44,13 @@ class StochasticRounder:
         return torch.floor(v + self.uniform(v.shape, v.device, v.dtype))
 
     def uniform(self, shape: tuple[int, ...], device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The draws :meth:`round` of a tensor of ``shape`` would use, U[0, 1) i.i.d.: a caller
+        """The draws `round` of a tensor of ``shape`` would use, U[0, 1) i.i.d.: a caller
         that rounds that tensor piece by piece (bounded temporaries) computes ``floor(v + u)`` on
         matching slices and gets the same numbers."""
         return torch.rand(shape, generator=self._gen(device), device=device, dtype=dtype)
 
     def round_(self, v: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.Tensor:
-        """:meth:`round` in place: ``v <- floor(v + u)``, the same values and the same draws.
+        """`round` in place: ``v <- floor(v + u)``, the same values and the same draws.
 
         ``scratch``: at least ``v.numel()`` entries of v's dtype and device for u (allocated if
         omitted). The generator is read in order, so rounding a tensor chunk by chunk draws what
@@ -64,9 +64,9 @@ class StochasticRounder:
 
     def uniform_chunks(self, sizes: Sequence[int]) -> Iterator[np.ndarray]:
         """The next CPU draws, U[0, 1) float32, as consecutive numpy arrays of ``sizes`` entries: the
-        numbers :meth:`round_` would add on CPU tensors of those sizes, in order.
+        numbers `round_` would add on CPU tensors of those sizes, in order.
 
-        Above :data:`AHEAD_MIN` draws in all, a helper thread draws the next chunk while the caller
+        Above `AHEAD_MIN` draws in all, a helper thread draws the next chunk while the caller
         works on the current one (the Mersenne Twister behind ``torch.rand`` is sequential, and
         most of a stochastic-rounding encoder's time on the CPU): two buffers of the largest size
         alternate, so a yielded array is valid until the next one is requested. The generator

@@ -1,17 +1,17 @@
 """The fedcomp wire format: a fixed, self-describing header followed by a codec body.
 
-Layout (all integers little-endian)::
+Layout (all integers little-endian):
 
     offset  size        field
     0       4           magic b"FCMP"
     4       1           format version (currently 1)
-    5       1           codec id (``Compressor.codec_id``, see ``registry.register``)
+    5       1           codec id (Compressor.codec_id, see registry.register)
     6       1           dtype code of the original tensor (0 fp32, 1 fp16, 2 bf16, 3 fp64; exact
                         payloads of integer/bool tensors: 16.. int8..int64, uint8..uint64, bool)
     7       1           ndim (0..MAX_NDIM)
     8       8*ndim      shape, one uint64 per dimension
     ...     2           params_len (uint16)
-    ...     params_len  codec parameters (a fixed ``struct`` layout per codec)
+    ...     params_len  codec parameters (a fixed struct layout per codec)
     ...     rest        body (codec-specific; its exact length follows from the header)
 
 The header costs ``10 + 8*ndim + params_len`` bytes. Decoding reads only this module's
@@ -33,7 +33,7 @@ MAGIC = b"FCMP"
 FORMAT_VERSION = 1
 MAX_NDIM = 32
 #: Default cap on the number of elements a payload may claim (2**28 floats = 1 GiB fp32).
-#: Pass ``max_numel`` to :func:`decompress` to raise or lower it.
+#: Pass ``max_numel`` to `decompress` to raise or lower it.
 DEFAULT_MAX_NUMEL = 2**28
 
 _FIXED = struct.Struct("<4sBBBB")
@@ -133,12 +133,12 @@ def pack_header(codec_id: int, dtype: torch.dtype, shape: tuple[int, ...], param
 
 
 def pack_exact_header(codec_id: int, dtype: np.dtype, shape: tuple[int, ...]) -> bytes:
-    """Serialise the header of an exact (integer/bool) payload; as :func:`pack_header`, no params.
+    """Serialise the header of an exact (integer/bool) payload; as `pack_header`, no params.
 
     Raises
     ------
     ValueError
-        A dtype outside :data:`EXACT_DTYPE_CODES` or too many dimensions.
+        A dtype outside `EXACT_DTYPE_CODES` or too many dimensions.
     """
     if np.dtype(dtype) not in EXACT_DTYPE_CODES:
         raise ValueError(f"unsupported exact dtype {dtype}; expected one of {list(EXACT_DTYPE_CODES)}")

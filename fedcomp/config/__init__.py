@@ -4,14 +4,14 @@ The library's keys of ``[tool.flwr.app.config]`` are read here, checked for type
 turned into plain dataclasses. Errors name the key and its allowed range, e.g.
 ``ValueError: run config 'density' must be in (0, 1], got 1.5``.
 
-- :mod:`.keys`: which keys the library declares, gathered from the one declaration of each key
-  (:class:`fedcomp.util.declared_key.Key`); an unknown key is refused with the closest valid
-  name; :func:`reference_table` renders keys as markdown.
-- :mod:`.codec`: :class:`CodecConfig`, the codec keys (their defaults are its fields).
-- :mod:`.secagg`: SecAgg+'s keys; :mod:`.low_density`, :mod:`.model_policy`, :mod:`.downstream`: the
+- `keys`: which keys the library declares, gathered from the one declaration of each key
+  (`fedcomp.util.declared_key.Key`); an unknown key is refused with the closest valid
+  name; `reference_table` renders keys as markdown.
+- `codec`: `CodecConfig`, the codec keys (their defaults are its fields).
+- `secagg`: SecAgg+'s keys; `low_density`, `model_policy`, `downstream`: the
   "auto" rules.
 
-The reference app's own keys and its :class:`~fedcomp.app.config.AppConfig` are in :mod:`fedcomp.app`.
+The reference app's own keys and its `AppConfig` are in `fedcomp.app`.
 """
 
 from fedcomp.config.codec import (

@@ -1,9 +1,9 @@
-"""The codec a client uses and how (:class:`CodecConfig`): every codec key of the run config with
+"""The codec a client uses and how (`CodecConfig`): every codec key of the run config with
 its one default, its checks, the per-layer rules and the density schedule of the rounds.
 
 The codec fields (``density``, ``levels``, ``rank``, ...) come from the codecs' own option
 declarations (``Compressor.options``): a codec takes its constructor arguments from them, and
-:meth:`CodecConfig.build` knows no codec by name.
+`CodecConfig.build` knows no codec by name.
 """
 
 from __future__ import annotations
@@ -107,11 +107,11 @@ def _error_feedback(cfg: Mapping[str, Any], source: str) -> bool | str:
 
 
 def _layer_codecs(cfg: Mapping[str, Any], source: str) -> str:
-    """``layer-codecs`` as a string (its rules are checked by :func:`parse_layer_codecs`)."""
+    """``layer-codecs`` as a string (its rules are checked by `parse_layer_codecs`)."""
     return read_string(cfg, "layer-codecs", _d("layer-codecs"), src=source)
 
 
-#: Readers of the policy keys whose rule a :class:`Key` cannot state.
+#: Readers of the policy keys whose rule a `Key` cannot state.
 _RULE_READS = {"error-feedback": _error_feedback, "layer-codecs": _layer_codecs}
 
 
@@ -131,7 +131,7 @@ def _with_codec_options(cls: type) -> type:
 
 @_with_codec_options
 class CodecConfig:
-    """Which codec a client uses and how: the keys of :data:`CODEC_DEFAULTS` (the fields below, with
+    """Which codec a client uses and how: the keys of `CODEC_DEFAULTS` (the fields below, with
     ``-`` for ``_``; each field's default is the key's default).
 
     ``selection`` is the scope a codec works on: "tensor" (one payload per parameter
@@ -151,17 +151,17 @@ class CodecConfig:
     statistics (tensors named ``*.running_mean`` / ``*.running_var``): with ``batchnorm-stats =
     "auto"`` (the default) each travels as its own ``sign`` payload (1 bit per entry and one
     scale per tensor) with error feedback whenever the update codec is lossy with classic error
-    feedback and no momentum correction (:meth:`batchnorm_stats_codec`), and the server clamps an
+    feedback and no momentum correction (`batchnorm_stats_codec`), and the server clamps an
     aggregated running variance at 0; the download sends each node their change since its copy
-    the same way (:mod:`fedcomp.strategies.downstream_sender`). ``"small"`` sends them with
+    the same way (`fedcomp.strategies.downstream_sender`). ``"small"`` sends them with
     ``small-tensor-compressor`` up and exactly down (a lossy codec without the clamp can push a
     running variance below zero, which turns every later output into NaN); ``"codec"`` sends them
     like any other tensor. BatchNorm's
     affine parameters (``<bn>.weight`` / ``<bn>.bias``) go there too with stc/topk/randomk when
-    ``batchnorm-affine = "small"`` (default "codec"; see :mod:`fedcomp.config.model_policy`).
+    ``batchnorm-affine = "small"`` (default "codec"; see `fedcomp.config.model_policy`).
     Schedules (applied by the server each round): ``warmup-rounds`` rounds with
     ``warmup-compressor``, then ``density-schedule`` "auto" (the default: "exponential" for
-    stc/topk with classic error feedback below density 1/400, else "constant"; :mod:`fedcomp.config.low_density`),
+    stc/topk with classic error feedback below density 1/400, else "constant"; `fedcomp.config.low_density`),
     "constant", "exponential" or "linear"
     from ``density-start`` to ``density`` over ``schedule-rounds`` rounds (DGC's warm-up,
     Lin et al. ICLR 2018), or "adaptive": each client picks the smallest density in
@@ -296,7 +296,7 @@ class CodecConfig:
         TypeError
             A parameter that is not a codec key.
         ValueError
-            A value out of range (see :meth:`from_mapping`).
+            A value out of range (see `from_mapping`).
         """
         mapping = {k.replace("_", "-"): v for k, v in params.items()}
         mapping.update({"compressor": compressor, "error-feedback": error_feedback})
@@ -304,7 +304,7 @@ class CodecConfig:
         return cls.from_mapping(mapping)
 
     def to_mapping(self) -> dict[str, Any]:
-        """The same keys as :meth:`from_mapping` reads (for a Flower ConfigRecord)."""
+        """The same keys as `from_mapping` reads (for a Flower ConfigRecord)."""
         return {k: getattr(self, k.replace("-", "_")) for k in CODEC_DEFAULTS}
 
     def build(self, seed: int | None = None, compressor: str | None = None, density: float | None = None) -> Compressor:
@@ -362,11 +362,11 @@ class CodecConfig:
                 + (f" ({'; '.join(extra)})" if extra else ""))
 
 
-#: Every run-config / train-config key that describes the codec, in :class:`CodecConfig`'s field order:
-#: the policy keys (:data:`POLICY_KEYS`) and the codec options (``Compressor.options``).
+#: Every run-config / train-config key that describes the codec, in `CodecConfig`'s field order:
+#: the policy keys (`POLICY_KEYS`) and the codec options (``Compressor.options``).
 CODEC_KEYS: dict[str, Key] = table(*(POLICY_KEYS.get(name) or codec_options()[name]
                                      for name in (f.name.replace("_", "-") for f in fields(CodecConfig))))
-#: The codec keys with their defaults (:data:`CODEC_KEYS`'s, which are CodecConfig's field defaults).
+#: The codec keys with their defaults (`CODEC_KEYS`'s, which are CodecConfig's field defaults).
 CODEC_DEFAULTS: dict[str, Any] = defaults(CODEC_KEYS)
 
 

@@ -6,7 +6,7 @@ compresses the download too, with what ``benchmarks/both_ways.py`` measured best
 federation (digits, CNN, 10 clients, 50 rounds, 3 seeds; ``benchmarks/results/both_ways.json``):
 
 - full-model training: STC (Sattler et al., IEEE TNNLS 2019, in both directions with server-side
-  error feedback) at density :data:`AUTO_DENSITY`, whatever the upload's density (a sparser
+  error feedback) at density `AUTO_DENSITY`, whatever the upload's density (a sparser
   download loses accuracy: the clients train from a broadcast model that lags the global one);
 - LoRA fine-tuning (``finetune = "lora"``): ``sign`` (every entry moves each round, so a client that
   missed rounds under partial participation does not drift; one scale per adapter tensor; the server
@@ -15,9 +15,9 @@ federation (digits, CNN, 10 clients, 50 rounds, 3 seeds; ``benchmarks/results/bo
 - ``secagg = true``: dense (the secure path sends the model as Flower's SecAgg+ workflow does; an
   explicit codec there is refused).
 
-The first model a client gets is the seeded start (:mod:`fedcomp.protocol.seeded_init`), never
+The first model a client gets is the seeded start (`fedcomp.protocol.seeded_init`), never
 the model dense (``downstream-init``). ``downstream-correction = "auto"`` counts each client's update
-from the global model rather than from its compressed copy (:mod:`fedcomp.strategies.copy_correction`)
+from the global model rather than from its compressed copy (`fedcomp.strategies.copy_correction`)
 when the clients train with AdamW and the download is sparse: on the Transformer from scratch (STC 4 %
 up, STC 5 % down, 20 rounds, 3 seeds) it is 2.2 points better (median); with SGD (the default CNN) it was
 1.4 points worse.
@@ -44,7 +44,7 @@ def resolve_downstream(requested: str, density: float, compressor: str, finetune
         "auto", "none" or a codec name.
     density : float
         Run config ``downstream-density`` (0: the default, the upload's density for an explicit codec,
-        :data:`AUTO_DENSITY` under "auto").
+        `AUTO_DENSITY` under "auto").
     compressor : str
         The upload codec ("none": no compression either way under "auto").
     finetune : str
@@ -81,7 +81,7 @@ def resolve_correction(requested: str, downstream: str, optimizer: str, dp: str 
     ----------
     requested : {"auto", "on", "off"}
     downstream : str
-        The resolved downstream codec (:func:`resolve_downstream`; "none": dense).
+        The resolved downstream codec (`resolve_downstream`; "none": dense).
     optimizer : str
         Run config ``optimizer`` of the clients.
     dp : str
@@ -93,7 +93,7 @@ def resolve_correction(requested: str, downstream: str, optimizer: str, dp: str 
     -------
     float
         1.0 (on) or 0.0 (off); "auto": on for a sparse downstream codec (STC, top-k, rand-k, randsign:
-        ``Compressor.sparse``) with an optimizer of :data:`AUTO_CORRECTION_OPTIMIZERS`, off where the
+        ``Compressor.sparse``) with an optimizer of `AUTO_CORRECTION_OPTIMIZERS`, off where the
         strategy cannot apply it (client-level DP, EF21; "on" there is refused by the strategy).
     """
     if requested != "auto":

@@ -1,10 +1,10 @@
 """Which run-config keys the library reads, gathered from the one declaration of each
-(:class:`fedcomp.util.declared_key.Key`), the refusal of any other key (naming the closest valid one,
+(`fedcomp.util.declared_key.Key`), the refusal of any other key (naming the closest valid one,
 so that a misspelt key is not silently ignored) and the reference table of keys.
 
-The declarations: the codec keys of :data:`fedcomp.config.codec.CODEC_KEYS`,
-:data:`fedcomp.privacy.settings.DP_KEYS` and :data:`fedcomp.config.secagg.SECAGG_KEYS`. An app adds its
-own groups to these (fedcomp's reference app: :mod:`fedcomp.app.keys`).
+The declarations: the codec keys of `fedcomp.config.codec.CODEC_KEYS`,
+`fedcomp.privacy.settings.DP_KEYS` and `fedcomp.config.secagg.SECAGG_KEYS`. An app adds its
+own groups to these (fedcomp's reference app: `fedcomp.app.keys`).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from fedcomp.util.validate import closest_hint
 
 
 def _codec_keys() -> dict[str, Key]:
-    """The codec keys (:data:`fedcomp.config.codec.CODEC_KEYS`): the codec policy keys as
-    :data:`~fedcomp.config.codec.POLICY_KEYS` declares them, and each codec option as its codec
+    """The codec keys (`fedcomp.config.codec.CODEC_KEYS`): the codec policy keys as
+    `POLICY_KEYS` declares them, and each codec option as its codec
     declares it (``Compressor.options``)."""
     return dict(CODEC_KEYS)
 
@@ -33,7 +33,7 @@ KEYS: dict[str, Key] = table(*(k for group in GROUPS.values() for k in group.val
 
 
 def run_config_keys() -> frozenset[str]:
-    """Every run-config key the library knows (the names of :data:`KEYS`)."""
+    """Every run-config key the library knows (the names of `KEYS`)."""
     return frozenset(KEYS)
 
 
@@ -46,8 +46,8 @@ def check_known_keys(cfg: Mapping[str, Any], known: frozenset[str] | None = None
     cfg : Mapping[str, Any]
         A run config (``context.run_config``, or the overrides of ``--run-config``).
     known : frozenset[str], optional
-        The valid keys; default :func:`run_config_keys` (an app passes its own, e.g.
-        :func:`fedcomp.app.keys.run_config_keys`).
+        The valid keys; default `run_config_keys` (an app passes its own, e.g.
+        `fedcomp.app.keys.run_config_keys`).
     source : str
         What ``cfg`` is, for the message.
 
@@ -77,12 +77,12 @@ def _toml(value: Any) -> str:
 
 def reference_table(keys: Mapping[str, Key] | None = None) -> str:
     """The markdown reference of run-config keys: one row per key (key, type, default, allowed
-    values, help), grouped as :data:`GROUPS`, defaults written as in ``pyproject.toml``.
+    values, help), grouped as `GROUPS`, defaults written as in ``pyproject.toml``.
 
     Parameters
     ----------
     keys : Mapping[str, Key], optional
-        The keys to list; default every key (:data:`KEYS`).
+        The keys to list; default every key (`KEYS`).
 
     Returns
     -------

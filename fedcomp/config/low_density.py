@@ -1,7 +1,7 @@
 """Defaults for the sparsifying codecs at low density: the run-config value "auto".
 
 ``density-schedule = "auto"`` and ``strategy = "auto"`` (the defaults) are resolved from the codec
-settings alone: for ``stc`` or ``topk`` at a density below :data:`LOW_DENSITY` (1/400) with
+settings alone: for ``stc`` or ``topk`` at a density below `LOW_DENSITY` (1/400) with
 classic error feedback,
 
 - DGC's warm-up (Lin et al., "Deep Gradient Compression", ICLR 2018, section 3.3): the density
@@ -9,7 +9,7 @@ classic error feedback,
   ``schedule-rounds`` rounds (default 30; "exponential");
 - server momentum (FedAvgM, Hsu et al., "Measuring the Effects of Non-Identical Data
   Distribution for Federated Visual Classification", 2019) with server learning rate
-  :data:`AUTO_SERVER_LR` and momentum :data:`AUTO_SERVER_MOMENTUM` (not the run config's
+  `AUTO_SERVER_LR` and momentum `AUTO_SERVER_MOMENTUM` (not the run config's
   ``server-lr``/``server-momentum``, whose defaults are FedAdam's eta and a FedAvgM momentum
   of 0.9), unless DGC's momentum correction, EF21 or DP is on, or ``warmup-rounds`` is set
   (the user's own warm-up replaces DGC's, and "auto" adds server momentum only together with
@@ -37,8 +37,8 @@ AUTO_SERVER_MOMENTUM = 0.5
 
 
 def is_low_density(compressor: str, density: float, error_feedback: bool | str) -> bool:
-    """True where "auto" turns the warm-up on: ``compressor`` in :data:`RAMP_CODECS`, ``density``
-    (fraction of entries kept, in (0, 1]) below :data:`LOW_DENSITY`, classic error feedback."""
+    """True where "auto" turns the warm-up on: ``compressor`` in `RAMP_CODECS`, ``density``
+    (fraction of entries kept, in (0, 1]) below `LOW_DENSITY`, classic error feedback."""
     return compressor in RAMP_CODECS and density < LOW_DENSITY and error_feedback is True
 
 
@@ -53,11 +53,11 @@ def resolve_schedule(requested: str, compressor: str, density: float, error_feed
 
 def resolve_strategy(requested: str, server_lr: float, server_momentum: float, codec: Any,
                      dp: str) -> tuple[str, float, float]:
-    """``strategy``: "auto" becomes FedAvgM (:data:`AUTO_SERVER_LR`, :data:`AUTO_SERVER_MOMENTUM`)
+    """``strategy``: "auto" becomes FedAvgM (`AUTO_SERVER_LR`, `AUTO_SERVER_MOMENTUM`)
     at low density without momentum correction, DP or ``warmup-rounds``, else "fedavg".
 
     "auto" adds server momentum only together with DGC's density warm-up; ``warmup-rounds`` > 0
-    (the user's own warm-up codec) turns that warm-up off (:func:`resolve_schedule`), so "auto"
+    (the user's own warm-up codec) turns that warm-up off (`resolve_schedule`), so "auto"
     then gives FedAvg for both.
 
     Returns

@@ -1,5 +1,5 @@
-"""Run-config keys of secure aggregation (``secagg = true``), declared in :data:`SECAGG_KEYS` and
-validated together by :class:`SecAggConfig` (Flower-free). ``secagg-shares`` and
+"""Run-config keys of secure aggregation (``secagg = true``), declared in `SECAGG_KEYS` and
+validated together by `SecAggConfig` (Flower-free). ``secagg-shares`` and
 ``secagg-threshold`` are Flower's ``num_shares`` and ``reconstruction_threshold``: an integer
 count or a float fraction, as in Flower.
 """
@@ -75,7 +75,7 @@ def allows_split(threshold: int, num_shares: int) -> bool:
 
 
 def majority_threshold(num_shares: int) -> int:
-    """The smallest threshold that :func:`allows_split` refuses: ``num_shares // 2 + 1``."""
+    """The smallest threshold that `allows_split` refuses: ``num_shares // 2 + 1``."""
     return int(num_shares) // 2 + 1
 
 
@@ -96,7 +96,7 @@ def _int(cfg: Mapping[str, Any], key: str) -> int:
 
 @dataclass(frozen=True)
 class SecAggConfig:
-    """SecAgg+ settings of a run; see :data:`SECAGG_KEYS` for each key (``secagg-<field>``,
+    """SecAgg+ settings of a run; see `SECAGG_KEYS` for each key (``secagg-<field>``,
     ``secagg`` for ``enabled``)."""
 
     enabled: bool = SECAGG_DEFAULTS["secagg"]
@@ -119,7 +119,7 @@ class SecAggConfig:
     @classmethod
     def from_run_config(cls, cfg: Mapping[str, Any]) -> SecAggConfig:
         """Parse and validate the ``secagg*`` keys (other keys are ignored), after
-        :func:`resolve_secure_defaults`; with ``secagg = false`` too (a bad key is named, never ignored).
+        `resolve_secure_defaults`; with ``secagg = false`` too (a bad key is named, never ignored).
 
         Raises
         ------
@@ -187,8 +187,8 @@ def secure_defaults(run_config: Mapping[str, Any]) -> dict[str, Any]:
     """The settings ``secagg = true`` fills in when ``compressor`` is at its declared default.
 
     Flower's run config holds every key, so "left alone" means "equal to the declared default":
-    with ``secagg = true`` and ``compressor`` at its default, each key of :data:`SECURE_CODEC`
-    (and, with ``error-feedback = true`` and ``dp = "none"``, of :data:`SECURE_QUANTIZATION`)
+    with ``secagg = true`` and ``compressor`` at its default, each key of `SECURE_CODEC`
+    (and, with ``error-feedback = true`` and ``dp = "none"``, of `SECURE_QUANTIZATION`)
     that holds its declared default takes the secure value. A run config that names a codec
     (``compressor = "randomk"`` or ``"none"``) keeps every key as given.
 
@@ -223,14 +223,14 @@ def _left_alone(run_config: Mapping[str, Any], key: str) -> bool:
 
 
 def resolve_secure_defaults(run_config: Mapping[str, Any]) -> Mapping[str, Any]:
-    """``run_config`` with :func:`secure_defaults` applied (a new dict), or ``run_config`` itself when
+    """``run_config`` with `secure_defaults` applied (a new dict), or ``run_config`` itself when
     nothing is filled in; applying it twice changes nothing."""
     chosen = secure_defaults(run_config)
     return {**run_config, **chosen} if chosen else run_config
 
 
 def secure_defaults_note(run_config: Mapping[str, Any]) -> str:
-    """The INFO line the server logs when :func:`secure_defaults` chose settings ("" otherwise)."""
+    """The INFO line the server logs when `secure_defaults` chose settings ("" otherwise)."""
     chosen = secure_defaults(run_config)
     if not chosen:
         return ""
@@ -247,9 +247,9 @@ def check_codec_under_secagg(run_config: Mapping[str, Any]) -> None:
     Raises
     ------
     ValueError
-        A codec other than :data:`SECAGG_CODECS` (its per-client positions or scales make a
+        A codec other than `SECAGG_CODECS` (its per-client positions or scales make a
         masked sum meaningless; ``compressor`` at its declared default is resolved first, see
-        :func:`secure_defaults`), a non-integer ``secagg-max-weight`` with ``dp = "distributed"``, or a
+        `secure_defaults`), a non-integer ``secagg-max-weight`` with ``dp = "distributed"``, or a
         feature the secure path does not implement (naming it).
     """
     run_config = resolve_secure_defaults(run_config)

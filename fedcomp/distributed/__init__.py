@@ -1,8 +1,8 @@
 """fedcomp.distributed: fedcomp's codecs for PyTorch data-parallel training (Flower-free).
 
-Averaging compressed tensors across ranks (:mod:`fedcomp.distributed.exchange`); compressed outer
-synchronisation every H inner steps, DiLoCo-style (:mod:`fedcomp.distributed.outer`); the codecs as a DDP
-communication hook (:mod:`fedcomp.distributed.hook`: ``CompressionState``, ``compression_hook``).
+Averaging compressed tensors across ranks (`fedcomp.distributed.exchange`); compressed outer
+synchronisation every H inner steps, DiLoCo-style (`fedcomp.distributed.outer`); the codecs as a DDP
+communication hook (`fedcomp.distributed.hook`: ``CompressionState``, ``compression_hook``).
 """
 
 from fedcomp.distributed.exchange import ByteCount, CompressionError, allgather_bytes, average

@@ -1,7 +1,7 @@
 """Averaging a compressed tensor across the ranks of a process group.
 
 The one place where fedcomp payloads meet ``torch.distributed``: the DDP communication hook and the
-outer synchronisation both call :func:`average`. Two ways to aggregate, chosen by what the codec's
+outer synchronisation both call `average`. Two ways to aggregate, chosen by what the codec's
 compressed form allows:
 
 - **allreduce** for codecs whose compressed form sums linearly (``none``: fp32; ``fp16``): each rank
@@ -16,7 +16,7 @@ figures.
 
 A rank that cannot encode (NaN/Inf in its tensor) still takes part in every collective: it sends a
 negative size and its error message in place of a payload, and every rank then raises
-:class:`CompressionError` naming the failing ranks, so no rank is left waiting in a collective.
+`CompressionError` naming the failing ranks, so no rank is left waiting in a collective.
 
 Source: Agarwal et al., "On the Utility of Gradient Compression in Distributed Training Systems",
 MLSys 2022 (all-gather for codecs that do not sum; allreduce where they do).
@@ -86,7 +86,7 @@ def allgather_bytes(payload: bytes, group: dist.ProcessGroup | None = None, *,
         Where the collective's tensors live: ``"cpu"`` for gloo, this rank's CUDA device for NCCL.
     error : str, optional
         This rank failed: its message travels in place of ``payload`` (announced by a negative
-        size) and every rank raises :class:`CompressionError` after the same two collectives.
+        size) and every rank raises `CompressionError` after the same two collectives.
 
     Returns
     -------

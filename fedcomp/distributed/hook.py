@@ -7,8 +7,8 @@
     ddp_model.register_comm_hook(state, compression_hook)
 
 DDP hands the hook one bucket at a time: a flat buffer holding this rank's summed gradients of the
-bucket's parameters (not yet divided by the world size). :func:`compression_hook` replaces it with the
-mean over the ranks, sent compressed by :func:`fedcomp.distributed.exchange.average`: an allreduce where
+bucket's parameters (not yet divided by the world size). [`compression_hook`][fedcomp.distributed.compression_hook]
+replaces it with the mean over the ranks, sent compressed by `fedcomp.distributed.exchange.average`: an allreduce where
 the compressed form sums (``none``, ``fp16``), otherwise an all-gather of the payloads (sizes first) that
 every rank decodes and sums in rank order, so the replicas stay bit-identical. Error feedback keeps per
 bucket what was not sent and adds it to the next step's gradient.
@@ -43,13 +43,13 @@ logger = logging.getLogger(__name__)
 
 #: What the hook does when a gradient holds NaN/Inf.
 NONFINITE = ("raise", "propagate")
-#: Version of :meth:`CompressionState.state_dict`'s layout.
+#: Version of `CompressionState.state_dict`'s layout.
 STATE_VERSION = 1
 
 
 class CompressionState:
-    """Settings and memory of :func:`compression_hook`: the codec, error feedback per bucket, the
-    step counter and the byte counters.
+    """Settings and memory of [`compression_hook`][fedcomp.distributed.compression_hook]: the codec, error feedback per
+    bucket, the step counter and the byte counters.
 
     Pass it to ``ddp_model.register_comm_hook(state, compression_hook)`` once, before the first
     backward pass. Every rank builds it with the same settings.
@@ -58,9 +58,10 @@ class CompressionState:
     ----------
     process_group : torch.distributed.ProcessGroup, optional
         The group DDP averages over; None (default): the default group. Not saved by
-        :meth:`state_dict` nor pickled (a restored state uses the default group).
+        [`state_dict`][fedcomp.distributed.CompressionState.state_dict] nor pickled (a restored state uses the default
+        group).
     compressor : str
-        A codec of :func:`fedcomp.compression.get_compressor`: "none", "fp16", "bf16", "sign", "stc",
+        A codec of [`fedcomp.compression.get_compressor`][]: "none", "fp16", "bf16", "sign", "stc",
         "topk", "randomk", "qsgd", "int8", "eden", "powersgd", ... Default "stc".
         "none" and "fp16" go through one allreduce (the same as DDP's default hook and torch's
         ``fp16_compress_hook``); every other codec through an all-gather of payloads. Codecs that
@@ -97,7 +98,7 @@ class CompressionState:
         same numbers and ranks draw independently. In ``[0, 2**63)``; default 0.
     **codec_options
         The codec's own options (``density``, ``levels``, ``block_size``, ``rank``, ``value_dtype``,
-        ...), passed to :func:`fedcomp.compression.get_compressor`.
+        ...), passed to [`fedcomp.compression.get_compressor`][].
 
     Attributes
     ----------
@@ -197,10 +198,11 @@ class CompressionState:
     def bucket_feedback(self, index: int, keys: list[str]) -> ErrorFeedback | None:
         """The bucket's error feedback (None without), its residual laid out for ``keys``.
 
-        After DDP rebuilt its buckets, or after :meth:`load_state_dict`, a bucket's parameters differ
-        from those its residual was kept for: the residuals that hold any of them are cut into their
-        parameters' pieces and the bucket reassembles its own from them (a parameter never seen with a
-        residual starts from zero). In steady state nothing is cut or copied.
+        After DDP rebuilt its buckets, or after
+        [`load_state_dict`][fedcomp.distributed.CompressionState.load_state_dict], a bucket's parameters differ from
+        those its residual was kept for: the residuals that hold any of them are cut into their parameters' pieces and
+        the bucket reassembles its own from them (a parameter never seen with a residual starts from zero). In steady
+        state nothing is cut or copied.
         """
         if not self.error_feedback:
             return None
@@ -224,9 +226,9 @@ class CompressionState:
         """The saved buckets a bucket of ``keys`` is compressed along, or None (compressed whole).
 
         A resumed DDP runs its first step on one provisional bucket of every parameter; when that
-        bucket is made of several buckets of the saved run (:meth:`load_state_dict`), each is
-        compressed on its own, in index order, as the saved run would have: the resumed step is the
-        saved run's next step, bit for bit.
+        bucket is made of several buckets of the saved run
+        ([`load_state_dict`][fedcomp.distributed.CompressionState.load_state_dict]), each is compressed on its own, in
+        index order, as the saved run would have: the resumed step is the saved run's next step, bit for bit.
         """
         if not self.saved_layouts or tuple(keys) in self.saved_layouts.values():
             return None
@@ -278,7 +280,7 @@ class CompressionState:
         return codec
 
     def count_step(self, bucket: dist.GradBucket) -> None:
-        """Advance :attr:`step` after the last bucket of a backward pass."""
+        """Advance `step` after the last bucket of a backward pass."""
         if bucket.is_last():
             self.step += 1
 
@@ -314,13 +316,13 @@ class CompressionState:
                 "layouts": {i: list(lay) for i, lay in (self.layouts or self.saved_layouts).items()}}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned (this rank's own).
+        """Restore what [`state_dict`][fedcomp.distributed.CompressionState.state_dict] returned (this rank's own).
 
         Call it before the first backward pass of the resumed run, on a DDP model built as the saved
         run's was (same parameters, same ``bucket_cap_mb``). The memory is matched to the parameters by
         their keys; the resumed DDP's provisional first bucket is compressed along the saved run's
-        buckets (:meth:`layout_groups`), so the resumed run continues bit for bit. Should the resumed
-        DDP settle on other buckets, the residuals still carry over per parameter.
+        buckets ([`layout_groups`][fedcomp.distributed.CompressionState.layout_groups]), so the resumed run continues
+        bit for bit. Should the resumed DDP settle on other buckets, the residuals still carry over per parameter.
 
         Raises
         ------

@@ -35,7 +35,7 @@ from fedcomp.util.validate import check_number
 #: The outer optimizer of the DiLoCo paper (Douillard et al. 2023, Sec. 3): SGD, Nesterov momentum.
 DEFAULT_OUTER_LR = 0.7
 DEFAULT_OUTER_MOMENTUM = 0.9
-#: Version of the :meth:`DiLoCo.state_dict` layout.
+#: Version of the `DiLoCo.state_dict` layout.
 STATE_VERSION = 1
 
 
@@ -86,13 +86,13 @@ def split_fragments(sizes: list[int], fragments: int) -> list[list[int]]:
 class DiLoCo:
     """Outer synchronisation every ``sync_every`` inner steps, the pseudo-gradient sent compressed.
 
-    Call :meth:`step` once after every ``inner_optimizer.step()``. Every ``sync_every`` calls (per
-    fragment, see ``fragments``) it
+    Call [`step`][fedcomp.distributed.DiLoCo.step] once after every ``inner_optimizer.step()``. Every ``sync_every``
+    calls (per fragment, see ``fragments``) it
 
     1. forms the pseudo-gradient ``start - now`` of the fragment's parameters as one flat fp32
        vector (``start``: the parameters after the previous outer step);
     2. checks it is finite on every rank (one small allreduce, so every rank raises together);
-    3. averages it over the process group with :func:`fedcomp.distributed.exchange.average`: the
+    3. averages it over the process group with `fedcomp.distributed.exchange.average`: the
        codec (with error feedback: ``x + residual`` is sent, the residual keeps what the payload
        did not carry), an allreduce for ``none``/``fp16`` without error feedback, otherwise an
        all-gather of payloads decoded in rank order: the mean is bit-identical on every rank;
@@ -129,7 +129,7 @@ class DiLoCo:
         A factory ``params -> Optimizer`` called with the outer copies (e.g.
         ``functools.partial(torch.optim.SGD, lr=1.0)``), or an optimizer built over ``model``'s
         parameters that has not stepped yet (its parameters are replaced by the outer copies).
-        Default :func:`default_outer_optimizer` (SGD, lr 0.7, Nesterov momentum 0.9).
+        Default `default_outer_optimizer` (SGD, lr 0.7, Nesterov momentum 0.9).
     fragments : int
         F, contiguous fragments of the parameters synchronised at staggered inner steps
         (Streaming DiLoCo), 1 <= F <= min(H, number of synchronised tensors). Default 1.
@@ -146,14 +146,14 @@ class DiLoCo:
         sent once, at construction, and never again.
     **codec_options
         The codec's parameters (``density``, ``levels``, ``block_size``, ``rank``, ...; see
-        :func:`fedcomp.compression.get_compressor`). ``seed`` for a stochastic codec seeds every
+        [`fedcomp.compression.get_compressor`][]). ``seed`` for a stochastic codec seeds every
         exchange with a seed derived from it, the rank, the fragment and the outer step (runs and
         resumed runs reproduce); without it the codec draws from the OS.
 
     Attributes
     ----------
     inner_steps : int
-        Calls of :meth:`step` so far.
+        Calls of [`step`][fedcomp.distributed.DiLoCo.step] so far.
     outer_steps : int
         Fragment synchronisations so far (with F = 1: outer steps).
     bytes : ByteCount
@@ -165,9 +165,9 @@ class DiLoCo:
     params : list of torch.nn.Parameter
         The synchronised parameters (the model's that require grad), in model order.
     groups : list of list of int
-        The fragments: indices into :attr:`params`, contiguous.
+        The fragments: indices into `params`, contiguous.
     synced : list of int
-        The fragments the last :meth:`step` synchronised (empty if none).
+        The fragments the last [`step`][fedcomp.distributed.DiLoCo.step] synchronised (empty if none).
 
     Raises
     ------
@@ -462,7 +462,8 @@ class DiLoCo:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned on this rank (after loading the model's own).
+        """Restore what [`state_dict`][fedcomp.distributed.DiLoCo.state_dict] returned on this rank (after loading the
+        model's own).
 
         Raises
         ------

@@ -1,15 +1,15 @@
 """Differential privacy, Flower-free: the mechanisms, their accounting and the settings of each
 DP mode.
 
-- :mod:`.mechanisms`: the Gaussian mechanism on whole updates, noise from the OS CSPRNG.
-- :mod:`.accounting`: Rényi DP, epsilon at delta, the DP-SGD accountant as plain data.
-- :mod:`.calibration`: DP-SGD's sampling arithmetic and noise calibration.
-- :mod:`.client_level`: client-level DP-FedAvg on the server (:class:`ClientLevelDP`).
-- :mod:`.local`: local DP, clip-and-noise on each client (:class:`LocalDP`).
-- :mod:`.distributed`: distributed DP under secure aggregation, the clients' Skellam noise shares
-  and their RDP accountant (:class:`~fedcomp.privacy.distributed.DistributedDP`).
-- :mod:`.sample_level`: DP-SGD's settings (:class:`DPSGDConfig`) and one client's plan (steps,
-  noise multiplier, projected epsilon); the Opacus training loop is :mod:`fedcomp.privacy.dp_sgd`.
+- `mechanisms`: the Gaussian mechanism on whole updates, noise from the OS CSPRNG.
+- `accounting`: Rényi DP, epsilon at delta, the DP-SGD accountant as plain data.
+- `calibration`: DP-SGD's sampling arithmetic and noise calibration.
+- `client_level`: client-level DP-FedAvg on the server (`ClientLevelDP`).
+- `local`: local DP, clip-and-noise on each client (`LocalDP`).
+- `distributed`: distributed DP under secure aggregation, the clients' Skellam noise shares
+  and their RDP accountant (`DistributedDP`).
+- `sample_level`: DP-SGD's settings (`DPSGDConfig`) and one client's plan (steps,
+  noise multiplier, projected epsilon); the Opacus training loop is `fedcomp.privacy.dp_sgd`.
 
 Importing this package does not import Opacus (it calls ``logging.basicConfig`` at import).
 """

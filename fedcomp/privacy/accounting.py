@@ -6,7 +6,7 @@ Sources: Mironov, "Rényi Differential Privacy", CSF 2017; Mironov, Talwar & Zha
 Differential Privacy of the Sampled Gaussian Mechanism", 2019; Gopi, Lee & Wutschitz, "Numerical
 Composition of Differential Privacy", NeurIPS 2021 (PRV); Opacus 1.6's accountants.
 
-Opacus is imported inside the functions, through :func:`fedcomp.privacy.opacus_import.import_opacus` (it calls
+Opacus is imported inside the functions, through `fedcomp.privacy.opacus_import.import_opacus` (it calls
 ``logging.basicConfig`` at import, which would print every log line twice).
 """
 
@@ -58,7 +58,7 @@ def rdp_orders() -> tuple[float, ...]:
 @lru_cache(maxsize=256)
 def rdp_one_step(sample_rate: float, noise_multiplier: float) -> np.ndarray:
     """RDP of one Poisson-subsampled Gaussian step (a client-level round at q, or a DP-SGD step) at
-    each of :func:`rdp_orders` (Mironov, Talwar & Zhang 2019), shape ``(len(rdp_orders()),)``,
+    each of `rdp_orders` (Mironov, Talwar & Zhang 2019), shape ``(len(rdp_orders()),)``,
     read-only. Cached: it depends only on (q, sigma), which stay fixed over a run, and is the
     costly part (Opacus' series at every order); composition over steps or rounds is a
     multiplication."""
@@ -106,7 +106,7 @@ def epsilon_from_rdp(orders, rdp, delta: float) -> float:
 
 
 def new_accountant(kind: str = "rdp") -> IAccountant:
-    """An empty Opacus accountant, ``kind`` in :data:`ACCOUNTANTS`.
+    """An empty Opacus accountant, ``kind`` in `ACCOUNTANTS`.
 
     Raises
     ------
@@ -141,7 +141,7 @@ def accountant_state(accountant: IAccountant) -> dict[str, list[float]]:
 
 
 def restore_accountant(kind: str, state: Mapping[str, Any] | None) -> IAccountant:
-    """An accountant of ``kind`` whose history is ``state`` (from :func:`accountant_state`).
+    """An accountant of ``kind`` whose history is ``state`` (from `accountant_state`).
 
     Parameters
     ----------
@@ -180,7 +180,7 @@ def epsilon_spent(accountant: IAccountant, delta: float) -> float:
     0.0 for an empty history; ``float('inf')`` ("no privacy") as soon as any step used
     noise multiplier 0; otherwise the accountant's bound (RDP: Mironov 2017 with Opacus'
     conversion; PRV: the upper bound of Gopi et al. 2021), floored at 0 as explained in
-    :func:`epsilon_from_rdp` (finite, >= 0, non-decreasing over rounds).
+    `epsilon_from_rdp` (finite, >= 0, non-decreasing over rounds).
     """
     if not accountant.history:
         return 0.0

@@ -1,7 +1,7 @@
 """Client-level DP-FedAvg on the server's decoded updates (Flower-free).
 
 Source: McMahan, Ramage, Talwar, Zhang, "Learning Differentially Private Recurrent Language
-Models" (DP-FedAvg), ICLR 2018; Rényi-DP accounting (:mod:`fedcomp.privacy.accounting`), one
+Models" (DP-FedAvg), ICLR 2018; Rényi-DP accounting (`fedcomp.privacy.accounting`), one
 sampled Gaussian-mechanism step per round.
 """
 
@@ -44,7 +44,7 @@ class ClientLevelDP:
     client applied before compressing.
 
     Accounting: Rényi DP (Opacus ``RDPAccountant``), one sampled Gaussian-mechanism step per round
-    at ``sample_rate`` (1 by default, see :data:`NO_AMPLIFICATION`); epsilon at ``target_delta``.
+    at ``sample_rate`` (1 by default, see `NO_AMPLIFICATION`); epsilon at ``target_delta``.
 
     Parameters
     ----------
@@ -61,7 +61,7 @@ class ClientLevelDP:
     sample_rate : float
         q in (0, 1]: 1 (default) claims no amplification; q < 1 is valid only when the strategy
         Poisson-samples each client of a fixed population with probability q
-        (``client-sampling = "poisson"``), and then ``clients`` passed to :meth:`aggregate` is the
+        (``client-sampling = "poisson"``), and then ``clients`` passed to `aggregate` is the
         expected number q·N (McMahan et al. 2018).
 
     Raises
@@ -103,7 +103,7 @@ class ClientLevelDP:
         Returns
         -------
         (aggregate, info)
-            As :meth:`finish`.
+            As `finish`.
         """
         norms = [float(np.linalg.norm(u.astype(np.float64))) for u in updates]
         total = np.zeros_like(updates[0], dtype=np.float64)

@@ -4,7 +4,7 @@ Every client clips its (shared-seed encoded) update to L2 norm C, rounds it onto
 of step ``2c / Q`` that SecAgg+ sums, and adds its *share* of integer Skellam noise. A sum of
 independent Skellam variables is Skellam, so the masked sum the server unmasks carries Skellam noise
 of the summed variance: the server never sees an un-noised sum. The noise comes from a generator
-seeded by the OS CSPRNG on each client (:func:`fedcomp.privacy.mechanisms.secure_generator`).
+seeded by the OS CSPRNG on each client (`fedcomp.privacy.mechanisms.secure_generator`).
 
 Noise that survives dropouts: each client draws variance ``V / t`` per coordinate, where ``V``
 (grid units) is the variance the noise multiplier asks of the sum and ``t`` is the round's
@@ -35,7 +35,7 @@ probability of failure).
 
 Range: SecAgg+ clips each client's value to ``[-c, c]`` before it quantizes, which would change the
 noise of a client whose noisy value falls outside. Clients refuse a round whose per-value
-probability of that exceeds :data:`OVERFLOW_LIMIT` (a Chernoff bound on the Skellam tail) and raise
+probability of that exceeds `OVERFLOW_LIMIT` (a Chernoff bound on the Skellam tail) and raise
 rather than send a clipped value; the server reports the run's accumulated bound ``P`` of such an
 event, and the guarantee of the released models is ``(epsilon, delta + (1 + e^epsilon) P)``.
 """
@@ -116,7 +116,7 @@ def skellam_noise(shape: tuple[int, ...], variance: float, generator: torch.Gene
     variance : float
         >= 0, per entry (0 gives zeros).
     generator : torch.Generator
-        Source of the Poisson draws (:func:`fedcomp.privacy.mechanisms.secure_generator` outside tests).
+        Source of the Poisson draws (`fedcomp.privacy.mechanisms.secure_generator` outside tests).
 
     Returns
     -------
@@ -150,7 +150,7 @@ class DistributedDP:
     Attributes
     ----------
     rounds : int
-        Rounds recorded by :meth:`record`.
+        Rounds recorded by `record`.
     overflow_bound : float
         Accumulated bound on the probability that a client's noisy value left ``[-c, c]``.
 
@@ -216,12 +216,12 @@ class DistributedDP:
     def overflow_probability(self, threshold: int) -> float:
         """Bound on the probability that one noisy value of one client leaves ``[-c, c]``: its
         rounded value lies within ``[-C, C]``, so the noise share must exceed ``(c - C) / step`` in
-        magnitude (two-sided :func:`skellam_tail`)."""
+        magnitude (two-sided `skellam_tail`)."""
         margin = (self.clipping_range - self.clipping_norm) / self.step
         return min(1.0, 2.0 * skellam_tail(self.share_variance(threshold), margin))
 
     def check_range(self, threshold: int) -> None:
-        """Refuse a round whose per-value overflow bound exceeds :data:`OVERFLOW_LIMIT`.
+        """Refuse a round whose per-value overflow bound exceeds `OVERFLOW_LIMIT`.
 
         Raises
         ------
@@ -237,7 +237,7 @@ class DistributedDP:
                              f"value (limit {OVERFLOW_LIMIT:g}): set 'secagg-clipping-range' >= {need:.3g}")
 
     def min_threshold(self) -> int:
-        """Smallest threshold t >= 2 that :meth:`check_range` accepts (the shares shrink as t grows);
+        """Smallest threshold t >= 2 that `check_range` accepts (the shares shrink as t grows);
         2**20 if none up to it does."""
         hi = 2
         while hi < 1 << 20 and self.overflow_probability(hi) > OVERFLOW_LIMIT:
@@ -250,12 +250,12 @@ class DistributedDP:
 
     def noise_share(self, k: int, threshold: int, generator: torch.Generator | None = None) -> np.ndarray:
         """One client's integer noise share for k values (grid units), int64 shape ``(k,)``, drawn
-        from ``generator`` or, by default, a fresh :func:`secure_generator` (OS CSPRNG)."""
+        from ``generator`` or, by default, a fresh `secure_generator` (OS CSPRNG)."""
         gen = generator if generator is not None else secure_generator()
         return skellam_noise((int(k),), self.share_variance(threshold), gen).numpy()
 
     def round_rdp(self, k: int, survivors: int, threshold: int) -> np.ndarray:
-        """RDP curve (at :data:`SKELLAM_ORDERS`) of one round whose sum holds ``survivors`` clients'
+        """RDP curve (at `SKELLAM_ORDERS`) of one round whose sum holds ``survivors`` clients'
         shares of k values: variance ``survivors * V / t``, Delta_2 = C / step, Delta_1 = sqrt(k) Delta_2."""
         l2 = self.clipping_norm / self.step
         return skellam_rdp(SKELLAM_ORDERS, math.sqrt(k) * l2, l2, survivors * self.share_variance(threshold))
@@ -290,7 +290,7 @@ class DistributedDP:
     def epsilon_after(self, k: int) -> float:
         """Epsilon at ``target_delta`` if one more round of k values were released with the least noise
         SecAgg+ can unmask: as many survivors as the threshold t, whose shares add up to the variance
-        of :meth:`sum_variance` whatever t is. What a privacy budget checks before a round."""
+        of `sum_variance` whatever t is. What a privacy budget checks before a round."""
         return epsilon_from_rdp(SKELLAM_ORDERS, self._rdp + self.round_rdp(k, 1, 1), self.target_delta)
 
     def epsilon(self) -> float:
@@ -303,7 +303,7 @@ class DistributedDP:
 def min_clipping_range(clipping_norm: float, noise_multiplier: float, threshold: int, quantization_range: int,
                        limit: float = OVERFLOW_LIMIT) -> float:
     """Smallest SecAgg+ clipping range c (update units, to 3 significant digits, rounded up) at which
-    :meth:`DistributedDP.overflow_probability` is at most ``limit`` for threshold t (bisection on c;
+    `DistributedDP.overflow_probability` is at most ``limit`` for threshold t (bisection on c;
     the share's std is ``z C / sqrt(t)`` in update units whatever c is)."""
     std = noise_multiplier * clipping_norm / math.sqrt(max(threshold, 1))
 

@@ -11,10 +11,10 @@ is per sample, so this changes memory use, not the result.
 
 The privacy loss of the whole run is tracked by one accountant per client whose history
 ``[(noise_multiplier, sample_rate, steps), ...]`` is carried between rounds as plain lists
-(:func:`fedcomp.privacy.accountant_state` / :func:`fedcomp.privacy.restore_accountant`), so
+(`fedcomp.privacy.accountant_state` / `fedcomp.privacy.restore_accountant`), so
 epsilon keeps growing over the rounds instead of restarting at every round. The settings
-(:class:`fedcomp.privacy.DPSGDConfig`), the accounting and the noise calibration live in
-:mod:`fedcomp.privacy`; this module holds the Opacus training only.
+(`fedcomp.privacy.DPSGDConfig`), the accounting and the noise calibration live in
+`fedcomp.privacy`; this module holds the Opacus training only.
 
 This module knows nothing about Flower. The guarantee is per example of this client's
 partition (sample-level DP), with respect to everything the client sends afterwards
@@ -181,7 +181,7 @@ def poisson_loader(dataset: Dataset, rate: float, steps: int, generator: torch.G
 
 @dataclass
 class PrivateTraining:
-    """What :func:`make_private` built for one round.
+    """What `make_private` built for one round.
 
     Attributes
     ----------
@@ -255,7 +255,7 @@ def make_private(
     seed : int
         Seeds the Poisson sampler and (without secure RNG) the noise generator.
     accountant_state : mapping or None
-        From :func:`accountant_state` after the previous round; None on the first.
+        From `accountant_state` after the previous round; None on the first.
 
     Raises
     ------
@@ -339,7 +339,7 @@ def _epochs(private: PrivateTraining, epochs: int, physical_batch_size: int, dev
 
 
 class DPTrainResult(NamedTuple):
-    """What :func:`train_dp_sgd` returns (unpacks as a 4-tuple)."""
+    """What `train_dp_sgd` returns (unpacks as a 4-tuple)."""
 
     mean_loss: float
     num_examples: int
@@ -363,7 +363,7 @@ def train_dp_sgd(
 ) -> DPTrainResult:
     """One round of sample-level DP-SGD on this client; ``model`` is updated in place.
 
-    Trains a private copy (see :func:`make_private`) for ``local_epochs`` epochs of
+    Trains a private copy (see `make_private`) for ``local_epochs`` epochs of
     ``ceil(N / logical_batch)`` Poisson-sampled logical batches (expected size
     ``batch_size * accumulation_steps``; micro-batches of at most ``batch_size``), then copies
     the trained weights back into ``model`` under its original parameter names (no
@@ -405,7 +405,7 @@ def train_dp_sgd(
     Raises
     ------
     ValueError
-        See :func:`make_private`.
+        See `make_private`.
 
     Notes
     -----

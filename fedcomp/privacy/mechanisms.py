@@ -49,7 +49,7 @@ def clip_and_noise(update: torch.Tensor, clipping_norm: float, noise_multiplier:
 
 def clip_and_noise_(buffers: list[torch.Tensor], clipping_norm: float, noise_multiplier: float,
                     generator: torch.Generator | None = None) -> None:
-    """:func:`clip_and_noise` in place over the concatenation of ``buffers`` (float32 tensors that
+    """`clip_and_noise` in place over the concatenation of ``buffers`` (float32 tensors that
     together hold one update, e.g. one per payload): the L2 norm is taken over all of them, each is
     scaled by ``min(1, C/norm)`` and gets N(0, (zC)^2) noise per entry; no concatenated copy."""
     norm = sum(float(torch.linalg.vector_norm(b.double())) ** 2 for b in buffers) ** 0.5

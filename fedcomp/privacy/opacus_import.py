@@ -4,7 +4,7 @@
 when it is imported, and every ``import opacus...`` reaches it through ``opacus/__init__.py``
 (``from . import utils``), the accountants included. That gives the root logger a handler, so
 every record of Flower's ``flwr`` logger (which propagates) prints twice, its DEBUG records too.
-:func:`import_opacus` imports the package while the root logger holds a placeholder handler,
+`import_opacus` imports the package while the root logger holds a placeholder handler,
 which makes that ``basicConfig`` a no-op; every fedcomp module calls it before its first
 ``from opacus ... import``.
 """

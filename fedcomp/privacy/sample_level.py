@@ -29,7 +29,7 @@ def secure_rng_available() -> bool:
 @dataclass(frozen=True)
 class DPSGDConfig:
     """DP-SGD parameters (run config keys in brackets, declared in
-    :data:`fedcomp.privacy.settings.DP_KEYS` with their defaults); validated on construction.
+    `fedcomp.privacy.settings.DP_KEYS` with their defaults); validated on construction.
 
     Attributes
     ----------
@@ -160,7 +160,7 @@ def planned_steps(dp_cfg: DPSGDConfig, num_examples: int, *, logical_batch: int,
     num_examples : int
         N, the client's local examples, >= 1.
     logical_batch : int
-        Expected examples per optimizer step (:func:`fedcomp.privacy.logical_batch_size`), >= 1.
+        Expected examples per optimizer step (`fedcomp.privacy.logical_batch_size`), >= 1.
     local_epochs : int
         Passes over the local data per round, >= 1.
     """
@@ -171,7 +171,7 @@ def planned_steps(dp_cfg: DPSGDConfig, num_examples: int, *, logical_batch: int,
 def resolve_noise_multiplier(dp_cfg: DPSGDConfig, num_examples: int, *, logical_batch: int,
                              local_epochs: int) -> float:
     """The sigma this client uses: ``dp_cfg.noise_multiplier``, or with ``target_epsilon``
-    the calibrated one for :func:`planned_steps` at this client's sample rate
+    the calibrated one for `planned_steps` at this client's sample rate
     ``logical_batch / num_examples``.
 
     Raises
@@ -196,7 +196,7 @@ def projected_epsilon(dp_cfg: DPSGDConfig, num_examples: int, accountant_state: 
     Adds this round's steps (``local_epochs * steps_per_epoch`` at this client's sample rate and
     noise multiplier) to a copy of the restored accountant; used to refuse a round that would
     exceed a privacy budget before any data is touched. ``logical_batch`` and ``local_epochs`` as
-    in :func:`planned_steps`.
+    in `planned_steps`.
     """
     acc = restore_accountant(dp_cfg.accountant, accountant_state)
     sigma = resolve_noise_multiplier(dp_cfg, num_examples, logical_batch=logical_batch, local_epochs=local_epochs)

@@ -1,8 +1,8 @@
 """The run-config keys of differential privacy, declared once: the mode (``dp``), the clipping and
 noise of each mode, DP-SGD's accounting and the run's privacy budget.
 
-:class:`fedcomp.privacy.DPSGDConfig` and the reference app's ``AppConfig`` take their defaults and
-checks from these declarations; :mod:`fedcomp.config.keys` gathers them with the library's other keys.
+`fedcomp.privacy.DPSGDConfig` and the reference app's ``AppConfig`` take their defaults and
+checks from these declarations; `fedcomp.config.keys` gathers them with the library's other keys.
 """
 
 from __future__ import annotations

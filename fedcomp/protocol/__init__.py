@@ -8,6 +8,7 @@ The names of ``messages`` are re-exported here (``from fedcomp.protocol import p
 
 from fedcomp.protocol.messages import (
     BASE_VERSION,
+    COPY_RECORD,
     DEFAULT_DOWNLINK_MBPS,
     DEFAULT_UPLINK_MBPS,
     ESTIMATE_ROUND_METRIC,
@@ -32,6 +33,7 @@ from fedcomp.protocol.messages import (
 
 __all__ = [
     "BASE_VERSION",
+    "COPY_RECORD",
     "DEFAULT_DOWNLINK_MBPS",
     "DEFAULT_UPLINK_MBPS",
     "ESTIMATE_ROUND_METRIC",

@@ -4,13 +4,14 @@ A downstream message splits a model's float tensors into the *compressed part* (
 vector, model order, changed by compressed payloads) and the *exempt part* (BatchNorm running
 statistics unless ``batchnorm-stats = "codec"``: with "small", sent exactly in every message, like
 the integer and bool tensors; with "auto", the default, a node that holds a copy gets each
-statistic's change since that copy as a scaled-sign payload under :func:`stat_delta_key`, applied
-by :func:`apply_stat_delta` on both sides, so the server knows each node's copy bit for bit). The server's :mod:`fedcomp.strategies.downstream_sender` writes messages,
-:mod:`fedcomp.client.downstream_receiver` reads them.
+statistic's change since that copy as a scaled-sign payload under `stat_delta_key`, applied
+by `apply_stat_delta` on both sides, so the server knows each node's copy bit for bit). The server's
+`fedcomp.strategies.downstream_sender` writes messages, `fedcomp.client.downstream_receiver` reads them.
 """
 
 from __future__ import annotations
 
+import hashlib
 import struct
 from collections.abc import Callable
 
@@ -51,8 +52,8 @@ def stat_delta_key(key: str) -> str:
 def apply_stat_delta(model: FlatModel, key: str, change: np.ndarray) -> None:
     """``key``'s values += ``change`` (float32, the tensor's shape or flat) in place: added in float32
     (float64 for a float64 tensor) whatever the model's flat dtype; a running variance then kept at
-    >= :data:`VAR_FLOOR` times its previous value (so >= 0: a lossy change can undershoot); then
-    rounded to the tensor's dtype (:func:`settle`). The server applies it to its record of a node's
+    >= `VAR_FLOOR` times its previous value (so >= 0: a lossy change can undershoot); then
+    rounded to the tensor's dtype (`settle`). The server applies it to its record of a node's
     copy, the node to its copy: the same float operations, so both copies stay equal bit for bit."""
     view = model.float_view(key).reshape(-1)
     wide = np.float64 if model.specs[key].dtype == "float64" else np.float32  # not the flat's: the tensor's
@@ -67,7 +68,7 @@ def chain_key(i: int) -> str:
     return MODEL_KEY if i == 0 else f"{MODEL_KEY}/{i}"
 
 
-#: First bytes of a compressed step sent per tensor (:func:`encode_per_tensor`); a step of the whole
+#: First bytes of a compressed step sent per tensor (`encode_per_tensor`); a step of the whole
 #: vector is one fedcomp payload and starts with the wire format's ``b"FCMP"``.
 PER_TENSOR_MAGIC = b"FCPT"
 _COUNT = struct.Struct("<I")
@@ -101,7 +102,7 @@ def encode_per_tensor(compress: Callable[[int, np.ndarray], bytes], vec: np.ndar
 
 def decode_step(payload: bytes | memoryview, sizes: list[int]) -> np.ndarray:
     """The float32 values, shape ``(sum(sizes),)``, of one compressed step: a fedcomp payload of the
-    whole vector, or a per-tensor step (:func:`encode_per_tensor`) whose payloads must be exactly one
+    whole vector, or a per-tensor step (`encode_per_tensor`) whose payloads must be exactly one
     per non-empty tensor of ``sizes``, each of that tensor's size, with nothing after the last.
 
     Raises
@@ -154,7 +155,7 @@ def gather(model: FlatModel, keys: list[str]) -> np.ndarray:
 
 
 def scatter(model: FlatModel, keys: list[str], vec: np.ndarray) -> None:
-    """Write ``vec`` (what :func:`gather` returns) back into ``model.flat`` in place."""
+    """Write ``vec`` (what `gather` returns) back into ``model.flat`` in place."""
     off = 0
     for o, n in segments(model, keys):
         model.flat[o: o + n] = vec[off: off + n]
@@ -182,6 +183,33 @@ def settle(model: FlatModel, keys: list[str], vec: np.ndarray) -> np.ndarray:
     return vec
 
 
-__all__ = ["PER_TENSOR_MAGIC", "STAT_DELTA_PREFIX", "VAR_FLOOR", "apply_stat_delta", "chain_key", "decode_step",
-           "encode_per_tensor", "gather", "is_batchnorm_stat", "is_running_var", "scatter",
-           "segments", "settle", "stat_delta_key"]
+
+#: Bytes of a model copy's digest (`copy_digest`).
+COPY_DIGEST_BYTES = 8
+
+
+def copy_digest(model: FlatModel) -> bytes:
+    """A digest of a model copy's float tensors, to compare a node's copy with the server's record of it.
+
+    Parameters
+    ----------
+    model : FlatModel
+        The copy; its float tensors (`FlatModel.flat`: model order, float32, or float64 for a model
+        with a float64 tensor) are hashed, with ``-0.0`` read as ``+0.0`` (a sum that meets zero from
+        either side gives the same copy). Integer and bool tensors travel exactly in every message and
+        are not part of it.
+
+    Returns
+    -------
+    bytes
+        BLAKE2b with a ``COPY_DIGEST_BYTES``-byte (64-bit) digest (RFC 7693): a check against drift (two
+        different copies agree with probability 2**-64), not a secret (the server knows the copy it sent)
+        nor a proof (a node can report any digest; what it trains from is its own).
+    """
+    flat = model.flat + 0.0  # -0.0 -> +0.0, the same value
+    return hashlib.blake2b(flat.tobytes(), digest_size=COPY_DIGEST_BYTES).digest()
+
+
+__all__ = ["COPY_DIGEST_BYTES", "PER_TENSOR_MAGIC", "STAT_DELTA_PREFIX", "VAR_FLOOR", "apply_stat_delta",
+           "chain_key", "copy_digest", "decode_step", "encode_per_tensor", "gather", "is_batchnorm_stat",
+           "is_running_var", "scatter", "segments", "settle", "stat_delta_key"]

@@ -2,14 +2,14 @@
 ``"aarch64"`` on a Raspberry Pi 4/5 or a Jetson, ``"x86_64"``), Python and torch versions, and the
 peak resident memory of its process.
 
-The ClientApp puts :func:`client_info` into every train reply as a ConfigRecord under
-:data:`CLIENT_INFO_KEY` (strings travel in ConfigRecords, not MetricRecords); ``compression_mod`` adds
-:func:`memory_report` (measured after compressing) to the reply's metrics: ``client-peak-rss-mb``,
+The ClientApp puts `client_info` into every train reply as a ConfigRecord under
+`CLIENT_INFO_KEY` (strings travel in ConfigRecords, not MetricRecords); ``compression_mod`` adds
+`memory_report` (measured after compressing) to the reply's metrics: ``client-peak-rss-mb``,
 the memory limit of the client's container (``client-memory-limit-mb``, 0 without one) and how many
 processes the kernel's out-of-memory killer has killed in it (``client-oom-kills``).
 The server counts the machines per round (``client-machines`` in metrics.json), reports the largest
 peak RSS (``client-peak-rss-mb``) and each client's (``client-peak-rss``: node id -> MiB). All are
-the client's own, unverified statements: a report no device can make (:func:`implausible_memory_report`)
+the client's own, unverified statements: a report no device can make (`implausible_memory_report`)
 is dropped and counted (``dropped-device-reports``).
 """
 
@@ -20,7 +20,7 @@ import re
 
 from flwr.app import ConfigRecord
 
-#: Train-reply ConfigRecord holding :func:`client_info`.
+#: Train-reply ConfigRecord holding `client_info`.
 CLIENT_INFO_KEY = "fedcomp.client-info"
 #: Longest machine name the server keeps from a reply (untrusted input).
 MAX_MACHINE_CHARS = 32
@@ -88,13 +88,13 @@ def oom_kills(files: tuple[str, ...] = CGROUP_OOM_FILES) -> int:
 
 
 def memory_report() -> dict[str, float]:
-    """The train reply's memory metrics: ``client-peak-rss-mb`` (:func:`peak_rss_mb`),
-    ``client-memory-limit-mb`` (:func:`memory_limit_mb`) and ``client-oom-kills`` (:func:`oom_kills`)."""
+    """The train reply's memory metrics: ``client-peak-rss-mb`` (`peak_rss_mb`),
+    ``client-memory-limit-mb`` (`memory_limit_mb`) and ``client-oom-kills`` (`oom_kills`)."""
     return {"client-peak-rss-mb": peak_rss_mb(), "client-memory-limit-mb": memory_limit_mb(),
             "client-oom-kills": float(oom_kills())}
 
 
-#: The train reply's metrics of :func:`memory_report`.
+#: The train reply's metrics of `memory_report`.
 MEMORY_REPORT_KEYS = ("client-peak-rss-mb", "client-memory-limit-mb", "client-oom-kills")
 #: Largest MiB figure a device report may state (2^30 MiB, 1 PiB: no machine's memory comes near).
 MAX_REPORTED_MB = float(2**30)
@@ -103,12 +103,12 @@ MAX_REPORTED_OOM_KILLS = 2**31 - 1
 
 
 def implausible_memory_report(metrics) -> str | None:
-    """Why a reply's :func:`memory_report` figures cannot be true (server side; untrusted), or None
+    """Why a reply's `memory_report` figures cannot be true (server side; untrusted), or None
     when each one it carries is possible; an absent figure is fine (no report).
 
     Possible: ``client-peak-rss-mb`` and ``client-memory-limit-mb`` finite numbers in
-    [0, :data:`MAX_REPORTED_MB`] MiB, ``client-oom-kills`` a whole number in
-    [0, :data:`MAX_REPORTED_OOM_KILLS`]. The reason names the first figure that is not, e.g.
+    [0, `MAX_REPORTED_MB`] MiB, ``client-oom-kills`` a whole number in
+    [0, `MAX_REPORTED_OOM_KILLS`]. The reason names the first figure that is not, e.g.
     ``"client-peak-rss-mb = -5.0 is not in [0, 1073741824] MiB"``.
     """
     for key, top, unit in (("client-peak-rss-mb", MAX_REPORTED_MB, " MiB"),

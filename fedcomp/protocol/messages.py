@@ -3,7 +3,7 @@
 A compressed train reply carries one ArrayRecord whose keys are the model's parameter
 names and whose Arrays hold fedcomp payloads as raw bytes:
 ``Array(dtype="bytes", shape=(len(payload),), stype=PAYLOAD_STYPE, data=payload)``, so
-``len(Array.data)`` is exactly the payload size in bytes (:func:`payload_array`).
+``len(Array.data)`` is exactly the payload size in bytes (`payload_array`).
 """
 
 from flwr.app import Array
@@ -17,7 +17,7 @@ RESIDUAL_STATE_KEY = "fedcomp.residual"
 #: Key in ``context.state`` of the round the kept residuals were computed in (``{"round": int}``).
 RESIDUAL_ROUND_KEY = "fedcomp.residual-round"
 #: Reply metric under EF21: the server round of the last send the client's estimate ``h_i`` holds (0:
-#: none); the server refuses a node whose value is not the round it last folded (:mod:`fedcomp.strategies.ef21_aggregate`).
+#: none); the server refuses a node whose value is not the round it last folded (`fedcomp.strategies.ef21_aggregate`).
 ESTIMATE_ROUND_METRIC = "ef21-estimate-round"
 #: The metric keys ``compression_mod`` adds to a train reply's MetricRecord (bytes, compression error,
 #: residual, timings, the device's memory and link report, per-layer lists, EF21's estimate round).
@@ -53,6 +53,10 @@ MIN_LINK_MBPS = 1e-6
 #: message, and (payload messages only) the version the payload applies to.
 MODEL_VERSION = "fedcomp-model-version"
 BASE_VERSION = "fedcomp-base-version"
+#: ConfigRecord of a reply to a versioned download (train or evaluate): ``"digest"``, a digest of the model
+#: copy the node holds (8 bytes, `fedcomp.protocol.broadcast.copy_digest`), which the server compares with
+#: its record of that copy.
+COPY_RECORD = "fedcomp.copy"
 
 
 def server_round(msg) -> int:

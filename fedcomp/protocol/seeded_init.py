@@ -106,7 +106,7 @@ class SeededInit:
     exact: frozenset[str] = frozenset()
 
     def rule(self, key: str) -> bytes:
-        """The ``data`` of ``key``'s :data:`INIT_STYPE` Array: ``<d`` bound, or ``<dd`` bound, center."""
+        """The ``data`` of ``key``'s `INIT_STYPE` Array: ``<d`` bound, or ``<dd`` bound, center."""
         center = float(self.centers.get(key, 0.0))
         bound = float(self.bounds[key])
         return struct.pack("<d", bound) if center == 0.0 else struct.pack("<dd", bound, center)
@@ -124,7 +124,7 @@ class SeededInit:
 
 
 def parse_rule(key: str, data: bytes) -> tuple[float, float]:
-    """``(bound, center)`` of a received :data:`INIT_STYPE` rule.
+    """``(bound, center)`` of a received `INIT_STYPE` rule.
 
     Raises
     ------
@@ -143,11 +143,11 @@ def parse_rule(key: str, data: bytes) -> tuple[float, float]:
     return bound, center
 
 
-#: Fewest entries of a tensor :func:`looks_drawn` can tell from a fixed one (smaller ones are kept).
+#: Fewest entries of a tensor `looks_drawn` can tell from a fixed one (smaller ones are kept).
 MIN_DRAWN_NUMEL = 16
 #: At most this many distinct values in a strided sample: a mask or a table of levels, not a draw.
 _FEW_VALUES = 16
-#: Entries of the strided sample :func:`looks_drawn` counts distinct values in.
+#: Entries of the strided sample `looks_drawn` counts distinct values in.
 _VALUE_SAMPLE = 4096
 #: A neighbour correlation beyond this many standard errors (``1 / sqrt(pairs)``) is structure.
 _CORRELATION_SIGMAS = 6.0
@@ -155,11 +155,11 @@ _CORRELATION_SIGMAS = 6.0
 
 def looks_drawn(a: np.ndarray) -> bool:
     """Whether a float tensor's values look like an i.i.d. random draw, as PyTorch's initialisers
-    make a parameter's (uniform, normal, Kaiming, Xavier): at least :data:`MIN_DRAWN_NUMEL` entries,
+    make a parameter's (uniform, normal, Kaiming, Xavier): at least `MIN_DRAWN_NUMEL` entries,
     more than a few distinct values, and no correlation between neighbours along any axis beyond
     what chance gives (6 standard errors, ``6 / sqrt(pairs)``). A fixed buffer fails it: a causal
     mask (two values, long runs), a sinusoidal positional table (neighbouring positions correlate
-    near 1), a constant. Only a tensor that passes may be redrawn from a seed (:func:`seeded_like`);
+    near 1), a constant. Only a tensor that passes may be redrawn from a seed (`seeded_like`);
     the test errs towards keeping a tensor, which costs bytes, never the model.
 
     Parameters
@@ -191,7 +191,7 @@ def seeded_like(arrays: Mapping[str, np.ndarray], seed: int, exact: Iterable[str
 
     A tensor whose entries are all equal (a zero bias, BatchNorm's weight 1, a 0-d or one-element
     parameter) stays that constant exactly; a tensor named in ``exact`` is not drawn either (its
-    rule is zeros, :attr:`SeededInit.exact`: its values travel beside the seed). Any other tensor
+    rule is zeros, `SeededInit.exact`: its values travel beside the seed). Any other tensor
     becomes ``mean`` + uniform in
     ``[-sqrt(3) std, sqrt(3) std]``: the same mean and variance. PyTorch's default initialisation
     of ``Linear``/``Conv`` weights and biases is itself uniform (Kaiming-uniform with ``a = sqrt(5)``:

@@ -102,17 +102,17 @@ class InProcessGrid(Grid):
         return list(self.node_ids)
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:  # pragma: no cover - not used
-        """Not supported: use :meth:`send_and_receive`."""
+        """Not supported: use `send_and_receive`."""
         raise NotImplementedError("InProcessGrid only supports send_and_receive")
 
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:  # pragma: no cover - not used
-        """Not supported: use :meth:`send_and_receive`."""
+        """Not supported: use `send_and_receive`."""
         raise NotImplementedError("InProcessGrid only supports send_and_receive")
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
         """Call the ClientApp for every message in turn and return the replies.
 
-        Each message is delivered as its own copy of the content (:func:`own_copy`), and each
+        Each message is delivered as its own copy of the content (`own_copy`), and each
         reply comes back as a copy, as over the real transport: a handler that edits its
         incoming records changes nothing another node or the server sees. An exception in the
         ClientApp becomes an error reply (code 2), as in Flower.

@@ -3,8 +3,8 @@
 by PID afterwards, also when the run fails or is interrupted.
 
 Run: ``fedcomp-local-deployment --supernodes 3 --run-config "num-server-rounds=5"`` (or
-``python -m fedcomp.run.local_deployment``). The command lines come from :func:`superlink_command` and
-:func:`supernode_command`, which ``docker-compose.yml`` mirrors (a test keeps them equal).
+``python -m fedcomp.run.local_deployment``). The command lines come from `superlink_command` and
+`supernode_command`, which ``docker-compose.yml`` mirrors (a test keeps them equal).
 Flower 1.42: the SuperLink serves Fleet, Control and runtime APIs over HTTP on one port (8000);
 each SuperNode's ClientApp runtime API needs its own port (9094, 9095, ...).
 """
@@ -132,7 +132,7 @@ def wait_for_port(host: str, port: int, proc: subprocess.Popen, timeout: float) 
 
 
 class Processes:
-    """Processes started by the launcher; :meth:`stop_all` ends them by PID (TERM, then KILL)."""
+    """Processes started by the launcher; `stop_all` ends them by PID (TERM, then KILL)."""
 
     def __init__(self) -> None:
         self.procs: list[subprocess.Popen] = []

@@ -7,7 +7,7 @@ value wait for Ray to start before the ServerApp refuses it. This command:
 
 1. reads the app's ``[tool.flwr.app.config]`` and the ``--run-config`` overrides (Flower's own
    parser), refuses an unknown key naming the closest valid one, and validates every value with
-   the ServerApp's own parser (:meth:`fedcomp.app.config.AppConfig.from_run_config`, plus the DP-SGD
+   the ServerApp's own parser (`fedcomp.app.config.AppConfig.from_run_config`, plus the DP-SGD
    keys with ``dp = "dp-sgd"``), before anything is started: exit code 2, one line;
 2. runs ``flwr run <app> --stream`` with the simulation size given here
    (``num-supernodes``, one CPU per client) and without runtime dependency installation, and
@@ -123,7 +123,7 @@ def flwr_command(app: pathlib.Path, supernodes: int, overrides: str, extra: list
 
 
 def watch(lines, out=None) -> tuple[str | None, str | None]:
-    """Forward ``flwr run``'s output (minus :data:`NOISE`) to ``out`` (default: ``sys.stdout`` at the
+    """Forward ``flwr run``'s output (minus `NOISE`) to ``out`` (default: ``sys.stdout`` at the
     call); return (results folder, reason of a failure): fedcomp's own first ERROR line (its one-line
     reason) if any, else Flower's last ERROR line."""
     out = sys.stdout if out is None else out

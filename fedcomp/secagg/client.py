@@ -9,7 +9,7 @@ seed selects (after the shared rotation if asked), pre-rounded onto SecAgg+'s qu
 ``packing_secaggplus_mod`` wraps Flower's mod and packs the masked values (each in
 ``[0, modulus_range)``) at ``log2(modulus_range)`` bits instead of int64; the masking is untouched.
 
-fedcomp's own ClientApp uses :func:`secagg_mod` (both, and only for SecAgg+ messages) in front of
+fedcomp's own ClientApp uses `secagg_mod` (both, and only for SecAgg+ messages) in front of
 ``compression_mod``.
 """
 
@@ -165,31 +165,31 @@ def shared_randomk_mod(msg: Message, ctxt: Context, call_next) -> Message:
     error-feedback-corrected update, pre-rounded onto SecAgg+'s grid, as the vector to mask.
 
     Reads the round's seed, ``density``, ``fedcomp-secagg-rotation`` and ``error-feedback`` from
-    the train config (sent by :class:`fedcomp.secagg.SharedRandomKStrategy`) and c, Q and
+    the train config (sent by `fedcomp.secagg.SharedRandomKStrategy`) and c, Q and
     ``max_weight`` from SecAgg+'s own state. Only float tensors are encoded (flattened in order,
     d entries); integer and bool tensors keep the server's values. The reply is a legacy FitRes
     whose single array holds k float64 values; Flower then multiplies them by the client's weight
     ``round(num_examples / max_weight * Q) / Q``, quantizes (exactly, as they lie on its grid),
     and masks. The residual (float32, d entries) stays in ``context.state`` (and the state dir), pending
-    until the server reports this round's sum applied with this vector (:mod:`fedcomp.secagg.residual`).
+    until the server reports this round's sum applied with this vector (`fedcomp.secagg.residual`).
 
     Adds metrics ``secagg-k``, ``secagg-clipped`` (entries clipped to +-c), ``dense-bytes``
     (fp32 cost of the float update), ``compression-error`` and ``residual-norm``.
 
     A client whose ``num_examples`` rounds to weight 0 (below
-    :func:`fedcomp.secagg.encoding.weight_floor`, ``max_weight / Q``) reports that floor instead: it
+    `fedcomp.secagg.encoding.weight_floor`, ``max_weight / Q``) reports that floor instead: it
     is weighted at one step ``1 / Q``.
 
     Client-level DP (``fedcomp-secagg-dp-clip`` = C in the train config, error feedback off): the
     client reports ``num_examples = max_weight`` to SecAgg+ (uniform weights, so one client moves
     the sum by at most C) and clips its k values to L2 norm ``C - sqrt(k) * 2c / Q``, so that the
     values after rounding onto the grid stay within C; the server adds the noise
-    (:class:`fedcomp.secagg.SharedRandomKStrategy` with ``client_dp``).
+    (`fedcomp.secagg.SharedRandomKStrategy` with ``client_dp``).
 
     Distributed DP (``fedcomp-secagg-ddp-noise`` = z as well): the same uniform weights and clipping,
     then the client adds its share of integer Skellam noise to its values on the grid, of variance
     ``(z C / step)**2 / t`` per value with t the round's SecAgg+ threshold from Flower's own client
-    state, drawn from the OS CSPRNG (:mod:`fedcomp.privacy.distributed`); the server adds nothing.
+    state, drawn from the OS CSPRNG (`fedcomp.privacy.distributed`); the server adds nothing.
 
     Raises
     ------
@@ -197,7 +197,7 @@ def shared_randomk_mod(msg: Message, ctxt: Context, call_next) -> Message:
         ``num_examples`` outside ``(0, max_weight]`` (the dense path without a shared seed too: Flower's
         mod would only warn and mask an outsized weight); a non-finite update (the residual is kept as it was); a
         reply under other names than received; a round that would lower this node's own settings
-        (:func:`check_node_floor`); distributed DP at a SecAgg+ weight other than 1 (a fractional
+        (`check_node_floor`); distributed DP at a SecAgg+ weight other than 1 (a fractional
         ``max_weight``). Flower turns it into an error reply: SecAgg+ then
         treats this client as dropped.
     """
@@ -245,7 +245,7 @@ def shared_randomk_mod(msg: Message, ctxt: Context, call_next) -> Message:
                          "clipped excess into later rounds and void the clipping bound")
     applied = cfg.get(SECAGG_APPLIED_KEY)
     applied = int(applied) if isinstance(applied, int) and not isinstance(applied, bool) else None
-    residual = settled_residual(ctxt, applied, dim) if ef else None
+    residual = settled_residual(ctxt, applied, dim, int(cfg.get("server-round", 0))) if ef else None
     corrected = delta if residual is None else delta + residual
     proj = SharedProjection(dim, float(cfg["density"]), int(cfg[SECAGG_SEED_KEY]), bool(cfg.get(SECAGG_ROTATION_KEY)))
     reported = num_examples
@@ -302,7 +302,7 @@ def pack_masked(npy: np.ndarray, bits: int) -> bytes:
     """A masked int64 array (entries in ``[0, 2**bits)``) packed at ``bits`` bits per entry.
 
     Layout: ``PACK_MAGIC``, bits (u8), ndim (u8), shape (ndim x u64 little-endian), then
-    :func:`fedcomp.compression.bits.pack_uint` of the flattened values.
+    `fedcomp.compression.bits.pack_uint` of the flattened values.
 
     Raises
     ------
@@ -317,7 +317,7 @@ def pack_masked(npy: np.ndarray, bits: int) -> bytes:
 
 
 def unpack_masked(buf: bytes, bits: int, max_numel: int = MAX_PACKED_NUMEL) -> np.ndarray:
-    """Inverse of :func:`pack_masked`: int64 array of the shape in the header.
+    """Inverse of `pack_masked`: int64 array of the shape in the header.
 
     Raises
     ------
@@ -347,14 +347,14 @@ def packing_secaggplus_mod(msg: Message, ctxt: Context, call_next) -> Message:
     """Flower's ``secaggplus_mod``, with its masked vectors packed at ``log2(modulus_range)`` bits.
 
     Packs only when the server announced it can unpack (``fedcomp-secagg-pack = true`` in the
-    train config, sent by :class:`fedcomp.secagg.SharedRandomKStrategy` with ``pack=True`` and
-    unpacked by :class:`fedcomp.secagg.CompressedSecAggPlusWorkflow`). Every protocol step, mask
+    train config, sent by `fedcomp.secagg.SharedRandomKStrategy` with ``pack=True`` and
+    unpacked by `fedcomp.secagg.CompressedSecAggPlusWorkflow`). Every protocol step, mask
     and share is Flower's; this only re-encodes the masked integers of the reply. Adds the
     reply's metric ``upload-bytes`` (bytes of the masked vectors as sent).
 
-    Before Flower's mod sees a request, :func:`fedcomp.secagg.guard.check_request` refuses a setup
+    Before Flower's mod sees a request, `fedcomp.secagg.guard.check_request` refuses a setup
     whose threshold is at most half the shares and an unmask request that asks for both shares of
-    one node (raises :class:`fedcomp.secagg.guard.UnsafeRequest`; Flower sends an error reply).
+    one node (raises `fedcomp.secagg.guard.UnsafeRequest`; Flower sends an error reply).
     """
     if _is_train(msg):
         check_request(msg, ctxt)  # a setup or unmask request that would unmask one client is refused
@@ -379,8 +379,8 @@ def packing_secaggplus_mod(msg: Message, ctxt: Context, call_next) -> Message:
 
 
 def secagg_mod(msg: Message, ctxt: Context, call_next) -> Message:
-    """fedcomp's ClientApp mod: SecAgg+ messages go through :func:`packing_secaggplus_mod` and
-    :func:`shared_randomk_mod` (then straight to the train handler); all others to ``call_next``.
+    """fedcomp's ClientApp mod: SecAgg+ messages go through `packing_secaggplus_mod` and
+    `shared_randomk_mod` (then straight to the train handler); all others to ``call_next``.
 
     Register it before ``compression_mod``: ``ClientApp(mods=[secagg_mod, compression_mod])``
     (``compression_mod`` lets the shared-seed train message through untouched).

@@ -9,7 +9,7 @@ summation. The server scatters the unmasked sum back into the positions and undo
 The values are also pre-rounded onto SecAgg+'s quantization grid (stochastic rounding) by the
 client, so Flower's own quantizer is exact on them and error feedback sees the real error.
 Under distributed DP a client adds its integer Skellam noise share on that same grid
-(:func:`add_noise_share`, :mod:`fedcomp.privacy.distributed`).
+(`add_noise_share`, `fedcomp.privacy.distributed`).
 
 Sources: Stich, Cordonnier, Jaggi, NeurIPS 2018 (rand-k with memory); Konečný et al. 2016
 (shared random masks); Chen, Choquette-Choo, Kairouz, Suresh, ICML 2022 ("The Fundamental
@@ -98,7 +98,7 @@ class SharedProjection:
         return x
 
     def unrotate_(self, x: torch.Tensor) -> torch.Tensor:
-        """``x <- D H x`` in place, the inverse of :meth:`rotate_` (H/sqrt(n) is its own inverse)."""
+        """``x <- D H x`` in place, the inverse of `rotate_` (H/sqrt(n) is its own inverse)."""
         if self.rotate:
             self._hadamard(x)
             x.mul_(self._signs())
@@ -201,7 +201,7 @@ def prequantize(values: np.ndarray, weight: float, clipping_range: float, quanti
     values : np.ndarray
         float64 shape ``(k,)``, the selected update entries.
     weight : float
-        :func:`flower_weight` of this client, in (0, 1].
+        `flower_weight` of this client, in (0, 1].
     clipping_range, quantization_range : float, int
         SecAgg+'s c and Q.
     rng : np.random.Generator

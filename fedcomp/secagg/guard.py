@@ -8,9 +8,9 @@ Flower 1.42's client stage trusts the server's setup and unmask requests. A curi
 - set a reconstruction threshold of at most half the shares: it then asks half of a node's
   neighbours for the seed share and the other half for the key share, no client giving both.
 
-:func:`check_request` refuses both (and an unmask request naming this node as dropped, or a node
+`check_request` refuses both (and an unmask request naming this node as dropped, or a node
 twice): the client raises, Flower turns that into an error reply, and the round's secrets this
-client holds are erased first (:func:`abandon_round`), so a second request of the same round finds
+client holds are erased first (`abandon_round`), so a second request of the same round finds
 nothing to reveal. Source: Bonawitz et al., CCS 2017 (the unmask request must name disjoint sets);
 Bell et al., CCS 2020 (SecAgg+, ``t > n / 2`` against a server lying about dropouts).
 """
@@ -33,8 +33,8 @@ class UnsafeRequest(ValueError):
     """A SecAgg+ request that would let the server learn more than the sum; the client refuses it.
 
     A ``ValueError``, as Flower's ``secaggplus_mod`` raises for a request that breaks the protocol; a
-    request missing a key is also a ``KeyError`` (:class:`MissingRequestKey`) and one with a value of
-    the wrong type also a ``TypeError`` (:class:`MalformedRequest`), as Flower raises for those, so
+    request missing a key is also a ``KeyError`` (`MissingRequestKey`) and one with a value of
+    the wrong type also a ``TypeError`` (`MalformedRequest`), as Flower raises for those, so
     code written against Flower's exceptions catches fedcomp's refusals too.
     """
 
@@ -118,7 +118,7 @@ def check_request(msg: Message, ctxt: Context) -> None:
     UnsafeRequest
         Setup: ``2 * threshold <= shares`` or threshold < 1. Unmask: a node both alive and dropped,
         a node named twice, or this node named as dropped; a node-id list missing
-        (:class:`MissingRequestKey`, a ``KeyError``) or not a list of ints (:class:`MalformedRequest`,
+        (`MissingRequestKey`, a ``KeyError``) or not a list of ints (`MalformedRequest`,
         a ``TypeError``). Logged at ERROR; the round's shares this client holds are erased before raising.
     """
     configs = msg.content.config_records.get(RECORD_KEY_CONFIGS)

@@ -4,22 +4,31 @@ A client computes its new residual in the collect stage, but the round can still
 (a dropout at unmasking, too few shares, a refused sum), or go on without this client's vector
 (its reply was lost or malformed). The new residual is therefore kept as *pending*, with its round;
 the server tells each client, in its next train config, the last round whose applied sum included
-its vector (``fedcomp-secagg-applied-round``, :data:`fedcomp.protocol.messages.SECAGG_APPLIED_KEY`).
+its vector (``fedcomp-secagg-applied-round``, `fedcomp.protocol.messages.SECAGG_APPLIED_KEY`).
 The pending residual of that round is committed; one of any other round is dropped (rolled back to
 the committed one: the update it came from was never applied, and the client trains again from the
 same model). A server that does not send the key (an older fedcomp) gets the residual committed at
 once.
 
+Dropping the pending residual is what keeps the error-feedback ledger whole: what the client sent in a
+round whose sum was not applied is back in its residual, less the update it trained in that round;
+that update it trains again from the same model (the server applied nothing), so keeping it as well
+would apply one round's training twice, and a run of failed rounds would pile up that many updates
+for the next applied one.
+
 Both live in ``context.state`` and, when node config ``state-dir`` (or run config
 ``client-state-dir``) names a folder, in ``secagg-residual-<partition-id or node id>.npz`` there
-(:func:`fedcomp.client.state.save_residuals`, read back without pickle), so that a restarted
-SuperNode continues from its residual.
+(`fedcomp.client.state.save_residuals`, read back without pickle), so that a restarted
+SuperNode continues from its residual. The file names its run: a server that starts over (a new
+run: the secure path has no checkpoint to resume from) does not get an earlier run's residual, which
+belongs to a model that run does not have; a file without a run (an older fedcomp) is used only for a
+round after the one it was written in.
 """
 
 from __future__ import annotations
 
 import pathlib
-from logging import INFO
+from logging import INFO, WARNING
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, Context
@@ -37,8 +46,16 @@ def _file(ctxt: Context) -> pathlib.Path | None:
     return None if files is None else files.residual.with_name("secagg-" + files.residual.name)
 
 
-def _read(ctxt: Context) -> tuple[np.ndarray | None, np.ndarray | None, int]:
-    """(committed, pending, pending round) from ``context.state``, else the node's file."""
+def _run_tag(ctxt: Context) -> np.ndarray:
+    """This node's run id as the file keeps it: float64 ``[high 32 bits, low 32 bits]`` (exact; the
+    residual file holds float arrays only)."""
+    run = int(ctxt.run_id or 0)
+    return np.array([run >> 32, run & 0xFFFFFFFF], dtype=np.float64)
+
+
+def _read(ctxt: Context, server_round: int = 0) -> tuple[np.ndarray | None, np.ndarray | None, int]:
+    """(committed, pending, pending round) from ``context.state``, else the node's file: nothing from a
+    file of another run, or, without a run in it, of round ``server_round`` or later."""
     if SECAGG_RESIDUAL_KEY in ctxt.state.array_records:
         rec = ctxt.state.array_records[SECAGG_RESIDUAL_KEY]
         arrays = {k: rec[k].numpy() for k in rec}
@@ -46,6 +63,14 @@ def _read(ctxt: Context) -> tuple[np.ndarray | None, np.ndarray | None, int]:
     else:
         path = _file(ctxt)
         rnd, arrays = load_residuals_of_round(path, 0) if path is not None else (0, {})
+        run = arrays.pop("run", None)
+        other_run = run is not None and not np.array_equal(run, _run_tag(ctxt))
+        if arrays and (other_run or (run is None and 0 < server_round <= rnd)):
+            where = (f"run {int(run[0]) << 32 | int(run[1])}, this is run {ctxt.run_id}" if other_run
+                     else f"round {rnd}, this is round {server_round}")
+            log(WARNING, "fedcomp secagg node %s: %s is the residual of another run (%s): the server started over, "
+                "this node starts from no residual", ctxt.node_id, path.name, where)
+            return None, None, 0
     return arrays.get("committed"), arrays.get("pending"), rnd
 
 
@@ -57,12 +82,12 @@ def _write(ctxt: Context, committed: np.ndarray | None, pending: np.ndarray | No
     path = _file(ctxt)
     if path is not None:
         try:
-            save_residuals(path, arrays, server_round)
+            save_residuals(path, {**arrays, "run": _run_tag(ctxt)}, server_round)
         except OSError as exc:
             log(INFO, "fedcomp secagg: cannot persist the residual to %s (%s)", path, exc)
 
 
-def settled_residual(ctxt: Context, applied_round: int | None, dim: int) -> np.ndarray | None:
+def settled_residual(ctxt: Context, applied_round: int | None, dim: int, server_round: int = 0) -> np.ndarray | None:
     """The residual this round starts from: the committed one, after settling a pending one against
     ``applied_round`` (commit it if its round is the one the server applied with this client's
     vector, else drop it). None: no residual of ``dim`` entries.
@@ -76,8 +101,11 @@ def settled_residual(ctxt: Context, applied_round: int | None, dim: int) -> np.n
         nothing is pending.
     dim : int
         Entries of this model's float update.
+    server_round : int
+        This round (0: unknown); a residual file without a run read back for this round or an earlier
+        one is from a server that started over: not used.
     """
-    committed, pending, pending_round = _read(ctxt)
+    committed, pending, pending_round = _read(ctxt, server_round)
     if pending is not None and applied_round is not None:
         if pending_round == applied_round:
             committed = pending

@@ -77,7 +77,7 @@ class SharedRandomKStrategy(Strategy):
         (fedcomp's ClientApp) gets named arrays; omit for legacy (NumPyClient) apps.
     pack : bool
         Tell clients the server unpacks packed masked vectors (needs
-        :class:`fedcomp.secagg.CompressedSecAggPlusWorkflow`, which sets ``unpacking_workflow``;
+        `fedcomp.secagg.CompressedSecAggPlusWorkflow`, which sets ``unpacking_workflow``;
         with another workflow ``configure_fit`` raises, naming the mismatch); default False.
     client_dp : fedcomp.privacy.ClientLevelDP, optional
         Client-level DP: clients clip their k values to ``clipping_norm`` with uniform weights
@@ -90,18 +90,18 @@ class SharedRandomKStrategy(Strategy):
         Distributed DP (needs ``error_feedback=False``, not with ``client_dp``): clients clip their k
         values to its ``clipping_norm`` with uniform weights and add their shares of Skellam noise
         (sized by the round's SecAgg+ threshold, which
-        :class:`fedcomp.secagg.CompressedSecAggPlusWorkflow` sets in :attr:`round_threshold`); the
+        `fedcomp.secagg.CompressedSecAggPlusWorkflow` sets in `round_threshold`); the
         server divides the unmasked sum by the number of clients sampled, adds nothing, and accounts
         the round with the number of clients whose noise is in the sum (Agarwal et al. 2021).
     max_weight : float, optional
         SecAgg+'s ``max_weight`` (run config ``secagg-max-weight``): a round in which any client
         reports ``num_examples`` outside ``[1, max_weight]`` is refused (the masked sum is already
         scaled by that client's weight, so it cannot be dropped alone). None: only the lower bound
-        is checked here; :class:`fedcomp.secagg.CompressedSecAggPlusWorkflow` fills in its own.
+        is checked here; `fedcomp.secagg.CompressedSecAggPlusWorkflow` fills in its own.
     max_epsilon : float, optional
         Privacy budget (run config ``max-epsilon``) with ``client_dp`` or ``distributed_dp``: a round
         whose release could raise the run's epsilon above it samples nobody (``configure_fit``
-        returns no clients), and :attr:`stopped_reason` says why; every later round likewise. For
+        returns no clients), and `stopped_reason` says why; every later round likewise. For
         distributed DP the projection assumes the fewest survivors SecAgg+ unmasks (the threshold),
         whose noise is the smallest. None: no budget.
 
@@ -148,7 +148,7 @@ class SharedRandomKStrategy(Strategy):
         self._sampled = 0
         #: node id -> the last round whose applied sum included that node's masked vector
         self.included: dict[int, int] = {}
-        #: Set by :class:`fedcomp.secagg.CompressedSecAggPlusWorkflow` (it unpacks packed vectors).
+        #: Set by `fedcomp.secagg.CompressedSecAggPlusWorkflow` (it unpacks packed vectors).
         self.unpacking_workflow = False
 
     def step(self, server_round: int) -> float:
@@ -201,7 +201,7 @@ class SharedRandomKStrategy(Strategy):
         Raises
         ------
         ValueError
-            ``pack=True`` without :class:`fedcomp.secagg.CompressedSecAggPlusWorkflow` (Flower's
+            ``pack=True`` without `fedcomp.secagg.CompressedSecAggPlusWorkflow` (Flower's
             workflow cannot unpack).
         """
         self._global = parameters_to_ndarrays(parameters)
@@ -238,8 +238,8 @@ class SharedRandomKStrategy(Strategy):
                 for proxy, ins in sample]
 
     def _over_budget(self, server_round: int) -> bool:
-        """True (and :attr:`stopped_reason` set, logged once) if releasing ``server_round`` could
-        raise epsilon above :attr:`max_epsilon`."""
+        """True (and `stopped_reason` set, logged once) if releasing ``server_round`` could
+        raise epsilon above `max_epsilon`."""
         if self.stopped_reason:
             return True
         if self.max_epsilon is None:

@@ -8,19 +8,19 @@ The four protocol stages, the masks, the secret sharing and the dropout recovery
   holds the sum of the sampled clients' quantized values, ``ceil(log2(n * Q + 1))`` bits (from the
   sample itself, so a node joining while the round samples cannot overflow it); with a fixed
   modulus it halts the round if more clients were sampled than it can hold, then raises
-  :class:`SecAggHalted` with the reason (every later round would halt too);
-- skips, with its reason in :attr:`CompressedSecAggPlusWorkflow.round_skipped`, a round that
+  `SecAggHalted` with the reason (every later round would halt too);
+- skips, with its reason in `CompressedSecAggPlusWorkflow.round_skipped`, a round that
   samples fewer than 2 clients, one in which no node answers the setup stage with keys (naming the
   likely cause: ClientApps without the secure mod), and one whose unmasked weight sum disagrees
   with the clients' reported ``num_examples`` (a client masked another weight than it reported);
 - raises the reconstruction threshold of a round to more than half its shares where Flower's
   rounding of a fractional ``secagg-threshold`` gives at most half (clients refuse such a setup:
-  :mod:`fedcomp.secagg.guard`);
+  `fedcomp.secagg.guard`);
 - lets a round continue without the nodes that dropped before handing out their key shares
   (Flower 1.42 asks their neighbours for shares they never received, and the round fails);
 - checks every masked vector before Flower sums it (2 blobs, int64, shapes ``(1,)`` and
   ``(k,)``, values in ``[0, modulus_range)``; raw ``.npy`` parsed without pickle) and unpacks those
-  packed by :func:`fedcomp.secagg.client.packing_secaggplus_mod` back to the int64 arrays Flower
+  packed by `fedcomp.secagg.client.packing_secaggplus_mod` back to the int64 arrays Flower
   sums (a malformed one turns that reply into an error: SecAgg+ then recovers that client as
   dropped);
 - counts bytes: ``upload-bytes`` (masked vectors, as they travelled) and
@@ -304,7 +304,7 @@ class CompressedSecAggPlusWorkflow(SecAggPlusWorkflow):
     def _checked_masked(self, value) -> list[bytes]:
         """A reply's masked vector as the int64 ``.npy`` blobs Flower sums, after checking it.
 
-        Expected: a list of 2 blobs (packed by :func:`~fedcomp.secagg.client.pack_masked` or raw
+        Expected: a list of 2 blobs (packed by `pack_masked` or raw
         ``.npy``, parsed without pickle), int64 arrays of shapes ``(1,)`` (the weight) and ``(k,)``
         (the round's k values; shape unchecked when the strategy has no ``_proj``), every value in
         ``[0, modulus_range)``.
@@ -355,7 +355,7 @@ def _weight_sum(state) -> int:
 @contextmanager
 def _checking_weight_sum(expected: int, mod_range: int):
     """While Flower's unmask stage runs, check the unmasked weight sum (the first entry, which Flower's
-    ``factor_extract`` takes off the sum) against ``expected``; raise :class:`_WeightMismatch` before
+    ``factor_extract`` takes off the sum) against ``expected``; raise `_WeightMismatch` before
     the sum reaches the strategy. Flower 1.42 offers no hook there: its module's ``factor_extract``
     is wrapped for the duration of the call (a test checks that it is still called)."""
     original = _flower_workflow.factor_extract

@@ -9,22 +9,22 @@ checkpoints alike. The rules (stated in docs/how-to/existing-app.md):
   the codec. Applying an update happens in float32 and the result is cast back to the tensor's
   own dtype; it must be finite *after* that cast (an fp16 update that overflows 65504 is refused).
   The server rounds an fp16/bf16 aggregate with its rounding remainder carried from round to round
-  (:func:`cast_carried`), so mean updates below half an ulp still move the model.
+  (`cast_carried`), so mean updates below half an ulp still move the model.
 - **Integer and bool tensors** (BatchNorm's int64 ``num_batches_tracked``, masks, counters) never
-  go through a float codec: clients send their value exactly (:mod:`fedcomp.compression.exact`)
-  and the server aggregates them by :func:`integer_mean` (weighted mean of the clients' values in
+  go through a float codec: clients send their value exactly (`fedcomp.compression.exact`)
+  and the server aggregates them by `integer_mean` (weighted mean of the clients' values in
   exact integer arithmetic, rounded half to even with the rounding remainder carried from round to
-  round, clamped to the dtype's range) or :func:`bool_majority` (weighted
+  round, clamped to the dtype's range) or `bool_majority` (weighted
   majority; a tie keeps the global value). They never enter a float codec's whole-model vector
   nor a clipping norm.
 - **bfloat16**: numpy has no bfloat16 and Flower's ``ArrayRecord(state_dict)`` refuses it, so
-  :func:`to_record` carries bf16 tensors as raw 16-bit patterns (``stype = BF16_STYPE``) and
-  :func:`to_state_dict` restores them; in numpy they are float32 values (exactly representable).
+  `to_record` carries bf16 tensors as raw 16-bit patterns (``stype = BF16_STYPE``) and
+  `to_state_dict` restores them; in numpy they are float32 values (exactly representable).
 
-- :mod:`.arrays`: tensors as Flower ``Array``s and back, every dtype, checked casts.
-- :mod:`.integer_rule`: the integer/bool rule.
-- :mod:`.flat`: :class:`FlatModel`, the flat float vector beside the exact tensors.
-- :mod:`.tied`: tied parameters (one tensor under two names): one travels, both are set.
+- `arrays`: tensors as Flower ``Array``s and back, every dtype, checked casts.
+- `integer_rule`: the integer/bool rule.
+- `flat`: `FlatModel`, the flat float vector beside the exact tensors.
+- `tied`: tied parameters (one tensor under two names): one travels, both are set.
 """
 
 from fedcomp.statedict.arrays import (

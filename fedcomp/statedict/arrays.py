@@ -109,7 +109,7 @@ def to_record(state_dict: Mapping[str, torch.Tensor]) -> ArrayRecord:
 
 
 def to_state_dict(record: ArrayRecord) -> dict[str, torch.Tensor]:
-    """Torch tensors of an ArrayRecord written by :func:`to_record` or Flower (bf16 restored)."""
+    """Torch tensors of an ArrayRecord written by `to_record` or Flower (bf16 restored)."""
     out = {}
     for k, a in record.items():
         v = torch.from_numpy(copy_array(array_to_numpy(a)))
@@ -121,7 +121,7 @@ def numpy_view(arr: Array) -> np.ndarray:
     """The values of a numpy-serialised Flower ``Array`` without a copy: a read-only view of its bytes
     (``np.save``'s layout: a format 1.0/2.0 header, then the data), so a model-sized message costs no
     second model in memory. Other layouts (bf16 patterns, format 3.0, a short or odd buffer) go
-    through :func:`array_to_numpy` (a copy; its errors).
+    through `array_to_numpy` (a copy; its errors).
 
     Returns
     -------
@@ -145,7 +145,7 @@ def numpy_view(arr: Array) -> np.ndarray:
 
 
 def numpy_views(record: ArrayRecord) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """:func:`numpy_dict` without copies where it can (:func:`numpy_view`: read-only views of the
+    """`numpy_dict` without copies where it can (`numpy_view`: read-only views of the
     record's bytes, valid while the record lives). For the client, which only reads them."""
     values = {k: numpy_view(a) for k, a in record.items()}
     return values, {k: (BF16 if a.stype == BF16_STYPE else a.dtype or str(values[k].dtype)) for k, a in record.items()}
@@ -207,7 +207,7 @@ def cast_carried(key: str, w: np.ndarray, dtype: str, remainder: np.ndarray | No
     Returns
     -------
     (out, remainder)
-        ``out`` as :func:`cast_checked` gives it (fp16 array, or bf16-rounded float32 values) of
+        ``out`` as `cast_checked` gives it (fp16 array, or bf16-rounded float32 values) of
         ``w + remainder``; the new remainder ``w + remainder - out``, float32, ``|r| <=`` half an ulp
         of ``out`` in ``dtype``.
 

@@ -48,7 +48,7 @@ class FlatModel:
 
     This is how the server holds the global model it sent in a round and how aggregation addresses
     float entries: a whole-model payload (selection "model") covers the float tensors not sent on
-    their own, concatenated in model order, which :meth:`segments` maps to flat offsets.
+    their own, concatenated in model order, which `segments` maps to flat offsets.
 
     Parameters
     ----------
@@ -81,7 +81,7 @@ class FlatModel:
         self.dense_bytes = 4 * self.num_float + sum(v.nbytes for v in self.exact.values())
 
     def key_at(self, flat_index: int) -> str:
-        """The float tensor holding entry ``flat_index`` of :attr:`flat`."""
+        """The float tensor holding entry ``flat_index`` of `flat`."""
         return self.float_keys[int(np.searchsorted(self._starts, flat_index, side="right")) - 1]
 
     def limits_at(self, flat_positions: np.ndarray) -> float | np.ndarray:
@@ -92,7 +92,7 @@ class FlatModel:
 
     @classmethod
     def from_record(cls, record: ArrayRecord) -> FlatModel:
-        """From an ArrayRecord of dense weights (Flower's or :func:`to_record`'s)."""
+        """From an ArrayRecord of dense weights (Flower's or `to_record`'s)."""
         values, dtypes = numpy_dict(record)
         return cls(values, dtypes)
 
@@ -102,7 +102,7 @@ class FlatModel:
         return cls(values, {k: str(np.asarray(v).dtype) for k, v in values.items()})
 
     def float_view(self, key: str) -> np.ndarray:
-        """The values of float tensor ``key`` (:attr:`flat`'s dtype), shaped (a view into :attr:`flat`)."""
+        """The values of float tensor ``key`` (`flat`'s dtype), shaped (a view into `flat`)."""
         o = self.offsets[key]
         return self.flat[o: o + self.specs[key].numel].reshape(self.specs[key].shape)
 
@@ -127,7 +127,7 @@ class FlatModel:
         return out
 
     def _apply(self, key: str, update, scale: float, chunk: int = 1 << 18) -> np.ndarray:
-        """``global + scale * update`` of one tensor in :attr:`flat`'s dtype, in chunks (temporaries stay
+        """``global + scale * update`` of one tensor in `flat`'s dtype, in chunks (temporaries stay
         small). ``update``: the flat vector, or a dict of per-tensor flat arrays (an entry is
         dropped once used, so a per-tensor accumulator shrinks as the record grows)."""
         spec, o = self.specs[key], self.offsets[key]
@@ -161,7 +161,7 @@ class FlatModel:
         portable : bool
             Give fp16 and bf16 tensors as float32 numpy Arrays, unrounded (for Flower strategies,
             which call ``Array.numpy()``, and so that the caller rounds the aggregate once, carrying
-            the remainder: :func:`fedcomp.statedict.cast_carried`); the caller casts back.
+            the remainder: `fedcomp.statedict.cast_carried`); the caller casts back.
 
         Raises
         ------

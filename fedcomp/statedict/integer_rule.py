@@ -118,7 +118,7 @@ def integer_mean(global_value: np.ndarray, weighted_delta_sum: np.ndarray, total
         The global integer tensor (any integer dtype, any shape).
     weighted_delta_sum : np.ndarray
         Same shape: ``sum_i w_i * (v_i - global)`` over the clients aggregated, exactly (int64 or
-        object array of Python ints, see :func:`integer_delta` / :func:`weighted_add`); float
+        object array of Python ints, see `integer_delta` / `weighted_add`); float
         arrays are taken as the exact values they hold.
     total_weight : int, Fraction or float
         ``sum_i w_i`` > 0.

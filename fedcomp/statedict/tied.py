@@ -7,7 +7,7 @@ lists that one tensor twice in its ``state_dict()``. Sent as two tensors, it cos
 and the two copies are compressed, aggregated and noised separately: they come apart on the server,
 and a client loading both keeps whichever it loads last. Here a name whose tensor is the very same
 memory as an earlier name's (same storage pointer, offset, shape, strides and dtype) is an *alias*:
-:func:`untie` drops it before sending and :func:`retie` fills it from its source before
+`untie` drops it before sending and `retie` fills it from its source before
 ``load_state_dict``, which sets the shared tensor once.
 
 Tensors that merely overlap (a view of part of another) are not aliases: both travel.
@@ -54,7 +54,7 @@ def tied_aliases(state_dict: Mapping[str, torch.Tensor]) -> dict[str, str]:
 
 
 def untie(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``state_dict`` without its aliases (:func:`tied_aliases`): each tied tensor once, under its
+    """``state_dict`` without its aliases (`tied_aliases`): each tied tensor once, under its
     first name; the order of the other names is kept. Nothing is copied."""
     aliases = tied_aliases(state_dict)
     return {k: v for k, v in state_dict.items() if k not in aliases}
@@ -62,7 +62,7 @@ def untie(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def retie(state_dict: Mapping[str, torch.Tensor], aliases: Mapping[str, str]) -> dict[str, torch.Tensor]:
     """``state_dict`` with every alias set to its source's value, for ``model.load_state_dict``
-    (``aliases``: :func:`tied_aliases` of the model's own ``state_dict()``).
+    (``aliases``: `tied_aliases` of the model's own ``state_dict()``).
 
     A state dict that carries an alias too (from a sender that did not untie) gets the source's value
     under it as well: the tied tensor takes one value, the source's, whatever the order of loading.

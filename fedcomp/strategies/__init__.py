@@ -1,4 +1,5 @@
-"""Server-side strategies: :class:`CompressedStrategy` wraps any Message-API strategy."""
+"""Server-side strategies: [`CompressedStrategy`][fedcomp.strategies.CompressedStrategy] wraps any Message-API
+strategy."""
 
 from fedcomp.strategies.compressed import CompressedStrategy
 from fedcomp.strategies.decode import decode_update

@@ -1,17 +1,17 @@
 """Aggregation of decoded updates in O(model) memory, whatever the number of clients.
 
-- :class:`RunningSum` folds each decoded reply into one accumulator over the global
+- `RunningSum` folds each decoded reply into one accumulator over the global
   model's flat float vector as soon as it is decoded: sparse parts by scatter-add of their k
   entries (O(k) per client), dense parts segment by segment, in chunks. Nothing per client stays.
-- :class:`ExactVotes` does the same for integer/bool tensors by the rules of
-  :func:`fedcomp.statedict.integer_mean` and :func:`fedcomp.statedict.bool_majority`.
-- The fold policies say what one accepted reply adds: :class:`MeanFold` (weighted mean, the
-  FedAvg family), :class:`ClippedFold` (client-level DP: clip each decoded update, unweighted
-  sum), :class:`DenseFold` (every reply rebuilt as dense weights, for any other strategy).
-- :func:`in_model_dtypes` turns the aggregate back into the model's dtypes and shapes.
-- :func:`streams` says which inner strategies aggregate by a weighted mean of the clients'
+- `ExactVotes` does the same for integer/bool tensors by the rules of
+  `fedcomp.statedict.integer_mean` and `fedcomp.statedict.bool_majority`.
+- The fold policies say what one accepted reply adds: `MeanFold` (weighted mean, the
+  FedAvg family), `ClippedFold` (client-level DP: clip each decoded update, unweighted
+  sum), `DenseFold` (every reply rebuilt as dense weights, for any other strategy).
+- `in_model_dtypes` turns the aggregate back into the model's dtypes and shapes.
+- `streams` says which inner strategies aggregate by a weighted mean of the clients'
   weights (Flower's FedAvg family), so that one pre-aggregated reply gives them the same result;
-  every other strategy gets every client's dense weights (:func:`dense_memory_note` says what
+  every other strategy gets every client's dense weights (`dense_memory_note` says what
   that costs).
 """
 
@@ -88,7 +88,7 @@ class RunningSum:
     One float64 accumulator per float tensor (2x the model's fp32 bytes in all): the factors are the
     raw weights (``num-examples``, up to 1e9), and ``weight * update`` of a finite float32 update can
     overflow float32; float64 cannot, and keeps the sum exact far below fp32 rounding. Per-tensor
-    accumulators are released one by one as :meth:`mean_record` turns them into weights, so the
+    accumulators are released one by one as `mean_record` turns them into weights, so the
     accumulator and the result never coexist in full.
 
     Parameters
@@ -114,7 +114,7 @@ class RunningSum:
         return self._decoded
 
     def add(self, update: DecodedUpdate, factor: float, weight: float | None = None) -> None:
-        """Fold ``factor * update`` in; ``weight`` (default ``factor``) is added to :attr:`total`."""
+        """Fold ``factor * update`` in; ``weight`` (default ``factor``) is added to `total`."""
         keys, offsets = self.model.float_keys, self.model.offsets
         for pos, vals in update.sparse:  # positions are increasing: one slice per tensor
             bounds = np.searchsorted(pos, self._starts)
@@ -153,11 +153,11 @@ class RunningSum:
 class ExactVotes:
     """Integer/bool tensors of the replies, aggregated by the documented rules.
 
-    Integers: ``sum_i w_i (v_i - global)`` in exact integer arithmetic (:func:`integer_delta`,
-    :func:`weighted_add`; never through float64, so a counter beyond 2**53 moves exactly), then
-    :func:`integer_mean` with the rounding remainder carried from round to round in
+    Integers: ``sum_i w_i (v_i - global)`` in exact integer arithmetic (`integer_delta`,
+    `weighted_add`; never through float64, so a counter beyond 2**53 moves exactly), then
+    `integer_mean` with the rounding remainder carried from round to round in
     ``remainders`` (held by the strategy). Bools: the weight voting True, then
-    :func:`bool_majority`. A client that did not send a tensor (local DP) does not vote on it; a
+    `bool_majority`. A client that did not send a tensor (local DP) does not vote on it; a
     tensor nobody sent keeps the global value (and its remainder).
 
     Parameters
@@ -166,7 +166,7 @@ class ExactVotes:
         The global model of the round.
     remainders : dict of str to np.ndarray, optional
         float64 remainder per integer tensor (entries in [-0.5, 0.5]), read and updated by
-        :meth:`result` (missing or of another shape: starts at 0). None: no carry.
+        `result` (missing or of another shape: starts at 0). None: no carry.
     """
 
     def __init__(self, model: FlatModel, remainders: dict[str, np.ndarray] | None = None) -> None:
@@ -270,7 +270,7 @@ class DenseFold:
     record_key : str
         Where the inner strategy reads the weights (its ``arrayrecord_key``).
     remainders : dict, optional
-        The integer rule's carried rounding remainders (:class:`ExactVotes`).
+        The integer rule's carried rounding remainders (`ExactVotes`).
     """
 
     def __init__(self, model: FlatModel, record_key: str, remainders: dict[str, np.ndarray] | None = None) -> None:
@@ -295,12 +295,12 @@ def in_model_dtypes(arrays: ArrayRecord, model: FlatModel, exact: dict[str, np.n
     """The aggregate with every float tensor in the model's dtype and shape, and the exact
     tensors ``exact`` (copied); a BatchNorm running variance (``*.running_var``) kept at >=
     ``var_floor`` times the round's global one, so >= 0 (a scaled-sign change, ``batchnorm-stats =
-    "auto"``, can undershoot a small variance: :data:`fedcomp.protocol.broadcast.VAR_FLOOR`).
+    "auto"``, can undershoot a small variance: `fedcomp.protocol.broadcast.VAR_FLOOR`).
 
     Parameters
     ----------
     arrays : ArrayRecord
-        The aggregate (half-precision tensors as unrounded float32: :meth:`FlatModel.record`'s
+        The aggregate (half-precision tensors as unrounded float32: `FlatModel.record`'s
         ``portable``).
     model : FlatModel
         The global model of the round (keys, shapes, dtypes).
@@ -308,7 +308,7 @@ def in_model_dtypes(arrays: ArrayRecord, model: FlatModel, exact: dict[str, np.n
         The integer/bool tensors' aggregate.
     half_remainders : dict of str to np.ndarray, optional
         float32 rounding remainder per fp16/bf16 tensor, carried from round to round
-        (:func:`fedcomp.statedict.cast_carried`); updated only when every tensor is finite, so a
+        (`fedcomp.statedict.cast_carried`); updated only when every tensor is finite, so a
         refused round leaves it as it was. None: each round rounds on its own.
     var_floor : float
         Fraction of the round's global running variance below which the aggregate's is raised

@@ -2,7 +2,7 @@
 inner strategy, and the train config keys.
 
 The codec itself and its per-round schedule (warm-up, density ramp) are
-:class:`fedcomp.config.CodecConfig`'s; this module only puts them into a train ConfigRecord.
+`fedcomp.config.CodecConfig`'s; this module only puts them into a train ConfigRecord.
 """
 
 from __future__ import annotations
@@ -61,9 +61,9 @@ LAYER_REPORT_EVERY = 10
 
 def codec_entries(codec: CodecConfig, server_round: int) -> dict[str, Any]:
     """The train-config entries of the codec in force in ``server_round``: ``compressor`` and every key
-    whose value differs from its default (:data:`fedcomp.config.CODEC_DEFAULTS`); the client reads an
+    whose value differs from its default (`fedcomp.config.CODEC_DEFAULTS`); the client reads an
     absent key as its default, so the message carries what it must and nothing more. In round 1 and
-    every :data:`LAYER_REPORT_EVERY` rounds, :data:`~fedcomp.protocol.messages.LAYER_REPORT_KEY` asks
+    every `LAYER_REPORT_EVERY` rounds, `LAYER_REPORT_KEY` asks
     the clients for their per-layer figures.
 
     An empty string is never sent (``layer-codecs = ""`` is the default): flwr 1.42's
@@ -78,7 +78,7 @@ def codec_entries(codec: CodecConfig, server_round: int) -> dict[str, Any]:
 
 
 def add_codec(codec: CodecConfig, server_round: int, config: ConfigRecord) -> None:
-    """Write :func:`codec_entries` of ``server_round`` into ``config`` (Flower passes the same train config
+    """Write `codec_entries` of ``server_round`` into ``config`` (Flower passes the same train config
     every round: the codec keys of an earlier round are removed first)."""
     for k in [k for k in config if k in CODEC_DEFAULTS or k == LAYER_REPORT_KEY]:
         del config[k]

@@ -23,7 +23,7 @@ from fedcomp.strategies.admission import admit, check_max_num_examples
 from fedcomp.strategies.aggregate import streams
 from fedcomp.strategies.codec_round import add_codec, check_feedback_under_dp, check_model
 from fedcomp.strategies.copy_correction import check_correction, correction_refusal
-from fedcomp.strategies.downstream_sender import Downstream, check_max_copies
+from fedcomp.strategies.downstream_sender import NO_COPY_REPORT, Downstream, check_max_copies, reported_copy
 from fedcomp.strategies.ef21_aggregate import EF21Aggregate
 from fedcomp.strategies.fold_policy import FoldPolicy, dense_refusal
 from fedcomp.strategies.forward import ForwardsToInner
@@ -38,12 +38,12 @@ from fedcomp.strategies.wrapping import load_optimizer_state, optimizer_state
 
 
 def _history(name: str) -> property:
-    """A read-only view of one of :class:`RoundHistory`'s dicts under its public name."""
+    """A read-only view of one of `RoundHistory`'s dicts under its public name."""
     return property(lambda self: getattr(self.rounds, name), doc=f"``RoundHistory.{name}`` (round -> figures).")
 
 
 def _budget(name: str, doc: str) -> property:
-    """A read-only view of one of :class:`PrivacyBudget`'s settings."""
+    """A read-only view of one of `PrivacyBudget`'s settings."""
     return property(lambda self: getattr(self.budget, name), doc=doc)
 
 
@@ -52,38 +52,38 @@ class CompressedStrategy(ForwardsToInner, Strategy):
 
     Like Flower's DP wrappers, it adds one concern (the codec) and delegates the rest. The other
     concerns it carries are objects of their own, called in named steps: the privacy budget and
-    Poisson sampling (:mod:`.privacy_budget`), the downstream sender (:mod:`.downstream_sender`),
-    EF21's server estimate (:mod:`.ef21_aggregate`) and the per-round figures
-    (:mod:`.round_history`). A round:
+    Poisson sampling (`privacy_budget`), the downstream sender (`downstream_sender`),
+    EF21's server estimate (`ef21_aggregate`) and the per-round figures
+    (`round_history`). A round:
 
     1. ``configure_train``: adds the codec (``compressor``, ``density``, ``levels``,
        ``block-size``, ``value-dtype``, ``error-feedback``, ``residual-dtype``) to the train
        ConfigRecord and remembers the global weights sent in that round.
     2. ``aggregate_train``: decodes every reply produced by
-       :func:`fedcomp.client.compression_mod` (validated: keys, shape, size, dtype,
+       [`fedcomp.client.compression_mod`][] (validated: keys, shape, size, dtype,
        finiteness after the cast to the model's dtype) in node-id order and folds it into one
-       running sum (:mod:`fedcomp.strategies.aggregate`; sparse payloads by scatter-add of
+       running sum (`fedcomp.strategies.aggregate`; sparse payloads by scatter-add of
        their k entries) when ``inner`` aggregates by a weighted mean (FedAvg, FedProx,
        FedAvgM, FedAdam, FedYogi, FedAdagrad) or with ``client_dp``; ``inner`` then gets one
        pre-aggregated reply with the total weight, which gives it the same result. Other
        inner strategies get every reply as dense weights (the log says once what that
-       costs). Integer/bool tensors are aggregated by :func:`fedcomp.statedict.integer_mean`
-       / :func:`~fedcomp.statedict.bool_majority` whatever ``inner`` does, and every tensor
+       costs). Integer/bool tensors are aggregated by `fedcomp.statedict.integer_mean`
+       / `bool_majority` whatever ``inner`` does, and every tensor
        comes back in its own dtype and shape. A reply that fails to decode is logged with
        its node id and reason and dropped before it touches the sum (``rejected-replies``);
        error replies are counted (``failed-clients``). The global model never sees either.
     3. Keeps the round's metrics in ``history[server_round]``
-       (:func:`.round_metrics.round_metrics`): ``upload-bytes`` (payload bytes received),
+       (`round_metrics.round_metrics`): ``upload-bytes`` (payload bytes received),
        ``dense-bytes``, ``compression-ratio`` (dense / upload), ``compression-error`` and
        ``residual-norm`` (means over clients), ``download-bytes``, ``num-replies``,
        ``rejected-replies``, ``failed-clients``, ``upload-bytes-<codec>`` per codec, and
        ``round-seconds-simulated`` at the link speeds each client declared
-       (:func:`.round_metrics.client_seconds`); per client in ``client_history``. Client-reported
+       (`round_metrics.client_seconds`); per client in ``client_history``. Client-reported
        numbers are untrusted: non-numbers and non-finite values count as 0. The MetricRecord
        returned to Flower (its per-round log line and ``Result``) holds the inner strategy's
        average of the app's own client metrics (``compression_mod``'s report,
-       :data:`fedcomp.protocol.messages.REPORT_KEYS`, is left out of it) and the headline figures
-       :data:`.round_metrics.HEADLINE_KEYS`, which are the wrapper's own: a client metric under one of
+       `fedcomp.protocol.messages.REPORT_KEYS`, is left out of it) and the headline figures
+       `round_metrics.HEADLINE_KEYS`, which are the wrapper's own: a client metric under one of
        those names (e.g. DP-SGD clients' ``epsilon``) is not averaged into Flower's record.
 
     Parameters
@@ -92,10 +92,10 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         Any Message-API strategy: FedAvg, FedAdam, FedProx, Flower's DP wrappers, ...
         It only ever receives dense, validated replies.
     compressor : str
-        Codec name (see :func:`fedcomp.compression.available_compressors`). Default (None) "stc".
+        Codec name (see `fedcomp.compression.available_compressors`). Default (None) "stc".
     error_feedback : bool or "ef21"
         Clients keep a residual (Karimireddy et al. 2019). Default True. "ef21": clients send
-        ``C(update - h_i)`` and the server applies its estimate ``h`` (:mod:`.ef21`; Richtárik et
+        ``C(update - h_i)`` and the server applies its estimate ``h`` (`ef21`; Richtárik et
         al. 2021); needs a weighted-mean inner strategy, no ``client_dp``.
     max_num_examples : int
         Largest ``num-examples`` (the inner strategy's weighting key) a reply may claim;
@@ -113,11 +113,11 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         The server-to-client codec ("fp16", "stc", ...; None or "none": dense). ``"auto"``
         (default): int8 with server-side error feedback for any compressed upload, dense for
         ``compressor = "none"``, under ``local_dp`` and for inner strategies that need every
-        client's weights (:func:`.presets.library_downstream`). Clients that hold
+        client's weights (`presets.library_downstream`). Clients that hold
         the previous broadcast get ``C(global - broadcast)`` (server-side error feedback); a client
         that holds nothing gets the first contact ``downstream_init`` says; clients that missed
         rounds get the missed payloads or a compressed difference from the copy they hold,
-        whichever is smaller (:mod:`fedcomp.strategies.downstream_sender`). Evaluate messages
+        whichever is smaller (`fedcomp.strategies.downstream_sender`). Evaluate messages
         travel the same way. Needs ``compression_mod`` on every client (it rebuilds and keeps the
         model copy); a client without it cannot read the download: pass ``"none"`` for a fleet
         that mixes plain clients in.
@@ -138,8 +138,8 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         seed; clients build the adapters from it), else the initial model compressed with ``int8``
         (one start payload for every client; error feedback carries the rest). ``"seeded"``: every
         float tensor drawn from a seed with its mean and variance (models trained from scratch only:
-        :func:`fedcomp.protocol.seeded_init.seeded_like`). A codec name: a compressed start with it.
-        ``"dense"``: the model dense. A :class:`SeededInit` (:func:`fedcomp.protocol.seeded_init.lora_init`):
+        `fedcomp.protocol.seeded_init.seeded_like`). A codec name: a compressed start with it.
+        ``"dense"``: the model dense. A `SeededInit` (`fedcomp.protocol.seeded_init.lora_init`):
         the initial model is that seed's, and clients build it themselves.
     downstream_density : float, optional
         Density of a sparse downstream codec (default: ``density``, the upload's).
@@ -150,14 +150,14 @@ class CompressedStrategy(ForwardsToInner, Strategy):
     downstream_max_copies : float or None
         With ``downstream``: most model copies the server keeps for nodes (older versions, per-node
         catch-up copies, payloads); past it statistics copies are dropped, then nodes forgotten (and
-        treated as new) in the order that forgets fewest (:meth:`.node_copies.NodeCopies.evict`).
+        treated as new) in the order that forgets fewest (`node_copies.NodeCopies.evict`).
         Default None: 8, or as many as 256 MiB holds when that is more (a small model keeps every
-        node's copy; :meth:`.node_copies.NodeCopies.copy_budget`).
+        node's copy; `node_copies.NodeCopies.copy_budget`).
     downstream_correction : float
         With ``downstream``: fold each client's update as ``delta_i - c (G - H_i)``, where ``H_i`` is
         the copy of the global model ``G`` it trained from (local training re-learns much of what the
         compressed download left out; counted again on top of ``G``, it overshoots:
-        :mod:`.copy_correction`). ``c`` in [0, 1], default 0; 1 measured best with AdamW on the
+        `copy_correction`). ``c`` in [0, 1], default 0; 1 measured best with AdamW on the
         clients and STC downward (fedcomp's app sets it so). Weighted-mean rounds only: ``c > 0``
         without ``downstream``, with client-level DP, EF21, or an inner strategy that needs every
         client's weights is refused (ValueError).
@@ -169,14 +169,14 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         ``downstream`` (the node was sent a compressed copy, not the global weights).
     preset : {"lora"}, optional
         Sets ``compressor``, ``error_feedback``, ``downstream``, ``downstream_init`` and
-        ``downstream_catchup`` at once (:mod:`.presets`): ``"lora"`` is sign with error feedback both
+        ``downstream_catchup`` at once (`presets`): ``"lora"`` is sign with error feedback both
         ways and the seeded start of peft adapters, for FlowerTune-style apps. Passing one of those
         arguments with another value as well is refused.
     **params
         Codec parameters by their Python or run-config names: ``density``, ``levels``,
         ``block_size``, ``value_dtype``, ``residual_dtype``, ``batchnorm_stats``, ... Where one is not
         given the run-config key's default applies, except ``batchnorm_stats``: ``"small"`` (BatchNorm's
-        running statistics exact both ways; :data:`.presets.LIBRARY_CODEC_DEFAULTS`), where the
+        running statistics exact both ways; `presets.LIBRARY_CODEC_DEFAULTS`), where the
         reference app's run config says ``"auto"`` (their change as a scaled sign).
 
     Raises
@@ -186,13 +186,13 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         that is not a finite number > 0 and ``max_num_examples`` that is not an integer >= 1.
     AttributeError
         Setting a public attribute that neither this wrapper nor the inner strategy has (reads and
-        writes of the inner strategy's settings are forwarded to it: :mod:`.forward`).
+        writes of the inner strategy's settings are forwarded to it: `forward`).
 
     Notes
     -----
     One node, one vote: in ``aggregate_train`` a second reply from a node, and a reply from a node
     that ``configure_train`` did not send a message to, are refused and counted in
-    ``rejected-replies`` (:mod:`.admission`). Under ``local_dp`` the server keeps its own
+    ``rejected-replies`` (`admission`). Under ``local_dp`` the server keeps its own
     integer/bool tensors whatever a reply holds. Client-reported metrics are clamped to ±1e100.
     """
 
@@ -211,7 +211,7 @@ class CompressedStrategy(ForwardsToInner, Strategy):
             compressor, error_feedback, downstream = given["compressor"], given["error_feedback"], given["downstream"]
             downstream_init, downstream_catchup = given["downstream_init"], given["downstream_catchup"]
         compressor = "stc" if compressor is None else compressor  # None: the default, "stc" (a preset may set it)
-        if downstream == "auto":  # both ways by default (:func:`.presets.library_downstream`)
+        if downstream == "auto":  # both ways by default (`presets.library_downstream`)
             downstream, downstream_density = library_downstream(compressor, downstream_density, local_dp, inner)
         if aggregation not in ("auto", "dense"):
             raise ValueError(f"aggregation must be 'auto' or 'dense', got {aggregation!r}")
@@ -244,27 +244,28 @@ class CompressedStrategy(ForwardsToInner, Strategy):
                                              max_copies=downstream_max_copies, density=downstream_density,
                                              correction=downstream_correction)
         self.rounds = RoundHistory()
-        #: The serialised bytes of every message both ways, and their fp32 equivalent (:mod:`.wire_bytes`).
+        #: The serialised bytes of every message both ways, and their fp32 equivalent (`wire_bytes`).
         self.wire = WireCount()
+        self.copy_resyncs = 0  # nodes re-synchronised since the last round's figures (`_note_resyncs`)
         #: The dense global model of the current round (what a plain app's messages would carry).
         self._round_arrays: ArrayRecord | None = None
         # -- what a round leaves for the next call ----------------------------------------
-        #: The global model sent in the current round (set by :meth:`configure_train`).
+        #: The global model sent in the current round (set by `configure_train`).
         self.sent_round: SentRound | None = None
-        #: The evaluate messages of the current round (set by :meth:`configure_evaluate`).
+        #: The evaluate messages of the current round (set by `configure_evaluate`).
         self._evaluate_sent: list[Message] = []
         #: Rounding remainder of the integer rule per integer tensor, carried from round to round
-        #: (float64, entries in [-0.5, 0.5]; see :func:`fedcomp.statedict.integer_mean`).
+        #: (float64, entries in [-0.5, 0.5]; see `fedcomp.statedict.integer_mean`).
         self.int_remainders: dict[str, np.ndarray] = {}
         #: Rounding remainder of each fp16/bf16 float tensor, carried from round to round (float32,
-        #: ``|r| <=`` half an ulp; see :func:`fedcomp.statedict.cast_carried`): updates below half an
+        #: ``|r| <=`` half an ulp; see `fedcomp.statedict.cast_carried`): updates below half an
         #: ulp still move a half-precision model.
         self.half_remainders: dict[str, np.ndarray] = {}
-        self._start_forwarding()  # from here on, settings of the inner strategy reach it (:mod:`.forward`)
+        self._start_forwarding()  # from here on, settings of the inner strategy reach it (`forward`)
 
     @classmethod
     def from_codec_config(cls, inner: Strategy, codec: CodecConfig, **options) -> CompressedStrategy:
-        """Build from a parsed :class:`fedcomp.config.CodecConfig` (e.g. from the run config);
+        """Build from a parsed `fedcomp.config.CodecConfig` (e.g. from the run config);
         ``options`` are the other constructor arguments (``client_dp``, ``max_epsilon``, ...)."""
         params = {k.replace("-", "_"): v for k, v in codec.to_mapping().items()}
         return cls(inner, **params, **options)
@@ -295,15 +296,15 @@ class CompressedStrategy(ForwardsToInner, Strategy):
 
     # -- configure: ask each concern ------------------------------------------------------
     def remember(self, server_round: int, model: FlatModel, sampled: float = 0.0, nodes: set[int] | None = None) -> None:
-        """Record the global model sent in ``server_round`` (what :meth:`configure_train` does;
-        public for callers that build the round's replies themselves; ``nodes`` None: any node's
-        first reply counts)."""
+        """Record the global model sent in ``server_round`` (what
+        [`configure_train`][fedcomp.strategies.CompressedStrategy.configure_train] does; public for callers that build
+        the round's replies themselves; ``nodes`` None: any node's first reply counts)."""
         self.sent_round = SentRound(server_round, model, sampled, nodes)
 
     def start(self, grid: Grid, initial_arrays: ArrayRecord, *args, **kwargs):
-        """Flower's strategy loop (:meth:`flwr.serverapp.strategy.Strategy.start`), from the initial
+        """Flower's strategy loop (`flwr.serverapp.strategy.Strategy.start`), from the initial
         model the downstream sender starts from (seeded where ``downstream_init`` says:
-        :meth:`.downstream_sender.Downstream.start_model`), so that round 0's evaluation and
+        `downstream_sender.Downstream.start_model`), so that round 0's evaluation and
         round 1 see the model new clients build."""
         if self.downstream is not None:
             initial_arrays = self.downstream.start_model(initial_arrays)
@@ -337,7 +338,7 @@ class CompressedStrategy(ForwardsToInner, Strategy):
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
         """Delegate; with ``downstream``, the evaluate messages ride the compressed download as train
-        messages do (:meth:`.downstream_sender.Downstream.prepare`: each node gets the step or catch-up
+        messages do (`downstream_sender.Downstream.prepare`: each node gets the step or catch-up
         that brings its copy to the round's model, never the model dense); their bytes are counted."""
         self._evaluate_sent = list(self.inner.configure_evaluate(server_round, arrays, config, grid))
         if self.downstream is not None and self._evaluate_sent:
@@ -346,7 +347,7 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         return self._evaluate_sent
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
-        """Delegate, one reply per node sent an evaluate message (:func:`.replies.evaluate_replies`); the
+        """Delegate, one reply per node sent an evaluate message (`replies.evaluate_replies`); the
         result is also kept in ``evaluate_history[server_round]``, and clients that failed to evaluate
         (error replies charged to their sender, sampled nodes that sent nothing) in
         ``evaluate_failure_history`` (logged with the reason)."""
@@ -355,10 +356,10 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         self.wire.received(server_round, "evaluate", replies, None)
         self._note_wire(server_round)
         replies, self.evaluate_failure_history[server_round] = evaluate_replies(server_round, sent_to, replies)
-        if self.downstream is not None:  # a node that answered holds the copy it evaluated
+        if self.downstream is not None:  # a node that answered holds the copy it evaluated (if it says so)
             for reply in replies:
                 if not reply.has_error():
-                    self.downstream.received(reply.metadata.src_node_id)
+                    self._received(server_round, reply)
         metrics = self.inner.aggregate_evaluate(server_round, replies)
         if metrics is not None:
             ok = sum(1 for r in replies if not r.has_error())
@@ -369,11 +370,11 @@ class CompressedStrategy(ForwardsToInner, Strategy):
     def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Decode and validate every reply, fold it into the aggregate, hand the result to ``inner``.
 
-        Orchestration only: admit (:mod:`.admission`, EF21's state check) -> decode, validate and fold
-        (:func:`.replies.fold_replies`, a policy of :mod:`.aggregate`) -> the round's bookkeeping
+        Orchestration only: admit (`admission`, EF21's state check) -> decode, validate and fold
+        (`replies.fold_replies`, a policy of `aggregate`) -> the round's bookkeeping
         (failures; the downstream's record of what each node holds, with the downstream correction,
-        :mod:`.copy_correction`, as each reply is committed; EF21's estimate) -> hand over
-        (:func:`.handover.hand_over`: the inner strategy, dtypes, the integer/bool rule) -> metrics
+        `copy_correction`, as each reply is committed; EF21's estimate) -> hand over
+        (`handover.hand_over`: the inner strategy, dtypes, the integer/bool rule) -> metrics
         and the privacy accounting of the round.
         """
         sent = self.sent_round
@@ -402,7 +403,7 @@ class CompressedStrategy(ForwardsToInner, Strategy):
 
     def _admit(self, server_round: int, sent: SentRound, replies: list[Message]) -> tuple[list, list, list]:
         """One node, one vote (duplicates, strangers and replies to a message this round did not send
-        refused, :mod:`.admission`), then a fixed order
+        refused, `admission`), then a fixed order
         (by node id): float sums, and so runs, do not depend on arrival order; then EF21's check that
         each node's ``h_i`` is the one the server's ``h`` holds. Returns (admitted, ``(reply, why)``
         refused, ``(reply, failure record)`` refused by EF21).
@@ -416,6 +417,11 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         sent_to = sent.sent_to() if sent.messages and all(m.metadata.message_id for m in sent.messages) else None
         replies, refused = admit([r for r in replies if not r.has_error()], lambda r: r.metadata.src_node_id,
                                  sent.nodes, lambda r: r.metadata.reply_to_message_id, sent_to)
+        if self.downstream is not None:  # a node sent a versioned download reports the copy it now holds
+            unreported = [r for r in replies if r.metadata.src_node_id in self.downstream.nodes.pending
+                          and reported_copy(r) is None]
+            refused += [(r, NO_COPY_REPORT) for r in unreported]
+            replies = [r for r in replies if not any(r is u for u in unreported)]
         for reply, why in refused:
             log(WARNING, "round %s: rejected reply from node %s: %s", server_round, reply.metadata.src_node_id, why)
         replies = errors + sorted(replies, key=lambda r: r.metadata.src_node_id)
@@ -435,7 +441,10 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         self.failure_history[server_round] = got.failures
         got.rejected += len(refused)
         if self.downstream is not None:  # with a correction, updates counted from G, not the clients' copies
-            self.downstream.note_replies(got.stats, got.fold if self.ef21 is None else None, sent.model)
+            digests = {r.metadata.src_node_id: digest for r in replies
+                       if not r.has_error() and (digest := reported_copy(r)) is not None}
+            self.downstream.note_replies(got.stats, got.fold if self.ef21 is None else None, sent.model, digests)
+            self._note_resyncs(server_round)
         else:  # the bytes this server sent each node, not what the node reports (the both-ways ratio)
             sent_bytes = {m.metadata.dst_node_id: sum(len(a.data) for r in m.content.array_records.values()
                                                       for a in r.values()) for m in sent.messages}
@@ -449,9 +458,29 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         self.budget.note_refusals(server_round, replies)
         return ef21_missing
 
+    def _received(self, server_round: int, reply: Message) -> None:
+        """An evaluate reply: its node holds the copy it evaluated, if its digest says so (else it is
+        forgotten: a first contact next time)."""
+        node, digest = reply.metadata.src_node_id, reported_copy(reply)
+        if node not in self.downstream.nodes.pending:
+            return  # sent nothing this phase (a stray or repeated reply)
+        if digest is None:
+            log(WARNING, "round %s: node %s evaluated, but %s", server_round, node, NO_COPY_REPORT)
+        self.downstream.received(node, b"" if digest is None else digest)
+        self._note_resyncs(server_round)
+
+    def _note_resyncs(self, server_round: int) -> None:
+        """Log the nodes whose copy differed from the server's record, and count them in ``copy-resyncs``."""
+        if not self.downstream.resynced:
+            return
+        log(WARNING, "round %s: the model copy of node(s) %s differs from the server's record of it; they get a "
+            "first contact next time (re-synchronised)", server_round, sorted(self.downstream.resynced))
+        self.copy_resyncs += len(self.downstream.resynced)
+        self.downstream.resynced.clear()
+
     def _record(self, server_round: int, sent: SentRound, got: RoundReplies, any_replies: bool,
                 dp_info: dict, ef21_missing: int | None) -> dict[str, float]:
-        """The wrapper's round metrics (:func:`.round_metrics.round_metrics`), accounted by the budget
+        """The wrapper's round metrics (`round_metrics.round_metrics`), accounted by the budget
         and kept in the history."""
         self.rounds.note_machines(got.stats)
         ours = round_metrics(got.stats, got.codec_bytes, len(got.metric_contents), got.rejected, got.failed)
@@ -460,13 +489,15 @@ class CompressedStrategy(ForwardsToInner, Strategy):
             ours["ef21-missing-clients"] = float(ef21_missing)
         if got.uncharged:
             ours["uncharged-error-replies"] = float(got.uncharged)
+        if self.downstream is not None:  # since the previous round's figures (its evaluation included)
+            ours["copy-resyncs"], self.copy_resyncs = float(self.copy_resyncs), 0
         self.budget.account(server_round, any_replies, got.stats, ours)
         self.rounds.record_train(server_round, ours, got.stats, layers_mean(got.layer_stats, sent.model.float_keys))
         self._note_wire(server_round)
         return ours
 
     def _note_wire(self, server_round: int) -> None:
-        """Put the round's wire figures (:mod:`.wire_bytes`, evaluation included once it ran) in ``history``."""
+        """Put the round's wire figures (`wire_bytes`, evaluation included once it ran) in ``history``."""
         if server_round in self.history:
             self.history[server_round].update(self.wire.get(server_round))
 
@@ -485,7 +516,8 @@ class CompressedStrategy(ForwardsToInner, Strategy):
                 "ef21-folded": self.ef21.folded_state() if self.ef21 is not None else {}}
 
     def load_state_dict(self, state: dict[str, Any], shapes: dict[str, tuple]) -> None:
-        """Restore :meth:`state_dict`; ``shapes``: the model's tensor shapes (model order).
+        """Restore [`state_dict`][fedcomp.strategies.CompressedStrategy.state_dict]; ``shapes``: the model's tensor
+        shapes (model order).
 
         Raises
         ------

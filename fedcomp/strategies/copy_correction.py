@@ -5,7 +5,7 @@ broadcast version, or its own catch-up copy), and ``G - H_i`` is what the server
 (server-side error feedback keeps it for later messages). Local training re-learns much of that
 difference from the client's data, so the update ``delta_i`` carries part of ``G - H_i`` a second
 time, and adding it to ``G``, which already holds it, overshoots. The server knows ``H_i`` exactly
-(it records what every client holds, :mod:`.node_copies`), so it folds
+(it records what every client holds, `node_copies`), so it folds
 
     delta_i - c * (G - H_i)
 
@@ -18,9 +18,9 @@ the clients (the Transformer from scratch, every client every round) ``c = 1`` i
 round 20 (median of 3 seeds); with SGD on the clients (the default CNN federation) it is 1.4 points
 worse, and with ``sign`` downward under 2-of-8 sampling (the LoRA preset) it keeps less of the gain.
 So the strategy's default is 0, and fedcomp's app turns it on for AdamW with a sparse downstream codec
-(run config ``downstream-correction = "auto"``, :func:`fedcomp.config.downstream.resolve_correction`).
+(run config ``downstream-correction = "auto"``, `fedcomp.config.downstream.resolve_correction`).
 
-Applies where the round is a weighted mean of the updates (:class:`.aggregate.MeanFold`); not under
+Applies where the round is a weighted mean of the updates (`aggregate.MeanFold`); not under
 client-level DP (clipped sums), EF21 (innovations, not updates), nor with an inner strategy that
 needs each client's dense weights.
 """
@@ -86,7 +86,7 @@ def correct_for_copies(fold, keys: list[str], sent: FlatModel, copies: Iterable[
         The global model ``G`` the round was sent from.
     copies : iterable of (np.ndarray, float)
         A copy the round's clients trained from, ``(sum numel,)`` float, and the total weight of the
-        clients that held it (:meth:`.downstream_sender.Downstream.note_replies` groups the clients on
+        clients that held it (`downstream_sender.Downstream.note_replies` groups the clients on
         one broadcast version, so a round where every client holds B costs one pass, not one per client).
     c : float
         In [0, 1]; 0 changes nothing.

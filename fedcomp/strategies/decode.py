@@ -2,11 +2,11 @@
 
 A reply's ArrayRecord holds fedcomp payloads: one per float tensor sent on its own, optionally one
 under ``MODEL_KEY`` for every other float tensor (flattened and concatenated in model order), and
-exact payloads of the integer/bool tensors (absent under local DP). :func:`decode_reply` turns it
-into a :class:`DecodedUpdate` over the global model's flat float vector: sparse parts as
+exact payloads of the integer/bool tensors (absent under local DP). `decode_reply` turns it
+into a `DecodedUpdate` over the global model's flat float vector: sparse parts as
 ``(flat positions, values)`` (O(k), never densified), dense parts as float32 segments, except the
 dense payloads of large single tensors, which are validated and then kept as their bytes
-(:class:`DeferredPart`, decoded again as they are folded: a reply never holds its dense update whole).
+(`DeferredPart`, decoded again as they are folded: a reply never holds its dense update whole).
 """
 
 from __future__ import annotations
@@ -28,14 +28,14 @@ from fedcomp.strategies.round_metrics import bounded_metrics
 MAX_NAME_CHARS = 80
 
 #: Dense payloads of one tensor with at least this many entries are kept as their bytes once validated
-#: and decoded again when folded (:class:`DeferredPart`), so a reply never holds its dense float32 update
+#: and decoded again when folded (`DeferredPart`), so a reply never holds its dense float32 update
 #: whole (sign: 1 bit per entry held instead of 32); smaller ones are kept decoded.
 DEFER_MIN_NUMEL = 1 << 16
 
 
 @dataclass(frozen=True)
 class DeferredPart:
-    """A validated dense payload kept as its bytes: :meth:`parts` decodes it again (the same values,
+    """A validated dense payload kept as its bytes: `parts` decodes it again (the same values,
     bit for bit: decoding is deterministic).
 
     Attributes
@@ -91,7 +91,7 @@ class DecodedUpdate:
         float64 tensors).
     deferred : list of DeferredPart
         Validated dense payloads of single large tensors, decoded again when read
-        (:data:`DEFER_MIN_NUMEL`); :meth:`dense_parts` yields them after ``dense``.
+        (`DEFER_MIN_NUMEL`); `dense_parts` yields them after ``dense``.
     exact : dict of str to np.ndarray
         Integer/bool tensors' new values, in the model's dtype and shape (only those sent).
     upload_bytes : int
@@ -110,7 +110,7 @@ class DecodedUpdate:
     def dense_parts(self, scratch: np.ndarray | None = None):
         """Every dense ``(flat start, values)`` segment: ``dense``, then the deferred payloads' (each
         decoded as it is reached, so at most one tensor's values exist at a time; into ``scratch``
-        when given, see :meth:`DeferredPart.parts`: consume each part before the next)."""
+        when given, see `DeferredPart.parts`: consume each part before the next)."""
         yield from self.dense
         for part in self.deferred:
             yield from part.parts(scratch)
@@ -174,10 +174,10 @@ def decode_dense_reply(record: ArrayRecord, model: FlatModel) -> DecodedUpdate:
     clients keeps counting them).
 
     Validated like any payload: exactly the model's keys, each Array numpy-serialised (or bf16 as
-    :func:`fedcomp.statedict.to_record` writes it) with the model's shape and dtype, float values
+    `fedcomp.statedict.to_record` writes it) with the model's shape and dtype, float values
     finite in the tensor's dtype. The difference is taken in float64 and stored in the model's
     flat dtype (float32, or float64 for float64 models). Bytes are the Arrays' real bytes, counted
-    under :data:`DENSE_NAME`.
+    under `DENSE_NAME`.
 
     Raises
     ------
@@ -217,7 +217,7 @@ def decode_dense_reply(record: ArrayRecord, model: FlatModel) -> DecodedUpdate:
 def decode_reply(record: ArrayRecord, model: FlatModel) -> DecodedUpdate:
     """Decode and validate a client's payload record against the global model it was sent.
 
-    A dense reply (no fedcomp payload at all) is decoded by :func:`decode_dense_reply` instead
+    A dense reply (no fedcomp payload at all) is decoded by `decode_dense_reply` instead
     (the caller decides whether to accept it: ``CompressedStrategy(require_compression=...)``).
 
     Parameters
@@ -279,7 +279,7 @@ def decode_reply(record: ArrayRecord, model: FlatModel) -> DecodedUpdate:
 def _decode_unit(model: FlatModel, data: bytes, shape: tuple, segments: list[tuple[int, int, int]],
                  out: DecodedUpdate, defer: bool = False) -> None:
     """Decode one payload covering ``segments`` (local start, flat start, length) of the flat vector;
-    ``defer``: a dense one is validated, then kept as its bytes (:class:`DeferredPart`)."""
+    ``defer``: a dense one is validated, then kept as its bytes (`DeferredPart`)."""
     numel = sum(n for _, _, n in segments)
     sparse = decompress_sparse(data, max_numel=max(numel, 1), expected_shape=shape)
     if sparse is not None:
@@ -323,7 +323,7 @@ def decode_update(record: ArrayRecord, global_arrays: dict[str, np.ndarray]) -> 
     Raises
     ------
     PayloadError
-        As :func:`decode_reply`.
+        As `decode_reply`.
     """
     model = FlatModel.from_numpy(global_arrays)
     upd = decode_reply(record, model)
@@ -344,7 +344,7 @@ class TrainReply:
     metrics : dict
         Its finite scalar metrics (what the inner strategy averages and metrics.json stores).
     reported : dict
-        Everything it reported except per-layer lists (read by :func:`.round_metrics.client_stats`).
+        Everything it reported except per-layer lists (read by `round_metrics.client_stats`).
     layers : dict
         ``layer-update-norm`` / ``layer-compression-error`` lists, where sent.
     decode_seconds : float
@@ -374,7 +374,7 @@ def decode_train_reply(reply: Message, model: FlatModel, weight_key: str, max_we
     PayloadError
         Not exactly one ArrayRecord and one MetricRecord, a weight that is not an integer in
         [1, ``max_weight``], a dense reply while ``refuse_dense`` says why not, or a payload
-        :func:`decode_reply` refuses.
+        `decode_reply` refuses.
     """
     recs = reply.content.array_records
     if len(recs) != 1:

@@ -5,7 +5,7 @@ Source: Sattler et al., IEEE TNNLS 2019 (STC in both directions, residuals on bo
 partial participation, the same paper's "caching" discussion (a client that missed rounds gets the
 accumulated change).
 
-What travels, per message (self-describing; :mod:`fedcomp.client.downstream_receiver` rebuilds it):
+What travels, per message (self-describing; `fedcomp.client.downstream_receiver` rebuilds it):
 
 - **Compressed part**: every float tensor except BatchNorm's running statistics (unless
   ``batchnorm-stats = "codec"``) is one flat float32 vector in model order.
@@ -14,8 +14,8 @@ What travels, per message (self-describing; :mod:`fedcomp.client.downstream_rece
   of them *is* the global model's. With ``"auto"`` (the default) the server keeps each node's copy
   of the statistics (one vector of them per node, kept while the node is) and sends a node that
   holds one the change ``G - H`` of each statistic as a ``sign`` payload (1 bit per entry and one
-  scale; key :func:`fedcomp.protocol.broadcast.stat_delta_key`); node and server both apply it
-  with :func:`fedcomp.protocol.broadcast.apply_stat_delta` (a running variance kept at >= half its
+  scale; key `fedcomp.protocol.broadcast.stat_delta_key`); node and server both apply it
+  with `fedcomp.protocol.broadcast.apply_stat_delta` (a running variance kept at >= half its
   previous value), so
   the node's copy is known bit for bit and what was not sent stays in ``G - H`` (per-node error
   feedback). A node without a known copy gets them exactly (fp32, or dense/init forms). A client
@@ -31,7 +31,7 @@ was not sent stays in ``G - B``). Per destination node, the cheapest of:
    the downstream codec, per node; the node then holds ``H + decompress(...)``, which the server
    records, so the next catch-up sends what this one missed (per-node error feedback).
 4. ``init``: a node that holds nothing builds the first broadcast model B_1 itself, then gets 2 or 3
-   on top of it. B_1 is either a *seeded start* (:mod:`fedcomp.protocol.seeded_init`: LoRA's B = 0
+   on top of it. B_1 is either a *seeded start* (`fedcomp.protocol.seeded_init`: LoRA's B = 0
    and seeded A; or every tensor of a model trained from scratch drawn like its initialisation):
    the seed and one rule per tensor, a few bytes; or a *compressed start*: the initial model
    compressed from zero with the first-contact codec (``int8`` by default: 4x fewer bytes than
@@ -39,10 +39,10 @@ was not sent stays in ``G - B``). Per destination node, the cheapest of:
    broadcast versions and error feedback carries what the start left out (``G - B``).
 5. ``dense``: B_v in every tensor's dtype (with ``init = "dense"``; or whatever is smaller than 2-4).
 
-A node counts as holding what it was sent only once its reply arrives (:meth:`Downstream.received`);
+A node counts as holding what it was sent only once its reply arrives (`Downstream.received`);
 a node that was sent something and did not reply is treated as new next time (its copy is unknown).
 
-Server memory: B and G, and what :class:`.node_copies.NodeCopies` keeps for catch-ups (the versions
+Server memory: B and G, and what `node_copies.NodeCopies` keeps for catch-ups (the versions
 and per-node copies nodes hold, the payloads of chains) within its copy budget; a forgotten node is
 treated as new (seeded ``init`` + catch-up, or ``dense``), as after a missed reply.
 """
@@ -63,8 +63,10 @@ from fedcomp.compression import CODECS, available_compressors, decompress, encod
 from fedcomp.config import CodecConfig
 from fedcomp.config.codec import BATCHNORM_STATS_CODEC
 from fedcomp.protocol.broadcast import (
+    COPY_DIGEST_BYTES,
     apply_stat_delta,
     chain_key,
+    copy_digest,
     decode_step,
     encode_per_tensor,
     gather,
@@ -73,12 +75,26 @@ from fedcomp.protocol.broadcast import (
     settle,
     stat_delta_key,
 )
-from fedcomp.protocol.messages import BASE_VERSION, MODEL_VERSION, payload_array
+from fedcomp.protocol.messages import BASE_VERSION, COPY_RECORD, MODEL_VERSION, payload_array
 from fedcomp.protocol.seeded_init import INIT_SEED, INIT_STYPE, SeededInit
 from fedcomp.statedict import FlatModel
 from fedcomp.strategies.copy_correction import check_correction, correct_for_copies
 from fedcomp.strategies.first_contact import INIT_POLICIES, START_CODEC, check_init_policy, starting_model
 from fedcomp.strategies.node_copies import NodeCopies
+
+
+def reported_copy(reply: Message) -> bytes | None:
+    """The digest of the model copy a reply says its node holds (``fedcomp.copy``'s ``"digest"``,
+    `fedcomp.client.downstream_receiver.report_copy`); None when the reply carries none (an older
+    fedcomp on the node) or something that is not a digest."""
+    rec = reply.content.config_records.get(COPY_RECORD)
+    digest = None if rec is None else rec.get("digest")
+    return digest if isinstance(digest, bytes) and len(digest) == COPY_DIGEST_BYTES else None
+
+
+#: Why a reply to a versioned download without its copy's digest is refused.
+NO_COPY_REPORT = (f"its reply carries no digest of its model copy (ConfigRecord '{COPY_RECORD}'): the node runs an "
+                  "older fedcomp; upgrade fedcomp on that node")
 
 
 #: Added to the round in the codec seeds of an evaluate message's step, so that a seeded codec
@@ -115,14 +131,14 @@ class Downstream:
     seed : int
         Seed of stochastic codecs (mixed with the round and the node).
     init : SeededInit or str
-        How a node that holds nothing gets its first model. A :class:`SeededInit`: clients build the
+        How a node that holds nothing gets its first model. A `SeededInit`: clients build the
         initial model from the seed (LoRA: B = 0, A from a seed), used only if the first round's
         global model equals it bit for bit (else a warning and a compressed start). ``"auto"``
         (default): LoRA adapters at peft's initialisation (every key a ``lora_`` tensor, ``lora_B``
         zero, ``lora_A`` within ``+-1/sqrt(fan_in)``) get a seeded start drawn the same way
-        (:meth:`start_model` replaces ``lora_A`` by the seed's draw), any other model a compressed
+        (`start_model` replaces ``lora_A`` by the seed's draw), any other model a compressed
         start with ``int8``. ``"seeded"``: every float tensor replaced by a seeded draw with its
-        mean and variance (:func:`fedcomp.protocol.seeded_init.seeded_like`; models trained from
+        mean and variance (`fedcomp.protocol.seeded_init.seeded_like`; models trained from
         scratch only). A codec name: a compressed start with that codec. ``"dense"``: the model dense.
     density : float, optional
         Density of a sparse downstream codec (default: the codec config's ``density``).
@@ -133,14 +149,14 @@ class Downstream:
         Most model copies (float32 vectors of the compressed part) kept for nodes: stored versions,
         per-node catch-up copies and broadcast payloads (their bytes / the vector's bytes) together,
         besides B and G; at least 2 (this version and the previous one). Past it nodes are forgotten
-        (:meth:`.node_copies.NodeCopies.evict`), and a forgotten node restarts from the first contact
+        (`node_copies.NodeCopies.evict`), and a forgotten node restarts from the first contact
         (a per-node error-feedback copy lost). None (default,
-        :meth:`.node_copies.NodeCopies.copy_budget`): 8, or as many as
-        :data:`.node_copies.COPY_BYTES_FLOOR` (256 MiB) holds when that is more, so that a small model (LoRA
+        `node_copies.NodeCopies.copy_budget`): 8, or as many as
+        `node_copies.COPY_BYTES_FLOOR` (256 MiB) holds when that is more, so that a small model (LoRA
         adapters, a small CNN) keeps a copy for every node of a cross-silo federation; the server's
         memory stays bounded whatever the number of nodes.
     correction : float
-        ``c`` in [0, 1] of :mod:`.copy_correction`: each update is folded as ``delta_i - c (G - H_i)``,
+        ``c`` in [0, 1] of `copy_correction`: each update is folded as ``delta_i - c (G - H_i)``,
         counted from the global model rather than the copy ``H_i`` its client trained from. Default 0.
 
     Raises
@@ -154,7 +170,7 @@ class Downstream:
                  catchup: str = "smallest", max_copies: float | None = None, density: float | None = None,
                  correction: float = 0.0) -> None:
         init = check_init_policy("auto" if init is None else init)
-        #: c of :mod:`.copy_correction`: each update folded as ``delta_i - c (G - H_i)``
+        #: c of `copy_correction`: each update folded as ``delta_i - c (G - H_i)``
         self.correction = check_correction(correction)
         if density is not None and (isinstance(density, bool) or not isinstance(density, numbers.Real)
                                     or not 0 < density <= 1):
@@ -178,8 +194,11 @@ class Downstream:
         #: this round: node -> bytes sent / kind of message ("payload", "chain", "diff", "init", "dense")
         self.sent_bytes: dict[int, int] = {}
         self.sent_kind: dict[int, str] = {}
-        #: this round's diffs from a shared base (:meth:`_diff`), emptied by :meth:`prepare`
+        #: this round's diffs from a shared base (`_diff`), emptied by `prepare`
         self._round_diffs: dict[tuple, bytes] = {}
+        #: nodes forgotten because the copy they reported differs from the server's record (`received`),
+        #: since the caller last emptied it
+        self.resynced: list[int] = []
 
     @property
     def version(self) -> int:
@@ -234,7 +253,7 @@ class Downstream:
         return decode_step(payload, self.sizes)
 
     def per_tensor(self) -> bool:
-        """Whether a downstream step sends one payload per tensor (:func:`encode_per_tensor`):
+        """Whether a downstream step sends one payload per tensor (`encode_per_tensor`):
         ``selection = "tensor"``; under ``"auto"`` (default) only for a codec with one magnitude per
         payload (``sign``: per-tensor scales downward kept more of fp32's gain on the LoRA benchmark
         than one scale, ``docs/benchmarks/llm.md``; int8, EDEN and QSGD scale per block, STC and top-k
@@ -246,7 +265,7 @@ class Downstream:
     def _compress(self, vec: np.ndarray, server_round: int, node: int | None = None,
                   compressor: str | None = None) -> bytes:
         """One compressed step of the compressed part ``vec`` (float32, ``(num_lossy,)``): one payload of
-        the whole vector, or one per tensor (:meth:`per_tensor`; not the first-contact ``compressor``,
+        the whole vector, or one per tensor (`per_tensor`; not the first-contact ``compressor``,
         block-wise int8 by default), each tensor its own codec seed."""
         if compressor is not None or not self.per_tensor():
             return self._codec(server_round, node, compressor).compress(torch.from_numpy(vec))
@@ -261,7 +280,7 @@ class Downstream:
     # -- the first model ----------------------------------------------------------------------
     def start_model(self, arrays: ArrayRecord) -> ArrayRecord:
         """The initial global model, seeded where the ``init`` policy says (called once, by
-        :meth:`CompressedStrategy.start` before round 0's evaluation): :func:`.first_contact.starting_model`.
+        `CompressedStrategy.start` before round 0's evaluation): `first_contact.starting_model`.
 
         Returns
         -------
@@ -283,7 +302,7 @@ class Downstream:
         advances B towards the round's new global model and sends each evaluating node the step
         (or catch-up) that brings its copy there; the next round's train messages send what that
         step left out (server-side error feedback). A node evaluates the model it will train from.
-        ``phase = "evaluate"`` only changes the seeds of seeded codecs (:data:`EVALUATE_SEED_OFFSET`).
+        ``phase = "evaluate"`` only changes the seeds of seeded codecs (`EVALUATE_SEED_OFFSET`).
 
         Returns the messages (modified in place) with a per-message ConfigRecord carrying the version
         keys (and the init seed for ``init`` messages).
@@ -386,7 +405,7 @@ class Downstream:
     def _plan(self, server_round: int, node: int, payload: bytes | None, g: np.ndarray,
               extra_bytes: int) -> tuple[str, list[bytes], int, tuple | None]:
         """The cheapest message for ``node``: ``(kind, compressed payloads, base version, what the
-        node will hold if not exactly B_v: ``(diff payload, *its base)``, see :attr:`.NodeCopies.pending`)``."""
+        node will hold if not exactly B_v: ``(diff payload, *its base)``, see `NodeCopies.pending`)``."""
         v = self.version
         nodes = self.nodes
         known = node in nodes.node_version
@@ -468,7 +487,7 @@ class Downstream:
         return vec
 
     def _exact_start(self, vec: np.ndarray) -> tuple[np.ndarray, list[bytes]]:
-        """The seeded start ``vec`` plus the exact values of :attr:`SeededInit.exact`'s tensors (zeros
+        """The seeded start ``vec`` plus the exact values of `SeededInit.exact`'s tensors (zeros
         in ``vec``): one ``topk`` payload keeping exactly the non-zero entries of ``B_1 - vec`` (fp32
         values); ``(B_1 as a new node rebuilds it, [that payload])``, or ``(vec, [])`` with nothing to add."""
         first, rest, off = self.nodes.versions[1], np.zeros(vec.size, np.float32), 0
@@ -484,22 +503,34 @@ class Downstream:
         payload = get_compressor("topk", density=density).compress(torch.from_numpy(rest))
         return self._settle(vec + self._decode(payload).astype(vec.dtype)), [payload]
 
-    def received(self, node: int) -> None:
-        """``node`` replied this round, so it holds what it was sent (a diff's copy rebuilt here)."""
-        self.nodes.commit(node, lambda base, diff: self._settle(base + self._decode(diff)))
+    def received(self, node: int, digest: bytes | None = None) -> bool:
+        """``node`` replied this round, so it holds what it was sent (a diff's copy rebuilt here).
 
-    def note_replies(self, stats: list[dict], fold=None, sent: FlatModel | None = None) -> int:
+        ``digest``: the digest of the copy the node reports holding (`fedcomp.protocol.broadcast.copy_digest`;
+        None: not checked). When it differs from the digest of the server's record of that copy (a node
+        whose generator drew the seeded start differently, a copy changed on the node), the node is
+        forgotten: its next message is a first contact, which replaces its copy whatever it held (a counted
+        re-synchronisation, `resynced`). Returns whether the node's copy is known now."""
+        verify = None if digest is None else lambda: copy_digest(self._held_model(node)) == digest
+        known = self.nodes.commit(node, lambda base, diff: self._settle(base + self._decode(diff)), verify)
+        if not known and digest is not None:
+            self.resynced.append(node)
+        return known
+
+    def note_replies(self, stats: list[dict], fold=None, sent: FlatModel | None = None,
+                     digests: dict[int, bytes] | None = None) -> int:
         """Each replying node (``stats``: per-client figures with ``node``) holds what it was sent
-        (:meth:`received`); its ``download-bytes`` becomes the bytes the server sent it this round.
+        (`received`); its ``download-bytes`` becomes the bytes the server sent it this round.
 
-        With :attr:`correction` and the round's ``fold`` (its ``weights``: node -> weight, complete)
+        With `correction` and the round's ``fold`` (its ``weights``: node -> weight, complete)
         and global model ``sent``, each reply is counted from ``sent`` rather than from the copy its
-        client trained from (:func:`.copy_correction.correct_for_copies`): a private copy as soon as
+        client trained from (`copy_correction.correct_for_copies`): a private copy as soon as
         its node is committed, before committing the next reply can make the copy budget forget it (so
         the round holds one private copy beyond the budget at a time, whatever the number of clients);
         the nodes on the broadcast version in one pass at the end (after its commit a node holds either
         its own copy or the latest version, which the budget never forgets). A node whose copy the
         server did not know (its catch-up's base forgotten before it replied) is folded as it came.
+        ``digests``: node -> the digest of the copy it reports (`received`; None: not checked).
         Returns the copies folded in.
 
         Raises
@@ -514,7 +545,7 @@ class Downstream:
         done = 0
         for stat in stats:
             node = stat["node"]
-            self.received(node)
+            self.received(node, None if digests is None else digests.get(node))
             stat["download-bytes"] = float(self.sent_bytes.get(node, 0))
             if not isinstance(weights, dict) or node not in weights or (found := self.nodes.copy_of(node)) is None:
                 continue
@@ -531,6 +562,11 @@ class Downstream:
 
     def held(self, node: int) -> np.ndarray | None:
         """Every float tensor (flat, model order) the server believes ``node`` holds (None: unknown)."""
+        model = self._held_model(node)
+        return None if model is None else model.flat
+
+    def _held_model(self, node: int) -> FlatModel | None:
+        """The model the server believes ``node`` holds, every tensor (None: unknown)."""
         vec = self.nodes.held(node)
         if vec is None:
             return None
@@ -538,4 +574,4 @@ class Downstream:
         scatter(out, self.lossy_keys, vec)
         for k in self.exempt_keys if node in self.nodes.stats else []:
             out.float_view(k)[...] = self.nodes.stats[node].float_view(k)
-        return out.flat
+        return out

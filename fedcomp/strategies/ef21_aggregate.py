@@ -1,7 +1,7 @@
 """EF21's server side: the running estimate ``h`` of the mean update.
 
 Source: Richtárik, Sokolov, Fatkhullin, "EF21", NeurIPS 2021 (Algorithm 1, lines 6-8 on the
-server); the client side is :class:`fedcomp.compression.EF21`.
+server); the client side is `fedcomp.compression.EF21`.
 
 Clients send ``c_i = C(x_i - h_i)``; the weighted mean of the decoded ``c_i`` is folded into the
 server's ``h``, and ``h`` (not the mean of this round's sends) becomes the round's update:
@@ -13,15 +13,15 @@ participation variant keeps per-client weights; not done here).
 Both sides must hold the same history: a client that lost its ``h_i`` (a SuperNode restarted
 without ``client-state-dir``) while ``h`` keeps its share, or whose send the server never folded
 (a lost reply, after which the client's ``h_i`` is one send ahead), would diverge silently. Each
-reply says the round of the last send its ``h_i`` holds (metric :data:`ESTIMATE_ROUND_METRIC`, 0:
-none); the server remembers the round it last folded each node's send (:attr:`EF21Aggregate.folded`)
+reply says the round of the last send its ``h_i`` holds (metric `ESTIMATE_ROUND_METRIC`, 0:
+none); the server remembers the round it last folded each node's send (`EF21Aggregate.folded`)
 and refuses a reply of a node it has folded before whose estimate is from another round, as a
-failed client named ``EF21_STATE_MISMATCH`` (:meth:`EF21Aggregate.check_replies`). The server
+failed client named ``EF21_STATE_MISMATCH`` (`EF21Aggregate.check_replies`). The server
 cannot remove that node's old share from ``h`` (it keeps only the mean), so the node stays refused
 until the run is restarted or resumed with the node's state: loud, never silent. A node the server
 has never folded must report a fresh ``h_i`` (round 0): one that holds sends (its first reply was lost,
 or it comes back under a new node id) is refused the same way. Only after a resume from a checkpoint
-that predates the record (:attr:`EF21Aggregate.complete` False) is such a node accepted.
+that predates the record (`EF21Aggregate.complete` False) is such a node accepted.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from fedcomp.strategies.aggregate import RunningSum, streams
 
 #: Failure name (``failures`` in metrics.json) of a reply whose ``h_i`` is not the one the server mirrors.
 MISMATCH = "EF21_STATE_MISMATCH"
-#: Code of :data:`MISMATCH` in a failure record (Flower's error codes are >= 0, fedcomp's own < 0).
+#: Code of `MISMATCH` in a failure record (Flower's error codes are >= 0, fedcomp's own < 0).
 MISMATCH_CODE = -2
 
 
@@ -53,7 +53,7 @@ class EF21Aggregate:
     folded : dict of int to int
         Node id -> the server round its last send was folded into ``h``.
     complete : bool
-        Whether :attr:`folded` covers every send in ``h`` (a fresh run, or a checkpoint holding the
+        Whether `folded` covers every send in ``h`` (a fresh run, or a checkpoint holding the
         record); only then is a node never folded held to a fresh ``h_i``.
     """
 
@@ -108,8 +108,8 @@ class EF21Aggregate:
     def check_replies(self, server_round: int, replies: list[Message]) -> tuple[list[Message], list[tuple[Message, dict]]]:
         """Split the round's replies into those kept (error replies untouched, and replies whose ``h_i``
         is the one ``h`` holds) and those refused: a node folded before whose reported
-        :data:`ESTIMATE_ROUND_METRIC` is not the round of its last folded send, a node never folded that
-        reports an estimate holding sends (while :attr:`complete`), or a reply that does not report it (a
+        `ESTIMATE_ROUND_METRIC` is not the round of its last folded send, a node never folded that
+        reports an estimate holding sends (while `complete`), or a reply that does not report it (a
         finite integer >= 0).
 
         Returns
@@ -148,7 +148,7 @@ class EF21Aggregate:
         return kept, refused
 
     def round_update(self, server_round: int, running: RunningSum, asked: int, accepted: list[int]) -> int:
-        """:meth:`fold` the round's sends in and note the round for each ``accepted`` node; return (and
+        """`fold` the round's sends in and note the round for each ``accepted`` node; return (and
         log) how many of the ``asked`` clients sent no accepted update: their last ``h_i`` stays in ``h``,
         a drift until they return."""
         self.fold(running)
@@ -161,17 +161,17 @@ class EF21Aggregate:
         return missing
 
     def state_dict(self) -> dict[str, np.ndarray]:
-        """A copy of :attr:`h` (for a checkpoint: a resumed run continues with the same estimate)."""
+        """A copy of `h` (for a checkpoint: a resumed run continues with the same estimate)."""
         return {k: np.array(v, copy=True) for k, v in self.h.items()}
 
     def folded_state(self) -> dict[str, np.ndarray]:
-        """:attr:`folded` as arrays for a checkpoint: ``{"nodes": uint64 (n,), "rounds": int64 (n,)}``."""
+        """`folded` as arrays for a checkpoint: ``{"nodes": uint64 (n,), "rounds": int64 (n,)}``."""
         return {"nodes": np.array(list(self.folded), dtype=np.uint64),
                 "rounds": np.array(list(self.folded.values()), dtype=np.int64)}
 
     def load_state_dict(self, h: dict[str, np.ndarray], shapes: dict[str, tuple],
                         folded: dict[str, np.ndarray] | None = None) -> None:
-        """Restore :meth:`state_dict` (and :meth:`folded_state`); ``shapes``: the model's tensor shapes.
+        """Restore `state_dict` (and `folded_state`); ``shapes``: the model's tensor shapes.
 
         Raises
         ------
@@ -200,7 +200,7 @@ class EF21Aggregate:
 
 
 def _reported_round(reply: Message) -> int | None:
-    """The reply's :data:`ESTIMATE_ROUND_METRIC` as an int >= 0, None if absent or not one."""
+    """The reply's `ESTIMATE_ROUND_METRIC` as an int >= 0, None if absent or not one."""
     for rec in reply.content.metric_records.values():
         v = rec.get(ESTIMATE_ROUND_METRIC)
         if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0 \

@@ -10,8 +10,8 @@ What Flower 1.42 tells the ServerApp (``flwr.common.constant.ErrorCode``; read f
   SuperNode notices that the process's heartbeat stopped (after ~2 x 30 s) and answers for it. Flower
   does not keep the exit status: a process the kernel's out-of-memory killer took (SIGKILL; exit code
   137 in a container) looks exactly like any other crash, so the reason says "likely out of memory";
-  the node's container confirms it later through its ``oom_kill`` count (:mod:`fedcomp.protocol.device`,
-  :func:`oom_confirmations`);
+  the node's container confirms it later through its ``oom_kill`` count (`fedcomp.protocol.device`,
+  `oom_confirmations`);
 * the node went away (5) or the reply was lost (4): the SuperLink answers, from its own node id (1),
   so the failed client is found through the message the reply answers.
 
@@ -23,7 +23,7 @@ The SuperLink does not check ``src_node_id`` against the node that pushed the re
 request's ``node_id``). So the two fields agree on a real SuperLink; when they do not (a hostile or
 broken transport, a hand-built reply), a failure is charged to ``src_node_id``, the node that says it sent
 the reply, never to the node the answered message went to; a sender that was not sampled is charged
-nothing (:func:`round_failures`).
+nothing (`round_failures`).
 """
 
 from __future__ import annotations
@@ -128,9 +128,9 @@ def round_failures(errors: list[Message], sent_to: dict[str, int], sent_nodes: s
     (charged, uncharged, silent)
         ``charged``: ``(reply, failed_client record)`` for the first error reply of each node that
         sent no other reply; ``uncharged``: ``(reply, why)`` for an error reply charged to nobody: from
-        the SuperLink for a message this round did not send (:data:`UNTRACED_REASON`), or from a node
-        not sampled (:data:`STRANGER_REASON`); a node's further error replies are dropped without a
-        word (one node, one failure). ``silent``: :func:`missing_clients` for the sampled nodes left.
+        the SuperLink for a message this round did not send (`UNTRACED_REASON`), or from a node
+        not sampled (`STRANGER_REASON`); a node's further error replies are dropped without a
+        word (one node, one failure). ``silent``: `missing_clients` for the sampled nodes left.
     """
     charged, uncharged, seen = [], [], set(answered)
     for reply in errors:

@@ -1,10 +1,10 @@
 """A client's first model without the dense download: the seeded start and the compressed start.
 
-The downstream sender (:mod:`.downstream_sender`) gives a node that holds nothing the first
+The downstream sender (`downstream_sender`) gives a node that holds nothing the first
 broadcast model B_1 in one of three ways, by its ``init`` policy:
 
 - a **seeded start**: B_1 is drawn from a seed; the node gets the seed and one rule per float tensor
-  (:mod:`fedcomp.protocol.seeded_init`) and builds B_1 itself, bit for bit. For LoRA adapters at
+  (`fedcomp.protocol.seeded_init`) and builds B_1 itself, bit for bit. For LoRA adapters at
   peft's initialisation (``lora_B`` = 0, ``lora_A`` Kaiming-uniform: Hu et al., ICLR 2022) the
   strategy recognises them (``"auto"``) and redraws ``lora_A`` from the seed, so a third-party app
   writes no seeding code; for any model trained from scratch (``"seeded"``) every float tensor that
@@ -38,14 +38,14 @@ START_CODEC = "int8"
 
 
 def check_init_policy(init: SeededInit | str) -> SeededInit | str:
-    """``init`` if it is a :class:`SeededInit`, a policy of :data:`INIT_POLICIES` or a codec that can
+    """``init`` if it is a `SeededInit`, a policy of `INIT_POLICIES` or a codec that can
     code one flat vector.
 
     Raises
     ------
     ValueError
         Any other value (naming it and the choices), a per-tensor-only codec (PowerSGD, ATOMO), or
-        a :class:`SeededInit` whose seed is not an integer in ``[0, 2**63)``.
+        a `SeededInit` whose seed is not an integer in ``[0, 2**63)``.
     """
     if isinstance(init, SeededInit):  # the seed travels as an int64 config value clients check (>= 0)
         if isinstance(init.seed, bool) or not isinstance(init.seed, int) or not 0 <= init.seed < 2**63:
@@ -63,11 +63,11 @@ def starting_model(init: SeededInit | str, arrays: ArrayRecord) -> tuple[ArrayRe
     """The initial global model and the policy that stays in force.
 
     ``"auto"`` replaces nothing but LoRA adapters at peft's initialisation (their ``lora_A`` by the
-    seed's draw from the same distribution; then the policy becomes that :class:`SeededInit`, else
-    :data:`START_CODEC`); ``"seeded"`` replaces every float tensor whose values look like a random
-    draw (:func:`~fedcomp.protocol.seeded_init.looks_drawn`, :func:`~fedcomp.protocol.seeded_init.seeded_like`):
+    seed's draw from the same distribution; then the policy becomes that `SeededInit`, else
+    `START_CODEC`); ``"seeded"`` replaces every float tensor whose values look like a random
+    draw (`looks_drawn`, `seeded_like`):
     a state_dict does not tell parameters from buffers, so a fixed buffer (a sinusoidal table, a mask)
-    keeps its values, which the first contact sends exactly (:attr:`SeededInit.exact`). Integer/bool
+    keeps its values, which the first contact sends exactly (`SeededInit.exact`). Integer/bool
     tensors are kept. The draw's
     seed is a hash of ``arrays`` (an app that seeds its own initialisation per run gets a different
     start per run). The result equals what a new client builds from the seed, bit for bit (in each

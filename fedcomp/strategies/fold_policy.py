@@ -1,7 +1,7 @@
 """Which fold a round's replies go into, and whether dense replies are accepted.
 
-The folds themselves are in :mod:`.aggregate`: clipped (client-level DP), weighted mean (the
-FedAvg family, :func:`.aggregate.streams`) or dense (every other inner strategy).
+The folds themselves are in `aggregate`: clipped (client-level DP), weighted mean (the
+FedAvg family, `aggregate.streams`) or dense (every other inner strategy).
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ class FoldPolicy:
 
     def new_fold(self, model: FlatModel, clients: int, client_dp: ClientLevelDP | None,
                  remainders: dict[str, np.ndarray]):
-        """The fold of the round: :class:`.aggregate.ClippedFold` with ``client_dp``, else
-        :class:`.aggregate.MeanFold` for a weighted-mean inner strategy, else
-        :class:`.aggregate.DenseFold` (its memory cost, ``clients`` x model, logged once).
+        """The fold of the round: `aggregate.ClippedFold` with ``client_dp``, else
+        `aggregate.MeanFold` for a weighted-mean inner strategy, else
+        `aggregate.DenseFold` (its memory cost, ``clients`` x model, logged once).
         ``remainders``: the integer rule's carried rounding remainders (updated in place)."""
         if client_dp is not None:
             return ClippedFold(model, client_dp)

@@ -2,7 +2,7 @@
 
 ``CompressedStrategy(FedAvgM(...))`` is the object a ServerApp holds; without forwarding,
 ``strategy.server_learning_rate = 0.5`` would land on the wrapper and never reach FedAvgM,
-silently. :class:`ForwardsToInner` forwards reads of attributes the wrapper does not have, and
+silently. `ForwardsToInner` forwards reads of attributes the wrapper does not have, and
 writes of public attributes the wrapper does not have but a wrapped strategy does, to the
 strategy that owns them (walking ``.inner`` / ``.strategy``, so Flower's DP wrappers in between
 are seen through). A public write that neither the wrapper nor any wrapped strategy knows is
@@ -21,7 +21,7 @@ from fedcomp.strategies.wrapping import chain
 
 
 def owner_of(strategy: Any, name: str) -> Any | None:
-    """The first strategy in ``strategy``'s wrapping chain (:func:`.wrapping.chain`) that has
+    """The first strategy in ``strategy``'s wrapping chain (`wrapping.chain`) that has
     attribute ``name``; None if none has."""
     return next((s for s in chain(strategy) if hasattr(s, name)), None)
 
@@ -30,8 +30,8 @@ class ForwardsToInner:
     """Mixin of strategy wrappers: attribute reads and writes meant for the wrapped strategy reach it.
 
     The subclass holds its wrapped strategy in ``inner`` (``_INNER``), may say how error messages
-    name it (``_INNER_NAMED``) and calls :meth:`_start_forwarding` at the end of ``__init__`` (attributes set before that are the
-    wrapper's own).
+    name it (``_INNER_NAMED``) and calls `_start_forwarding` at the end of ``__init__`` (attributes set before that are
+    the wrapper's own).
 
     Raises
     ------

@@ -1,6 +1,6 @@
 """Handing a round's fold to the inner strategy, and the aggregate back in the model's dtypes.
 
-Three ways, by folding policy (:mod:`.aggregate`):
+Three ways, by folding policy (`aggregate`):
 
 - client-level DP (``ClippedFold``): the noisy mean is the aggregate; the inner strategy's
   averaging is replaced; every round that sampled runs the mechanism, an empty one included
@@ -14,7 +14,7 @@ Three ways, by folding policy (:mod:`.aggregate`):
 Integer/bool tensors come from fedcomp's own rule (``fold.votes``), whatever the inner strategy
 does. What the inner strategy reads is asked of it, never guessed: the weighting metric
 (Flower's ``weighted_by_key``), the record key (``arrayrecord_key``) and its metric aggregation
-(``train_metrics_aggr_fn``), found along the wrapper chain (:func:`.wrapping.find_attr`).
+(``train_metrics_aggr_fn``), found along the wrapper chain (`wrapping.find_attr`).
 """
 
 from __future__ import annotations
@@ -63,15 +63,15 @@ def hand_over(inner: Any, server_round: int, model: FlatModel, got: RoundReplies
     model : FlatModel
         The global model of the round.
     got : RoundReplies
-        The round's fold and accepted replies (:func:`.replies.fold_replies`).
+        The round's fold and accepted replies (`replies.fold_replies`).
     sampled : float
         Clients sampled (client-level DP's divisor; ``q * N`` under Poisson sampling).
     half_remainders : dict, optional
         The rounding remainders of the fp16/bf16 tensors, carried from round to round (updated
-        in place; :func:`.aggregate.in_model_dtypes`). None: no carry.
+        in place; `aggregate.in_model_dtypes`). None: no carry.
     var_floor : float
         A BatchNorm running variance falls at most to this fraction of the round's global one
-        (:func:`.aggregate.in_model_dtypes`; 0: it only stays >= 0).
+        (`aggregate.in_model_dtypes`; 0: it only stays >= 0).
 
     Returns
     -------

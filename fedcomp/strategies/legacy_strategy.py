@@ -3,7 +3,7 @@
 For servers still written against ``flwr.server.strategy`` (``configure_fit`` /
 ``aggregate_fit`` with ``Parameters``), run through ``ServerApp(server_fn=...)`` or the
 deprecated ``flwr.simulation.start_simulation``. Clients use
-:class:`fedcomp.client.numpy_client.CompressedNumPyClient` (payloads as 1-D ``uint8`` arrays), or
+[`fedcomp.client.numpy_client.CompressedNumPyClient`][] (payloads as 1-D ``uint8`` arrays), or
 a legacy ``ClientApp(client_fn=..., mods=[compression_mod])`` (payloads as raw tensors of
 type ``fedcomp.payload.v1``); this wrapper decodes both.
 """
@@ -109,13 +109,13 @@ def decode_legacy_update(payloads: list[bytes], global_arrays: list[np.ndarray])
 
     One payload per array (selection "tensor") or one for the whole flattened model
     (selection "model"); told apart by their number and, for a one-array model, by the
-    shape in the payload header. Validation is :func:`fedcomp.strategies.decode_update`'s:
+    shape in the payload header. Validation is `fedcomp.strategies.decode_update`'s:
     each payload may claim at most the elements of its array and must have its shape.
 
     Parameters
     ----------
     payloads : list of bytes
-        From :func:`payloads_from_parameters`.
+        From `payloads_from_parameters`.
     global_arrays : list of np.ndarray
         The global weights this client was sent.
 
@@ -161,25 +161,25 @@ class LegacySentRound:
 class LegacyCompressedStrategy(ForwardsToInner, Strategy):
     """Wrap a legacy ``flwr.server.strategy.Strategy`` so that clients send compressed updates.
 
-    The legacy-API counterpart of :class:`fedcomp.strategies.CompressedStrategy`; it adds
+    The legacy-API counterpart of [`fedcomp.strategies.CompressedStrategy`][]; it adds
     one concern and delegates the rest:
 
     1. ``configure_fit``: adds the codec (``compressor``, ``density``, ``levels``,
        ``block-size``, ``value-dtype``, ``error-feedback``, ``residual-dtype``,
        ``selection``) to every client's ``FitIns.config`` and remembers the parameters
        each client was sent.
-    2. ``aggregate_fit``: reads each ``FitRes``' payloads (:func:`payloads_from_parameters`),
-       decodes and validates them (:func:`decode_legacy_update`: element cap and shape per
+    2. ``aggregate_fit``: reads each ``FitRes``' payloads (`payloads_from_parameters`),
+       decodes and validates them (`decode_legacy_update`: element cap and shape per
        array, finiteness), replaces the ``FitRes`` parameters by the dense weights
        ``global + delta`` and hands ordinary results to the wrapped strategy. A result that
        fails to decode is logged with the client's ``cid`` and moved to ``failures``, so
        the wrapped strategy's own policy applies (FedAvg with ``accept_failures=False``
        then skips the round).
-    3. Adds round metrics to what the wrapped strategy returns, and to :attr:`history`:
+    3. Adds round metrics to what the wrapped strategy returns, and to `history`:
        ``upload-bytes`` (payload bytes received, without the ``.npy`` headers Flower adds),
        ``dense-bytes``, ``compression-ratio``, ``compression-error`` (mean of the clients'
        reports), ``num-replies``, ``rejected-replies``, ``failed-clients`` and
-       ``upload-bytes-<codec>`` (:func:`fedcomp.strategies.round_metrics.upload_metrics`).
+       ``upload-bytes-<codec>`` (`fedcomp.strategies.round_metrics.upload_metrics`).
 
     ``initialize_parameters``, ``configure_evaluate``, ``aggregate_evaluate`` and
     ``evaluate`` are delegated unchanged (evaluation uses dense global weights).
@@ -188,10 +188,10 @@ class LegacyCompressedStrategy(ForwardsToInner, Strategy):
     ----------
     strategy : flwr.server.strategy.Strategy
         Any legacy strategy: FedAvg, FedProx, FedAdam, FedMedian, Flower's legacy DP
-        wrappers, ... It only ever receives dense, validated results. Held as :attr:`inner`
+        wrappers, ... It only ever receives dense, validated results. Held as `inner`
         (as ``CompressedStrategy`` names it; ``.strategy`` reads the same object).
     compressor : str
-        Codec name (see :func:`fedcomp.compression.available_compressors`). Default "stc".
+        Codec name (see `fedcomp.compression.available_compressors`). Default "stc".
     error_feedback : bool
         Clients keep a residual (Stich et al. 2018; Karimireddy et al. 2019). Default True.
     max_num_examples : int
@@ -218,7 +218,7 @@ class LegacyCompressedStrategy(ForwardsToInner, Strategy):
     Sources: the legacy ``Strategy`` interface of Flower (``flwr.server.strategy``,
     https://flower.ai/docs/framework/ref-api/flwr.server.strategy.Strategy.html); wrapper
     structure after Flower's DP strategy wrappers; codecs and error feedback as in
-    :mod:`fedcomp.compression`.
+    `fedcomp.compression`.
     """
 
     def __init__(self, strategy: Strategy, compressor: str = "stc", error_feedback: bool = True,
@@ -232,17 +232,17 @@ class LegacyCompressedStrategy(ForwardsToInner, Strategy):
         if self.codec.error_feedback == "ef21":
             raise ValueError("error_feedback='ef21' needs the server's estimate: use fedcomp.strategies.CompressedStrategy")
         self.max_num_examples = check_max_num_examples(max_num_examples)
-        #: The arrays sent in the current round (set by :meth:`configure_fit`).
+        #: The arrays sent in the current round (set by `configure_fit`).
         self.sent_round: LegacySentRound | None = None
         #: Per-round metrics computed by this wrapper (round -> dict).
         self.history: dict[int, dict[str, float]] = {}
-        self._start_forwarding()  # from here on, settings of the wrapped strategy reach it (:mod:`.forward`)
+        self._start_forwarding()  # from here on, settings of the wrapped strategy reach it (`forward`)
 
     _INNER_NAMED = ".inner (or .strategy)"
 
     @property
     def strategy(self) -> Strategy:
-        """The wrapped legacy strategy (read-only; the same object as :attr:`inner`)."""
+        """The wrapped legacy strategy (read-only; the same object as `inner`)."""
         return self.inner
 
     def __repr__(self) -> str:

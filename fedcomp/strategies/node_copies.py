@@ -1,19 +1,19 @@
 """What each node holds of the broadcast, and the server's memory for it: the per-node side of
-downstream compression (:mod:`.downstream_sender` plans and encodes the messages; this room keeps the
+downstream compression (`downstream_sender` plans and encodes the messages; this room keeps the
 copies those messages are relative to, and forgets within a budget).
 
 Per node the server knows one of: exactly a broadcast version B_u (``node_version[node] = u``), or a
 *private* copy (a version plus a per-node catch-up diff, ``private[node]``), or nothing (a new or
 forgotten node). A node counts as holding what it was sent only once its reply arrives
-(:meth:`NodeCopies.commit`); until then the message's plan is *pending*, and a node that was sent
-something and did not reply is forgotten at the next round (:meth:`NodeCopies.start_round`).
+(`NodeCopies.commit`); until then the message's plan is *pending*, and a node that was sent
+something and did not reply is forgotten at the next round (`NodeCopies.start_round`).
 
 Server memory: one vector of the compressed part per version some node still holds, one per node that
 holds a private copy, the broadcast payloads still needed for chains, and (``batchnorm-stats = "auto"``)
 each node's copy of the BatchNorm statistics (payload and statistics bytes counted in vectors).
-Bounded by the copy budget (:meth:`NodeCopies.copy_budget`): past it statistics copies are dropped and
+Bounded by the copy budget (`NodeCopies.copy_budget`): past it statistics copies are dropped and
 then nodes forgotten (their copy, and the versions and payloads no other node needs), in the order that
-forgets fewest nodes (:meth:`NodeCopies.evict`); a forgotten node is treated as new, as after a missed
+forgets fewest nodes (`NodeCopies.evict`); a forgotten node is treated as new, as after a missed
 reply. A node whose statistics copy is dropped stays known and is sent the exact statistics next time,
 as a new node is. Between a round's sends and its replies only
 each node's diff payload is kept (the bytes its message carries), not the copy the node will hold: that
@@ -49,13 +49,13 @@ class NodeCopies:
     Vectors are the compressed part of the model (every float tensor sent through the codec, flat in
     model order, ``(entries,)``, float32, or float64 for a model with a float64 tensor); a *base* names
     what a diff is relative to: ``("private",)`` the node's own copy, ``("version", u)`` B_u,
-    ``("init",)`` the start B_1 that a new node builds itself (:attr:`start`).
+    ``("init",)`` the start B_1 that a new node builds itself (`start`).
 
     Parameters
     ----------
     max_copies : float or None
-        Most copies kept (:meth:`copies`), besides the broadcast model and the global one; at least 2
-        (checked by :class:`.downstream_sender.Downstream`). None: :meth:`copy_budget`'s default.
+        Most copies kept (`copies`), besides the broadcast model and the global one; at least 2
+        (checked by `downstream_sender.Downstream`). None: `copy_budget`'s default.
     """
 
     def __init__(self, max_copies: float | None = None) -> None:
@@ -74,7 +74,7 @@ class NodeCopies:
         #: has no node left to forget
         self.pin_start = False
         #: node -> (version it will hold, None: exactly that B; else ``(diff payload, *base)``): the copy
-        #: is rebuilt when the node replies (:meth:`commit`)
+        #: is rebuilt when the node replies (`commit`)
         self.pending: dict[int, tuple[int, tuple | None]] = {}
         #: ``batchnorm-stats = "auto"``: node -> its copy of the BatchNorm statistics (committed when it
         #: replied), and what each node sent something this round will hold
@@ -126,18 +126,22 @@ class NodeCopies:
         self.drop_unheld()
         self.evict(self.copy_budget() - 1)
 
-    def commit(self, node: int, rebuild: Callable[[np.ndarray, bytes], np.ndarray]) -> None:
+    def commit(self, node: int, rebuild: Callable[[np.ndarray, bytes], np.ndarray],
+               verify: Callable[[], bool] | None = None) -> bool:
         """``node`` replied, so it holds what it was sent: ``rebuild(base vector, diff payload)`` gives a
-        private copy. A node whose diff's base was forgotten meanwhile is forgotten too (new next time).
-        Over the budget afterwards: first what nobody needs, then the least recently replying nodes."""
+        private copy. A node whose diff's base was forgotten meanwhile is forgotten too (new next time), and
+        so is a node whose copy ``verify()`` (called once the record is made, before anything is evicted)
+        finds different from the record. Over the budget afterwards: first what nobody needs, then the
+        least recently replying nodes. Returns False when the node was forgotten, True otherwise (also when
+        nothing was pending for it)."""
         if node not in self.pending:
-            return
+            return True
         label, diff = self.pending.pop(node)
         base = None if diff is None else self.base(node, diff[1:])
         if diff is not None and base is None:
             self.stats_pending.pop(node, None)
             self.forget(node)
-            return
+            return False
         self.node_version[node] = label
         if node in self.stats_pending:
             self.stats[node] = self.stats_pending.pop(node)
@@ -145,15 +149,20 @@ class NodeCopies:
             self.private.pop(node, None)
         else:
             self.private[node] = rebuild(base, diff[0])
+        if verify is not None and not verify():
+            self.forget(node)
+            self.drop_unheld()
+            return False
         self._receipts += 1
         self._last_seen[node] = self._receipts
         if self.copies() > self.copy_budget():
             self.drop_unheld()
             self.evict(self.copy_budget(), keep=node)
+        return True
 
     # -- the budget ----------------------------------------------------------------------------
     def copy_budget(self) -> float:
-        """Most copies kept (:meth:`copies`): ``max_copies`` if given, else ``max(8, COPY_BYTES_FLOOR /
+        """Most copies kept (`copies`): ``max_copies`` if given, else ``max(8, COPY_BYTES_FLOOR /
         the bytes of one vector)`` (float32 entries; float64 for a model with a float64 tensor)."""
         if self.max_copies is not None:
             return self.max_copies
@@ -161,7 +170,7 @@ class NodeCopies:
 
     def copies(self) -> float:
         """Stored copies: versions, private copies, payload bytes and the nodes' BatchNorm statistics
-        copies (:attr:`stats`: their flat float and exact bytes), in float32 vectors of the compressed part."""
+        copies (`stats`: their flat float and exact bytes), in float32 vectors of the compressed part."""
         vec_bytes = 4 * max(self.entries, 1)
         extra = sum(len(p) for p in self.payloads.values()) + sum(_nbytes(s) for s in self.stats.values())
         return len(self.versions) + len(self.private) + extra / vec_bytes

@@ -40,7 +40,7 @@ def apply_preset(preset: str | None, given: dict[str, Any], defaults: dict[str, 
     Parameters
     ----------
     preset : str or None
-        A name of :data:`PRESETS` (None: ``given`` unchanged).
+        A name of `PRESETS` (None: ``given`` unchanged).
     given : dict
         The arguments as passed (their values).
     defaults : dict
@@ -71,7 +71,7 @@ LIBRARY_DOWNSTREAM = "int8"
 
 def library_downstream(compressor: str, density: float | None, local_dp, inner) -> tuple[str, float | None]:
     """``(downstream codec, downstream density)`` for ``CompressedStrategy(downstream="auto")``, the
-    library's default: :data:`LIBRARY_DOWNSTREAM` (int8), the download that kept the accuracy of a
+    library's default: `LIBRARY_DOWNSTREAM` (int8), the download that kept the accuracy of a
     dense one on models and data fedcomp was not tuned on (a BatchNorm ResNet from scratch, 8 rounds:
     a sparse STC download lagged behind the global model and cost most of its accuracy; results in
     ``docs/benchmarks/wire.md``), except where a compressed download cannot apply:
@@ -105,7 +105,7 @@ LIBRARY_CODEC_DEFAULTS = {"batchnorm-stats": "small"}
 
 def library_codec_params(params: dict[str, Any]) -> dict[str, Any]:
     """``params`` (codec parameters by their Python or run-config names, as ``CompressedStrategy`` takes
-    them) with :data:`LIBRARY_CODEC_DEFAULTS` for the keys not given."""
+    them) with `LIBRARY_CODEC_DEFAULTS` for the keys not given."""
     given = {k.replace("_", "-") for k in params}
     return {**{k.replace("-", "_"): v for k, v in LIBRARY_CODEC_DEFAULTS.items() if k not in given}, **params}
 

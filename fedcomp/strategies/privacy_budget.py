@@ -3,7 +3,7 @@ sampling, the local-DP settings sent to clients, and the epsilon budget (``max-e
 
 Sources: McMahan et al., "Learning Differentially Private Recurrent Language Models", ICLR 2018
 (client-level DP-FedAvg, Poisson sampling of clients); the accounting itself is in
-:mod:`fedcomp.privacy`.
+`fedcomp.privacy`.
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ class PrivacyBudget:
 
     def account(self, server_round: int, any_replies: bool, stats: list[dict], metrics: dict) -> None:
         """Count the round: add ``epsilon-max``/``epsilon-median`` (reported) or ``epsilon`` (local
-        DP) to ``metrics`` and update the projections :meth:`exhausted` uses.
+        DP) to ``metrics`` and update the projections `exhausted` uses.
 
         Parameters
         ----------
@@ -156,7 +156,7 @@ class PrivacyBudget:
                 "epsilon-floor": list(self.epsilon_floor)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` (a key the state lacks keeps its start value)."""
+        """Restore `state_dict` (a key the state lacks keeps its start value)."""
         if state.get("client-dp-rounds") is not None and self.client_dp is not None:
             self.client_dp.rounds = int(state["client-dp-rounds"])
         self.local_rounds = int(state.get("local-dp-rounds") or 0)

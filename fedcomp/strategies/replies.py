@@ -1,10 +1,10 @@
 """One round's train replies: each decoded and validated, then folded in or refused, and counted.
 
-A reply is decoded completely (:func:`.decode.decode_train_reply`) before anything of it reaches
+A reply is decoded completely (`decode.decode_train_reply`) before anything of it reaches
 the fold, so a reply that fails anywhere leaves the aggregate untouched. Error replies (a client
-that failed, :mod:`.failures`) and refused replies are logged with their node id and counted; what the round's
+that failed, `failures`) and refused replies are logged with their node id and counted; what the round's
 metrics need of the accepted ones (bytes per codec, per-client and per-layer figures) is kept
-beside the fold. Used by :class:`fedcomp.strategies.CompressedStrategy`.
+beside the fold. Used by [`fedcomp.strategies.CompressedStrategy`][].
 """
 
 from __future__ import annotations
@@ -34,13 +34,13 @@ class RoundReplies:
     Attributes
     ----------
     fold : MeanFold, ClippedFold or DenseFold
-        The round's folding policy (:mod:`.aggregate`), holding every accepted update.
+        The round's folding policy (`aggregate`), holding every accepted update.
     carrier : Message or None
         An accepted reply, whose Message can carry the pre-aggregated reply to the inner strategy.
     metric_contents : list of RecordDict
         One ``{"metrics": MetricRecord}`` per accepted reply (its finite, bounded metrics).
     stats : list of dict
-        Per accepted client (:func:`.round_metrics.client_stats`).
+        Per accepted client (`round_metrics.client_stats`).
     layer_stats : list of dict
         Per accepted client, the per-layer lists it reported.
     codec_bytes : dict of str to int
@@ -49,9 +49,9 @@ class RoundReplies:
         Replies refused (malformed, duplicate, stranger) and failed clients (error replies, and
         sampled nodes that sent nothing).
     failures : list of dict
-        One per failed client (:func:`.failures.failed_client`).
+        One per failed client (`failures.failed_client`).
     uncharged : int
-        Error replies charged to no node (:func:`.failures.round_failures`).
+        Error replies charged to no node (`failures.round_failures`).
     """
 
     fold: Any
@@ -76,7 +76,7 @@ def fold_replies(server_round: int, replies: list[Message], fold: Any, model: Fl
     server_round : int
         For the log.
     replies : list of Message
-        The admitted replies, in the order to fold them (error replies are skipped: :func:`note_failures`).
+        The admitted replies, in the order to fold them (error replies are skipped: `note_failures`).
     fold : MeanFold, ClippedFold or DenseFold
         Where accepted updates go (``fold.add(reply, decoded)``).
     model : FlatModel
@@ -96,7 +96,7 @@ def fold_replies(server_round: int, replies: list[Message], fold: Any, model: Fl
     got = RoundReplies(fold)
     for reply in replies:
         node = reply.metadata.src_node_id
-        if reply.has_error():  # counted by :func:`note_failures`
+        if reply.has_error():  # counted by `note_failures`
             continue
         try:  # everything is validated before anything is folded in
             decoded = decode_train_reply(reply, model, weight_key, max_num_examples, refuse_dense,
@@ -124,10 +124,10 @@ def fold_replies(server_round: int, replies: list[Message], fold: Any, model: Fl
 
 def note_failures(server_round: int, sent_nodes: set[int] | None, sent_to: dict[str, int], replies: list[Message],
                   refused: list[Message], got: RoundReplies, oom_seen: dict[int, int]) -> None:
-    """Count and name each failed client once (:func:`.failures.round_failures`: an error reply
+    """Count and name each failed client once (`failures.round_failures`: an error reply
     charged to the node that sent it, a sampled node that sent nothing), log an error reply charged
     to nobody as such, and name a node whose container's OOM-kill count went up
-    (:func:`.failures.oom_confirmations`).
+    (`failures.oom_confirmations`).
 
     Parameters
     ----------
@@ -138,7 +138,7 @@ def note_failures(server_round: int, sent_nodes: set[int] | None, sent_to: dict[
     replies, refused : list of Message
         The round's admitted replies (error replies included) and those refused by admission.
     got : RoundReplies
-        Of :func:`fold_replies`; ``failed`` and ``failures`` grow by the failed clients,
+        Of `fold_replies`; ``failed`` and ``failures`` grow by the failed clients,
         ``uncharged`` by the error replies charged to nobody.
     oom_seen : dict
         Node -> the last ``client-oom-kills`` it reported; updated in place.
@@ -158,10 +158,10 @@ def note_failures(server_round: int, sent_nodes: set[int] | None, sent_to: dict[
 
 def evaluate_replies(server_round: int, sent_to: dict[str, int], replies: list[Message]) -> tuple[list[Message], list[dict]]:
     """The evaluation replies the inner strategy may count, and the clients that failed to evaluate,
-    by the train round's rules: one node, one vote (:func:`.admission.admit`: a second reply of a node
+    by the train round's rules: one node, one vote (`admission.admit`: a second reply of a node
     a reply from a node not sent an evaluate message and one to a message not sent this round are refused,
     logged), each failed client
-    named once with its reason escaped to one log line (:func:`.failures.round_failures`: an error reply
+    named once with its reason escaped to one log line (`failures.round_failures`: an error reply
     charged to its sender, one from a node not sampled or untraceable charged to nobody, a sampled node
     that sent nothing counted as ``NO_REPLY``).
 
@@ -177,7 +177,7 @@ def evaluate_replies(server_round: int, sent_to: dict[str, int], replies: list[M
     -------
     (kept, failures)
         ``kept``: the error replies and the admitted replies, in the given order (for the inner
-        strategy); ``failures``: one :func:`.failures.failed_client` record per failed client.
+        strategy); ``failures``: one `failures.failed_client` record per failed client.
     """
     sent_nodes = set(sent_to.values()) or None
     errors = [r for r in replies if r.has_error()]
@@ -195,7 +195,7 @@ def evaluate_replies(server_round: int, sent_to: dict[str, int], replies: list[M
 
 def _named_failures(server_round: int, errors: list[Message], sent_to: dict[str, int], sent_nodes: set[int] | None,
                     answered: set[int], failed: str) -> tuple[list[dict], int]:
-    """:func:`.failures.round_failures`, each failed client and each uncharged error reply logged as one
+    """`failures.round_failures`, each failed client and each uncharged error reply logged as one
     WARNING line (``"round R: client (node N) <failed>: <reason>"``); returns the failure records (charged,
     then silent) and the number of error replies charged to nobody."""
     charged, uncharged, silent = round_failures(errors, sent_to, sent_nodes, answered)

@@ -1,8 +1,8 @@
-"""What :class:`~fedcomp.strategies.CompressedStrategy` remembers between its calls: the round
-it sent (:class:`SentRound`) and the per-round figures it computed (:class:`RoundHistory`).
+"""What [`CompressedStrategy`][fedcomp.strategies.CompressedStrategy] remembers between its calls: the round
+it sent (`SentRound`) and the per-round figures it computed (`RoundHistory`).
 
 Neither is part of a checkpoint: a resumed run rebuilds its round records from ``metrics.json``
-(:mod:`fedcomp.app.checkpoint`), and a new round starts with a new :class:`SentRound`.
+(`fedcomp.app.checkpoint`), and a new round starts with a new `SentRound`.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ class SentRound:
     #: Node ids sent a train message (one node, one vote: replies from others are refused); None: unknown.
     nodes: set[int] | None = None
     #: The train messages as sent (Flower sets their message ids when it pushes them): error replies
-    #: name the message they answer, and through it the failed node (:mod:`.failures`).
+    #: name the message they answer, and through it the failed node (`failures`).
     messages: list[Message] = field(default_factory=list)
 
     def sent_to(self) -> dict[str, int]:
@@ -47,7 +47,7 @@ class RoundHistory:
     clients: dict[int, list[dict]] = field(default_factory=dict)
     #: Per-layer means over clients: ``{name: {"update-norm", "compression-error"}}`` (``layer_history``).
     layers: dict[int, dict[str, dict[str, float]]] = field(default_factory=dict)
-    #: Failed clients: ``[{node, code, error, reason}]`` (:mod:`.failures`; ``failure_history``).
+    #: Failed clients: ``[{node, code, error, reason}]`` (`failures`; ``failure_history``).
     failures: dict[int, list[dict]] = field(default_factory=dict)
     #: The inner strategy's aggregate of the clients' evaluate replies (``evaluate_history``).
     evaluate: dict[int, dict[str, float]] = field(default_factory=dict)

@@ -30,7 +30,7 @@ def bounded(v: float) -> float:
 
 
 def reported_number(metrics: dict, key: str, default: float = 0.0) -> float:
-    """A client-reported metric as a finite float within ±:data:`METRIC_BOUND` (untrusted:
+    """A client-reported metric as a finite float within ±`METRIC_BOUND` (untrusted:
     non-numbers and non-finite values become ``default``, larger magnitudes are clamped)."""
     v = metrics.get(key, default)
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not np.isfinite(v):
@@ -39,7 +39,7 @@ def reported_number(metrics: dict, key: str, default: float = 0.0) -> float:
 
 
 def bounded_metrics(metrics: dict) -> dict:
-    """The finite scalar metrics of an untrusted reply, each clamped to ±:data:`METRIC_BOUND`
+    """The finite scalar metrics of an untrusted reply, each clamped to ±`METRIC_BOUND`
     (ints stay ints where they fit), for the inner strategy's weighted means and metrics.json."""
     out = {}
     for k, v in metrics.items():
@@ -73,7 +73,7 @@ def client_stats(node: int, metrics: dict, upload_bytes: int, dense_bytes: int, 
     machine : str, optional
         The client's ``platform.machine()`` as it reported it.
 
-    A memory report no device can make (:func:`fedcomp.protocol.device.implausible_memory_report`:
+    A memory report no device can make (`fedcomp.protocol.device.implausible_memory_report`:
     negative, non-finite, above 1 PiB) is dropped whole: its three figures count as 0 (no report) and
     ``device-report-dropped`` holds the reason ("" when kept).
     """
@@ -111,8 +111,8 @@ def client_seconds(c: dict, uplink_mbps: float | None = None, downlink_mbps: flo
     compute is ``train-seconds + compress-seconds``, or the ClientApp process's life
     (``clientapp-seconds``) where that is larger: a SuperNode starts one ``flwr-clientapp`` process
     per message, and its start, imports and data loading cost every round (``benchmarks/links.py``
-    compares this model with runs over shaped links). Flower's polling is added per round by :func:`round_metrics`
-    (:data:`FLOWER_POLL_SECONDS`). Not modelled: a federated-evaluation phase, the app bundle (FAB)
+    compares this model with runs over shaped links). Flower's polling is added per round by `round_metrics`
+    (`FLOWER_POLL_SECONDS`). Not modelled: a federated-evaluation phase, the app bundle (FAB)
     each SuperNode downloads once per run, per-request latency (no round-trip time term) and
     protocol bytes on top of the payloads.
 
@@ -123,7 +123,7 @@ def client_seconds(c: dict, uplink_mbps: float | None = None, downlink_mbps: flo
         ``download-bytes``, ``uplink-mbps``, ``downlink-mbps``; ``clientapp-seconds`` optional).
     uplink_mbps, downlink_mbps : float, optional
         Override the client's declared link speeds (megabits per second). Speeds below
-        :data:`~fedcomp.protocol.messages.MIN_LINK_MBPS` count as that speed (the result stays finite).
+        `MIN_LINK_MBPS` count as that speed (the result stays finite).
     """
     up = max(uplink_mbps or c["uplink-mbps"], MIN_LINK_MBPS)
     down = max(downlink_mbps or c["downlink-mbps"], MIN_LINK_MBPS)
@@ -204,7 +204,7 @@ HEADLINE_KEYS = ("upload-bytes", "download-bytes", "compression-ratio", "compres
 
 
 def headline(metrics: dict) -> dict:
-    """The :data:`HEADLINE_KEYS` of a round's metrics that it has (DP's only with DP)."""
+    """The `HEADLINE_KEYS` of a round's metrics that it has (DP's only with DP)."""
     return {k: metrics[k] for k in HEADLINE_KEYS if k in metrics}
 
 
@@ -214,7 +214,7 @@ UPLOAD_KEYS = ("upload-bytes", "dense-bytes", "compression-ratio", "compression-
 
 
 def upload_metrics(stats: list[dict], codec_bytes: dict, n_good: int, rejected: int, failed: int) -> dict:
-    """:func:`round_metrics`' :data:`UPLOAD_KEYS` and ``upload-bytes-<codec>``, same values: what a
+    """`round_metrics`' `UPLOAD_KEYS` and ``upload-bytes-<codec>``, same values: what a
     wrapper reports that knows no download, link speeds or per-layer figures (the legacy API)."""
     full = round_metrics(stats, codec_bytes, n_good, rejected, failed)
     return {**{k: full[k] for k in UPLOAD_KEYS}, **{k: v for k, v in full.items() if k.startswith("upload-bytes-")}}

@@ -8,7 +8,7 @@ fail or are refused as much as for those that are folded. This module counts exa
 plain Flower app would send: the global model as its dense ``ArrayRecord`` where fedcomp sends a
 compressed one, the rest of each record as it is (fedcomp's own report metrics left out).
 
-The figures, per round, in bytes (:class:`WireCount`):
+The figures, per round, in bytes (`WireCount`):
 
 - ``wire-bytes-down`` / ``wire-bytes-up``: every message sent to nodes / every reply received, train
   and evaluate;
@@ -52,7 +52,7 @@ class WireCount:
     The fp32 equivalent of a message replaces each of its ArrayRecords by the global model as a dense
     ArrayRecord under the same key (for a train reply: the trained model, the same size), keeps its
     config records, and keeps its metric records without fedcomp's report keys
-    (:data:`fedcomp.protocol.messages.REPORT_KEYS`), which a plain Flower app does not send. Records
+    (`fedcomp.protocol.messages.REPORT_KEYS`), which a plain Flower app does not send. Records
     are serialised independently (protobuf ``map`` entries), so the sum of their sizes is exact.
 
     Attributes
@@ -125,7 +125,7 @@ class WireCount:
         return {str(k): dict(v) for k, v in self.rounds.items()}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict` (missing: nothing counted yet)."""
+        """Restore `state_dict` (missing: nothing counted yet)."""
         self.rounds = {int(k): {f: float(x) for f, x in v.items()} for k, v in (state or {}).items()}
 
 

@@ -17,7 +17,7 @@ import numpy as np
 MAX_DEPTH = 8
 #: Optimizer state of Flower's FedOpt family (FedAdam, FedYogi, FedAdagrad): ``{key: array}``.
 OPTIMIZER_STATE = ("m_t", "v_t")
-#: Name prefixes of :func:`optimizer_state`'s arrays (``<prefix>/<key or index>``).
+#: Name prefixes of `optimizer_state`'s arrays (``<prefix>/<key or index>``).
 OPTIMIZER_PREFIXES = (*OPTIMIZER_STATE, "momentum")
 
 
@@ -69,7 +69,7 @@ def optimizer_state(strategy: Any) -> dict[str, np.ndarray]:
 
 
 def load_optimizer_state(strategy: Any, arrays: dict[str, np.ndarray], shapes: dict[str, tuple]) -> None:
-    """Give the innermost strategy the state :func:`optimizer_state` returned.
+    """Give the innermost strategy the state `optimizer_state` returned.
 
     Parameters
     ----------

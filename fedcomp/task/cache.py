@@ -1,8 +1,8 @@
 """The data cache folder: ``$FEDCOMP_DATA_DIR``, default ``~/.cache/fedcomp``.
 
 What lives there is derived or fetched, never committed: the Shakespeare play texts
-(:mod:`fedcomp.task.text_data`), a locally built LoRA base (``docs/how-to/lora.md``) and the digits
-partitions a SuperNode computed once (:func:`fedcomp.task.datafiles.cached_partition`).
+(`fedcomp.task.text_data`), a locally built LoRA base (``docs/how-to/lora.md``) and the digits
+partitions a SuperNode computed once (`fedcomp.task.datafiles.cached_partition`).
 """
 
 from __future__ import annotations

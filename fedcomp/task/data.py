@@ -3,7 +3,7 @@ with scikit-learn, no download), with a fixed held-out test split for the server
 rest partitioned across clients by flwr-datasets partitioners (``IidPartitioner``,
 ``DirichletPartitioner``). Any Hugging Face dataset with an image and a label column can
 be used instead through ``FederatedDataset`` (needs internet). ``"shakespeare"`` is LEAF's
-next-character task, one client per speaking role (:mod:`fedcomp.task.text_data`).
+next-character task, one client per speaking role (`fedcomp.task.text_data`).
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def load_partition(cfg: DataConfig, partition_id: int, num_partitions: int) -> T
     ------
     ValueError
         Partition id out of range, unknown partitioner or dataset, or more partitions than the data
-        fills (:func:`too_many_partitions`: one line naming both numbers).
+        fills (`too_many_partitions`: one line naming both numbers).
     """
     if not 0 <= partition_id < num_partitions:
         raise ValueError(f"partition-id {partition_id} is outside [0, {num_partitions})")
@@ -133,7 +133,7 @@ def partition_capacity(cfg: DataConfig) -> tuple[int, int] | None:
 
 def too_many_partitions(cfg: DataConfig, num_partitions: int) -> str:
     """Why ``num_partitions`` partitions of ``cfg``'s training data leave some empty (one sentence
-    naming both numbers and the most that fit, :func:`partition_capacity`), or "" when they fit or
+    naming both numbers and the most that fit, `partition_capacity`), or "" when they fit or
     the dataset's size is not known up front."""
     known = partition_capacity(cfg)
     if known is None or num_partitions <= known[1]:
@@ -147,7 +147,7 @@ def too_many_partitions(cfg: DataConfig, num_partitions: int) -> str:
 @lru_cache(maxsize=2)
 def load_test_set(cfg: DataConfig) -> TensorDataset:
     """The server's held-out test split (digits: 360 stratified images; shakespeare: a seeded sample
-    of the roles' test windows, :func:`fedcomp.task.text_data.load_text_test_set`; hub: its "test" split)."""
+    of the roles' test windows, `fedcomp.task.text_data.load_text_test_set`; hub: its "test" split)."""
     if cfg.dataset == "shakespeare":
         from fedcomp.task.text_data import load_text_test_set
 

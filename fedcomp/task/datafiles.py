@@ -3,7 +3,7 @@ installed and read on the device with numpy alone.
 
 An edge device (a Raspberry Pi, a Jetson) holds its own data and installs only fedcomp's core
 (Flower, numpy, torch). For the default federation, ``python -m fedcomp.task.datafiles`` writes the exact
-partitions that :func:`fedcomp.task.data.load_partition` would compute (sklearn digits split by
+partitions that `fedcomp.task.data.load_partition` would compute (sklearn digits split by
 flwr-datasets' partitioners), one file per node; the node config ``data-file=<path>`` makes the
 ClientApp train on that file instead of partitioning the data itself::
 
@@ -15,7 +15,7 @@ File layout (``numpy.savez``, read with ``allow_pickle=False``): ``images`` floa
 dirichlet-alpha, seed, partition-id, num-partitions) that the ClientApp checks against its run and
 node config, so that a file for another split is refused rather than silently trained on.
 
-The same files are the SuperNode's partition cache (:func:`cached_partition`): Flower starts a fresh
+The same files are the SuperNode's partition cache (`cached_partition`): Flower starts a fresh
 ClientApp process for every message, and partitioning the digits again (importing flwr-datasets,
 Hugging Face ``datasets`` and scikit-learn) made a train message's process 1.8x slower (5.8 s against
 3.2 s wall on an idle core, ``benchmarks/clientapp_process.py``).
@@ -43,10 +43,10 @@ from fedcomp.util.files import write_atomically
 
 #: Node-config key naming a partition file.
 DATA_FILE_KEY = "data-file"
-#: Distributions whose versions decide what :func:`fedcomp.task.data.load_partition` computes (part of
+#: Distributions whose versions decide what `fedcomp.task.data.load_partition` computes (part of
 #: the partition cache's key: an upgrade of any of them computes and caches the partitions anew).
 PARTITION_PACKAGES = ("flwr-datasets", "datasets", "scikit-learn", "numpy")
-#: Datasets whose partitions :func:`cached_partition` keeps (small, known image shapes).
+#: Datasets whose partitions `cached_partition` keeps (small, known image shapes).
 CACHED_DATASETS = ("digits",)
 
 _log = logging.getLogger(__name__)
@@ -86,7 +86,7 @@ def save_partitions(cfg: DataConfig, num_partitions: int, out_dir: str | os.Path
 
 def load_partition_file(path: str | os.PathLike, cfg: DataConfig, partition_id: int,
                         num_partitions: int) -> TensorDataset:
-    """One node's training data from a file of :func:`save_partitions` (numpy only, no pickle).
+    """One node's training data from a file of `save_partitions` (numpy only, no pickle).
 
     Parameters
     ----------
@@ -98,15 +98,15 @@ def load_partition_file(path: str | os.PathLike, cfg: DataConfig, partition_id: 
     Returns
     -------
     TensorDataset
-        ``(images float32 (m, C, H, W), labels int64 (m,))``, as :func:`fedcomp.task.data.load_partition`.
+        ``(images float32 (m, C, H, W), labels int64 (m,))``, as `fedcomp.task.data.load_partition`.
 
     Raises
     ------
     ValueError
         Naming the file, before anything trains on it: unreadable file, missing arrays, ``meta`` not a
         JSON object, wrong dtypes or shapes (an image shape other than the dataset's, e.g. (1, 8, 8)
-        for digits: :data:`fedcomp.task.data.DATASET_IMAGE_SHAPES`), a label outside
-        [0, :data:`fedcomp.task.data.NUM_CLASSES`), a pixel that is NaN or infinite, or data settings
+        for digits: `fedcomp.task.data.DATASET_IMAGE_SHAPES`), a label outside
+        [0, `fedcomp.task.data.NUM_CLASSES`), a pixel that is NaN or infinite, or data settings
         that differ from the run's.
     """
     want = _meta(cfg, partition_id, num_partitions)
@@ -139,34 +139,34 @@ def _versions() -> dict:
 
 
 def partition_cache_path(cfg: DataConfig, partition_id: int, num_partitions: int) -> pathlib.Path:
-    """Where :func:`cached_partition` keeps one partition: ``<cache>/partitions/<key>.npz``, ``key`` the
-    first 20 hex digits of the SHA-256 of the data settings and the :data:`PARTITION_PACKAGES` versions
-    (``<cache>``: :func:`fedcomp.task.cache.cache_dir`)."""
+    """Where `cached_partition` keeps one partition: ``<cache>/partitions/<key>.npz``, ``key`` the
+    first 20 hex digits of the SHA-256 of the data settings and the `PARTITION_PACKAGES` versions
+    (``<cache>``: `fedcomp.task.cache.cache_dir`)."""
     key = json.dumps({**_meta(cfg, partition_id, num_partitions), "versions": _versions()}, sort_keys=True)
     return cache_dir() / "partitions" / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.npz"
 
 
 def cached_partition(cfg: DataConfig, partition_id: int, num_partitions: int) -> TensorDataset:
-    """:func:`fedcomp.task.data.load_partition`, kept on disk between ClientApp processes.
+    """`fedcomp.task.data.load_partition`, kept on disk between ClientApp processes.
 
-    A hit reads the partition file (:func:`load_partition_file`: numpy, no pickle, every check)
+    A hit reads the partition file (`load_partition_file`: numpy, no pickle, every check)
     without importing flwr-datasets, ``datasets`` or scikit-learn; a miss, or a file that fails a
     check (torn, edited, written for other settings), computes the partition and replaces the
-    file atomically (:func:`fedcomp.util.files.write_atomically`). A cache that cannot be written
+    file atomically (`fedcomp.util.files.write_atomically`). A cache that cannot be written
     (read-only home, full disk) is skipped: the partition is computed in every process, as without
-    the cache. Datasets other than :data:`CACHED_DATASETS` are not cached.
+    the cache. Datasets other than `CACHED_DATASETS` are not cached.
 
     Returns
     -------
     TensorDataset
-        Exactly :func:`fedcomp.task.data.load_partition`'s ``(images float32 (m, C, H, W), labels int64 (m,))``.
+        Exactly `fedcomp.task.data.load_partition`'s ``(images float32 (m, C, H, W), labels int64 (m,))``.
 
     Raises
     ------
     ValueError, ModuleNotFoundError
-        What :func:`fedcomp.task.data.load_partition` raises on a miss.
+        What `fedcomp.task.data.load_partition` raises on a miss.
     RuntimeError
-        ``$FEDCOMP_DATA_DIR`` names a file (:func:`fedcomp.task.cache.cache_dir`).
+        ``$FEDCOMP_DATA_DIR`` names a file (`fedcomp.task.cache.cache_dir`).
     """
     if cfg.dataset not in CACHED_DATASETS:
         return load_partition(cfg, partition_id, num_partitions)

@@ -41,14 +41,14 @@ def transformer_config(vocab_size: int = 256, seq_len: int = 80, **overrides):
     seq_len : int
         Longest input (``max_position_embeddings``).
     **overrides
-        Any ``LlamaConfig`` field, replacing :data:`TRANSFORMER_DEFAULTS`.
+        Any ``LlamaConfig`` field, replacing `TRANSFORMER_DEFAULTS`.
     """
     return _transformers().LlamaConfig(vocab_size=vocab_size, max_position_embeddings=seq_len,
                                        **{**TRANSFORMER_DEFAULTS, **overrides})
 
 
 def build_transformer(config=None, seed: int | None = None) -> torch.nn.Module:
-    """A randomly initialised causal LM from ``config`` (default :func:`transformer_config`).
+    """A randomly initialised causal LM from ``config`` (default `transformer_config`).
 
     Input int64 token ids ``(batch, seq)``; output a Hugging Face ``CausalLMOutputWithPast`` whose
     ``logits`` are ``(batch, seq, vocab)``. fp32 weights. ``seed`` fixes the initial weights (the

@@ -6,7 +6,7 @@ state dict (``peft.get_peft_model_state_dict`` / ``set_peft_model_state_dict``).
 with fedcomp compressing the adapters in both directions; the server never loads or sends the base
 weights: it learns the adapters' names and shapes from the base model's *config* (a model built on
 PyTorch's ``meta`` device holds no weights) and starts from LoRA's own initialisation (B = 0, A
-seeded), which clients rebuild from the seed (:mod:`fedcomp.protocol.seeded_init`).
+seeded), which clients rebuild from the seed (`fedcomp.protocol.seeded_init`).
 
 Needs the ``llm`` extra (``pip install -e ".[llm]"``: transformers, peft). 4-bit loading needs
 CUDA and bitsandbytes.
@@ -52,7 +52,7 @@ LORA_DEFAULTS: dict[str, Any] = defaults(LORA_KEYS)
 
 @dataclass(frozen=True)
 class LoraSettings:
-    """Run-config keys of LoRA fine-tuning (``finetune = "lora"``), declared in :data:`LORA_KEYS`.
+    """Run-config keys of LoRA fine-tuning (``finetune = "lora"``), declared in `LORA_KEYS`.
 
     Attributes
     ----------
@@ -86,7 +86,7 @@ class LoraSettings:
         ------
         ValueError
             Naming the key: empty ``base-model``, ``lora-r`` < 1, ``lora-alpha`` <= 0, no targets,
-            ``lora-r`` outside [1, :data:`MAX_LORA_R`], ``lora-dropout`` outside [0, 1), an unknown
+            ``lora-r`` outside [1, `MAX_LORA_R`], ``lora-dropout`` outside [0, 1), an unknown
             ``base-quantization``.
         """
         d = LORA_DEFAULTS
@@ -300,7 +300,7 @@ def adapter_shapes(settings: LoraSettings) -> dict[str, tuple[int, ...]]:
 
 def initial_adapters(settings: LoraSettings, seed: int) -> tuple[dict[str, torch.Tensor], SeededInit]:
     """LoRA's initial adapters (``lora_A`` uniform in ``+-1/sqrt(fan_in)`` from ``seed``, ``lora_B``
-    zero, as peft initialises them) and their :class:`~fedcomp.protocol.seeded_init.SeededInit`, so that
+    zero, as peft initialises them) and their `SeededInit`, so that
     ``CompressedStrategy(..., downstream=..., downstream_init=init)`` sends clients the seed, not
     the values. fp32, as FlowerTune's adapters."""
     shapes = adapter_shapes(settings)
@@ -314,7 +314,7 @@ _MODELS: dict[tuple, torch.nn.Module] = {}
 def lora_model(settings: LoraSettings, device: torch.device | str = "cpu") -> torch.nn.Module:
     """The peft model for ``settings``: the base is loaded and wrapped once per process and kept
     (FlowerTune loads a 7B base; loading it every round would dominate the round). The adapters are
-    set every round (:func:`load_weights`)."""
+    set every round (`load_weights`)."""
     key = (settings, str(device))
     if key not in _MODELS:
         _MODELS[key] = wrap(load_base_model(settings, device), settings)
@@ -324,7 +324,7 @@ def lora_model(settings: LoraSettings, device: torch.device | str = "cpu") -> to
 def load_weights(model: torch.nn.Module, record, lora: bool) -> None:
     """Set a model from a received ArrayRecord: the adapters (``lora``) or the whole state dict, tied
     parameters (an output layer sharing the embedding) set from the one name that travels
-    (:func:`fedcomp.statedict.retie`)."""
+    (`fedcomp.statedict.retie`)."""
     from fedcomp.statedict import retie, tied_aliases, to_state_dict
 
     if lora:
@@ -335,7 +335,7 @@ def load_weights(model: torch.nn.Module, record, lora: bool) -> None:
 
 def weights_record(model: torch.nn.Module, lora: bool):
     """What a client replies with (and the server's initial model): an ArrayRecord of the adapters
-    (``lora``) or of the state dict, each tied tensor once (:func:`fedcomp.statedict.untie`)."""
+    (``lora``) or of the state dict, each tied tensor once (`fedcomp.statedict.untie`)."""
     from flwr.app import ArrayRecord
 
     from fedcomp.statedict import to_record, untie

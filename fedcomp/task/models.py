@@ -96,7 +96,7 @@ MODELS = {"cnn": DigitsCNN, "mlp": MLP, "resnet": DigitsResNet, "transformer": N
 
 def build_model(name: str = "cnn", image_shape: tuple[int, ...] = (1, 8, 8), num_classes: int = 10) -> nn.Module:
     """Build a model by name ("cnn" and "resnet" for 1x8x8 inputs, "mlp" for any image shape,
-    "transformer" for byte sequences: :func:`fedcomp.task.lm.build_transformer`, input shape ``(seq_len,)``).
+    "transformer" for byte sequences: `fedcomp.task.lm.build_transformer`, input shape ``(seq_len,)``).
 
     Raises
     ------

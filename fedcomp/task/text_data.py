@@ -209,9 +209,9 @@ def _line_table(texts: dict[str, str]):
 
 def partition_roles(texts: dict[str, str], min_lines: int = MIN_ROLE_LINES,
                     train_fraction: float = TRAIN_FRACTION) -> list[Role]:
-    """LEAF's partition of ``{play name: play text}``: one :class:`Role` per speaking role with at
+    """LEAF's partition of ``{play name: play text}``: one `Role` per speaking role with at
     least ``min_lines`` lines, sorted by name. Deterministic (no randomness). A role whose train or
-    test part is shorter than one window (``SEQ_LEN + 1`` bytes, see :func:`windows`) is dropped
+    test part is shorter than one window (``SEQ_LEN + 1`` bytes, see `windows`) is dropped
     too: it would be a client with no sample to train or test on (short lines: few bytes).
 
     Raises
@@ -256,7 +256,7 @@ def read_texts(directory: pathlib.Path) -> dict[str, str]:
 
 @lru_cache(maxsize=4)
 def shakespeare_roles(min_lines: int = MIN_ROLE_LINES) -> tuple[Role, ...]:
-    """Every kept role of the cached corpus (fetched on first use, see :func:`texts_dir`)."""
+    """Every kept role of the cached corpus (fetched on first use, see `texts_dir`)."""
     return tuple(partition_roles(read_texts(texts_dir()), min_lines))
 
 

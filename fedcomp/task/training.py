@@ -122,7 +122,7 @@ def train(
     """Train ``model`` in place with SGD or AdamW and gradient accumulation.
 
     Classifiers (labels ``(batch,)``) and causal language models (targets ``(batch, seq)``,
-    see :mod:`fedcomp.task.objective`) alike. The loss of each micro-batch is scaled by
+    see `fedcomp.task.objective`) alike. The loss of each micro-batch is scaled by
     ``1 / accumulation_steps`` so that an optimizer step sees the mean gradient of
     ``batch_size * accumulation_steps`` samples; a trailing partial group still steps.
 

@@ -1,9 +1,9 @@
 """The declaration of one run-config key: name, type, default, allowed values and a one-line help.
 
-Each key is declared once, beside the settings it fills (the codec's in :mod:`fedcomp.config.codec`,
-the privacy ones in :mod:`fedcomp.privacy.settings`, the reference app's in :mod:`fedcomp.app.keys`, the
-LoRA ones in :mod:`fedcomp.task.lora`); :mod:`fedcomp.config.keys` gathers the library's and
-:mod:`fedcomp.app.keys` every key of the app into the registry that checks for unknown keys, holds
+Each key is declared once, beside the settings it fills (the codec's in `fedcomp.config.codec`,
+the privacy ones in `fedcomp.privacy.settings`, the reference app's in `fedcomp.app.keys`, the
+LoRA ones in `fedcomp.task.lora`); `fedcomp.config.keys` gathers the library's and
+`fedcomp.app.keys` every key of the app into the registry that checks for unknown keys, holds
 ``pyproject.toml``'s defaults to account and renders the reference table. The type
 lives here, at the bottom of the layering, so that every layer can declare its own keys.
 """
@@ -26,7 +26,7 @@ class Key:
     name : str
         The kebab-case key, as written in ``[tool.flwr.app.config]`` (``"num-server-rounds"``).
     type : type
-        ``bool``, ``int``, ``float`` or ``str``: what :meth:`read` returns.
+        ``bool``, ``int``, ``float`` or ``str``: what `read` returns.
     default : Any
         The value when the key is absent; also the value ``pyproject.toml`` must hold.
     help : str
@@ -41,7 +41,7 @@ class Key:
     rule : str
         The allowed values in words, for keys whose rule the bounds and choices cannot state (an
         integer or a fraction, a comma-separated list, 0 meaning "not set"). Such a key is read
-        raw by :meth:`read` and checked by the settings class that owns it.
+        raw by `read` and checked by the settings class that owns it.
     """
 
     name: str
@@ -66,7 +66,7 @@ class Key:
         Raises
         ------
         ValueError
-            The :mod:`fedcomp.util.validate` messages: ``"run config 'lr' must be in (0.0, inf],
+            The `fedcomp.util.validate` messages: ``"run config 'lr' must be in (0.0, inf],
             got -1.0"``, ``"... must be one of [...]"``, ``"... must be true or false"``.
         """
         if self.rule:

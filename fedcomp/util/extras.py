@@ -3,10 +3,10 @@ helper that says which group a missing module belongs to.
 
 The core install (``pip install .`` in a fedcomp checkout, or a wheel built from it) is what a
 SuperNode needs: Flower without its simulation extra, numpy and torch. Everything else is imported
-only on the path that needs it, through :func:`require`, so that a core-only device gets a clear
+only on the path that needs it, through `require`, so that a core-only device gets a clear
 "install fedcomp[<extra>]" instead of a bare ``ModuleNotFoundError``. fedcomp is not on the Python
 package index, so every such message says how to install an extra from a checkout, a wheel or a git
-URL (:func:`install_hint`).
+URL (`install_hint`).
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def require(module: str, purpose: str) -> ModuleType:
     ------
     ModuleNotFoundError
         The module's distribution is not installed; the message says how to install the extra
-        (:func:`install_hint`).
+        (`install_hint`).
         A missing module that is not the requested one (a broken install) is re-raised unchanged.
     """
     try:

@@ -15,8 +15,8 @@ def closest_hint(name: str, known, what: str = "key") -> str:
     """How an error about the unknown ``name`` goes on: ``"did you mean 'density'?"`` for the closest
     of ``known`` by ``difflib`` similarity >= 0.6, compared case-insensitively (``DENSITY``, ``Density``
     -> ``density``), else ``"no similar <what>"``. The one source of the suggestion for a misspelt
-    run-config key (:func:`fedcomp.config.unknown_key_message`) and a misspelt codec parameter
-    (:func:`fedcomp.compression.get_compressor`)."""
+    run-config key (`fedcomp.config.unknown_key_message`) and a misspelt codec parameter
+    ([`fedcomp.compression.get_compressor`][])."""
     by_lower: dict[str, str] = {}
     for k in sorted(known):
         by_lower.setdefault(k.lower(), k)
@@ -73,12 +73,12 @@ def check_number(value, what: str, *, lo: float | None = None, hi: float | None 
 
 def read_number(cfg: Mapping[str, Any], key: str, default, *, lo=None, hi=None, lo_open=False, hi_open=False,
                 integer=False, src: str = "run config") -> int | float:
-    """``cfg[key]`` (``default`` when absent) checked by :func:`check_number`, named ``<src> '<key>'``.
+    """``cfg[key]`` (``default`` when absent) checked by `check_number`, named ``<src> '<key>'``.
 
     Raises
     ------
     ValueError
-        See :func:`check_number`.
+        See `check_number`.
     """
     return check_number(cfg.get(key, default), f"{src} '{key}'", lo=lo, hi=hi, lo_open=lo_open, hi_open=hi_open,
                         integer=integer)

@@ -208,9 +208,9 @@ def test_the_correction_holds_no_more_private_copies_than_the_budget_whatever_th
     alive, most = [], 0
     commit = fed.ds.nodes.commit
 
-    def counting_commit(node, rebuild):
+    def counting_commit(node, rebuild, verify=None):
         nonlocal most
-        commit(node, rebuild)
+        commit(node, rebuild, verify)
         if node in fed.ds.nodes.private:
             alive.append(weakref.ref(fed.ds.nodes.private[node]))
         gc.collect()
