@@ -96,7 +96,7 @@ CASES = {
     "sign up, eden down": {"compressor": "sign", "downstream": "eden"},
     "sign+EF, exact catch-ups": {"compressor": "sign", "downstream": "sign", "exact-catchup": True},
     "sign+EF, 8 copies": {"compressor": "sign", "downstream": "sign", "downstream_max_copies": 8},
-    # the downstream correction (strategies/copy_correction.py): updates counted from the global model
+    # the downstream correction (download/correction.py): updates counted from the global model
     "stc 5%, correction": {"compressor": "stc", "density": 0.05, "downstream": "stc", "downstream_correction": 1.0},
     "sign+EF, correction": {"compressor": "sign", "downstream": "sign", "downstream_correction": 1.0},
     # the two sides of the 100x budget alone (issue 31): each direction compressed, the other exact

@@ -184,7 +184,7 @@ from scale import resnet18_shapes, reply_records, replies_from, rss_mib, reset_p
 from flwr.app import ConfigRecord
 from flwr.serverapp.strategy import FedAvg
 from flwr.supercore.task_identity import TaskIdentity
-from fedcomp.config.downstream import resolve_downstream
+from fedcomp.download.settings import resolve_downstream
 from fedcomp.strategies import CompressedStrategy
 from fedcomp.statedict import FlatModel
 logging.getLogger("flwr").setLevel(logging.ERROR)

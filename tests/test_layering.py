@@ -22,6 +22,7 @@ LAYERS = [
     ["protocol", "distributed"],  # distributed: compression and util only, never Flower
     ["privacy"],
     ["config"],
+    ["download"],  # the server-to-client model: both sides of it, below the mod and the strategy
     ["client", "strategies"],
     ["secagg"],
     # the reference app, above the whole library

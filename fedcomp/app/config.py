@@ -11,7 +11,7 @@ from typing import Any
 
 from fedcomp.app.keys import KEYS, check_known_keys
 from fedcomp.config.codec import TENSOR_ONLY_CODECS, CodecConfig
-from fedcomp.config.downstream import resolve_downstream
+from fedcomp.download.settings import resolve_downstream
 from fedcomp.config.low_density import check_ramp_direction, resolve_strategy
 from fedcomp.config.secagg import SecAggConfig, resolve_secure_defaults
 from fedcomp.privacy.settings import DP_MODES
@@ -113,7 +113,7 @@ class AppConfig:
                                  f"{' and '.join(own)}: set 'strategy' = 'fedavgm' to use your values, or leave "
                                  "server-lr and server-momentum at their defaults")
         out = replace(out, strategy=strategy, server_lr=server_lr, server_momentum=server_momentum)
-        # "auto": stc at 5 % (sign for LoRA) both ways; none with compressor none or secagg (fedcomp.config.downstream)
+        # "auto": stc at 5 % (sign for LoRA) both ways; none with compressor none or secagg (fedcomp.download.settings)
         downstream, downstream_density = resolve_downstream(out.downstream, out.downstream_density,
                                                             out.codec.compressor, out.finetune,
                                                             KEYS["secagg"].read(cfg))

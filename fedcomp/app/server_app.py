@@ -25,12 +25,12 @@ from fedcomp.app.startup import (
 from fedcomp.app.strategy_record import check_same_strategy
 from fedcomp.app.config import AppConfig
 from fedcomp.config import CODEC_DEFAULTS
-from fedcomp.config.downstream import resolve_correction
+from fedcomp.download.settings import resolve_correction
 from fedcomp.config.low_density import auto_note, resolve_schedule, short_ramp_note
 from fedcomp.privacy import ClientLevelDP, DPSGDConfig, LocalDP, check_accountable
 from fedcomp.statedict import copy_array, to_record, untie
 from fedcomp.strategies import CompressedStrategy
-from fedcomp.strategies.copy_correction import correction_refusal
+from fedcomp.download.correction import correction_refusal
 from fedcomp.strategies.offset import RoundOffset
 from fedcomp.task.data import DataConfig
 from fedcomp.task.lora import LoraSettings, initial_adapters, weights_record

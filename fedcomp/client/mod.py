@@ -2,11 +2,11 @@
 
 One train message passes these stages, each a function below, in order: parse the request
 (`request.TrainRequest`) -> rebuild a downstream-compressed model and check the model of
-every download form (`downstream_receiver.rebuild`) -> let the app train -> check the reply (dense, clipped where
+every download form (`fedcomp.download.receiver.rebuild`) -> let the app train -> check the reply (dense, clipped where
 the server asked) -> compress with error feedback (`update.compress_update`, state from
 `state`; a saturating fp16 residual warned once per node, `warn_saturation_once`) ->
 write the payloads and metrics into the reply, with the digest of the model copy this node now holds
-(`downstream_receiver.report_copy`).
+(`fedcomp.download.receiver.report_copy`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from flwr.app import ArrayRecord, Context, Message, MetricRecord
 from flwr.common.logger import log
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
 
-from fedcomp.client.downstream_receiver import rebuild, report_copy
+from fedcomp.download.receiver import rebuild, report_copy
 from fedcomp.client.request import TrainRequest, only_record
 from fedcomp.client.secure_path import encoded_by_secure_mod
 from fedcomp.client.state import keep_residuals, residuals_of, state_files
@@ -85,7 +85,7 @@ def compression_mod(msg: Message, context: Context, call_next) -> Message:
         A download refused before the app runs, whatever its form (dense weights, a first contact,
         payloads on the held copy; train or evaluate): a malformed payload, a float tensor that is not
         finite, a negative BatchNorm running variance, a model version not above the held one
-        (`downstream_receiver.check_download`, `downstream_receiver.check_version`); the held
+        (`fedcomp.download.receiver.check_download`, `fedcomp.download.receiver.check_version`); the held
         copy is kept.
     ValueError
         Non-finite update (the residual is kept as it was); a train message carrying the SecAgg+
@@ -150,7 +150,7 @@ def is_ours(msg: Message) -> bool:
 def is_compressed_evaluate(msg: Message) -> bool:
     """Whether ``msg`` is an evaluate message in the compressed download's form (one ArrayRecord, and a
     ConfigRecord with ``fedcomp-model-version``): ``compression_mod`` rebuilds the model it describes
-    from this node's copy (`downstream_receiver.rebuild`) before the app evaluates it."""
+    from this node's copy (`fedcomp.download.receiver.rebuild`) before the app evaluates it."""
     content = msg.content
     return (msg.metadata.message_type.split(".")[0] == "evaluate" and len(content.array_records) == 1
             and any(MODEL_VERSION in c for c in content.config_records.values()))

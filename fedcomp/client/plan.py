@@ -17,13 +17,10 @@ from fedcomp.compression import CODECS
 from fedcomp.compression.feedback_pass import Density, Unit
 from fedcomp.config import CodecConfig
 from fedcomp.config.model_policy import batchnorm_affine_keys
-from fedcomp.protocol.broadcast import is_batchnorm_stat
+from fedcomp.download.layout import is_batchnorm_stat
+from fedcomp.protocol.errors import CompositionError
 from fedcomp.protocol.messages import MODEL_KEY
 from fedcomp.statedict import is_float_dtype
-
-
-class CompositionError(RuntimeError):
-    """The ClientApp's reply cannot be compressed as it stands (wrong mod order, missing keys)."""
 
 
 def plan_units(shapes: dict[str, tuple[int, ...]], codec: CodecConfig) -> list[tuple[str, list[str], str]]:

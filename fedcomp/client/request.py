@@ -1,7 +1,7 @@
 """What one train message asks of this node, read once: the codec (node config may override),
 local-DP settings checked against the node's own floor, Flower's client-side clipping norm, the
 round and the seed of stochastic codecs (downstream model versions are read by
-`downstream_receiver.rebuild`, which owns them)."""
+`fedcomp.download.receiver.rebuild`, which owns them)."""
 
 from __future__ import annotations
 

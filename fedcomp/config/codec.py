@@ -153,7 +153,7 @@ class CodecConfig:
     scale per tensor) with error feedback whenever the update codec is lossy with classic error
     feedback and no momentum correction (`batchnorm_stats_codec`), and the server clamps an
     aggregated running variance at 0; the download sends each node their change since its copy
-    the same way (`fedcomp.strategies.downstream_sender`). ``"small"`` sends them with
+    the same way (`fedcomp.download.sender`). ``"small"`` sends them with
     ``small-tensor-compressor`` up and exactly down (a lossy codec without the clamp can push a
     running variance below zero, which turns every later output into NaN); ``"codec"`` sends them
     like any other tensor. BatchNorm's

@@ -1,7 +1,7 @@
 """What travels between the client mod and the server strategy (Flower-level names, no codecs):
-message keys and the payload ``Array`` (``messages``), the downstream broadcast's layout
-(``broadcast``), initial weights rebuilt from a seed (``seeded_init``) and the client's device report
-(``device``).
+message keys and the payload ``Array`` (``messages``), the error of a message that cannot be handled as
+composed (``errors``) and the client's device report (``device``). The download's own layout is in
+`fedcomp.download`.
 
 The names of ``messages`` are re-exported here (``from fedcomp.protocol import payload_array``).
 """

@@ -54,7 +54,7 @@ MIN_LINK_MBPS = 1e-6
 MODEL_VERSION = "fedcomp-model-version"
 BASE_VERSION = "fedcomp-base-version"
 #: ConfigRecord of a reply to a versioned download (train or evaluate): ``"digest"``, a digest of the model
-#: copy the node holds (8 bytes, `fedcomp.protocol.broadcast.copy_digest`), which the server compares with
+#: copy the node holds (8 bytes, `fedcomp.download.layout.copy_digest`), which the server compares with
 #: its record of that copy.
 COPY_RECORD = "fedcomp.copy"
 

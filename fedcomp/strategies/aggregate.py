@@ -25,7 +25,7 @@ from flwr.app import Array, ArrayRecord, Message, MetricRecord
 from flwr.serverapp.strategy import FedAdagrad, FedAdam, FedAvg, FedAvgM, FedProx, FedYogi
 
 from fedcomp.privacy import ClientLevelDP
-from fedcomp.protocol.broadcast import is_running_var
+from fedcomp.download.layout import is_running_var
 from fedcomp.statedict import (
     HALF_DTYPES,
     FlatModel,
@@ -295,7 +295,7 @@ def in_model_dtypes(arrays: ArrayRecord, model: FlatModel, exact: dict[str, np.n
     """The aggregate with every float tensor in the model's dtype and shape, and the exact
     tensors ``exact`` (copied); a BatchNorm running variance (``*.running_var``) kept at >=
     ``var_floor`` times the round's global one, so >= 0 (a scaled-sign change, ``batchnorm-stats =
-    "auto"``, can undershoot a small variance: `fedcomp.protocol.broadcast.VAR_FLOOR`).
+    "auto"``, can undershoot a small variance: `fedcomp.download.layout.VAR_FLOOR`).
 
     Parameters
     ----------

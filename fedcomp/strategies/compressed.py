@@ -16,14 +16,15 @@ from flwr.serverapp.strategy import Strategy
 from fedcomp.config import CodecConfig
 from fedcomp.config.codec import BATCHNORM_STATS_CODEC
 from fedcomp.privacy import ClientLevelDP, LocalDP
-from fedcomp.protocol.broadcast import VAR_FLOOR
-from fedcomp.protocol.seeded_init import SeededInit
+from fedcomp.download.layout import VAR_FLOOR
+from fedcomp.download.seeded_init import SeededInit
 from fedcomp.statedict import FlatModel
+from fedcomp.statedict.tied import find_tied
 from fedcomp.strategies.admission import admit, check_max_num_examples
 from fedcomp.strategies.aggregate import streams
 from fedcomp.strategies.codec_round import add_codec, check_feedback_under_dp, check_model
-from fedcomp.strategies.copy_correction import check_correction, correction_refusal
-from fedcomp.strategies.downstream_sender import NO_COPY_REPORT, Downstream, check_max_copies, reported_copy
+from fedcomp.download.correction import check_correction, correction_refusal
+from fedcomp.download.sender import NO_COPY_REPORT, Downstream, check_max_copies, reported_copy
 from fedcomp.strategies.ef21_aggregate import EF21Aggregate
 from fedcomp.strategies.fold_policy import FoldPolicy, dense_refusal
 from fedcomp.strategies.forward import ForwardsToInner
@@ -52,7 +53,7 @@ class CompressedStrategy(ForwardsToInner, Strategy):
 
     Like Flower's DP wrappers, it adds one concern (the codec) and delegates the rest. The other
     concerns it carries are objects of their own, called in named steps: the privacy budget and
-    Poisson sampling (`privacy_budget`), the downstream sender (`downstream_sender`),
+    Poisson sampling (`privacy_budget`), the downstream sender (`fedcomp.download.sender`),
     EF21's server estimate (`ef21_aggregate`) and the per-round figures
     (`round_history`). A round:
 
@@ -117,7 +118,7 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         the previous broadcast get ``C(global - broadcast)`` (server-side error feedback); a client
         that holds nothing gets the first contact ``downstream_init`` says; clients that missed
         rounds get the missed payloads or a compressed difference from the copy they hold,
-        whichever is smaller (`fedcomp.strategies.downstream_sender`). Evaluate messages
+        whichever is smaller (`fedcomp.download.sender`). Evaluate messages
         travel the same way. Needs ``compression_mod`` on every client (it rebuilds and keeps the
         model copy); a client without it cannot read the download: pass ``"none"`` for a fleet
         that mixes plain clients in.
@@ -138,8 +139,8 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         seed; clients build the adapters from it), else the initial model compressed with ``int8``
         (one start payload for every client; error feedback carries the rest). ``"seeded"``: every
         float tensor drawn from a seed with its mean and variance (models trained from scratch only:
-        `fedcomp.protocol.seeded_init.seeded_like`). A codec name: a compressed start with it.
-        ``"dense"``: the model dense. A `SeededInit` (`fedcomp.protocol.seeded_init.lora_init`):
+        `fedcomp.download.seeded_init.seeded_like`). A codec name: a compressed start with it.
+        ``"dense"``: the model dense. A `SeededInit` (`fedcomp.download.seeded_init.lora_init`):
         the initial model is that seed's, and clients build it themselves.
     downstream_density : float, optional
         Density of a sparse downstream codec (default: ``density``, the upload's).
@@ -157,7 +158,7 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         With ``downstream``: fold each client's update as ``delta_i - c (G - H_i)``, where ``H_i`` is
         the copy of the global model ``G`` it trained from (local training re-learns much of what the
         compressed download left out; counted again on top of ``G``, it overshoots:
-        `copy_correction`). ``c`` in [0, 1], default 0; 1 measured best with AdamW on the
+        `fedcomp.download.correction`). ``c`` in [0, 1], default 0; 1 measured best with AdamW on the
         clients and STC downward (fedcomp's app sets it so). Weighted-mean rounds only: ``c > 0``
         without ``downstream``, with client-level DP, EF21, or an inner strategy that needs every
         client's weights is refused (ValueError).
@@ -261,6 +262,8 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         #: ``|r| <=`` half an ulp; see `fedcomp.statedict.cast_carried`): updates below half an
         #: ulp still move a half-precision model.
         self.half_remainders: dict[str, np.ndarray] = {}
+        #: Names holding one tensor, tied in every aggregate (None: found in the first global model; [] ties none).
+        self.tied_groups: list[tuple[str, ...]] | None = None
         self._start_forwarding()  # from here on, settings of the inner strategy reach it (`forward`)
 
     @classmethod
@@ -300,12 +303,16 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         [`configure_train`][fedcomp.strategies.CompressedStrategy.configure_train] does; public for callers that build
         the round's replies themselves; ``nodes`` None: any node's first reply counts)."""
         self.sent_round = SentRound(server_round, model, sampled, nodes)
+        if self.tied_groups is None:  # equal random-looking tensors of the first model: one under several names
+            self.tied_groups = find_tied(model)
 
     def start(self, grid: Grid, initial_arrays: ArrayRecord, *args, **kwargs):
         """Flower's strategy loop (`flwr.serverapp.strategy.Strategy.start`), from the initial
         model the downstream sender starts from (seeded where ``downstream_init`` says:
-        `downstream_sender.Downstream.start_model`), so that round 0's evaluation and
+        `fedcomp.download.sender.Downstream.start_model`), so that round 0's evaluation and
         round 1 see the model new clients build."""
+        if self.tied_groups is None:  # before a seeded start draws each name apart
+            self.tied_groups = find_tied(FlatModel.from_record(initial_arrays))
         if self.downstream is not None:
             initial_arrays = self.downstream.start_model(initial_arrays)
         return super().start(grid, initial_arrays, *args, **kwargs)
@@ -338,7 +345,7 @@ class CompressedStrategy(ForwardsToInner, Strategy):
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
         """Delegate; with ``downstream``, the evaluate messages ride the compressed download as train
-        messages do (`downstream_sender.Downstream.prepare`: each node gets the step or catch-up
+        messages do (`fedcomp.download.sender.Downstream.prepare`: each node gets the step or catch-up
         that brings its copy to the round's model, never the model dense); their bytes are counted."""
         self._evaluate_sent = list(self.inner.configure_evaluate(server_round, arrays, config, grid))
         if self.downstream is not None and self._evaluate_sent:
@@ -373,7 +380,7 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         Orchestration only: admit (`admission`, EF21's state check) -> decode, validate and fold
         (`replies.fold_replies`, a policy of `aggregate`) -> the round's bookkeeping
         (failures; the downstream's record of what each node holds, with the downstream correction,
-        `copy_correction`, as each reply is committed; EF21's estimate) -> hand over
+        `fedcomp.download.correction`, as each reply is committed; EF21's estimate) -> hand over
         (`handover.hand_over`: the inner strategy, dtypes, the integer/bool rule) -> metrics
         and the privacy accounting of the round.
         """
@@ -393,7 +400,7 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         signed = self.codec.for_round(server_round).batchnorm_stats_codec() == BATCHNORM_STATS_CODEC
         var_floor = VAR_FLOOR if signed else 0.0
         arrays, agg_metrics, dp_info = hand_over(self.inner, server_round, sent.model, got, sent.sampled,
-                                                   self.half_remainders, var_floor)
+                                                   self.half_remainders, var_floor, self.tied_groups or ())
         ours = self._record(server_round, sent, got, bool(replies), dp_info, ef21_missing)
         # the headline names are the wrapper's: an average of client-reported values under one of them
         # (a client's own ``epsilon``, a planted ``epsilon-max``) never stands in for a figure it did not compute

@@ -14,11 +14,14 @@ Three ways, by folding policy (`aggregate`):
 Integer/bool tensors come from fedcomp's own rule (``fold.votes``), whatever the inner strategy
 does. What the inner strategy reads is asked of it, never guessed: the weighting metric
 (Flower's ``weighted_by_key``), the record key (``arrayrecord_key``) and its metric aggregation
-(``train_metrics_aggr_fn``), found along the wrapper chain (`wrapping.find_attr`).
+(``train_metrics_aggr_fn``), found along the wrapper chain (`wrapping.find_attr`). Names found to
+hold one tensor (`fedcomp.statedict.tied.equal_groups`) stay tied: the inner strategy gets them
+equal and every name of a group leaves with the same values.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from logging import ERROR
 from typing import Any
 
@@ -27,6 +30,7 @@ from flwr.app import ArrayRecord, MetricRecord, RecordDict
 from flwr.common.logger import log
 
 from fedcomp.statedict import FlatModel
+from fedcomp.statedict.tied import tie_record
 from fedcomp.strategies.aggregate import ClippedFold, DenseFold, MeanFold, identity_on_one_reply, in_model_dtypes
 from fedcomp.strategies.replies import RoundReplies
 from fedcomp.strategies.wrapping import find_attr
@@ -50,8 +54,8 @@ def mean_metrics(inner: Any, metric_contents: list[RecordDict]) -> MetricRecord:
 
 
 def hand_over(inner: Any, server_round: int, model: FlatModel, got: RoundReplies, sampled: float,
-              half_remainders: dict[str, np.ndarray] | None = None,
-              var_floor: float = 0.0) -> tuple[ArrayRecord | None, MetricRecord | None, dict]:
+              half_remainders: dict[str, np.ndarray] | None = None, var_floor: float = 0.0,
+              tied: Sequence[Sequence[str]] = ()) -> tuple[ArrayRecord | None, MetricRecord | None, dict]:
     """The round's aggregate in the model's dtypes and shapes, the inner strategy's metrics, and
     the DP figures of the round (client-level DP; else empty).
 
@@ -72,6 +76,10 @@ def hand_over(inner: Any, server_round: int, model: FlatModel, got: RoundReplies
     var_floor : float
         A BatchNorm running variance falls at most to this fraction of the round's global one
         (`aggregate.in_model_dtypes`; 0: it only stays >= 0).
+    tied : sequence of groups of names
+        Names that hold one tensor (`fedcomp.statedict.tied.equal_groups`): the inner strategy gets
+        them tied (the mean it is handed, or each dense reply) and the aggregate keeps them tied
+        (`fedcomp.statedict.tied.tie_record`: each name of a group gets the mean of their values).
 
     Returns
     -------
@@ -94,9 +102,10 @@ def hand_over(inner: Any, server_round: int, model: FlatModel, got: RoundReplies
         metrics = mean_metrics(inner, got.metric_contents)
     else:
         exact = fold.votes.result()
-        arrays, metrics = _inner_aggregate(inner, server_round, exact, got)
+        arrays, metrics = _inner_aggregate(inner, server_round, exact, got, tied)
     if arrays is None:
         return None, metrics, dp_info
+    tie_record(arrays, tied)
     try:
         return in_model_dtypes(arrays, model, exact, half_remainders, var_floor), metrics, dp_info
     except ValueError as exc:
@@ -105,10 +114,11 @@ def hand_over(inner: Any, server_round: int, model: FlatModel, got: RoundReplies
         return None, metrics, dp_info
 
 
-def _inner_aggregate(inner: Any, server_round: int, exact: dict[str, np.ndarray],
-                     got: RoundReplies) -> tuple[ArrayRecord | None, MetricRecord | None]:
+def _inner_aggregate(inner: Any, server_round: int, exact: dict[str, np.ndarray], got: RoundReplies,
+                     tied: Sequence[Sequence[str]] = ()) -> tuple[ArrayRecord | None, MetricRecord | None]:
     """The inner strategy's aggregate of every dense reply, or of one pre-aggregated reply (an
-    accepted reply's Message, its content replaced) carrying the total weight."""
+    accepted reply's Message, its content replaced) carrying the total weight; the ``tied`` names
+    tied in what it gets."""
     fold, wkey = got.fold, weight_key(inner)
     means: MetricRecord | None = None
     if isinstance(fold, DenseFold):
@@ -119,6 +129,8 @@ def _inner_aggregate(inner: Any, server_round: int, exact: dict[str, np.ndarray]
             record_key(inner): fold.running.mean_record(exact, portable=True),
             "metrics": MetricRecord({**dict(means), wkey: _as_weight(fold.running.total)})})
         replies = [got.carrier]
+    for reply in replies if tied else ():
+        tie_record(reply.content[record_key(inner)], tied)
     arrays, metrics = inner.aggregate_train(server_round, replies)
     if means is not None and metrics is not None and wkey in means:
         metrics[wkey] = means[wkey]  # what the inner strategy reports over every reply

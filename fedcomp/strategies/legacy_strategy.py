@@ -35,6 +35,8 @@ from numpy.lib import format as npy_format
 from fedcomp.compression import PayloadError, parse_header
 from fedcomp.config import CodecConfig
 from fedcomp.protocol.messages import MODEL_KEY, PAYLOAD_STYPE, payload_array
+from fedcomp.statedict import FlatModel
+from fedcomp.statedict.tied import find_tied, tie_list
 from fedcomp.strategies.admission import admit, check_max_num_examples
 from fedcomp.strategies.codec_round import codec_entries
 from fedcomp.strategies.decode import decode_update
@@ -236,6 +238,9 @@ class LegacyCompressedStrategy(ForwardsToInner, Strategy):
         self.sent_round: LegacySentRound | None = None
         #: Per-round metrics computed by this wrapper (round -> dict).
         self.history: dict[int, dict[str, float]] = {}
+        #: Positions (``"0"``, ``"1"``, ...) holding one tensor, tied in every aggregate (None: found in
+        #: the first parameters sent; [] ties none: `fedcomp.statedict.tied.find_tied`).
+        self.tied_groups: list[tuple[str, ...]] | None = None
         self._start_forwarding()  # from here on, settings of the wrapped strategy reach it (`forward`)
 
     _INNER_NAMED = ".inner (or .strategy)"
@@ -285,6 +290,9 @@ class LegacyCompressedStrategy(ForwardsToInner, Strategy):
             sent[proxy.cid] = decoded[key]
             out.append((proxy, FitIns(ins.parameters, {**ins.config, **codec})))
         self.sent_round = LegacySentRound(server_round, sent)
+        if self.tied_groups is None:
+            arrays = parameters_to_ndarrays(parameters)  # tied parameters sent as two arrays: kept tied
+            self.tied_groups = find_tied(FlatModel.from_numpy({str(i): a for i, a in enumerate(arrays)}))
         return out
 
     def aggregate_fit(self, server_round: int, results: list[tuple[ClientProxy, FitRes]],
@@ -317,10 +325,13 @@ class LegacyCompressedStrategy(ForwardsToInner, Strategy):
                 codec_bytes[name] = codec_bytes.get(name, 0) + nbytes
             stats.append(client_stats(proxy.cid, res.metrics or {}, info["upload-bytes"],
                                       sum(4 * w.size for w in weights), 0.0))
+            weights = tie_list(weights, self.tied_groups or ())
             dense_res = FitRes(status=res.status, parameters=ndarrays_to_parameters(weights),
                                num_examples=res.num_examples, metrics=res.metrics)
             good.append((proxy, dense_res))
         parameters, metrics = self.inner.aggregate_fit(server_round, good, failures)
+        if parameters is not None and self.tied_groups:
+            parameters = ndarrays_to_parameters(tie_list(parameters_to_ndarrays(parameters), self.tied_groups))
         ours = upload_metrics(stats, codec_bytes, len(good), len(failures) - n_failed, n_failed)
         self.history[server_round] = ours
         return parameters, {**dict(metrics or {}), **ours}

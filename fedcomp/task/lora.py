@@ -6,7 +6,7 @@ state dict (``peft.get_peft_model_state_dict`` / ``set_peft_model_state_dict``).
 with fedcomp compressing the adapters in both directions; the server never loads or sends the base
 weights: it learns the adapters' names and shapes from the base model's *config* (a model built on
 PyTorch's ``meta`` device holds no weights) and starts from LoRA's own initialisation (B = 0, A
-seeded), which clients rebuild from the seed (`fedcomp.protocol.seeded_init`).
+seeded), which clients rebuild from the seed (`fedcomp.download.seeded_init`).
 
 Needs the ``llm`` extra (``pip install -e ".[llm]"``: transformers, peft). 4-bit loading needs
 CUDA and bitsandbytes.
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from fedcomp.protocol.seeded_init import SeededInit, lora_init
+from fedcomp.download.seeded_init import SeededInit, lora_init
 from fedcomp.util.declared_key import Key, defaults, table
 from fedcomp.util.extras import install_hint
 

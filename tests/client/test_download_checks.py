@@ -11,7 +11,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 from fedcomp.client import compression_mod
 from fedcomp.compression import PayloadError, get_compressor
 from fedcomp.protocol.messages import BASE_VERSION, MODEL_META_KEY, MODEL_STATE_KEY, MODEL_VERSION, payload_array
-from fedcomp.protocol.seeded_init import INIT_SEED, INIT_STYPE
+from fedcomp.download.seeded_init import INIT_SEED, INIT_STYPE
 from tests.messages import make_ctx, make_msg
 
 #: A model with a BatchNorm running variance and an integer buffer.

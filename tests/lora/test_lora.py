@@ -22,7 +22,7 @@ from fedcomp.task.lora import (
     wrap,
 )
 from fedcomp.protocol.messages import MODEL_STATE_KEY, PAYLOAD_STYPE
-from fedcomp.protocol.seeded_init import INIT_STYPE
+from fedcomp.download.seeded_init import INIT_STYPE
 from fedcomp.run.inprocess_grid import InProcessGrid
 from fedcomp.statedict import to_record
 from fedcomp.strategies import CompressedStrategy

@@ -60,9 +60,9 @@ def test_zoo_uncompressed_round_is_the_weighted_mean(name):
 
 @pytest.mark.parametrize("name", ZOO)
 def test_zoo_downstream_rebuilds_every_tensor_exactly(name):
-    from fedcomp.client.downstream_receiver import rebuild
+    from fedcomp.download.receiver import rebuild
     from fedcomp.config import CodecConfig
-    from fedcomp.strategies.downstream_sender import Downstream
+    from fedcomp.download.sender import Downstream
 
     sd = zoo()[name].state_dict()
     ds = Downstream(CodecConfig(compressor="none"), "fp16")

@@ -10,15 +10,15 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
 from fedcomp.client import compression_mod
-from fedcomp.client.downstream_receiver import rebuild
+from fedcomp.download.receiver import rebuild
 from fedcomp.client.plan import plan_units
 from fedcomp.compression import PayloadError, get_compressor
 from fedcomp.config import CodecConfig
-from fedcomp.protocol.broadcast import is_batchnorm_stat, stat_delta_key
+from fedcomp.download.layout import is_batchnorm_stat, stat_delta_key
 from fedcomp.protocol.messages import MODEL_STATE_KEY
 from fedcomp.statedict import FlatModel, to_record, to_state_dict
 from fedcomp.strategies.aggregate import in_model_dtypes
-from fedcomp.strategies.downstream_sender import Downstream
+from fedcomp.download.sender import Downstream
 from tests.messages import make_ctx, make_msg
 from tests.model_zoo import ZOO, trained_state, zoo
 from tests.strategies.test_downstream_batchnorm import STATS, _run
@@ -299,7 +299,7 @@ def test_the_copy_budget_counts_the_nodes_statistics_copies():
     and grew with the number of nodes past any budget. Now they count (bytes in vectors of the compressed
     part) and, past the budget, the least recently replying node lets go of its statistics copy alone: it
     stays known (no dense first contact again) and is sent the exact statistics next time."""
-    from fedcomp.strategies.node_copies import NodeCopies
+    from fedcomp.download.node_copies import NodeCopies
 
     nodes = NodeCopies(max_copies=4)
     nodes.add_version(np.zeros(1000, np.float32))

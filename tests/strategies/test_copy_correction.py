@@ -1,4 +1,4 @@
-"""The downstream correction (:mod:`fedcomp.strategies.copy_correction`): each client's update is
+"""The downstream correction (:mod:`fedcomp.download.correction`): each client's update is
 counted from the global model G rather than from the compressed copy H_i it trained from."""
 
 import logging
@@ -14,7 +14,7 @@ from fedcomp.run.inprocess_grid import InProcessGrid
 from fedcomp.statedict import FlatModel
 from fedcomp.strategies import CompressedStrategy
 from fedcomp.strategies.aggregate import ClippedFold, MeanFold
-from fedcomp.strategies.copy_correction import correct_for_copies
+from fedcomp.download.correction import correct_for_copies
 from fedcomp.task.models import build_model
 
 logging.getLogger("flwr").setLevel(logging.WARNING)
@@ -64,7 +64,7 @@ def test_the_apps_auto_is_on_for_adamw_with_a_sparse_download(codec, optimizer, 
     default CNN: 1.4 points lower with it) and for sign downward (LoRA: less of the gain kept)."""
     from fedcomp.app.server_app import privacy_options
     from fedcomp.app.config import AppConfig
-    from fedcomp.config.downstream import resolve_correction
+    from fedcomp.download.settings import resolve_correction
 
     assert resolve_correction("auto", codec, optimizer) == want
     assert resolve_correction("on", codec, optimizer) == 1.0 and resolve_correction("off", codec, optimizer) == 0.0
@@ -108,7 +108,7 @@ def test_a_correction_that_cannot_apply_is_refused_naming_why():
 
 
 def test_the_apps_auto_is_off_where_the_strategy_cannot_apply_it():
-    from fedcomp.config.downstream import resolve_correction
+    from fedcomp.download.settings import resolve_correction
 
     assert resolve_correction("auto", "stc", "adamw", dp="client-level") == 0.0
     assert resolve_correction("auto", "stc", "adamw", error_feedback="ef21") == 0.0

@@ -11,12 +11,12 @@ from flwr.app import Array, ArrayRecord, ConfigRecord
 from flwr.serverapp.strategy import FedAvg
 
 from fedcomp.app.client_app import app as client_app
-from fedcomp.protocol.broadcast import copy_digest
+from fedcomp.download.layout import copy_digest
 from fedcomp.protocol.messages import COPY_RECORD, MODEL_STATE_KEY
 from fedcomp.run.inprocess_grid import InProcessGrid
 from fedcomp.statedict import FlatModel
 from fedcomp.strategies import CompressedStrategy
-from fedcomp.strategies.downstream_sender import NO_COPY_REPORT
+from fedcomp.download.sender import NO_COPY_REPORT
 from fedcomp.task.models import build_model
 
 logging.getLogger("flwr").setLevel(logging.WARNING)
@@ -92,7 +92,7 @@ def test_a_changed_copy_is_found_at_the_next_reply_and_resynchronised(caplog):
 def test_a_node_whose_generator_draws_the_seeded_start_differently_is_resynchronised(monkeypatch):
     """A seeded start drawn differently on the nodes (another generator) is found at the first reply of
     every node: counted each round instead of training from a model far from the record unnoticed."""
-    import fedcomp.client.downstream_receiver as receiver
+    import fedcomp.download.receiver as receiver
 
     draw = receiver.seeded_tensor
     monkeypatch.setattr(receiver, "seeded_tensor", lambda *a, **k: draw(*a, **k) + np.float32(0.01))

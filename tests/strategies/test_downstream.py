@@ -111,7 +111,7 @@ def test_dense_reply_under_downstream_is_rejected():
 def test_downstream_server_memory_is_bounded_with_many_clients():
     from fedcomp.config import CodecConfig
     from fedcomp.statedict import to_record
-    from fedcomp.strategies.downstream_sender import Downstream
+    from fedcomp.download.sender import Downstream
     from tests.messages import make_msg
     D, rng = 50_000, np.random.default_rng(0)
     ds = Downstream(CodecConfig.from_mapping({"density": 0.01}), "stc", max_copies=8)
@@ -137,9 +137,9 @@ def test_the_default_copy_budget_keeps_every_node_of_a_small_model_and_stays_bou
     fp32's gain against 89-90 %); with many nodes the copies stop at the 256 MiB floor."""
     from fedcomp.config import CodecConfig
     from fedcomp.statedict import to_record
-    from fedcomp.strategies import node_copies
-    from fedcomp.strategies.downstream_sender import Downstream
-    from fedcomp.strategies.node_copies import COPY_BYTES_FLOOR
+    from fedcomp.download import node_copies
+    from fedcomp.download.sender import Downstream
+    from fedcomp.download.node_copies import COPY_BYTES_FLOOR
     from tests.messages import make_msg
 
     def run(D, nodes_total, per_round, rounds):

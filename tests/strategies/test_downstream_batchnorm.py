@@ -90,7 +90,7 @@ def test_running_statistics_stay_exact_downstream(codec):
 def test_statistics_compressed_only_when_asked():
     """``batchnorm-stats = "codec"`` compresses them downstream too (the user's explicit choice)."""
     from fedcomp.config import CodecConfig
-    from fedcomp.strategies.downstream_sender import Downstream
+    from fedcomp.download.sender import Downstream
 
     d = Downstream(CodecConfig.from_mapping({"batchnorm-stats": "codec"}), "stc")
     from fedcomp.statedict import FlatModel

@@ -7,12 +7,12 @@ import pytest
 import torch
 from flwr.app import ConfigRecord, RecordDict
 
-from fedcomp.client.downstream_receiver import rebuild
+from fedcomp.download.receiver import rebuild
 from fedcomp.config import CodecConfig
 from fedcomp.protocol.messages import MODEL_STATE_KEY
-from fedcomp.protocol.seeded_init import lora_init
+from fedcomp.download.seeded_init import lora_init
 from fedcomp.statedict import to_record
-from fedcomp.strategies.downstream_sender import Downstream
+from fedcomp.download.sender import Downstream
 
 from tests.messages import make_ctx, make_msg
 
@@ -248,7 +248,7 @@ def test_a_round_of_catch_ups_holds_no_model_copy_per_node():
 def _shared_and_private(shared, private: int, entries: int, stats=None):
     """NodeCopies (budget 10) where the ``shared`` nodes hold version 1 (each with the statistics copy
     ``stats``, if given), node ``private`` a private copy made from version 2, and version 3 is the latest."""
-    from fedcomp.strategies.node_copies import NodeCopies
+    from fedcomp.download.node_copies import NodeCopies
 
     nodes = NodeCopies(max_copies=10)
     nodes.add_version(np.zeros(entries, np.float32))
@@ -299,7 +299,7 @@ def test_a_node_still_to_reply_keeps_the_base_of_its_catch_up():
     """Committing one reply over the budget used to be able to forget the private copy another node's
     catch-up diff was relative to, before that node replied: the node then became unknown (a new first
     contact next time, and its update could not be counted from its copy). Pending nodes are not evicted."""
-    from fedcomp.strategies.node_copies import NodeCopies
+    from fedcomp.download.node_copies import NodeCopies
 
     nodes = NodeCopies(max_copies=3)
     nodes.add_version(np.zeros(100, np.float32))

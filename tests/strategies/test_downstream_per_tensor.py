@@ -6,10 +6,10 @@ import pytest
 import torch
 from flwr.app import ConfigRecord, RecordDict
 
-from fedcomp.client.downstream_receiver import rebuild
+from fedcomp.download.receiver import rebuild
 from fedcomp.compression import PayloadError, get_compressor
 from fedcomp.config import CodecConfig
-from fedcomp.protocol.broadcast import PER_TENSOR_MAGIC, decode_step, encode_per_tensor
+from fedcomp.download.layout import PER_TENSOR_MAGIC, decode_step, encode_per_tensor
 from fedcomp.statedict import FlatModel, to_record
 
 from tests.messages import make_msg
@@ -148,8 +148,8 @@ def test_the_copy_budget_counts_a_float64_models_copies_at_8_bytes_an_entry():
     from flwr.app import ConfigRecord, RecordDict
 
     from fedcomp.statedict import to_record
-    from fedcomp.strategies.downstream_sender import Downstream
-    from fedcomp.strategies.node_copies import COPY_BYTES_FLOOR
+    from fedcomp.download.sender import Downstream
+    from fedcomp.download.node_copies import COPY_BYTES_FLOOR
     from tests.messages import make_msg
 
     budgets = {}

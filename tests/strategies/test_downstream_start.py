@@ -16,12 +16,12 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 from torch import nn
 
-from fedcomp.client.downstream_receiver import rebuild
+from fedcomp.download.receiver import rebuild
 from fedcomp.compression import PayloadError
 from fedcomp.config import CodecConfig
-from fedcomp.protocol.seeded_init import INIT_SEED, INIT_STYPE, parse_rule, seeded_like
+from fedcomp.download.seeded_init import INIT_SEED, INIT_STYPE, parse_rule, seeded_like
 from fedcomp.statedict import to_record, to_state_dict
-from fedcomp.strategies.downstream_sender import Downstream
+from fedcomp.download.sender import Downstream
 from tests.messages import make_ctx, make_msg
 from tests.model_zoo import ZOO, trained_state, zoo
 

@@ -13,10 +13,10 @@ import pytest
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 
-from fedcomp.client.downstream_receiver import rebuild
+from fedcomp.download.receiver import rebuild
 from fedcomp.compression import PayloadError
 from fedcomp.protocol.messages import MODEL_META_KEY, MODEL_STATE_KEY
-from fedcomp.protocol.seeded_init import INIT_SEED, INIT_STYPE, parse_rule, seeded_tensor
+from fedcomp.download.seeded_init import INIT_SEED, INIT_STYPE, parse_rule, seeded_tensor
 from tests.messages import make_ctx, make_msg
 
 
@@ -174,7 +174,7 @@ def test_exact_catch_up_after_a_seeded_or_compressed_start_stays_within_max_copi
 
     from fedcomp.config import CodecConfig
     from fedcomp.statedict import to_record, to_state_dict
-    from fedcomp.strategies.downstream_sender import Downstream
+    from fedcomp.download.sender import Downstream
 
     torch.manual_seed(0)
     sd = nn.Sequential(nn.Linear(50, 40), nn.Linear(40, 10)).state_dict()
@@ -203,7 +203,7 @@ def test_seeded_refuses_batchnorm_statistics_that_left_their_initialisation():
 
     from fedcomp.config import CodecConfig
     from fedcomp.statedict import to_record, to_state_dict
-    from fedcomp.strategies.downstream_sender import Downstream
+    from fedcomp.download.sender import Downstream
 
     m = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8))
     fresh = to_state_dict(Downstream(CodecConfig(), "stc", init="seeded").start_model(to_record(m.state_dict())))
@@ -236,8 +236,8 @@ def test_a_seeded_init_whose_seed_no_client_accepts_is_refused_naming_it(seed):
     values): a SeededInit with another seed was accepted by the server and every first contact of
     the run failed on the clients (CompositionError), or the config could not be sent at all."""
     from fedcomp.config import CodecConfig
-    from fedcomp.protocol.seeded_init import SeededInit
-    from fedcomp.strategies.downstream_sender import Downstream
+    from fedcomp.download.seeded_init import SeededInit
+    from fedcomp.download.sender import Downstream
 
     with pytest.raises(ValueError, match="downstream init: SeededInit seed must be an integer in"):
         Downstream(CodecConfig(), "stc", init=SeededInit(seed, {"w": 0.5}))
@@ -279,7 +279,7 @@ def test_the_lora_app_keeps_an_explicit_downstream_init(monkeypatch, tmp_path, i
     seeded start whatever it said: 'dense' or 'fp16' was silently ignored. Only 'auto' means the
     seeded start."""
     import fedcomp.app.server_app as sa
-    from fedcomp.protocol.seeded_init import SeededInit
+    from fedcomp.download.seeded_init import SeededInit
 
     seeded = SeededInit(3, {})
     got = {}
@@ -322,7 +322,7 @@ def test_a_non_finite_initial_model_is_refused_at_start_naming_the_tensor(init):
 
     from fedcomp.config import CodecConfig
     from fedcomp.statedict import to_record
-    from fedcomp.strategies.downstream_sender import Downstream
+    from fedcomp.download.sender import Downstream
 
     sd = nn.Sequential(nn.Linear(5, 4), nn.Linear(4, 3), nn.Linear(3, 2)).state_dict()
     sd["1.weight"][0, :2] = torch.tensor([float("nan"), float("inf")])

@@ -154,7 +154,7 @@ def test_partial_participation_evaluates_on_new_lagging_and_current_copies(downs
     every copy a node holds is the one the server records."""
     import random
 
-    from fedcomp.protocol.broadcast import gather
+    from fedcomp.download.layout import gather
     from fedcomp.protocol.messages import MODEL_STATE_KEY
     from fedcomp.statedict import FlatModel
 

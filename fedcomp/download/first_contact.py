@@ -1,10 +1,10 @@
 """A client's first model without the dense download: the seeded start and the compressed start.
 
-The downstream sender (`downstream_sender`) gives a node that holds nothing the first
+The downstream sender (`fedcomp.download.sender`) gives a node that holds nothing the first
 broadcast model B_1 in one of three ways, by its ``init`` policy:
 
 - a **seeded start**: B_1 is drawn from a seed; the node gets the seed and one rule per float tensor
-  (`fedcomp.protocol.seeded_init`) and builds B_1 itself, bit for bit. For LoRA adapters at
+  (`fedcomp.download.seeded_init`) and builds B_1 itself, bit for bit. For LoRA adapters at
   peft's initialisation (``lora_B`` = 0, ``lora_A`` Kaiming-uniform: Hu et al., ICLR 2022) the
   strategy recognises them (``"auto"``) and redraws ``lora_A`` from the seed, so a third-party app
   writes no seeding code; for any model trained from scratch (``"seeded"``) every float tensor that
@@ -27,8 +27,8 @@ from flwr.app import ArrayRecord
 from flwr.common.logger import log
 
 from fedcomp.compression import available_compressors, codecs_with
-from fedcomp.protocol.broadcast import is_batchnorm_stat, settle
-from fedcomp.protocol.seeded_init import SeededInit, looks_drawn, lora_init, seeded_like
+from fedcomp.download.layout import is_batchnorm_stat, settle
+from fedcomp.download.seeded_init import SeededInit, looks_drawn, lora_init, seeded_like
 from fedcomp.statedict import FlatModel, is_float_dtype, numpy_dict
 
 #: First-contact policies besides a codec name.

@@ -5,7 +5,7 @@ Source: Sattler et al., IEEE TNNLS 2019 (STC in both directions, residuals on bo
 partial participation, the same paper's "caching" discussion (a client that missed rounds gets the
 accumulated change).
 
-What travels, per message (self-describing; `fedcomp.client.downstream_receiver` rebuilds it):
+What travels, per message (self-describing; `fedcomp.download.receiver` rebuilds it):
 
 - **Compressed part**: every float tensor except BatchNorm's running statistics (unless
   ``batchnorm-stats = "codec"``) is one flat float32 vector in model order.
@@ -14,8 +14,8 @@ What travels, per message (self-describing; `fedcomp.client.downstream_receiver`
   of them *is* the global model's. With ``"auto"`` (the default) the server keeps each node's copy
   of the statistics (one vector of them per node, kept while the node is) and sends a node that
   holds one the change ``G - H`` of each statistic as a ``sign`` payload (1 bit per entry and one
-  scale; key `fedcomp.protocol.broadcast.stat_delta_key`); node and server both apply it
-  with `fedcomp.protocol.broadcast.apply_stat_delta` (a running variance kept at >= half its
+  scale; key `fedcomp.download.layout.stat_delta_key`); node and server both apply it
+  with `fedcomp.download.layout.apply_stat_delta` (a running variance kept at >= half its
   previous value), so
   the node's copy is known bit for bit and what was not sent stays in ``G - H`` (per-node error
   feedback). A node without a known copy gets them exactly (fp32, or dense/init forms). A client
@@ -31,7 +31,7 @@ was not sent stays in ``G - B``). Per destination node, the cheapest of:
    the downstream codec, per node; the node then holds ``H + decompress(...)``, which the server
    records, so the next catch-up sends what this one missed (per-node error feedback).
 4. ``init``: a node that holds nothing builds the first broadcast model B_1 itself, then gets 2 or 3
-   on top of it. B_1 is either a *seeded start* (`fedcomp.protocol.seeded_init`: LoRA's B = 0
+   on top of it. B_1 is either a *seeded start* (`fedcomp.download.seeded_init`: LoRA's B = 0
    and seeded A; or every tensor of a model trained from scratch drawn like its initialisation):
    the seed and one rule per tensor, a few bytes; or a *compressed start*: the initial model
    compressed from zero with the first-contact codec (``int8`` by default: 4x fewer bytes than
@@ -62,7 +62,7 @@ from flwr.common.logger import log
 from fedcomp.compression import CODECS, available_compressors, decompress, encode_exact, get_compressor
 from fedcomp.config import CodecConfig
 from fedcomp.config.codec import BATCHNORM_STATS_CODEC
-from fedcomp.protocol.broadcast import (
+from fedcomp.download.layout import (
     COPY_DIGEST_BYTES,
     apply_stat_delta,
     chain_key,
@@ -76,16 +76,16 @@ from fedcomp.protocol.broadcast import (
     stat_delta_key,
 )
 from fedcomp.protocol.messages import BASE_VERSION, COPY_RECORD, MODEL_VERSION, payload_array
-from fedcomp.protocol.seeded_init import INIT_SEED, INIT_STYPE, SeededInit
+from fedcomp.download.seeded_init import INIT_SEED, INIT_STYPE, SeededInit
 from fedcomp.statedict import FlatModel
-from fedcomp.strategies.copy_correction import check_correction, correct_for_copies
-from fedcomp.strategies.first_contact import INIT_POLICIES, START_CODEC, check_init_policy, starting_model
-from fedcomp.strategies.node_copies import NodeCopies
+from fedcomp.download.correction import check_correction, correct_for_copies
+from fedcomp.download.first_contact import INIT_POLICIES, START_CODEC, check_init_policy, starting_model
+from fedcomp.download.node_copies import NodeCopies
 
 
 def reported_copy(reply: Message) -> bytes | None:
     """The digest of the model copy a reply says its node holds (``fedcomp.copy``'s ``"digest"``,
-    `fedcomp.client.downstream_receiver.report_copy`); None when the reply carries none (an older
+    `fedcomp.download.receiver.report_copy`); None when the reply carries none (an older
     fedcomp on the node) or something that is not a digest."""
     rec = reply.content.config_records.get(COPY_RECORD)
     digest = None if rec is None else rec.get("digest")
@@ -138,7 +138,7 @@ class Downstream:
         zero, ``lora_A`` within ``+-1/sqrt(fan_in)``) get a seeded start drawn the same way
         (`start_model` replaces ``lora_A`` by the seed's draw), any other model a compressed
         start with ``int8``. ``"seeded"``: every float tensor replaced by a seeded draw with its
-        mean and variance (`fedcomp.protocol.seeded_init.seeded_like`; models trained from
+        mean and variance (`fedcomp.download.seeded_init.seeded_like`; models trained from
         scratch only). A codec name: a compressed start with that codec. ``"dense"``: the model dense.
     density : float, optional
         Density of a sparse downstream codec (default: the codec config's ``density``).
@@ -156,7 +156,7 @@ class Downstream:
         adapters, a small CNN) keeps a copy for every node of a cross-silo federation; the server's
         memory stays bounded whatever the number of nodes.
     correction : float
-        ``c`` in [0, 1] of `copy_correction`: each update is folded as ``delta_i - c (G - H_i)``,
+        ``c`` in [0, 1] of `fedcomp.download.correction`: each update is folded as ``delta_i - c (G - H_i)``,
         counted from the global model rather than the copy ``H_i`` its client trained from. Default 0.
 
     Raises
@@ -170,7 +170,7 @@ class Downstream:
                  catchup: str = "smallest", max_copies: float | None = None, density: float | None = None,
                  correction: float = 0.0) -> None:
         init = check_init_policy("auto" if init is None else init)
-        #: c of `copy_correction`: each update folded as ``delta_i - c (G - H_i)``
+        #: c of `fedcomp.download.correction`: each update folded as ``delta_i - c (G - H_i)``
         self.correction = check_correction(correction)
         if density is not None and (isinstance(density, bool) or not isinstance(density, numbers.Real)
                                     or not 0 < density <= 1):
@@ -506,7 +506,7 @@ class Downstream:
     def received(self, node: int, digest: bytes | None = None) -> bool:
         """``node`` replied this round, so it holds what it was sent (a diff's copy rebuilt here).
 
-        ``digest``: the digest of the copy the node reports holding (`fedcomp.protocol.broadcast.copy_digest`;
+        ``digest``: the digest of the copy the node reports holding (`fedcomp.download.layout.copy_digest`;
         None: not checked). When it differs from the digest of the server's record of that copy (a node
         whose generator drew the seeded start differently, a copy changed on the node), the node is
         forgotten: its next message is a first contact, which replaces its copy whatever it held (a counted
@@ -524,7 +524,7 @@ class Downstream:
 
         With `correction` and the round's ``fold`` (its ``weights``: node -> weight, complete)
         and global model ``sent``, each reply is counted from ``sent`` rather than from the copy its
-        client trained from (`copy_correction.correct_for_copies`): a private copy as soon as
+        client trained from (`fedcomp.download.correction.correct_for_copies`): a private copy as soon as
         its node is committed, before committing the next reply can make the copy budget forget it (so
         the round holds one private copy beyond the budget at a time, whatever the number of clients);
         the nodes on the broadcast version in one pass at the end (after its commit a node holds either

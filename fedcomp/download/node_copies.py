@@ -1,5 +1,5 @@
 """What each node holds of the broadcast, and the server's memory for it: the per-node side of
-downstream compression (`downstream_sender` plans and encodes the messages; this room keeps the
+downstream compression (`fedcomp.download.sender` plans and encodes the messages; this room keeps the
 copies those messages are relative to, and forgets within a budget).
 
 Per node the server knows one of: exactly a broadcast version B_u (``node_version[node] = u``), or a
@@ -55,7 +55,7 @@ class NodeCopies:
     ----------
     max_copies : float or None
         Most copies kept (`copies`), besides the broadcast model and the global one; at least 2
-        (checked by `downstream_sender.Downstream`). None: `copy_budget`'s default.
+        (checked by `fedcomp.download.sender.Downstream`). None: `copy_budget`'s default.
     """
 
     def __init__(self, max_copies: float | None = None) -> None:

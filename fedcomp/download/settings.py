@@ -15,9 +15,9 @@ federation (digits, CNN, 10 clients, 50 rounds, 3 seeds; ``benchmarks/results/bo
 - ``secagg = true``: dense (the secure path sends the model as Flower's SecAgg+ workflow does; an
   explicit codec there is refused).
 
-The first model a client gets is the seeded start (`fedcomp.protocol.seeded_init`), never
+The first model a client gets is the seeded start (`fedcomp.download.seeded_init`), never
 the model dense (``downstream-init``). ``downstream-correction = "auto"`` counts each client's update
-from the global model rather than from its compressed copy (`fedcomp.strategies.copy_correction`)
+from the global model rather than from its compressed copy (`fedcomp.download.correction`)
 when the clients train with AdamW and the download is sparse: on the Transformer from scratch (STC 4 %
 up, STC 5 % down, 20 rounds, 3 seeds) it is 2.2 points better (median); with SGD (the default CNN) it was
 1.4 points worse.

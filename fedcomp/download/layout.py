@@ -6,7 +6,7 @@ statistics unless ``batchnorm-stats = "codec"``: with "small", sent exactly in e
 the integer and bool tensors; with "auto", the default, a node that holds a copy gets each
 statistic's change since that copy as a scaled-sign payload under `stat_delta_key`, applied
 by `apply_stat_delta` on both sides, so the server knows each node's copy bit for bit). The server's
-`fedcomp.strategies.downstream_sender` writes messages, `fedcomp.client.downstream_receiver` reads them.
+`fedcomp.download.sender` writes messages, `fedcomp.download.receiver` reads them.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Client side of server-to-client compression: rebuild the model a downstream message describes
 and keep it (with its version) in ``context.state``.
 
-Message forms (written by `fedcomp.strategies.downstream_sender`; the train config carries
+Message forms (written by `fedcomp.download.sender`; the train config carries
 ``fedcomp-model-version`` whenever the server versions the model):
 
 - dense: ordinary weights; kept as they are.
@@ -9,10 +9,10 @@ Message forms (written by `fedcomp.strategies.downstream_sender`; the train conf
   holds the compressed payloads ``fedcomp.model``, ``fedcomp.model/1``, ... (applied in order to the
   compressed part: every float tensor not sent by name), the BatchNorm statistics as exact fp32
   payloads under their own names or (``batchnorm-stats = "auto"``) as their change since this
-  node's copy under ``fedcomp.stat-delta/<name>`` (`fedcomp.protocol.broadcast.apply_stat_delta`),
+  node's copy under ``fedcomp.stat-delta/<name>`` (`fedcomp.download.layout.apply_stat_delta`),
   and the integer/bool tensors as exact payloads, under their own names.
 - init: ``fedcomp-init-seed`` is set; the compressed part's tensors arrive as seeded-init rules
-  (`fedcomp.protocol.seeded_init`: dtype, shape, bound), the others as plain arrays; payloads, if any,
+  (`fedcomp.download.seeded_init`: dtype, shape, bound), the others as plain arrays; payloads, if any,
   apply on top of that start.
 """
 
@@ -25,10 +25,10 @@ from contextlib import contextmanager
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord
 
-from fedcomp.client.update import CompositionError
+from fedcomp.protocol.errors import CompositionError
 from fedcomp.compression import PayloadError, decode_exact, decompress
 from fedcomp.compression.wire import DEFAULT_MAX_NUMEL
-from fedcomp.protocol.broadcast import (
+from fedcomp.download.layout import (
     STAT_DELTA_PREFIX,
     apply_stat_delta,
     chain_key,
@@ -49,7 +49,7 @@ from fedcomp.protocol.messages import (
     MODEL_VERSION,
     PAYLOAD_STYPE,
 )
-from fedcomp.protocol.seeded_init import INIT_SEED, INIT_STYPE, parse_rule, seeded_tensor
+from fedcomp.download.seeded_init import INIT_SEED, INIT_STYPE, parse_rule, seeded_tensor
 from fedcomp.statedict import FlatModel, is_float_dtype, numpy_dict
 from fedcomp.statedict.arrays import numpy_view
 
@@ -307,7 +307,7 @@ def rebuild(msg: Message, context: Context, arr_key: str, rec: ArrayRecord, cfg)
 
 
 def report_copy(reply: Message, context: Context) -> None:
-    """Add the digest of the model copy this node holds (`fedcomp.protocol.broadcast.copy_digest`) to
+    """Add the digest of the model copy this node holds (`fedcomp.download.layout.copy_digest`) to
     ``reply`` as the ConfigRecord ``fedcomp.copy``, so that the server can compare it with its record of
     what this node holds and send a first contact when the two differ. Nothing without a copy (a node that
     was sent dense weights without a version) or on an error reply."""

@@ -18,7 +18,7 @@ the clients (the Transformer from scratch, every client every round) ``c = 1`` i
 round 20 (median of 3 seeds); with SGD on the clients (the default CNN federation) it is 1.4 points
 worse, and with ``sign`` downward under 2-of-8 sampling (the LoRA preset) it keeps less of the gain.
 So the strategy's default is 0, and fedcomp's app turns it on for AdamW with a sparse downstream codec
-(run config ``downstream-correction = "auto"``, `fedcomp.config.downstream.resolve_correction`).
+(run config ``downstream-correction = "auto"``, `fedcomp.download.settings.resolve_correction`).
 
 Applies where the round is a weighted mean of the updates (`aggregate.MeanFold`); not under
 client-level DP (clipped sums), EF21 (innovations, not updates), nor with an inner strategy that
@@ -86,7 +86,7 @@ def correct_for_copies(fold, keys: list[str], sent: FlatModel, copies: Iterable[
         The global model ``G`` the round was sent from.
     copies : iterable of (np.ndarray, float)
         A copy the round's clients trained from, ``(sum numel,)`` float, and the total weight of the
-        clients that held it (`downstream_sender.Downstream.note_replies` groups the clients on
+        clients that held it (`fedcomp.download.sender.Downstream.note_replies` groups the clients on
         one broadcast version, so a round where every client holds B costs one pass, not one per client).
     c : float
         In [0, 1]; 0 changes nothing.
