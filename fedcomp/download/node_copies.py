@@ -27,6 +27,8 @@ accumulated change); the budget and the eviction order are fedcomp's.
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass
+from enum import Enum
 from typing import Callable
 
 import numpy as np
@@ -42,14 +44,39 @@ DEFAULT_MAX_COPIES = 8
 COPY_BYTES_FLOOR = 256 * 2**20
 
 
+class BaseKind(Enum):
+    """What a per-node diff is relative to."""
+
+    PRIVATE = "private"  #: the node's own copy (an earlier catch-up)
+    START = "start"  #: the start B_1 that a new node builds itself (`NodeCopies.start`)
+    VERSION = "version"  #: a broadcast version B_u
+
+
+@dataclass(frozen=True)
+class Base:
+    """The vector a diff is relative to: a `BaseKind` and, for `BaseKind.VERSION`, the version u."""
+
+    kind: BaseKind
+    version: int = 0
+
+
+@dataclass(frozen=True)
+class Diff:
+    """A per-node diff sent this round: its payload and what it is relative to (the node's copy is
+    rebuilt from both when it replies, `NodeCopies.commit`)."""
+
+    payload: bytes
+    base: Base
+
+
 class NodeCopies:
     """The versions, per-node copies and chain payloads the server keeps for downstream catch-ups,
     within a copy budget.
 
     Vectors are the compressed part of the model (every float tensor sent through the codec, flat in
-    model order, ``(entries,)``, float32, or float64 for a model with a float64 tensor); a *base* names
-    what a diff is relative to: ``("private",)`` the node's own copy, ``("version", u)`` B_u,
-    ``("init",)`` the start B_1 that a new node builds itself (`start`).
+    model order, ``(entries,)``, float32, or float64 for a model with a float64 tensor); a `Base` names
+    what a diff is relative to. The sender changes the record only through the methods: `add_version`,
+    `set_start`, `send`, `send_stats`, `start_round`, `commit`, `forget`.
 
     Parameters
     ----------
@@ -58,7 +85,7 @@ class NodeCopies:
         (checked by `fedcomp.download.sender.Downstream`). None: `copy_budget`'s default.
     """
 
-    def __init__(self, max_copies: float | None = None) -> None:
+    def __init__(self, max_copies: float | None = None, pin_start: bool = False) -> None:
         self.max_copies = max_copies
         self.version = 0  # the latest broadcast version
         self.entries = 0  # entries of one vector (set with the first version)
@@ -72,10 +99,10 @@ class NodeCopies:
         self.start: np.ndarray | None = None
         #: keep B_1 and the payloads after it for nodes not seen yet (exact catch-ups), until the budget
         #: has no node left to forget
-        self.pin_start = False
-        #: node -> (version it will hold, None: exactly that B; else ``(diff payload, *base)``): the copy
+        self.pin_start = pin_start
+        #: node -> (version it will hold, None: exactly that B; else the `Diff` it was sent): the copy
         #: is rebuilt when the node replies (`commit`)
-        self.pending: dict[int, tuple[int, tuple | None]] = {}
+        self.pending: dict[int, tuple[int, Diff | None]] = {}
         #: ``batchnorm-stats = "auto"``: node -> its copy of the BatchNorm statistics (committed when it
         #: replied), and what each node sent something this round will hold
         self.stats: dict[int, FlatModel] = {}
@@ -93,28 +120,48 @@ class NodeCopies:
         if payload is not None:
             self.payloads[self.version] = payload
 
-    def base(self, node: int, base: tuple) -> np.ndarray | None:
-        """The vector a diff to ``node`` is relative to (``base``: see the class); None once forgotten."""
-        if base[0] == "private":
+    def set_start(self, start: np.ndarray | None, first: bool = False) -> None:
+        """New nodes build ``start`` (B_1) themselves (None: they get the model dense); ``first``: it also
+        replaces the first broadcast version (a compressed start: B_1 is what the start payload decodes to)."""
+        self.start = start
+        if first:
+            self.versions[1] = start
+
+    def send(self, node: int, version: int, diff: Diff | None = None) -> None:
+        """``node`` was sent a message after which it holds ``version`` exactly (``diff`` None) or its
+        base plus ``diff``; it counts as holding it once it replies (`commit`)."""
+        self.pending[node] = (version, diff)
+
+    def send_stats(self, node: int, stats: FlatModel) -> None:
+        """``node`` was sent the BatchNorm statistics it will hold once it replies (`commit`)."""
+        self.stats_pending[node] = stats
+
+    def stats_sent(self, node: int) -> bool:
+        """Whether ``node`` was sent BatchNorm statistics this round (`send_stats`)."""
+        return node in self.stats_pending
+
+    def base(self, node: int, base: Base) -> np.ndarray | None:
+        """The vector a diff to ``node`` is relative to; None once forgotten."""
+        if base.kind is BaseKind.PRIVATE:
             return self.private.get(node)
-        if base[0] == "init":
+        if base.kind is BaseKind.START:
             return self.start
-        return self.versions.get(base[1])
+        return self.versions.get(base.version)
 
     def held(self, node: int) -> np.ndarray | None:
         """The vector ``node`` holds (None: unknown, or its version is no longer kept)."""
         found = self.copy_of(node)
         return None if found is None else found[1]
 
-    def copy_of(self, node: int) -> tuple[tuple, np.ndarray] | None:
-        """``(key, vector)`` of the copy ``node`` holds: key ``("private", node)`` or ``("version", u)``
-        (nodes holding one version share its key); None: unknown, or its version is no longer kept."""
+    def copy_of(self, node: int) -> tuple[Base, np.ndarray] | None:
+        """``(base, vector)`` of the copy ``node`` holds: its own (`BaseKind.PRIVATE`) or a version
+        (nodes holding one version share its `Base`); None: unknown, or its version is no longer kept."""
         if node not in self.node_version:
             return None
         if node in self.private:
-            return ("private", node), self.private[node]
+            return Base(BaseKind.PRIVATE), self.private[node]
         u = self.node_version[node]
-        return (("version", u), self.versions[u]) if u in self.versions else None
+        return (Base(BaseKind.VERSION, u), self.versions[u]) if u in self.versions else None
 
     # -- a round -----------------------------------------------------------------------------
     def start_round(self) -> None:
@@ -137,7 +184,7 @@ class NodeCopies:
         if node not in self.pending:
             return True
         label, diff = self.pending.pop(node)
-        base = None if diff is None else self.base(node, diff[1:])
+        base = None if diff is None else self.base(node, diff.base)
         if diff is not None and base is None:
             self.stats_pending.pop(node, None)
             self.forget(node)
@@ -148,7 +195,7 @@ class NodeCopies:
         if diff is None:
             self.private.pop(node, None)
         else:
-            self.private[node] = rebuild(base, diff[0])
+            self.private[node] = rebuild(base, diff.payload)
         if verify is not None and not verify():
             self.forget(node)
             self.drop_unheld()

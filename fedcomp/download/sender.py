@@ -23,21 +23,16 @@ What travels, per message (self-describing; `fedcomp.download.receiver` rebuilds
 
 The server keeps the *broadcast model* B_v (version v) and the true global G. Each round it sends
 ``C(G - B_{v-1})`` and sets ``B_v = B_{v-1} + decompress(...)`` (server-side error feedback: what
-was not sent stays in ``G - B``). Per destination node, the cheapest of:
-
-1. ``payload``: the node holds B_{v-1} exactly: the broadcast payload.
-2. ``chain``: the node holds an older B_u exactly: the broadcast payloads u+1..v (exact: B_v).
-3. ``diff``: the node holds some H (an older version or an earlier catch-up): ``C(G - H)`` with
-   the downstream codec, per node; the node then holds ``H + decompress(...)``, which the server
-   records, so the next catch-up sends what this one missed (per-node error feedback).
-4. ``init``: a node that holds nothing builds the first broadcast model B_1 itself, then gets 2 or 3
-   on top of it. B_1 is either a *seeded start* (`fedcomp.download.seeded_init`: LoRA's B = 0
-   and seeded A; or every tensor of a model trained from scratch drawn like its initialisation):
-   the seed and one rule per tensor, a few bytes; or a *compressed start*: the initial model
-   compressed from zero with the first-contact codec (``int8`` by default: 4x fewer bytes than
-   fp32), the same start payload for every node, so that later nodes catch up along the same
-   broadcast versions and error feedback carries what the start left out (``G - B``).
-5. ``dense``: B_v in every tensor's dtype (with ``init = "dense"``; or whatever is smaller than 2-4).
+was not sent stays in ``G - B``). Per destination node, the cheapest message its copy allows
+(`fedcomp.download.plan`): the round's payload, a chain of missed payloads, a per-node diff
+``C(G - H)`` (the node then holds ``H + decompress(...)``, which the server records, so the next
+catch-up sends what this one missed: per-node error feedback), a first contact, or the model dense. A
+first contact builds B_1 from a *seeded start* (`fedcomp.download.seeded_init`: LoRA's B = 0 and
+seeded A; or every tensor of a model trained from scratch drawn like its initialisation: the seed and
+one rule per tensor, a few bytes) or a *compressed start* (the initial model compressed from zero with
+the first-contact codec, ``int8`` by default: 4x fewer bytes than fp32; the same start payload for
+every node, so that later nodes catch up along the same broadcast versions and error feedback carries
+what the start left out, ``G - B``).
 
 A node counts as holding what it was sent only once its reply arrives (`Downstream.received`);
 a node that was sent something and did not reply is treated as new next time (its copy is unknown).
@@ -80,7 +75,8 @@ from fedcomp.download.seeded_init import INIT_SEED, INIT_STYPE, SeededInit
 from fedcomp.statedict import FlatModel
 from fedcomp.download.correction import check_correction, correct_for_copies
 from fedcomp.download.first_contact import INIT_POLICIES, START_CODEC, check_init_policy, starting_model
-from fedcomp.download.node_copies import NodeCopies
+from fedcomp.download.node_copies import Base, BaseKind, NodeCopies
+from fedcomp.download.plan import PlanKind, plan_message
 
 
 def reported_copy(reply: Message) -> bytes | None:
@@ -187,15 +183,14 @@ class Downstream:
         self.exact_catchup = catchup == "exact"
         #: what each node holds and the server's memory for it; with "exact", B_1 and the payloads after
         #: it are kept for nodes not seen yet until the budget has no node left to forget
-        self.nodes = NodeCopies(None if max_copies is None else float(max_copies))
-        self.nodes.pin_start = self.exact_catchup
+        self.nodes = NodeCopies(None if max_copies is None else float(max_copies), pin_start=self.exact_catchup)
         self._start: list[bytes] = []  # the compressed start's payload (empty: seeded start)
         self._start_init: SeededInit | None = None  # the rules of a new node's base (seeded, or zeros)
-        #: this round: node -> bytes sent / kind of message ("payload", "chain", "diff", "init", "dense")
+        #: this round: node -> bytes sent / the form of its message
         self.sent_bytes: dict[int, int] = {}
-        self.sent_kind: dict[int, str] = {}
+        self.sent_kind: dict[int, PlanKind] = {}
         #: this round's diffs from a shared base (`_diff`), emptied by `prepare`
-        self._round_diffs: dict[tuple, bytes] = {}
+        self._round_diffs: dict[Base, bytes] = {}
         #: nodes forgotten because the copy they reported differs from the server's record (`received`),
         #: since the caller last emptied it
         self.resynced: list[int] = []
@@ -319,7 +314,7 @@ class Downstream:
             self._setup(target)
             self.model = target
             self.nodes.add_version(self._lossy(target))
-            self.nodes.start = self._check_init(target)
+            self.nodes.set_start(self._check_init(target))
             if self.nodes.start is None and self.init != "dense":
                 self._compressed_start(server_round, target)
         else:
@@ -346,14 +341,15 @@ class Downstream:
             cfg_key = next(iter(msg.content.config_records), "config")
             cfg = dict(msg.content[cfg_key]) if cfg_key in msg.content else {}
             cfg[MODEL_VERSION] = self.version
-            kind, parts, base, held = self._plan(server_round, node, payload, g, extra_bytes)
-            if kind == "dense":
+            plan = plan_message(self.nodes, node, payload, self._start, self.model.dense_bytes - extra_bytes,
+                                lambda base, held: self._diff(server_round, node, base, g, held), self.exact_catchup)
+            if plan.kind is PlanKind.DENSE:
                 dense = dense or self.model.record(check=False)
                 rec = ArrayRecord(dict(dense.items()))
-                self.nodes.pending[node] = (self.version, None)
+                self.nodes.send(node, self.version)
             else:
                 rec = ArrayRecord()
-                if kind.startswith("init"):
+                if plan.kind.first_contact:
                     cfg[INIT_SEED] = self._start_init.seed
                     for k in self.model.keys:
                         if k in self.lossy_keys:
@@ -364,19 +360,19 @@ class Downstream:
                             dense = dense or self.model.record(check=False)
                             rec[k] = dense[k]
                 else:
-                    cfg[BASE_VERSION] = base
+                    cfg[BASE_VERSION] = plan.base_version
                     for k, a in extras.items():
                         rec[k] = a
                     if self.stat_deltas and node in self.nodes.stats:
                         self._stat_changes(node, rec)
-                for i, p in enumerate(parts):
+                for i, p in enumerate(plan.parts):
                     rec[chain_key(i)] = payload_array(p)
-                self.nodes.pending[node] = (self.version, held)
-            if self.stat_deltas and node not in self.nodes.stats_pending:  # sent the statistics exactly
-                self.nodes.stats_pending[node] = self._exempt_copy()
+                self.nodes.send(node, self.version, plan.diff)
+            if self.stat_deltas and not self.nodes.stats_sent(node):  # sent the statistics exactly
+                self.nodes.send_stats(node, self._exempt_copy())
             msg.content[arr_key] = rec
             self.sent_bytes[node] = sum(len(a.data) for a in rec.values())
-            self.sent_kind[node] = kind
+            self.sent_kind[node] = plan.kind
             msg.content[cfg_key] = ConfigRecord(cfg)
         return messages
 
@@ -400,50 +396,15 @@ class Downstream:
             rec[stat_delta_key(k)] = payload_array(payload)
             apply_stat_delta(held, k, decompress(payload, max_numel=max(spec.numel, 1),
                                                  expected_shape=(spec.numel,)).numpy())
-        self.nodes.stats_pending[node] = held
+        self.nodes.send_stats(node, held)
 
-    def _plan(self, server_round: int, node: int, payload: bytes | None, g: np.ndarray,
-              extra_bytes: int) -> tuple[str, list[bytes], int, tuple | None]:
-        """The cheapest message for ``node``: ``(kind, compressed payloads, base version, what the
-        node will hold if not exactly B_v: ``(diff payload, *its base)``, see `NodeCopies.pending`)``."""
-        v = self.version
-        nodes = self.nodes
-        known = node in nodes.node_version
-        if known:
-            label, private = nodes.node_version[node], nodes.private.get(node)
-        elif nodes.start is not None:
-            label, private = 1, None  # builds B_1 itself from the seed
-        else:
-            return "dense", [], 0, None
-        start = [] if known else self._start  # a compressed start's payload comes first
-        if not known and v == 1:
-            return "init", list(start), 0, None  # the start is this round's model
-        if payload is not None and known and private is None and label == v - 1:
-            return "payload", [payload], label, None
-        prefix = "init+" if not known else ""
-        start_cost = sum(len(p) for p in start)
-        base = ("private",) if private is not None else ("init",) if not known and label == 1 else ("version", label)
-        held = nodes.base(node, base)
-        options: list[tuple[int, int, str, list[bytes], np.ndarray | None]] = []
-        if private is None and all(u in nodes.payloads for u in range(label + 1, v + 1)):
-            chain = [nodes.payloads[u] for u in range(label + 1, v + 1)]
-            options.append((start_cost + sum(len(p) for p in chain), 0, prefix + "chain", start + chain, None))
-        if held is not None and not (self.exact_catchup and options):
-            diff = self._diff(server_round, node, base, g, held)
-            options.append((start_cost + len(diff), 1, prefix + "diff", start + [diff], (diff, *base)))
-        dense_cost = self.model.dense_bytes - extra_bytes
-        best = min(options, key=lambda o: (o[0], o[1]), default=None)
-        if best is None or best[0] >= dense_cost:
-            return "dense", [], 0, None
-        return best[2], best[3], label, best[4]
-
-    def _diff(self, server_round: int, node: int, base: tuple, g: np.ndarray, held: np.ndarray) -> bytes:
+    def _diff(self, server_round: int, node: int, base: Base, g: np.ndarray, held: np.ndarray) -> bytes:
         """``C(G - held)`` for ``node``. A codec that draws nothing from its seed (sign, STC, top-k,
-        fp16, ...) gives every node with the same shared base (``("init",)``, ``("version", u)``) the
+        fp16, ...) gives every node with the same shared base (the start, a version u) the
         same bytes: it is encoded once per round and the bytes are shared (1000 nodes, 10 % a round:
         ~100 encodes of the whole model a round were the same one). Seeded codecs and private copies
         are encoded per node."""
-        if base[0] == "private" or CODECS[self.compressor].seeded:
+        if base.kind is BaseKind.PRIVATE or CODECS[self.compressor].seeded:
             return self._compress(g - held, server_round, node)
         if base not in self._round_diffs:
             self._round_diffs[base] = self._compress(g - held, server_round, node)
@@ -459,9 +420,9 @@ class Downstream:
         b1 = self._settle(self._decode(payload).astype(first.dtype))
         if len(payload) >= self.model.dense_bytes:
             return  # nothing to gain: new nodes get the model dense
-        self._start, self.nodes.start = [payload], b1
+        self._start = [payload]
+        self.nodes.set_start(b1, first=True)
         self._start_init = SeededInit(0, dict.fromkeys(self.lossy_keys, 0.0))
-        self.nodes.versions[1] = b1
         scatter(self.model, self.lossy_keys, b1)
 
     def _check_init(self, target: FlatModel) -> np.ndarray | None:
@@ -541,7 +502,7 @@ class Downstream:
         weights = getattr(fold, "weights", None) if self.correction and self.model is not None else None
         if isinstance(weights, dict) and sent is None:
             raise ValueError("note_replies: the downstream correction needs the round's global model (sent)")
-        versions: dict[tuple, list] = {}
+        versions: dict[Base, list] = {}
         done = 0
         for stat in stats:
             node = stat["node"]
@@ -550,7 +511,7 @@ class Downstream:
             if not isinstance(weights, dict) or node not in weights or (found := self.nodes.copy_of(node)) is None:
                 continue
             key, vec = found
-            if key[0] == "private":
+            if key.kind is BaseKind.PRIVATE:
                 done += correct_for_copies(fold, self.lossy_keys, sent, [(vec, weights[node])], self.correction)
                 found = vec = None  # no reference past its fold: the budget may forget it at the next commit
             else:

@@ -305,8 +305,8 @@ def test_the_copy_budget_counts_the_nodes_statistics_copies():
     nodes.add_version(np.zeros(1000, np.float32))
     stat_vectors = (2 * 250 * 4 + 8) / (4 * 1000)  # one copy: 250 channels x 2 float32 + an int64, per 4,000 B
     for node in range(1, 41):
-        nodes.pending[node] = (nodes.version, None)
-        nodes.stats_pending[node] = _stats_copy(250)
+        nodes.send(node, nodes.version)
+        nodes.send_stats(node, _stats_copy(250))
         nodes.commit(node, rebuild=None)
         assert nodes.copies() <= 4 + 1e-12
     assert nodes.copies() == pytest.approx(1 + len(nodes.stats) * stat_vectors)

@@ -248,17 +248,17 @@ def test_a_round_of_catch_ups_holds_no_model_copy_per_node():
 def _shared_and_private(shared, private: int, entries: int, stats=None):
     """NodeCopies (budget 10) where the ``shared`` nodes hold version 1 (each with the statistics copy
     ``stats``, if given), node ``private`` a private copy made from version 2, and version 3 is the latest."""
-    from fedcomp.download.node_copies import NodeCopies
+    from fedcomp.download.node_copies import Base, BaseKind, Diff, NodeCopies
 
     nodes = NodeCopies(max_copies=10)
     nodes.add_version(np.zeros(entries, np.float32))
     for node in shared:
-        nodes.pending[node] = (1, None)
+        nodes.send(node, 1)
         if stats is not None:
-            nodes.stats_pending[node] = stats
+            nodes.send_stats(node, stats)
         nodes.commit(node, rebuild=None)
     nodes.add_version(np.ones(entries, np.float32))
-    nodes.pending[private] = (2, (b"diff", "version", 1))
+    nodes.send(private, 2, Diff(b"diff", Base(BaseKind.VERSION, 1)))
     nodes.commit(private, rebuild=lambda base, payload: base + 0.5)
     nodes.add_version(np.full(entries, 2.0, np.float32))
     nodes.drop_unheld()
@@ -299,18 +299,18 @@ def test_a_node_still_to_reply_keeps_the_base_of_its_catch_up():
     """Committing one reply over the budget used to be able to forget the private copy another node's
     catch-up diff was relative to, before that node replied: the node then became unknown (a new first
     contact next time, and its update could not be counted from its copy). Pending nodes are not evicted."""
-    from fedcomp.download.node_copies import NodeCopies
+    from fedcomp.download.node_copies import Base, BaseKind, Diff, NodeCopies
 
     nodes = NodeCopies(max_copies=3)
     nodes.add_version(np.zeros(100, np.float32))
     for node in (1, 2):  # both hold private copies
-        nodes.pending[node] = (1, (b"d", "version", 1))
+        nodes.send(node, 1, Diff(b"d", Base(BaseKind.VERSION, 1)))
         nodes.commit(node, rebuild=lambda base, payload: base + 1.0)
     nodes.add_version(np.ones(100, np.float32))
     nodes.drop_unheld()
     # this round: node 1 gets a diff from its private copy, node 2 one from its own; node 2 replies first
-    nodes.pending[1] = (2, (b"d", "private"))
-    nodes.pending[2] = (2, (b"d", "private"))
+    nodes.send(1, 2, Diff(b"d", Base(BaseKind.PRIVATE)))
+    nodes.send(2, 2, Diff(b"d", Base(BaseKind.PRIVATE)))
     nodes.max_copies = 2.0
     nodes.commit(2, rebuild=lambda base, payload: base + 1.0)
     assert 1 in nodes.private  # node 1's base survives node 2's commit
