@@ -20,17 +20,25 @@
 An expression (:func:`evaluate`) is arithmetic (``+ - * /`` between spaces, parentheses, numbers and
 :data:`FUNCTIONS` such as ``median(...)``) over paths into a result file: ``a.b`` (keys),
 ``[3]`` / ``[-1]`` (list items), ``[*]`` (every item), ``[case=sign+EF;partitioner=iid]`` (the one
-item whose fields match; ``!=``, ``>=``, ``<=`` too), ``[?partitioner=iid]`` (every item that matches),
-``[some key]`` (a key with spaces), ``key?`` (a field some records lack: None there, shown "-"). A path starts at the marker's file, at a table row's record (``@`` alone: the record), at ``$``
-(the table's file) or at ``NAME.json:`` (another result file). Lists combine item by item (``a[*].x - b[*].x``).
+item whose fields match; ``!=``, ``>=``, ``<=`` too), ``[?partitioner=iid]`` (every item that
+matches), ``[some key]`` (a key with spaces), ``key?`` (a field some records lack: None there, shown
+"-"). A path starts at the marker's file, at a table row's record (``@`` alone: the record), at
+``$`` (the table's file), at ``NAME.json:`` (another result file) or at ``#ID:`` (the records of a
+table of :data:`PAGE_TABLES`). Lists combine item by item (``a[*].x - b[*].x``).
+
+A table on a benchmark page that no result file holds (a list of pages, figures reported by someone
+else) says so on the line above it: ``<!-- not from a result file: why -->``;
+``tests/test_docs_figures.py`` holds every other table to be rendered here.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import pathlib
 import re
+import statistics
 import subprocess
 import sys
 import typing
@@ -39,11 +47,11 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:  # the docs build from a checkout without an editable install too
     sys.path.insert(0, str(REPO))
 
-RUN_CONFIG = re.compile(r"^<!-- run-config-reference -->$", re.M)
-CODEC_REF = re.compile(r"^<!-- codec-reference -->$", re.M)
-INCLUDE = re.compile(r"^<!-- include: (?P<path>[\w./-]+) -->$", re.M)
-RESULTS = re.compile(r"^<!-- results: (?P<names>[\w., -]+) -->$", re.M)
-TABLE = re.compile(r"^<!-- table: (?P<name>[\w.-]+\.json) -->$", re.M)
+RUN_CONFIG = re.compile(r"^<!-- run-config-reference -->$", re.MULTILINE)
+CODEC_REF = re.compile(r"^<!-- codec-reference -->$", re.MULTILINE)
+INCLUDE = re.compile(r"^<!-- include: (?P<path>[\w./-]+) -->$", re.MULTILINE)
+RESULTS = re.compile(r"^<!-- results: (?P<names>[\w., -]+) -->$", re.MULTILINE)
+TABLE = re.compile(r"^<!-- table: (?P<name>[\w.-]+\.json) -->$", re.MULTILINE)
 
 #: headings of the run-config groups (fedcomp.app.keys.GROUPS' names)
 GROUP_TITLES = {"app": "Federation, strategy, training, data and results", "codec": "Codec and compression policy",
@@ -76,7 +84,7 @@ def codec_reference() -> str:
 def _commit_date(path: pathlib.Path) -> str:
     try:
         out = subprocess.run(["git", "-C", str(REPO), "log", "-1", "--format=%cs", "--", str(path)],
-                             capture_output=True, text=True, timeout=30)
+                             capture_output=True, text=True, timeout=30, check=False)
     except (OSError, subprocess.SubprocessError):
         return "date unknown (no git)"
     return out.stdout.strip() or "uncommitted"
@@ -109,7 +117,7 @@ def results_table(name: str) -> str:
 # ---------------------------------------------------------------------------------------------------
 
 RESULTS_DIR = REPO / "benchmarks" / "results"
-SPEC_TABLE = re.compile(r"^<!-- table: (?P<id>[\w/-]+) -->$", re.M)
+SPEC_TABLE = re.compile(r"^<!-- table: (?P<id>[\w/-]+) -->$", re.MULTILINE)
 VALUE = re.compile(r"<!-- value: (?P<spec>.+?) -->")
 #: a placeholder of a cell template: ``{EXPR|FORMAT}``
 _PLACEHOLDER = re.compile(r"\{(?P<expr>[^{}|]+)\|(?P<fmt>[^{}]*)\}")
@@ -125,8 +133,6 @@ def result(name: str):
 
 @functools.cache
 def _load(path: str, mtime_ns: int):
-    import json
-
     return json.loads(pathlib.Path(path).read_text())
 
 
@@ -157,26 +163,23 @@ _SEGMENT = re.compile(r"\[(?P<sel>[^\]]*)\]|\.?(?P<key>[^.\[\]]+)")
 
 
 def _median(*values):
-    import statistics
-
     return statistics.median(_flat(values))
 
 
 def _mean(*values):
-    import statistics
-
     return statistics.fmean(_flat(values))
 
 
 def _flat(values):
-    return list(values[0]) if len(values) == 1 and isinstance(values[0], list) else list(values)
+    """The arguments of an aggregate as one list: list arguments (and lists in them) give their items."""
+    return [x for v in values for x in (_flat(v) if isinstance(v, list) else [v])]
 
 
 #: functions an expression may call; one list argument or several values
 FUNCTIONS = {
     "median": _median, "mean": _mean, "min": lambda *v: min(_flat(v)), "max": lambda *v: max(_flat(v)),
     "sum": lambda *v: sum(_flat(v)), "len": lambda v: len(v), "abs": lambda v: _elementwise(abs, v),
-    "sorted": lambda v: sorted(v), "list": lambda *v: list(v), "sd": lambda *v: __import__("statistics").stdev(_flat(v)),
+    "sorted": lambda v: sorted(v), "list": lambda *v: list(v), "sd": lambda *v: statistics.stdev(_flat(v)),
     "first": lambda v: v[0], "last": lambda v: v[-1],
     # first round whose accuracy reaches the target (1-based: a curve's item 0 is round 0)
     "reach": lambda curve, target: next((i for i, a in enumerate(curve) if i and a >= target), None),
@@ -279,7 +282,12 @@ class _Parser:
 
     def path(self, tok: str):
         m = re.match(r"^([\w.-]+\.json):", tok)
-        if m:
+        t = re.match(r"^#([\w/-]+):", tok)
+        if t:  # '#ID:': the records of a table of PAGE_TABLES (those its rows function computes)
+            table = PAGE_TABLES[t.group(1)]
+            self.files.add(table.file)
+            node, rest = table_records(table), tok[t.end():]
+        elif m:
             self.files.add(m.group(1))
             node, rest = result(m.group(1)), tok[m.end():]
         elif tok.startswith("$"):
@@ -289,8 +297,7 @@ class _Parser:
             node, rest = result(self.file), tok[1:]
         else:
             node, rest = self.root, tok
-        if rest.startswith("@"):  # '@': the record (or the file) itself
-            rest = rest[1:]
+        rest = rest.removeprefix("@")  # '@': the record (or the file) itself
         segments, pos = [], 0
         while pos < len(rest):
             seg = _SEGMENT.match(rest, pos)
@@ -416,12 +423,12 @@ def fmt(value, spec: str) -> str:
         return low if low == high else low.removesuffix(unit) + "-" + high
     if spec and spec[-1] in LIST_JOINS and spec not in FORMATS:
         if not isinstance(value, list):
-            raise ValueError(f"format {spec!r} wants a list, got {value!r}")
+            raise TypeError(f"format {spec!r} wants a list, got {value!r}")
         return LIST_JOINS[spec[-1]].join(fmt(v, spec[:-1]) for v in value)
     if value is None:
         return "-"
     if isinstance(value, list):
-        raise ValueError(f"a list {value!r} needs a joining format (e.g. {spec}/)")
+        raise TypeError(f"a list {value!r} needs a joining format (e.g. {spec}/)")
     if spec in FORMATS:
         return FORMATS[spec](value)
     return format(value, spec)
@@ -467,7 +474,9 @@ class Table:
     placeholders evaluated against the row's record, ``{label}`` for a :class:`Row`'s label and
     ``<<key>>`` for the record's field ``key`` (to reach its other records, e.g. per-seed runs); a
     header may hold placeholders too, evaluated against the file;
-    ``rows``: an expression that gives the records (in the file's order) or one :class:`Row` each;
+    ``rows``: an expression that gives the records (in the file's order), a function of the file's
+    data that computes them (with the benchmark's own functions, :func:`benchmark`), or one
+    :class:`Row` each;
     ``command``: what made the file when it records no ``command``/``commands`` (a function of the
     file's name where it differs per file; default: the usage line of the benchmark script the file
     is named after).
@@ -475,7 +484,7 @@ class Table:
 
     file: str
     columns: tuple
-    rows: str | tuple[Row, ...]
+    rows: str | typing.Callable | tuple[Row, ...]
     command: str | typing.Callable[[str], str] = ""
 
 
@@ -491,8 +500,8 @@ def table_cells(table: Table, files: set | None = None) -> tuple[list[str], list
     """The headers and the rendered cells of ``table``; the result files read go into ``files``."""
     files = set() if files is None else files
     files.add(table.file)
-    if isinstance(table.rows, str):
-        rows = [(None, rec, Row("", "")) for rec in evaluate(table.rows, file=table.file, files=files)]
+    if isinstance(table.rows, str) or callable(table.rows):
+        rows = [(None, rec, Row("", "")) for rec in table_records(table, files)]
     else:
         rows = [(r.label, evaluate(r.at, file=table.file, files=files), r) for r in table.rows]
     heads = [_PLACEHOLDER.sub(lambda m: fmt(evaluate(m.group("expr"), file=table.file, files=files), m.group("fmt")),
@@ -506,7 +515,7 @@ def table_cells(table: Table, files: set | None = None) -> tuple[list[str], list
                 template = re.sub(r"<<(\w+)>>", lambda m, rec=rec: _field(rec, m.group(1)), template)
             figures = []
 
-            def one(m, rec=rec, figures=figures):
+            def one(m, rec=rec, figures=figures, label=label, head=head):
                 try:
                     value = evaluate(m.group("expr"), root=rec, file=table.file, files=files)
                     text = fmt(value, m.group("fmt"))
@@ -528,6 +537,29 @@ def _field(rec: dict, key: str) -> str:
     if isinstance(value, list) and len(value) == 1:  # e.g. the seeds of a one-seed row
         value = value[0]
     return str(value)
+
+
+def table_records(table: Table, files: set | None = None) -> list:
+    """The records of a table whose rows are not named one by one: its expression's, or what its
+    rows function computes from the file (``rows(data)``)."""
+    if callable(table.rows):
+        if files is not None:
+            files.add(table.file)
+        return table.rows(result(table.file))
+    return evaluate(table.rows, file=table.file, files=files)
+
+
+@functools.cache
+def benchmark(name: str):
+    """``benchmarks/NAME.py`` as a module, for a table that a benchmark's own functions compute from
+    its result file (imported once per build)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"fedcomp_benchmark_{name}", REPO / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 @functools.cache
@@ -712,6 +744,104 @@ PAGE_TABLES["scale/client"] = Table("scale.json", (
     ("one `torch.sum` / the codec's own payloads", "{sum_over_default_codec|.3f}x"),
     ("peak RSS growth", "{peak_growth_x_model|x2}"),
 ), "client[*]", command="python benchmarks/scale.py --only-client")
+
+# --- secagg.md: benchmarks/secagg.py (rows by label; int64 rows ran one round for their bytes)
+_SAME = {"accuracy, round 50": "(same as packed)"}
+PAGE_TABLES["secagg"] = Table("secagg.json", (
+    ("configuration", "{label}"), ("bits/param", "{bits-per-parameter|.3f}", "---:"),
+    ("accuracy, round 50", "{final-accuracy|pct}", "---:"),
+), (
+    Row("plain FedAvg, fp32, no SecAgg", "rows[label=plain FedAvg fp32 (no SecAgg, no compression)]"),
+    Row("SecAgg+ dense as Flower ships it (int64)", "rows[label=SecAgg+ dense, Flower int64 (today)]", cells=_SAME),
+    Row("SecAgg+ dense, packed ({modulus-bits|int}-bit modulus)", "rows[label=SecAgg+ dense, packed]"),
+    Row("plain random-k d = 1/16, per-client positions, no SecAgg", "rows[label=plain randomk d=0.0625 (no SecAgg)]"),
+    Row("SecAgg+ shared random-k d = 1/16, int64", "rows[label=SecAgg+ randomk d=0.0625, int64]", cells=_SAME),
+    Row("SecAgg+ shared random-k d = 1/16, packed", "rows[label=SecAgg+ randomk d=0.0625, packed]"),
+    Row("SecAgg+ shared random-k d = 1/16, packed + rotation", "rows[label=SecAgg+ randomk d=0.0625, packed + rotation]",
+        bold=(2,)),
+    Row("plain random-k d = 1/64, per-client positions, no SecAgg", "rows[label=plain randomk d=0.015625 (no SecAgg)]"),
+    Row("SecAgg+ shared random-k d = 1/64, int64", "rows[label=SecAgg+ randomk d=0.015625, int64]", cells=_SAME),
+    Row("SecAgg+ shared random-k d = 1/64, packed", "rows[label=SecAgg+ randomk d=0.015625, packed]"),
+    Row("SecAgg+ shared random-k d = 1/64, packed + rotation", "rows[label=SecAgg+ randomk d=0.015625, packed + rotation]"),
+    *(Row(label, f"secagg_density005.json:rows[label={case}]", bold=bold,
+          cells={"accuracy, round 50": "{final-accuracy|pct} ({finals|p/})"})
+      for label, case, bold in (
+          ("plain random-k d = 0.05, no SecAgg (2 seeds)", "plain randomk d=0.05 (no SecAgg)", ()),
+          ("SecAgg+ shared random-k d = 0.05, packed (2 seeds)", "SecAgg+ randomk d=0.05, packed", (1,)),
+          ("SecAgg+ shared random-k d = 0.05, packed + rotation (2 seeds)",
+           "SecAgg+ randomk d=0.05, packed + rotation", (1, 2)))),
+), command=lambda name: {"secagg_density005.json": "python benchmarks/secagg.py --skip-dense --densities 0.05 "
+                                                     "--seeds 42 43 --out benchmarks/results/secagg_density005.json"}
+    .get(name, "python benchmarks/secagg.py"))
+_PER_SEED_ACC = "{final-accuracy|pct} ({finals|p/})"
+PAGE_TABLES["secagg/bits"] = Table("secagg_bits.json", (
+    ("configuration", "{label}"), ("modulus bits", "{modulus-bits?|int}", "---:"),
+    ("bits/param", "{bits-per-parameter|.3f}", "---:"),
+    ("accuracy, round 50: median (per seed)", _PER_SEED_ACC, "---:"),
+), tuple(Row(label, f"rows[label={case}]", bold=bold) for label, case, bold in (
+    ("plain FedAvg, fp32, no SecAgg", "plain FedAvg fp32 (no SecAgg, no compression)", ()),
+    ("SecAgg+ shared random-k d = 1/16, rotation, 16-bit, c = 1",
+     "SecAgg+ randomk d=0.0625, 16-bit, c=1, packed + rotation", ()),
+    ("SecAgg+ shared random-k d = 1/16, rotation, 8-bit, c = 0.05",
+     "SecAgg+ randomk d=0.0625, 8-bit, c=0.05, packed + rotation", ()),
+    ("SecAgg+ shared random-k d = 1/16, rotation, 4-bit, c = 0.05",
+     "SecAgg+ randomk d=0.0625, 4-bit, c=0.05, packed + rotation", ()),
+    ("**SecAgg+ shared random-k d = 1/16, rotation, 3-bit, c = 0.05**",
+     "SecAgg+ randomk d=0.0625, 3-bit, c=0.05, packed + rotation", (2, 3)),
+    ("SecAgg+ shared random-k d = 0.07, rotation, 3-bit, c = 0.05", "SecAgg+ randomk d=0.07, 3-bit, c=0.05, packed + rotation", ()),
+    ("SecAgg+ shared random-k d = 1/16, rotation, 2-bit, c = 0.05",
+     "SecAgg+ randomk d=0.0625, 2-bit, c=0.05, packed + rotation", ()),
+    ("SecAgg+ shared random-k d = 0.095, rotation, 1-bit, c = 0.05",
+     "SecAgg+ randomk d=0.095, 1-bit, c=0.05, packed + rotation", ()),
+)))
+_ONE_SEED_ACC = {"accuracy, round 50: median (per seed)": "{final-accuracy|pct} (one seed)"}
+_FP32_BITS = "rows[label=plain FedAvg fp32 (no SecAgg, no compression)]"
+PAGE_TABLES["secagg/server-step"] = Table("secagg_bits2.json", (
+    ("configuration", "{label}"), ("modulus bits", "{modulus-bits?|int}", "---:"),
+    ("bits/param", "{bits-per-parameter|.3f}", "---:"),
+    ("accuracy, round 50: median (per seed)", _PER_SEED_ACC, "---:"),
+    ("every 10 rounds (first seed)", "{accuracy-every-10-rounds[0]|p0,}"),
+), (
+    Row("plain FedAvg, fp32, no SecAgg (`secagg_bits.json`)", "secagg_bits.json:" + _FP32_BITS,
+        cells={"every 10 rounds (first seed)": "{$." + _FP32_BITS + ".accuracy-every-10-rounds[0]|p0,}"}),
+    *(Row(label, f"rows[label={case}]", bold=bold, cells=_ONE_SEED_ACC if one else {}) for label, case, bold, one in (
+        ("d = 1/16, 3-bit, step 1", "SecAgg+ randomk d=0.0625, 3-bit, c=0.05, packed + rotation (the former secagg = true alone)",
+         (), True),
+        ("d = 1/16, 16-bit, c = 1, step 1", "SecAgg+ randomk d=0.0625, 16-bit, c=1, packed + rotation", (), True),
+        ("d = 1/8, 3-bit, step 1", "SecAgg+ randomk d=0.125, 3-bit, c=0.05, packed + rotation", (), True),
+        ("d = 1/4, 3-bit, step 1", "SecAgg+ randomk d=0.25, 3-bit, c=0.05, packed + rotation", (), True),
+        ("d = 1/16, 3-bit, step 2", "SecAgg+ randomk d=0.0625, 3-bit, c=0.05, packed + rotation, server-lr 2", (), True),
+        ("d = 1/16, 3-bit, step 4", "SecAgg+ randomk d=0.0625, 3-bit, c=0.05, packed + rotation, server-lr 4", (), False),
+        ("d = 0.07, 3-bit, step 4", "SecAgg+ randomk d=0.07, 3-bit, c=0.05, packed + rotation, server-lr 4", (), False),
+        ("**`secagg = true` alone: d = 0.07, 3-bit, c = 0.05, rotation, step 4**",
+         "SecAgg+ secagg = true alone (now: d=0.07, 3-bit, c=0.05, rotation, server-lr 4)", (2, 3), False),
+        ("d = 0.07, 3-bit, step 4 falling linearly to 1 at round 50 (`secagg-server-lr-decay`)",
+         "SecAgg+ randomk d=0.07, 3-bit, c=0.05, packed + rotation, server-lr 4 falling to 1 (secagg-server-lr-decay)", (),
+         False),
+        ("d = 0.082, 2-bit, step 4", "SecAgg+ randomk d=0.082, 2-bit, c=0.05, packed + rotation, server-lr 4", (), False),
+    )),
+))
+
+# --- links.md: benchmarks/links.py's own comparison (compare, link_floor) of each run in links.json
+def _links_rows(data: dict) -> list[dict]:
+    links = benchmark("links")
+    out = []
+    for row in data["rows"]:
+        floor = links.link_floor(data["rows"], row["codec"])
+        speed = "unshaped" if row["uplink-mbps"] is None else f"{row['uplink-mbps']:g} / {row['downlink-mbps']:g}"
+        out.append({"codec": row["codec"], "speed": speed + (f", RTT {row['rtt-ms']:g} ms" if row.get("rtt-ms") else ""),
+                    "rtt-ms": row.get("rtt-ms"), "uplink-mbps": row["uplink-mbps"], "rounds": row["rounds-to-target"],
+                    "floor": floor, **links.compare(row, floor)})
+    return out
+
+
+PAGE_TABLES["links"] = Table("links.json", (
+    ("codec", "{codec|str}"), ("up / down Mbit/s", "{speed|str}"), ("rounds to 90 %", "{rounds|int}"),
+    ("measured s", "{measured|.1f}", "---:"), ("computed s", "{computed|.1f}", "---:"), ("ratio", "{ratio|.2f}", "---:"),
+    ("transfers-only model s", "{old|.1f}", "---:"), ("ratio to it", "{ratio-old|.2f}", "---:"),
+    ("link part measured s", "{link-measured|.2f}", "---:"), ("link part computed s", "{link-computed|.2f}", "---:"),
+    ("ratio link", "{ratio-link|.2f}", "---:"), ("poll wait s/round", "{overhead-per-round|.1f}", "---:"),
+), _links_rows, command="sudo python benchmarks/links.py")
 
 # --- codecs.md: benchmarks/codecs.py (sizes and errors; the throughput mode), decode_memory.py
 PAGE_TABLES["codecs/gaussian"] = Table("codecs.json", (

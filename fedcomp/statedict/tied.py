@@ -13,11 +13,12 @@ memory as an earlier name's (same storage pointer, offset, shape, strides and dt
 Tensors that merely overlap (a view of part of another) are not aliases: both travel.
 
 The server sees no memory, only values: a third-party app that sends a tied tensor under both names
-sends two equal entries. `equal_groups` finds such entries in the first global model (bit-identical
-float tensors of one shape and dtype whose values look like a random draw, so that two separate
-tensors that merely start at the same constant, such as the zero BatchNorm biases of a residual
-block and of its shortcut, are not taken for one), `find_tied` logs them, and `tie_record` gives
-every name of a group the same values in each round's aggregate (their mean).
+sends two equal entries. `equal_groups` finds such entries in the first global model: bit-identical
+float tensors of one shape and dtype whose values look like a random draw (two separate tensors that
+merely start at the same constant, such as the zero BatchNorm biases of a residual block and of its
+shortcut, are not taken for one) and that are not the same place in two copies of one module (the
+deep-copied layers of ``torch.nn.TransformerEncoder``). `find_tied` logs the groups, and
+`tie_record` gives every name of a group the same values in each round's aggregate (their mean).
 """
 
 from __future__ import annotations
@@ -121,12 +122,15 @@ def looks_random(x: np.ndarray) -> bool:
 
 def equal_groups(model: FlatModel) -> list[tuple[str, ...]]:
     """Groups of float tensors of ``model`` that are one tensor under several names, as far as values
-    tell: the same shape and dtype, bit-identical, and random-looking (`looks_random`).
+    tell: the same shape and dtype, bit-identical, and random-looking (`looks_random`), and not the
+    same place in two copies of one module (`copied_modules`).
 
     Two separate parameters drawn at random do not start bit-identical; a tensor shared by two names
     (tied input/output embeddings sent as two entries) always is. Tensors that start at the same
     constant (the zero biases of two BatchNorm layers) are never grouped: nothing in their values
-    says they are one tensor.
+    says they are one tensor. Nor are the layers of a module copied with ``copy.deepcopy`` (the
+    layers of ``torch.nn.TransformerEncoder``, an EMA teacher), whose every random tensor starts
+    equal to its copy's.
 
     Returns
     -------
@@ -141,16 +145,47 @@ def equal_groups(model: FlatModel) -> list[tuple[str, ...]]:
         if looks_random(x):
             spec = model.specs[k]
             candidates.setdefault((spec.shape, spec.dtype, _sample(x.view(bits)).tobytes()), []).append(k)
-    groups = []
+    equal: list[list[str]] = []  # classes of bit-identical random-looking tensors (two names or more)
     for keys in candidates.values():
         while len(keys) > 1:
             first = model.float_view(keys[0]).view(bits)
             same = [k for k in keys[1:] if np.array_equal(first, model.float_view(k).view(bits))]
             if same:
-                groups.append((keys[0], *same))
+                equal.append([keys[0], *same])
             keys = [k for k in keys[1:] if k not in same]
+    class_of = {k: i for i, keys in enumerate(equal) for k in keys}
+    groups = []
+    for keys in equal:  # names joined by a pair that is not a copy; each connected part is a group
+        parts = {k: {k} for k in keys}
+        for i, a in enumerate(keys):
+            for b in keys[i + 1:]:
+                if parts[a] is not parts[b] and not copied_modules(a, b, class_of):
+                    merged = parts[a] | parts[b]
+                    for k in merged:
+                        parts[k] = merged
+        seen = []
+        for part in parts.values():
+            if len(part) > 1 and part not in seen:
+                seen.append(part)
+                groups.append(tuple(k for k in keys if k in part))
     order = {k: i for i, k in enumerate(model.keys)}
     return sorted(groups, key=lambda g: order[g[0]])
+
+
+def copied_modules(a: str, b: str, class_of: Mapping[str, int]) -> bool:
+    """Whether names ``a`` and ``b`` are the same place in two copies of one module: with their common
+    dotted tail taken off (``layers.0`` and ``layers.1`` for ``layers.0.linear1.weight`` and
+    ``layers.1.linear1.weight``), another name under the one prefix has its counterpart under the other
+    in the same class of bit-identical random-looking tensors (``class_of``: name -> class). Tied
+    embeddings are not: nothing else under ``transformer.wte`` matches anything under ``lm_head``."""
+    pa, pb = a.split("."), b.split(".")
+    while len(pa) > 1 and len(pb) > 1 and pa[-1] == pb[-1]:
+        pa, pb = pa[:-1], pb[:-1]
+    head_a, head_b = ".".join(pa) + ".", ".".join(pb) + "."
+    for k, c in class_of.items():
+        if k.startswith(head_a) and k != a and class_of.get(head_b + k[len(head_a):]) == c:
+            return True
+    return False
 
 
 def find_tied(model: FlatModel) -> list[tuple[str, ...]]:
@@ -216,5 +251,5 @@ def tie_list(arrays: list[np.ndarray], groups: Iterable[Sequence[str]]) -> list[
     return list(values.values())
 
 
-__all__ = ["MIN_DISTINCT", "equal_groups", "find_tied", "looks_random", "retie", "tie_arrays", "tie_list",
+__all__ = ["MIN_DISTINCT", "copied_modules", "equal_groups", "find_tied", "looks_random", "retie", "tie_arrays", "tie_list",
            "tie_record", "tied_aliases", "untie"]

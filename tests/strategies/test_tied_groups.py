@@ -22,7 +22,7 @@ from fedcomp.client import compression_mod
 from fedcomp.privacy import ClientLevelDP
 from fedcomp.run.inprocess_grid import InProcessGrid
 from fedcomp.statedict import FlatModel, to_record
-from fedcomp.statedict.tied import equal_groups, looks_random, tie_list, tie_record
+from fedcomp.statedict.tied import equal_groups, find_tied, looks_random, tie_list, tie_record
 from fedcomp.strategies import CompressedStrategy
 
 KEPT = "kept tied"
@@ -319,6 +319,50 @@ def test_only_random_looking_bit_identical_tensors_of_one_shape_and_dtype_are_gr
     h = {"x": r.astype(np.float16), "y": r.astype(np.float16), "z": r.astype(np.float32)}  # dtype counts
     assert equal_groups(FlatModel.from_numpy(h)) == [("x", "y")]
     assert not looks_random(np.zeros(1000, np.float32)) and looks_random(rng.standard_normal(16))
+
+
+class Seq2Seq(nn.Module):
+    """T5's and BART's sharing: one embedding under four names, next to layers drawn apart."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared = nn.Embedding(30, 8)
+        self.encoder, self.decoder = nn.Module(), nn.Module()
+        self.encoder.embed_tokens, self.encoder.proj = self.shared, nn.Linear(8, 8)
+        self.decoder.embed_tokens, self.decoder.proj = self.shared, nn.Linear(8, 8)
+        self.lm_head = nn.Linear(8, 30, bias=False)
+        self.lm_head.weight = self.shared.weight
+
+
+class WithTeacher(nn.Module):
+    """A student and its EMA teacher, made by ``copy.deepcopy``: every tensor starts equal to its copy."""
+
+    def __init__(self) -> None:
+        import copy
+
+        super().__init__()
+        self.student = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2, bias=False))
+        self.teacher = copy.deepcopy(self.student)
+
+
+def test_copies_of_a_module_are_not_tied_but_a_tensor_shared_by_four_names_is(caplog):
+    """The layers of torch.nn.TransformerEncoder are deep copies of one layer, and an EMA teacher a deep copy
+    of its student: each random tensor equals its copy's at the start, but so does every other one under
+    the two modules (a copy, not a tie). T5/BART's embedding under four names is one group."""
+    def groups(model: nn.Module) -> list[tuple[str, ...]]:
+        return equal_groups(FlatModel.from_record(to_record(model.state_dict())))
+
+    torch.manual_seed(0)
+    encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, batch_first=True), 3,
+                                    enable_nested_tensor=False)
+    sd = encoder.state_dict()
+    assert torch.equal(sd["layers.0.linear1.weight"], sd["layers.2.linear1.weight"])
+    with caplog.at_level(logging.INFO, logger="flwr"):
+        assert find_tied(FlatModel.from_record(to_record(sd))) == []
+    assert _kept_lines(caplog) == []
+    assert groups(WithTeacher()) == []  # the last layer has no bias: its weight alone would look tied
+    assert groups(Seq2Seq()) == [("shared.weight", "encoder.embed_tokens.weight", "decoder.embed_tokens.weight",
+                                  "lm_head.weight")]
 
 
 def test_bf16_tensors_are_grouped_and_tied_in_their_dtype():
