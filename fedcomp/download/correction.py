@@ -75,8 +75,9 @@ def correct_for_copies(fold, keys: list[str], sent: FlatModel, copies: Iterable[
 
     Parameters
     ----------
-    fold : MeanFold
-        The round's fold (``running``: the weighted sum). Any fold without per-client weights
+    fold : Fold
+        The round's fold (`fedcomp.strategies.aggregate.Fold`): with per-client ``weights`` (a dict), the
+        terms go into its weighted sum through ``fold.shift(key, values)``; a fold without them
         (client-level DP's clipped sum, dense replies) is left as it is.
     keys : list of str
         The compressed part's tensors (each ``H`` is their values concatenated in model order);
@@ -107,7 +108,7 @@ def correct_for_copies(fold, keys: list[str], sent: FlatModel, copies: Iterable[
             buf = scratch[:n]
             np.subtract(h[off: off + n], sent.float_view(k).ravel(), out=buf, dtype=np.float64)
             buf *= c * w
-            fold.running.acc[k] += buf
+            fold.shift(k, buf)
             off += n
         done += 1
     return done

@@ -5,7 +5,8 @@
   entries (O(k) per client), dense parts segment by segment, in chunks. Nothing per client stays.
 - `ExactVotes` does the same for integer/bool tensors by the rules of
   `fedcomp.statedict.integer_mean` and `fedcomp.statedict.bool_majority`.
-- The fold policies say what one accepted reply adds: `MeanFold` (weighted mean, the
+- The folds say what one accepted reply adds and what the round gives, through one interface
+  (`Fold`: ``add`` each reply, ``finish`` once, a `FoldResult`): `MeanFold` (weighted mean, the
   FedAvg family), `ClippedFold` (client-level DP: clip each decoded update, unweighted
   sum), `DenseFold` (every reply rebuilt as dense weights, for any other strategy).
 - `in_model_dtypes` turns the aggregate back into the model's dtypes and shapes.
@@ -17,8 +18,9 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, Message, MetricRecord
@@ -211,6 +213,48 @@ class ExactVotes:
         return {k: v.copy() for k, v in self._result.items()}
 
 
+@dataclass
+class FoldResult:
+    """What a round's fold gives (`Fold.finish`).
+
+    Attributes
+    ----------
+    exact : dict of str to np.ndarray
+        The integer/bool tensors of the aggregate.
+    arrays : ArrayRecord or None
+        The folded aggregate as dense weights (the weighted mean, or client-level DP's noisy mean);
+        None when the fold keeps every reply instead (`replies`).
+    total_weight : float
+        The weights folded in (what a pre-aggregated reply carries to the inner strategy).
+    replies : list of Message or None
+        Every accepted reply as dense weights, for an inner strategy that needs them (`DenseFold`).
+    final : bool
+        `arrays` is the round's result as it stands: the inner strategy does not aggregate it
+        (client-level DP's released mean).
+    dp_info : dict
+        The round's DP figures (client-level DP; else empty).
+    """
+
+    exact: dict[str, np.ndarray]
+    arrays: ArrayRecord | None = None
+    total_weight: float = 0.0
+    replies: list[Message] | None = None
+    final: bool = False
+    dp_info: dict = field(default_factory=dict)
+
+
+class Fold(Protocol):
+    """What every fold offers the round: ``add`` each accepted reply as it is decoded, then ``finish``
+    once; ``weights`` maps each node to the weight its update was folded with, or is None for a fold
+    without per-client weights (the downstream correction applies only where it is a dict)."""
+
+    weights: dict[int, float] | None
+
+    def add(self, reply: Message, decoded: TrainReply) -> None: ...
+
+    def finish(self, sampled: float) -> FoldResult | None: ...
+
+
 class MeanFold:
     """Weighted mean: ``sum_i w_i delta_i`` and the exact tensors' votes, reply by reply.
 
@@ -231,6 +275,19 @@ class MeanFold:
         self.weights[reply.metadata.src_node_id] = decoded.weight
         self.votes.add(decoded.update.exact, decoded.weight)
 
+    def shift(self, key: str, values: np.ndarray) -> None:
+        """Add ``values`` (float64, tensor ``key``'s flat size) to the weighted sum of tensor ``key``: a
+        weighted term that is not a reply's update (`fedcomp.download.correction.correct_for_copies`)."""
+        self.running.acc[key] += values
+
+    def finish(self, sampled: float) -> FoldResult | None:
+        """The weighted mean ``G + sum_i w_i delta_i / sum_i w_i`` as dense weights (the sum's buffers
+        freed tensor by tensor), or None when nothing was folded in. ``sampled`` is not used."""
+        if not self.running.count:
+            return None
+        exact = self.votes.result()
+        return FoldResult(exact, self.running.mean_record(exact, portable=True), self.running.total)
+
 
 class ClippedFold:
     """Client-level DP (DP-FedAvg): each decoded update clipped to ``clipping_norm`` and summed
@@ -244,8 +301,11 @@ class ClippedFold:
         Clipping, noise and the accountant.
     """
 
+    #: no per-client weights: the updates are summed unweighted after clipping
+    weights = None
+
     def __init__(self, model: FlatModel, client_dp: ClientLevelDP) -> None:
-        self.running, self.client_dp = RunningSum(model), client_dp
+        self.model, self.running, self.client_dp = model, RunningSum(model), client_dp
         #: The decoded updates' L2 norms before clipping.
         self.norms: list[float] = []
 
@@ -255,9 +315,16 @@ class ClippedFold:
         self.norms.append(norm)
         self.running.add(decoded.update, self.client_dp.clip_factor(norm), 1.0)
 
-    def finish(self, sampled: float) -> tuple[np.ndarray, dict[str, float]]:
-        """The noisy mean over ``sampled`` clients (flat float32) and the DP figures of the round."""
-        return self.client_dp.finish(self.running.flat(), self.norms, max(sampled, 1e-12))
+    def finish(self, sampled: float) -> FoldResult | None:
+        """The noisy mean over ``sampled`` clients and the DP figures of the round, the integer/bool
+        tensors at their global values; None when nothing was sampled and nothing folded in. A round that
+        sampled always runs the mechanism: without accepted replies it releases the noise alone (and
+        the accountant counts it)."""
+        if not self.running.count and not sampled > 0:
+            return None
+        agg, dp_info = self.client_dp.finish(self.running.flat(), self.norms, max(sampled, 1e-12))
+        return FoldResult(self.model.exact, self.model.record(agg, check=False, portable=True), final=True,
+                          dp_info=dp_info)
 
 
 class DenseFold:
@@ -272,6 +339,9 @@ class DenseFold:
     remainders : dict, optional
         The integer rule's carried rounding remainders (`ExactVotes`).
     """
+
+    #: no per-client weights in the fold: the inner strategy weighs the replies itself
+    weights = None
 
     def __init__(self, model: FlatModel, record_key: str, remainders: dict[str, np.ndarray] | None = None) -> None:
         self.model, self.record_key = model, record_key
@@ -288,6 +358,11 @@ class DenseFold:
                                                            update.exact, check=False, portable=True)
         reply.content["metrics"] = MetricRecord(decoded.metrics)
         self.replies.append(reply)
+
+    def finish(self, sampled: float) -> FoldResult | None:
+        """Every accepted reply as dense weights (for the inner strategy) and the exact tensors' votes;
+        None without replies. ``sampled`` is not used."""
+        return FoldResult(self.votes.result(), replies=self.replies) if self.replies else None
 
 
 def in_model_dtypes(arrays: ArrayRecord, model: FlatModel, exact: dict[str, np.ndarray],
@@ -346,5 +421,5 @@ def in_model_dtypes(arrays: ArrayRecord, model: FlatModel, exact: dict[str, np.n
     return out
 
 
-__all__ = ["CHUNK", "ClippedFold", "DenseFold", "ExactVotes", "MeanFold", "RunningSum", "dense_memory_note",
-           "identity_on_one_reply", "in_model_dtypes", "streams"]
+__all__ = ["CHUNK", "ClippedFold", "DenseFold", "ExactVotes", "Fold", "FoldResult", "MeanFold", "RunningSum",
+           "dense_memory_note", "identity_on_one_reply", "in_model_dtypes", "streams"]

@@ -14,7 +14,7 @@ from flwr.common.logger import log
 
 from fedcomp.privacy import ClientLevelDP
 from fedcomp.statedict import FlatModel
-from fedcomp.strategies.aggregate import ClippedFold, DenseFold, MeanFold, dense_memory_note, streams
+from fedcomp.strategies.aggregate import ClippedFold, DenseFold, Fold, MeanFold, dense_memory_note, streams
 from fedcomp.strategies.handover import record_key
 
 
@@ -34,7 +34,7 @@ class FoldPolicy:
         self._dense_noted = False  # the dense path's memory cost is logged once per run
 
     def new_fold(self, model: FlatModel, clients: int, client_dp: ClientLevelDP | None,
-                 remainders: dict[str, np.ndarray]):
+                 remainders: dict[str, np.ndarray]) -> Fold:
         """The fold of the round: `aggregate.ClippedFold` with ``client_dp``, else
         `aggregate.MeanFold` for a weighted-mean inner strategy, else
         `aggregate.DenseFold` (its memory cost, ``clients`` x model, logged once).

@@ -1,8 +1,8 @@
 """Handing a round's fold to the inner strategy, and the aggregate back in the model's dtypes.
 
-Three ways, by folding policy (`aggregate`):
+Three ways, by what the round's fold gives (`aggregate.Fold.finish`, a `aggregate.FoldResult`):
 
-- client-level DP (``ClippedFold``): the noisy mean is the aggregate; the inner strategy's
+- a final aggregate (``ClippedFold``, client-level DP): the noisy mean is the aggregate; the inner strategy's
   averaging is replaced; every round that sampled runs the mechanism, an empty one included
   (Poisson sampling may pick nobody): the noise alone is released and the round is counted;
 - weighted mean (``MeanFold``): the inner strategy gets ONE pre-aggregated reply (an accepted
@@ -11,7 +11,7 @@ Three ways, by folding policy (`aggregate`):
   that reply, so it is used directly;
 - dense (``DenseFold``): the inner strategy gets every reply as dense weights.
 
-Integer/bool tensors come from fedcomp's own rule (``fold.votes``), whatever the inner strategy
+Integer/bool tensors come from fedcomp's own rule (``FoldResult.exact``), whatever the inner strategy
 does. What the inner strategy reads is asked of it, never guessed: the weighting metric
 (Flower's ``weighted_by_key``), the record key (``arrayrecord_key``) and its metric aggregation
 (``train_metrics_aggr_fn``), found along the wrapper chain (`wrapping.find_attr`). Names found to
@@ -31,7 +31,7 @@ from flwr.common.logger import log
 
 from fedcomp.statedict import FlatModel
 from fedcomp.statedict.tied import tie_record
-from fedcomp.strategies.aggregate import ClippedFold, DenseFold, MeanFold, identity_on_one_reply, in_model_dtypes
+from fedcomp.strategies.aggregate import FoldResult, identity_on_one_reply, in_model_dtypes
 from fedcomp.strategies.replies import RoundReplies
 from fedcomp.strategies.wrapping import find_attr
 
@@ -89,20 +89,17 @@ def hand_over(inner: Any, server_round: int, model: FlatModel, got: RoundReplies
         releases the noise alone and is counted by the accountant), when the inner strategy returns none, or when
         the aggregate is not finite in the model's dtypes (logged; the global model is kept).
     """
-    fold, dp_info, metrics = got.fold, {}, None
-    if not got.metric_contents and not (isinstance(fold, ClippedFold) and sampled > 0):
+    result = got.fold.finish(sampled)
+    if result is None:
         return None, None, {}
-    if isinstance(fold, ClippedFold):
-        agg, dp_info = fold.finish(sampled)
-        arrays, exact = model.record(agg, check=False, portable=True), model.exact
-    elif isinstance(fold, MeanFold) and identity_on_one_reply(inner):
+    exact, dp_info, metrics = result.exact, result.dp_info, None
+    if result.final:
+        arrays = result.arrays
+    elif result.replies is None and identity_on_one_reply(inner):
         # FedAvg of one reply is that reply (weight factor w / w = 1.0 exactly): no copies to hand over.
-        exact = fold.votes.result()
-        arrays = fold.running.mean_record(exact, portable=True)
-        metrics = mean_metrics(inner, got.metric_contents)
+        arrays, metrics = result.arrays, mean_metrics(inner, got.metric_contents)
     else:
-        exact = fold.votes.result()
-        arrays, metrics = _inner_aggregate(inner, server_round, exact, got, tied)
+        arrays, metrics = _inner_aggregate(inner, server_round, result, got, tied)
     if arrays is None:
         return None, metrics, dp_info
     tie_record(arrays, tied)
@@ -114,20 +111,20 @@ def hand_over(inner: Any, server_round: int, model: FlatModel, got: RoundReplies
         return None, metrics, dp_info
 
 
-def _inner_aggregate(inner: Any, server_round: int, exact: dict[str, np.ndarray], got: RoundReplies,
+def _inner_aggregate(inner: Any, server_round: int, result: FoldResult, got: RoundReplies,
                      tied: Sequence[Sequence[str]] = ()) -> tuple[ArrayRecord | None, MetricRecord | None]:
     """The inner strategy's aggregate of every dense reply, or of one pre-aggregated reply (an
     accepted reply's Message, its content replaced) carrying the total weight; the ``tied`` names
     tied in what it gets."""
-    fold, wkey = got.fold, weight_key(inner)
+    wkey = weight_key(inner)
     means: MetricRecord | None = None
-    if isinstance(fold, DenseFold):
-        replies = fold.replies
+    if result.replies is not None:
+        replies = result.replies
     else:
         means = mean_metrics(inner, got.metric_contents)
         got.carrier.content = RecordDict({
-            record_key(inner): fold.running.mean_record(exact, portable=True),
-            "metrics": MetricRecord({**dict(means), wkey: _as_weight(fold.running.total)})})
+            record_key(inner): result.arrays,
+            "metrics": MetricRecord({**dict(means), wkey: _as_weight(result.total_weight)})})
         replies = [got.carrier]
     for reply in replies if tied else ():
         tie_record(reply.content[record_key(inner)], tied)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from logging import WARNING
-from typing import Any
 
 from flwr.app import Message, MetricRecord, RecordDict
 from flwr.common.logger import log
@@ -21,6 +20,7 @@ from fedcomp.protocol.device import reported_machine
 from fedcomp.protocol.messages import REPORT_KEYS
 from fedcomp.statedict import FlatModel
 from fedcomp.strategies.admission import admit
+from fedcomp.strategies.aggregate import Fold
 from fedcomp.strategies.decode import decode_train_reply
 from fedcomp.strategies.failures import (MAX_REASON_CHARS, MAX_REFUSAL_CHARS, misaddressed_note, oom_confirmations,
                                          printable, round_failures)
@@ -33,7 +33,7 @@ class RoundReplies:
 
     Attributes
     ----------
-    fold : MeanFold, ClippedFold or DenseFold
+    fold : Fold
         The round's folding policy (`aggregate`), holding every accepted update.
     carrier : Message or None
         An accepted reply, whose Message can carry the pre-aggregated reply to the inner strategy.
@@ -54,7 +54,7 @@ class RoundReplies:
         Error replies charged to no node (`failures.round_failures`).
     """
 
-    fold: Any
+    fold: Fold
     carrier: Message | None = None
     metric_contents: list[RecordDict] = field(default_factory=list)
     stats: list[dict] = field(default_factory=list)
@@ -66,7 +66,7 @@ class RoundReplies:
     uncharged: int = 0
 
 
-def fold_replies(server_round: int, replies: list[Message], fold: Any, model: FlatModel, weight_key: str,
+def fold_replies(server_round: int, replies: list[Message], fold: Fold, model: FlatModel, weight_key: str,
                  max_num_examples: int, refuse_dense: str = "", keep_exact: bool = True,
                  ) -> RoundReplies:
     """Decode every reply in the given order and fold the good ones into ``fold``.
@@ -77,7 +77,7 @@ def fold_replies(server_round: int, replies: list[Message], fold: Any, model: Fl
         For the log.
     replies : list of Message
         The admitted replies, in the order to fold them (error replies are skipped: `note_failures`).
-    fold : MeanFold, ClippedFold or DenseFold
+    fold : Fold
         Where accepted updates go (``fold.add(reply, decoded)``).
     model : FlatModel
         The global model the clients were sent.
