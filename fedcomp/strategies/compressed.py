@@ -24,7 +24,8 @@ from fedcomp.strategies.admission import admit, check_max_num_examples
 from fedcomp.strategies.aggregate import streams
 from fedcomp.strategies.codec_round import add_codec, check_feedback_under_dp, check_model
 from fedcomp.download.correction import check_correction, correction_refusal
-from fedcomp.download.sender import NO_COPY_REPORT, Downstream, check_max_copies, reported_copy
+from fedcomp.download.round_hook import DownloadHook
+from fedcomp.download.sender import Downstream, check_max_copies
 from fedcomp.strategies.ef21_aggregate import EF21Aggregate
 from fedcomp.strategies.fold_policy import FoldPolicy, dense_refusal
 from fedcomp.strategies.forward import ForwardsToInner
@@ -244,10 +245,11 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         self.downstream = Downstream.for_run(self.codec, downstream, init=downstream_init, catchup=downstream_catchup,
                                              max_copies=downstream_max_copies, density=downstream_density,
                                              correction=downstream_correction)
+        #: The concerns that see each message and reply of a round (`round_hooks`), in calling order.
+        self.hooks = [] if self.downstream is None else [DownloadHook(self.downstream, correct=self.ef21 is None)]
         self.rounds = RoundHistory()
         #: The serialised bytes of every message both ways, and their fp32 equivalent (`wire_bytes`).
         self.wire = WireCount()
-        self.copy_resyncs = 0  # nodes re-synchronised since the last round's figures (`_note_resyncs`)
         #: The dense global model of the current round (what a plain app's messages would carry).
         self._round_arrays: ArrayRecord | None = None
         # -- what a round leaves for the next call ----------------------------------------
@@ -313,8 +315,8 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         round 1 see the model new clients build."""
         if self.tied_groups is None:  # before a seeded start draws each name apart
             self.tied_groups = find_tied(FlatModel.from_record(initial_arrays))
-        if self.downstream is not None:
-            initial_arrays = self.downstream.start_model(initial_arrays)
+        for hook in self.hooks:
+            initial_arrays = hook.on_start(initial_arrays)
         return super().start(grid, initial_arrays, *args, **kwargs)
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
@@ -337,8 +339,8 @@ class CompressedStrategy(ForwardsToInner, Strategy):
             msgs, self.sent_round.sampled = self.sampling.sample(msgs)
         self.sent_round.nodes = {m.metadata.dst_node_id for m in msgs}
         self.sent_round.messages = msgs
-        if self.downstream is not None and msgs:
-            self.downstream.prepare(server_round, arrays, msgs)
+        for hook in self.hooks:
+            hook.on_configure(server_round, arrays, msgs, "train")
         self._round_arrays = arrays
         self.wire.sent(server_round, "train", msgs, arrays)
         return msgs
@@ -348,8 +350,8 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         messages do (`fedcomp.download.sender.Downstream.prepare`: each node gets the step or catch-up
         that brings its copy to the round's model, never the model dense); their bytes are counted."""
         self._evaluate_sent = list(self.inner.configure_evaluate(server_round, arrays, config, grid))
-        if self.downstream is not None and self._evaluate_sent:
-            self.downstream.prepare(server_round, arrays, self._evaluate_sent, phase="evaluate")
+        for hook in self.hooks:
+            hook.on_configure(server_round, arrays, self._evaluate_sent, "evaluate")
         self.wire.sent(server_round, "evaluate", self._evaluate_sent, arrays)
         return self._evaluate_sent
 
@@ -363,10 +365,8 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         self.wire.received(server_round, "evaluate", replies, None)
         self._note_wire(server_round)
         replies, self.evaluate_failure_history[server_round] = evaluate_replies(server_round, sent_to, replies)
-        if self.downstream is not None:  # a node that answered holds the copy it evaluated (if it says so)
-            for reply in replies:
-                if not reply.has_error():
-                    self._received(server_round, reply)
+        for hook in self.hooks:  # the download: a node that answered holds the copy it evaluated
+            hook.on_replies(server_round, "evaluate", replies)
         metrics = self.inner.aggregate_evaluate(server_round, replies)
         if metrics is not None:
             ok = sum(1 for r in replies if not r.has_error())
@@ -424,11 +424,10 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         sent_to = sent.sent_to() if sent.messages and all(m.metadata.message_id for m in sent.messages) else None
         replies, refused = admit([r for r in replies if not r.has_error()], lambda r: r.metadata.src_node_id,
                                  sent.nodes, lambda r: r.metadata.reply_to_message_id, sent_to)
-        if self.downstream is not None:  # a node sent a versioned download reports the copy it now holds
-            unreported = [r for r in replies if r.metadata.src_node_id in self.downstream.nodes.pending
-                          and reported_copy(r) is None]
-            refused += [(r, NO_COPY_REPORT) for r in unreported]
-            replies = [r for r in replies if not any(r is u for u in unreported)]
+        for hook in self.hooks:  # the download: a node sent a compressed copy reports the copy it holds
+            out = hook.admit(server_round, replies)
+            refused += out
+            replies = [r for r in replies if not any(r is u for u, _ in out)]
         for reply, why in refused:
             log(WARNING, "round %s: rejected reply from node %s: %s", server_round, reply.metadata.src_node_id, why)
         replies = errors + sorted(replies, key=lambda r: r.metadata.src_node_id)
@@ -447,12 +446,9 @@ class CompressedStrategy(ForwardsToInner, Strategy):
                       self.rounds.oom_seen)
         self.failure_history[server_round] = got.failures
         got.rejected += len(refused)
-        if self.downstream is not None:  # with a correction, updates counted from G, not the clients' copies
-            digests = {r.metadata.src_node_id: digest for r in replies
-                       if not r.has_error() and (digest := reported_copy(r)) is not None}
-            self.downstream.note_replies(got.stats, got.fold if self.ef21 is None else None, sent.model, digests)
-            self._note_resyncs(server_round)
-        else:  # the bytes this server sent each node, not what the node reports (the both-ways ratio)
+        for hook in self.hooks:  # the download: what each node holds, its charge, the correction
+            hook.on_replies(server_round, "train", replies, got, sent)
+        if self.downstream is None:  # the bytes this server sent each node, not what the node reports
             sent_bytes = {m.metadata.dst_node_id: sum(len(a.data) for r in m.content.array_records.values()
                                                       for a in r.values()) for m in sent.messages}
             for stat in got.stats:
@@ -465,26 +461,6 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         self.budget.note_refusals(server_round, replies)
         return ef21_missing
 
-    def _received(self, server_round: int, reply: Message) -> None:
-        """An evaluate reply: its node holds the copy it evaluated, if its digest says so (else it is
-        forgotten: a first contact next time)."""
-        node, digest = reply.metadata.src_node_id, reported_copy(reply)
-        if node not in self.downstream.nodes.pending:
-            return  # sent nothing this phase (a stray or repeated reply)
-        if digest is None:
-            log(WARNING, "round %s: node %s evaluated, but %s", server_round, node, NO_COPY_REPORT)
-        self.downstream.received(node, b"" if digest is None else digest)
-        self._note_resyncs(server_round)
-
-    def _note_resyncs(self, server_round: int) -> None:
-        """Log the nodes whose copy differed from the server's record, and count them in ``copy-resyncs``."""
-        if not self.downstream.resynced:
-            return
-        log(WARNING, "round %s: the model copy of node(s) %s differs from the server's record of it; they get a "
-            "first contact next time (re-synchronised)", server_round, sorted(self.downstream.resynced))
-        self.copy_resyncs += len(self.downstream.resynced)
-        self.downstream.resynced.clear()
-
     def _record(self, server_round: int, sent: SentRound, got: RoundReplies, any_replies: bool,
                 dp_info: dict, ef21_missing: int | None) -> dict[str, float]:
         """The wrapper's round metrics (`round_metrics.round_metrics`), accounted by the budget
@@ -496,8 +472,8 @@ class CompressedStrategy(ForwardsToInner, Strategy):
             ours["ef21-missing-clients"] = float(ef21_missing)
         if got.uncharged:
             ours["uncharged-error-replies"] = float(got.uncharged)
-        if self.downstream is not None:  # since the previous round's figures (its evaluation included)
-            ours["copy-resyncs"], self.copy_resyncs = float(self.copy_resyncs), 0
+        for hook in self.hooks:
+            ours.update(hook.round_metrics())
         self.budget.account(server_round, any_replies, got.stats, ours)
         self.rounds.record_train(server_round, ours, got.stats, layers_mean(got.layer_stats, sent.model.float_keys))
         self._note_wire(server_round)
