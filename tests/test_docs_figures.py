@@ -17,6 +17,14 @@ the date of its last commit. These tests render the pages through the hook (no b
   measured percentage or ratio (a decimal followed by ``%`` or ``x``), outside the pages listed in
   :data:`PROSE_ALLOW`;
 * that a changed result file changes the page (the figures cannot go stale).
+
+The other pages (get-started, the tutorial, the FAQ, how-tos, explanations, reference: every page
+of ``docs/`` outside ``docs/benchmarks/``) quote benchmark figures too, with the same value markers:
+every marker renders and equals its JSON, and their text, tables included, holds no hand-typed
+decimal percentage or ratio but those of :data:`NOT_BENCHMARK_FIGURES`. The README, which MkDocs does
+not render, keeps typed figures; :data:`README_FIGURES` holds each against its JSON. The result files
+themselves name no machine path, and each command they record is one a user types from the
+repository root.
 """
 
 from __future__ import annotations
@@ -33,7 +41,22 @@ import sys
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-PAGES = sorted((REPO / "docs" / "benchmarks").glob("*.md"))
+DOCS = REPO / "docs"
+PAGES = sorted((DOCS / "benchmarks").glob("*.md"))
+#: every other page of the site (the tutorial, the FAQ, how-tos, explanations, reference)
+OTHER_PAGES = sorted(p for p in DOCS.rglob("*.md") if p.relative_to(DOCS).parts[0] != "benchmarks")
+RESULT_FILES = sorted((REPO / "benchmarks" / "results").glob("*.json"))
+
+#: Figures that the running text of a page outside docs/benchmarks/ may type although they are a decimal
+#: percentage or ratio, because they are not benchmark results: page -> figure -> why. Each is quoted
+#: from the page's own printed output (a fenced block of the same page, which its own test runs), and
+#: the test checks that it is there. The list only shrinks.
+NOT_BENCHMARK_FIGURES: dict[str, dict[str, str]] = {
+    "tutorial.md": {
+        "23.7x": "the upload ratio the tutorial's run prints (tests/test_tutorial.py runs it)",
+        "5.0x": "the wire ratio of round 3 the tutorial's run prints (tests/test_tutorial.py runs it)",
+    },
+}
 
 #: Pages whose running text still quotes measured figures by hand, each with what is left. The list
 #: only shrinks: a page leaves it once its figures are rendered (the test then says so).
@@ -58,7 +81,7 @@ def render(page: pathlib.Path) -> str:
 
 
 def _ids(pages):
-    return [p.name for p in pages]
+    return [str(p.relative_to(DOCS)) for p in pages]
 
 
 def _table_blocks(markdown: str) -> list[tuple[int, list[str]]]:
@@ -127,7 +150,7 @@ def _check_figures(figures, where: str) -> int:
 
 # --- the markers render ----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("page", PAGES, ids=_ids(PAGES))
+@pytest.mark.parametrize("page", PAGES + OTHER_PAGES, ids=_ids(PAGES + OTHER_PAGES))
 def test_every_marker_renders(page):
     out = render(page)
     left = re.findall(r"<!-- (?:value|table|results): .*?-->", out)
@@ -184,7 +207,7 @@ def test_benchmark_tables_of_the_results_files_equal_their_json():
                 assert "| " + " | ".join(str(c) for c in row) + " |" in text
 
 
-@pytest.mark.parametrize("page", PAGES, ids=_ids(PAGES))
+@pytest.mark.parametrize("page", PAGES + OTHER_PAGES, ids=_ids(PAGES + OTHER_PAGES))
 def test_figures_in_the_text_equal_their_json(page):
     for spec in _markers(page.read_text(), "value"):
         body, _, form = spec.rpartition("|")
@@ -281,6 +304,108 @@ def test_running_text_quotes_no_measured_figure_by_hand(page):
 
 def test_the_allow_list_names_pages_that_exist():
     assert [n for n in PROSE_ALLOW if not (REPO / "docs" / "benchmarks" / n).exists()] == []
+    assert [n for n in NOT_BENCHMARK_FIGURES if not (DOCS / n).exists()] == []
+
+
+def _text(markdown: str) -> str:
+    """The page's words as a reader sees them, tables included: no code, no comments (markers)."""
+    markdown = _FENCE.sub("", markdown)
+    markdown = re.sub(r"<!--.*?-->", "", markdown, flags=re.DOTALL)
+    return re.sub(r"`[^`\n]*`", "", markdown)
+
+
+@pytest.mark.parametrize("page", OTHER_PAGES, ids=_ids(OTHER_PAGES))
+def test_other_pages_quote_no_benchmark_figure_by_hand(page):
+    """A decimal percentage or ratio on a page outside docs/benchmarks/ is rendered from its result file
+    (<!-- value: ... -->), or listed in NOT_BENCHMARK_FIGURES with why it is no benchmark result."""
+    allowed = NOT_BENCHMARK_FIGURES.get(str(page.relative_to(DOCS)), {})
+    found = HAND_TYPED.findall(_text(page.read_text()))
+    typed = [f for f in found if f not in allowed]
+    assert typed == [], (f"{page.relative_to(REPO)}: figures typed by hand (render them with <!-- value: FILE EXPR "
+                         f"| FORMAT -->, or rephrase where no result file holds them): {typed}")
+    gone = sorted(set(allowed) - set(found))
+    assert gone == [], f"{page.relative_to(REPO)}: no longer typed, remove from NOT_BENCHMARK_FIGURES: {gone}"
+
+
+@pytest.mark.parametrize("name", sorted(NOT_BENCHMARK_FIGURES))
+def test_figures_allowed_outside_the_benchmarks_are_the_pages_own_output(name):
+    text = (DOCS / name).read_text()
+    printed = "\n".join(m.group(0) for m in _FENCE.finditer(text))
+    missing = [f for f in NOT_BENCHMARK_FIGURES[name] if f not in printed]
+    assert missing == [], f"docs/{name}: {missing} are not in the page's printed output: render or rephrase them"
+
+
+# --- the README's figures ----------------------------------------------------------------------------
+
+def _wire(case: str, field: str, form: str, sign: str = "") -> str:
+    return f"wire.json {sign}medians[case={case}].{field} | {form}"
+
+
+def _upload(case: str) -> str:
+    return f"federated.json results[partitioner=dirichlet;case={case}].compression_ratio | x"
+
+
+#: The README is not rendered by MkDocs, so it types its headline figures: each line of it here, with
+#: ``{}`` where a figure stands and the value specs (as in ``<!-- value: ... -->``) that give them.
+README_FIGURES: list[tuple[str, tuple[str, ...]]] = [
+    ("| fp32 both ways (`compressor = \"none\"`) | {} | {} | {} |",
+     (_wire("reference: fp32 both ways", "accuracy", "pct"), _wire("reference: fp32 both ways", "mb", ".1f"),
+      _wire("reference: fp32 both ways", "ratio", "x"))),
+    ("seeded first model, evaluation on the compressed download | {} | {} | **{}** |",
+     (_wire("reference: defaults", "accuracy", "pct"), _wire("reference: defaults", "mb", ".2f"),
+      _wire("reference: defaults", "ratio", "x"))),
+    ("download sends {} fewer bytes than the app without them, {} points below it",
+     (_wire("existing app + two lines, sign", "ratio", "x"),
+      _wire("existing app + two lines, sign", "accuracy-vs-fp32", "p", sign="-"))),
+    ("int8 {}, sign + error feedback {},", (_upload("int8"), _upload("sign+EF"))),
+    ("STC 0.01 {}, all within about a point of fp32", (_upload("stc 0.01+EF"),)),
+]
+
+
+@pytest.mark.parametrize("line, specs", README_FIGURES, ids=[f"README-{i}" for i in range(len(README_FIGURES))])
+def test_readme_figures_equal_their_json(line, specs):
+    text = " ".join((REPO / "README.md").read_text().split())
+    expected = line.format(*(hook().value_marker(spec) for spec in specs))
+    assert expected in text, f"README.md should read {expected!r} (from benchmarks/results/)"
+
+
+def test_readme_types_no_figure_that_readme_figures_does_not_check():
+    """A new decimal percentage or ratio in the README gets a line in README_FIGURES."""
+    text = " ".join(_text((REPO / "README.md").read_text()).split())
+    checked = " ".join(line.format(*(hook().value_marker(s) for s in specs)) for line, specs in README_FIGURES)
+    assert [f for f in HAND_TYPED.findall(text) if f not in checked] == []
+
+
+# --- the result files ----------------------------------------------------------------------------------
+
+MACHINE_PATH = re.compile(r"(?<![\w.])/(?:tmp|work|home|root|Users)/")
+
+
+@pytest.mark.parametrize("path", RESULT_FILES, ids=[p.name for p in RESULT_FILES])
+def test_result_files_name_no_machine_path(path):
+    """A result file records what a user can rerun: no path of the machine that ran it (the pages print
+    its commands)."""
+    hits = [m.group(0) + path.read_text()[m.end():m.end() + 40] for m in MACHINE_PATH.finditer(path.read_text())]
+    assert hits == [], f"benchmarks/results/{path.name}: machine paths {hits}"
+
+
+def _commands(data) -> list[str]:
+    if not isinstance(data, dict):
+        return []
+    found = [data["command"]] if isinstance(data.get("command"), str) else []
+    return found + [c for c in data.get("commands") or [] if isinstance(c, str)]
+
+
+@pytest.mark.parametrize("path", RESULT_FILES, ids=[p.name for p in RESULT_FILES])
+def test_recorded_commands_are_what_a_user_types(path):
+    """Each recorded command runs a benchmark script of the repository from its root, and says what
+    it runs, not how it came about (no notes on what the code did when it ran)."""
+    for command in _commands(json.loads(path.read_text())):
+        script = re.match(r"^(?:sudo )?python (benchmarks/\w+\.py)\b", command)
+        assert script or command.startswith("("), f"{path.name}: {command!r} is not a command"
+        assert not script or (REPO / script.group(1)).is_file(), f"{path.name}: {command!r}: no such script"
+        assert not re.search(r"\b(?:existed|now named|formerly|previously|at the time)\b", command), (
+            f"{path.name}: {command!r} holds a history note; name the cases as the script names them now")
 
 
 # --- the figures follow the files ------------------------------------------------------------------
@@ -296,6 +421,8 @@ def test_a_changed_result_file_changes_the_page(tmp_path, monkeypatch):
     page = render(REPO / "docs" / "benchmarks" / "federated.md")
     assert "| dirichlet | sign+EF | 43.2 % |" in page
     assert "43.2 % (gap" in page  # the running text follows too
+    faq = render(DOCS / "faq.md")  # and a page outside docs/benchmarks/
+    assert "| `sign` with error feedback | 43.2 %, the same as fp32" in faq
 
 
 # --- the expressions -------------------------------------------------------------------------------
