@@ -300,7 +300,8 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         self.inner.summary()
 
     # -- configure: ask each concern ------------------------------------------------------
-    def remember(self, server_round: int, model: FlatModel, sampled: float = 0.0, nodes: set[int] | None = None) -> None:
+    def remember(self, server_round: int, model: FlatModel, sampled: float = 0.0,
+                 nodes: set[int] | None = None) -> None:
         """Record the global model sent in ``server_round`` (what
         [`configure_train`][fedcomp.strategies.CompressedStrategy.configure_train] does; public for callers that build
         the round's replies themselves; ``nodes`` None: any node's first reply counts)."""
@@ -319,7 +320,8 @@ class CompressedStrategy(ForwardsToInner, Strategy):
             initial_arrays = hook.on_start(initial_arrays)
         return super().start(grid, initial_arrays, *args, **kwargs)
 
-    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                        grid: Grid) -> Iterable[Message]:
         """Add the codec in force (and local-DP settings) to ``config``, remember ``arrays``, delegate,
         then Poisson-sample the inner strategy's messages and let the downstream sender fill them.
 
@@ -345,7 +347,8 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         self.wire.sent(server_round, "train", msgs, arrays)
         return msgs
 
-    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
+    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                           grid: Grid) -> Iterable[Message]:
         """Delegate; with ``downstream``, the evaluate messages ride the compressed download as train
         messages do (`fedcomp.download.sender.Downstream.prepare`: each node gets the step or catch-up
         that brings its copy to the round's model, never the model dense); their bytes are counted."""
@@ -374,7 +377,8 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         return metrics
 
     # -- aggregate: admit -> decode -> fold -> hand over -> record ----------------------------
-    def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+    def aggregate_train(self, server_round: int,
+                        replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Decode and validate every reply, fold it into the aggregate, hand the result to ``inner``.
 
         Orchestration only: admit (`admission`, EF21's state check) -> decode, validate and fold
@@ -457,7 +461,8 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         ef21_missing = None
         if self.ef21 is not None:  # EF21: the round's update is the server's estimate h (+= mean of the sends)
             asked = len(sent.nodes) if sent.nodes is not None else len(replies) + len(refused)
-            ef21_missing = self.ef21.round_update(server_round, got.fold.running, asked, [st["node"] for st in got.stats])
+            ef21_missing = self.ef21.round_update(server_round, got.fold.running, asked,
+                                                  [st["node"] for st in got.stats])
         self.budget.note_refusals(server_round, replies)
         return ef21_missing
 

@@ -156,7 +156,8 @@ def note_failures(server_round: int, sent_nodes: set[int] | None, sent_to: dict[
             c["oom-kills"])
 
 
-def evaluate_replies(server_round: int, sent_to: dict[str, int], replies: list[Message]) -> tuple[list[Message], list[dict]]:
+def evaluate_replies(server_round: int, sent_to: dict[str, int],
+                     replies: list[Message]) -> tuple[list[Message], list[dict]]:
     """The evaluation replies the inner strategy may count, and the clients that failed to evaluate,
     by the train round's rules: one node, one vote (`admission.admit`: a second reply of a node
     a reply from a node not sent an evaluate message and one to a message not sent this round are refused,
