@@ -178,7 +178,8 @@ def bytes_to(run: dict, accuracy: float) -> float | None:
 def markdown(summary: list[dict]) -> str:
     """The docs' table."""
     fp32 = next((s["final_accuracy"] for s in summary if s["case"] == "fp32 both ways"), None)
-    lines = ["| case | final acc. (median) | vs fp32 | upload MB | download MB (first model) | ratio up | ratio both ways |",
+    lines = ["| case | final acc. (median) | vs fp32 | upload MB | download MB (first model) | ratio up "
+             "| ratio both ways |",
              "|---|---|---|---|---|---|---|"]
     for s in summary:
         gap = "" if fp32 is None else f"{100 * (s['final_accuracy'] - fp32):+.1f}"

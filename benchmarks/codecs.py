@@ -209,15 +209,18 @@ def _param(r: dict) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", type=int, nargs="+", default=[11_000_000, 100_000])
-    ap.add_argument("--repeats", type=int, default=None, help="timed runs per median (default 5; --throughput 7, --quick 3)")
+    ap.add_argument("--repeats", type=int, default=None,
+                    help="timed runs per median (default 5; --throughput 7, --quick 3)")
     ap.add_argument("--real-rounds", type=int, nargs="*", default=[1, 10],
                     help="FedAvg rounds whose client updates are compressed (none: skip)")
     ap.add_argument("--out", default=None, help="JSON file (default: benchmarks/results/codecs.json, or "
                     "codecs_throughput.json with --throughput; a temporary file with --quick)")
     ap.add_argument("--throughput", action="store_true",
                     help="encode vs one read pass and decode vs one fresh copy (issue 34), instead of the tables")
-    ap.add_argument("--n", type=int, default=None, help="entries of the --throughput tensor (default 11.2M; 1M quick)")
-    ap.add_argument("--quick", action="store_true", help="--throughput on 1M entries, 3 repeats; never over a reference")
+    ap.add_argument("--n", type=int, default=None,
+                    help="entries of the --throughput tensor (default 11.2M; 1M quick)")
+    ap.add_argument("--quick", action="store_true",
+                    help="--throughput on 1M entries, 3 repeats; never over a reference")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
     args = ap.parse_args()
     if args.threads:
@@ -267,13 +270,16 @@ def main() -> None:
               f"{r['compression_error']:>7.3f}")
     real = real_rows(args.real_rounds) if args.real_rounds else []
     if real:
+        kurtosis = ", ".join(f"round {r}: {k:.1f}"
+                             for r, k in sorted({(x["round"], x["update_excess_kurtosis"]) for x in real}))
         print(f"\nreal client updates (default federation, mean over 10 clients; excess kurtosis of the "
-              f"updates: {', '.join(f'round {r}: {k:.1f}' for r, k in sorted({(x['round'], x['update_excess_kurtosis']) for x in real}))})")
+              f"updates: {kurtosis})")
         hdr = f"{'round':>5} {'codec':<8} {'param':<26} {'bit/param':>9} {'rel.err':>7}"
         print(hdr)
         print("-" * len(hdr))
         for r in real:
-            print(f"{r['round']:>5} {r['codec']:<8} {_param(r):<26} {r['bits_per_param']:>9.4f} {r['rel_l2_error']:>7.3f}")
+            print(f"{r['round']:>5} {r['codec']:<8} {_param(r):<26} {r['bits_per_param']:>9.4f} "
+                  f"{r['rel_l2_error']:>7.3f}")
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"torch_threads": torch.get_num_threads(), "rows": rows, "real_updates": real}, indent=1))

@@ -10,8 +10,8 @@ as its cgroup counted it (every process in it: flower-supernode, SuperExec, Clie
 included), out-of-memory kills in it, and the failures the server logged for it.
 
 Needs a Docker engine and the image (``docker build --target supernode -t fedcomp-supernode .``,
-see docs/benchmarks/device-memory.md). Run: ``python benchmarks/device_memory.py [--models cnn resnet] [--codecs stc sign
-topk] [--rounds 2]``; prints a table and writes ``benchmarks/results/device_memory.json``
+see docs/benchmarks/device-memory.md). Run: ``python benchmarks/device_memory.py [--models cnn resnet] [--codecs
+stc sign topk] [--rounds 2]``; prints a table and writes ``benchmarks/results/device_memory.json``
 (``--quick``: cnn/stc, 1 round, written to the temporary folder).
 """
 
@@ -38,7 +38,8 @@ def _cgroup_dir(cid: str) -> tuple[pathlib.Path, int]:
     """A container's memory cgroup folder and its version (1 or 2; systemd or cgroupfs driver)."""
     if (CGROUP_V1 / cid).is_dir():
         return CGROUP_V1 / cid, 1
-    for base in (pathlib.Path(f"/sys/fs/cgroup/system.slice/docker-{cid}.scope"), pathlib.Path(f"/sys/fs/cgroup/docker/{cid}")):
+    for base in (pathlib.Path(f"/sys/fs/cgroup/system.slice/docker-{cid}.scope"),
+                 pathlib.Path(f"/sys/fs/cgroup/docker/{cid}")):
         if base.is_dir():
             return base, 2
     return pathlib.Path("/nonexistent"), 0
@@ -82,8 +83,8 @@ class ContainerWatch(threading.Thread):
         base, version = None, 0
         while not self.stop.is_set():
             if base is None:
-                cid = subprocess.run(["docker", "inspect", "-f", "{{.Id}}", self.name], capture_output=True, check=False,
-                                     text=True).stdout.strip()
+                cid = subprocess.run(["docker", "inspect", "-f", "{{.Id}}", self.name], capture_output=True,
+                                     check=False, text=True).stdout.strip()
                 base, version = _cgroup_dir(cid) if cid else (None, 0)
             if version:
                 peak = base / ("memory.max_usage_in_bytes" if version == 1 else "memory.peak")

@@ -143,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
                 runs.append(run_secure(rc, args.nodes) if sec else run_one(rc, args.nodes))
             ddp = extra["dp"] == "distributed"  # the sum of n shares sized for t: std z * sqrt(n / t) * C
             cfg_extra = {"target-epsilon": target,
-                         "sum-noise-std-over-clip": z * math.sqrt(args.nodes / secagg_threshold(args.nodes)) if ddp else z,
+                         "sum-noise-std-over-clip": (z * math.sqrt(args.nodes / secagg_threshold(args.nodes)) if ddp
+                                                     else z),
                          **({"secagg-clipping-range": extra["secagg-clipping-range"]} if ddp else {})}
             row = summarize(label, runs, sec, z, cfg_extra)
             block.append(row)

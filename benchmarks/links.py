@@ -55,7 +55,8 @@ sys.path.insert(0, str(REPO))
 
 import netshape
 
-from fedcomp.run.local_deployment import Processes, superlink_command, supernode_command, wait_for_port, write_connection
+from fedcomp.run.local_deployment import (Processes, superlink_command, supernode_command, wait_for_port,
+                                          write_connection)
 from fedcomp.strategies.round_metrics import FLOWER_POLL_SECONDS
 
 CODECS = {  # name -> run config of the codec (defaults otherwise: error feedback on, density 1/100)
@@ -277,8 +278,8 @@ def summarize(codec: str, up, down, rounds: list[dict], target: float, total: fl
         "final-accuracy": last["accuracy"] if last else None,
         "wall-seconds-total": total,
         "rounds": [{k: r.get(k) for k in ("round", "accuracy", "elapsed-seconds", "round-seconds-simulated",
-                                          "train-seconds-max", "compress-seconds", "clientapp-seconds-max", "round-poll-seconds",
-                                          "upload-bytes", "download-bytes",
+                                          "train-seconds-max", "compress-seconds", "clientapp-seconds-max",
+                                          "round-poll-seconds", "upload-bytes", "download-bytes",
                                           "federated-num-replies")} for r in rounds],
         "qdisc": stats,
     }
@@ -316,9 +317,10 @@ def compare(row: dict, floor: float | None = None) -> dict:
     """Measured against computed for one run: the whole time to the target (``computed``: the model
     now, :func:`current_model_seconds`; ``old``: the model before this benchmark, reported compute +
     transfers) and the link part alone, from round 2 on (round 1 also fetches the app bundle):
-    measured upload + download seconds (between the SuperNode's log lines) less ``floor`` per round (:func:`link_floor`) against bytes x 8 / speed. Ratios are
-    measured / computed; the link ratio only where the computed link part is >= 1 s (below that the
-    floor's noise, tenths of a second per round here, is larger than what is measured)."""
+    measured upload + download seconds (between the SuperNode's log lines) less ``floor`` per round
+    (:func:`link_floor`) against bytes x 8 / speed. Ratios are measured / computed; the link ratio only where the
+    computed link part is >= 1 s (below that the floor's noise, tenths of a second per round here, is larger than
+    what is measured)."""
     b = row.get("breakdown") or []
 
     def ratio(m, c):

@@ -158,8 +158,9 @@ def markdown_full(part: dict) -> str:
         to = " | ".join("-" if v is None else f"{v:.3g}" for v in r.get("upload_mb_to", {}).values())
         lines.append(
             f"| {r['case']} | {100 * r['final_accuracy']:.1f} % / {100 * r['last3_accuracy']:.1f} % | "
-            f"{0.0 - r.get('points_below_fp32', 0.0):+.1f} | {r.get('rounds_to_target') or '-'} | {r['upload_mb']:.3f} | "
-            f"{r['bits_per_param_per_round']:.4f} | {r.get('upload_reduction_vs_fp32', 0.0):.0f}x | {to} |")
+            f"{0.0 - r.get('points_below_fp32', 0.0):+.1f} | {r.get('rounds_to_target') or '-'} | "
+            f"{r['upload_mb']:.3f} | {r['bits_per_param_per_round']:.4f} | "
+            f"{r.get('upload_reduction_vs_fp32', 0.0):.0f}x | {to} |")
     return "\n".join(lines)
 
 

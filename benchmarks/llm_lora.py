@@ -83,7 +83,8 @@ CASES = {
     "randsign 50%": {"compressor": "randsign", "density": 0.5, "downstream": "randsign"},
     "randsign 25%": {"compressor": "randsign", "density": 0.25, "downstream": "randsign"},
     "randsign 50% up, sign down": {"compressor": "randsign", "density": 0.5, "downstream": "sign"},
-    "randsign 50% per tensor": {"compressor": "randsign", "density": 0.5, "selection": "tensor", "downstream": "randsign"},
+    "randsign 50% per tensor": {"compressor": "randsign", "density": 0.5, "selection": "tensor",
+                                "downstream": "randsign"},
     "randsign 25% up, sign down": {"compressor": "randsign", "density": 0.25, "downstream": "sign"},
     "randsign 50%, exact catch-ups": {"compressor": "randsign", "density": 0.5, "downstream": "randsign",
                                       "exact-catchup": True},
@@ -156,7 +157,8 @@ def pretrain_base(steps: int, seed: int, threads: int) -> tuple[pathlib.Path, di
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     info = {"steps": steps, "seed": seed, "comedy_windows": len(data), "seconds": time.perf_counter() - t0,
-            "final_train_loss": statistics.fmean(losses[-20:]), "parameters": sum(p.numel() for p in model.parameters())}
+            "final_train_loss": statistics.fmean(losses[-20:]),
+            "parameters": sum(p.numel() for p in model.parameters())}
     info_file.write_text(json.dumps(info))
     return out, info
 
@@ -257,8 +259,9 @@ def run_lora(args) -> dict:
     for name in args.cases:
         row = run_case(name, CASES[name], base, roles, test, args)
         rows.append(row)
-        print(f"{name:24s} loss {row['base_loss']:.4f} -> {row['final_loss']:.4f}  up {row['upload_bytes']/1e3:9.1f} kB "
-              f"down {row['download_bytes']/1e3:9.1f} kB  {row['seconds']:.0f} s", flush=True)
+        print(f"{name:24s} loss {row['base_loss']:.4f} -> {row['final_loss']:.4f}  "
+              f"up {row['upload_bytes']/1e3:9.1f} kB down {row['download_bytes']/1e3:9.1f} kB  {row['seconds']:.0f} s",
+              flush=True)
     add_comparisons(rows)
     return {"base": {"pretrain": info, "plays": list(COMEDIES)}, "lora": LORA,
             "federation": {"clients": len(roles), "per_round": args.per_round, "rounds": args.rounds,

@@ -40,7 +40,8 @@ from fedcomp.task.models import BasicBlock
 spec = json.loads(sys.argv[2])
 
 def status():
-    return {l.split(":")[0]: int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith(("VmHWM", "VmRSS"))}
+    return {l.split(":")[0]: int(l.split()[1]) * 1024 for l in open("/proc/self/status")
+            if l.startswith(("VmHWM", "VmRSS"))}
 
 def reset_peak():
     with open("/proc/self/clear_refs", "w") as fh:
@@ -77,13 +78,15 @@ def handler(msg, ctx):
     reply = RecordDict({"arrays": ArrayRecord(model.state_dict()), "metrics": MetricRecord({"num-examples": 8})})
     return Message(content=reply, reply_to=msg)
 
-ctx = Context(run_id=1, node_id=7, node_config={"partition-id": 0, "num-partitions": 2}, state=RecordDict(), run_config={})
+ctx = Context(run_id=1, node_id=7, node_config={"partition-id": 0, "num-partitions": 2}, state=RecordDict(),
+              run_config={})
 out = {}
 for rnd in (1, 2):
     cfg = {"server-round": rnd, **spec["codec"], "residual-dtype": spec["residual"]}
-    md = Metadata(run_id=1, message_id=f"m{rnd}", src_node_id=1, dst_node_id=7, reply_to_message_id="", group_id=str(rnd),
-                  created_at=time.time(), ttl=3600.0, message_type="train")
-    msg = Message(content=RecordDict({"arrays": ArrayRecord(model.state_dict()), "config": ConfigRecord(cfg)}), metadata=md)
+    md = Metadata(run_id=1, message_id=f"m{rnd}", src_node_id=1, dst_node_id=7, reply_to_message_id="",
+                  group_id=str(rnd), created_at=time.time(), ttl=3600.0, message_type="train")
+    msg = Message(content=RecordDict({"arrays": ArrayRecord(model.state_dict()), "config": ConfigRecord(cfg)}),
+                  metadata=md)
     gc.collect()
     base = status()["VmRSS"]
     reset_peak()
@@ -126,7 +129,8 @@ def main() -> None:
     rows = []
     for name in args.codecs:
         for res in args.residuals:
-            runs = [child({"mode": "mod", "width": width, "codec": CODECS[name], "residual": res}) for _ in range(repeats)]
+            runs = [child({"mode": "mod", "width": width, "codec": CODECS[name], "residual": res})
+                    for _ in range(repeats)]
             peak = statistics.median(r["peak_bytes"] for r in runs)
             row = {"codec": name, "residual-dtype": res, "model-bytes": mb, "plain-peak-bytes": plain_peak,
                    "peak-bytes": peak, "share-bytes": peak - plain_peak, "share-x-model": (peak - plain_peak) / mb,
@@ -134,7 +138,8 @@ def main() -> None:
                    "upload-bytes": runs[0]["upload_bytes"], "width": width, "repeats": repeats}
             rows.append(row)
             print(f"{name:<6} {res:<8} {peak / 2**20:>9.0f} {row['share-bytes'] / 2**20:>18.1f} "
-                  f"{row['share-x-model']:>14.2f} {row['residual-bytes'] / 2**20:>13.1f} {row['residual-x-model']:>17.2f}",
+                  f"{row['share-x-model']:>14.2f} {row['residual-bytes'] / 2**20:>13.1f} "
+                  f"{row['residual-x-model']:>17.2f}",
                   flush=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"plain": plain, "rows": rows}, indent=1))

@@ -14,7 +14,8 @@ the root's end (root -> client): shaping on egress needs no ``ifb``. ``tc`` coun
 (Ethernet + IP + TCP headers: about 4.6 % on top of the payload at MTU 1500), and ``mbit`` is
 10^6 bit/s. ``tc``'s delay (``sch_netem``) is not available in every kernel (not here): a round-trip
 time comes from :func:`relay`, a user-space TCP relay run inside the client's namespace that holds
-each chunk RTT/2 in each direction before passing it on. All traffic stays on this machine: the bridge has no other port and no route out.
+each chunk RTT/2 in each direction before passing it on. All traffic stays on this machine: the bridge has no
+other port and no route out.
 
 Errors: :func:`unavailable` says why shaping cannot run here (not root, no ``ip``/``tc``, no
 network namespaces); :class:`Topology` raises ``subprocess.CalledProcessError`` when a command

@@ -39,7 +39,8 @@ def main() -> None:
     ap.add_argument("--nodes", type=int, default=10)
     ap.add_argument("--cases", nargs="+", default=list(CASES))
     ap.add_argument("--quick", action="store_true", help="3 rounds, 3 nodes, two cases")
-    ap.add_argument("--out", default=None, help="JSON to write (default: the reference benchmarks/results/privacy.json; "
+    ap.add_argument("--out", default=None,
+                    help="JSON to write (default: the reference benchmarks/results/privacy.json; "
                     "with --quick a file in the temporary folder)")
     args = ap.parse_args()
     if args.quick:

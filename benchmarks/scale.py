@@ -32,7 +32,8 @@ Run: ``python benchmarks/scale.py`` (about 20 min on 2 cores), ``--smoke`` (a sm
 ``--only-downstream`` (the downstream rows alone, merged into the results file, about 6 min; with
 ``--corrections 0,1`` the same rows without and with ``downstream_correction = 1``, paired per repeat,
 under the key ``downstream_correction``);
-prints tables and writes ``benchmarks/results/scale.json`` (``--smoke``: a file in the temporary folder). Medians over ``--repeats`` runs.
+prints tables and writes ``benchmarks/results/scale.json`` (``--smoke``: a file in the temporary folder). Medians
+over ``--repeats`` runs.
 """
 
 from __future__ import annotations
@@ -110,7 +111,8 @@ arrays, metrics = strategy.aggregate_train(1, replies)
 sec = time.perf_counter() - t0
 assert arrays is not None and metrics["num-replies"] == spec["clients"], metrics
 print(json.dumps({"seconds": sec, "peak_growth_x_model": (peak_mib() - base) * 2**20 / model_bytes,
-                  "model_mib": model_bytes / 2**20, "payload_kib_per_client": metrics["upload-bytes"] / spec["clients"] / 1024}))
+                  "model_mib": model_bytes / 2**20,
+                  "payload_kib_per_client": metrics["upload-bytes"] / spec["clients"] / 1024}))
 """
 
 CLIENT_CHILD = r"""
@@ -125,8 +127,10 @@ spec = json.loads(sys.argv[2])
 torch.set_num_threads(1)
 shapes = resnet18_shapes(spec["width"])
 rng = np.random.default_rng(0)
-g = {k: (rng.standard_normal(s).astype(np.float32) if d == "float32" else np.array(7, np.int64)) for k, (s, d) in shapes.items()}
-t = {k: (v + 0.01 * rng.standard_normal(v.shape).astype(np.float32) if v.dtype == np.float32 else v + 3) for k, v in g.items()}
+g = {k: (rng.standard_normal(s).astype(np.float32) if d == "float32" else np.array(7, np.int64))
+     for k, (s, d) in shapes.items()}
+t = {k: (v + 0.01 * rng.standard_normal(v.shape).astype(np.float32) if v.dtype == np.float32 else v + 3)
+     for k, v in g.items()}
 codec = CodecConfig.from_mapping(spec["codec"])
 model_bytes = 4 * sum(v.size for v in g.values() if v.dtype == np.float32)
 res = {}
@@ -236,10 +240,12 @@ for r in range(1, spec["rounds"] + 1):
     trim_heap()
     rounds.append({"round": r, "sampled": len(sent), "configure_seconds": conf_s, "configure_peak_x_model": conf_peak,
                    "aggregate_seconds": agg_s, "aggregate_peak_x_model": agg_peak,
-                   "resident_x_model": x(rss_mib() - start), "download_x_model_per_node": statistics.mean(sent) / model_bytes,
+                   "resident_x_model": x(rss_mib() - start),
+                   "download_x_model_per_node": statistics.mean(sent) / model_bytes,
                    "download_kib_per_node": statistics.mean(sent) / 1024, "kinds": kinds,
                    "download_x_model_by_kind": by_kind,
-                   "nodes_known": len(ds.nodes.node_version), "copies_kept": ds.nodes.copies(), "copy_budget": ds.nodes.copy_budget()})
+                   "nodes_known": len(ds.nodes.node_version), "copies_kept": ds.nodes.copies(),
+                   "copy_budget": ds.nodes.copy_budget()})
 print(json.dumps({"model_mib": model_bytes / 2**20, "downstream": down, "downstream_density": down_density,
                   "rounds": rounds}))
 """
@@ -356,8 +362,8 @@ def client_rows(width: int, codecs: list[str], repeats: int) -> list[dict]:
         r = _child(CLIENT_CHILD, {"width": width, "codec": CODECS[name], "repeats": repeats})
         rows.append({"codec": name, **r})
         print(f"client {name:5s} compress_update {r['seconds']:.3f} s = {r['ratio_to_codec']:.2f}x codec "
-              f"({r['codec_seconds']:.3f} s), torch.sum {r['sum_seconds'] * 1e3:.1f} ms = {r['sum_over_default_codec']:.3f}x "
-              f"the {name} payloads' encode + decode, peak RSS growth "
+              f"({r['codec_seconds']:.3f} s), torch.sum {r['sum_seconds'] * 1e3:.1f} ms = "
+              f"{r['sum_over_default_codec']:.3f}x the {name} payloads' encode + decode, peak RSS growth "
               f"{r['peak_growth_x_model']:.2f}x model (the new residual is {r['residual_x_model']:.2f}x)", flush=True)
     return rows
 
@@ -380,7 +386,8 @@ def downstream_rows(width: int, nodes: list[int], fraction: float, rounds: int, 
                                                          "correction": c}))
         for c, i in ((c, i) for c in corrections for i in range(rounds)):
             per = [run["rounds"][i] for run in runs[c]]
-            row = {"nodes": n, "fraction": fraction, "correction": c, "round": i + 1, "model_mib": runs[c][0]["model_mib"],
+            row = {"nodes": n, "fraction": fraction, "correction": c, "round": i + 1,
+                   "model_mib": runs[c][0]["model_mib"],
                    "downstream": runs[c][0]["downstream"], "downstream_density": runs[c][0]["downstream_density"],
                    "kinds": per[0]["kinds"],  # the kinds of message sent in the first repeat, and their mean bytes
                    "download_x_model_by_kind": per[0]["download_x_model_by_kind"]}
@@ -456,9 +463,11 @@ def main() -> None:
     ap.add_argument("--flwr", action="store_true", help="also run the 100-SuperNode flwr run simulation")
     ap.add_argument("--only-flwr", action="store_true", help="only the flwr run simulation (merged into --out)")
     ap.add_argument("--only-client", action="store_true",
-                    help="only the client table at full size (merged into --out; with --smoke, a file in the temporary folder)")
+                    help="only the client table at full size (merged into --out; with --smoke, a file in the "
+                    "temporary folder)")
     ap.add_argument("--only-server", action="store_true",
-                    help="only the server rows of --codecs and --clients (merged into --out by codec, clients and path)")
+                    help="only the server rows of --codecs and --clients (merged into --out by codec, clients and "
+                    "path)")
     ap.add_argument("--only-downstream", action="store_true",
                     help="only the server with the default download over --rounds rounds, --nodes nodes in all, "
                     "--fraction sampled a round (merged into --out)")
@@ -489,7 +498,8 @@ def main() -> None:
         result = json.loads(pathlib.Path(args.out).read_text()) if pathlib.Path(args.out).exists() else {"width": width}
         rows = server_rows(width, clients, codecs, repeats, dense_max=32)
         new = {(r["codec"], r["clients"], r["path"]) for r in rows}
-        result["server"] = [r for r in result.get("server", []) if (r["codec"], r["clients"], r["path"]) not in new] + rows
+        result["server"] = [r for r in result.get("server", [])
+                            if (r["codec"], r["clients"], r["path"]) not in new] + rows
         pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         pathlib.Path(args.out).write_text(json.dumps(result, indent=1))
         print(f"wrote {shown(pathlib.Path(args.out))}")

@@ -101,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sweep", nargs="+", default=None, metavar="D,BITS,C",
                     help="only rotated packed random-k rows: density, quantization bits, clipping range")
     ap.add_argument("--with-fp32", action="store_true", help="with --sweep: the plain fp32 FedAvg row too")
-    ap.add_argument("--alone", action="store_true", help="the row of secagg = true and nothing else (alone or with --sweep)")
+    ap.add_argument("--alone", action="store_true",
+                    help="the row of secagg = true and nothing else (alone or with --sweep)")
     ap.add_argument("--quick", action="store_true", help="2 rounds, 4 clients, one density (smoke test)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)

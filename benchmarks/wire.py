@@ -154,7 +154,8 @@ def main() -> None:
     for name, m in med.items():
         base = fp32[CASES[name][0]]
         rows.append({"case": name, "accuracy": m["accuracy"], "mb": m["counted-mb"],
-                     "ratio": base["counted-mb"] / m["counted-mb"], "accuracy-vs-fp32": m["accuracy"] - base["accuracy"],
+                     "ratio": base["counted-mb"] / m["counted-mb"],
+                     "accuracy-vs-fp32": m["accuracy"] - base["accuracy"],
                      "reported-over-counted": m.get("reported-mb", m["counted-mb"]) / m["counted-mb"]})
     print(f"{'case':42} {'accuracy':>8} {'MB':>9} {'ratio':>7} {'vs fp32':>8} {'reported/counted':>16}")
     for r in rows:

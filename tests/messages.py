@@ -17,7 +17,8 @@ def make_msg(content: RecordDict, message_type: str = "train", dst: int = 7) -> 
 
 
 def make_ctx(node_config=None, run_config=None, node_id=7) -> Context:
-    return Context(run_id=1, node_id=node_id, node_config={"partition-id": 0, "num-partitions": 2, **(node_config or {})},
+    return Context(run_id=1, node_id=node_id,
+                   node_config={"partition-id": 0, "num-partitions": 2, **(node_config or {})},
                    state=RecordDict(), run_config=dict(run_config or {}))
 
 

@@ -187,7 +187,8 @@ def test_distributed_dp_benchmark_quick_runs(tmp_path):
         assert r["epsilon"] == pytest.approx(50.0, rel=1e-3)
     ddp = rows["distributed DP under SecAgg+ (Skellam shares)"]
     assert ddp["sum-noise-std-over-clip"] == pytest.approx(ddp["noise-multiplier"] * (4 / 3) ** 0.5)
-    assert ddp["bits-per-parameter"] == rows["central client-level DP under SecAgg+ (server noise)"]["bits-per-parameter"]
+    assert (ddp["bits-per-parameter"]
+            == rows["central client-level DP under SecAgg+ (server noise)"]["bits-per-parameter"])
 
 
 @pytest.mark.slow

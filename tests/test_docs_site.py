@@ -135,7 +135,10 @@ function culprits(d, w, limit) {
     if (p && p !== d.body && p.getBoundingClientRect().right > limit) continue;
     let clipped = false;
     for (let a = p; a && a !== d.body; a = a.parentElement) {
-      if (w.getComputedStyle(a).overflowX !== "visible" && a.getBoundingClientRect().right <= limit) { clipped = true; break; }
+      if (w.getComputedStyle(a).overflowX !== "visible" && a.getBoundingClientRect().right <= limit) {
+        clipped = true;
+        break;
+      }
     }
     if (!clipped) out.push(describe(e, w));
   }

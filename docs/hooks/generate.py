@@ -638,10 +638,11 @@ PAGE_TABLES["accuracy"] = Table("federated-accuracy.json", _FEDERATED_COLUMNS, "
 _ROUND = "mean(curves[*][{r}])"
 PAGE_TABLES["accuracy/rounds"] = Table("federated-accuracy.json", (
     ("resnet", "{label}"),
-    *((f"round {r}", "{" + _ROUND.format(r=r) + "|p} ({" + _ROUND.format(r=r) + " - mean($.results[case=resnet none].curves[*]["
-       + str(r) + "])|pts})") for r in range(8, 13)),
+    *((f"round {r}", "{" + _ROUND.format(r=r) + "|p} ({" + _ROUND.format(r=r)
+       + " - mean($.results[case=resnet none].curves[*][" + str(r) + "])|pts})") for r in range(8, 13)),
 ), (
-    Row("fp32 (`none`)", "results[case=resnet none]", cells={f"round {r}": "{" + _ROUND.format(r=r) + "|p}" for r in range(8, 13)}),
+    Row("fp32 (`none`)", "results[case=resnet none]",
+        cells={f"round {r}": "{" + _ROUND.format(r=r) + "|p}" for r in range(8, 13)}),
     Row("`sign`+EF", "results[case=resnet sign+EF]"),
     Row("`stc` 0.01+EF", "results[case=resnet stc 0.01+EF]"),
     Row("`stc` 0.01+EF bn-affine", "results[case=resnet stc 0.01+EF bn-affine]"),
@@ -675,9 +676,10 @@ PAGE_TABLES["distributed-dp"] = Table("distributed_dp.json", (
     ("target epsilon", "{target-epsilon|.0f}", "---:"), ("configuration", "{label}"),
     ("z", "{noise-multiplier|.3f}", "---:"), ("noise std of the sum / C", "{sum-noise-std-over-clip|.3f}", "---:"),
     ("bits/param", "{bits-per-parameter|.1f}", "---:"),
-    ("final accuracy, median ({len($.seeds)|int} seeds; range)", "{final-accuracy|pct} ({min(finals)|p}-{max(finals)|p})",
-     "---:"),
-), tuple(Row(label, f"rows[target-epsilon={eps};label={case}]", bold=bold) for eps in (50, 200) for label, case, bold in (
+    ("final accuracy, median ({len($.seeds)|int} seeds; range)",
+     "{final-accuracy|pct} ({min(finals)|p}-{max(finals)|p})", "---:"),
+), tuple(Row(label, f"rows[target-epsilon={eps};label={case}]", bold=bold)
+         for eps in (50, 200) for label, case, bold in (
     ("central client-level DP, no SecAgg", "central client-level DP, no SecAgg", ()),
     ("central client-level DP under SecAgg+ (server adds the noise)",
      "central client-level DP under SecAgg+ (server noise)", ()),
@@ -711,8 +713,8 @@ def _scale_rows() -> tuple[Row, ...]:
                                   ("int8", "int8", "{payload_kib_per_client / 1024|.1f} MiB")):
         for n in (10, 100, 1000):
             dense = ({} if n == 10 else {"dense: time": "", "dense: peak": ""})
-            rows.append(Row(f"{label} ({payload})" if n == 10 else "", f"server[codec={codec};clients={n};path=streaming]",
-                            cells=dense))
+            rows.append(Row(f"{label} ({payload})" if n == 10 else "",
+                            f"server[codec={codec};clients={n};path=streaming]", cells=dense))
     return tuple(rows)
 
 
@@ -757,12 +759,13 @@ PAGE_TABLES["secagg"] = Table("secagg.json", (
     Row("plain random-k d = 1/16, per-client positions, no SecAgg", "rows[label=plain randomk d=0.0625 (no SecAgg)]"),
     Row("SecAgg+ shared random-k d = 1/16, int64", "rows[label=SecAgg+ randomk d=0.0625, int64]", cells=_SAME),
     Row("SecAgg+ shared random-k d = 1/16, packed", "rows[label=SecAgg+ randomk d=0.0625, packed]"),
-    Row("SecAgg+ shared random-k d = 1/16, packed + rotation", "rows[label=SecAgg+ randomk d=0.0625, packed + rotation]",
-        bold=(2,)),
+    Row("SecAgg+ shared random-k d = 1/16, packed + rotation",
+        "rows[label=SecAgg+ randomk d=0.0625, packed + rotation]", bold=(2,)),
     Row("plain random-k d = 1/64, per-client positions, no SecAgg", "rows[label=plain randomk d=0.015625 (no SecAgg)]"),
     Row("SecAgg+ shared random-k d = 1/64, int64", "rows[label=SecAgg+ randomk d=0.015625, int64]", cells=_SAME),
     Row("SecAgg+ shared random-k d = 1/64, packed", "rows[label=SecAgg+ randomk d=0.015625, packed]"),
-    Row("SecAgg+ shared random-k d = 1/64, packed + rotation", "rows[label=SecAgg+ randomk d=0.015625, packed + rotation]"),
+    Row("SecAgg+ shared random-k d = 1/64, packed + rotation",
+        "rows[label=SecAgg+ randomk d=0.015625, packed + rotation]"),
     *(Row(label, f"secagg_density005.json:rows[label={case}]", bold=bold,
           cells={"accuracy, round 50": "{final-accuracy|pct} ({finals|p/})"})
       for label, case, bold in (
@@ -788,7 +791,8 @@ PAGE_TABLES["secagg/bits"] = Table("secagg_bits.json", (
      "SecAgg+ randomk d=0.0625, 4-bit, c=0.05, packed + rotation", ()),
     ("**SecAgg+ shared random-k d = 1/16, rotation, 3-bit, c = 0.05**",
      "SecAgg+ randomk d=0.0625, 3-bit, c=0.05, packed + rotation", (2, 3)),
-    ("SecAgg+ shared random-k d = 0.07, rotation, 3-bit, c = 0.05", "SecAgg+ randomk d=0.07, 3-bit, c=0.05, packed + rotation", ()),
+    ("SecAgg+ shared random-k d = 0.07, rotation, 3-bit, c = 0.05",
+     "SecAgg+ randomk d=0.07, 3-bit, c=0.05, packed + rotation", ()),
     ("SecAgg+ shared random-k d = 1/16, rotation, 2-bit, c = 0.05",
      "SecAgg+ randomk d=0.0625, 2-bit, c=0.05, packed + rotation", ()),
     ("SecAgg+ shared random-k d = 0.095, rotation, 1-bit, c = 0.05",
@@ -805,20 +809,23 @@ PAGE_TABLES["secagg/server-step"] = Table("secagg_bits2.json", (
     Row("plain FedAvg, fp32, no SecAgg (`secagg_bits.json`)", "secagg_bits.json:" + _FP32_BITS,
         cells={"every 10 rounds (first seed)": "{$." + _FP32_BITS + ".accuracy-every-10-rounds[0]|p0,}"}),
     *(Row(label, f"rows[label={case}]", bold=bold, cells=_ONE_SEED_ACC if one else {}) for label, case, bold, one in (
-        ("d = 1/16, 3-bit, step 1", "SecAgg+ randomk d=0.0625, 3-bit, c=0.05, packed + rotation (the former secagg = true alone)",
-         (), True),
+        ("d = 1/16, 3-bit, step 1",
+         "SecAgg+ randomk d=0.0625, 3-bit, c=0.05, packed + rotation (the former secagg = true alone)", (), True),
         ("d = 1/16, 16-bit, c = 1, step 1", "SecAgg+ randomk d=0.0625, 16-bit, c=1, packed + rotation", (), True),
         ("d = 1/8, 3-bit, step 1", "SecAgg+ randomk d=0.125, 3-bit, c=0.05, packed + rotation", (), True),
         ("d = 1/4, 3-bit, step 1", "SecAgg+ randomk d=0.25, 3-bit, c=0.05, packed + rotation", (), True),
-        ("d = 1/16, 3-bit, step 2", "SecAgg+ randomk d=0.0625, 3-bit, c=0.05, packed + rotation, server-lr 2", (), True),
-        ("d = 1/16, 3-bit, step 4", "SecAgg+ randomk d=0.0625, 3-bit, c=0.05, packed + rotation, server-lr 4", (), False),
+        ("d = 1/16, 3-bit, step 2",
+         "SecAgg+ randomk d=0.0625, 3-bit, c=0.05, packed + rotation, server-lr 2", (), True),
+        ("d = 1/16, 3-bit, step 4",
+         "SecAgg+ randomk d=0.0625, 3-bit, c=0.05, packed + rotation, server-lr 4", (), False),
         ("d = 0.07, 3-bit, step 4", "SecAgg+ randomk d=0.07, 3-bit, c=0.05, packed + rotation, server-lr 4", (), False),
         ("**`secagg = true` alone: d = 0.07, 3-bit, c = 0.05, rotation, step 4**",
          "SecAgg+ secagg = true alone (now: d=0.07, 3-bit, c=0.05, rotation, server-lr 4)", (2, 3), False),
         ("d = 0.07, 3-bit, step 4 falling linearly to 1 at round 50 (`secagg-server-lr-decay`)",
-         "SecAgg+ randomk d=0.07, 3-bit, c=0.05, packed + rotation, server-lr 4 falling to 1 (secagg-server-lr-decay)", (),
-         False),
-        ("d = 0.082, 2-bit, step 4", "SecAgg+ randomk d=0.082, 2-bit, c=0.05, packed + rotation, server-lr 4", (), False),
+         "SecAgg+ randomk d=0.07, 3-bit, c=0.05, packed + rotation, server-lr 4 falling to 1 "
+         "(secagg-server-lr-decay)", (), False),
+        ("d = 0.082, 2-bit, step 4",
+         "SecAgg+ randomk d=0.082, 2-bit, c=0.05, packed + rotation, server-lr 4", (), False),
     )),
 ))
 
@@ -829,7 +836,8 @@ def _links_rows(data: dict) -> list[dict]:
     for row in data["rows"]:
         floor = links.link_floor(data["rows"], row["codec"])
         speed = "unshaped" if row["uplink-mbps"] is None else f"{row['uplink-mbps']:g} / {row['downlink-mbps']:g}"
-        out.append({"codec": row["codec"], "speed": speed + (f", RTT {row['rtt-ms']:g} ms" if row.get("rtt-ms") else ""),
+        out.append({"codec": row["codec"],
+                    "speed": speed + (f", RTT {row['rtt-ms']:g} ms" if row.get("rtt-ms") else ""),
                     "rtt-ms": row.get("rtt-ms"), "uplink-mbps": row["uplink-mbps"], "rounds": row["rounds-to-target"],
                     "floor": floor, **links.compare(row, floor)})
     return out
@@ -837,8 +845,9 @@ def _links_rows(data: dict) -> list[dict]:
 
 PAGE_TABLES["links"] = Table("links.json", (
     ("codec", "{codec|str}"), ("up / down Mbit/s", "{speed|str}"), ("rounds to 90 %", "{rounds|int}"),
-    ("measured s", "{measured|.1f}", "---:"), ("computed s", "{computed|.1f}", "---:"), ("ratio", "{ratio|.2f}", "---:"),
-    ("transfers-only model s", "{old|.1f}", "---:"), ("ratio to it", "{ratio-old|.2f}", "---:"),
+    ("measured s", "{measured|.1f}", "---:"), ("computed s", "{computed|.1f}", "---:"),
+    ("ratio", "{ratio|.2f}", "---:"), ("transfers-only model s", "{old|.1f}", "---:"),
+    ("ratio to it", "{ratio-old|.2f}", "---:"),
     ("link part measured s", "{link-measured|.2f}", "---:"), ("link part computed s", "{link-computed|.2f}", "---:"),
     ("ratio link", "{ratio-link|.2f}", "---:"), ("poll wait s/round", "{overhead-per-round|.1f}", "---:"),
 ), _links_rows, command="sudo python benchmarks/links.py")
@@ -888,9 +897,12 @@ PAGE_TABLES["codecs/floors"] = Table("codecs_throughput.json", (
     Row("stc 1 %", "rows[codec=stc;density=0.01]", cells={**_FLOOR, "the target is": "not met; see below"}),
     Row("stc 1/400", "rows[codec=stc;density=0.0025]", cells={**_FLOOR, "the target is": "not met; see below"}),
     Row("topk 1 %", "rows[codec=topk]", cells={**_FLOOR, "the target is": "not met; see below"}),
-    Row("fp16", "rows[codec=fp16]", cells={**_FLOOR, "the target is": "{met_if_at_most(encode_vs_sum, encode_target)|str}"}),
-    Row("bf16", "rows[codec=bf16]", cells={**_FLOOR, "the target is": "{met_if_at_most(encode_vs_sum, encode_target)|str}"}),
-    Row("randomk 1 %", "rows[codec=randomk]", cells={**_FLOOR, "the target is": "{met_if_at_most(encode_vs_sum, encode_target)|str}"}),
+    Row("fp16", "rows[codec=fp16]",
+        cells={**_FLOOR, "the target is": "{met_if_at_most(encode_vs_sum, encode_target)|str}"}),
+    Row("bf16", "rows[codec=bf16]",
+        cells={**_FLOOR, "the target is": "{met_if_at_most(encode_vs_sum, encode_target)|str}"}),
+    Row("randomk 1 %", "rows[codec=randomk]",
+        cells={**_FLOOR, "the target is": "{met_if_at_most(encode_vs_sum, encode_target)|str}"}),
 ), command="python benchmarks/codecs.py --throughput")
 PAGE_TABLES["codecs/decode-memory"] = Table("decode_memory.json", (
     ("codec", "{codec|str}"), ("settings", "{params|settings}"), ("payload bytes", "{payload_bytes|n,}", "---:"),
@@ -952,8 +964,10 @@ def _lora_command(name: str) -> str:
             f"--out benchmarks/results/{name}")
 
 
-_FULL = (("codec", "{case|str}"), ("next-char acc. (last / mean of last 3)", "{final_accuracy|pct} / {last3_accuracy|pct}"),
-         ("vs fp32, same beta1 (points)", "{0 - points_below_fp32|+.1f}"), ("rounds to fp32 - 1 pt", "{rounds_to_target|int}"),
+_FULL = (("codec", "{case|str}"),
+         ("next-char acc. (last / mean of last 3)", "{final_accuracy|pct} / {last3_accuracy|pct}"),
+         ("vs fp32, same beta1 (points)", "{0 - points_below_fp32|+.1f}"),
+         ("rounds to fp32 - 1 pt", "{rounds_to_target|int}"),
          ("upload MB", "{upload_mb|.3f}"), ("bit/param/round", "{bits_per_param_per_round|.4f}"),
          ("upload vs fp32", "{upload_reduction_vs_fp32|x}"), ("upload MB to 30 %", "{upload_mb_to[0.30]|.3g}"),
          ("upload MB to 35 %", "{upload_mb_to[0.35]|.3g}"))
@@ -962,7 +976,8 @@ _LORA_COLUMNS = (("case (up / down)", "{case|str} ({compressor|str} / {downstrea
                  ("eval-loss gain kept", "{gain_kept|pct0}"), ("bytes up", "{upload_bytes / 1000|.1f} kB"),
                  ("bytes down", "{download_bytes / 1000|.1f} kB"), ("total vs fp32", "{ratio_total|x}"),
                  ("bits/param up, down", "{bits_up|.3f}, {bits_down|.3f}"))
-PAGE_TABLES["llm/lora"] = Table("llm.json", _LORA_COLUMNS, "lora.results[*]", command="python benchmarks/llm.py --part lora")
+PAGE_TABLES["llm/lora"] = Table("llm.json", _LORA_COLUMNS, "lora.results[*]",
+                                command="python benchmarks/llm.py --part lora")
 PAGE_TABLES["llm/lora-study"] = Table("llm.json", _LORA_COLUMNS, "lora.study.results[*]",
                                       command="python benchmarks/llm.py --part lora")
 
@@ -990,7 +1005,8 @@ PAGE_TABLES["llm/lora-seeds"] = Table("llm_lora_42.json", _gain_columns(_LORA_SE
     ("bytes up", "{" + _med(_LORA_SEEDS, "upload_bytes") + " / 1000|.1f} kB"),
     ("bytes down (median)", "{" + _med(_LORA_SEEDS, "download_bytes") + " / 1000|.1f} kB"),
     ("total vs fp32 (median)", "{" + _med(_LORA_SEEDS, "ratio_total") + "|x}"),
-    ("bits/param up, down (median)", "{" + _med(_LORA_SEEDS, "bits_up") + "|.3f}, {" + _med(_LORA_SEEDS, "bits_down") + "|.3f}"),
+    ("bits/param up, down (median)",
+     "{" + _med(_LORA_SEEDS, "bits_up") + "|.3f}, {" + _med(_LORA_SEEDS, "bits_down") + "|.3f}"),
 )), (
     Row("fp32 (none / none)", "lora.results[case=fp32]"),
     Row("**sign+EF (sign / sign), the `lora` preset**", "lora.results[case=sign+EF]", bold=(2, 5)),
@@ -1006,20 +1022,26 @@ _PRESET = {"gain kept (per seed)": "{" + _per_seed(_LORA_SEEDS, "lora.results[ca
            "median": "{median(" + _per_seed(_LORA_SEEDS, "lora.results[case=sign+EF].gain_kept") + ")|pct}"}
 PAGE_TABLES["llm/lora-correction"] = Table("llm_lora_correction_42.json", _gain_columns(_CORRECTION, (
     ("total vs fp32 (median)", "{" + _med(_CORRECTION, "ratio_total") + "|x}"),
-    ("bits/param up, down (median)", "{" + _med(_CORRECTION, "bits_up") + "|.3f}, {" + _med(_CORRECTION, "bits_down") + "|.3f}"),
+    ("bits/param up, down (median)",
+     "{" + _med(_CORRECTION, "bits_up") + "|.3f}, {" + _med(_CORRECTION, "bits_down") + "|.3f}"),
 )), (
     Row("sign+EF, the `lora` preset (table above)", "llm_lora_42.json:lora.results[case=sign+EF]", cells={
-        **_PRESET, "total vs fp32 (median)": "{median(" + _per_seed(_LORA_SEEDS, "lora.results[case=sign+EF].ratio_total") + ")|x}",
-        "bits/param up, down (median)": "{median(" + _per_seed(_LORA_SEEDS, "lora.results[case=sign+EF].bits_up") + ")|.3f}, "
-                                        "{median(" + _per_seed(_LORA_SEEDS, "lora.results[case=sign+EF].bits_down") + ")|.3f}"}),
+        **_PRESET,
+        "total vs fp32 (median)": "{median(" + _per_seed(_LORA_SEEDS, "lora.results[case=sign+EF].ratio_total")
+                                  + ")|x}",
+        "bits/param up, down (median)": "{median(" + _per_seed(_LORA_SEEDS, "lora.results[case=sign+EF].bits_up")
+                                        + ")|.3f}, "
+                                        "{median(" + _per_seed(_LORA_SEEDS, "lora.results[case=sign+EF].bits_down")
+                                        + ")|.3f}"}),
     Row("sign+EF, downstream correction", "lora.results[case=sign+EF, correction]"),
     Row("STC 5 % both ways (first table: one seed)", "llm.json:lora.results[case=stc 5%]", cells={
-        "gain kept (per seed)": "{gain_kept|pct0} (diverges)", "median": "", "total vs fp32 (median)": "{ratio_total|x}",
-        "bits/param up, down (median)": "{bits_up|.3f}, {bits_down|.3f}"}),
+        "gain kept (per seed)": "{gain_kept|pct0} (diverges)", "median": "",
+        "total vs fp32 (median)": "{ratio_total|x}", "bits/param up, down (median)": "{bits_up|.3f}, {bits_down|.3f}"}),
     Row("STC 5 % both ways, downstream correction", "lora.results[case=stc 5%, correction]"),
 ), command=_lora_command)
 PAGE_TABLES["llm/lora-frontier"] = Table("llm_lora_frontier_42.json", _gain_columns(_FRONTIER, (
-    ("bits/param up, down (median)", "{" + _med(_FRONTIER, "bits_up") + "|.3f}, {" + _med(_FRONTIER, "bits_down") + "|.3f}"),
+    ("bits/param up, down (median)",
+     "{" + _med(_FRONTIER, "bits_up") + "|.3f}, {" + _med(_FRONTIER, "bits_down") + "|.3f}"),
 )), tuple(Row(label, f"lora.results[case={case}]") for label, case in (
     ("STC 5 % up, fp32 down", "stc 5% up, dense down"), ("STC 10 % up, fp32 down", "stc 10% up, dense down"),
     ("fp32 up, STC 5 % down (diverges)", "fp32 up, stc 5% down"),
@@ -1031,9 +1053,11 @@ PAGE_TABLES["llm/lora-frontier"] = Table("llm_lora_frontier_42.json", _gain_colu
 )), command=_lora_command)
 PAGE_TABLES["llm/lora-sampling"] = Table("llm_lora_4of8_42.json", (
     ("clients a round", "{label}"),
-    ("STC 5 % both ways (total vs fp32)", "{lora.results[case=stc 5%].gain_kept|pct} ({lora.results[case=stc 5%].ratio_total|x})"),
+    ("STC 5 % both ways (total vs fp32)",
+     "{lora.results[case=stc 5%].gain_kept|pct} ({lora.results[case=stc 5%].ratio_total|x})"),
     ("the same, downstream correction", "{lora.results[case=stc 5%, correction].gain_kept|pct}"),
-    ("STC 10 % both ways (total vs fp32)", "{lora.results[case=stc 10%].gain_kept|pct} ({lora.results[case=stc 10%].ratio_total|x})"),
+    ("STC 10 % both ways (total vs fp32)",
+     "{lora.results[case=stc 10%].gain_kept|pct} ({lora.results[case=stc 10%].ratio_total|x})"),
 ), (
     Row("{lora.federation.per_round|int} of {lora.federation.clients|int}", "@"),
     Row("{lora.federation.per_round|int} of {lora.federation.clients|int} (every client every round)",
@@ -1104,7 +1128,8 @@ PAGE_TABLES["both-ways/resnet-30"] = Table("both_ways_resnet_30r.json", (
     ("case", "{label}"), ("round 30 (median)", "{final_accuracy|pct}"), ("last 3", "{last3_accuracy|pct}"),
     ("bytes both ways, 30 rounds", "{(upload_bytes + download_bytes) / 1e6|.2f} MB"),
     ("ratio both ways", "{ratio_both_ways|x}"),
-    ("round reaching {" + _TARGET + "|pct} (per seed)", "{reach_each(" + _RUNS + ".accuracy_curve, " + _TARGET + ")|int,}"),
+    ("round reaching {" + _TARGET + "|pct} (per seed)",
+     "{reach_each(" + _RUNS + ".accuracy_curve, " + _TARGET + ")|int,}"),
     ("MB to {" + _TARGET + "|pct}", "{bytes_to_fp32_minus_1pt / 1e6|.2f}"),
     ("ratio to {" + _TARGET + "|pct}", "{ratio_to_fp32_minus_1pt|x}"),
 ), (
@@ -1120,7 +1145,8 @@ PAGE_TABLES["both-ways/resnet-30-bn"] = Table("both_ways_resnet_30r_bn.json", (
     ("last 3", "{last3_accuracy|pct}"),
     ("bytes both ways, 30 rounds", "{(upload_bytes + download_bytes) / 1e6|.2f} MB"),
     ("ratio both ways", "{ratio_both_ways|x}"),
-    ("round reaching {" + _TARGET + "|pct} (per seed)", "{reach_each(" + _RUNS + ".accuracy_curve, " + _TARGET + ")|int,}"),
+    ("round reaching {" + _TARGET + "|pct} (per seed)",
+     "{reach_each(" + _RUNS + ".accuracy_curve, " + _TARGET + ")|int,}"),
     ("MB to {" + _TARGET + "|pct}, median (per seed)",
      "{bytes_to_fp32_minus_1pt / 1e6|.2f} ({" + _BYTES_TO + " / 1e6|.2f/})"),
     ("ratio to {" + _TARGET + "|pct}, median (per seed)",
@@ -1141,8 +1167,8 @@ _ONE_SEED = {"round 20 (per seed)": "{final_accuracy|pct} (first seed only)", "m
              "vs fp32": "{final_accuracy - $.runs[case=fp32 both ways;seed=<<seeds>>].final_accuracy|pts} on that seed"}
 PAGE_TABLES["both-ways/transformer"] = Table("both_ways_transformer.json", _T20, (
     Row("fp32 both ways", "summary[case=fp32 both ways]"),
-    Row("**STC 4 % up, auto down (STC 5 %), downstream correction (the default)**", "summary[case=stc 4 % up, auto down]",
-        bold=("median", "vs fp32", "ratio both ways")),
+    Row("**STC 4 % up, auto down (STC 5 %), downstream correction (the default)**",
+        "summary[case=stc 4 % up, auto down]", bold=("median", "vs fp32", "ratio both ways")),
     Row('the same without the correction (`downstream-correction = "off"`)',
         "summary[case=stc 4 % up, auto down, no correction]"),
     Row("STC 4 % up, dense download", "summary[case=stc 4 % up, dense download]"),
@@ -1169,7 +1195,8 @@ _BEST = "max_each(" + _RUNS + ".accuracy_curve)"
 _BEST_AT = "argmax_each(" + _RUNS + ".accuracy_curve)"
 PAGE_TABLES["both-ways/transformer-60"] = Table("both_ways_transformer_60r.json", (
     ("case, 60 rounds", "{label}"), ("round 60 (per seed)", _PER_SEED + " %"), ("median", "{final_accuracy|pct}"),
-    ("vs fp32", _VS_FP32), ("best round, median (rounds per seed)", "{median(" + _BEST + ")|pct} ({" + _BEST_AT + "|int,})"),
+    ("vs fp32", _VS_FP32),
+    ("best round, median (rounds per seed)", "{median(" + _BEST + ")|pct} ({" + _BEST_AT + "|int,})"),
     ("upload MB", "{upload_bytes / 1e6|.3f}"), ("download MB", "{download_bytes / 1e6|.3f}"),
     ("ratio both ways", "{ratio_both_ways|x}"), ("ratio to fp32's final - 1 point", "{ratio_to_fp32_minus_1pt|x}"),
 ), (
@@ -1198,8 +1225,10 @@ PAGE_TABLES["both-ways/levers"] = Table("both_ways_transformer_levers.json", _LE
     Row("randsign 25 % up, randsign 25 % down", "summary[case=randsign 25 % up, randsign 25 % down]"),
     Row("STC 4 % up, auto down, **with the correction** (`both_ways_transformer.json`, the same seed)",
         "both_ways_transformer.json:runs[case=stc 4 % up, auto down;seed=3]",
-        cells={"last 3": "{mean_last_each(both_ways_transformer.json:runs[?case=stc 4 % up, auto down;seed=3].accuracy_curve, 3)|pct/}",
-               "ratio both ways": "{both_ways_transformer.json:summary[case=stc 4 % up, auto down].ratio_both_ways|x}"}),
+        cells={"last 3": "{mean_last_each(both_ways_transformer.json:runs[?case=stc 4 % up, auto down;seed=3]"
+                         ".accuracy_curve, 3)|pct/}",
+               "ratio both ways": "{both_ways_transformer.json:summary[case=stc 4 % up, auto down]"
+                                  ".ratio_both_ways|x}"}),
 ))
 
 

@@ -12,9 +12,9 @@ What is saved: the global weights (every array with its exact shape and dtype: 0
 bool, fp16 and zero-element arrays included), the round number, the metrics of every round so far,
 and the strategy's [`state_dict`][fedcomp.strategies.CompressedStrategy.state_dict]: the inner strategy's
 optimizer state where it has one (FedOpt/FedAdam ``m_t``/``v_t``, FedAvgM's momentum) and the
-integer rule's rounding remainders, the fp16/bf16 tensors' rounding remainders, EF21's server estimate h and the round it last folded each
-node's send in the ``.npz``, the privacy accounting (client-level DP rounds, local-DP rounds, the
-epsilon projections of DP-SGD reports) in the manifest. A manifest or weights file without one of
+integer rule's rounding remainders, the fp16/bf16 tensors' rounding remainders, EF21's server estimate h and the
+round it last folded each node's send in the ``.npz``, the privacy accounting (client-level DP rounds, local-DP
+rounds, the epsilon projections of DP-SGD reports) in the manifest. A manifest or weights file without one of
 these keys (written by an older version) loads that state with its start value.
 """
 
@@ -85,7 +85,8 @@ def save(out_dir: pathlib.Path, server_round: int, weights: dict[str, np.ndarray
     arrays[_ROUND] = np.array(server_round, dtype=np.int64)
     write_atomically(out_dir / WEIGHTS, lambda f: np.savez(f, **arrays))
     meta = {
-        "round": server_round, "keys": list(weights), CHECKSUM: _sha256(out_dir / WEIGHTS), "rounds": rounds, "extra": extra or {},
+        "round": server_round, "keys": list(weights), CHECKSUM: _sha256(out_dir / WEIGHTS), "rounds": rounds,
+        "extra": extra or {},
         **state.get("privacy", {}),
     }
     # the manifest last: it commits the pair

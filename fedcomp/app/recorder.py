@@ -279,7 +279,8 @@ def privacy_statement(cfg: AppConfig, run_config: dict | None = None) -> dict | 
     level = {"dp-sgd": "sample-level (one training example), on each client, Opacus DP-SGD",
              "client-level": "client-level (a client's whole update), DP-FedAvg on the server",
              "local": "client-level, local: each client clips and noises its own update before compressing",
-             "distributed": "client-level, distributed under SecAgg+: each client adds its share of Skellam noise"}[cfg.dp]
+             "distributed": "client-level, distributed under SecAgg+: each client adds its share of Skellam "
+                            "noise"}[cfg.dp]
     accountant = "rdp"  # client-level and local DP: Rényi DP of the Gaussian mechanism, per round
     if cfg.dp == "dp-sgd":
         accountant = (run_config or {}).get("accountant", DPSGDConfig.accountant)

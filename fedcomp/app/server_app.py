@@ -54,7 +54,8 @@ def privacy_options(cfg: AppConfig, context: Context | None = None) -> dict:
                                                               cfg.dp, cfg.codec.error_feedback),
                   # this app trains its model from scratch: new clients build it from a seed (on resume the
                   # model is trained: a compressed start, the library's "auto")
-                  "downstream_init": "seeded" if cfg.downstream_init == "auto" and not cfg.resume else cfg.downstream_init}
+                  "downstream_init": ("seeded" if cfg.downstream_init == "auto" and not cfg.resume
+                                      else cfg.downstream_init)}
     why = correction_refusal(opts["downstream_correction"], cfg.downstream != "none", cfg.dp == "client-level",
                              cfg.codec.error_feedback == "ef21", True)
     if why:

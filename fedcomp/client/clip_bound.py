@@ -78,8 +78,8 @@ def encode_within_norm(encode, deltas: dict[str, tuple[torch.Tensor, list[float]
         if attempt < len(MARGINS):
             factor *= clipping_norm / norm * (1.0 - MARGINS[attempt])
     raise ValueError(f"codec {codec_name!r}: the decoded update has L2 norm {norm:.9g} > clipping_norm {clipping_norm} "
-                     f"after {len(MARGINS)} rescalings; the client-side clipping bound cannot be met with this codec (with error "
-                     "feedback: the residual alone exceeds it; use error-feedback = false)")
+                     f"after {len(MARGINS)} rescalings; the client-side clipping bound cannot be met with this codec "
+                     "(with error feedback: the residual alone exceeds it; use error-feedback = false)")
 
 
 __all__ = ["MARGINS", "decoded_norm", "encode_within_norm"]

@@ -60,8 +60,8 @@ def compression_mod(msg: Message, context: Context, call_next) -> Message:
     ``dense-bytes`` (fp32 cost), ``download-bytes`` (bytes of the received arrays),
     ``compression-error``, ``residual-norm``, ``residual-bytes`` (memory of the residual),
     ``compress-seconds``, ``clientapp-seconds`` (`fedcomp.protocol.device.clientapp_seconds`: the
-    age of a per-message ``flwr-clientapp`` process, else 0) and the node's ``uplink-mbps``/``downlink-mbps`` (node config, else
-    run config; defaults 1 and 10) to the reply's MetricRecord.
+    age of a per-message ``flwr-clientapp`` process, else 0) and the node's ``uplink-mbps``/``downlink-mbps`` (node
+    config, else run config; defaults 1 and 10) to the reply's MetricRecord.
 
     Only a train message with exactly one ArrayRecord is ours (`is_ours`); any other message
     goes to the next mod untouched, and its reply comes back untouched: other message types, a

@@ -106,7 +106,8 @@ def _check_pair(received: dict, trained: dict, dtypes: dict) -> dict[str, np.nda
             raise CompositionError(f"'{key}': trained shape {tuple(np.shape(t))} differs from received "
                                    f"{tuple(np.shape(g))}")
         if is_float_dtype(dtypes[key]) != (np.asarray(t).dtype.kind == "f"):
-            raise CompositionError(f"'{key}': received a {dtypes[key]} tensor but the app returned {np.asarray(t).dtype}")
+            raise CompositionError(f"'{key}': received a {dtypes[key]} tensor but the app returned "
+                                   f"{np.asarray(t).dtype}")
     return ordered
 
 

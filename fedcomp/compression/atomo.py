@@ -92,7 +92,8 @@ class AtomoCompressor(Compressor):
 
     name = "atomo"
     codec_id = 11
-    options = (Option("atomo-atoms", int, 2, "atomo: expected number of SVD atoms sent per matrix, s >= 1", lo=1, hi=MAX_RANK, arg="atoms"), SMALL_TENSOR)
+    options = (Option("atomo-atoms", int, 2, "atomo: expected number of SVD atoms sent per matrix, s >= 1", lo=1,
+                      hi=MAX_RANK, arg="atoms"), SMALL_TENSOR)
     seeded = True
     per_tensor_only = True
     _PARAMS = "<I"  # atoms sent

@@ -150,7 +150,8 @@ class Compressor:
         finite (its norms are finite): the same payload without the finiteness pass of `check_input`. Any other
         dtype, or a codec with a ``compress`` of its own, goes through
         [`compress`][fedcomp.compression.Compressor.compress]."""
-        if type(self).compress is not Compressor.compress or not isinstance(x, torch.Tensor) or x.dtype != torch.float32:
+        if (type(self).compress is not Compressor.compress or not isinstance(x, torch.Tensor)
+                or x.dtype != torch.float32):
             return self.compress(x)
         params, body = self._encode(x.detach().reshape(-1))
         return _assemble(pack_header(self.codec_id, x.dtype, tuple(x.shape), params), body)

@@ -42,7 +42,8 @@ def _open(payload, max_numel: int, expected_shape) -> tuple:
         raise PayloadError("an exact payload holds an integer/bool tensor: decode it with decode_exact, not decompress")
     cls = codec_by_id(header.codec_id)
     if cls is None:
-        raise PayloadError(f"unknown codec id {header.codec_id}; known: { {c.codec_id: c.name for c in CODECS.values()} }")
+        raise PayloadError(f"unknown codec id {header.codec_id}; known: "
+                           f"{ {c.codec_id: c.name for c in CODECS.values()} }")
     if header.exact_dtype is not None:  # float codecs encode float tensors only
         raise PayloadError(f"{cls.name} payload declares dtype {header.exact_dtype}; {cls.name} encodes "
                            "float16, bfloat16, float32 or float64 tensors only")

@@ -73,8 +73,8 @@ class NoCompression(_Cast):
 
     Payload body: n little-endian float32; for a float64 tensor, n little-endian float64 (64
     bits/parameter, parameter block ``b"\\x08"``) so that float64 models stay float64 end to end:
-    such a payload decodes to float64. An empty parameter block means a float32 body. The reference point every ratio is taken
-    against (plain FedAvg, McMahan et al. 2017).
+    such a payload decodes to float64. An empty parameter block means a float32 body. The reference point every ratio
+    is taken against (plain FedAvg, McMahan et al. 2017).
     """
 
     name = "none"

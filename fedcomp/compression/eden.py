@@ -65,7 +65,8 @@ class EdenCompressor(Compressor):
 
     name = "eden"
     codec_id = 10
-    options = (Option("unbiased", bool, False, "DRIVE's unbiased scale instead of the least-squares one", arg="unbiased"),)
+    options = (Option("unbiased", bool, False, "DRIVE's unbiased scale instead of the least-squares one",
+                      arg="unbiased"),)
     seeded = True
     _PARAMS = "<QB"  # rotation seed, unbiased flag
 
@@ -99,7 +100,8 @@ class EdenCompressor(Compressor):
             blk = fwht_(y[off : off + size], zero_signs=False).mul_(size**-0.5)
             l1 = float(torch.linalg.vector_norm(_double(blk, wide), ord=1))
             if not math.isfinite(l1) or l1 / size > 3.4e38:
-                raise ValueError("eden: the rotated input overflows float32 (entries near 3.4e38); refusing to compress")
+                raise ValueError("eden: the rotated input overflows float32 (entries near 3.4e38); refusing to "
+                                 "compress")
             if l1 == 0.0:
                 scales.append(0.0)
             elif self.unbiased:

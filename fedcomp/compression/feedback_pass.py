@@ -330,9 +330,9 @@ def _raise_not_finite(members: list[str], trained: Mapping, received: Mapping, c
     for k in members:
         d = np.abs(np.asarray(trained[k], np.float64) - np.asarray(received[k], np.float64))
         if d.size and float(d.max()) > float(np.finfo(np.float32).max):
-            raise ValueError(f"update of the float64 tensor '{k}' reaches {float(d.max()):.3g}, beyond the float32 range "
-                             f"(3.4e38) the codec '{codec_name}' computes in; refusing to compress (compressor 'none' "
-                             "sends float64 tensors exactly in float64)")
+            raise ValueError(f"update of the float64 tensor '{k}' reaches {float(d.max()):.3g}, beyond the float32 "
+                             f"range (3.4e38) the codec '{codec_name}' computes in; refusing to compress "
+                             "(compressor 'none' sends float64 tensors exactly in float64)")
     raise ValueError(f"the update of {members} is not finite in float32; refusing to compress")  # pragma: no cover
 
 

@@ -51,10 +51,13 @@ def merge_options(declared: Mapping[str, tuple[Option, ...]]) -> dict[str, Optio
                 out[opt.key], owner[opt.key] = opt, name
             elif (seen.type, seen.default, seen.lo, seen.hi, seen.lo_open, seen.hi_open, seen.choices) != (
                     opt.type, opt.default, opt.lo, opt.hi, opt.lo_open, opt.hi_open, opt.choices):
-                raise ValueError(f"codecs {owner[opt.key]!r} and {name!r} declare run-config key {opt.key!r} differently")
+                raise ValueError(f"codecs {owner[opt.key]!r} and {name!r} declare run-config key {opt.key!r} "
+                                 "differently")
     return out
 
 
 #: Options several codecs share (declared once, so that their declarations agree).
-DENSITY = Option("density", float, 0.01, "fraction of entries kept, in (0, 1]", lo=0.0, hi=1.0, lo_open=True, arg="density")
-VALUE_DTYPE = Option("value-dtype", str, "fp32", "wire type of the values: fp32 (exact) or fp16", choices=tuple(VALUE_DTYPES), arg="value_dtype")
+DENSITY = Option("density", float, 0.01, "fraction of entries kept, in (0, 1]", lo=0.0, hi=1.0, lo_open=True,
+                 arg="density")
+VALUE_DTYPE = Option("value-dtype", str, "fp32", "wire type of the values: fp32 (exact) or fp16",
+                     choices=tuple(VALUE_DTYPES), arg="value_dtype")

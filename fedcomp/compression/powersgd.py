@@ -92,8 +92,8 @@ class PowerSGDCompressor(Compressor):
 
     One power iteration per call (Algorithm 1): ``P = M Q_prev``, ``P <- orthogonalize(P)``
     (a Householder QR in place of the paper's Gram-Schmidt: a zero or rank-deficient M decodes
-    to finite values, and a matrix of rank d <= r is recovered exactly), ``Q = M^T P``. Warm start: the Q of one call starts the next (kept on this object
-    and saved/restored through `get_state`/`set_state`, which
+    to finite values, and a matrix of rank d <= r is recovered exactly), ``Q = M^T P``. Warm start: the Q of one
+    call starts the next (kept on this object and saved/restored through `get_state`/`set_state`, which
     [`ErrorFeedback`][fedcomp.compression.ErrorFeedback] persists with the residual); the first Q, and
     any Q whose shape no longer fits, is drawn from a seeded standard normal. M is divided by a
     power of two >= max |M| before the iteration (exact), so no fp32 product overflows.

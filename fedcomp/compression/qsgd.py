@@ -136,7 +136,8 @@ class QSGDCompressor(Compressor):
     name = "qsgd"
     codec_id = 7
     options = (Option("levels", int, 15, "quantization levels s >= 1", lo=1, hi=MAX_LEVELS, arg="levels"),
-               Option("spacing", str, "uniform", 'level placement: "uniform" (QSGD) or "exponential" (NUQSGD)', choices=SPACINGS, arg="spacing"))
+               Option("spacing", str, "uniform", 'level placement: "uniform" (QSGD) or "exponential" (NUQSGD)',
+                      choices=SPACINGS, arg="spacing"))
     seeded = True
     _PARAMS = "<II"  # levels, bucket size (uniform spacing)
     _PARAMS_SPACED = "<IIB"  # levels, bucket size, spacing code 1 (exponential)

@@ -358,8 +358,8 @@ class CodecConfig:
             extra.append(f"< {self.min_compress_numel} elements: {self.small_tensor_compressor}")
         if self.momentum_correction:
             extra.append(f"momentum correction {self.momentum_correction}")
-        return (f"{self.compressor}({inner})" + ({"ef21": "+EF21", True: "+EF", False: ""}[self.error_feedback]) + f" [{self.scope}]"
-                + (f" ({'; '.join(extra)})" if extra else ""))
+        return (f"{self.compressor}({inner})" + ({"ef21": "+EF21", True: "+EF", False: ""}[self.error_feedback])
+                + f" [{self.scope}]" + (f" ({'; '.join(extra)})" if extra else ""))
 
 
 #: Every run-config / train-config key that describes the codec, in `CodecConfig`'s field order:

@@ -131,9 +131,9 @@ def check_ramp_direction(codec: Any) -> None:
         ``density-schedule`` (resolved) is "exponential" or "linear" and ``density-start`` < ``density``.
     """
     if codec.density_schedule in ("exponential", "linear") and codec.density_start < codec.density:
-        raise ValueError(f"run config 'density-start' ({codec.density_start:g}) is below 'density' ({codec.density:g}): "
-                         f"density-schedule {codec.density_schedule!r} falls from density-start to density over "
-                         "schedule-rounds rounds (DGC's warm-up); set density-start >= density or "
+        raise ValueError(f"run config 'density-start' ({codec.density_start:g}) is below 'density' "
+                         f"({codec.density:g}): density-schedule {codec.density_schedule!r} falls from density-start "
+                         "to density over schedule-rounds rounds (DGC's warm-up); set density-start >= density or "
                          "density-schedule = \"constant\"")
 
 

@@ -39,7 +39,8 @@ def batchnorm_affine_keys(keys: Iterable[str]) -> list[str]:
     """
     keys = list(keys)
     modules = batchnorm_modules(keys)
-    return [k for k in keys if "." in k and k.rsplit(".", 1)[1] in ("weight", "bias") and k.rsplit(".", 1)[0] in modules]
+    return [k for k in keys
+            if "." in k and k.rsplit(".", 1)[1] in ("weight", "bias") and k.rsplit(".", 1)[0] in modules]
 
 
 def describe(keys: Iterable[str], numel: dict[str, int], codec) -> str | None:
@@ -60,8 +61,8 @@ def describe(keys: Iterable[str], numel: dict[str, int], codec) -> str | None:
     n = sum(numel[k] for k in affine)
     layers = len({k.rsplit(".", 1)[0] for k in affine})
     return (f"fedcomp: the model has {layers} BatchNorm layers: their {len(affine)} affine "
-            f"parameters ({n} entries) travel with small-tensor-compressor '{codec.small_tensor_compressor}' instead of "
-            f"'{codec.compressor}' (batchnorm-affine = \"small\"; \"codec\" turns this off)")
+            f"parameters ({n} entries) travel with small-tensor-compressor '{codec.small_tensor_compressor}' "
+            f"instead of '{codec.compressor}' (batchnorm-affine = \"small\"; \"codec\" turns this off)")
 
 
 __all__ = ["batchnorm_affine_keys", "batchnorm_modules", "describe"]

@@ -34,7 +34,8 @@ SECAGG_KEYS = table(
         "the shares; more than half the shares (a lower one lets a curious server split a client's neighbours "
         "and unmask it)", rule="integer in (shares / 2, shares), or a fraction in (0.5, 1]"),
     Key("secagg-clipping-range", float, 1.0, "c: weighted update entries clipped to [-c, c] (error feedback keeps "
-        "the rest); dp = distributed: must hold clipping-norm plus the clients' noise shares", rule="number > 0, c * 2**quantization-bits < 2**52"),
+        "the rest); dp = distributed: must hold clipping-norm plus the clients' noise shares",
+        rule="number > 0, c * 2**quantization-bits < 2**52"),
     Key("secagg-quantization-bits", int, 16, "Q = 2**bits levels over [-c, c]", lo=1, hi=MAX_MODULUS_BITS - 2,
         rule=f"integer in [1, {MAX_MODULUS_BITS - 2}]"),
     Key("secagg-modulus-bits", int, 0, "masks and sums live modulo 2**bits; 0 = auto per round: "
@@ -129,7 +130,8 @@ class SecAggConfig:
         cfg = resolve_secure_defaults(cfg)
         shares, threshold = _number(cfg, "secagg-shares"), _number(cfg, "secagg-threshold")
         if isinstance(shares, int) and shares not in (1,) and shares <= 2:
-            raise ValueError(f"run config 'secagg-shares' as an integer must be > 2 (or a fraction in (0, 1]), got {shares}")
+            raise ValueError(f"run config 'secagg-shares' as an integer must be > 2 (or a fraction in (0, 1]), "
+                             f"got {shares}")
         if isinstance(shares, float) and not 0 < shares <= 1:
             raise ValueError(f"run config 'secagg-shares' as a float is a fraction of the sampled clients in (0, 1], "
                              f"got {shares}")
@@ -277,8 +279,9 @@ def check_codec_under_secagg(run_config: Mapping[str, Any]) -> None:
         raise ValueError(f"run config dp = {dp!r} with secagg = true needs error-feedback = false: with error "
                          "feedback the residual carries the clipped excess into later rounds and voids the clipping "
                          "bound")
-    unsupported = { "downstream": "none", "downstream-correction": "off", "client-sampling": "fraction", "layer-codecs": "",
-                   "warmup-rounds": 0, "density-schedule": "constant", "momentum-correction": 0.0, "resume": False,
+    unsupported = { "downstream": "none", "downstream-correction": "off", "client-sampling": "fraction",
+                   "layer-codecs": "", "warmup-rounds": 0, "density-schedule": "constant",
+                   "momentum-correction": 0.0, "resume": False,
                    # the secure path trains the full model and encodes every float entry with the shared seed:
                    "finetune": "full", "selection": "auto", "min-compress-numel": 0,
                    "small-tensor-compressor": "none", "require-compression": False}

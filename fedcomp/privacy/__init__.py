@@ -39,8 +39,8 @@ from fedcomp.privacy.sample_level import (
 
 __all__ = [
     "ACCOUNTANTS", "NO_AMPLIFICATION", "STATE_KEYS", "ClientLevelDP", "DPSGDConfig", "LocalDP", "accountant_state",
-    "calibrate_noise_multiplier", "check_accountable", "clip_and_noise", "clip_and_noise_", "epsilon_from_rdp", "epsilon_spent",
-    "logical_batch_size", "new_accountant", "planned_steps", "projected_epsilon", "rdp_one_step", "rdp_orders",
-    "resolve_noise_multiplier", "restore_accountant", "sample_rate", "secure_generator", "secure_rng_available",
-    "steps_per_epoch",
+    "calibrate_noise_multiplier", "check_accountable", "clip_and_noise", "clip_and_noise_", "epsilon_from_rdp",
+    "epsilon_spent", "logical_batch_size", "new_accountant", "planned_steps", "projected_epsilon", "rdp_one_step",
+    "rdp_orders", "resolve_noise_multiplier", "restore_accountant", "sample_rate", "secure_generator",
+    "secure_rng_available", "steps_per_epoch",
 ]

@@ -41,7 +41,8 @@ def checked_max_epsilon(max_epsilon) -> float | None:
         Not None and not a finite number > 0 (bools refused), naming the key.
     """
     if max_epsilon is not None and (isinstance(max_epsilon, bool) or not isinstance(max_epsilon, (int, float))
-                                    or not 0 < max_epsilon <= sys.float_info.max):  # also NaN, inf, ints past float range
+                                    # also NaN, inf, ints past float range
+                                    or not 0 < max_epsilon <= sys.float_info.max):
         raise ValueError(f"max_epsilon (run config 'max-epsilon') must be a finite number > 0, or None for no "
                          f"budget; got {max_epsilon!r}")
     return None if max_epsilon is None else float(max_epsilon)

@@ -111,7 +111,8 @@ class ClientLevelDP:
             total += u.astype(np.float64) * self.clip_factor(n)
         return self.finish(total, norms, clients)
 
-    def finish(self, clipped_sum: np.ndarray, norms: list[float], clients: float) -> tuple[np.ndarray, dict[str, float]]:
+    def finish(self, clipped_sum: np.ndarray, norms: list[float],
+               clients: float) -> tuple[np.ndarray, dict[str, float]]:
         """Divide the sum of clipped updates by ``clients``, add the noise; count one round.
 
         Parameters

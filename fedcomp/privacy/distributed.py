@@ -176,10 +176,11 @@ class DistributedDP:
         check_number(self.target_delta, "run config 'target-delta'", lo=0.0, lo_open=True, hi=1.0, hi_open=True)
         check_number(self.quantization_range, "secagg quantization range Q", lo=2, integer=True)
         if not self.clipping_range > self.clipping_norm:
-            raise ValueError(f"dp = 'distributed': run config 'secagg-clipping-range' = {self.clipping_range:g} must "
-                             f"exceed 'clipping-norm' = {self.clipping_norm:g} (room for the noise shares; e.g. "
-                             f"{min_clipping_range(self.clipping_norm, self.noise_multiplier, 2, self.quantization_range):.3g} "
-                             "holds them for any threshold)")
+            raise ValueError(
+                f"dp = 'distributed': run config 'secagg-clipping-range' = {self.clipping_range:g} must "
+                f"exceed 'clipping-norm' = {self.clipping_norm:g} (room for the noise shares; e.g. "
+                f"{min_clipping_range(self.clipping_norm, self.noise_multiplier, 2, self.quantization_range):.3g} "
+                "holds them for any threshold)")
         self._rdp = np.zeros(len(SKELLAM_ORDERS), dtype=np.float64)
 
     @property
@@ -208,9 +209,9 @@ class DistributedDP:
         """
         bound = self.clipping_norm - math.sqrt(k) * self.step
         if bound <= 0:
-            raise ValueError(f"dp = 'distributed': the rounding slack sqrt(k) * 2c / Q = {math.sqrt(k) * self.step:.3g} "
-                             f"exceeds 'clipping-norm' = {self.clipping_norm:g}: raise 'secagg-quantization-bits' or "
-                             "'clipping-norm', or lower 'secagg-clipping-range'")
+            raise ValueError(f"dp = 'distributed': the rounding slack sqrt(k) * 2c / Q = "
+                             f"{math.sqrt(k) * self.step:.3g} exceeds 'clipping-norm' = {self.clipping_norm:g}: raise "
+                             "'secagg-quantization-bits' or 'clipping-norm', or lower 'secagg-clipping-range'")
         return bound
 
     def overflow_probability(self, threshold: int) -> float:

@@ -84,7 +84,8 @@ class DPSGDConfig:
 
     def __post_init__(self) -> None:
         if not self.noise_multiplier >= 0 or math.isinf(self.noise_multiplier):
-            raise ValueError(f"run config 'noise-multiplier' must be a finite number >= 0, got {self.noise_multiplier!r}")
+            raise ValueError(f"run config 'noise-multiplier' must be a finite number >= 0, "
+                             f"got {self.noise_multiplier!r}")
         if not self.max_grad_norm > 0 or math.isinf(self.max_grad_norm):
             raise ValueError(f"run config 'max-grad-norm' must be in (0, inf), got {self.max_grad_norm!r}")
         if not 0.0 < self.target_delta < 1.0:

@@ -20,7 +20,8 @@ DP_KEYS = table(
         "(server, on the decoded updates), local clip + noise (client, before compression) or distributed "
         "(secagg = true only: each client adds its share of Skellam noise, the server sees only the noised sum)",
         choices=DP_MODES),
-    Key("clipping-norm", float, 1.0, "client-level / local / distributed: L2 bound of one client's update", lo=0.0, lo_open=True),
+    Key("clipping-norm", float, 1.0, "client-level / local / distributed: L2 bound of one client's update",
+        lo=0.0, lo_open=True),
     Key("noise-multiplier", float, 1.0, "noise std = noise-multiplier x clipping norm (dp-sgd: x max-grad-norm)",
         lo=0.0),
     Key("max-grad-norm", float, 1.0, "dp-sgd: per-sample gradient clipping norm C", lo=0.0, lo_open=True),

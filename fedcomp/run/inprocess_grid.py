@@ -69,7 +69,8 @@ class InProcessGrid(Grid):
         self.node_ids = [1000 + i for i in range(num_nodes)]
         self.contexts = {
             nid: Context(run_id=1, node_id=nid,
-                         node_config={"partition-id": i, "num-partitions": num_nodes, **((node_configs or [{}] * num_nodes)[i])},
+                         node_config={"partition-id": i, "num-partitions": num_nodes,
+                                      **((node_configs or [{}] * num_nodes)[i])},
                          state=RecordDict(), run_config=dict(run_config))
             for i, nid in enumerate(self.node_ids)
         }

@@ -200,7 +200,8 @@ def run(args: argparse.Namespace) -> int:
         nodes = []
         wrappers, extra_cfg = _per_node(args.node_wrapper), _per_node(args.node_config)
         for i in range(args.supernodes):
-            cmd = supernode_command(i, args.supernodes, address, args.base_node_port, extra_node_config=extra_cfg.get(i, ""))
+            cmd = supernode_command(i, args.supernodes, address, args.base_node_port,
+                                    extra_node_config=extra_cfg.get(i, ""))
             # a wrapped SuperNode (e.g. an emulated arm64 root file system) finds flower-supernode on its own PATH
             cmd = [*shlex.split(wrappers[i]), *cmd] if i in wrappers else [_bin(cmd[0]), *cmd[1:]]
             nodes.append(procs.start(cmd, env, work / f"supernode-{i}.log"))
@@ -361,7 +362,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--results-dir/--workdir must not contain an apostrophe")
     for key in ("min-available-nodes", "min-train-nodes"):
         for tok in args.run_config.split():
-            if tok.startswith(key + "=") and tok.split("=", 1)[1].isdigit() and int(tok.split("=", 1)[1]) > args.supernodes:
+            if (tok.startswith(key + "=") and tok.split("=", 1)[1].isdigit()
+                    and int(tok.split("=", 1)[1]) > args.supernodes):
                 ap.error(f"{tok} exceeds --supernodes {args.supernodes}: the run would wait forever")
     return run(args)
 

@@ -97,8 +97,10 @@ def check_node_floor(ctxt: Context, cfg: dict) -> None:
     elif node.get("dp") == "distributed" and not (
             isinstance(cfg.get(SECAGG_DDP_NOISE_KEY), (int, float))
             and float(cfg[SECAGG_DDP_NOISE_KEY]) >= float(node.get("noise-multiplier", 1.0))):
+        asked = ('no distributed noise' if cfg.get(SECAGG_DDP_NOISE_KEY) is None
+                 else 'noise multiplier ' + str(cfg[SECAGG_DDP_NOISE_KEY]))
         problem = (f"its config sets dp = 'distributed' with noise-multiplier {node.get('noise-multiplier', 1.0)}, the "
-                   f"server asked for {'no distributed noise' if cfg.get(SECAGG_DDP_NOISE_KEY) is None else 'noise multiplier ' + str(cfg[SECAGG_DDP_NOISE_KEY])}")
+                   f"server asked for {asked}")
     elif node.get("dp") == "distributed" and not _positive_number(cfg.get(SECAGG_DP_CLIP_KEY)):
         # without a clipping norm the client would clip nothing and add no noise share
         problem = (f"its config sets dp = 'distributed', the server sent no valid clipping norm "
@@ -118,7 +120,8 @@ def check_node_floor(ctxt: Context, cfg: dict) -> None:
 
 def _positive_number(v) -> bool:
     """Whether ``v`` is a finite int or float > 0 (not a bool)."""
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= sys.float_info.max  # not NaN, inf, ints past float range
+    # not NaN, inf, ints past float range
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= sys.float_info.max
 
 
 def _train(msg: Message, ctxt: Context, call_next, global_arrays: list[np.ndarray], cfg: dict):
@@ -232,7 +235,8 @@ def shared_randomk_mod(msg: Message, ctxt: Context, call_next) -> Message:
     dim = sum(n for _, _, n in layout)
     delta = np.empty(dim, dtype=np.float64)
     for i, off, n in layout:
-        delta[off : off + n] = trained[i].astype(np.float64).reshape(-1) - global_arrays[i].astype(np.float64).reshape(-1)
+        delta[off : off + n] = (trained[i].astype(np.float64).reshape(-1)
+                                - global_arrays[i].astype(np.float64).reshape(-1))
     if not np.isfinite(delta).all():
         raise ValueError("non-finite update: the client does not send it (its residual is kept)")
     ef = bool(cfg.get("error-feedback", True))

@@ -74,7 +74,8 @@ def _check_setup(configs: ConfigRecord) -> None:
     if threshold < 1 or allows_split(threshold, shares):
         raise UnsafeRequest(f"SecAgg+ setup asks for threshold {threshold} of {shares} shares: at most half lets the "
                             "server rebuild both secrets of one client from different neighbours; this client needs "
-                            f"a threshold of at least {majority_threshold(shares)} (secagg-threshold > half the shares)")
+                            f"a threshold of at least {majority_threshold(shares)} (secagg-threshold > half the "
+                            "shares)")
 
 
 def _check_unmask(configs: ConfigRecord, own_id: int) -> None:

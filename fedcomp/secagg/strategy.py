@@ -108,8 +108,8 @@ class SharedRandomKStrategy(Strategy):
     Attributes
     ----------
     history : dict
-        Per round: ``num-replies``, ``failures`` (sampled clients without a masked vector), ``k``, ``dimension``, ``clipped`` (entries clipped
-        by clients), ``train-loss`` (example-weighted), ``compression-error`` (mean).
+        Per round: ``num-replies``, ``failures`` (sampled clients without a masked vector), ``k``, ``dimension``,
+        ``clipped`` (entries clipped by clients), ``train-loss`` (example-weighted), ``compression-error`` (mean).
     """
 
     def __init__(self, strategy: Strategy, density: float, *, rotation: bool = False, error_feedback: bool = True,
@@ -119,7 +119,8 @@ class SharedRandomKStrategy(Strategy):
                  server_lr: float = 1.0, server_lr_rounds: int = 0) -> None:
         super().__init__()
         if isinstance(server_lr_rounds, bool) or not isinstance(server_lr_rounds, int) or server_lr_rounds < 0:
-            raise ValueError(f"SharedRandomKStrategy: server_lr_rounds must be an integer >= 0, got {server_lr_rounds!r}")
+            raise ValueError(f"SharedRandomKStrategy: server_lr_rounds must be an integer >= 0, "
+                             f"got {server_lr_rounds!r}")
         self.server_lr_rounds = server_lr_rounds
         if isinstance(server_lr, bool) or not isinstance(server_lr, (int, float)) or not 0 < server_lr < float("inf"):
             raise ValueError(f"SharedRandomKStrategy: server_lr (run config 'secagg-server-lr') must be a finite "
@@ -217,9 +218,9 @@ class SharedRandomKStrategy(Strategy):
             extra[SECAGG_DP_CLIP_KEY] = float(self.client_dp.clipping_norm)
         if self.distributed_dp is not None:
             if not self.unpacking_workflow:
-                raise ValueError("SharedRandomKStrategy(distributed_dp=...) needs fedcomp's CompressedSecAggPlusWorkflow: "
-                                 "the accountant needs each round's SecAgg+ threshold, which Flower's workflow does "
-                                 "not hand over")
+                raise ValueError("SharedRandomKStrategy(distributed_dp=...) needs fedcomp's "
+                                 "CompressedSecAggPlusWorkflow: the accountant needs each round's SecAgg+ threshold, "
+                                 "which Flower's workflow does not hand over")
             extra[SECAGG_DP_CLIP_KEY] = float(self.distributed_dp.clipping_norm)
             extra[SECAGG_DDP_NOISE_KEY] = float(self.distributed_dp.noise_multiplier)
         if self.keys is not None:
@@ -370,8 +371,8 @@ class SharedRandomKStrategy(Strategy):
 
         return {
             # failures = sampled - replied (Flower 1.42's SecAgg+ workflow lists a failed reply twice)
-            "num-replies": len(results), "failures": max(self._sampled - len(results), 0), "k": self._proj.k, "dimension": self._proj.dim,
-            "clipped": sum(num(m, "secagg-clipped") for m in ms),
+            "num-replies": len(results), "failures": max(self._sampled - len(results), 0), "k": self._proj.k,
+            "dimension": self._proj.dim, "clipped": sum(num(m, "secagg-clipped") for m in ms),
             "train-loss": sum(num(m, "train-loss") * w for m, w in zip(ms, n)) / max(sum(n), 1),
             "compression-error": sum(num(m, "compression-error") for m in ms) / len(ms),
             # what the summed updates would have cost in fp32, from what the server received (not client reports)

@@ -200,8 +200,8 @@ class CompressedSecAggPlusWorkflow(SecAggPlusWorkflow):
                               + MOD_HINT)
         if n * state.quantization_range >= state.mod_range:
             self.halted = (f"{n} sampled clients can overflow modulus 2**{self.round_modulus_bits} with "
-                           f"quantization range {state.quantization_range}: round halted, run stopped (raise 'secagg-modulus-bits' or "
-                           "use 0 = auto)")
+                           f"quantization range {state.quantization_range}: round halted, run stopped (raise "
+                           "'secagg-modulus-bits' or use 0 = auto)")
             log(ERROR, "fedcomp secagg: %s", self.halted)
             return False
         if not ok:

@@ -226,5 +226,6 @@ def cast_carried(key: str, w: np.ndarray, dtype: str, remainder: np.ndarray | No
     return out, v
 
 
-__all__ = ["BF16", "BF16_STYPE", "HALF_DTYPES", "cast_carried", "array_to_numpy", "cast_checked", "copy_array", "dtype_limit", "is_float_dtype",
-           "numpy_dict", "numpy_to_array", "numpy_view", "numpy_views", "to_record", "to_state_dict"]
+__all__ = ["BF16", "BF16_STYPE", "HALF_DTYPES", "cast_carried", "array_to_numpy", "cast_checked", "copy_array",
+           "dtype_limit", "is_float_dtype", "numpy_dict", "numpy_to_array", "numpy_view", "numpy_views", "to_record",
+           "to_state_dict"]

@@ -77,7 +77,8 @@ class FlatModel:
         self.exact = {k: copy_array(values[k]) for k in self.exact_keys}
         self._starts = np.array([self.offsets[k] for k in self.float_keys], dtype=np.int64)
         self._limits = np.array([dtype_limit(self.specs[k].dtype) for k in self.float_keys], dtype=np.float64)
-        self._uniform = float(self._limits[0]) if len(self._limits) and (self._limits == self._limits[0]).all() else None
+        self._uniform = (float(self._limits[0]) if len(self._limits) and (self._limits == self._limits[0]).all()
+                         else None)
         self.dense_bytes = 4 * self.num_float + sum(v.nbytes for v in self.exact.values())
 
     def key_at(self, flat_index: int) -> str:

@@ -251,5 +251,5 @@ def tie_list(arrays: list[np.ndarray], groups: Iterable[Sequence[str]]) -> list[
     return list(values.values())
 
 
-__all__ = ["MIN_DISTINCT", "copied_modules", "equal_groups", "find_tied", "looks_random", "retie", "tie_arrays", "tie_list",
-           "tie_record", "tied_aliases", "untie"]
+__all__ = ["MIN_DISTINCT", "copied_modules", "equal_groups", "find_tied", "looks_random", "retie", "tie_arrays",
+           "tie_list", "tie_record", "tied_aliases", "untie"]

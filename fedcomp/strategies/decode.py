@@ -401,5 +401,5 @@ def decode_train_reply(reply: Message, model: FlatModel, weight_key: str, max_we
     return TrainReply(update, float(n), bounded_metrics(reported), reported, layers, decode_seconds)
 
 
-__all__ = ["DEFER_MIN_NUMEL", "DENSE_NAME", "DecodedUpdate", "DeferredPart", "TrainReply", "decode_dense_reply", "decode_reply", "decode_train_reply",
-           "decode_update", "is_dense_reply"]
+__all__ = ["DEFER_MIN_NUMEL", "DENSE_NAME", "DecodedUpdate", "DeferredPart", "TrainReply", "decode_dense_reply",
+           "decode_reply", "decode_train_reply", "decode_update", "is_dense_reply"]

@@ -105,7 +105,8 @@ class EF21Aggregate:
             h += acc / running.total
             np.multiply(h, running.total, out=acc)
 
-    def check_replies(self, server_round: int, replies: list[Message]) -> tuple[list[Message], list[tuple[Message, dict]]]:
+    def check_replies(self, server_round: int,
+                      replies: list[Message]) -> tuple[list[Message], list[tuple[Message, dict]]]:
         """Split the round's replies into those kept (error replies untouched, and replies whose ``h_i``
         is the one ``h`` holds) and those refused: a node folded before whose reported
         `ESTIMATE_ROUND_METRIC` is not the round of its last folded send, a node never folded that

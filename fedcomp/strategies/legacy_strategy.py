@@ -232,7 +232,8 @@ class LegacyCompressedStrategy(ForwardsToInner, Strategy):
         self.inner = strategy
         self.codec = CodecConfig.from_kwargs(compressor, error_feedback, **params)
         if self.codec.error_feedback == "ef21":
-            raise ValueError("error_feedback='ef21' needs the server's estimate: use fedcomp.strategies.CompressedStrategy")
+            raise ValueError("error_feedback='ef21' needs the server's estimate: "
+                             "use fedcomp.strategies.CompressedStrategy")
         self.max_num_examples = check_max_num_examples(max_num_examples)
         #: The arrays sent in the current round (set by `configure_fit`).
         self.sent_round: LegacySentRound | None = None

@@ -352,6 +352,6 @@ def base_fingerprint(model: torch.nn.Module) -> float:
     return total
 
 
-__all__ = ["FINETUNE_MODES", "LORA_DEFAULTS", "LORA_KEYS", "LoraSettings", "adapter_shapes", "adapter_state", "base_config",
-           "base_fingerprint", "initial_adapters", "load_adapters", "load_base_model", "load_weights", "lora_model",
-           "weights_record", "wrap"]
+__all__ = ["FINETUNE_MODES", "LORA_DEFAULTS", "LORA_KEYS", "LoraSettings", "adapter_shapes", "adapter_state",
+           "base_config", "base_fingerprint", "initial_adapters", "load_adapters", "load_base_model", "load_weights",
+           "lora_model", "weights_record", "wrap"]

@@ -73,7 +73,8 @@ CASES = {
         r"'1\.running_var' is a running variance with negative entries \(min -1\.[0-5]"),
     "payload that takes running_var below zero": (
         _payload(np.concatenate([np.zeros(12), np.full(4, -3.0)]).astype(np.float32)),
-        {MODEL_VERSION: 3, BASE_VERSION: 2}, r"'1\.running_var' is a running variance with negative entries \(min -2\)"),
+        {MODEL_VERSION: 3, BASE_VERSION: 2},
+        r"'1\.running_var' is a running variance with negative entries \(min -2\)"),
     "payloads overflowing float32": (
         {**_payload(np.full(16, 3e38, np.float32)),
          "fedcomp.model/1": _payload(np.full(16, 3e38, np.float32))["fedcomp.model"]},

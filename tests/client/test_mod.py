@@ -69,7 +69,8 @@ def test_no_error_feedback_keeps_no_state():
 
 
 def test_evaluate_messages_pass_through():
-    msg = make_msg(RecordDict({"arrays": ArrayRecord({"w": __import__("flwr.app", fromlist=["Array"]).Array(np.ones(3))})}),
+    msg = make_msg(RecordDict({"arrays": ArrayRecord(
+                       {"w": __import__("flwr.app", fromlist=["Array"]).Array(np.ones(3))})}),
                    message_type="evaluate")
     sentinel = Message(content=RecordDict({"metrics": MetricRecord({"num-examples": 1})}), reply_to=msg)
     assert compression_mod(msg, make_ctx(), lambda m, c: sentinel) is sentinel

@@ -89,7 +89,8 @@ def test_malformed_payloads():
         with pytest.raises(fc.PayloadError):
             fc.decompress(p[:cut])
     h = parse_header(p)
-    for params, msg in ((struct.pack("<IIB", 7, 64, 2), "spacing code 2"), (struct.pack("<IIB", 7, 64, 0), "spacing code 0"),
+    for params, msg in ((struct.pack("<IIB", 7, 64, 2), "spacing code 2"),
+                        (struct.pack("<IIB", 7, 64, 0), "spacing code 0"),
                         (struct.pack("<IIB", 127, 64, 1), "levels 127"), (struct.pack("<IIH", 7, 64, 1), "parameters")):
         with pytest.raises(fc.PayloadError, match=msg):
             fc.decompress(pack_header(7, torch.float32, h.shape, params) + p[h.body_offset:])

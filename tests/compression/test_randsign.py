@@ -69,7 +69,8 @@ def test_same_seed_same_payload_and_fresh_positions_each_call():
     first = a.compress(x)
     assert first == b.compress(x)
     second = a.compress(x)  # the next call draws another seed, so other positions
-    assert torch.nonzero(fc.decompress(first)).flatten().tolist() != torch.nonzero(fc.decompress(second)).flatten().tolist()
+    assert (torch.nonzero(fc.decompress(first)).flatten().tolist()
+            != torch.nonzero(fc.decompress(second)).flatten().tolist())
 
 
 def test_zeros_shapes_and_half_precision():

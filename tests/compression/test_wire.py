@@ -166,7 +166,8 @@ def test_fuzz_random_bytes_raise_only_payload_error(raw):
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.integers(0, 8), st.integers(0, 3), st.lists(st.integers(0, 300), max_size=3), st.binary(max_size=64), st.binary(max_size=400))
+@given(st.integers(0, 8), st.integers(0, 3), st.lists(st.integers(0, 300), max_size=3), st.binary(max_size=64),
+       st.binary(max_size=400))
 def test_fuzz_well_formed_headers_with_random_bodies(codec, dtype, shape, params, body):
     hdr = pack_header(codec, [torch.float32, torch.float16, torch.bfloat16, torch.float64][dtype], tuple(shape), params)
     decodes_or_payload_error(hdr + body)

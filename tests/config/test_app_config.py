@@ -38,7 +38,8 @@ def test_pyproject_defaults_parse_and_hold_every_key():
      ("levels", 0, "'levels'"), ("block-size", 0, "'block-size'"), ("compressor", "zip", "'compressor' must be one of"),
      ("num-server-rounds", "x", "'num-server-rounds' must be a number"), ("lr", -1.0, "'lr'"),
      ("momentum", 1.0, "'momentum'"), ("batch-size", 2.5, "'batch-size' must be an integer"),
-     ("error-feedback", "yes", "'error-feedback' must be true, false or \"ef21\""), ("partitioner", "zipf", "'partitioner'"),
+     ("error-feedback", "yes", "'error-feedback' must be true, false or \"ef21\""),
+     ("partitioner", "zipf", "'partitioner'"),
      ("selection", "layer", "'selection'"), ("dirichlet-alpha", 0.0, "'dirichlet-alpha'")],
 )
 def test_bad_values_name_the_key(key, value, msg):

@@ -43,7 +43,8 @@ def test_the_settings_dataclasses_take_their_defaults_from_the_declarations():
     assert app == {name: KEYS[name.replace("_", "-")].default for name in app}
     sa = SecAggConfig()
     assert (sa.enabled, sa.shares, sa.threshold, sa.clipping_range, sa.quantization_bits, sa.modulus_bits,
-            sa.max_weight, sa.rotation, sa.pack, sa.server_lr, sa.server_lr_decay) == tuple(k.default for k in GROUPS["secagg"].values())
+            sa.max_weight, sa.rotation, sa.pack, sa.server_lr, sa.server_lr_decay) == tuple(
+        k.default for k in GROUPS["secagg"].values())
     lora = LoraSettings("x")
     assert (lora.r, lora.alpha, ",".join(lora.targets), lora.dropout, lora.quantization) == tuple(
         KEYS[k].default for k in ("lora-r", "lora-alpha", "lora-targets", "lora-dropout", "base-quantization"))

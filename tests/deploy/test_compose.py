@@ -28,8 +28,8 @@ ROUNDS = 3  # the defaults (STC 0.01 up, 0.05 down, seeded start): 3 clients get
 pytestmark = [pytest.mark.docker, pytest.mark.timeout(1800)]
 
 #: what the build context and the compose files need (copied into a private project folder)
-PROJECT_FILES = ["Dockerfile", ".dockerignore", "docker-compose.yml", "docker-compose.tls.yml", "pyproject.toml", "constraints.txt",
-                 "README.md", "LICENSE", "fedcomp", "fedcomp_app", "scripts", "deploy"]
+PROJECT_FILES = ["Dockerfile", ".dockerignore", "docker-compose.yml", "docker-compose.tls.yml", "pyproject.toml",
+                 "constraints.txt", "README.md", "LICENSE", "fedcomp", "fedcomp_app", "scripts", "deploy"]
 
 
 def _docker_ok() -> bool:

@@ -170,7 +170,8 @@ def test_dockerignore_keeps_the_context_small():
     lines = [ln.strip() for ln in (REPO / ".dockerignore").read_text().splitlines() if ln.strip()
              and not ln.startswith("#")]
     assert lines[0] == "*"  # allow-list: .venv, results, certs, keys, caches never enter the context
-    assert {"!fedcomp/", "!fedcomp_app/", "!pyproject.toml", "!wheels/torch-*.whl", "!scripts/strip_libs.py"} <= set(lines)
+    assert {"!fedcomp/", "!fedcomp_app/", "!pyproject.toml", "!wheels/torch-*.whl",
+            "!scripts/strip_libs.py"} <= set(lines)
 
 
 @pytest.mark.slow

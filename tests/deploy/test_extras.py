@@ -145,11 +145,11 @@ def test_client_round_runs_with_every_extra_blocked(tmp_path):
     """What a core-only SuperNode executes: a train round of the default ClientApp on its partition file,
     in a fresh process where importing any extra's module fails."""
     path = save_partitions(DataConfig(), 3, tmp_path)[0]
-    out = subprocess.run([sys.executable, "-c", BLOCKED_ROUND, str(path), ",".join(EXTRA_MODULES)], cwd=REPO, check=False,
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-c", BLOCKED_ROUND, str(path), ",".join(EXTRA_MODULES)], cwd=REPO,
+                         check=False, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert res["loaded"] == []
     assert res["n"] == len(load_partition(DataConfig(), 0, 3))
-    assert 0 < res["upload"] < 0.05 * 4 * sum(p.numel() for p in __import__("fedcomp.task.models").task.models.build_model()
-                                               .state_dict().values())
+    assert 0 < res["upload"] < 0.05 * 4 * sum(p.numel() for p in __import__("fedcomp.task.models").task.models
+                                               .build_model().state_dict().values())

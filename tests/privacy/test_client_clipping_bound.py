@@ -61,7 +61,8 @@ def test_a_residual_longer_than_the_bound_fails_the_client_naming_codec_and_boun
     """With error feedback the residual is sent with the update; scaling the update cannot shorten it."""
     received, trained = _clipped_pair(1.0)
     residuals = {"w": np.full(received["w"].shape, 0.1, np.float32)}  # norm 6.4 > 1
-    with pytest.raises(ValueError, match=r"codec 'qsgd': the decoded update has L2 norm .* > clipping_norm 1.0 after 4"):
+    with pytest.raises(ValueError,
+                       match=r"codec 'qsgd': the decoded update has L2 norm .* > clipping_norm 1.0 after 4"):
         compress_update(received, trained, CodecConfig.from_kwargs("qsgd", True), residuals, seed=3, clipping_norm=1.0)
 
 
@@ -81,6 +82,7 @@ def test_a_bound_the_codec_cannot_meet_is_refused():
 
     units = [type("U", (), {"key": "w", "sizes": [4], "shape": (4,)})()]
     fixed = fc.get_compressor("none").compress(torch.ones(4))  # whatever is asked, the same norm-2 payload
-    with pytest.raises(ValueError, match=r"codec 'stuck': the decoded update has L2 norm 2 > clipping_norm 1.0 after 4"):
+    with pytest.raises(ValueError,
+                       match=r"codec 'stuck': the decoded update has L2 norm 2 > clipping_norm 1.0 after 4"):
         clip_bound.encode_within_norm(lambda d: {"w": type("R", (), {"payload": fixed})()},
                                       {"w": (torch.ones(4), [4.0])}, units, 1.0, "stuck")

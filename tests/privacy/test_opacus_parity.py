@@ -51,7 +51,8 @@ def _poisson_run(q: float, z: float, rounds: int, nodes: int, seed: int):
 
     s.configure_train, s.aggregate_train = spy_configure, spy_aggregate
     grid = InProcessGrid(_client, nodes, {})
-    s.start(grid=grid, initial_arrays=ArrayRecord({k: torch.from_numpy(v) for k, v in weights().items()}), num_rounds=rounds, train_config=ConfigRecord({}))
+    s.start(grid=grid, initial_arrays=ArrayRecord({k: torch.from_numpy(v) for k, v in weights().items()}),
+            num_rounds=rounds, train_config=ConfigRecord({}))
     return s, dp, sent, moved
 
 

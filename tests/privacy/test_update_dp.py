@@ -226,8 +226,8 @@ def test_dp_sgd_client_refuses_a_round_past_the_budget():
 def test_untrusted_epsilon_reports_are_sanitised():
     from fedcomp.strategies.round_metrics import reported_epsilon
 
-    assert [reported_epsilon(v) for v in (-1.0, float("nan"), "3", True, 2.5, math.inf)] == [None, None, None, None, 2.5,
-                                                                                      math.inf]
+    assert ([reported_epsilon(v) for v in (-1.0, float("nan"), "3", True, 2.5, math.inf)]
+            == [None, None, None, None, 2.5, math.inf])
 
 
 def test_poisson_client_sampling_amplifies_client_level_privacy():

@@ -45,7 +45,8 @@ def test_secagg_alone_resolves_to_the_secure_codec_density_rotation_quantization
 def test_without_secagg_or_with_a_named_codec_nothing_is_filled_in():
     assert secure_defaults(DEFAULTS) == {} and AppConfig.from_run_config(DEFAULTS).codec.compressor == "stc"
     named = {**DEFAULTS, "secagg": True, "compressor": "randomk"}
-    assert secure_defaults(named) == {} and resolve_secure_defaults(named) is named and secure_defaults_note(named) == ""
+    assert (secure_defaults(named) == {} and resolve_secure_defaults(named) is named
+            and secure_defaults_note(named) == "")
     sa = SecAggConfig.from_run_config(named)
     assert (sa.rotation, sa.quantization_bits, sa.clipping_range) == (False, 16, 1.0)
     assert AppConfig.from_run_config(named).codec.density == 0.01

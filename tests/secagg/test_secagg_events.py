@@ -56,7 +56,8 @@ def test_a_round_that_fails_after_collecting_loses_no_error_feedback(monkeypatch
     """Round 1 fails at unmasking (every unmask reply lost): the model stays, and round 2 must move it as
     a first round would at its own positions. On main the clients had committed round 1's residual, so
     round 2 re-sent round 1's update on top (2x the update at positions round 1 had not sent)."""
-    monkeypatch.setattr(helpers, "RecordingGrid", _fault_grid(lambda rnd, stage, pid: rnd == 1 and stage == Stage.UNMASK))
+    monkeypatch.setattr(helpers, "RecordingGrid",
+                        _fault_grid(lambda rnd, stage, pid: rnd == 1 and stage == Stage.UNMASK))
     models, strategy, workflow, _ = helpers.run_rounds(2, 4, 0.5)
     g = helpers.global_model()
     assert 1 not in strategy.history

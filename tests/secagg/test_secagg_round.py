@@ -173,7 +173,8 @@ def test_the_decaying_server_step_falls_linearly_to_one_at_the_last_round():
     s = SharedRandomKStrategy(FedAvg(), 0.25, server_lr=4.0, server_lr_rounds=5)
     assert [s.step(r) for r in range(8)] == [4.0, 4.0, 3.25, 2.5, 1.75, 1.0, 1.0, 1.0]
     assert "server-lr=4 falling to 1 at round 5" in s.describe()
-    assert [SharedRandomKStrategy(FedAvg(), 0.25, server_lr=4.0, server_lr_rounds=r).step(3) for r in (0, 1)] == [4.0] * 2
+    assert [SharedRandomKStrategy(FedAvg(), 0.25, server_lr=4.0, server_lr_rounds=r).step(3)
+            for r in (0, 1)] == [4.0] * 2
     for bad in (-1, 2.5, True):
         with pytest.raises(ValueError, match="server_lr_rounds must be an integer >= 0"):
             SharedRandomKStrategy(FedAvg(), 0.25, server_lr_rounds=bad)

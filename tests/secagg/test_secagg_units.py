@@ -95,6 +95,7 @@ def test_a_max_weight_below_one_is_refused_at_start_up(mw):
     int(max_weight) = 0), so the run config is refused instead of every round failing on every client."""
     from fedcomp.config.secagg import SecAggConfig
 
-    with pytest.raises(ValueError, match=rf"'secagg-max-weight' must be >= 1 \(a client's count of examples\), got {mw}"):
+    with pytest.raises(ValueError,
+                       match=rf"'secagg-max-weight' must be >= 1 \(a client's count of examples\), got {mw}"):
         SecAggConfig.from_run_config({"secagg-max-weight": mw})
     assert SecAggConfig.from_run_config({"secagg-max-weight": 1.0}).max_weight == 1.0

@@ -70,7 +70,8 @@ def test_a_state_dict_checkpoint_restores_the_integer_rules_remainders(tmp_path)
             assert w.dtype == z[f"w/{k}"].dtype and w.shape == z[f"w/{k}"].shape
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if "resnet" in n else n for n in sorted(RUNS)])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if "resnet" in n else n
+                                  for n in sorted(RUNS)])
 def test_an_old_checkpoint_resumes_and_its_epsilon_continues(tmp_path, name, run_server_app):
     d = _copy(tmp_path, name)
     run_server_app({**RUNS[name], "seed": 3, "num-server-rounds": 2, "results-dir": str(d), "resume": True})

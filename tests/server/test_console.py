@@ -88,7 +88,8 @@ def test_flowers_fraction_evaluate_warning_stays_off_the_console_and_in_the_log_
     quiet_known_noise()  # idempotent: one filter
     FedAvg(fraction_evaluate=0.0)  # what build_inner makes under dp: Flower warns in __init__
     log(logging.WARNING, "fraction_evaluate is set to 0.5 and something a user can act on")
-    assert console.getvalue().splitlines()[-1].endswith("fraction_evaluate is set to 0.5 and something a user can act on")
+    assert console.getvalue().splitlines()[-1].endswith(
+        "fraction_evaluate is set to 0.5 and something a user can act on")
     assert "Federated evaluation will be skipped" not in console.getvalue()
     assert "fraction_evaluate is set to 0.0. Federated evaluation will be skipped." in path.read_text()
     assert sum(type(f).__name__ == "WithoutKnownNoise" for f in console_handler.filters) == 1

@@ -16,7 +16,8 @@ from fedcomp.app.server_app import main
 from fedcomp.run.inprocess_grid import InProcessGrid
 from fedcomp.strategies.ef21_aggregate import EF21Aggregate
 
-BASE = {"compressor": "stc", "density": 0.05, "seed": 7, "error-feedback": "ef21", "model": "mlp", "fraction-evaluate": 0.0,
+BASE = {"compressor": "stc", "density": 0.05, "seed": 7, "error-feedback": "ef21", "model": "mlp",
+        "fraction-evaluate": 0.0,
         "downstream": "none"}  # the download's state is not checkpointed: resumes are exact only with a dense one
 
 

@@ -84,7 +84,8 @@ def test_the_upload_sends_each_statistic_as_sign_with_a_lossy_codec():
 
 
 def test_the_server_clamps_an_aggregated_running_variance_at_zero():
-    sd = {"bn.running_var": np.array([0.5, 0.01, 2.0], np.float32), "bn.running_mean": np.array([-1.0, 0, 1], np.float32)}
+    sd = {"bn.running_var": np.array([0.5, 0.01, 2.0], np.float32),
+          "bn.running_mean": np.array([-1.0, 0, 1], np.float32)}
     model = FlatModel(sd, {k: "float32" for k in sd})
     agg = to_record({"bn.running_var": torch.tensor([0.4, -0.03, 1.0]), "bn.running_mean": torch.tensor([-2.0, 0, 1])})
     out = to_state_dict(in_model_dtypes(agg, model, {}))
@@ -134,7 +135,8 @@ def test_models_without_batchnorm_send_the_same_bytes(name, codec):
         msg = make_msg(RecordDict({"arrays": to_record(sd), "config": ConfigRecord(config)}), dst=10)
 
         def handler(m, c):
-            content = RecordDict({"arrays": to_record(trained_state(sd, 0)), "metrics": MetricRecord({"num-examples": 1})})
+            content = RecordDict({"arrays": to_record(trained_state(sd, 0)),
+                                  "metrics": MetricRecord({"num-examples": 1})})
             return Message(content=content, reply_to=m)
 
         out = compression_mod(msg, make_ctx(node_id=10), handler)

@@ -24,7 +24,8 @@ BIG = (300, 300)  # 90,000 entries >= DEFER_MIN_NUMEL
 
 def _model(rng):
     return {"conv.weight": rng.standard_normal((8, 3, 3, 3)).astype(np.float32),
-            "bn.weight": rng.standard_normal(8).astype(np.float32), "bn.bias": rng.standard_normal(8).astype(np.float32),
+            "bn.weight": rng.standard_normal(8).astype(np.float32),
+            "bn.bias": rng.standard_normal(8).astype(np.float32),
             "bn.running_mean": rng.standard_normal(8).astype(np.float32),
             "bn.running_var": rng.random(8).astype(np.float32), "bn.num_batches_tracked": np.array(3, np.int64),
             "scale": np.array(2.0, np.float32), "fc.weight": rng.standard_normal(BIG).astype(np.float32),

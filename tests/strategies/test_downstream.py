@@ -93,7 +93,8 @@ def test_dense_reply_under_downstream_is_rejected():
                            downstream="stc")
     arrays = ArrayRecord(build_model().state_dict())
     for rnd in range(1, 4):
-        arrays, _ = s.aggregate_train(rnd, grid.send_and_receive(list(s.configure_train(rnd, arrays, ConfigRecord({"seed": 1}), grid))))
+        arrays, _ = s.aggregate_train(
+            rnd, grid.send_and_receive(list(s.configure_train(rnd, arrays, ConfigRecord({"seed": 1}), grid))))
     x = sorted(grid.contexts)[0]
     s.downstream.nodes.node_version.pop(x)
     msgs = list(s.configure_train(4, arrays, ConfigRecord({"seed": 1}), grid))
@@ -126,7 +127,8 @@ def test_downstream_server_memory_is_bounded_with_many_clients():
         for n in nodes:
             ds.received(n)
         assert ds.nodes.copies() <= ds.nodes.copy_budget() == 8
-    copies = (sum(v.nbytes for v in ds.nodes.versions.values()) + sum(v.nbytes for v in ds.nodes.private.values())) / (4 * D)
+    copies = (sum(v.nbytes for v in ds.nodes.versions.values())
+              + sum(v.nbytes for v in ds.nodes.private.values())) / (4 * D)
     assert copies <= 8  # before the fix: ~250 model copies after 100 rounds
 
 

@@ -58,7 +58,8 @@ def test_seeded_like_keeps_constants_exact_and_matches_mean_and_variance():
 def test_a_seeded_rule_is_8_or_16_bytes_and_finite():
     assert parse_rule("a", struct.pack("<d", 0.25)) == (0.25, 0.0)
     assert parse_rule("a", struct.pack("<dd", 0.25, 1.0)) == (0.25, 1.0)
-    for bad in (b"\0" * 12, struct.pack("<dd", 0.1, math.nan), struct.pack("<d", -1.0), struct.pack("<dd", math.inf, 0)):
+    for bad in (b"\0" * 12, struct.pack("<dd", 0.1, math.nan), struct.pack("<d", -1.0),
+                struct.pack("<dd", math.inf, 0)):
         with pytest.raises(ValueError, match="seeded-init rule"):
             parse_rule("a", bad)
     # the client names the tensor and refuses before building anything
@@ -149,7 +150,8 @@ def test_the_app_seeds_its_model_trained_from_scratch_but_not_a_resumed_one():
     fresh = privacy_options(AppConfig.from_run_config({"downstream": "stc"}))
     resumed = privacy_options(AppConfig.from_run_config({"downstream": "stc", "resume": True}))
     chosen = privacy_options(AppConfig.from_run_config({"downstream": "stc", "downstream-init": "fp16"}))
-    assert (fresh["downstream_init"], resumed["downstream_init"], chosen["downstream_init"]) == ("seeded", "auto", "fp16")
+    assert ((fresh["downstream_init"], resumed["downstream_init"], chosen["downstream_init"])
+            == ("seeded", "auto", "fp16"))
 
 
 def test_preset_lora_sets_sign_both_ways_and_the_seeded_start():

@@ -56,7 +56,8 @@ def test_dead_clientapp_gone_node_and_silent_node_are_named_with_reasons(caplog)
         {"node": 12, "code": 8, "error": "CLIENT_APP_CRASHED",
          "reason": f"{CRASHED_REASON} (Flower: 'ClientApp stopped responding.')"},
         {"node": 13, "code": 5, "error": "NODE_UNAVAILABLE",
-         "reason": f"{GONE_REASON} (Flower: 'Error: Node Unavailable - The destination node is currently unavailable.')"},
+         "reason": f"{GONE_REASON} (Flower: 'Error: Node Unavailable - The destination node is currently "
+                   "unavailable.')"},
         {"node": 14, "code": -1, "error": "NO_REPLY", "reason": NO_REPLY_REASON}]
     text = caplog.text
     assert ("round 1: client (node 12) failed: the ClientApp process ended without replying: killed by a signal "
@@ -163,8 +164,8 @@ def test_an_untraceable_error_reply_hides_no_silent_node(caplog):
     assert s.failure_history[1] == [{"node": 62, "code": -1, "error": "NO_REPLY", "reason": NO_REPLY_REASON},
                                     {"node": 63, "code": -1, "error": "NO_REPLY", "reason": NO_REPLY_REASON}]
     assert _failure_lines(caplog) == [
-        f"round 1: error reply from node 1 (answering a message this round did not send) not counted: {UNTRACED_REASON}; "
-        "its reason: Node Unavailable",
+        "round 1: error reply from node 1 (answering a message this round did not send) not counted: "
+        f"{UNTRACED_REASON}; its reason: Node Unavailable",
         "round 1: client (node 62) failed: no reply before the round's timeout",
         "round 1: client (node 63) failed: no reply before the round's timeout"]
 

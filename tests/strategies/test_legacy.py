@@ -177,7 +177,8 @@ def test_dense_reply_is_rejected_with_a_hint(caplog):
     with caplog.at_level(logging.WARNING):
         p, m = s.aggregate_fit(1, fit_all(s, 1, s.initialize_parameters(cm), cm), [])
     assert p is not None and m["rejected-replies"] == 1 and m["num-replies"] == 2
-    assert "client 1" in caplog.text and "wrap the client in fedcomp.client.numpy_client.CompressedNumPyClient" in caplog.text
+    assert ("client 1" in caplog.text
+            and "wrap the client in fedcomp.client.numpy_client.CompressedNumPyClient" in caplog.text)
 
 
 def test_npy_header_claiming_a_huge_array_is_rejected_without_allocating():
@@ -245,7 +246,8 @@ def test_legacy_serverapp_and_clientapp_in_process(client_side):
         return ServerAppComponents(strategy=s, config=ServerConfig(num_rounds=2))
 
     grid = _legacy_grid(client_app)
-    ServerApp(server_fn=server_fn)(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={}))
+    ServerApp(server_fn=server_fn)(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(),
+                                                 run_config={}))
     (s,) = strategies
     assert sorted(s.history) == [1, 2]
     for rnd in (1, 2):

@@ -32,7 +32,8 @@ def test_three_of_ten_clients_failing_every_round():
     import federated
 
     orig = federated.InProcessGrid
-    federated.InProcessGrid = lambda app, n, rc: orig(app, n, rc, fault=lambda rnd, pid: "crash" if pid in fails else None)
+    federated.InProcessGrid = lambda app, n, rc: orig(app, n, rc,
+                                                      fault=lambda rnd, pid: "crash" if pid in fails else None)
     try:
         # a dense download, as when these figures were measured (the failures are the point here)
         rounds = run_one({"num-server-rounds": 5, "compressor": "int8", "seed": 3, "downstream": "none"}, 10)
@@ -99,7 +100,8 @@ def _good_reply(node=1):
 CLEAN = None
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(max_examples=150, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(st.data())
 def test_fuzzed_replies_never_touch_the_global_model(data):
     global CLEAN
@@ -127,7 +129,8 @@ def test_fuzzed_replies_never_touch_the_global_model(data):
 
 
 def test_no_unsafe_deserialisation_in_the_package():
-    pattern = re.compile(r"pickle\.loads?\(|torch\.load\(|allow_pickle\s*=\s*True|(?<![.\w])eval\(|(?<![.\w])exec\(|marshal\.loads")
+    pattern = re.compile(r"pickle\.loads?\(|torch\.load\(|allow_pickle\s*=\s*True|(?<![.\w])eval\(|(?<![.\w])exec\("
+                         r"|marshal\.loads")
     hits = [f"{p}:{i}" for p in (REPO / "fedcomp").rglob("*.py")
             for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
     assert hits == []

@@ -40,7 +40,8 @@ class TinyGPT(nn.Module):
         self.wte = nn.Embedding(self.vocab, self.width)
         self.wpe = nn.Embedding(self.seq, self.width)
         self.ln_1 = nn.LayerNorm(self.width)
-        self.mlp = nn.Sequential(nn.Linear(self.width, 2 * self.width), nn.GELU(), nn.Linear(2 * self.width, self.width))
+        self.mlp = nn.Sequential(nn.Linear(self.width, 2 * self.width), nn.GELU(),
+                                 nn.Linear(2 * self.width, self.width))
         self.ln_f = nn.LayerNorm(self.width)
         self.lm_head = nn.Linear(self.width, self.vocab, bias=False)
         self.lm_head.weight = self.wte.weight
