@@ -56,9 +56,9 @@ CASES = {
 QUICK_CASES = ["fp32 both ways", "default upload, dense download", "default (stc 5 % down, seeded start)"]
 #: the downstream correction off (the Transformer's levers were measured before it existed)
 _OFF = {"downstream-correction": "off"}
-#: ``--model``: the models where compression is hardest (issue 31's item 4), each on its own data and
-#: local training, with fp32 both ways, the upload codecs of the issue's rows with ``downstream =
-#: "auto"`` and the levers tried; the default (``cnn``) keeps :data:`CASES` above.
+#: ``--model``: the models where compression is hardest (BatchNorm ResNet, Transformer), each on its own
+#: data and local training, with fp32 both ways, the upload codecs of their upload-only rows with
+#: ``downstream = "auto"`` and the levers tried; the default (``cnn``) keeps :data:`CASES` above.
 MODEL_BASES = {
     "resnet": {"model": "resnet"},
     # llm.py's full-model part with AdamW's beta1 at 0.5 (its best setting for the compressed uploads)
@@ -90,7 +90,7 @@ MODEL_CASES = {
         "stc 4 % up, auto down": {"compressor": "stc", "density": 0.04},
         "stc 4 % up, auto down, no correction": {"compressor": "stc", "density": 0.04, **_OFF},
         "stc 4 % up, dense download": {"compressor": "stc", "density": 0.04, "downstream": "none"},
-        # each direction alone (issue 31's 100x budget, 2.1 MB both ways here): the other one exact
+        # each direction alone at the 100x-both-ways budget (2.1 MB both ways here): the other one exact
         "stc 8 % up, dense download": {"compressor": "stc", "density": 0.08, "downstream": "none"},
         "stc 16 % up, dense download": {"compressor": "stc", "density": 0.16, "downstream": "none"},
         "fp32 up, stc 5 % down": {"compressor": "none", "downstream": "stc", "downstream-density": 0.05},
@@ -119,7 +119,7 @@ MODEL_CASES = {
                                         "server-momentum": 0.5, **_OFF},
     },
 }
-#: rounds and nodes of ``--model`` runs (the issue's ResNet rows: 8 rounds; llm.py's full-model part)
+#: rounds and nodes of ``--model`` runs (ResNet: 8 rounds; Transformer: llm.py's full-model part)
 MODEL_DEFAULTS = {"cnn": (50, 10), "resnet": (8, 10), "transformer": (20, 8)}
 
 

@@ -4,7 +4,7 @@ relative L2 error of each codec on real client updates of the default federation
 
 Run: ``python benchmarks/codecs.py [--sizes 11000000 100000] [--repeats 5] [--real-rounds 1 10]``.
 Prints two tables and writes ``benchmarks/results/codecs.json``. ``--throughput [--quick]`` runs the
-throughput mode instead (:func:`throughput`, issue 34): each codec's encode as a ratio to one read
+throughput mode instead (:func:`throughput`): each codec's encode as a ratio to one read
 pass and its decode as a ratio to one fresh copy of the same tensor, written to
 ``benchmarks/results/codecs_throughput.json`` (``--quick``: a smaller tensor, fewer repeats, written
 to the temporary folder, never over the reference). Both sides of every ratio are
@@ -121,7 +121,7 @@ def real_rows(rounds: list[int]) -> list[dict]:
     return rows
 
 
-#: Codecs of the throughput mode (issue 34's table), with their targets: encode <= ENC x a read pass
+#: Codecs of the throughput mode, with their speed targets: encode <= ENC x a read pass
 #: plus the payload's share of a fresh copy, decode <= DEC x a fresh copy.
 THROUGHPUT_CASES = [
     ("none", {}), ("fp16", {}), ("bf16", {}), ("sign", {}), ("int8", {"block_size": 256}),
@@ -130,7 +130,7 @@ THROUGHPUT_CASES = [
 ]
 SLOW_TARGETS = {"qsgd": (10.0, 3.0), "eden": (10.0, 3.0)}
 TARGETS = (5.0, 1.5)
-#: The part of an encode that identical payload bytes pin (issue 34 asks for both): int8's and QSGD's
+#: The part of an encode that byte-identical payloads pin (a faster encode must not change a byte): int8's and QSGD's
 #: stochastic rounding reads torch's sequential CPU generator once per entry (``torch.rand`` into a
 #: reused buffer); sign's scale is torch's float mean of |x|, which needs |x| written out
 #: (``torch.abs`` into a reused buffer, then ``mean``). Measured in the same run as the codecs.
@@ -148,7 +148,7 @@ def throughput(n: int, repeats: int) -> dict:
         ``{"n", "repeats", "torch_threads", "sum_ms", "clone_ms", "floors_ms", "rows"}``; each row: codec, its
         parameters, ``bytes``, ``encode_ms``, ``decode_ms`` (fresh tensor), ``decode_out_ms``
         (``decompress(out=...)`` into one reused numpy-allocated buffer, where available), ``encode_vs_sum``,
-        ``decode_vs_clone``, ``encode_target`` (the issue's bound in read passes: ENC + the
+        ``decode_vs_clone``, ``encode_target`` (the encode bound in read passes: ENC + the
         payload's share of a copy over a read pass) and ``decode_target``; int8, qsgd and sign also
         ``floor`` and ``floor_vs_sum``: the part of their encode that identical payload bytes pin
         (:data:`FLOORS`), in read passes.
@@ -216,7 +216,7 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="JSON file (default: benchmarks/results/codecs.json, or "
                     "codecs_throughput.json with --throughput; a temporary file with --quick)")
     ap.add_argument("--throughput", action="store_true",
-                    help="encode vs one read pass and decode vs one fresh copy (issue 34), instead of the tables")
+                    help="encode vs one read pass and decode vs one fresh copy, instead of the tables")
     ap.add_argument("--n", type=int, default=None,
                     help="entries of the --throughput tensor (default 11.2M; 1M quick)")
     ap.add_argument("--quick", action="store_true",

@@ -6,7 +6,7 @@ Drives the real ClientApp (with ``compression_mod``) and ``CompressedStrategy`` 
 Run: ``python benchmarks/federated.py [--rounds 50] [--seeds 42 43] [--quick]``.
 Prints a table, writes ``benchmarks/results/federated.json`` and draws ``docs/accuracy_vs_bytes.png``
 (``--quick``: both in the temporary folder, see ``outputs.py``; ``--plot-only FILE`` redraws both).
-``--suite accuracy`` runs issue 25's rows instead (BatchNorm ResNet, 12 rounds; CNN at density
+``--suite accuracy`` runs the accuracy-per-byte rows instead (BatchNorm ResNet, 12 rounds; CNN at density
 1/1000, 50 rounds; seeds 42-44): ``benchmarks/results/federated-accuracy.json`` and
 ``docs/accuracy_batchnorm.png``.
 """
@@ -82,11 +82,11 @@ CASES = {
 BASE_CASES = list(CASES)[:12]
 #: remedies, scope and downstream rows: run on the first partitioner only
 EXTRA_CASES = list(CASES)[12:]
-#: issue 25, accuracy per byte where it is hard: the BatchNorm ResNet (12 rounds) with the defaults
+#: accuracy per byte where it is hard: the BatchNorm ResNet (12 rounds) with the defaults
 #: and with BatchNorm's affine parameters sent dense ("bn-affine": batchnorm-affine = "small"), and
 #: the CNN at density 1/1000 (50 rounds): "default" = the "auto" defaults (fedcomp.config.low_density: the
 #: density warm-up from 25 % over 30 rounds and server momentum below 1/400), "plain" = density-schedule "constant" and
-#: FedAvg (the defaults before), and the settings tried: DGC's momentum correction ("mc"), server
+#: FedAvg (no warm-up, no server momentum), and the settings tried: DGC's momentum correction ("mc"), server
 #: momentum (FedAvgM, server lr 1.0, momentum 0.5: "avgm"), exponential density schedules from 25 %
 #: over 10/20/30 rounds ("schedN"), EF21. ``--suite accuracy`` runs these (not part of the default run).
 _PLAIN = {"density-schedule": "constant", "strategy": "fedavg"}
@@ -241,7 +241,7 @@ def plot(results: list[dict], path: pathlib.Path) -> None:
 
 
 def plot_accuracy(results: list[dict], path: pathlib.Path) -> None:
-    """Issue 25's figure: per model, accuracy per round and accuracy against cumulative uploaded MB
+    """The accuracy-per-byte figure: per model, accuracy per round and accuracy against cumulative uploaded MB
     (log x), mean over seeds; the settings tried ("+EF <remedy>") dashed, the defaults solid."""
     import matplotlib
 
@@ -288,7 +288,7 @@ def main() -> None:
     ap.add_argument("--set", nargs="*", default=[], help="extra run-config overrides key=value (numbers or strings)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (tiny model: 1 is fastest)")
     ap.add_argument("--suite", choices=["codecs", "accuracy"], default="codecs",
-                    help="codecs: the codec table (default); accuracy: issue 25's BatchNorm and 1/1000 rows "
+                    help="codecs: the codec table (default); accuracy: the BatchNorm ResNet and density 1/1000 rows "
                          "(writes results/federated-accuracy.json)")
     ap.add_argument("--quick", action="store_true", help="3 rounds, 1 seed, 3 codecs, 4 nodes (CI smoke test)")
     ap.add_argument("--figure", default="", help="PNG of accuracy vs cumulative MB (default: "

@@ -1,6 +1,6 @@
 """Shaped links, measured: wall-clock time to 90 % accuracy of a real SuperLink + SuperNodes whose
 links are shaped with ``tc`` (``benchmarks/netshape.py``), next to the computed
-``round-seconds-simulated`` of ``metrics.json`` (issue 23 section 3).
+``round-seconds-simulated`` of ``metrics.json`` (does the computed round time match a real network?).
 
 Each run: a bridge in the root network namespace holds the SuperLink (``flower-superlink
 --insecure``, private ``FLWR_HOME`` and port); every SuperNode runs in its own network namespace

@@ -1,4 +1,4 @@
-"""LLM benchmark (issue 19): LEAF's Shakespeare next-character task with a causal Transformer.
+"""LLM benchmark: LEAF's Shakespeare next-character task with a causal Transformer.
 
 Parts (``--part``), each writing its own key of ``benchmarks/results/llm.json`` (the other parts'
 results in the file are kept):

@@ -1,4 +1,4 @@
-"""LLM benchmark, LoRA part (issue 19 section 3): federated LoRA fine-tuning, FlowerTune-style, with
+"""LLM benchmark, LoRA part: federated LoRA fine-tuning, FlowerTune-style, with
 compressed adapters in both directions, and the FlowerTune general-NLP projection.
 
 1. Base model: the small Llama-architecture Transformer of ``model = "transformer"`` (fedcomp.task.lm),
@@ -79,7 +79,7 @@ CASES = {
     "stc 2%": {"compressor": "stc", "density": 0.02, "downstream": "stc"},
     "stc 10%": {"compressor": "stc", "density": 0.1, "downstream": "stc"},
     "stc 5%, exact catch-ups": {"compressor": "stc", "density": 0.05, "downstream": "stc", "exact-catchup": True},
-    # below one bit: sign on a shared random subset (issue 31)
+    # below one bit: sign on a shared random subset
     "randsign 50%": {"compressor": "randsign", "density": 0.5, "downstream": "randsign"},
     "randsign 25%": {"compressor": "randsign", "density": 0.25, "downstream": "randsign"},
     "randsign 50% up, sign down": {"compressor": "randsign", "density": 0.5, "downstream": "sign"},
@@ -100,7 +100,7 @@ CASES = {
     # the downstream correction (download/correction.py): updates counted from the global model
     "stc 5%, correction": {"compressor": "stc", "density": 0.05, "downstream": "stc", "downstream_correction": 1.0},
     "sign+EF, correction": {"compressor": "sign", "downstream": "sign", "downstream_correction": 1.0},
-    # the two sides of the 100x budget alone (issue 31): each direction compressed, the other exact
+    # the two sides of the 100x-both-ways budget alone: each direction compressed, the other exact
     "stc 10% up, dense down": {"compressor": "stc", "density": 0.1, "downstream": "none"},
     "fp32 up, stc 5% down": {"compressor": "none", "downstream": "stc", "downstream_density": 0.05},
     "fp32 up, stc 5% down, correction": {"compressor": "none", "downstream": "stc", "downstream_density": 0.05,

@@ -51,8 +51,8 @@ def test_flwr_run_local_simulation(tmp_path):
     for rnd in (0, 1, 2):
         assert len(re.findall(rf"fedcomp +{rnd} +\d\.\d{{4}} ", log)) == 1, log[-3000:]
     assert "DEBUG" not in log
-    # one line per round (issue 24: the default run printed 1557 lines for 50 rounds): the table, the final
-    # two lines and Flower's start-up/shut-down lines, none of Flower's per-round lines or "Final results"
+    # one line per round, so 50 rounds read as a table: the table, the final two lines and Flower's
+    # start-up/shut-down lines, none of Flower's per-round lines or "Final results"
     lines = [ln for ln in log.splitlines() if ln.strip()]
     ours = [ln for ln in lines if "fedcomp  " in ln]
     # header, rounds 0-2, final accuracy, results written to (and, where 2 rounds left it at chance, the line

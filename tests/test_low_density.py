@@ -1,4 +1,4 @@
-"""The "auto" defaults of density-schedule and strategy (issue 25): DGC's warm-up and server
+"""The "auto" defaults of density-schedule and strategy: DGC's warm-up and server
 momentum for stc/topk below density 1/400, the plain settings everywhere else, said once in
 the server's log."""
 
@@ -41,7 +41,7 @@ def test_low_density_gets_the_warm_up_and_server_momentum(compressor, density):
     {"compressor": "none"}, {"density": 0.001, "error-feedback": False}, {"density": 0.001, "error-feedback": "ef21"},
 ])
 def test_elsewhere_auto_is_the_plain_setting(rc):
-    """1/400 and above (the ResNet rows of issue 25's targets), other codecs, no or EF21 feedback."""
+    """1/400 and above (the ResNet accuracy-per-byte rows run at 1/100 and 1/400), other codecs, no or EF21 feedback."""
     assert resolved(**{k.replace("-", "_"): v for k, v in rc.items()}) == ("constant", "fedavg", 0.1, 0.9)
     assert auto_note(rc, AppConfig.from_run_config(rc)) == ""
 

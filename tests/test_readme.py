@@ -132,7 +132,7 @@ def test_the_pages_never_kill_by_name():
 
 
 def test_the_readme_is_a_front_page():
-    """Issue 30: the README was 2,042 lines; the manual lives in docs/."""
+    """The README is a front page of at most 250 lines; the manual lives in docs/."""
     assert len((REPO / "README.md").read_text().splitlines()) <= 250
 
 
@@ -145,7 +145,7 @@ def test_the_readme_links_resolve():
 
 
 def test_no_load_figures_of_one_machine_in_the_docs():
-    """Issue 30: the README quoted this machine's load ("load ~17"); pages state the machine, not its load."""
+    """Pages state the machine a figure was measured on, not its load at the time ("load ~17")."""
     pages = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
     hits = [(str(p.relative_to(REPO)), m.group(0)) for p in pages
             for m in re.finditer(r"\bload(?: average)? ?~?\d", p.read_text())]

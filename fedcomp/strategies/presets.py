@@ -71,10 +71,10 @@ LIBRARY_DOWNSTREAM = "int8"
 
 def library_downstream(compressor: str, density: float | None, local_dp, inner) -> tuple[str, float | None]:
     """``(downstream codec, downstream density)`` for ``CompressedStrategy(downstream="auto")``, the
-    library's default: `LIBRARY_DOWNSTREAM` (int8), the download that kept the accuracy of a
-    dense one on models and data fedcomp was not tuned on (a BatchNorm ResNet from scratch, 8 rounds:
-    a sparse STC download lagged behind the global model and cost most of its accuracy; results in
-    ``docs/benchmarks/wire.md``), except where a compressed download cannot apply:
+    library's default: `LIBRARY_DOWNSTREAM` (int8), every entry moving every round, which kept the
+    accuracy of a dense download in a check on a model and data fedcomp was not tuned on (a BatchNorm
+    ResNet from scratch in a third-party app, 8 rounds) where a sparse STC download fell behind the
+    global model; except where a compressed download cannot apply:
     ``compressor = "none"`` (fp32 both ways), local DP (each client noises its update against the
     global model it was sent) and inner strategies that need every client's weights (Krum, FedMedian,
     Flower's DP wrappers: the global model they see must be the one the clients trained from).

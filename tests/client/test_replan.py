@@ -87,7 +87,7 @@ def test_invariant_holds_when_a_node_switches_back_and_forth_between_plans():
 
 
 def test_the_sign_residual_is_not_dropped_at_the_switch():
-    # the failure of issue 21 item 14: sign's residual vanished when stc took over
+    # sign's residual carries over when stc takes over after the warm-up, not dropped
     base = CodecConfig(compressor="stc", density=0.01, warmup_rounds=1, warmup_compressor="sign")
     g = {k: np.zeros(s, np.float32) for k, s in SHAPES.items()}
     rng = np.random.default_rng(1)

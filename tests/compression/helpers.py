@@ -26,7 +26,7 @@ def decodes_or_payload_error(data: bytes) -> None:
         out = fc.decompress(data, max_numel=1 << 20)
     except fc.PayloadError:
         return
-    # float32, or float64 for a `none` payload of a float64 tensor (issue 21, item 6)
+    # float32, or float64 for a `none` payload of a float64 tensor (float64 travels as float64)
     wide = out.dtype == torch.float64 and fc.parse_header(data, max_numel=1 << 20).dtype == torch.float64
     assert (out.dtype == torch.float32 or wide) and bool(torch.isfinite(out).all())
 

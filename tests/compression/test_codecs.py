@@ -63,7 +63,7 @@ def test_non_finite_input_rejected(name, bad):
 def test_none_is_exact_for_every_input_dtype(dtype):
     x = randn(257).to(dtype)
     out = fc.decompress(fc.get_compressor("none").compress(x))
-    # float64 travels as float64 (issue 21, item 6); the others decode to float32
+    # float64 travels as float64 (no precision lost); the others decode to float32
     assert torch.equal(out, x if dtype == torch.float64 else x.to(torch.float32))
     assert parse_header(fc.get_compressor("none").compress(x)).dtype == dtype
 

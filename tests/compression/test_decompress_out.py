@@ -1,4 +1,4 @@
-"""``decompress(payload, out=...)``: decoding into a caller's buffer (issue 34, item 2)."""
+"""``decompress(payload, out=...)``: decoding into a caller's buffer, with no allocation of the tensor's size."""
 
 import tracemalloc
 

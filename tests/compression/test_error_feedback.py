@@ -93,7 +93,7 @@ def test_bad_constructor_arguments():
 
 
 def test_fp16_residual_saturation_is_counted_with_what_it_loses():
-    # Issue 14 item 8: an fp16 residual clamps at 65504, which used to lose part of the update silently.
+    # an fp16 residual clamps at 65504: what the clamp loses is counted, never lost silently
     x = torch.full((100,), 2e4)
     e = torch.zeros(100)
     e[:50] = 6e4  # exact in fp16

@@ -1,10 +1,9 @@
 """Golden payload bytes: every codec, fixed seeds, fixed inputs -> the sha256 of its payloads.
 
-The hashes were computed on ``main`` before the codecs were made faster (issue 34) and are
-hard-coded here, so any change of a single payload byte (wire format, rounding, selection,
-tie-breaking, random stream) fails. Each case compresses twice with one codec instance, so a
-changed random stream on the second call (a generator consumed differently) fails as well. The
-decoded tensors are pinned the same way.
+The hashes are hard-coded here (making a codec faster must not change its output), so any change
+of a single payload byte (wire format, rounding, selection, tie-breaking, random stream) fails.
+Each case compresses twice with one codec instance, so a changed random stream on the second call
+(a generator consumed differently) fails as well. The decoded tensors are pinned the same way.
 
 Torch's float reductions (sign's mean |x|, ATOMO's SVD) round differently with another number of
 intra-op threads (1 thread against 2+ changes sign's scale in its last bit here, on main as well), so
@@ -111,7 +110,7 @@ def _relative_error(name: str, params: dict, x: torch.Tensor) -> float:
     return float(torch.linalg.vector_norm(y - x.double()) / torch.linalg.vector_norm(x.double()))
 
 
-GOLDEN: dict[str, str] = {  # generated on main (de6fc3d), before issue 34
+GOLDEN: dict[str, str] = {  # case -> sha256[:32] of its payloads and decoded tensors (see _digest)
     'none/f32_2d': 'ee1e78bed567d94116969d3084ba7822',
     'none/f16': '12204a67401269ce053ce0b1a35d53dc',
     'none/bf16': 'b70e14f3d1650ce8560a29bcb7438d31',

@@ -58,7 +58,7 @@ def test_scope_resolution():
                                          ("compresor", "compressor"), ("noise_multiplier", "noise-multiplier"),
                                          ("learning-rate", None)])
 def test_unknown_run_config_key_is_refused_naming_the_closest(key, closest):
-    """Issue 21 item 7: a misspelt key was ignored silently and its default used."""
+    """A misspelt key is refused, naming the closest known key, never ignored for its default."""
     with pytest.raises(ValueError) as err:
         AppConfig.from_run_config({"density": 0.05, key: 0.05})
     msg = str(err.value)
@@ -73,7 +73,7 @@ def test_known_keys_pass_and_a_custom_set_is_honoured():
 
 
 def test_every_float_key_is_found():
-    # The enumeration must see the keys the issue names (and every other float key).
+    # The enumeration must see these common float keys (and every other float key).
     assert {"lr", "server-lr", "dirichlet-alpha", "density", "target-delta", "round-timeout"} <= set(FLOAT_KEYS)
 
 

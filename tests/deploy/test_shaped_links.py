@@ -1,4 +1,4 @@
-"""Shaped links (issue 23 section 3): ``benchmarks/netshape.py`` really limits each direction to its
+"""Shaped links: ``benchmarks/netshape.py`` really limits each direction to its
 rate, and ``benchmarks/links.py`` reads the logs of a run right. Shaping needs root, ``ip`` and
 ``tc``; those tests skip where a network namespace with a tbf qdisc cannot be made."""
 

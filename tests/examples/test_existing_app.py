@@ -89,8 +89,8 @@ def test_flwr_run_existing_app(tmp_path):
 
 @pytest.mark.parametrize("page", ["README.md", "docs/how-to/existing-app.md"])
 def test_the_documented_diff_is_the_example_code(page):
-    """Issue 24: the README showed `compressor="stc", density=0.01` where the example uses "sign"; the
-    README's drop-in example and the guide's show the example's own lines."""
+    """The README's drop-in example and the guide's show the example's own lines (its codec and
+    settings), not other ones."""
     text = (REPO / page).read_text()
     diff = text[text.index("```diff\n # existingapp/client_app.py"):]
     diff = diff[:diff.index("```", 8)]

@@ -1,5 +1,5 @@
-"""Opacus's own accounting test cases, run through fedcomp's accounting (issue 33, "Done when": fedcomp's
-epsilon and noise multiplier equal Opacus's on Opacus's own test cases).
+"""Opacus's own accounting test cases, run through fedcomp's accounting: fedcomp's epsilon and noise
+multiplier equal Opacus's on Opacus's own test cases.
 
 The cases (parameters and expected values, not code) are those of Opacus 1.6's
 ``opacus/tests/accountants_test.py`` (RDP and PRV epsilon, ``get_noise_multiplier`` by steps and by

@@ -40,7 +40,7 @@ def test_local_dp_noise_comes_before_selection_and_error_feedback():
 
 
 def test_local_dp_noise_cannot_be_regenerated_from_the_seeds_the_server_knows():
-    """Regression (issue 14.1): the noise seed was a hash of run seed, partition and round."""
+    """The noise seed is not a function of what the server knows (run seed, partition, round)."""
     g = {"w": np.zeros(500, np.float32)}
     t = {"w": np.full(500, 0.001, np.float32)}
     codec = CodecConfig(compressor="none", error_feedback=False)

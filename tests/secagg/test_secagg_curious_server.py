@@ -1,4 +1,4 @@
-"""A curious server on the SecAgg+ path (issue 32, part 1): unmasking one client, splitting its
+"""A curious server on the SecAgg+ path: unmasking one client, splitting its
 neighbours with a low threshold, switching a node's own compression and privacy floor off, and a
 client masking another weight than the num-examples it reports."""
 

@@ -1,4 +1,4 @@
-"""Ordinary events on the SecAgg+ path (issue 32, part 2): failed rounds and dropouts lose no
+"""Ordinary events on the SecAgg+ path: failed rounds and dropouts lose no
 error feedback, a restarted SuperNode keeps its residual, degenerate samples skip the round,
 mis-assembly names the mismatch, bytes are the server's own figures."""
 

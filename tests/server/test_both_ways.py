@@ -1,4 +1,4 @@
-"""The default run counts both directions (issue 31, items 1, 2 and 5): the download is compressed,
+"""The default run counts both directions: the download is compressed,
 the first model is a seeded start (not the dense model), and ``metrics.json`` carries the run's
 bytes both ways and their ratio to fp32 both ways, round by round."""
 

@@ -106,7 +106,7 @@ def test_a_codec_key_newer_than_the_checkpoint_counts_as_its_default():
 
 
 def test_a_checkpoint_with_the_old_batchnorm_default_resumes_under_auto():
-    """``batchnorm-stats = "small"`` was the default before "auto" (issue 31): the fixture checkpoints hold it."""
+    """Checkpoints that hold ``batchnorm-stats = "small"`` (the fixture checkpoints do) resume under "auto"."""
     from fedcomp.app.config import AppConfig
     from fedcomp.app.server_app import check_same_codec
 

@@ -112,8 +112,7 @@ def test_rays_accelerator_tip_is_ignored_and_other_warnings_pass():
 
 
 def test_a_run_that_ends_near_chance_says_so_in_its_last_line(tmp_path, console):
-    """Issue 30 (item 6): a run that does not learn ended without a word; now its last line says so,
-    and a run that learns does not get the line."""
+    """A run that does not learn says so in its last line, and a run that learns does not get the line."""
     _run({"results-dir": str(tmp_path / "flat"), "compressor": "sign", "num-server-rounds": 1, "batch-size": 64,
           "lr": 1e-9, "fraction-evaluate": 0.0})
     last = [ln for ln in console.getvalue().splitlines() if "fedcomp" in ln][-1]

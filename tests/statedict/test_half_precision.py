@@ -1,6 +1,6 @@
-"""fp16/bf16 global models do not stagnate (issue 33, item 9): a mean update below half an ulp of the
-model's dtype used to be rounded away every round; the server now carries the rounding remainder of
-each half-precision tensor from round to round (as the integer rule does), so the model moves as an
+"""fp16/bf16 global models do not stagnate: a mean update below half an ulp of the model's dtype is
+not rounded away; the server carries the rounding remainder of each half-precision tensor from
+round to round (as the integer rule does), so the model moves as an
 fp32 model would, within one ulp, and the remainder survives a checkpoint."""
 
 import logging

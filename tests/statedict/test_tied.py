@@ -1,4 +1,4 @@
-"""Tied parameters stay tied (issue 33, item 10): a model whose output layer shares the embedding's
+"""Tied parameters stay tied: a model whose output layer shares the embedding's
 weight (Hugging Face ``tie_word_embeddings=True``, or ``head.weight = emb.weight``) sends that tensor
 once, the server aggregates it once, and loading the aggregate sets both names (one tensor)."""
 

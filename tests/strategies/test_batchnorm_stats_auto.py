@@ -1,4 +1,4 @@
-"""``batchnorm-stats = "auto"`` (issue 31): BatchNorm's running statistics travel as their change, a
+"""``batchnorm-stats = "auto"`` (the default): BatchNorm's running statistics travel as their change, a
 scaled sign per tensor with error feedback, both ways; the server knows every node's copy bit for bit,
 a running variance is never negative on any side, and models without BatchNorm send the same bytes."""
 

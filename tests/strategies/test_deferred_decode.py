@@ -100,7 +100,7 @@ def test_a_decoded_sign_reply_holds_no_dense_update():
 def test_the_fold_decodes_deferred_payloads_into_one_reused_buffer():
     """RunningSum decodes every deferred payload into one float32 buffer (``decompress(out=...)``):
     the first reply's fold allocates it, the next ones allocate nothing of the tensor's size
-    (issue 34); the fold's own cache-sized temporaries are the same in both."""
+    (no per-reply copy of the model); the fold's own cache-sized temporaries are the same in both."""
     g = _model(np.random.default_rng(3))
     model = FlatModel.from_numpy(g)
     updates = [decode.decode_reply(_record(g, CodecConfig(compressor="sign"), seed), model) for seed in range(3)]

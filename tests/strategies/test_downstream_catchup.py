@@ -170,9 +170,10 @@ def test_exact_catch_ups_keep_every_client_on_a_broadcast_version():
 
 @pytest.mark.parametrize("codec,tol", [("fp16", 1e-3), ("stc", None)])
 def test_server_memory_is_bounded_and_evicted_nodes_start_again(codec, tol):
-    """Many new nodes over many rounds (issue: one model copy per node ever seen, one payload per round):
-    the stored copies stay within ``max_copies``, forgotten nodes are treated as new, and every client
-    holds what the server records for it (fp16: within fp16 rounding of the global model)."""
+    """Many new nodes over many rounds (unbounded, that would be one model copy per node ever seen and
+    one payload per round): the stored copies stay within ``max_copies``, forgotten nodes are treated
+    as new, and every client holds what the server records for it (fp16: within fp16 rounding of the
+    global model)."""
     init, seq = _walk(rounds=40)
     fed = Fed(codec, 60, init=init, density=0.05)
     fed.ds.nodes.max_copies = 4.0

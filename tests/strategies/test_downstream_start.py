@@ -1,4 +1,4 @@
-"""A client's first model without the dense download (issue 31, item 2).
+"""A client's first model without the dense download.
 
 - ``downstream_init = "seeded"``: every float tensor is replaced by a seeded draw with its mean and
   variance (constants stay exact); a new client builds it from the seed, bit for bit, for every

@@ -1,4 +1,4 @@
-"""A hostile or malformed first-contact message (issue 31's seeded start and compressed start).
+"""A hostile or malformed first-contact message (the seeded start and the compressed start).
 
 A client must refuse it with a :class:`PayloadError` / :class:`CompositionError` / ``ValueError``
 naming the tensor, before building anything, and keep the copy it held: never an unhandled
@@ -142,10 +142,10 @@ def test_a_client_cannot_set_the_download_bytes_of_the_round_line(downstream):
 
 @pytest.mark.parametrize("name", ["fedadam", "fedavg-resnet-8e2956f"])
 def test_resuming_a_checkpoint_older_than_both_ways_counting_keeps_the_ratio_honest(name):
-    """A checkpoint written before issue 31 has no ``cum-dense-mb`` (nor, older still, ``cum-down-mb``)
-    in ``extra``, but every round record has ``dense-bytes`` and ``download-bytes``: the resumed run
-    counts the earlier rounds' fp32 bytes both ways from them (they restarted at 0: the both-ways
-    ratio was None, then divided only the new rounds' fp32 bytes by the whole run's bytes)."""
+    """A checkpoint without ``cum-dense-mb`` (or without ``cum-down-mb`` as well) in ``extra``, whose
+    round records have ``dense-bytes`` and ``download-bytes``: the resumed run counts the earlier
+    rounds' fp32 bytes both ways from them, so the both-ways ratio divides the whole run's fp32 bytes
+    by the whole run's bytes."""
     import json
     import pathlib
 

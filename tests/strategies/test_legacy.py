@@ -38,7 +38,7 @@ def test_none_codec_equals_unwrapped_strategy_over_two_rounds(inner):
     p_ref = p = wrapped.initialize_parameters(cm)
     for rnd in (1, 2):
         # `none` sends each tensor in its own dtype: float32 in round 1, float64 once Flower's legacy
-        # aggregate has made the global weights float64 (issue 21, item 6)
+        # aggregate has made the global weights float64
         none_bytes = sum(len(fc.get_compressor("none").compress(torch.from_numpy(a))) for a in nd(p))
         p_ref, _ = ref.aggregate_fit(rnd, fit_all(ref, rnd, p_ref, cm_ref), [])
         p, metrics = wrapped.aggregate_fit(rnd, fit_all(wrapped, rnd, p, cm), [])

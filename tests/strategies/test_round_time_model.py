@@ -1,5 +1,5 @@
-"""The simulated round time counts a per-message ClientApp process's life (issue 23 section 3: with
-shaped links the model without it gave under half of the measured wall clock)."""
+"""The simulated round time counts a per-message ClientApp process's life (with shaped links, a round
+time without it is under half of the measured wall clock)."""
 
 import math
 import os
