@@ -19,7 +19,7 @@ from fedcomp.compression.base import Compressor, check_range
 from fedcomp.compression.dense import SMALL_TENSOR, SMALL_TENSOR_CODECS
 from fedcomp.compression.errors import PayloadError
 from fedcomp.compression.options import Option
-from fedcomp.compression.powersgd import MAX_RANK, check_low_rank_args, matrix_shape
+from fedcomp.compression.powersgd import MAX_RANK, check_low_rank_args, exact_product, matrix_shape
 from fedcomp.compression.wire import BodyReader, Header, unpack_params
 
 
@@ -169,4 +169,4 @@ class AtomoCompressor(Compressor):
             raise PayloadError("atomo: U, V or the weights hold non-finite values")
         if k == 0:
             return np.zeros(m * n, dtype=np.float32)
-        return ((u * w) @ v.T).astype(np.float32, copy=False).reshape(-1)
+        return exact_product(u * w, v.T).reshape(-1)

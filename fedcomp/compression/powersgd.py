@@ -48,6 +48,41 @@ def check_low_rank_args(fallback: str, min_compression_rate: float, seed: int | 
         check_range("seed", seed, 0, 2**63 - 1, integer=True)
 
 
+#: Float64 entries of one block of rows of `exact_product` (512 KiB).
+PRODUCT_BLOCK = 1 << 16
+
+
+def exact_product(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``a @ b`` of a low-rank pair as float32, each entry the float64 product rounded once.
+
+    A float32 matrix product sums in whatever order the BLAS kernel of the CPU chooses, so two CPU
+    types can decode one payload to different last bits; a node's copy of a compressed download must
+    equal the server's record bit for bit (its digest is compared). The products of float32 factors are
+    exact in float64 and their sum over a small rank differs between orders far below float32's
+    precision, so the rounded result is the same whatever the BLAS. Computed in blocks of rows, so the
+    float64 scratch stays below `PRODUCT_BLOCK` entries.
+
+    Parameters
+    ----------
+    a : np.ndarray
+        ``(m, r)``, float32.
+    b : np.ndarray
+        ``(r, n)``, float32.
+
+    Returns
+    -------
+    np.ndarray
+        ``(m, n)`` float32.
+    """
+    m, n = a.shape[0], b.shape[1]
+    out = np.empty((m, n), dtype=np.float32)
+    wide_b = b.astype(np.float64)
+    rows = max(1, PRODUCT_BLOCK // max(n, 1))
+    for i in range(0, m, rows):
+        out[i: i + rows] = a[i: i + rows].astype(np.float64) @ wide_b
+    return out
+
+
 def orthogonalize(p: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     """Orthonormalise the columns of ``p`` in place by a Householder QR (``torch.linalg.qr``).
 
@@ -235,4 +270,4 @@ class PowerSGDCompressor(Compressor):
         rd.finish()
         if not (np.isfinite(p).all() and np.isfinite(q).all()):
             raise PayloadError("powersgd: P or Q holds non-finite values")
-        return (p @ q.T).reshape(-1)
+        return exact_product(p, q.T).reshape(-1)

@@ -236,3 +236,20 @@ def test_orthogonalize_is_in_place_and_orthonormal():
     out = orthogonalize(p)
     assert out is p
     torch.testing.assert_close(p.T @ p, torch.eye(5), atol=1e-5, rtol=0)
+
+
+def test_the_decoded_product_does_not_depend_on_the_summation_order():
+    """A low-rank decode gives the same bits whatever order the BLAS sums the rank in (a node's copy of a
+    compressed download is compared bit for bit with the server's record, across CPU types): the product
+    of the factors summed in the opposite order rounds to the same float32 matrix."""
+    import numpy as np
+
+    from fedcomp.compression.powersgd import exact_product
+
+    rng = np.random.default_rng(3)
+    a = rng.standard_normal((257, 4)).astype(np.float32) * np.float32(1e3)
+    b = rng.standard_normal((4, 129)).astype(np.float32) * np.float32(1e-3)
+    got = exact_product(a, b)
+    assert got.dtype == np.float32 and got.shape == (257, 129)
+    assert np.array_equal(got, exact_product(a[:, ::-1].copy(), b[::-1].copy()))
+    assert np.array_equal(got, (a.astype(np.float64) @ b.astype(np.float64)).astype(np.float32))
