@@ -79,6 +79,7 @@ def test_arm64_supernode_joins_an_amd64_superlink(tmp_path, capsys):
     for r in rounds[1:]:
         assert r["num-replies"] == 2 and r["upload-bytes"] == r["upload-bytes-stc"] > 0
         assert r["client-machines"] == {"aarch64": 1, "x86_64": 1}
+        assert r["copy-resyncs"] == 0  # the aarch64 node's copy equals the x86_64 server's record, bit for bit
         assert r["client-peak-rss-mb"] > 50.0
     done = ", ".join(f"{r['elapsed-seconds']:.0f}" for r in rounds)
     with capsys.disabled():
