@@ -205,7 +205,10 @@ class CompressedRounds:
         return self.strategy.codec.describe()
 
     def json_extra(self) -> dict:
-        return {}
+        """``resolved``: what the strategy runs with, every ``"auto"`` of the run config replaced."""
+        ds = self.strategy.downstream
+        return {"resolved": {"upload": self.strategy.codec.to_mapping(), "aggregation": self.strategy.aggregation,
+                             "download": None if ds is None else ds.settings()}}
 
     def stopped(self) -> str | None:
         return self.strategy.stopped_reason or None

@@ -464,6 +464,24 @@ class Downstream:
         payload = get_compressor("topk", density=density).compress(torch.from_numpy(rest))
         return self._settle(vec + self._decode(payload).astype(vec.dtype)), [payload]
 
+    def settings(self) -> dict:
+        """What the download resolved to, every ``"auto"`` replaced (for a run's record): ``codec``,
+        ``density`` (None: the codec has none, or the upload's applies), ``first-contact`` (``"seeded"``,
+        ``"compressed with <codec>"``, ``"dense"``; the policy while no round has run yet), ``catch-up``,
+        ``correction`` and ``max-copies`` (the copy budget in model copies)."""
+        if self.model is None:
+            first = self.init if isinstance(self.init, str) else "seeded"
+        elif self.nodes.start is None:
+            first = "dense"
+        elif self._start_init is not None and self._start_init is self.init:
+            first = "seeded"
+        else:
+            codec = self.init if isinstance(self.init, str) and self.init not in INIT_POLICIES else START_CODEC
+            first = f"compressed with {codec}"
+        return {"codec": self.compressor, "density": self.density, "first-contact": first,
+                "catch-up": "exact" if self.exact_catchup else "smallest", "correction": self.correction,
+                "max-copies": float(self.nodes.copy_budget())}
+
     def received(self, node: int, digest: bytes | None = None) -> bool:
         """``node`` replied this round, so it holds what it was sent (a diff's copy rebuilt here).
 

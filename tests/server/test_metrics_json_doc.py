@@ -32,3 +32,11 @@ def test_every_metrics_json_field_is_documented(tmp_path, extra):
     if data["privacy"]:
         fields |= set(data["privacy"])
     assert sorted(fields - codec_bytes - _documented()) == []
+    resolved = data["resolved"]  # what the run's "auto" values became
+    assert resolved["upload"]["compressor"] == "stc" and resolved["aggregation"] == "auto"
+    if not extra:  # the app's default download: STC 5 %, seeded start, the correction off for plain SGD
+        assert resolved["download"] == {"codec": "stc", "density": 0.05, "first-contact": "seeded",
+                                        "catch-up": "smallest", "correction": 0.0,
+                                        "max-copies": resolved["download"]["max-copies"]}
+        assert resolved["download"]["max-copies"] >= 8
+    assert "auto" not in json.dumps(resolved["download"])
