@@ -95,7 +95,7 @@ def test_resnet_with_update_level_dp_keeps_integer_buffers_at_the_server_value(d
 def test_batchnorm_statistics_go_to_their_own_payloads():
     """Regression: sign + EF on every tensor together pushed bn1.running_var to -0.013 at round 4 (then
     10 % accuracy). "small": small-tensor-compressor; "auto" (default): a scaled sign of their own each,
-    the server keeping a running variance at >= half its value (tests/strategies/test_batchnorm_stats_auto.py)."""
+    the server keeping a running variance at >= half its value (tests/download/test_stat_deltas.py)."""
     from fedcomp.client.update import plan_units
     from fedcomp.config import CodecConfig
 

@@ -13,7 +13,7 @@ from fedcomp.download.layout import PER_TENSOR_MAGIC, decode_step, encode_per_te
 from fedcomp.statedict import FlatModel, to_record
 
 from tests.messages import make_msg
-from tests.strategies.test_downstream_catchup import SHAPES, Fed, _flat, _walk
+from tests.download.test_node_copies import SHAPES, Fed, _flat, _walk
 
 SIGN = get_compressor("sign")
 

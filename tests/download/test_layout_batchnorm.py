@@ -1,7 +1,7 @@
 """Downstream compression must not corrupt BatchNorm. With ``batchnorm-stats = "small"`` the running
 statistics travel exactly downstream (and with ``small-tensor-compressor`` upstream), so every
 client's copy of them is the global model's, and the global running variance stays positive
-(``"auto"``, the default: ``test_batchnorm_stats_auto.py``)."""
+(``"auto"``, the default: ``test_stat_deltas.py``)."""
 
 import logging
 

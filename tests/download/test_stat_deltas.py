@@ -21,7 +21,7 @@ from fedcomp.strategies.aggregate import in_model_dtypes
 from fedcomp.download.sender import Downstream
 from tests.messages import make_ctx, make_msg
 from tests.model_zoo import ZOO, trained_state, zoo
-from tests.strategies.test_downstream_batchnorm import STATS, _run
+from tests.download.test_layout_batchnorm import STATS, _run
 
 logging.getLogger("flwr").setLevel(logging.WARNING)
 
@@ -172,7 +172,7 @@ def test_copies_agree_under_partial_participation_and_a_lost_reply():
 
     from fedcomp.run.inprocess_grid import InProcessGrid
     from fedcomp.strategies import CompressedStrategy
-    from tests.strategies.test_downstream_batchnorm import _model, bn_app
+    from tests.download.test_layout_batchnorm import _model, bn_app
 
     lost = {}
 

@@ -157,7 +157,7 @@ def test_the_sender_corrects_from_the_copies_the_clients_hold_even_when_forgotte
     client itself rebuilt and trained from (not the server's record of it), one pass per broadcast
     version held and per private copy.
     Before, a client forgotten between its own reply and the correction was folded uncorrected."""
-    from tests.strategies.test_downstream_catchup import SHAPES, Fed, _walk
+    from tests.download.test_node_copies import SHAPES, Fed, _walk
 
     init, seq = _walk(rounds=8)
     fed = Fed("stc", 8, init=init, density=0.05)
@@ -193,7 +193,7 @@ def test_the_correction_holds_no_more_private_copies_than_the_budget_whatever_th
     import gc
     import weakref
 
-    from tests.strategies.test_downstream_catchup import SHAPES, Fed, _walk
+    from tests.download.test_node_copies import SHAPES, Fed, _walk
 
     init, seq = _walk(rounds=6)
     fed = Fed("stc", 24, init=init, density=0.05)
@@ -228,7 +228,7 @@ def test_the_correction_holds_no_more_private_copies_than_the_budget_whatever_th
 def test_a_fold_without_the_global_model_is_refused_and_commits_nothing():
     """note_replies with a correction and a fold but no ``sent`` names what is missing (was an
     AttributeError deep in the fold) before committing any reply."""
-    from tests.strategies.test_downstream_catchup import SHAPES, Fed, _walk
+    from tests.download.test_node_copies import SHAPES, Fed, _walk
 
     init, seq = _walk(rounds=2)
     fed = Fed("stc", 2, init=init, density=0.05)
