@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 import torch
@@ -206,10 +206,19 @@ def copy_digest(model: FlatModel) -> bytes:
         different copies agree with probability 2**-64), not a secret (the server knows the copy it sent)
         nor a proof (a node can report any digest; what it trains from is its own).
     """
-    flat = model.flat + 0.0  # -0.0 -> +0.0, the same value
-    return hashlib.blake2b(flat.tobytes(), digest_size=COPY_DIGEST_BYTES).digest()
+    return digest_segments([model.flat], model.flat.dtype)
+
+
+def digest_segments(segments: Iterable[np.ndarray], dtype: np.dtype) -> bytes:
+    """`copy_digest` of the flat vector that ``segments`` (1-d arrays, in order) make up in ``dtype``,
+    without building that vector (one segment's temporary at a time): the server digests its record of a
+    node's copy from the pieces it keeps."""
+    h = hashlib.blake2b(digest_size=COPY_DIGEST_BYTES)
+    for seg in segments:
+        h.update((np.asarray(seg).astype(dtype, copy=False) + dtype.type(0.0)).tobytes())  # -0.0 -> +0.0
+    return h.digest()
 
 
 __all__ = ["COPY_DIGEST_BYTES", "PER_TENSOR_MAGIC", "STAT_DELTA_PREFIX", "VAR_FLOOR", "apply_stat_delta",
-           "chain_key", "copy_digest", "decode_step", "encode_per_tensor", "gather", "is_batchnorm_stat",
-           "is_running_var", "scatter", "segments", "settle", "stat_delta_key"]
+           "chain_key", "copy_digest", "decode_step", "digest_segments", "encode_per_tensor", "gather",
+           "is_batchnorm_stat", "is_running_var", "scatter", "segments", "settle", "stat_delta_key"]

@@ -61,8 +61,8 @@ from fedcomp.download.layout import (
     COPY_DIGEST_BYTES,
     apply_stat_delta,
     chain_key,
-    copy_digest,
     decode_step,
+    digest_segments,
     encode_per_tensor,
     gather,
     is_batchnorm_stat,
@@ -490,7 +490,7 @@ class Downstream:
         whose generator drew the seeded start differently, a copy changed on the node), the node is
         forgotten: its next message is a first contact, which replaces its copy whatever it held (a counted
         re-synchronisation, `resynced`). Returns whether the node's copy is known now."""
-        verify = None if digest is None else lambda: copy_digest(self._held_model(node)) == digest
+        verify = None if digest is None else lambda: self.copy_digest(node) == digest
         known = self.nodes.commit(node, lambda base, diff: self._settle(base + self._decode(diff)), verify)
         if not known and digest is not None:
             self.resynced.append(node)
@@ -543,6 +543,28 @@ class Downstream:
         """Every float tensor (flat, model order) the server believes ``node`` holds (None: unknown)."""
         model = self._held_model(node)
         return None if model is None else model.flat
+
+    def copy_digest(self, node: int) -> bytes | None:
+        """The digest of the model the server believes ``node`` holds (`fedcomp.download.layout.copy_digest`
+        of `held`), computed tensor by tensor from the pieces the server keeps: no model-sized copy
+        (None: unknown)."""
+        vec = self.nodes.held(node)
+        if vec is None:
+            return None
+        stats = self.nodes.stats.get(node)
+        lossy, exempt, off = set(self.lossy_keys), set(self.exempt_keys), 0
+        def segments():
+            nonlocal off
+            for k in self.model.float_keys:
+                if k in lossy:
+                    n = self.model.specs[k].numel
+                    yield vec[off: off + n]
+                    off += n
+                elif stats is not None and k in exempt:
+                    yield stats.float_view(k).reshape(-1)
+                else:
+                    yield self.model.float_view(k).reshape(-1)
+        return digest_segments(segments(), self.model.flat.dtype)
 
     def _held_model(self, node: int) -> FlatModel | None:
         """The model the server believes ``node`` holds, every tensor (None: unknown)."""

@@ -133,3 +133,19 @@ def test_a_reply_without_the_digest_is_refused_naming_the_upgrade(phase, caplog)
     assert "upgrade fedcomp on that node" in NO_COPY_REPORT
     arrays, kinds = _round(s, grid, 3 if phase == "train" else 2, arrays)
     assert kinds[old].startswith("init")  # its copy is unknown: a first contact
+
+
+@pytest.mark.parametrize("stats", ["small", "auto"])
+def test_the_server_digests_its_record_piecewise_as_the_node_digests_its_copy(stats):
+    """The server's digest of a node's copy, made tensor by tensor from what it keeps (no model-sized
+    copy), equals the digest of the whole model it believes the node holds (BatchNorm statistics
+    exact, or each node's own sign-coded copy of them)."""
+    grid = InProcessGrid(client_app, 2, {"lr": 0.1})
+    s = CompressedStrategy(FedAvg(min_available_nodes=2, min_train_nodes=2, fraction_evaluate=0.0),
+                           compressor="stc", density=0.05, downstream="stc", batchnorm_stats=stats)
+    arrays = ArrayRecord(build_model().state_dict())
+    for rnd in (1, 2):
+        arrays, _ = _round(s, grid, rnd, arrays)
+    for node in grid.contexts:
+        assert s.downstream.copy_digest(node) == copy_digest(s.downstream._held_model(node))
+        assert _matches_record(s, grid, node)
