@@ -89,8 +89,9 @@ def reported_copy(reply: Message) -> bytes | None:
 
 
 #: Why a reply to a versioned download without its copy's digest is refused.
-NO_COPY_REPORT = (f"its reply carries no digest of its model copy (ConfigRecord '{COPY_RECORD}'): the node runs an "
-                  "older fedcomp; upgrade fedcomp on that node")
+NO_COPY_REPORT = (f"its reply carries no valid digest of its model copy (ConfigRecord '{COPY_RECORD}', 'digest': "
+                  f"{COPY_DIGEST_BYTES} bytes): the node runs an older fedcomp (upgrade fedcomp on that node) or "
+                  "sent a malformed one")
 
 
 #: Added to the round in the codec seeds of an evaluate message's step, so that a seeded codec

@@ -149,3 +149,28 @@ def test_the_server_digests_its_record_piecewise_as_the_node_digests_its_copy(st
     for node in grid.contexts:
         assert s.downstream.copy_digest(node) == copy_digest(s.downstream._held_model(node))
         assert _matches_record(s, grid, node)
+
+
+@pytest.mark.parametrize("bad", [{"digest": b"x" * 7}, {"digest": "abcdefgh"}, {"digest": 5}, {"other": b"12345678"}],
+                         ids=["short", "str", "int", "no-digest-key"])
+def test_a_malformed_digest_is_refused_and_a_wrong_one_resynchronises(bad):
+    """A copy record that is not an 8-byte digest refuses the train reply (the node is forgotten: a first
+    contact next); a well-formed digest of another copy counts the reply and re-synchronises the node."""
+    grid, s, arrays = _federation(2)
+    arrays, _ = _round(s, grid, 1, arrays)
+    node = sorted(grid.contexts)[0]
+
+    def record(content):
+        def edit(reply):
+            if reply.metadata.src_node_id == node:
+                reply.content[COPY_RECORD] = ConfigRecord(content)
+            return reply
+        return edit
+
+    arrays, _ = _round(s, grid, 2, arrays, edit=record(bad))
+    assert s.history[2]["rejected-replies"] == 1 and s.history[2]["num-replies"] == 1
+    arrays, kinds = _round(s, grid, 3, arrays, edit=record({"digest": b"\x00" * 8}))
+    assert kinds[node].startswith("init")
+    assert s.history[3]["num-replies"] == 2 and s.history[3]["copy-resyncs"] == 1
+    arrays, kinds = _round(s, grid, 4, arrays)
+    assert kinds[node].startswith("init") and s.history[4]["copy-resyncs"] == 0
