@@ -31,7 +31,7 @@ from fedcomp.task.training import evaluate
 from fedcomp.app.config import AppConfig
 from fedcomp.task.data import DataConfig, load_test_set
 from fedcomp.task.models import build_model
-from fedcomp.app.server_app import build_inner, privacy_options
+from fedcomp.app.server_app import build_inner, concern_options
 from fedcomp.run.inprocess_grid import InProcessGrid
 from fedcomp.strategies import CompressedStrategy
 from fedcomp.strategies.round_metrics import client_seconds
@@ -128,7 +128,7 @@ def run_one(run_config: dict, num_nodes: int) -> list[dict]:
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)  # Flower samples the evaluating nodes with random; they move on with the download
     grid = InProcessGrid(client_app, num_nodes, run_config)
-    strategy = CompressedStrategy.from_codec_config(build_inner(cfg), cfg.codec, **privacy_options(cfg))
+    strategy = CompressedStrategy.from_codec_config(build_inner(cfg), cfg.codec, **concern_options(cfg))
     test = load_test_set(DataConfig(cfg.dataset, cfg.partitioner, cfg.dirichlet_alpha, cfg.seed))
     model = build_model(cfg.model)
     rounds: list[dict] = []

@@ -50,7 +50,7 @@ from fedcomp.task.lm import build_transformer, transformer_config  # noqa: E402
 from fedcomp.task.lora import LoraSettings, initial_adapters, load_adapters  # noqa: E402
 from fedcomp.run.inprocess_grid import InProcessGrid  # noqa: E402
 from fedcomp.statedict import to_record, to_state_dict  # noqa: E402
-from fedcomp.strategies import CompressedStrategy  # noqa: E402
+from fedcomp.strategies import CompressedStrategy, Download  # noqa: E402
 
 
 COMEDIES = ("alls_well_that_ends_well", "as_you_like_it", "comedy_of_errors", "loves_labours_lost",
@@ -114,6 +114,9 @@ CASES = {
 }
 #: case keys that are not CompressedStrategy arguments
 NOT_CODEC = ("downstream", "exact-catchup", "freeze-a")
+#: case keys of the download's settings (as the results record them) -> their `Download` fields
+DOWNLOAD_KEYS = {"downstream_density": "density", "downstream_max_copies": "max_copies",
+                 "downstream_correction": "correction"}
 FLOWERTUNE = {"adapter_params": 13.63e6, "clients_per_round": 2, "directions": 2, "rounds": 200,
               "reported_gb": 40.7}
 NVFLARE = {"8-bit (NVFlare)": 0.25, "4-bit (NVFlare)": 0.14}
@@ -180,12 +183,13 @@ def run_case(name: str, case: dict, base: pathlib.Path, roles, test, args) -> di
     grid = InProcessGrid(app, len(roles), run_config)
     init, seeded = initial_adapters(settings, args.seed)
     n_params = sum(v.numel() for v in init.values())
-    codec = {k: v for k, v in case.items() if k not in NOT_CODEC}
+    codec = {k: v for k, v in case.items() if k not in NOT_CODEC and k not in DOWNLOAD_KEYS}
     catchup = "exact" if case.get("exact-catchup") else "smallest"
+    download = Download(case["downstream"], init=seeded, catchup=catchup,
+                        **{DOWNLOAD_KEYS[k]: v for k, v in case.items() if k in DOWNLOAD_KEYS})
     strategy = CompressedStrategy(FedAvg(fraction_train=args.per_round / len(roles), min_train_nodes=args.per_round,
                                          min_available_nodes=len(roles), fraction_evaluate=0.0),
-                                  downstream=case["downstream"], downstream_init=seeded, downstream_catchup=catchup,
-                                  **codec)
+                                  downstream=download, **codec)
     model = lora_model(settings)  # the process's one peft model: the ClientApp trains this object too
     frozen = [p for n, p in model.named_parameters() if case.get("freeze-a") and "lora_A" in n]
     for p in frozen:  # FFA-LoRA: train_adapters optimises the parameters that require grad, lora_B only

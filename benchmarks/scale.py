@@ -30,7 +30,7 @@ Run: ``python benchmarks/scale.py`` (about 20 min on 2 cores), ``--smoke`` (a sm
 ``--only-client`` (the client table alone at full size, merged into the results file, about a minute),
 ``--only-server`` (the server rows of ``--codecs`` and ``--clients`` alone, merged into the results file),
 ``--only-downstream`` (the downstream rows alone, merged into the results file, about 6 min; with
-``--corrections 0,1`` the same rows without and with ``downstream_correction = 1``, paired per repeat,
+``--corrections 0,1`` the same rows without and with ``Download(correction=1)``, paired per repeat,
 under the key ``downstream_correction``);
 prints tables and writes ``benchmarks/results/scale.json`` (``--smoke``: a file in the temporary folder). Medians
 over ``--repeats`` runs.
@@ -91,7 +91,8 @@ import numpy as np, torch
 sys.path.insert(0, sys.argv[1])
 from scale import resnet18_shapes, make_replies, rss_mib, reset_peak, peak_mib, trim_heap
 from flwr.serverapp.strategy import FedAvg
-from fedcomp.strategies import CompressedStrategy
+from fedcomp.download.round_hook import DownloadHook
+from fedcomp.strategies import CompressedStrategy, Download
 from fedcomp.statedict import FlatModel
 logging.getLogger("flwr").setLevel(logging.ERROR)
 spec = json.loads(sys.argv[2])
@@ -188,8 +189,9 @@ from scale import resnet18_shapes, reply_records, replies_from, rss_mib, reset_p
 from flwr.app import ConfigRecord
 from flwr.serverapp.strategy import FedAvg
 from flwr.supercore.task_identity import TaskIdentity
-from fedcomp.download.settings import resolve_downstream
-from fedcomp.strategies import CompressedStrategy
+from fedcomp.app.resolve import resolve_downstream
+from fedcomp.download.round_hook import DownloadHook
+from fedcomp.strategies import CompressedStrategy, Download
 from fedcomp.statedict import FlatModel
 logging.getLogger("flwr").setLevel(logging.ERROR)
 spec = json.loads(sys.argv[2])
@@ -203,14 +205,15 @@ g = {k: (rng.standard_normal(s).astype(np.float32) * 0.05 if d == "float32" else
 model_bytes = 4 * sum(int(np.prod(s)) for s, d in shapes.values() if d == "float32")
 down, down_density = resolve_downstream("auto", 0.0, spec["codec"]["compressor"], "full", False)
 strategy = CompressedStrategy(FedAvg(fraction_train=spec["fraction"], fraction_evaluate=0.0, min_train_nodes=1,
-                                     min_available_nodes=1), downstream=down, downstream_density=down_density,
-                              downstream_correction=spec["correction"], **spec["codec"])
+                                     min_available_nodes=1),
+                              downstream=Download(down, density=down_density or None, correction=spec["correction"]),
+                              **spec["codec"])
 records = reply_records(g, strategy.codec, distinct=4)
 # The synthetic replies stand for nodes that hold what they were sent but carry no digest of that copy:
 # the server commits them unchecked (a real reply's check is one pass over the model, a tensor at a time).
 import fedcomp.download.round_hook as round_hook
 round_hook.reported_copy = lambda reply: None
-strategy.hooks[0].admit = lambda server_round, replies: []
+next(h for h in strategy.hooks if isinstance(h, DownloadHook)).admit = lambda server_round, replies, sent: []
 arrays = FlatModel.from_numpy(g).record(check=False)
 del g
 
@@ -378,9 +381,9 @@ def downstream_rows(width: int, nodes: list[int], fraction: float, rounds: int, 
     """The server with the default download (``downstream = "auto"``: STC 5 % with server-side error
     feedback, compressed first contact, catch-ups): ``rounds`` rounds of ``configure_train`` +
     ``aggregate_train`` with ``fraction`` of N nodes sampled a round (Flower's FedAvg, seeded), one
-    fresh process per repeat and ``downstream_correction`` in ``corrections`` (the values alternate
-    within each repeat, so that a busy machine slows them alike); per round the medians over repeats
-    of each figure."""
+    fresh process per repeat and correction (``Download(correction=c)``) for each ``c`` in ``corrections``
+    (the values alternate within each repeat, so that a busy machine slows them alike); per round the
+    medians over repeats of each figure."""
     rows = []
     for n in nodes:
         runs = {c: [] for c in corrections}
@@ -480,7 +483,7 @@ def main() -> None:
     ap.add_argument("--fraction", type=float, default=0.1, help="downstream: fraction of the nodes sampled a round")
     ap.add_argument("--rounds", type=int, default=6, help="downstream: rounds")
     ap.add_argument("--corrections", default=(0.0,), type=corrections_arg,
-                    help="downstream: downstream_correction values in [0, 1], distinct, e.g. 0,1 "
+                    help="downstream: the download's correction values in [0, 1], distinct, e.g. 0,1 "
                     "(each value its own process, alternating; ratios against 0 where it is listed)")
     ap.add_argument("--out", default=None, help="JSON to write (default: the reference benchmarks/results/scale.json; "
                     "with --smoke a file in the temporary folder)")

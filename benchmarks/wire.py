@@ -35,7 +35,7 @@ from outputs import output_path, shown
 from fedcomp.app.client_app import app as reference_client_app
 from fedcomp.app.server_app import main as reference_main
 from fedcomp.run.inprocess_grid import InProcessGrid
-from fedcomp.strategies import CompressedStrategy
+from fedcomp.strategies import CompressedStrategy, Download
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -110,8 +110,8 @@ CASES = {
     "existing app + two lines, sign": ("existing", {"compressor": "sign"}),
     "existing app + two lines, default codec": ("existing", {}),
     "existing app, sign, sign download": ("existing", {"compressor": "sign", "downstream": "sign"}),
-    "existing app, sign, STC 0.05 download": ("existing", {"compressor": "sign", "downstream": "stc",
-                                                          "downstream_density": 0.05}),
+    "existing app, sign, STC 0.05 download": ("existing", {"compressor": "sign",
+                                                          "downstream": Download("stc", density=0.05)}),
     "existing app, sign, dense download": ("existing", {"compressor": "sign", "downstream": "none"}),
 }
 

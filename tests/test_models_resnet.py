@@ -13,7 +13,7 @@ from fedcomp.app.client_app import app as client_app
 from fedcomp.app.config import AppConfig
 from fedcomp.task.data import DataConfig, load_partition, load_test_set
 from fedcomp.task.models import build_model
-from fedcomp.app.server_app import build_inner, privacy_options
+from fedcomp.app.server_app import build_inner, concern_options
 from fedcomp.run.inprocess_grid import InProcessGrid
 from fedcomp.statedict import to_state_dict
 from fedcomp.strategies import CompressedStrategy
@@ -27,7 +27,7 @@ def run(rounds: int, **rc):
     run_config = {"model": "resnet", "num-server-rounds": rounds, "lr": 0.1, "seed": 3, **rc}
     cfg = AppConfig.from_run_config(run_config)
     torch.manual_seed(cfg.seed)
-    strategy = CompressedStrategy.from_codec_config(build_inner(cfg), cfg.codec, **privacy_options(cfg))
+    strategy = CompressedStrategy.from_codec_config(build_inner(cfg), cfg.codec, **concern_options(cfg))
     grid = InProcessGrid(client_app, NODES, run_config)
     test = load_test_set(DataConfig(cfg.dataset, cfg.partitioner, cfg.dirichlet_alpha, cfg.seed))
     model, accs = build_model("resnet"), []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from logging import INFO, WARNING
 
 import torch
@@ -25,12 +26,10 @@ from fedcomp.app.startup import (
 from fedcomp.app.strategy_record import check_same_strategy
 from fedcomp.app.config import AppConfig
 from fedcomp.config import CODEC_DEFAULTS
-from fedcomp.download.settings import resolve_correction
 from fedcomp.config.low_density import auto_note, resolve_schedule, short_ramp_note
 from fedcomp.privacy import ClientLevelDP, DPSGDConfig, LocalDP, check_accountable
 from fedcomp.statedict import copy_array, to_record, untie
-from fedcomp.strategies import CompressedStrategy
-from fedcomp.download.correction import correction_refusal
+from fedcomp.strategies import Admission, CompressedStrategy, Download, PoissonSampling, Privacy
 from fedcomp.strategies.offset import RoundOffset
 from fedcomp.task.data import DataConfig
 from fedcomp.task.lora import LoraSettings, initial_adapters, weights_record
@@ -39,43 +38,40 @@ from fedcomp.task.models import build_model
 app = ServerApp()
 
 
-def privacy_options(cfg: AppConfig, context: Context | None = None) -> dict:
-    """``CompressedStrategy`` keyword arguments for run config ``dp`` (validated at start-up) and the
-    downstream settings (``downstream``, ``downstream-density``, ``downstream-init``, ``downstream-correction``).
+def concern_options(cfg: AppConfig, context: Context | None = None) -> dict:
+    """``CompressedStrategy`` keyword arguments for the run config's concerns: ``downstream`` (a
+    `Download` from ``downstream``, ``downstream-density``, ``downstream-init``, ``downstream-correction``),
+    ``privacy`` (run config ``dp``, ``max-epsilon``; validated at start-up), ``sampling``
+    (``client-sampling``) and ``admission`` (``require-compression``).
 
     Raises
     ------
     ValueError
-        A DP key out of range, or (dp-sgd) an infeasible ``target-epsilon`` / ``secure-rng``.
+        A DP key out of range, or (dp-sgd) an infeasible ``target-epsilon`` / ``secure-rng``; a downstream
+        correction that cannot apply.
     """
-    opts: dict = {"max_epsilon": cfg.max_epsilon or None, "downstream": cfg.downstream,
-                  "require_compression": cfg.require_compression, "downstream_density": cfg.downstream_density or None,
-                  "downstream_correction": resolve_correction(cfg.downstream_correction, cfg.downstream, cfg.optimizer,
-                                                              cfg.dp, cfg.codec.error_feedback),
-                  # this app trains its model from scratch: new clients build it from a seed (on resume the
-                  # model is trained: a compressed start, the library's "auto")
-                  "downstream_init": ("seeded" if cfg.downstream_init == "auto" and not cfg.resume
-                                      else cfg.downstream_init)}
-    why = correction_refusal(opts["downstream_correction"], cfg.downstream != "none", cfg.dp == "client-level",
-                             cfg.codec.error_feedback == "ef21", True)
-    if why:
-        raise ValueError(f"run config 'downstream-correction' = {cfg.downstream_correction!r} cannot apply: {why}")
+    correction = 1.0 if cfg.downstream_correction == "on" else 0.0
+    opts: dict = {"downstream": Download(cfg.downstream, density=cfg.downstream_density or None,
+                                         init=cfg.downstream_init, correction=correction),
+                  "admission": Admission(require_compression=cfg.require_compression)}
     q = None
     if cfg.client_sampling == "poisson":
         q = cfg.fraction_train
         # The sample must be secret for amplification by sampling: OS entropy, not the run seed.
-        opts.update(client_sampling=q, seed=None)
+        opts["sampling"] = PoissonSampling(q, seed=None)
+    client_dp = local_dp = None
     if cfg.dp == "client-level":
-        opts["client_dp"] = ClientLevelDP(cfg.clipping_norm, cfg.noise_multiplier, cfg.target_delta,  # CSPRNG noise
-                                          sample_rate=q or 1.0)
+        client_dp = ClientLevelDP(cfg.clipping_norm, cfg.noise_multiplier, cfg.target_delta,  # CSPRNG noise
+                                  sample_rate=q or 1.0)
     elif cfg.dp == "local":
-        opts["local_dp"] = LocalDP(cfg.clipping_norm, cfg.noise_multiplier, cfg.target_delta)
+        local_dp = LocalDP(cfg.clipping_norm, cfg.noise_multiplier, cfg.target_delta)
     if cfg.dp in ("client-level", "local"):  # the accountant must be able to compute epsilon, every round
         check_accountable(cfg.noise_multiplier, cfg.target_delta, q or 1.0)
     if context is not None and cfg.dp == "dp-sgd":
         DPSGDConfig.from_mapping(context.run_config)
     if cfg.max_epsilon and cfg.dp == "none":
         log(WARNING, "fedcomp  max-epsilon = %s has no effect with dp = 'none'", cfg.max_epsilon)
+    opts["privacy"] = Privacy(client_dp, local_dp, cfg.max_epsilon or None)
     return opts
 
 
@@ -162,7 +158,7 @@ def main(grid: Grid, context: Context) -> None:
         if secagg_requested(context.run_config):  # Flower SecAgg+ (legacy workflow), fedcomp.secagg: first, so
             # that a setting it does not support is named as such (not by what it makes downstream resolve to)
             distributed_dp(cfg, check_secagg_config(context.run_config))  # its keys too, before anything starts
-        options = privacy_options(cfg, context)
+        options = concern_options(cfg, context)
     except ValueError as err:
         raise RunConfigError(str(err)) from err
     check_supernodes_fit_the_data(len(list(grid.get_node_ids())),
@@ -174,10 +170,10 @@ def main(grid: Grid, context: Context) -> None:
         log(INFO, "fedcomp  %s", note)
     if note := short_ramp_note(cfg):
         log(WARNING, "fedcomp  %s", note)
-    if cfg.downstream_correction == "auto" and options["downstream_correction"]:  # what "auto" chose, once
+    if context.run_config.get("downstream-correction", "auto") == "auto" and options["downstream"].correction:
         log(INFO, "fedcomp  downstream-correction 'auto' chose on (optimizer %r, downstream %s): each update is "
             "counted from the global model, not the client's compressed copy; set it to \"off\" to fold them as "
-            "they came", cfg.optimizer, options["downstream"])
+            "they came", cfg.optimizer, options["downstream"].codec)
     if secagg_requested(context.run_config):
         run_secagg(grid, context, cfg, out_dir)
         return
@@ -185,7 +181,7 @@ def main(grid: Grid, context: Context) -> None:
     if cfg.finetune == "lora":  # LoRA's seeded start, from the base model's config (no weights)
         adapters, seeded = initial_adapters(LoraSettings.from_mapping(context.run_config), cfg.seed)
         if cfg.downstream_init == "auto":  # an explicit downstream-init ("dense", a codec) stays in force
-            options["downstream_init"] = seeded
+            options["downstream"] = dataclasses.replace(options["downstream"], init=seeded)
     strategy = CompressedStrategy.from_codec_config(build_inner(cfg), cfg.codec, **options)
     recorder = RoundRecorder(cfg, CompressedRounds(cfg, strategy, dict(context.run_config)), out_dir,
                              dict(context.run_config))
@@ -225,5 +221,5 @@ def main(grid: Grid, context: Context) -> None:
         log(WARNING, "fedcomp  %s", note)
 
 
-__all__ = ["RoundRecorder", "app", "build_inner", "check_same_codec", "main", "privacy_options", "privacy_settings",
+__all__ = ["RoundRecorder", "app", "build_inner", "check_same_codec", "concern_options", "main", "privacy_settings",
            "privacy_statement"]

@@ -8,8 +8,8 @@ turned into plain dataclasses. Errors name the key and its allowed range, e.g.
   (`fedcomp.util.declared_key.Key`); an unknown key is refused with the closest valid
   name; `reference_table` renders keys as markdown.
 - `codec`: `CodecConfig`, the codec keys (their defaults are its fields).
-- `secagg`: SecAgg+'s keys; `low_density`, `model_policy`: the "auto" rules (the download's are
-  in `fedcomp.download.settings`).
+- `secagg`: SecAgg+'s keys; `low_density`, `model_policy`: the "auto" rules of the codec keys (the
+  reference app resolves its own keys in one pass: `fedcomp.app.resolve`).
 
 The reference app's own keys and its `AppConfig` are in `fedcomp.app`.
 """

@@ -69,7 +69,7 @@ POLICY_KEYS: dict[str, Key] = table(
 )
 
 
-def _d(key: str) -> Any:
+def _default(key: str) -> Any:
     return POLICY_KEYS[key].default
 
 
@@ -100,7 +100,7 @@ def parse_layer_codecs(spec: str) -> list[tuple[str, str]]:
 
 def _error_feedback(cfg: Mapping[str, Any], source: str) -> bool | str:
     """``error-feedback``: true (classic residual), false, or "ef21" (Richtárik et al. 2021)."""
-    value = cfg.get("error-feedback", _d("error-feedback"))
+    value = cfg.get("error-feedback", _default("error-feedback"))
     if value == "ef21" or isinstance(value, bool):
         return value
     raise ValueError(f"{source} 'error-feedback' must be true, false or \"ef21\", got {value!r}")
@@ -108,7 +108,7 @@ def _error_feedback(cfg: Mapping[str, Any], source: str) -> bool | str:
 
 def _layer_codecs(cfg: Mapping[str, Any], source: str) -> str:
     """``layer-codecs`` as a string (its rules are checked by `parse_layer_codecs`)."""
-    return read_string(cfg, "layer-codecs", _d("layer-codecs"), src=source)
+    return read_string(cfg, "layer-codecs", _default("layer-codecs"), src=source)
 
 
 #: Readers of the policy keys whose rule a `Key` cannot state.
@@ -179,24 +179,24 @@ class CodecConfig:
     residual); tensors where low rank does not pay go through ``small-tensor-compressor``.
     """
 
-    compressor: str = _d("compressor")
-    error_feedback: bool | str = _d("error-feedback")
-    residual_dtype: str = _d("residual-dtype")
-    selection: str = _d("selection")
-    min_compress_numel: int = _d("min-compress-numel")
-    small_tensor_compressor: str = _d("small-tensor-compressor")
-    batchnorm_stats: str = _d("batchnorm-stats")
-    batchnorm_affine: str = _d("batchnorm-affine")
-    layer_codecs: str = _d("layer-codecs")
-    warmup_rounds: int = _d("warmup-rounds")
-    warmup_compressor: str = _d("warmup-compressor")
-    density_schedule: str = _d("density-schedule")
-    density_start: float = _d("density-start")
-    schedule_rounds: int = _d("schedule-rounds")
-    target_error: float = _d("target-error")
-    density_min: float = _d("density-min")
-    density_max: float = _d("density-max")
-    momentum_correction: float = _d("momentum-correction")
+    compressor: str = _default("compressor")
+    error_feedback: bool | str = _default("error-feedback")
+    residual_dtype: str = _default("residual-dtype")
+    selection: str = _default("selection")
+    min_compress_numel: int = _default("min-compress-numel")
+    small_tensor_compressor: str = _default("small-tensor-compressor")
+    batchnorm_stats: str = _default("batchnorm-stats")
+    batchnorm_affine: str = _default("batchnorm-affine")
+    layer_codecs: str = _default("layer-codecs")
+    warmup_rounds: int = _default("warmup-rounds")
+    warmup_compressor: str = _default("warmup-compressor")
+    density_schedule: str = _default("density-schedule")
+    density_start: float = _default("density-start")
+    schedule_rounds: int = _default("schedule-rounds")
+    target_error: float = _default("target-error")
+    density_min: float = _default("density-min")
+    density_max: float = _default("density-max")
+    momentum_correction: float = _default("momentum-correction")
 
     def __post_init__(self) -> None:
         # "auto": DGC's warm-up for stc/topk below 1/400, else constant (fedcomp.config.low_density)

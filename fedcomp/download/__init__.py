@@ -3,8 +3,7 @@ it, both sides in one package (Flower-level, no app).
 
 Read in the order the model travels:
 
-- `settings`: what the run-config keys ``downstream``, ``downstream-density`` and
-  ``downstream-correction`` resolve to.
+- `options`: `Download`, the download's settings as the strategy takes them.
 - `layout`: what a message holds (the compressed part as one flat vector, the exempt BatchNorm
   statistics and their sign-coded changes, chained payloads, per-tensor steps) and the digest of a copy.
 - `seeded_init`: initial weights a node rebuilds from a seed and one rule per tensor.
@@ -21,7 +20,8 @@ IEEE TNNLS 2019 (compression in both directions, residuals on both sides, cachin
 missed rounds).
 """
 
+from fedcomp.download.options import Download
 from fedcomp.download.receiver import check_download, check_version, rebuild, report_copy
 from fedcomp.download.sender import Downstream
 
-__all__ = ["Downstream", "check_download", "check_version", "rebuild", "report_copy"]
+__all__ = ["Download", "Downstream", "check_download", "check_version", "rebuild", "report_copy"]

@@ -18,7 +18,7 @@ the clients (the Transformer from scratch, every client every round) ``c = 1`` i
 round 20 (median of 3 seeds); with SGD on the clients (the default CNN federation) it is 1.4 points
 worse, and with ``sign`` downward under 2-of-8 sampling (the LoRA preset) it keeps less of the gain.
 So the strategy's default is 0, and fedcomp's app turns it on for AdamW with a sparse downstream codec
-(run config ``downstream-correction = "auto"``, `fedcomp.download.settings.resolve_correction`).
+(run config ``downstream-correction = "auto"``, `fedcomp.app.resolve.resolve_correction`).
 
 Applies where the round is a weighted mean of the updates (`aggregate.MeanFold`); not under
 client-level DP (clipped sums), EF21 (innovations, not updates), nor with an inner strategy that
@@ -44,13 +44,13 @@ def check_correction(value: float) -> float:
         ``value`` is not a real number in [0, 1] (a bool, NaN or a string included).
     """
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 <= float(value) <= 1.0:
-        raise ValueError(f"downstream_correction must be a number in [0, 1], got {value!r}")
+        raise ValueError(f"downstream correction must be a number in [0, 1], got {value!r}")
     return float(value)
 
 
 def correction_refusal(c: float, downstream: bool, client_dp: bool, ef21: bool, weighted_mean: bool,
                        dense_aggregation: bool = False) -> str:
-    """Why ``downstream_correction = c`` cannot apply to this strategy ("": it can, or c is 0): it
+    """Why the downstream correction ``c`` cannot apply to this strategy ("": it can, or c is 0): it
     corrects the clients' copies of a compressed download, in a weighted mean of their updates."""
     if not c:
         return ""

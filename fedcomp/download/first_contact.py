@@ -27,7 +27,7 @@ from flwr.app import ArrayRecord
 from flwr.common.logger import log
 
 from fedcomp.compression import available_compressors, codecs_with
-from fedcomp.download.layout import is_batchnorm_stat, settle
+from fedcomp.download.layout import is_batchnorm_stat, round_to_dtypes
 from fedcomp.download.seeded_init import SeededInit, looks_drawn, lora_init, seeded_like
 from fedcomp.statedict import FlatModel, is_float_dtype, numpy_dict
 
@@ -97,7 +97,7 @@ def starting_model(init: SeededInit | str, arrays: ArrayRecord) -> tuple[ArrayRe
         if moved:
             raise ValueError(f"downstream init 'seeded': BatchNorm statistics {moved[:3]} are not at their "
                              "initialisation (the model ran forward passes, it is not trained from scratch); "
-                             "use downstream_init = 'auto' (a compressed start)")
+                             "use the init 'auto' (a compressed start)")
     seed = model_seed(floats)  # another initial model (another run seed), another draw
     # Only what looks like a parameter's random draw is redrawn: a state_dict does not say which
     # entries are buffers, and a fixed buffer (a sinusoidal table, a mask) replaced by noise stays noise.
@@ -109,7 +109,7 @@ def starting_model(init: SeededInit | str, arrays: ArrayRecord) -> tuple[ArrayRe
         "first model from a seed", len(floats), len(seeded.exact))
     drawn = seeded.values({k: v.shape for k, v in floats.items() if k not in seeded.exact})
     model = FlatModel({**values, **drawn}, dtypes)
-    model.flat[...] = settle(model, model.float_keys, model.flat.copy())
+    model.flat[...] = round_to_dtypes(model, model.float_keys, model.flat.copy())
     return model.record(check=True), seeded
 
 

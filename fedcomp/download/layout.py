@@ -53,14 +53,14 @@ def apply_stat_delta(model: FlatModel, key: str, change: np.ndarray) -> None:
     """``key``'s values += ``change`` (float32, the tensor's shape or flat) in place: added in float32
     (float64 for a float64 tensor) whatever the model's flat dtype; a running variance then kept at
     >= `VAR_FLOOR` times its previous value (so >= 0: a lossy change can undershoot); then
-    rounded to the tensor's dtype (`settle`). The server applies it to its record of a node's
+    rounded to the tensor's dtype (`round_to_dtypes`). The server applies it to its record of a node's
     copy, the node to its copy: the same float operations, so both copies stay equal bit for bit."""
     view = model.float_view(key).reshape(-1)
     wide = np.float64 if model.specs[key].dtype == "float64" else np.float32  # not the flat's: the tensor's
     vec = view.astype(wide) + change.reshape(-1).astype(wide)
     if is_running_var(key):
         np.maximum(vec, view.astype(wide) * VAR_FLOOR, out=vec)
-    view[...] = settle(model, [key], vec)
+    view[...] = round_to_dtypes(model, [key], vec)
 
 
 def chain_key(i: int) -> str:
@@ -162,7 +162,7 @@ def scatter(model: FlatModel, keys: list[str], vec: np.ndarray) -> None:
         off += n
 
 
-def settle(model: FlatModel, keys: list[str], vec: np.ndarray) -> np.ndarray:
+def round_to_dtypes(model: FlatModel, keys: list[str], vec: np.ndarray) -> np.ndarray:
     """Round ``vec`` (the float32 values of ``keys``) in place to each tensor's dtype (fp16, bf16),
     as a copy held in the model's own dtypes is; float32 tensors too when ``vec`` is float64 (a model
     with a float64 tensor); float64 tensors are left as they are.
@@ -221,4 +221,4 @@ def digest_segments(segments: Iterable[np.ndarray], dtype: np.dtype) -> bytes:
 
 __all__ = ["COPY_DIGEST_BYTES", "PER_TENSOR_MAGIC", "STAT_DELTA_PREFIX", "VAR_FLOOR", "apply_stat_delta",
            "chain_key", "copy_digest", "decode_step", "digest_segments", "encode_per_tensor", "gather",
-           "is_batchnorm_stat", "is_running_var", "scatter", "segments", "settle", "stat_delta_key"]
+           "is_batchnorm_stat", "is_running_var", "scatter", "segments", "round_to_dtypes", "stat_delta_key"]

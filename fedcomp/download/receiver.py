@@ -38,7 +38,7 @@ from fedcomp.download.layout import (
     is_batchnorm_stat,
     is_running_var,
     scatter,
-    settle,
+    round_to_dtypes,
 )
 from fedcomp.protocol.messages import (
     BASE_VERSION,
@@ -180,7 +180,7 @@ def _init_base(rec: ArrayRecord, seed: int, part_keys: set[str]) -> tuple[FlatMo
         model = FlatModel(values, dtypes)
     except (TypeError, ValueError) as err:
         raise PayloadError(f"seeded start: {err}") from None
-    vec = settle(model, lossy, gather(model, lossy))
+    vec = round_to_dtypes(model, lossy, gather(model, lossy))
     scatter(model, lossy, vec)
     return model, lossy
 
@@ -294,7 +294,7 @@ def rebuild(msg: Message, context: Context, arr_key: str, rec: ArrayRecord, cfg)
         vec = gather(base, lossy)
         for p in parts:
             with np.errstate(over="ignore"):  # a sum past the dtype's range: check_download names the tensor
-                vec = settle(base, lossy, vec + decode_step(p, sizes))
+                vec = round_to_dtypes(base, lossy, vec + decode_step(p, sizes))
         scatter(base, lossy, vec)
         rec = base.record(check=False)  # check_download names a tensor that is not finite in its dtype
     check_download(rec)  # every form: the held copy is replaced only by a model that passes

@@ -1,5 +1,5 @@
 """The compressed download as a round hook of `fedcomp.strategies.CompressedStrategy`
-(`fedcomp.strategies.round_hooks.RoundHook`): everything the strategy does for the download, in a
+(`fedcomp.protocol.round_hooks.RoundHook`): everything the strategy does for the download, in a
 round's order.
 
 - start: the initial model new nodes build (`Downstream.start_model`: seeded where the first-contact
@@ -13,6 +13,9 @@ round's order.
   bytes the server sent; with a correction, each update is counted from the global model
   (`Downstream.note_replies`);
 - figures: ``copy-resyncs``, the nodes re-synchronised since the previous round's figures.
+
+`DenseDownload` is the hook of a run without a compressed download: each reply's ``download-bytes`` are
+the bytes the server sent its node.
 """
 
 from __future__ import annotations
@@ -24,9 +27,10 @@ from flwr.app import ArrayRecord, Message
 from flwr.common.logger import log
 
 from fedcomp.download.sender import NO_COPY_REPORT, Downstream, reported_copy
+from fedcomp.protocol.round_hooks import Refusal, RoundHook
 
 
-class DownloadHook:
+class DownloadHook(RoundHook):
     """`Downstream` at the points of a round where `CompressedStrategy` calls its hooks.
 
     Parameters
@@ -46,18 +50,20 @@ class DownloadHook:
         """The initial model as new nodes will build it (`Downstream.start_model`)."""
         return self.downstream.start_model(arrays)
 
-    def on_configure(self, server_round: int, arrays: ArrayRecord, messages: list[Message], phase: str) -> None:
-        """Rewrite the round's ``messages`` into the download's forms (`Downstream.prepare`)."""
+    def on_messages(self, server_round: int, phase: str, arrays: ArrayRecord, messages: list[Message],
+                    sent: Any = None) -> list[Message]:
+        """The round's ``messages``, rewritten into the download's forms (`Downstream.prepare`)."""
         if messages:
             self.downstream.prepare(server_round, arrays, messages, phase=phase)
+        return messages
 
-    def admit(self, server_round: int, replies: list[Message]) -> list[tuple[Message, str]]:
+    def admit(self, server_round: int, replies: list[Message], sent: Any) -> list[Refusal]:
         """Refuse the train replies of nodes sent a compressed download that report no copy digest."""
         pending = self.downstream.nodes.pending
-        return [(r, NO_COPY_REPORT) for r in replies
+        return [Refusal(r, NO_COPY_REPORT) for r in replies
                 if r.metadata.src_node_id in pending and reported_copy(r) is None]
 
-    def on_replies(self, server_round: int, phase: str, replies: list[Message], got: Any = None,
+    def on_replies(self, server_round: int, phase: str, replies: list[Message], folded: Any = None,
                    sent: Any = None) -> None:
         """Each replying node holds what it was sent, if its digest says so. Train: its
         ``download-bytes`` are the bytes the server sent it and, with a correction, its update is counted
@@ -66,7 +72,7 @@ class DownloadHook:
         if phase == "train":
             digests = {r.metadata.src_node_id: digest for r in replies
                        if not r.has_error() and (digest := reported_copy(r)) is not None}
-            self.downstream.note_replies(got.stats, got.fold if self.correct else None, sent.model, digests)
+            self.downstream.note_replies(folded.stats, folded.fold if self.correct else None, sent.model, digests)
         else:
             for reply in replies:
                 node = reply.metadata.src_node_id
@@ -87,11 +93,25 @@ class DownloadHook:
             self._resyncs += len(resynced)
             resynced.clear()
 
-    def round_metrics(self) -> dict[str, float]:
-        """``copy-resyncs``: nodes re-synchronised since the previous call (the previous round's
-        evaluation included)."""
-        out, self._resyncs = {"copy-resyncs": float(self._resyncs)}, 0
-        return out
+    def on_round_end(self, server_round: int, metrics: dict[str, float], folded: Any) -> None:
+        """``copy-resyncs``: nodes re-synchronised since the previous round's figures (the previous
+        round's evaluation included)."""
+        metrics["copy-resyncs"], self._resyncs = float(self._resyncs), 0
 
 
-__all__ = ["DownloadHook"]
+class DenseDownload(RoundHook):
+    """The download of a run that sends the model dense: each train reply's ``download-bytes`` is the
+    bytes of the arrays the server sent its node, not what the node reports."""
+
+    def on_replies(self, server_round: int, phase: str, replies: list[Message], folded: Any = None,
+                   sent: Any = None) -> None:
+        if phase != "train":
+            return
+        sent_bytes = {m.metadata.dst_node_id: sum(len(a.data) for r in m.content.array_records.values()
+                                                  for a in r.values()) for m in sent.messages}
+        for stat in folded.stats:
+            reported = max(stat["download-bytes"], 0.0)  # a reply without a sent message (tests): its word
+            stat["download-bytes"] = float(sent_bytes.get(stat["node"], reported))
+
+
+__all__ = ["DenseDownload", "DownloadHook"]

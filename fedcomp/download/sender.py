@@ -45,8 +45,6 @@ treated as new (seeded ``init`` + catch-up, or ``dense``), as after a missed rep
 from __future__ import annotations
 
 import hashlib
-import math
-import numbers
 from logging import WARNING
 
 import numpy as np
@@ -54,7 +52,7 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.common.logger import log
 
-from fedcomp.compression import CODECS, available_compressors, decompress, encode_exact, get_compressor
+from fedcomp.compression import CODECS, decompress, encode_exact, get_compressor
 from fedcomp.config import CodecConfig
 from fedcomp.config.codec import BATCHNORM_STATS_CODEC
 from fedcomp.download.layout import (
@@ -67,7 +65,7 @@ from fedcomp.download.layout import (
     gather,
     is_batchnorm_stat,
     scatter,
-    settle,
+    round_to_dtypes,
     stat_delta_key,
 )
 from fedcomp.protocol.messages import BASE_VERSION, COPY_RECORD, MODEL_VERSION, payload_array
@@ -76,6 +74,7 @@ from fedcomp.statedict import FlatModel
 from fedcomp.download.correction import check_correction, correct_for_copies
 from fedcomp.download.first_contact import INIT_POLICIES, START_CODEC, check_init_policy, starting_model
 from fedcomp.download.node_copies import Base, BaseKind, NodeCopies
+from fedcomp.download.options import Download, check_catchup, check_density, check_max_copies
 from fedcomp.download.plan import PlanKind, plan_message
 
 
@@ -97,21 +96,6 @@ NO_COPY_REPORT = (f"its reply carries no valid digest of its model copy (ConfigR
 #: Added to the round in the codec seeds of an evaluate message's step, so that a seeded codec
 #: (random-k) draws other positions than the train step of the same round.
 EVALUATE_SEED_OFFSET = 2**31 - 1
-
-
-def check_max_copies(max_copies: float | None) -> None:
-    """Refuse a copy budget (``CompressedStrategy(downstream_max_copies=...)``) that is not a finite
-    number >= 2 or None: ``inf`` would let the server's memory grow with the number of nodes.
-
-    Raises
-    ------
-    ValueError
-        Naming ``downstream_max_copies`` and the value.
-    """
-    if max_copies is not None and (isinstance(max_copies, bool) or not isinstance(max_copies, numbers.Real)
-                                   or not 2 <= max_copies < math.inf):
-        raise ValueError(f"downstream_max_copies must be a finite number >= 2 or None (auto: a bounded budget), "
-                         f"got {max_copies!r}")
 
 
 class Downstream:
@@ -169,12 +153,8 @@ class Downstream:
         init = check_init_policy("auto" if init is None else init)
         #: c of `fedcomp.download.correction`: each update folded as ``delta_i - c (G - H_i)``
         self.correction = check_correction(correction)
-        if density is not None and (isinstance(density, bool) or not isinstance(density, numbers.Real)
-                                    or not 0 < density <= 1):
-            raise ValueError(f"downstream density must be in (0, 1], got {density!r}")
-        self.density = None if density is None else float(density)
-        if catchup not in ("smallest", "exact"):
-            raise ValueError(f"downstream catch-up must be 'smallest' or 'exact', got {catchup!r}")
+        self.density = check_density(density)
+        check_catchup(catchup)
         check_max_copies(max_copies)
         self.codec, self.compressor, self.seed, self.init = codec, compressor, seed, init
         self.model: FlatModel | None = None  # B_v: every tensor
@@ -202,20 +182,12 @@ class Downstream:
         return self.nodes.version
 
     @classmethod
-    def for_run(cls, codec: CodecConfig, compressor: str | None, **options) -> Downstream | None:
-        """The sender for run setting ``downstream`` = ``compressor`` (None or "none": dense, no
-        sender); ``options``: the constructor's keyword arguments.
-
-        Raises
-        ------
-        ValueError
-            ``compressor`` is not a codec name.
-        """
-        if compressor in (None, "none"):
+    def for_run(cls, codec: CodecConfig, download: Download) -> Downstream | None:
+        """The sender of ``download`` (None for a dense download: ``download.codec`` "none")."""
+        if not download.compressed:
             return None
-        if compressor not in available_compressors():
-            raise ValueError(f"downstream must be 'none' or one of {available_compressors()}, got {compressor!r}")
-        return cls(codec, compressor, **options)
+        return cls(codec, download.codec, init=download.init, catchup=download.catchup,
+                   max_copies=download.max_copies, density=download.density, correction=download.correction)
 
     @property
     def history(self) -> dict[int, np.ndarray]:
@@ -241,9 +213,9 @@ class Downstream:
         """The compressed part of ``model`` (a float32 copy)."""
         return gather(model, self.lossy_keys)
 
-    def _settle(self, vec: np.ndarray) -> np.ndarray:
+    def _round_to_dtypes(self, vec: np.ndarray) -> np.ndarray:
         """Round a compressed-part vector to the tensors' dtypes (fp16/bf16), as the client's copy is."""
-        return settle(self.model, self.lossy_keys, vec)
+        return round_to_dtypes(self.model, self.lossy_keys, vec)
 
     def _decode(self, payload: bytes) -> np.ndarray:
         return decode_step(payload, self.sizes)
@@ -321,7 +293,7 @@ class Downstream:
         else:
             b = self.nodes.versions[self.version]
             payload = self._compress(self._lossy(target) - b, server_round)
-            b = self._settle(b + self._decode(payload))
+            b = self._round_to_dtypes(b + self._decode(payload))
             self.nodes.add_version(b, payload)
             scatter(self.model, self.lossy_keys, b)
             for k in self.exempt_keys:
@@ -418,7 +390,7 @@ class Downstream:
         first = self.nodes.versions[1]
         payload = self._compress(first, server_round, compressor=codec)
         # in the flat's dtype (float64 for a float64 model), as the client adds the start to its zeros
-        b1 = self._settle(self._decode(payload).astype(first.dtype))
+        b1 = self._round_to_dtypes(self._decode(payload).astype(first.dtype))
         if len(payload) >= self.model.dense_bytes:
             return  # nothing to gain: new nodes get the model dense
         self._start = [payload]
@@ -432,7 +404,7 @@ class Downstream:
             return None
         try:
             vals = self.init.values({k: target.specs[k].shape for k in self.lossy_keys})
-            vec = self._settle(np.concatenate([vals[k].reshape(-1) for k in self.lossy_keys])
+            vec = self._round_to_dtypes(np.concatenate([vals[k].reshape(-1) for k in self.lossy_keys])
                                if self.lossy_keys else np.zeros(0, np.float32))
         except (KeyError, ValueError) as exc:
             log(WARNING, "fedcomp downstream: the seeded init does not describe this model (%s); new clients "
@@ -463,7 +435,7 @@ class Downstream:
         n = rest.size
         density = nnz / n if round(nnz / n * n) == nnz else 1.0
         payload = get_compressor("topk", density=density).compress(torch.from_numpy(rest))
-        return self._settle(vec + self._decode(payload).astype(vec.dtype)), [payload]
+        return self._round_to_dtypes(vec + self._decode(payload).astype(vec.dtype)), [payload]
 
     def settings(self) -> dict:
         """What the download resolved to, every ``"auto"`` replaced (for a run's record): ``codec``,
@@ -492,7 +464,7 @@ class Downstream:
         forgotten: its next message is a first contact, which replaces its copy whatever it held (a counted
         re-synchronisation, `resynced`). Returns whether the node's copy is known now."""
         verify = None if digest is None else lambda: self.copy_digest(node) == digest
-        known = self.nodes.commit(node, lambda base, diff: self._settle(base + self._decode(diff)), verify)
+        known = self.nodes.commit(node, lambda base, diff: self._round_to_dtypes(base + self._decode(diff)), verify)
         if not known and digest is not None:
             self.resynced.append(node)
         return known

@@ -52,6 +52,7 @@ from fedcomp.protocol.messages import (
     SECAGG_SEED_KEY,
 )
 from fedcomp.secagg.encoding import SharedProjection, round_seed
+from fedcomp.strategies.privacy_budget import over_budget
 from fedcomp.strategies.round_metrics import reported_number
 
 
@@ -241,22 +242,17 @@ class SharedRandomKStrategy(Strategy):
     def _over_budget(self, server_round: int) -> bool:
         """True (and `stopped_reason` set, logged once) if releasing ``server_round`` could
         raise epsilon above `max_epsilon`."""
-        if self.stopped_reason:
-            return True
-        if self.max_epsilon is None:
-            return False
+        if self.stopped_reason or self.max_epsilon is None:
+            return bool(self.stopped_reason)
+        nxt = None
         if self.client_dp is not None:
             nxt = self.client_dp.epsilon(self.client_dp.rounds + 1)
         elif self.distributed_dp is not None:
             nxt = self.distributed_dp.epsilon_after(self._proj.k)
-        else:
-            return False
-        if nxt <= self.max_epsilon:
-            return False
-        self.stopped_reason = (f"privacy budget: round {server_round} would raise epsilon to about {nxt:.3g} > "
-                               f"max-epsilon {self.max_epsilon:g}; no further rounds are run")
-        log(WARNING, "fedcomp secagg: %s", self.stopped_reason)
-        return True
+        self.stopped_reason = over_budget(server_round, nxt, self.max_epsilon)
+        if self.stopped_reason:
+            log(WARNING, "fedcomp secagg: %s", self.stopped_reason)
+        return bool(self.stopped_reason)
 
     def aggregate_fit(self, server_round: int, results: list[tuple[ClientProxy, FitRes]],
                       failures) -> tuple[Parameters | None, dict[str, Scalar]]:

@@ -10,9 +10,13 @@ ids) and ``LegacyCompressedStrategy`` (``ClientProxy.cid``).
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
+from flwr.app import Message
+
+from fedcomp.compression import PayloadError
+from fedcomp.protocol.round_hooks import Refusal, RoundHook
 
 T = TypeVar("T")
 
@@ -72,6 +76,21 @@ def printable_id(message_id: object, limit: int = 80) -> str:
     return ascii(str(message_id)[:limit])
 
 
+def check_weight(n: object, key: str, max_weight: int) -> float:
+    """A reply's claimed weight ``n`` (its ``key``, e.g. ``num-examples``) as a float, if it is an integer
+    in [1, ``max_weight``]: one client cannot dictate or poison a weighted mean.
+
+    Raises
+    ------
+    PayloadError
+        ``n`` is a bool, not a finite number, not an integer, below 1 or above ``max_weight``.
+    """
+    if (isinstance(n, bool) or not isinstance(n, (int, float, np.integer, np.floating)) or not np.isfinite(n)
+            or n < 1 or n != int(n) or n > max_weight):
+        raise PayloadError(f"'{key}' must be an integer in [1, {max_weight}], got {n!r}")
+    return float(n)
+
+
 def check_max_num_examples(value) -> int:
     """``max_num_examples`` as an int >= 1 (a finite integer); ``ValueError`` naming it otherwise (0
     would reject every reply, inf raised ``OverflowError``, NaN anything)."""
@@ -83,4 +102,41 @@ def check_max_num_examples(value) -> int:
     return int(value)
 
 
-__all__ = ["admit", "check_max_num_examples"]
+class Admission(RoundHook):
+    """Which train replies `fedcomp.strategies.CompressedStrategy` counts at all: one node, one vote
+    (`admit`), the largest weight a reply may claim, and whether plain dense replies are accepted.
+
+    Parameters
+    ----------
+    max_num_examples : int
+        Largest ``num-examples`` (the inner strategy's weighting key) a reply may claim; replies with a
+        non-integer, non-finite, < 1 or larger weight are refused, so that one client cannot dictate or
+        poison the weighted mean. Default 10**9.
+    require_compression : bool
+        Refuse dense replies (plain weights from a client without ``compression_mod``). Default False: a
+        mixed fleet works, each dense reply validated like a payload and counted under
+        ``upload-bytes-dense`` (dense replies are refused anyway under local DP, EF21 and a compressed
+        download: `fold_policy.dense_refusal`).
+
+    Raises
+    ------
+    ValueError
+        ``max_num_examples`` not an integer >= 1, ``require_compression`` not a bool.
+    """
+
+    def __init__(self, max_num_examples: int = 10**9, require_compression: bool = False) -> None:
+        self.max_num_examples = check_max_num_examples(max_num_examples)
+        if not isinstance(require_compression, bool):
+            raise ValueError(f"require_compression must be True or False, got {require_compression!r}")
+        self.require_compression = require_compression
+
+    def admit(self, server_round: int, replies: list[Message], sent: Any) -> list[Refusal]:
+        """Refuse strangers, duplicates and replies to a message this round did not send (`admit`);
+        what each reply answers is checked once the round's messages have their ids (a grid pushed them)."""
+        pushed = sent.messages and all(m.metadata.message_id for m in sent.messages)
+        _, refused = admit(replies, lambda r: r.metadata.src_node_id, sent.nodes,
+                           lambda r: r.metadata.reply_to_message_id, sent.sent_to() if pushed else None)
+        return [Refusal(reply, why) for reply, why in refused]
+
+
+__all__ = ["Admission", "admit", "check_max_num_examples", "check_weight"]

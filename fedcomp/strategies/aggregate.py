@@ -10,7 +10,7 @@
   FedAvg family), `ClippedFold` (client-level DP: clip each decoded update, unweighted
   sum), `DenseFold` (every reply rebuilt as dense weights, for any other strategy).
 - `in_model_dtypes` turns the aggregate back into the model's dtypes and shapes.
-- `streams` says which inner strategies aggregate by a weighted mean of the clients'
+- `averages_by_weight` says which inner strategies aggregate by a weighted mean of the clients'
   weights (Flower's FedAvg family), so that one pre-aggregated reply gives them the same result;
   every other strategy gets every client's dense weights (`dense_memory_note` says what
   that costs).
@@ -54,7 +54,7 @@ CHUNK = 1 << 18
 _WEIGHTED_MEAN = (FedAvg, FedAvgM, FedAdam, FedYogi, FedAdagrad, FedProx)
 
 
-def streams(inner: Any) -> bool:
+def averages_by_weight(inner: Any) -> bool:
     """True if ``inner`` aggregates by a weighted mean of the replies' arrays (then one pre-aggregated
     reply with the total weight gives it the same result).
 
@@ -422,4 +422,4 @@ def in_model_dtypes(arrays: ArrayRecord, model: FlatModel, exact: dict[str, np.n
 
 
 __all__ = ["CHUNK", "ClippedFold", "DenseFold", "ExactVotes", "Fold", "FoldResult", "MeanFold", "RunningSum",
-           "dense_memory_note", "identity_on_one_reply", "in_model_dtypes", "streams"]
+           "dense_memory_note", "identity_on_one_reply", "in_model_dtypes", "averages_by_weight"]

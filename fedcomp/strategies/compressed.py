@@ -15,254 +15,126 @@ from flwr.serverapp.strategy import Strategy
 
 from fedcomp.config import CodecConfig
 from fedcomp.config.codec import BATCHNORM_STATS_CODEC
-from fedcomp.privacy import ClientLevelDP, LocalDP
 from fedcomp.download.layout import VAR_FLOOR
-from fedcomp.download.seeded_init import SeededInit
+from fedcomp.download.options import Download
+from fedcomp.protocol.round_hooks import Refusal
 from fedcomp.statedict import FlatModel
 from fedcomp.statedict.tied import find_tied
-from fedcomp.strategies.admission import admit, check_max_num_examples
-from fedcomp.strategies.aggregate import streams
-from fedcomp.strategies.codec_round import add_codec, check_feedback_under_dp, check_model
-from fedcomp.download.correction import check_correction, correction_refusal
-from fedcomp.download.round_hook import DownloadHook
-from fedcomp.download.sender import Downstream, check_max_copies
-from fedcomp.strategies.ef21_aggregate import EF21Aggregate
+from fedcomp.strategies.admission import Admission
+from fedcomp.strategies.codec_round import add_codec, check_model
+from fedcomp.strategies.composition import CONCERN_SETTINGS, check_codec_params, compose
 from fedcomp.strategies.fold_policy import FoldPolicy, dense_refusal
 from fedcomp.strategies.forward import ForwardsToInner
 from fedcomp.strategies.handover import hand_over, weight_key
-from fedcomp.strategies.presets import apply_preset, library_codec_params, library_downstream
-from fedcomp.strategies.privacy_budget import PoissonSampling, PrivacyBudget
+from fedcomp.strategies.presets import apply_preset, library_codec_params
+from fedcomp.strategies.privacy_budget import PoissonSampling, Privacy
 from fedcomp.strategies.replies import RoundReplies, evaluate_replies, fold_replies, note_failures
-from fedcomp.strategies.round_history import RoundHistory, SentRound
+from fedcomp.strategies.round_history import HistoryViews, RoundHistory, SentRound
 from fedcomp.strategies.round_metrics import HEADLINE_KEYS, common_metric_keys, headline, layers_mean, round_metrics
 from fedcomp.strategies.wire_bytes import WireCount
 from fedcomp.strategies.wrapping import load_optimizer_state, optimizer_state
 
-
-def _history(name: str) -> property:
-    """A read-only view of one of `RoundHistory`'s dicts under its public name."""
-    return property(lambda self: getattr(self.rounds, name), doc=f"``RoundHistory.{name}`` (round -> figures).")
-
-
-def _budget(name: str, doc: str) -> property:
-    """A read-only view of one of `PrivacyBudget`'s settings."""
-    return property(lambda self: getattr(self.budget, name), doc=doc)
+def _setting(concern: str, name: str, doc: str) -> property:
+    """A setting of one of the concerns, read and written on the concern's object."""
+    return property(lambda self: getattr(getattr(self, concern), name),
+                    lambda self, value: setattr(getattr(self, concern), name, value), doc=doc)
 
 
-class CompressedStrategy(ForwardsToInner, Strategy):
-    """Wrap any Message-API strategy so that clients send compressed updates.
+def _concern(name: str, doc: str) -> property:
+    """One of the concerns (read-only: the hooks hold it; a new one needs a new strategy)."""
+    return property(lambda self: getattr(self._concerns, name), doc=doc)
 
-    Like Flower's DP wrappers, it adds one concern (the codec) and delegates the rest. The other
-    concerns it carries are objects of their own, called in named steps: the privacy budget and
-    Poisson sampling (`privacy_budget`), the downstream sender (`fedcomp.download.sender`),
-    EF21's server estimate (`ef21_aggregate`) and the per-round figures
-    (`round_history`). A round:
 
-    1. ``configure_train``: adds the codec (``compressor``, ``density``, ``levels``,
-       ``block-size``, ``value-dtype``, ``error-feedback``, ``residual-dtype``) to the train
-       ConfigRecord and remembers the global weights sent in that round.
-    2. ``aggregate_train``: decodes every reply produced by
-       [`fedcomp.client.compression_mod`][] (validated: keys, shape, size, dtype,
-       finiteness after the cast to the model's dtype) in node-id order and folds it into one
-       running sum (`fedcomp.strategies.aggregate`; sparse payloads by scatter-add of
-       their k entries) when ``inner`` aggregates by a weighted mean (FedAvg, FedProx,
-       FedAvgM, FedAdam, FedYogi, FedAdagrad) or with ``client_dp``; ``inner`` then gets one
-       pre-aggregated reply with the total weight, which gives it the same result. Other
-       inner strategies get every reply as dense weights (the log says once what that
-       costs). Integer/bool tensors are aggregated by `fedcomp.statedict.integer_mean`
-       / `bool_majority` whatever ``inner`` does, and every tensor
-       comes back in its own dtype and shape. A reply that fails to decode is logged with
-       its node id and reason and dropped before it touches the sum (``rejected-replies``);
-       error replies are counted (``failed-clients``). The global model never sees either.
-    3. Keeps the round's metrics in ``history[server_round]``
-       (`round_metrics.round_metrics`): ``upload-bytes`` (payload bytes received),
-       ``dense-bytes``, ``compression-ratio`` (dense / upload), ``compression-error`` and
-       ``residual-norm`` (means over clients), ``download-bytes``, ``num-replies``,
-       ``rejected-replies``, ``failed-clients``, ``upload-bytes-<codec>`` per codec, and
-       ``round-seconds-simulated`` at the link speeds each client declared
-       (`round_metrics.client_seconds`); per client in ``client_history``. Client-reported
-       numbers are untrusted: non-numbers and non-finite values count as 0. The MetricRecord
-       returned to Flower (its per-round log line and ``Result``) holds the inner strategy's
-       average of the app's own client metrics (``compression_mod``'s report,
-       `fedcomp.protocol.messages.REPORT_KEYS`, is left out of it) and the headline figures
-       `round_metrics.HEADLINE_KEYS`, which are the wrapper's own: a client metric under one of
-       those names (e.g. DP-SGD clients' ``epsilon``) is not averaged into Flower's record.
+class CompressedStrategy(HistoryViews, ForwardsToInner, Strategy):
+    """Wrap any Message-API strategy so that clients send compressed updates, and the model travels
+    compressed both ways.
+
+    Like Flower's DP wrappers, it adds one concern, the codec, and delegates the rest: it decodes each
+    reply produced by [`fedcomp.client.compression_mod`][] (validated before it touches the aggregate),
+    folds it into one running sum (O(model) memory for any number of clients) where ``inner`` aggregates
+    by a weighted mean, and hands ``inner`` one pre-aggregated reply, which gives it the same result;
+    other inner strategies get every reply as dense weights. The other concerns are objects of their
+    own, called as round hooks (`fedcomp.protocol.round_hooks`) in the order `composition` gives:
+    admission, privacy, Poisson sampling, the download (`fedcomp.download`), EF21. The round's figures
+    are kept in ``history[round]`` and the other histories (`round_history`; the keys are listed in
+    the metrics reference); Flower's MetricRecord holds the inner strategy's average of the app's own
+    client metrics and the headline figures (`round_metrics.HEADLINE_KEYS`).
 
     Parameters
     ----------
     inner : Strategy
-        Any Message-API strategy: FedAvg, FedAdam, FedProx, Flower's DP wrappers, ...
-        It only ever receives dense, validated replies.
+        Any Message-API strategy: FedAvg, FedAdam, FedProx, Flower's DP wrappers, ... It only ever
+        receives dense, validated replies.
     compressor : str
-        Codec name (see `fedcomp.compression.available_compressors`). Default (None) "stc".
+        Codec name (`fedcomp.compression.available_compressors`). Default (None) "stc".
     error_feedback : bool or "ef21"
         Clients keep a residual (Karimireddy et al. 2019). Default True. "ef21": clients send
-        ``C(update - h_i)`` and the server applies its estimate ``h`` (`ef21`; Richtárik et
-        al. 2021); needs a weighted-mean inner strategy, no ``client_dp``.
-    max_num_examples : int
-        Largest ``num-examples`` (the inner strategy's weighting key) a reply may claim;
-        replies with a non-integer, non-finite, < 1 or larger weight are rejected, so that
-        one client cannot dictate or poison the weighted mean. Default 10**9.
-    client_dp : ClientLevelDP, optional
-        Client-level DP-FedAvg on the decoded updates (clip each, sum / clients sampled, Gaussian
-        noise); replaces the inner strategy's averaging and reports ``epsilon`` per round.
-    local_dp : LocalDP, optional
-        Ask clients to clip and noise their update before compression (sent in the train config).
-    max_epsilon : float, optional
-        Stop sending rounds before one would push any client's epsilon (client-level, or the
-        ``epsilon`` clients report with DP-SGD) past this value.
-    downstream : str, optional
-        The server-to-client codec ("fp16", "stc", ...; None or "none": dense). ``"auto"``
-        (default): int8 with server-side error feedback for any compressed upload, dense for
-        ``compressor = "none"``, under ``local_dp`` and for inner strategies that need every
-        client's weights (`presets.library_downstream`). Clients that hold
-        the previous broadcast get ``C(global - broadcast)`` (server-side error feedback); a client
-        that holds nothing gets the first contact ``downstream_init`` says; clients that missed
-        rounds get the missed payloads or a compressed difference from the copy they hold,
-        whichever is smaller (`fedcomp.download.sender`). Evaluate messages
-        travel the same way. Needs ``compression_mod`` on every client (it rebuilds and keeps the
-        model copy); a client without it cannot read the download: pass ``"none"`` for a fleet
-        that mixes plain clients in.
-    client_sampling : float, optional
-        Poisson client sampling: the inner strategy should select every node (fraction 1.0);
-        each is then kept independently with this probability q, per round. Needed for
-        privacy amplification by sampling in client-level DP (``ClientLevelDP(sample_rate=q)``).
-    seed : int, optional
-        Seed of the Poisson sampling (tests only). Default None: OS entropy, as amplification by
-        sampling needs a sample nobody can predict (the ServerApp never passes the run seed).
+        ``C(update - h_i)`` and the server applies its estimate ``h`` (Richtárik et al. 2021;
+        `ef21_aggregate`).
+    downstream : Download or str or None
+        The download (`fedcomp.download.Download`; a string is its codec, None or "none" dense).
+        Default "auto": int8 with server-side error feedback, dense for ``compressor="none"``, under
+        local DP and for inner strategies that need every client's weights. Evaluate messages travel
+        the same way. Needs ``compression_mod`` on every client.
+    privacy : Privacy, optional
+        Client-level DP, local DP and the epsilon budget (`privacy_budget.Privacy`). Default: none.
+    sampling : PoissonSampling, optional
+        Poisson client sampling (`privacy_budget.PoissonSampling`; the inner strategy should select
+        every node): privacy amplification by sampling for client-level DP.
+    admission : Admission, optional
+        Which replies count (`admission.Admission`: one node, one vote; the largest ``num-examples``
+        a reply may claim, default 10**9; whether dense replies are refused, default not).
     aggregation : {"auto", "dense"}
-        "auto" (default): fold into one running sum where step 2 says (server memory O(model) for
-        any number of clients; sparse payloads in O(k)), else each client's dense weights.
-        "dense": always the latter (for checks).
-    downstream_init : SeededInit or str
-        With ``downstream``: what a client that holds nothing gets first. ``"auto"`` (default): a
-        seeded start for LoRA adapters at peft's initialisation (the strategy draws ``lora_A`` from a
-        seed; clients build the adapters from it), else the initial model compressed with ``int8``
-        (one start payload for every client; error feedback carries the rest). ``"seeded"``: every
-        float tensor drawn from a seed with its mean and variance (models trained from scratch only:
-        `fedcomp.download.seeded_init.seeded_like`). A codec name: a compressed start with it.
-        ``"dense"``: the model dense. A `SeededInit` (`fedcomp.download.seeded_init.lora_init`):
-        the initial model is that seed's, and clients build it themselves.
-    downstream_density : float, optional
-        Density of a sparse downstream codec (default: ``density``, the upload's).
-    downstream_catchup : {"smallest", "exact"}
-        What clients that missed rounds get: the smaller of the missed payloads and a per-client
-        compressed diff (default), or the missed payloads whenever they exist ("exact": every client
-        trains from a broadcast version; steadier with sparse downstream codecs such as STC).
-    downstream_max_copies : float or None
-        With ``downstream``: most model copies the server keeps for nodes (older versions, per-node
-        catch-up copies, payloads); past it statistics copies are dropped, then nodes forgotten (and
-        treated as new) in the order that forgets fewest (`node_copies.NodeCopies.evict`).
-        Default None: 8, or as many as 256 MiB holds when that is more (a small model keeps every
-        node's copy; `node_copies.NodeCopies.copy_budget`).
-    downstream_correction : float
-        With ``downstream``: fold each client's update as ``delta_i - c (G - H_i)``, where ``H_i`` is
-        the copy of the global model ``G`` it trained from (local training re-learns much of what the
-        compressed download left out; counted again on top of ``G``, it overshoots:
-        `fedcomp.download.correction`). ``c`` in [0, 1], default 0; 1 measured best with AdamW on the
-        clients and STC downward (fedcomp's app sets it so). Weighted-mean rounds only: ``c > 0``
-        without ``downstream``, with client-level DP, EF21, or an inner strategy that needs every
-        client's weights is refused (ValueError).
-    require_compression : bool
-        Refuse dense replies (plain weights from a client without ``compression_mod``). Default
-        False: a mixed fleet works, each dense reply is validated like a payload (the model's keys,
-        shapes and dtypes; finite) and counted as an uncompressed update at its real bytes under
-        ``upload-bytes-dense``. Dense replies are always refused under local DP, EF21 and
-        ``downstream`` (the node was sent a compressed copy, not the global weights).
+        "auto" (default): fold into one running sum where ``inner`` allows; "dense": every reply as
+        dense weights (for checks).
     preset : {"lora"}, optional
-        Sets ``compressor``, ``error_feedback``, ``downstream``, ``downstream_init`` and
-        ``downstream_catchup`` at once (`presets`): ``"lora"`` is sign with error feedback both
-        ways and the seeded start of peft adapters, for FlowerTune-style apps. Passing one of those
-        arguments with another value as well is refused.
+        Sets ``compressor``, ``error_feedback`` and ``downstream`` at once (`presets`): sign with error
+        feedback both ways and the seeded start of peft adapters. Passing one of those with another
+        value as well is refused.
     **params
-        Codec parameters by their Python or run-config names: ``density``, ``levels``,
-        ``block_size``, ``value_dtype``, ``residual_dtype``, ``batchnorm_stats``, ... Where one is not
-        given the run-config key's default applies, except ``batchnorm_stats``: ``"small"`` (BatchNorm's
-        running statistics exact both ways; `presets.LIBRARY_CODEC_DEFAULTS`), where the
-        reference app's run config says ``"auto"`` (their change as a scaled sign).
+        Codec parameters by their Python or run-config names: ``density``, ``levels``, ``block_size``,
+        ``value_dtype``, ``residual_dtype``, ``batchnorm_stats`` (default ``"small"``: BatchNorm's
+        running statistics exact both ways, `presets.LIBRARY_CODEC_DEFAULTS`), ...
 
     Raises
     ------
     ValueError
-        Unknown codec or a parameter out of range (at construction): among them ``max_epsilon``
-        that is not a finite number > 0 and ``max_num_examples`` that is not an integer >= 1.
+        Unknown codec, a parameter out of range, or concerns that cannot apply together (`composition`).
+    TypeError
+        ``inner`` or a concern of the wrong type.
     AttributeError
-        Setting a public attribute that neither this wrapper nor the inner strategy has (reads and
-        writes of the inner strategy's settings are forwarded to it: `forward`).
-
-    Notes
-    -----
-    One node, one vote: in ``aggregate_train`` a second reply from a node, and a reply from a node
-    that ``configure_train`` did not send a message to, are refused and counted in
-    ``rejected-replies`` (`admission`). Under ``local_dp`` the server keeps its own
-    integer/bool tensors whatever a reply holds. Client-reported metrics are clamped to ±1e100.
+        Setting a public attribute that neither this wrapper nor the inner strategy has (settings of
+        the inner strategy are forwarded to it: `forward`).
     """
 
-    def __init__(self, inner: Strategy, compressor: str | None = None, error_feedback: bool = True,
-                 max_num_examples: int = 10**9, client_dp: ClientLevelDP | None = None,
-                 local_dp: LocalDP | None = None, max_epsilon: float | None = None, downstream: str | None = "auto",
-                 client_sampling: float | None = None, seed: int | None = None, aggregation: str = "auto",
-                 downstream_init: SeededInit | str | None = "auto", require_compression: bool = False,
-                 downstream_catchup: str = "smallest", downstream_max_copies: float | None = None,
-                 downstream_density: float | None = None, downstream_correction: float = 0.0,
-                 preset: str | None = None, **params) -> None:
-        if preset is not None:  # one argument for the codecs both ways (strategies/presets.py)
-            given = {"compressor": compressor, "error_feedback": error_feedback, "downstream": downstream,
-                     "downstream_init": downstream_init, "downstream_catchup": downstream_catchup}
-            given = apply_preset(preset, given, _DEFAULTS)
-            compressor, error_feedback, downstream = given["compressor"], given["error_feedback"], given["downstream"]
-            downstream_init, downstream_catchup = given["downstream_init"], given["downstream_catchup"]
-        compressor = "stc" if compressor is None else compressor  # None: the default, "stc" (a preset may set it)
-        if downstream == "auto":  # both ways by default (`presets.library_downstream`)
-            downstream, downstream_density = library_downstream(compressor, downstream_density, local_dp, inner)
-        if aggregation not in ("auto", "dense"):
-            raise ValueError(f"aggregation must be 'auto' or 'dense', got {aggregation!r}")
-        if not isinstance(inner, Strategy):
-            raise TypeError(f"inner must be a flwr.serverapp.strategy.Strategy, got {type(inner).__name__}")
+    _SETTING_HINTS = CONCERN_SETTINGS
+
+    def __init__(self, inner: Strategy, compressor: str | None = None, error_feedback: bool | str = True, *,
+                 downstream: Download | str | None = "auto", privacy: Privacy | None = None,
+                 sampling: PoissonSampling | None = None, admission: Admission | None = None,
+                 aggregation: str = "auto", preset: str | None = None, **params) -> None:
+        check_codec_params(params)
+        given = apply_preset(preset, {"compressor": compressor, "error_feedback": error_feedback,
+                                      "downstream": Download.of(downstream)}, _DEFAULTS)
+        compressor = "stc" if given["compressor"] is None else given["compressor"]
         self.inner = inner
         #: The concern this wrapper adds: the codec clients are asked for (``params``: its options).
-        self.codec = CodecConfig.from_kwargs(compressor, error_feedback, **library_codec_params(params))
-        try:
-            check_feedback_under_dp(self.codec, inner)
-        except ValueError as err:
-            raise ValueError(f"preset {preset!r} keeps error feedback: {err}" if preset else str(err)) from None
-        self.max_num_examples = check_max_num_examples(max_num_examples)
-        if not isinstance(require_compression, bool):
-            raise ValueError(f"require_compression must be True or False, got {require_compression!r}")
-        self.require_compression = require_compression
+        self.codec = CodecConfig.from_kwargs(compressor, given["error_feedback"], **library_codec_params(params))
+        self._concerns = compose(inner, self.codec, given["downstream"], privacy, sampling, admission, aggregation,
+                                 preset)
         self.aggregation = aggregation
         self.folding = FoldPolicy(inner, aggregation)
-        # -- the concerns it carries, each an object of its own --------------------------
-        self.budget = PrivacyBudget(client_dp, local_dp, max_epsilon)
-        self.sampling = None if client_sampling is None else PoissonSampling(client_sampling, seed)
-        self.ef21 = (EF21Aggregate.for_strategy(inner, client_dp, aggregation)
-                     if self.codec.error_feedback == "ef21" else None)
-        why = correction_refusal(check_correction(downstream_correction), downstream not in (None, "none"),
-                                 client_dp is not None, self.ef21 is not None, streams(inner), aggregation == "dense")
-        if why:
-            raise ValueError(f"downstream_correction = {downstream_correction!r} cannot apply: {why}")
-        check_max_copies(downstream_max_copies)  # also without a downstream codec: a bad value is named, not ignored
-        self.downstream = Downstream.for_run(self.codec, downstream, init=downstream_init, catchup=downstream_catchup,
-                                             max_copies=downstream_max_copies, density=downstream_density,
-                                             correction=downstream_correction)
-        #: The concerns that see each message and reply of a round (`round_hooks`), in calling order.
-        self.hooks = [] if self.downstream is None else [DownloadHook(self.downstream, correct=self.ef21 is None)]
         self.rounds = RoundHistory()
         #: The serialised bytes of every message both ways, and their fp32 equivalent (`wire_bytes`).
         self.wire = WireCount()
-        #: The dense global model of the current round (what a plain app's messages would carry).
-        self._round_arrays: ArrayRecord | None = None
-        # -- what a round leaves for the next call ----------------------------------------
-        #: The global model sent in the current round (set by `configure_train`).
+        #: The round's global model and train messages (set by `configure_train`), its evaluate messages.
         self.sent_round: SentRound | None = None
-        #: The evaluate messages of the current round (set by `configure_evaluate`).
+        self._round_arrays: ArrayRecord | None = None
         self._evaluate_sent: list[Message] = []
-        #: Rounding remainder of the integer rule per integer tensor, carried from round to round
-        #: (float64, entries in [-0.5, 0.5]; see `fedcomp.statedict.integer_mean`).
+        #: Carried rounding remainders: the integer rule's per integer tensor (float64, in [-0.5, 0.5];
+        #: `fedcomp.statedict.integer_mean`) and each fp16/bf16 tensor's (float32, at most half an ulp;
+        #: `fedcomp.statedict.cast_carried`: updates below half an ulp still move a half-precision model).
         self.int_remainders: dict[str, np.ndarray] = {}
-        #: Rounding remainder of each fp16/bf16 float tensor, carried from round to round (float32,
-        #: ``|r| <=`` half an ulp; see `fedcomp.statedict.cast_carried`): updates below half an
-        #: ulp still move a half-precision model.
         self.half_remainders: dict[str, np.ndarray] = {}
         #: Names holding one tensor, tied in every aggregate (None: found in the first global model; [] ties none).
         self.tied_groups: list[tuple[str, ...]] | None = None
@@ -275,19 +147,20 @@ class CompressedStrategy(ForwardsToInner, Strategy):
         params = {k.replace("-", "_"): v for k, v in codec.to_mapping().items()}
         return cls(inner, **params, **options)
 
-    # -- the per-round figures, kept by the history ---------------------------------------
-    history = _history("train")
-    client_history = _history("clients")
-    layer_history = _history("layers")
-    failure_history = _history("failures")
-    evaluate_history = _history("evaluate")
-    evaluate_failure_history = _history("evaluate_failures")
-
-    # -- the privacy settings, kept by the budget ----------------------------------------
-    client_dp = _budget("client_dp", "Client-level DP-FedAvg (None: the inner strategy aggregates).")
-    local_dp = _budget("local_dp", "Local DP settings sent to clients (None: none).")
-    max_epsilon = _budget("max_epsilon", "The privacy budget (None: none).")
-    stopped_reason = _budget("stopped_reason", 'Why no further rounds are run ("" while rounds go on).')
+    # -- the concerns, and their settings where users look for them -------------------------
+    admission = _concern("admission", "Which replies count (`admission.Admission`).")
+    privacy = _concern("privacy", "DP and the epsilon budget (`privacy_budget.Privacy`).")
+    sampling = _concern("sampling", "Poisson client sampling (None: the inner strategy's sample is kept).")
+    download = _concern("download", "The download as resolved (`fedcomp.download.Download`).")
+    downstream = _concern("downstream", "The download's sender (None: the model travels dense).")
+    ef21 = _concern("ef21", "EF21's server estimate (None: no EF21).")
+    hooks = _concern("hooks", "The concerns that see each message and reply of a round, in calling order.")
+    client_dp = _setting("privacy", "client_dp", "Client-level DP-FedAvg (None: the inner strategy aggregates).")
+    local_dp = _setting("privacy", "local_dp", "Local DP settings sent to clients (None: none).")
+    max_epsilon = _setting("privacy", "max_epsilon", "The privacy budget (None: none).")
+    stopped_reason = _setting("privacy", "stopped_reason", 'Why no further rounds are run ("" while rounds go on).')
+    max_num_examples = _setting("admission", "max_num_examples", "Largest ``num-examples`` a reply may claim.")
+    require_compression = _setting("admission", "require_compression", "Whether dense replies are refused.")
 
     @property
     def poisson_rate(self) -> float | None:
@@ -322,47 +195,43 @@ class CompressedStrategy(ForwardsToInner, Strategy):
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
-        """Add the codec in force (and local-DP settings) to ``config``, remember ``arrays``, delegate,
-        then Poisson-sample the inner strategy's messages and let the downstream sender fill them.
-
-        Sends nothing (an empty round) once the privacy budget ``max_epsilon`` would be exceeded.
-        """
+        """Add the codec in force to ``config``, remember ``arrays``, delegate, then let each hook see the
+        messages (Poisson sampling keeps some; the download rewrites them). Sends nothing (an empty
+        round) once a hook says so (the privacy budget ``max_epsilon``)."""
         if server_round == 1:
             check_model(self.codec, arrays)
         self.history.setdefault(server_round, {})
         self.remember(server_round, FlatModel.from_record(arrays), nodes=set())
-        if self.budget.exhausted(server_round):
+        if not all(hook.configure(server_round, "train", config) for hook in self.hooks):
             return []
         add_codec(self.codec, server_round, config)
-        self.budget.train_config(config)
         msgs = list(self.inner.configure_train(server_round, arrays, config, grid))
-        self.sent_round.sampled = len(msgs)
-        if self.sampling is not None:
-            msgs, self.sent_round.sampled = self.sampling.sample(msgs)
-        self.sent_round.nodes = {m.metadata.dst_node_id for m in msgs}
-        self.sent_round.messages = msgs
+        sent = self.sent_round
+        sent.sampled = len(msgs)
         for hook in self.hooks:
-            hook.on_configure(server_round, arrays, msgs, "train")
+            msgs = hook.on_messages(server_round, "train", arrays, msgs, sent)
+        sent.nodes, sent.messages = {m.metadata.dst_node_id for m in msgs}, msgs
         self._round_arrays = arrays
         self.wire.sent(server_round, "train", msgs, arrays)
         return msgs
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                            grid: Grid) -> Iterable[Message]:
-        """Delegate; with ``downstream``, the evaluate messages ride the compressed download as train
-        messages do (`fedcomp.download.sender.Downstream.prepare`: each node gets the step or catch-up
-        that brings its copy to the round's model, never the model dense); their bytes are counted."""
-        self._evaluate_sent = list(self.inner.configure_evaluate(server_round, arrays, config, grid))
+        """Delegate; the evaluate messages ride the download as train messages do (each node gets the
+        step that brings its copy to the round's model); their bytes are counted."""
         for hook in self.hooks:
-            hook.on_configure(server_round, arrays, self._evaluate_sent, "evaluate")
-        self.wire.sent(server_round, "evaluate", self._evaluate_sent, arrays)
-        return self._evaluate_sent
+            hook.configure(server_round, "evaluate", config)
+        msgs = list(self.inner.configure_evaluate(server_round, arrays, config, grid))
+        for hook in self.hooks:
+            msgs = hook.on_messages(server_round, "evaluate", arrays, msgs)
+        self._evaluate_sent = msgs
+        self.wire.sent(server_round, "evaluate", msgs, arrays)
+        return msgs
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         """Delegate, one reply per node sent an evaluate message (`replies.evaluate_replies`); the
         result is also kept in ``evaluate_history[server_round]``, and clients that failed to evaluate
-        (error replies charged to their sender, sampled nodes that sent nothing) in
-        ``evaluate_failure_history`` (logged with the reason)."""
+        in ``evaluate_failure_history`` (logged with the reason)."""
         sent_to = {m.metadata.message_id: m.metadata.dst_node_id for m in self._evaluate_sent}
         replies = list(replies)
         self.wire.received(server_round, "evaluate", replies, None)
@@ -376,113 +245,82 @@ class CompressedStrategy(ForwardsToInner, Strategy):
             self.evaluate_history[server_round] = {**dict(metrics), "num-replies": float(ok)}
         return metrics
 
-    # -- aggregate: admit -> decode -> fold -> hand over -> record ----------------------------
+    # -- aggregate: admit -> decode and fold -> the hooks -> hand over -> record ----------------
     def aggregate_train(self, server_round: int,
                         replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Decode and validate every reply, fold it into the aggregate, hand the result to ``inner``.
 
-        Orchestration only: admit (`admission`, EF21's state check) -> decode, validate and fold
-        (`replies.fold_replies`, a policy of `aggregate`) -> the round's bookkeeping
-        (failures; the downstream's record of what each node holds, with the downstream correction,
-        `fedcomp.download.correction`, as each reply is committed; EF21's estimate) -> hand over
-        (`handover.hand_over`: the inner strategy, dtypes, the integer/bool rule) -> metrics
-        and the privacy accounting of the round.
+        Orchestration only: the hooks admit (one node, one vote; the copy digest; EF21's state) ->
+        decode, validate and fold in node-id order (`replies.fold_replies`, a fold of `aggregate`) ->
+        the round's failures, then each hook sees the folded replies (the download's record of what
+        each node holds, with its correction; EF21's estimate; the budget) -> hand over
+        (`handover.hand_over`: the inner strategy, dtypes, the integer/bool rule, tied names) -> the
+        round's metrics, each hook adding its own.
         """
         sent = self.sent_round
         if sent is None or sent.server_round != server_round:
             raise RuntimeError(f"aggregate_train for round {server_round} without configure_train")
         replies = list(replies)
         self.wire.received(server_round, "train", replies, self._round_arrays)
-        replies, refused, mismatched = self._admit(server_round, sent, replies)
+        replies, refused = self._admit(server_round, sent, replies)
         fold = self.folding.new_fold(sent.model, len(replies), self.client_dp, self.int_remainders)
         refuse_dense = dense_refusal(self.require_compression, self.local_dp, self.ef21, self.downstream)
-        got = fold_replies(server_round, replies, fold, sent.model, weight_key(self.inner), self.max_num_examples,
+        folded = fold_replies(server_round, replies, fold, sent.model, weight_key(self.inner), self.max_num_examples,
                            refuse_dense, keep_exact=self.local_dp is None)  # local DP: the server keeps its own
-        ef21_missing = self._bookkeeping(server_round, sent, replies, refused, mismatched, got)
-        common_metric_keys(got.metric_contents)
+        note_failures(server_round, sent.nodes, sent.sent_to(), replies, refused, folded, self.rounds.oom_seen)
+        self.failure_history[server_round] = folded.failures
+        for hook in self.hooks:
+            hook.on_replies(server_round, "train", replies, folded, sent)
+        common_metric_keys(folded.metric_contents)
         # BatchNorm statistics sent as a scaled sign ("auto"): a running variance falls at most to VAR_FLOOR
         signed = self.codec.for_round(server_round).batchnorm_stats_codec() == BATCHNORM_STATS_CODEC
-        var_floor = VAR_FLOOR if signed else 0.0
-        arrays, agg_metrics, dp_info = hand_over(self.inner, server_round, sent.model, got, sent.sampled,
-                                                   self.half_remainders, var_floor, self.tied_groups or ())
-        ours = self._record(server_round, sent, got, bool(replies), dp_info, ef21_missing)
+        arrays, agg_metrics, dp_info = hand_over(self.inner, server_round, sent.model, folded, sent.sampled,
+                                                 self.half_remainders, VAR_FLOOR if signed else 0.0,
+                                                 self.tied_groups or ())
+        figures = self._record(server_round, sent, folded, dp_info)
         # the headline names are the wrapper's: an average of client-reported values under one of them
         # (a client's own ``epsilon``, a planted ``epsilon-max``) never stands in for a figure it did not compute
         merged = {k: v for k, v in (agg_metrics or {}).items() if k not in HEADLINE_KEYS}
-        merged.update(headline(ours))  # the rest of the round's figures: self.history
+        merged.update(headline(figures))  # the rest of the round's figures: self.history
         return arrays, MetricRecord(merged)
 
-    def _admit(self, server_round: int, sent: SentRound, replies: list[Message]) -> tuple[list, list, list]:
-        """One node, one vote (duplicates, strangers and replies to a message this round did not send
-        refused, `admission`), then a fixed order
-        (by node id): float sums, and so runs, do not depend on arrival order; then EF21's check that
-        each node's ``h_i`` is the one the server's ``h`` holds. Returns (admitted, ``(reply, why)``
-        refused, ``(reply, failure record)`` refused by EF21).
+    def _admit(self, server_round: int, sent: SentRound, replies: list[Message]) -> tuple[list, list[Refusal]]:
+        """Each hook's refusals among the replies the previous hooks admitted (logged, unless a named
+        failure), then a fixed order (by node id): float sums, and so runs, do not depend on arrival
+        order. Returns (error replies + admitted replies, refusals).
 
         Error replies carry no update (no vote) and count as failed clients with their reason: Flower
         answers a task it lost (e.g. a ClientApp the OOM killer took) from the SuperLink's node id,
         which the stranger check would misreport as a reply "not sent a message this round".
         """
         errors = [r for r in replies if r.has_error()]
-        # what each reply answers is checked once the round's messages have their ids (a grid pushed them)
-        sent_to = sent.sent_to() if sent.messages and all(m.metadata.message_id for m in sent.messages) else None
-        replies, refused = admit([r for r in replies if not r.has_error()], lambda r: r.metadata.src_node_id,
-                                 sent.nodes, lambda r: r.metadata.reply_to_message_id, sent_to)
-        for hook in self.hooks:  # the download: a node sent a compressed copy reports the copy it holds
-            out = hook.admit(server_round, replies)
-            refused += out
-            replies = [r for r in replies if not any(r is u for u, _ in out)]
-        for reply, why in refused:
-            log(WARNING, "round %s: rejected reply from node %s: %s", server_round, reply.metadata.src_node_id, why)
-        replies = errors + sorted(replies, key=lambda r: r.metadata.src_node_id)
-        mismatched = []
-        if self.ef21 is not None:
-            replies, mismatched = self.ef21.check_replies(server_round, replies)
-        return replies, refused, mismatched
-
-    def _bookkeeping(self, server_round: int, sent: SentRound, replies: list[Message], refused: list,
-                     mismatched: list, got: RoundReplies) -> int | None:
-        """Name the round's failed clients, tell the downstream sender who replied (which, with a
-        downstream correction, folds each reply's ``c * w * (H_i - G)`` into ``got.fold``), fold the sends
-        into EF21's estimate and let the budget see refusals; returns EF21's count of missing clients."""
-        got.failures.extend(failure for _, failure in mismatched)  # EF21: a named failure each
-        note_failures(server_round, sent.nodes, sent.sent_to(), replies, [r for r, _ in refused + mismatched], got,
-                      self.rounds.oom_seen)
-        self.failure_history[server_round] = got.failures
-        got.rejected += len(refused)
-        for hook in self.hooks:  # the download: what each node holds, its charge, the correction
-            hook.on_replies(server_round, "train", replies, got, sent)
-        if self.downstream is None:  # the bytes this server sent each node, not what the node reports
-            sent_bytes = {m.metadata.dst_node_id: sum(len(a.data) for r in m.content.array_records.values()
-                                                      for a in r.values()) for m in sent.messages}
-            for stat in got.stats:
-                reported = max(stat["download-bytes"], 0.0)  # a reply without a sent message (tests): its word
-                stat["download-bytes"] = float(sent_bytes.get(stat["node"], reported))
-        ef21_missing = None
-        if self.ef21 is not None:  # EF21: the round's update is the server's estimate h (+= mean of the sends)
-            asked = len(sent.nodes) if sent.nodes is not None else len(replies) + len(refused)
-            ef21_missing = self.ef21.round_update(server_round, got.fold.running, asked,
-                                                  [st["node"] for st in got.stats])
-        self.budget.note_refusals(server_round, replies)
-        return ef21_missing
-
-    def _record(self, server_round: int, sent: SentRound, got: RoundReplies, any_replies: bool,
-                dp_info: dict, ef21_missing: int | None) -> dict[str, float]:
-        """The wrapper's round metrics (`round_metrics.round_metrics`), accounted by the budget
-        and kept in the history."""
-        self.rounds.note_machines(got.stats)
-        ours = round_metrics(got.stats, got.codec_bytes, len(got.metric_contents), got.rejected, got.failed)
-        ours.update(dp_info)
-        if ef21_missing is not None:
-            ours["ef21-missing-clients"] = float(ef21_missing)
-        if got.uncharged:
-            ours["uncharged-error-replies"] = float(got.uncharged)
+        replies = sorted((r for r in replies if not r.has_error()), key=lambda r: r.metadata.src_node_id)
+        refused: list[Refusal] = []
         for hook in self.hooks:
-            ours.update(hook.round_metrics())
-        self.budget.account(server_round, any_replies, got.stats, ours)
-        self.rounds.record_train(server_round, ours, got.stats, layers_mean(got.layer_stats, sent.model.float_keys))
+            out = hook.admit(server_round, replies, sent)
+            refused += out
+            replies = [r for r in replies if not any(r is x.reply for x in out)]
+        for refusal in refused:
+            if refusal.failure is None:
+                log(WARNING, "round %s: rejected reply from node %s: %s", server_round,
+                    refusal.reply.metadata.src_node_id, refusal.reason)
+        return errors + replies, refused
+
+    def _record(self, server_round: int, sent: SentRound, folded: RoundReplies, dp_info: dict) -> dict[str, float]:
+        """The wrapper's round metrics (`round_metrics.round_metrics`), each hook's figures added, kept
+        in the history."""
+        self.rounds.note_machines(folded.stats)
+        figures = round_metrics(folded.stats, folded.codec_bytes, len(folded.metric_contents), folded.rejected,
+                                folded.failed)
+        figures.update(dp_info)
+        if folded.uncharged:
+            figures["uncharged-error-replies"] = float(folded.uncharged)
+        for hook in self.hooks:
+            hook.on_round_end(server_round, figures, folded)
+        layers = layers_mean(folded.layer_stats, sent.model.float_keys)
+        self.rounds.record_train(server_round, figures, folded.stats, layers)
         self._note_wire(server_round)
-        return ours
+        return figures
 
     def _note_wire(self, server_round: int) -> None:
         """Put the round's wire figures (`wire_bytes`, evaluation included once it ran) in ``history``."""
@@ -491,21 +329,21 @@ class CompressedStrategy(ForwardsToInner, Strategy):
 
     # -- state for checkpoints -----------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Everything a resumed run needs: ``{"privacy": JSON-serialisable accounting,
-        "optimizer": {name: np.ndarray} of the inner strategy's server optimizer,
-        "int-remainders": {tensor: float64 np.ndarray} of the integer rule,
-        "half-remainders": {tensor: float32 np.ndarray} of the fp16/bf16 tensors' rounding,
-        "ef21": {tensor: flat float64 np.ndarray} EF21's server estimate h (empty without EF21),
-        "ef21-folded": {"nodes", "rounds"} the round each node's send was last folded into h}``."""
-        return {"privacy": self.budget.state_dict(), "optimizer": optimizer_state(self.inner),
-                "int-remainders": {k: np.array(v, copy=True) for k, v in self.int_remainders.items()},
-                "half-remainders": {k: np.array(v, copy=True) for k, v in self.half_remainders.items()},
-                "ef21": self.ef21.state_dict() if self.ef21 is not None else {},
-                "ef21-folded": self.ef21.folded_state() if self.ef21 is not None else {}}
+        """Everything a resumed run needs: ``{"optimizer": {name: np.ndarray} of the inner strategy's server
+        optimizer, "int-remainders": {tensor: float64 np.ndarray} of the integer rule, "half-remainders":
+        {tensor: float32 np.ndarray} of the fp16/bf16 tensors' rounding}`` and each hook's state:
+        ``"privacy"`` (JSON-serialisable accounting), ``"ef21"`` ({tensor: flat float64 np.ndarray}, EF21's
+        server estimate h) and ``"ef21-folded"`` (``{"nodes", "rounds"}``; both empty without EF21)."""
+        state = {"optimizer": optimizer_state(self.inner), "ef21": {}, "ef21-folded": {},
+                 "int-remainders": {k: np.array(v, copy=True) for k, v in self.int_remainders.items()},
+                 "half-remainders": {k: np.array(v, copy=True) for k, v in self.half_remainders.items()}}
+        for hook in self.hooks:
+            state.update(hook.state_dict())
+        return state
 
     def load_state_dict(self, state: dict[str, Any], shapes: dict[str, tuple]) -> None:
-        """Restore [`state_dict`][fedcomp.strategies.CompressedStrategy.state_dict]; ``shapes``: the model's tensor
-        shapes (model order).
+        """Restore [`state_dict`][fedcomp.strategies.CompressedStrategy.state_dict]; ``shapes``: the model's
+        tensor shapes (model order).
 
         Raises
         ------
@@ -514,19 +352,18 @@ class CompressedStrategy(ForwardsToInner, Strategy):
             EF21 estimate without EF21, or one that does not fit ``shapes``.
         """
         load_optimizer_state(self.inner, state.get("optimizer", {}), shapes)
-        ef21 = state.get("ef21", {})
-        if ef21 and self.ef21 is None:
+        if state.get("ef21") and self.ef21 is None:
             raise ValueError("the checkpoint holds EF21's server estimate h but error-feedback is not 'ef21'")
-        if self.ef21 is not None:
-            self.ef21.load_state_dict(ef21, shapes, state.get("ef21-folded"))
-        self.budget.load_state_dict(state.get("privacy", {}))
+        for hook in self.hooks:
+            hook.load_state_dict(state, shapes)
         self.int_remainders = dict(state.get("int-remainders", {}))
         self.half_remainders = dict(state.get("half-remainders", {}))  # none in older checkpoints: zero
 
 
-#: The constructor's defaults (what a preset may fill in).
+#: The constructor's defaults (what a preset may fill in), the download as the object it becomes.
 _DEFAULTS = {name: p.default for name, p in inspect.signature(CompressedStrategy.__init__).parameters.items()
              if p.default is not inspect.Parameter.empty}
+_DEFAULTS["downstream"] = Download.of(_DEFAULTS["downstream"])
 
 
 __all__ = ["CompressedStrategy", "SentRound"]

@@ -21,6 +21,7 @@ from flwr.app import ArrayRecord, Message
 from fedcomp.compression import PayloadError, codec_name, decode_exact, decompress, decompress_sparse
 from fedcomp.protocol.messages import MODEL_KEY, PAYLOAD_STYPE
 from fedcomp.statedict import FlatModel, copy_array, numpy_dict
+from fedcomp.strategies.admission import check_weight
 from fedcomp.strategies.failures import printable
 from fedcomp.strategies.round_metrics import bounded_metrics
 
@@ -383,10 +384,7 @@ def decode_train_reply(reply: Message, model: FlatModel, weight_key: str, max_we
     if len(mrecs) != 1:
         raise PayloadError(f"expected one MetricRecord in the reply, found {len(mrecs)}")
     reported = dict(next(iter(mrecs.values())))
-    n = reported.get(weight_key)
-    if (isinstance(n, bool) or not isinstance(n, (int, float)) or not np.isfinite(n) or n < 1
-            or n != int(n) or n > max_weight):
-        raise PayloadError(f"'{weight_key}' must be an integer in [1, {max_weight}], got {n!r}")
+    n = check_weight(reported.get(weight_key), weight_key, max_weight)
     t0 = time.perf_counter()
     record = next(iter(recs.values()))
     if refuse_dense and is_dense_reply(record):  # a client without compression_mod (mixed fleet)
@@ -398,7 +396,7 @@ def decode_train_reply(reply: Message, model: FlatModel, weight_key: str, max_we
     decode_seconds = time.perf_counter() - t0
     layers = {k: reported.pop(k) for k in ("layer-update-norm", "layer-compression-error") if k in reported}
     # Finite scalar metrics, bounded: the inner strategy averages them, metrics.json stores them.
-    return TrainReply(update, float(n), bounded_metrics(reported), reported, layers, decode_seconds)
+    return TrainReply(update, n, bounded_metrics(reported), reported, layers, decode_seconds)
 
 
 __all__ = ["DEFER_MIN_NUMEL", "DENSE_NAME", "DecodedUpdate", "DeferredPart", "TrainReply", "decode_dense_reply",

@@ -35,7 +35,8 @@ from flwr.app import Message
 from flwr.common.logger import log
 
 from fedcomp.protocol.messages import ESTIMATE_ROUND_METRIC
-from fedcomp.strategies.aggregate import RunningSum, streams
+from fedcomp.strategies.aggregate import RunningSum, averages_by_weight
+from fedcomp.protocol.round_hooks import Refusal, RoundHook
 
 #: Failure name (``failures`` in metrics.json) of a reply whose ``h_i`` is not the one the server mirrors.
 MISMATCH = "EF21_STATE_MISMATCH"
@@ -72,7 +73,7 @@ class EF21Aggregate:
             ``inner`` does not aggregate by a weighted mean, ``aggregation`` is not "auto", client-level
             DP is on, or ``inner`` samples a fraction of the clients (``fraction_train < 1``).
         """
-        if client_dp is not None or aggregation != "auto" or not streams(inner):
+        if client_dp is not None or aggregation != "auto" or not averages_by_weight(inner):
             raise ValueError("error_feedback='ef21' needs a weighted-mean inner strategy (FedAvg and its family), "
                              "aggregation='auto' and no client_dp: the server keeps EF21's estimate of the mean update")
         if float(getattr(inner, "fraction_train", 1.0)) < 1.0:
@@ -200,6 +201,50 @@ class EF21Aggregate:
         self.complete = "nodes" in folded or not self.h
 
 
+class EF21Hook(RoundHook):
+    """EF21's server side at the points of a round where `fedcomp.strategies.CompressedStrategy` calls
+    its hooks: refuse replies whose ``h_i`` is not the one ``h`` mirrors (admit), fold the round's sends
+    into ``h`` so that the round's update is ``h`` (replies), report ``ef21-missing-clients`` (round end),
+    and keep ``h`` and its record in checkpoints (``"ef21"``, ``"ef21-folded"``).
+
+    Parameters
+    ----------
+    estimate : EF21Aggregate
+        The server's estimate (`EF21Aggregate.for_strategy` checks the settings allow it).
+    """
+
+    def __init__(self, estimate: EF21Aggregate) -> None:
+        self.estimate = estimate
+        self._missing = 0
+
+    def admit(self, server_round: int, replies: list[Message], sent: Any) -> list[Refusal]:
+        """The replies `EF21Aggregate.check_replies` refuses, each a named failure (logged there)."""
+        _, refused = self.estimate.check_replies(server_round, replies)
+        return [Refusal(reply, record["reason"], record) for reply, record in refused]
+
+    def on_replies(self, server_round: int, phase: str, replies: list[Message], folded: Any = None,
+                   sent: Any = None) -> None:
+        """Train: ``h`` += the weighted mean of the round's sends; the fold then holds ``h``
+        (`EF21Aggregate.round_update`)."""
+        if phase != "train":
+            return
+        asked = len(sent.nodes) if sent.nodes is not None else len(replies) + folded.refused_by_hooks
+        self._missing = self.estimate.round_update(server_round, folded.fold.running, asked,
+                                                   [st["node"] for st in folded.stats])
+
+    def on_round_end(self, server_round: int, metrics: dict[str, float], folded: Any) -> None:
+        """``ef21-missing-clients``: sampled clients whose send is not in this round's ``h``."""
+        metrics["ef21-missing-clients"] = float(self._missing)
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"ef21": {tensor: flat float64 h}, "ef21-folded": {"nodes", "rounds"}}``."""
+        return {"ef21": self.estimate.state_dict(), "ef21-folded": self.estimate.folded_state()}
+
+    def load_state_dict(self, state: dict[str, Any], shapes: dict[str, tuple]) -> None:
+        """Restore `state_dict` (`EF21Aggregate.load_state_dict`)."""
+        self.estimate.load_state_dict(state.get("ef21", {}), shapes, state.get("ef21-folded"))
+
+
 def _reported_round(reply: Message) -> int | None:
     """The reply's `ESTIMATE_ROUND_METRIC` as an int >= 0, None if absent or not one."""
     for rec in reply.content.metric_records.values():
@@ -210,4 +255,4 @@ def _reported_round(reply: Message) -> int | None:
     return None
 
 
-__all__ = ["MISMATCH", "MISMATCH_CODE", "EF21Aggregate"]
+__all__ = ["MISMATCH", "MISMATCH_CODE", "EF21Aggregate", "EF21Hook"]

@@ -1,7 +1,7 @@
 """Which fold a round's replies go into, and whether dense replies are accepted.
 
 The folds themselves are in `aggregate`: clipped (client-level DP), weighted mean (the
-FedAvg family, `aggregate.streams`) or dense (every other inner strategy).
+FedAvg family, `aggregate.averages_by_weight`) or dense (every other inner strategy).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from flwr.common.logger import log
 
 from fedcomp.privacy import ClientLevelDP
 from fedcomp.statedict import FlatModel
-from fedcomp.strategies.aggregate import ClippedFold, DenseFold, Fold, MeanFold, dense_memory_note, streams
+from fedcomp.strategies.aggregate import ClippedFold, DenseFold, Fold, MeanFold, dense_memory_note, averages_by_weight
 from fedcomp.strategies.handover import record_key
 
 
@@ -41,7 +41,7 @@ class FoldPolicy:
         ``remainders``: the integer rule's carried rounding remainders (updated in place)."""
         if client_dp is not None:
             return ClippedFold(model, client_dp)
-        if self.aggregation == "auto" and streams(self.inner):
+        if self.aggregation == "auto" and averages_by_weight(self.inner):
             return MeanFold(model, remainders)
         if not self._dense_noted:
             log(INFO, "%s", dense_memory_note(self.inner, clients, model))

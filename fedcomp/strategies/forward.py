@@ -43,6 +43,8 @@ class ForwardsToInner:
     _INNER = "inner"
     #: How error messages name the wrapped strategy's attribute.
     _INNER_NAMED = ".inner"
+    #: Settings that belong to one of the wrapper's concerns: name -> where it is set (named when written).
+    _SETTING_HINTS: dict[str, str] = {}
 
     def _start_forwarding(self) -> None:
         object.__setattr__(self, "_forwarding", True)
@@ -65,6 +67,9 @@ class ForwardsToInner:
             return
         inner = d.get(self._INNER)
         owner = owner_of(inner, name)
+        if owner is None and name in self._SETTING_HINTS:
+            raise AttributeError(f"{type(self).__name__} has no setting '{name}': it is a setting of one of its "
+                                 f"concerns, given at construction as {self._SETTING_HINTS[name]}")
         if owner is None:
             raise AttributeError(
                 f"{type(self).__name__} has no setting '{name}', nor has its wrapped strategy "

@@ -53,7 +53,7 @@ def mean_metrics(inner: Any, metric_contents: list[RecordDict]) -> MetricRecord:
     return MetricRecord(dict(fn(metric_contents, weight_key(inner)))) if callable(fn) else MetricRecord({})
 
 
-def hand_over(inner: Any, server_round: int, model: FlatModel, got: RoundReplies, sampled: float,
+def hand_over(inner: Any, server_round: int, model: FlatModel, folded: RoundReplies, sampled: float,
               half_remainders: dict[str, np.ndarray] | None = None, var_floor: float = 0.0,
               tied: Sequence[Sequence[str]] = ()) -> tuple[ArrayRecord | None, MetricRecord | None, dict]:
     """The round's aggregate in the model's dtypes and shapes, the inner strategy's metrics, and
@@ -66,7 +66,7 @@ def hand_over(inner: Any, server_round: int, model: FlatModel, got: RoundReplies
     server_round : int
     model : FlatModel
         The global model of the round.
-    got : RoundReplies
+    folded : RoundReplies
         The round's fold and accepted replies (`replies.fold_replies`).
     sampled : float
         Clients sampled (client-level DP's divisor; ``q * N`` under Poisson sampling).
@@ -89,7 +89,7 @@ def hand_over(inner: Any, server_round: int, model: FlatModel, got: RoundReplies
         releases the noise alone and is counted by the accountant), when the inner strategy returns none, or when
         the aggregate is not finite in the model's dtypes (logged; the global model is kept).
     """
-    result = got.fold.finish(sampled)
+    result = folded.fold.finish(sampled)
     if result is None:
         return None, None, {}
     exact, dp_info, metrics = result.exact, result.dp_info, None
@@ -97,9 +97,9 @@ def hand_over(inner: Any, server_round: int, model: FlatModel, got: RoundReplies
         arrays = result.arrays
     elif result.replies is None and identity_on_one_reply(inner):
         # FedAvg of one reply is that reply (weight factor w / w = 1.0 exactly): no copies to hand over.
-        arrays, metrics = result.arrays, mean_metrics(inner, got.metric_contents)
+        arrays, metrics = result.arrays, mean_metrics(inner, folded.metric_contents)
     else:
-        arrays, metrics = _inner_aggregate(inner, server_round, result, got, tied)
+        arrays, metrics = _inner_aggregate(inner, server_round, result, folded, tied)
     if arrays is None:
         return None, metrics, dp_info
     tie_record(arrays, tied)
@@ -111,7 +111,7 @@ def hand_over(inner: Any, server_round: int, model: FlatModel, got: RoundReplies
         return None, metrics, dp_info
 
 
-def _inner_aggregate(inner: Any, server_round: int, result: FoldResult, got: RoundReplies,
+def _inner_aggregate(inner: Any, server_round: int, result: FoldResult, folded: RoundReplies,
                      tied: Sequence[Sequence[str]] = ()) -> tuple[ArrayRecord | None, MetricRecord | None]:
     """The inner strategy's aggregate of every dense reply, or of one pre-aggregated reply (an
     accepted reply's Message, its content replaced) carrying the total weight; the ``tied`` names
@@ -121,11 +121,11 @@ def _inner_aggregate(inner: Any, server_round: int, result: FoldResult, got: Rou
     if result.replies is not None:
         replies = result.replies
     else:
-        means = mean_metrics(inner, got.metric_contents)
-        got.carrier.content = RecordDict({
+        means = mean_metrics(inner, folded.metric_contents)
+        folded.template_reply.content = RecordDict({
             record_key(inner): result.arrays,
             "metrics": MetricRecord({**dict(means), wkey: _as_weight(result.total_weight)})})
-        replies = [got.carrier]
+        replies = [folded.template_reply]
     for reply in replies if tied else ():
         tie_record(reply.content[record_key(inner)], tied)
     arrays, metrics = inner.aggregate_train(server_round, replies)

@@ -37,7 +37,7 @@ from fedcomp.config import CodecConfig
 from fedcomp.protocol.messages import MODEL_KEY, PAYLOAD_STYPE, payload_array
 from fedcomp.statedict import FlatModel
 from fedcomp.statedict.tied import find_tied, tie_list
-from fedcomp.strategies.admission import admit, check_max_num_examples
+from fedcomp.strategies.admission import admit, check_max_num_examples, check_weight
 from fedcomp.strategies.codec_round import codec_entries
 from fedcomp.strategies.decode import decode_update
 from fedcomp.strategies.failures import MAX_REFUSAL_CHARS, printable
@@ -313,9 +313,7 @@ class LegacyCompressedStrategy(ForwardsToInner, Strategy):
         codec_bytes: dict[str, int] = {}
         for proxy, res in results:
             try:
-                n = res.num_examples
-                if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= self.max_num_examples:
-                    raise PayloadError(f"num_examples must be an integer in [1, {self.max_num_examples}], got {n!r}")
+                check_weight(res.num_examples, "num_examples", self.max_num_examples)
                 weights, info = decode_legacy_update(payloads_from_parameters(res.parameters), sent.arrays[proxy.cid])
             except (PayloadError, ValueError, TypeError, KeyError) as exc:
                 log(WARNING, "round %s: rejected fit result from client %s: %s", server_round, proxy.cid,

@@ -10,12 +10,12 @@
   drift under partial participation (a client that missed rounds trains from a copy that lacks much
   of the recent change), and so does sign on a random half (``randsign``); exact catch-ups and an
   int8 download keep more of the gain for more bytes;
-- the seeded start (``downstream_init = "auto"``): the strategy recognises adapters at peft's
+- the seeded start (``Download(init="auto")``): the strategy recognises adapters at peft's
   initialisation (``lora_B`` zero, ``lora_A`` Kaiming-uniform) and draws ``lora_A`` from a seed
   that every client rebuilds, so no client downloads the adapters dense;
 - lagging clients get the cheaper of the missed sign payloads and one sign-coded difference from
   the copy they hold (per-client error feedback);
-- no downstream correction (``downstream_correction = 0``, the default): counting each update from the
+- no downstream correction (``Download(correction=0)``, the default): counting each update from the
   global model rather than the client's copy kept 81 % of the gain with sign downward (median, seeds
   42-44), against 90.5 % without; it rescues sparse downloads (STC 5 % both ways: 65 % at 95x instead of
   diverging), which still keep less than sign.
@@ -25,12 +25,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from fedcomp.strategies.aggregate import streams
+from fedcomp.download.options import Download
+from fedcomp.strategies.aggregate import averages_by_weight
 
 #: preset name -> the ``CompressedStrategy`` arguments it sets
 PRESETS: dict[str, dict[str, Any]] = {
-    "lora": {"compressor": "sign", "error_feedback": True, "downstream": "sign", "downstream_init": "auto",
-             "downstream_catchup": "smallest"},
+    "lora": {"compressor": "sign", "error_feedback": True,
+             "downstream": Download("sign", init="auto", catchup="smallest")},
 }
 
 
@@ -90,7 +91,7 @@ def library_downstream(compressor: str, density: float | None, local_dp, inner) 
     inner : Strategy
         The wrapped strategy.
     """
-    if compressor == "none" or local_dp is not None or not streams(inner):
+    if compressor == "none" or local_dp is not None or not averages_by_weight(inner):
         return "none", density
     return LIBRARY_DOWNSTREAM, density
 

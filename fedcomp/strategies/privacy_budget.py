@@ -19,10 +19,12 @@ from flwr.common.logger import log
 
 from fedcomp.privacy import ClientLevelDP, LocalDP
 from fedcomp.privacy.accounting import checked_max_epsilon
+from fedcomp.protocol.round_hooks import RoundHook
 
 
-class PoissonSampling:
-    """Keep each message the inner strategy produced independently with probability ``rate``.
+class PoissonSampling(RoundHook):
+    """Keep each train message the inner strategy produced independently with probability ``rate``
+    (a round hook of `fedcomp.strategies.CompressedStrategy`, ``sampling=PoissonSampling(q)``).
 
     The inner strategy should select every connected node (``fraction_train = 1.0``); the sample
     is then a Poisson sample of that population, as amplification by sampling assumes.
@@ -51,9 +53,19 @@ class PoissonSampling:
         keep = self._rng.random(len(messages)) < self.rate
         return [m for m, k in zip(messages, keep, strict=True) if k], self.rate * len(messages)
 
+    def on_messages(self, server_round: int, phase: str, arrays: Any, messages: list[Message],
+                    sent: Any = None) -> list[Message]:
+        """The kept train messages (`sample`); the round's divisor ``sent.sampled`` becomes ``q * N``."""
+        if phase != "train":
+            return messages
+        messages, sent.sampled = self.sample(messages)
+        return messages
 
-class PrivacyBudget:
-    """Epsilon of the run so far and whether the next round fits ``max_epsilon``.
+
+class Privacy(RoundHook):
+    """The privacy of a run: client-level DP (the server clips and noises), local DP (the clients
+    do), and epsilon of the run so far against ``max_epsilon`` (a round hook of
+    `fedcomp.strategies.CompressedStrategy`, ``privacy=Privacy(...)``).
 
     Epsilon comes from client-level DP's accountant, from local DP (rounds in which noisy
     updates left the clients, counted here), or from what DP-SGD clients report (``epsilon``,
@@ -63,9 +75,18 @@ class PrivacyBudget:
     Parameters
     ----------
     client_dp : ClientLevelDP, optional
+        Client-level DP-FedAvg on the decoded updates (clip each, sum / clients sampled, Gaussian
+        noise); replaces the inner strategy's averaging and reports ``epsilon`` per round.
     local_dp : LocalDP, optional
+        Ask clients to clip and noise their update before compression (sent in the train config).
     max_epsilon : float, optional
-        None: no budget (epsilon is still reported).
+        Stop sending rounds before one would push any client's epsilon (client-level, local, or the
+        ``epsilon`` clients report with DP-SGD) past this value. None: no budget (epsilon is still reported).
+
+    Raises
+    ------
+    ValueError
+        ``max_epsilon`` not a finite number > 0.
     """
 
     def __init__(self, client_dp: ClientLevelDP | None = None, local_dp: LocalDP | None = None,
@@ -81,6 +102,29 @@ class PrivacyBudget:
         self.epsilon_next = 0.0
         #: Lowest ``epsilon`` clients reported, per round with reports (DP-SGD).
         self.epsilon_floor: list[float] = []
+        self._any_replies = False  # whether the round being aggregated had replies
+
+    # -- the round hook ------------------------------------------------------------------
+    def configure(self, server_round: int, phase: str, config: ConfigRecord) -> bool:
+        """Train: False once the round would exceed the budget (`exhausted`), else the local-DP
+        settings added to ``config`` (`train_config`)."""
+        if phase != "train":
+            return True
+        if self.exhausted(server_round):
+            return False
+        self.train_config(config)
+        return True
+
+    def on_replies(self, server_round: int, phase: str, replies: list[Message], folded: Any = None,
+                   sent: Any = None) -> None:
+        """Train: stop once every client refused the round for its own budget (`note_refusals`)."""
+        if phase == "train":
+            self._any_replies = bool(replies)
+            self.note_refusals(server_round, replies)
+
+    def on_round_end(self, server_round: int, metrics: dict[str, float], folded: Any) -> None:
+        """Account the round and add its epsilon figures to ``metrics`` (`account`)."""
+        self.account(server_round, self._any_replies, folded.stats, metrics)
 
     def train_config(self, config: ConfigRecord) -> None:
         """Add the local-DP settings clients apply before compressing (nothing without local DP)."""
@@ -92,13 +136,10 @@ class PrivacyBudget:
         """True if ``server_round`` would push some client past ``max_epsilon`` (logged once)."""
         if self.max_epsilon is None or self.stopped_reason:
             return bool(self.stopped_reason)
-        nxt = self._next_epsilon()
-        if nxt is None or nxt <= self.max_epsilon:
-            return False
-        self.stopped_reason = (f"privacy budget: round {server_round} would raise epsilon to about {nxt:.3g} > "
-                               f"max-epsilon {self.max_epsilon}; no further rounds are run")
-        log(WARNING, "%s", self.stopped_reason)
-        return True
+        self.stopped_reason = over_budget(server_round, self._next_epsilon(), self.max_epsilon)
+        if self.stopped_reason:
+            log(WARNING, "%s", self.stopped_reason)
+        return bool(self.stopped_reason)
 
     def _next_epsilon(self) -> float | None:
         if self.client_dp is not None:
@@ -150,19 +191,36 @@ class PrivacyBudget:
                             "will refuse further rounds, the others go on", server_round, node, e, self.max_epsilon)
 
     def state_dict(self) -> dict[str, Any]:
+        """``{"privacy": the accounting}`` (JSON-serialisable; `accounting`)."""
+        return {"privacy": self.accounting()}
+
+    def load_state_dict(self, state: dict[str, Any], shapes: dict[str, tuple]) -> None:
+        """Restore `state_dict` (`load_accounting`)."""
+        self.load_accounting(state.get("privacy", {}))
+
+    def accounting(self) -> dict[str, Any]:
         """Everything a resumed run needs to continue the accounting (JSON-serialisable)."""
         return {"client-dp-rounds": None if self.client_dp is None else self.client_dp.rounds,
                 "local-dp-rounds": self.local_rounds, "epsilon-next": self.epsilon_next,
                 "epsilon-floor": list(self.epsilon_floor)}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore `state_dict` (a key the state lacks keeps its start value)."""
+    def load_accounting(self, state: dict[str, Any]) -> None:
+        """Restore `accounting` (a key the state lacks keeps its start value)."""
         if state.get("client-dp-rounds") is not None and self.client_dp is not None:
             self.client_dp.rounds = int(state["client-dp-rounds"])
         self.local_rounds = int(state.get("local-dp-rounds") or 0)
         # JSON holds an infinite epsilon as null
         self.epsilon_next = _epsilon(state.get("epsilon-next", 0.0))
         self.epsilon_floor = [_epsilon(e) for e in state.get("epsilon-floor", [])]
+
+
+def over_budget(server_round: int, next_epsilon: float | None, max_epsilon: float | None) -> str:
+    """Why no further rounds are run if releasing ``server_round`` raises epsilon to ``next_epsilon`` above
+    ``max_epsilon`` ("": the round fits, or there is no budget or no projection)."""
+    if max_epsilon is None or next_epsilon is None or next_epsilon <= max_epsilon:
+        return ""
+    return (f"privacy budget: round {server_round} would raise epsilon to about {next_epsilon:.3g} > "
+            f"max-epsilon {max_epsilon:g}; no further rounds are run")
 
 
 def _epsilon(value: float | None) -> float:

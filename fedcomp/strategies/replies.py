@@ -18,6 +18,7 @@ from flwr.common.logger import log
 from fedcomp.compression import PayloadError
 from fedcomp.protocol.device import reported_machine
 from fedcomp.protocol.messages import REPORT_KEYS
+from fedcomp.protocol.round_hooks import Refusal
 from fedcomp.statedict import FlatModel
 from fedcomp.strategies.admission import admit
 from fedcomp.strategies.aggregate import Fold
@@ -35,7 +36,7 @@ class RoundReplies:
     ----------
     fold : Fold
         The round's folding policy (`aggregate`), holding every accepted update.
-    carrier : Message or None
+    template_reply : Message or None
         An accepted reply, whose Message can carry the pre-aggregated reply to the inner strategy.
     metric_contents : list of RecordDict
         One ``{"metrics": MetricRecord}`` per accepted reply (its finite, bounded metrics).
@@ -48,6 +49,8 @@ class RoundReplies:
     rejected, failed : int
         Replies refused (malformed, duplicate, stranger) and failed clients (error replies, and
         sampled nodes that sent nothing).
+    refused_by_hooks : int
+        Replies the round hooks refused before decoding (`round_hooks.Refusal`), failures included.
     failures : list of dict
         One per failed client (`failures.failed_client`).
     uncharged : int
@@ -55,12 +58,13 @@ class RoundReplies:
     """
 
     fold: Fold
-    carrier: Message | None = None
+    template_reply: Message | None = None
     metric_contents: list[RecordDict] = field(default_factory=list)
     stats: list[dict] = field(default_factory=list)
     layer_stats: list[dict] = field(default_factory=list)
     codec_bytes: dict[str, int] = field(default_factory=dict)
     rejected: int = 0
+    refused_by_hooks: int = 0
     failed: int = 0
     failures: list[dict] = field(default_factory=list)
     uncharged: int = 0
@@ -93,7 +97,7 @@ def fold_replies(server_round: int, replies: list[Message], fold: Fold, model: F
     -------
     RoundReplies
     """
-    got = RoundReplies(fold)
+    folded = RoundReplies(fold)
     for reply in replies:
         node = reply.metadata.src_node_id
         if reply.has_error():  # counted by `note_failures`
@@ -102,32 +106,32 @@ def fold_replies(server_round: int, replies: list[Message], fold: Fold, model: F
             decoded = decode_train_reply(reply, model, weight_key, max_num_examples, refuse_dense,
                                          keep_exact=keep_exact)
         except (PayloadError, ValueError, TypeError, KeyError, OverflowError) as exc:
-            got.rejected += 1
+            folded.rejected += 1
             log(WARNING, "round %s: rejected reply from node %s: %s", server_round, node,
                 printable(exc, MAX_REFUSAL_CHARS))
             continue
-        got.fold.add(reply, decoded)
-        got.carrier = reply
-        got.stats.append(client_stats(node, decoded.reported, decoded.update.upload_bytes, model.dense_bytes,
+        folded.fold.add(reply, decoded)
+        folded.template_reply = reply
+        folded.stats.append(client_stats(node, decoded.reported, decoded.update.upload_bytes, model.dense_bytes,
                                       decoded.decode_seconds, reported_machine(reply.content)))
-        if got.stats[-1]["device-report-dropped"]:
+        if folded.stats[-1]["device-report-dropped"]:
             log(WARNING, "round %s: node %s's memory report dropped (counted in dropped-device-reports): %s",
-                server_round, node, got.stats[-1]["device-report-dropped"])
-        # what the inner strategy averages: the app's own metrics; compression_mod's report is in got.stats
+                server_round, node, folded.stats[-1]["device-report-dropped"])
+        # what the inner strategy averages: the app's own metrics; compression_mod's report is in folded.stats
         metrics = {k: v for k, v in decoded.metrics.items() if k not in REPORT_KEYS}
-        got.metric_contents.append(RecordDict({"metrics": MetricRecord(metrics)}))
+        folded.metric_contents.append(RecordDict({"metrics": MetricRecord(metrics)}))
         for name, nbytes in decoded.update.codecs.items():
-            got.codec_bytes[name] = got.codec_bytes.get(name, 0) + nbytes
-        got.layer_stats.append(decoded.layers)
-    return got
+            folded.codec_bytes[name] = folded.codec_bytes.get(name, 0) + nbytes
+        folded.layer_stats.append(decoded.layers)
+    return folded
 
 
 def note_failures(server_round: int, sent_nodes: set[int] | None, sent_to: dict[str, int], replies: list[Message],
-                  refused: list[Message], got: RoundReplies, oom_seen: dict[int, int]) -> None:
-    """Count and name each failed client once (`failures.round_failures`: an error reply
-    charged to the node that sent it, a sampled node that sent nothing), log an error reply charged
-    to nobody as such, and name a node whose container's OOM-kill count went up
-    (`failures.oom_confirmations`).
+                  refused: list[Refusal], folded: RoundReplies, oom_seen: dict[int, int]) -> None:
+    """Count the refusals (a named failure each where the hook gave one, else a rejected reply), count and
+    name each failed client once (`failures.round_failures`: an error reply charged to the node that sent
+    it, a sampled node that sent nothing), log an error reply charged to nobody as such, and name a node
+    whose container's OOM-kill count went up (`failures.oom_confirmations`).
 
     Parameters
     ----------
@@ -135,21 +139,26 @@ def note_failures(server_round: int, sent_nodes: set[int] | None, sent_to: dict[
         The nodes sent a train message this round (None: unknown, no node counts as silent).
     sent_to : dict
         Message id -> destination node id of the round's train messages.
-    replies, refused : list of Message
-        The round's admitted replies (error replies included) and those refused by admission.
-    got : RoundReplies
-        Of `fold_replies`; ``failed`` and ``failures`` grow by the failed clients,
-        ``uncharged`` by the error replies charged to nobody.
+    replies : list of Message
+        The round's admitted replies (error replies included).
+    refused : list of Refusal
+        The replies the round hooks refused.
+    folded : RoundReplies
+        Of `fold_replies`; ``failed`` and ``failures`` grow by the failed clients, ``rejected`` by the
+        refusals without a failure record, ``uncharged`` by the error replies charged to nobody.
     oom_seen : dict
         Node -> the last ``client-oom-kills`` it reported; updated in place.
     """
-    answered = {r.metadata.src_node_id for r in replies + refused if not r.has_error()}
+    folded.failures.extend(r.failure for r in refused if r.failure is not None)
+    folded.rejected += sum(1 for r in refused if r.failure is None)
+    folded.refused_by_hooks = len(refused)
+    answered = {r.metadata.src_node_id for r in replies + [x.reply for x in refused] if not r.has_error()}
     failures, uncharged = _named_failures(server_round, [r for r in replies if r.has_error()], sent_to, sent_nodes,
                                           answered, "failed")
-    got.failures.extend(failures)
-    got.uncharged += uncharged
-    got.failed = len(got.failures)
-    for c in oom_confirmations(oom_seen, got.stats):
+    folded.failures.extend(failures)
+    folded.uncharged += uncharged
+    folded.failed = len(folded.failures)
+    for c in oom_confirmations(oom_seen, folded.stats):
         log(WARNING, "round %s: node %s: the kernel's out-of-memory killer killed %s process(es) in its "
             "container since the server last heard from it (oom_kill count %s -> %s): its ClientApp ran out "
             "of memory", server_round, c["node"], c["oom-kills"] - c["oom-kills-before"], c["oom-kills-before"],

@@ -74,4 +74,22 @@ class RoundHistory:
         self.layers[server_round] = layers
 
 
-__all__ = ["RoundHistory", "SentRound"]
+
+
+def _view(name: str) -> property:
+    """A read-only view of one of `RoundHistory`'s dicts under its public name."""
+    return property(lambda self: getattr(self.rounds, name), doc=f"``RoundHistory.{name}`` (round -> figures).")
+
+
+class HistoryViews:
+    """Mixin of a strategy that keeps a `RoundHistory` in ``rounds``: its dicts under their public names."""
+
+    history = _view("train")
+    client_history = _view("clients")
+    layer_history = _view("layers")
+    failure_history = _view("failures")
+    evaluate_history = _view("evaluate")
+    evaluate_failure_history = _view("evaluate_failures")
+
+
+__all__ = ["HistoryViews", "RoundHistory", "SentRound"]

@@ -15,17 +15,17 @@ from fedcomp.download.layout import copy_digest
 from fedcomp.protocol.messages import COPY_RECORD, MODEL_STATE_KEY
 from fedcomp.run.inprocess_grid import InProcessGrid
 from fedcomp.statedict import FlatModel
-from fedcomp.strategies import CompressedStrategy
+from fedcomp.strategies import CompressedStrategy, Download
 from fedcomp.download.sender import NO_COPY_REPORT
 from fedcomp.task.models import build_model
 
 logging.getLogger("flwr").setLevel(logging.WARNING)
 
 
-def _federation(nodes=3, **kwargs):
+def _federation(nodes=3, init="auto"):
     grid = InProcessGrid(client_app, nodes, {"lr": 0.1})
     s = CompressedStrategy(FedAvg(min_available_nodes=nodes, min_train_nodes=nodes, min_evaluate_nodes=nodes),
-                           compressor="stc", density=0.05, downstream="stc", **kwargs)
+                           compressor="stc", density=0.05, downstream=Download("stc", init=init))
     return grid, s, ArrayRecord(build_model().state_dict())
 
 
@@ -57,7 +57,7 @@ def test_copies_that_match_report_no_resync_in_train_and_evaluate():
     grid = InProcessGrid(client_app, 4, {"lr": 0.1})
     s = CompressedStrategy(FedAvg(fraction_train=0.5, min_train_nodes=2, min_available_nodes=4,
                                   fraction_evaluate=0.5, min_evaluate_nodes=2), compressor="sign",
-                           downstream="stc", downstream_density=0.05)
+                           downstream=Download("stc", density=0.05))
     arrays = ArrayRecord(build_model().state_dict())
     for rnd in range(1, 6):
         arrays, _ = _round(s, grid, rnd, arrays)
@@ -96,7 +96,7 @@ def test_a_node_whose_generator_draws_the_seeded_start_differently_is_resynchron
 
     draw = receiver.seeded_tensor
     monkeypatch.setattr(receiver, "seeded_tensor", lambda *a, **k: draw(*a, **k) + np.float32(0.01))
-    grid, s, arrays = _federation(downstream_init="seeded")
+    grid, s, arrays = _federation(init="seeded")
     arrays, kinds = _round(s, grid, 1, arrays)
     assert all(k == "init" for k in kinds.values()) and s.history[1]["copy-resyncs"] == 3
     arrays, kinds = _round(s, grid, 2, arrays)

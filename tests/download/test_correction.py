@@ -12,7 +12,7 @@ from flwr.serverapp.strategy import FedAvg
 from fedcomp.app.client_app import app as client_app
 from fedcomp.run.inprocess_grid import InProcessGrid
 from fedcomp.statedict import FlatModel
-from fedcomp.strategies import CompressedStrategy
+from fedcomp.strategies import CompressedStrategy, Download, Privacy
 from fedcomp.strategies.aggregate import ClippedFold, MeanFold
 from fedcomp.download.correction import correct_for_copies
 from fedcomp.task.models import build_model
@@ -62,15 +62,15 @@ def test_folds_without_per_client_weights_are_left_alone():
 def test_the_apps_auto_is_on_for_adamw_with_a_sparse_download(codec, optimizer, want):
     """Measured: on for the AdamW Transformer with STC downward (+3 points at round 20), off for SGD (the
     default CNN: 1.4 points lower with it) and for sign downward (LoRA: less of the gain kept)."""
-    from fedcomp.app.server_app import privacy_options
+    from fedcomp.app.server_app import concern_options
     from fedcomp.app.config import AppConfig
-    from fedcomp.download.settings import resolve_correction
+    from fedcomp.app.resolve import resolve_correction
 
     assert resolve_correction("auto", codec, optimizer) == want
     assert resolve_correction("on", codec, optimizer) == 1.0 and resolve_correction("off", codec, optimizer) == 0.0
     if codec != "none":
         cfg = AppConfig.from_run_config({"downstream": codec, "optimizer": optimizer, "compressor": "stc"})
-        assert privacy_options(cfg)["downstream_correction"] == want
+        assert concern_options(cfg)["downstream"].correction == want
 
 
 def test_the_strategy_default_is_off():
@@ -78,14 +78,14 @@ def test_the_strategy_default_is_off():
 
 
 @pytest.mark.parametrize("bad", [-0.1, 1.5, float("nan"), "auto", True, None])
-@pytest.mark.parametrize("downstream", ["stc", None])
+@pytest.mark.parametrize("downstream", ["stc", "none"])
 def test_a_bad_correction_is_refused_naming_the_setting(bad, downstream):
-    with pytest.raises(ValueError, match="downstream_correction"):
-        CompressedStrategy(FedAvg(), compressor="stc", downstream=downstream, downstream_correction=bad)
+    with pytest.raises(ValueError, match="downstream correction"):
+        CompressedStrategy(FedAvg(), compressor="stc", downstream=Download(downstream, correction=bad))
 
 
 def test_a_numpy_number_is_a_number():
-    s = CompressedStrategy(FedAvg(), compressor="stc", downstream="stc", downstream_correction=np.float32(0.5))
+    s = CompressedStrategy(FedAvg(), compressor="stc", downstream=Download("stc", correction=np.float32(0.5)))
     assert s.downstream.correction == 0.5
 
 
@@ -95,20 +95,20 @@ def test_a_correction_that_cannot_apply_is_refused_naming_why():
 
     from fedcomp.privacy import ClientLevelDP
 
-    cases = [({"downstream": None}, "the download is dense"),
-             ({"downstream": "stc", "client_dp": ClientLevelDP(1.0, 1.0, 1e-5)}, "client-level DP"),
-             ({"downstream": "stc", "error_feedback": "ef21"}, "EF21"),
-             ({"downstream": "stc", "aggregation": "dense"}, "aggregation = 'dense'")]
-    for kwargs, why in cases:
-        with pytest.raises(ValueError, match=f"downstream_correction = 1.0 cannot apply: .*{why}"):
-            CompressedStrategy(FedAvg(), compressor="stc", downstream_correction=1.0, **kwargs)
+    cases = [("none", {}, "the download is dense"),
+             ("stc", {"privacy": Privacy(client_dp=ClientLevelDP(1.0, 1.0, 1e-5))}, "client-level DP"),
+             ("stc", {"error_feedback": "ef21"}, "EF21"),
+             ("stc", {"aggregation": "dense"}, "aggregation = 'dense'")]
+    for codec, kwargs, why in cases:
+        with pytest.raises(ValueError, match=f"downstream correction = 1.0 cannot apply: .*{why}"):
+            CompressedStrategy(FedAvg(), compressor="stc", downstream=Download(codec, correction=1.0), **kwargs)
     with pytest.raises(ValueError, match="every client's weights"):
-        CompressedStrategy(FedMedian(), compressor="stc", downstream="stc", downstream_correction=1.0)
+        CompressedStrategy(FedMedian(), compressor="stc", downstream=Download("stc", correction=1.0))
     assert CompressedStrategy(FedMedian(), compressor="stc", downstream="stc").downstream.correction == 0.0
 
 
 def test_the_apps_auto_is_off_where_the_strategy_cannot_apply_it():
-    from fedcomp.download.settings import resolve_correction
+    from fedcomp.app.resolve import resolve_correction
 
     assert resolve_correction("auto", "stc", "adamw", dp="client-level") == 0.0
     assert resolve_correction("auto", "stc", "adamw", error_feedback="ef21") == 0.0
@@ -129,7 +129,7 @@ def _one_round(correction: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     start = ArrayRecord(build_model().state_dict())
     grid = InProcessGrid(client_app, 2, {"lr": 0.1, "seed": 1})
     s = CompressedStrategy(FedAvg(min_available_nodes=2, fraction_evaluate=0.0), compressor="stc", density=0.05,
-                           downstream="stc", downstream_init="int8", downstream_correction=correction)
+                           downstream=Download("stc", init="int8", correction=correction))
     msgs = list(s.configure_train(1, start, ConfigRecord({"seed": 1}), grid))
     arrays, _ = s.aggregate_train(1, grid.send_and_receive(msgs))
     held = {m.metadata.dst_node_id: s.downstream.held(m.metadata.dst_node_id) for m in msgs}
@@ -250,12 +250,11 @@ def test_a_fold_without_the_global_model_is_refused_and_commits_nothing():
 def test_the_run_config_on_where_it_cannot_apply_is_one_error_naming_the_key(extra, why):
     """Found by a new user: these combinations passed the config stage and failed in the strategy's
     constructor, a traceback naming the Python argument (exit code 700) instead of the run-config key."""
-    from fedcomp.app.server_app import privacy_options
+    from fedcomp.app.server_app import concern_options
     from fedcomp.app.config import AppConfig
 
-    cfg = AppConfig.from_run_config({"downstream-correction": "on", **extra})
     with pytest.raises(ValueError, match=f"run config 'downstream-correction' = 'on' cannot apply: .*{why}"):
-        privacy_options(cfg)
+        concern_options(AppConfig.from_run_config({"downstream-correction": "on", **extra}))
 
 
 def test_secure_aggregation_refuses_the_correction():
@@ -269,14 +268,15 @@ def test_secure_aggregation_refuses_the_correction():
 
 
 def test_numpy_numbers_are_numbers_for_every_download_setting():
-    """Found by a new user: downstream_correction took np.float32 / np.int64 but downstream_density
-    and downstream_max_copies refused them ("must be in (0, 1], got np.float32(0.05)")."""
-    s = CompressedStrategy(FedAvg(), compressor="stc", downstream="stc", downstream_density=np.float32(0.05),
-                           downstream_max_copies=np.int64(2), downstream_correction=np.float32(1.0))
+    """Found by a new user: the correction took np.float32 / np.int64 but the download's density
+    and max_copies refused them ("must be in (0, 1], got np.float32(0.05)")."""
+    s = CompressedStrategy(FedAvg(), compressor="stc",
+                           downstream=Download("stc", density=np.float32(0.05), max_copies=np.int64(2),
+                                               correction=np.float32(1.0)))
     assert s.downstream.density == pytest.approx(0.05) and s.downstream.correction == 1.0
     assert s.downstream.nodes.max_copies == 2.0 and type(s.downstream.nodes.max_copies) is float
     for bad in (np.float32("nan"), np.float32(1.5), np.int64(0)):
         with pytest.raises(ValueError, match="downstream density must be in"):
-            CompressedStrategy(FedAvg(), compressor="stc", downstream="stc", downstream_density=bad)
-    with pytest.raises(ValueError, match="downstream_max_copies must be a finite number >= 2"):
-        CompressedStrategy(FedAvg(), compressor="stc", downstream="stc", downstream_max_copies=np.int64(1))
+            CompressedStrategy(FedAvg(), compressor="stc", downstream=Download("stc", density=bad))
+    with pytest.raises(ValueError, match="downstream max_copies must be a finite number >= 2"):
+        CompressedStrategy(FedAvg(), compressor="stc", downstream=Download("stc", max_copies=np.int64(1)))

@@ -1,6 +1,6 @@
 """A client's first model without the dense download.
 
-- ``downstream_init = "seeded"``: every float tensor is replaced by a seeded draw with its mean and
+- ``Download(init="seeded")``: every float tensor is replaced by a seeded draw with its mean and
   variance (constants stay exact); a new client builds it from the seed, bit for bit, for every
   kind of state_dict (BatchNorm, integer/bool buffers, 0-d and zero-element parameters, fp16, bf16).
 - ``"auto"``: LoRA adapters at peft's initialisation get a seeded start without any seeding code in
@@ -144,13 +144,13 @@ def test_bad_first_contact_settings_are_refused_naming_the_setting():
 
 
 def test_the_app_seeds_its_model_trained_from_scratch_but_not_a_resumed_one():
-    from fedcomp.app.server_app import privacy_options
+    from fedcomp.app.server_app import concern_options
     from fedcomp.app.config import AppConfig
 
-    fresh = privacy_options(AppConfig.from_run_config({"downstream": "stc"}))
-    resumed = privacy_options(AppConfig.from_run_config({"downstream": "stc", "resume": True}))
-    chosen = privacy_options(AppConfig.from_run_config({"downstream": "stc", "downstream-init": "fp16"}))
-    assert ((fresh["downstream_init"], resumed["downstream_init"], chosen["downstream_init"])
+    fresh = concern_options(AppConfig.from_run_config({"downstream": "stc"}))
+    resumed = concern_options(AppConfig.from_run_config({"downstream": "stc", "resume": True}))
+    chosen = concern_options(AppConfig.from_run_config({"downstream": "stc", "downstream-init": "fp16"}))
+    assert ((fresh["downstream"].init, resumed["downstream"].init, chosen["downstream"].init)
             == ("seeded", "auto", "fp16"))
 
 

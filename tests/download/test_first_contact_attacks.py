@@ -310,7 +310,8 @@ def test_the_lora_app_keeps_an_explicit_downstream_init(monkeypatch, tmp_path, i
 
     with pytest.raises(Stop):
         sa.main(Grid(), Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config=rc))
-    assert (got["downstream_init"] is seeded) if expected == "seeded-lora" else got["downstream_init"] == expected
+    init = got["downstream"].init
+    assert (init is seeded) if expected == "seeded-lora" else init == expected
 
 
 @pytest.mark.parametrize("init", ["auto", "seeded", "dense", "int8"])

@@ -1,4 +1,4 @@
-"""``downstream_init = "seeded"`` redraws only what looks like a parameter's random draw: fixed float
+"""``Download(init="seeded")`` redraws only what looks like a parameter's random draw: fixed float
 buffers (a sinusoidal positional table, a causal mask) keep their values, on the server and on every
 new client, and travel beside the seed."""
 

@@ -1,6 +1,6 @@
 """Server-to-client compression: every client's rebuilt model equals the server's record bit for
-bit; first-round, new and rejoining clients get a compressed start (or, with ``downstream_init =
-"dense"``, dense weights); download bytes are measured."""
+bit; first-round, new and rejoining clients get a compressed start (or, with ``Download(init=
+"dense")``, dense weights); download bytes are measured."""
 
 import logging
 
@@ -14,7 +14,7 @@ from fedcomp.app.client_app import app as client_app
 from fedcomp.task.models import build_model
 from fedcomp.protocol.messages import MODEL_STATE_KEY
 from fedcomp.run.inprocess_grid import InProcessGrid
-from fedcomp.strategies import CompressedStrategy
+from fedcomp.strategies import CompressedStrategy, Download
 
 logging.getLogger("flwr").setLevel(logging.WARNING)
 
@@ -24,11 +24,11 @@ def test_partial_participation_models_match_the_server_record_bit_for_bit(init):
     """Every client's rebuilt model is what the server records for it, bit for bit; lagging clients
     get a small catch-up (chain of payloads or a compressed diff), not the model dense; new clients
     get the int8 start payload (a quarter of the dense bytes) and a catch-up on top, or with
-    ``downstream_init = "dense"`` the model dense."""
+    ``Download(init="dense")`` the model dense."""
     grid = InProcessGrid(client_app, 4, {"lr": 0.1})
     s = CompressedStrategy(FedAvg(fraction_train=0.5, min_train_nodes=2, min_available_nodes=4,
-                                  fraction_evaluate=0.0), compressor="stc", density=0.05, downstream="stc",
-                           downstream_init=init)
+                                  fraction_evaluate=0.0), compressor="stc", density=0.05,
+                           downstream=Download("stc", init=init))
     arrays = ArrayRecord(build_model().state_dict())
     dense_size = sum(len(a.data) for a in arrays.values())
     kinds = []

@@ -184,7 +184,7 @@ def test_copies_agree_under_partial_participation_and_a_lost_reply():
 
     grid = InProcessGrid(bn_app, 5, {}, fault=fault)
     s = CompressedStrategy(FedAvg(fraction_train=0.4, min_train_nodes=2, min_available_nodes=5,
-                                  fraction_evaluate=0.0), compressor="stc", downstream="stc", seed=4,
+                                  fraction_evaluate=0.0), compressor="stc", downstream="stc",
                            batchnorm_stats="auto")
     arrays = ArrayRecord(_model().state_dict())
     forms, lost_node, resent = set(), [], []

@@ -13,7 +13,7 @@ from fedcomp.task.data import DataConfig, load_partition, load_test_set
 from fedcomp.task.lm import build_transformer, transformer_config
 from fedcomp.task.models import build_model
 from fedcomp.task.objective import loss_and_hits
-from fedcomp.app.server_app import build_inner, privacy_options
+from fedcomp.app.server_app import build_inner, concern_options
 from fedcomp.run.inprocess_grid import InProcessGrid
 from fedcomp.statedict import to_state_dict
 from fedcomp.strategies import CompressedStrategy
@@ -28,7 +28,7 @@ def run(rounds: int, **rc):
     run_config = {"dataset": "shakespeare", "model": "transformer", "num-server-rounds": rounds, "seed": 3,
                   "batch-size": 8, "optimizer": "adamw", "lr": 0.003, **rc}
     cfg = AppConfig.from_run_config(run_config)
-    strategy = CompressedStrategy.from_codec_config(build_inner(cfg), cfg.codec, **privacy_options(cfg))
+    strategy = CompressedStrategy.from_codec_config(build_inner(cfg), cfg.codec, **concern_options(cfg))
     grid = InProcessGrid(client_app, NODES, run_config)
     test = load_test_set(DataConfig(cfg.dataset, cfg.partitioner, cfg.dirichlet_alpha, cfg.seed))
     model, evals = build_model("transformer", (80,)), []

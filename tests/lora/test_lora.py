@@ -25,7 +25,7 @@ from fedcomp.protocol.messages import MODEL_STATE_KEY, PAYLOAD_STYPE
 from fedcomp.download.seeded_init import INIT_STYPE
 from fedcomp.run.inprocess_grid import InProcessGrid
 from fedcomp.statedict import to_record
-from fedcomp.strategies import CompressedStrategy
+from fedcomp.strategies import CompressedStrategy, Download
 
 from .helpers import windows
 
@@ -85,8 +85,8 @@ def _federation(base_dir, codec, downstream, nodes=3, fraction=1.0, **params):
     grid = InProcessGrid(app, nodes, run_config)
     init, seeded = initial_adapters(s, seed=7)
     strategy = CompressedStrategy(FedAvg(fraction_train=fraction, min_train_nodes=1, min_available_nodes=nodes,
-                                         fraction_evaluate=0.0), compressor=codec, downstream=downstream,
-                                  downstream_init=seeded, **params)
+                                         fraction_evaluate=0.0), compressor=codec,
+                                  downstream=Download(downstream, init=seeded), **params)
     return s, grid, strategy, to_record(init)
 
 

@@ -65,12 +65,12 @@ def test_server_noise_cannot_be_regenerated_from_the_run_config():
     import numpy as np
 
     from fedcomp.app.config import AppConfig
-    from fedcomp.app.server_app import privacy_options
+    from fedcomp.app.server_app import concern_options
 
     cfg = AppConfig.from_run_config({"dp": "client-level", "seed": 5, "noise-multiplier": 1.0})
     zeros = [np.zeros(1000, np.float32)]
-    a, _ = privacy_options(cfg)["client_dp"].aggregate(zeros, clients=1)
-    b, _ = privacy_options(cfg)["client_dp"].aggregate(zeros, clients=1)
+    a, _ = concern_options(cfg)["privacy"].client_dp.aggregate(zeros, clients=1)
+    b, _ = concern_options(cfg)["privacy"].client_dp.aggregate(zeros, clients=1)
     assert not np.allclose(a, b)
     assert float(np.std(a)) == pytest.approx(1.0, rel=0.15)  # still N(0, (z C)^2): z = C = 1
     seeded = ClientLevelDP(1.0, 1.0, seed=5)  # tests may still pin it explicitly

@@ -14,7 +14,7 @@ from fedcomp.client import compression_mod
 from fedcomp.privacy import ClientLevelDP, calibrate_noise_multiplier
 from fedcomp.privacy.opacus_import import import_opacus
 from fedcomp.run.inprocess_grid import InProcessGrid
-from fedcomp.strategies import CompressedStrategy
+from fedcomp.strategies import CompressedStrategy, PoissonSampling, Privacy
 from tests.messages import reply_with, weights
 
 import_opacus()
@@ -33,7 +33,8 @@ def _client(msg, ctx):
 def _poisson_run(q: float, z: float, rounds: int, nodes: int, seed: int):
     dp = ClientLevelDP(clipping_norm=1.0, noise_multiplier=z, target_delta=1e-5, sample_rate=q, seed=0)
     s = CompressedStrategy(FedAvg(min_available_nodes=nodes, min_train_nodes=1, fraction_evaluate=0.0),
-                           compressor="none", client_dp=dp, client_sampling=q, seed=seed)
+                           compressor="none", privacy=Privacy(client_dp=dp),
+                           sampling=PoissonSampling(q, seed))
     sent, moved = [], []
     configure, aggregate = s.configure_train, s.aggregate_train
 
@@ -84,8 +85,8 @@ def test_rounds_stopped_by_the_budget_are_not_counted():
     z = 1.0
     dp = ClientLevelDP(clipping_norm=1.0, noise_multiplier=z, target_delta=1e-5, sample_rate=0.3, seed=0)
     s = CompressedStrategy(FedAvg(min_available_nodes=3, min_train_nodes=1, fraction_evaluate=0.0),
-                           compressor="none", client_dp=dp, client_sampling=0.3, seed=1,
-                           max_epsilon=(dp.epsilon(2) + dp.epsilon(3)) / 2)
+                           compressor="none", sampling=PoissonSampling(0.3, 1),
+                           privacy=Privacy(client_dp=dp, max_epsilon=(dp.epsilon(2) + dp.epsilon(3)) / 2))
     s.start(grid=InProcessGrid(_client, 3, {}), initial_arrays=ArrayRecord({k: torch.from_numpy(v) for k, v in
                                                                             weights().items()}),
             num_rounds=4, train_config=ConfigRecord({}))

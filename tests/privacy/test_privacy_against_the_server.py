@@ -10,7 +10,7 @@ from flwr.serverapp.strategy import FedAvg
 
 import fedcomp.compression as fc
 from fedcomp.client import compression_mod
-from fedcomp.strategies import CompressedStrategy
+from fedcomp.strategies import CompressedStrategy, Privacy
 from tests.messages import make_ctx, reply_with, train_msg, weights
 
 logging.getLogger("flwr").setLevel(logging.WARNING)
@@ -75,7 +75,7 @@ def test_one_huge_epsilon_report_does_not_stop_the_federation():
     _ensure_task_identity()
     g = weights(0)
     s = CompressedStrategy(FedAvg(fraction_evaluate=0.0, min_available_nodes=2, min_train_nodes=2),
-                           compressor="none", error_feedback=False, max_epsilon=5.0)
+                           compressor="none", error_feedback=False, privacy=Privacy(max_epsilon=5.0))
     arrays = ArrayRecord({k: reply_with(train_msg(g), g).content["arrays"][k] for k in g})
     from flwr.app import ConfigRecord
 

@@ -16,7 +16,7 @@ from fedcomp.app.config import AppConfig
 from fedcomp.config import CodecConfig
 from fedcomp.privacy import ClientLevelDP, LocalDP, clip_and_noise
 from fedcomp.protocol.messages import MODEL_KEY
-from fedcomp.strategies import CompressedStrategy
+from fedcomp.strategies import CompressedStrategy, PoissonSampling, Privacy
 
 logging.getLogger("flwr").setLevel(logging.WARNING)
 
@@ -135,7 +135,7 @@ def test_decoded_sign_updates_are_clipped_on_the_server_both_ways(way):
     clip = 0.05
     if way == "ours":
         s = CompressedStrategy(FedAvg(min_available_nodes=3, fraction_evaluate=0.0), compressor="sign",
-                               client_dp=ClientLevelDP(clip, 0.0))
+                               privacy=Privacy(client_dp=ClientLevelDP(clip, 0.0)))
     else:
         s = CompressedStrategy(DifferentialPrivacyServerSideFixedClipping(
             FedAvg(min_available_nodes=3, fraction_evaluate=0.0), noise_multiplier=0.0, clipping_norm=clip,
@@ -156,7 +156,7 @@ def test_decoded_sign_updates_are_clipped_on_the_server_both_ways(way):
 def test_max_epsilon_stops_the_run_before_the_budget_is_exceeded(mode, dp, compressor):
     budget = (dp.epsilon(2) + dp.epsilon(3)) / 2  # round 3 would exceed it
     s = CompressedStrategy(FedAvg(min_available_nodes=2, fraction_evaluate=0.0), compressor=compressor,
-                           **{mode: dp}, max_epsilon=budget)
+                           privacy=Privacy(**{mode: dp}, max_epsilon=budget))
     _run(s, rounds=4, nodes=2)
     assert [s.history[r].get("num-replies", 0) for r in (1, 2, 3, 4)] == [2, 2, 0, 0]
     assert s.history[2]["epsilon"] <= budget < dp.epsilon(3)
@@ -166,10 +166,10 @@ def test_max_epsilon_stops_the_run_before_the_budget_is_exceeded(mode, dp, compr
 
 def _run_from_run_config(rc: dict, rounds: int):
     """The ServerApp's strategy for run config ``rc``, after ``rounds`` rounds on 2 in-process nodes."""
-    from fedcomp.app.server_app import build_inner, privacy_options
+    from fedcomp.app.server_app import build_inner, concern_options
 
     cfg = AppConfig.from_run_config(rc)
-    s = CompressedStrategy.from_codec_config(build_inner(cfg), cfg.codec, **privacy_options(cfg))
+    s = CompressedStrategy.from_codec_config(build_inner(cfg), cfg.codec, **concern_options(cfg))
     _run(s, rounds=rounds, nodes=2, run_config=rc)
     return s
 
@@ -185,11 +185,11 @@ def test_dp_sgd_epsilon_accumulates_across_rounds_in_the_federation():
 def test_secure_rng_fails_fast_at_start_up():
     from types import SimpleNamespace
 
-    from fedcomp.app.server_app import privacy_options
+    from fedcomp.app.server_app import concern_options
 
     cfg = AppConfig.from_run_config({"dp": "dp-sgd"})
     with pytest.raises(ValueError, match="torchcsprng"):
-        privacy_options(cfg, SimpleNamespace(run_config={"dp": "dp-sgd", "secure-rng": True}))
+        concern_options(cfg, SimpleNamespace(run_config={"dp": "dp-sgd", "secure-rng": True}))
 
 
 @pytest.mark.parametrize("mode", ["local", "client-level"])
@@ -235,7 +235,8 @@ def test_poisson_client_sampling_amplifies_client_level_privacy():
     dp = ClientLevelDP(clipping_norm=1.0, noise_multiplier=1.0, sample_rate=q, seed=0)
     assert dp.epsilon(10) < ClientLevelDP(1.0, 1.0).epsilon(10)
     s = CompressedStrategy(FedAvg(min_available_nodes=4, min_train_nodes=1, fraction_evaluate=0.0),
-                           compressor="sign", client_dp=dp, client_sampling=q, seed=3)
+                           compressor="sign", privacy=Privacy(client_dp=dp),
+                           sampling=PoissonSampling(q, 3))
     counts = []
     orig = s.configure_train
 

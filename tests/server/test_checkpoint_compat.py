@@ -11,7 +11,7 @@ from flwr.serverapp.strategy import FedAdam, FedAvg, FedAvgM
 
 from fedcomp.privacy import ClientLevelDP, LocalDP
 from fedcomp.app import checkpoint
-from fedcomp.strategies import CompressedStrategy
+from fedcomp.strategies import CompressedStrategy, Privacy
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "checkpoints"
 RUNS = {
@@ -40,14 +40,15 @@ def test_an_old_fedadam_checkpoint_restores_the_optimizer_state(tmp_path):
 
 
 def test_an_old_client_level_checkpoint_restores_the_rounds_counted(tmp_path):
-    s = CompressedStrategy(FedAdam(), compressor="sign", client_dp=ClientLevelDP(1.0, 1.0, 1e-5))
+    s = CompressedStrategy(FedAdam(), compressor="sign", privacy=Privacy(client_dp=ClientLevelDP(1.0, 1.0, 1e-5)))
     checkpoint.load(_copy(tmp_path, "fedavg-client-level"), s)
     assert s.client_dp.rounds == 1
 
 
 def test_an_old_fedavgm_local_dp_checkpoint_restores_momentum_and_local_rounds(tmp_path):
     d = _copy(tmp_path, "fedavgm-local")
-    s = CompressedStrategy(FedAvgM(), compressor="stc", density=0.1, local_dp=LocalDP(1.0, 1.0, 1e-5))
+    s = CompressedStrategy(FedAvgM(), compressor="stc", density=0.1,
+                           privacy=Privacy(local_dp=LocalDP(1.0, 1.0, 1e-5)))
     _, weights, _ = checkpoint.load(d, s)
     assert len(s.inner.momentum_vector) == len(weights)
     with np.load(d / checkpoint.WEIGHTS) as z:
@@ -84,13 +85,13 @@ def test_an_old_checkpoint_resumes_and_its_epsilon_continues(tmp_path, name, run
 
 
 def test_the_privacy_budget_state_survives_a_checkpoint(tmp_path):
-    s = CompressedStrategy(FedAdam(), compressor="sign", max_epsilon=5.0)
-    s.budget.local_rounds, s.budget.epsilon_next, s.budget.epsilon_floor = 2, float("inf"), [1.0, 2.5]
+    s = CompressedStrategy(FedAdam(), compressor="sign", privacy=Privacy(max_epsilon=5.0))
+    s.privacy.local_rounds, s.privacy.epsilon_next, s.privacy.epsilon_floor = 2, float("inf"), [1.0, 2.5]
     checkpoint.save(tmp_path, 2, {"w": np.zeros(3, np.float32)}, s, [{"round": 2}])
-    back = CompressedStrategy(FedAdam(), compressor="sign", max_epsilon=5.0)
+    back = CompressedStrategy(FedAdam(), compressor="sign", privacy=Privacy(max_epsilon=5.0))
     checkpoint.load(tmp_path, back)
-    assert back.budget.state_dict() == s.budget.state_dict()
-    assert back.budget.exhausted(3) and "would raise epsilon to about inf" in back.stopped_reason
+    assert back.privacy.accounting() == s.privacy.accounting()
+    assert back.privacy.exhausted(3) and "would raise epsilon to about inf" in back.stopped_reason
 
 
 def test_a_codec_key_newer_than_the_checkpoint_counts_as_its_default():

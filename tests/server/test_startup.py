@@ -38,11 +38,11 @@ def test_dp_sgd_keys_are_still_validated_when_dp_sgd_runs():
     from types import SimpleNamespace
 
     from fedcomp.app.config import AppConfig
-    from fedcomp.app.server_app import privacy_options
+    from fedcomp.app.server_app import concern_options
 
     cfg = AppConfig.from_run_config({"dp": "dp-sgd"})
     with pytest.raises(ValueError, match="'accountant'"):
-        privacy_options(cfg, SimpleNamespace(run_config={"dp": "dp-sgd", "accountant": "nope"}))
+        concern_options(cfg, SimpleNamespace(run_config={"dp": "dp-sgd", "accountant": "nope"}))
 
 
 def test_a_run_config_error_is_logged_as_one_line(caplog):

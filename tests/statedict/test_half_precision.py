@@ -12,7 +12,7 @@ from flwr.serverapp.strategy import FedAvg, FedAvgM
 
 from fedcomp.app import checkpoint
 from fedcomp.privacy import ClientLevelDP
-from fedcomp.strategies import CompressedStrategy
+from fedcomp.strategies import CompressedStrategy, Privacy
 from tests.statedict.test_dtypes import _round
 
 logging.getLogger("flwr").setLevel(logging.WARNING)
@@ -99,7 +99,7 @@ def test_a_checkpoint_with_an_impossible_half_remainder_is_refused(tmp_path):
 
 def test_client_level_dp_on_an_fp16_model_keeps_the_remainder():
     dp = ClientLevelDP(clipping_norm=10.0, noise_multiplier=1e-9, target_delta=1e-5, seed=0)
-    strategy = CompressedStrategy(FedAvg(), compressor="none", client_dp=dp)
+    strategy = CompressedStrategy(FedAvg(), compressor="none", privacy=Privacy(client_dp=dp))
     remember = strategy.remember
     strategy.remember = lambda rnd, model, sampled=0.0, nodes=None: remember(rnd, model, 2.0, nodes)  # 2 sampled
     sd = {"w": torch.ones(4, dtype=torch.float16)}

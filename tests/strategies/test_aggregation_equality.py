@@ -18,7 +18,7 @@ from flwr.app import ArrayRecord, ConfigRecord
 from fedcomp.app.client_app import app as client_app
 from fedcomp.app.config import AppConfig
 from fedcomp.task.models import build_model
-from fedcomp.app.server_app import build_inner, privacy_options
+from fedcomp.app.server_app import build_inner, concern_options
 from fedcomp.run.inprocess_grid import InProcessGrid
 from fedcomp.strategies import CompressedStrategy
 
@@ -28,7 +28,7 @@ ROUNDS = 20
 
 def _strategy(cfg, aggregation):
     return CompressedStrategy.from_codec_config(build_inner(cfg), cfg.codec, aggregation=aggregation,
-                                                **privacy_options(cfg))
+                                                **concern_options(cfg))
 
 
 def _rel_diff(a: ArrayRecord, b: ArrayRecord) -> float:

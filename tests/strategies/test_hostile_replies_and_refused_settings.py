@@ -14,9 +14,9 @@ from fedcomp.client import compression_mod
 from fedcomp.app.config import AppConfig
 from fedcomp.config import CodecConfig
 from fedcomp.privacy import LocalDP
-from fedcomp.app.server_app import privacy_options
+from fedcomp.app.server_app import concern_options
 from fedcomp.run.inprocess_grid import InProcessGrid
-from fedcomp.strategies import CompressedStrategy
+from fedcomp.strategies import Admission, CompressedStrategy, Privacy
 from fedcomp.strategies.legacy_strategy import LegacyCompressedStrategy
 from tests.messages import make_ctx, reply_with, train_msg, weights
 from tests.strategies.legacy_helpers import LinRegClient, NumPyProxy, init_weights
@@ -208,13 +208,13 @@ def test_momentum_correction_with_a_codec_that_sends_every_entry_is_refused(code
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), -1.0, 0.0, "1"])
 def test_max_epsilon_must_be_a_finite_positive_number(value):
     with pytest.raises(ValueError, match="max_epsilon .* must be a finite number > 0"):
-        CompressedStrategy(fedavg(), compressor="none", max_epsilon=value)
+        CompressedStrategy(fedavg(), compressor="none", privacy=Privacy(max_epsilon=value))
 
 
 @pytest.mark.parametrize("value", [0, float("inf"), float("nan"), 2.5, -3, True])
 def test_max_num_examples_must_be_an_integer_of_at_least_1(value):
     with pytest.raises(ValueError, match="max_num_examples must be an integer >= 1"):
-        CompressedStrategy(fedavg(), compressor="none", max_num_examples=value)
+        CompressedStrategy(fedavg(), compressor="none", admission=Admission(max_num_examples=value))
     with pytest.raises(ValueError, match="max_num_examples must be an integer >= 1"):
         _legacy(max_num_examples=value)
 
@@ -223,8 +223,8 @@ def test_max_num_examples_must_be_an_integer_of_at_least_1(value):
 def test_a_noise_multiplier_the_accountant_cannot_handle_is_refused_at_start_up(dp):
     cfg = AppConfig.from_run_config({"dp": dp, "noise-multiplier": 1e-200})
     with pytest.raises(ValueError, match="'noise-multiplier' = 1e-200 is too small for the RDP accountant"):
-        privacy_options(cfg)
-    privacy_options(AppConfig.from_run_config({"dp": dp, "noise-multiplier": 1e-20}))  # computable: accepted
+        concern_options(cfg)
+    concern_options(AppConfig.from_run_config({"dp": dp, "noise-multiplier": 1e-20}))  # computable: accepted
 
 
 # -- The client's own privacy setting ---------------------------------------------------
@@ -245,7 +245,7 @@ def test_an_unknown_value_of_the_clients_own_dp_setting_is_refused(value, hint):
 
 def test_under_local_dp_the_server_keeps_its_own_integer_and_bool_values():
     g = {"w": np.zeros(4, np.float32), "cnt": np.array(5, np.int64), "mask": np.array([True, False])}
-    s = CompressedStrategy(fedavg(), compressor="none", local_dp=LocalDP(1.0, 0.0))
+    s = CompressedStrategy(fedavg(), compressor="none", privacy=Privacy(local_dp=LocalDP(1.0, 0.0)))
     setup(s, g)
     # A client that ignores local DP and sends its exact counters anyway (as a plain compression_mod would).
     cheat = compressed_reply(g, {"w": np.ones(4, np.float32), "cnt": np.array(105, np.int64),
@@ -309,13 +309,13 @@ def test_a_dense_reply_is_validated_like_a_payload(bad, caplog):
 
 def test_the_operator_can_require_compression():
     g, t = weights(0), weights(1)
-    s = CompressedStrategy(fedavg(), compressor="none", require_compression=True)
+    s = CompressedStrategy(fedavg(), compressor="none", admission=Admission(require_compression=True))
     setup(s, g)
     arrays, _ = s.aggregate_train(1, [_dense_reply(g, t, 1)])
     m = s.history[1]  # the round's own figures (Flower gets the headline ones)
     assert arrays is None and m["rejected-replies"] == 1
     cfg = AppConfig.from_run_config({"require-compression": True})
-    assert privacy_options(cfg)["require_compression"] is True
+    assert concern_options(cfg)["admission"].require_compression is True
     assert AppConfig.from_run_config({}).require_compression is False
 
 
@@ -334,7 +334,7 @@ def test_a_setting_neither_the_wrapper_nor_the_inner_strategy_has_is_refused_nam
     s = CompressedStrategy(FedAvgM(), compressor="none")
     with pytest.raises(AttributeError, match=r"no setting 'server_learnig_rate'.*FedAvgM.*\.inner"):
         s.server_learnig_rate = 0.5
-    s.max_num_examples = 100  # the wrapper's own settings stay its own
+    s.admission.max_num_examples = 100  # the wrapper's own settings (its concerns') stay its own
     assert s.max_num_examples == 100 and not hasattr(s.inner, "max_num_examples")
 
 

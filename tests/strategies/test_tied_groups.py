@@ -23,7 +23,7 @@ from fedcomp.privacy import ClientLevelDP
 from fedcomp.run.inprocess_grid import InProcessGrid
 from fedcomp.statedict import FlatModel, to_record
 from fedcomp.statedict.tied import equal_groups, find_tied, looks_random, tie_list, tie_record
-from fedcomp.strategies import CompressedStrategy
+from fedcomp.strategies import CompressedStrategy, Download, Privacy
 
 KEPT = "kept tied"
 CLIENTS = 3
@@ -163,7 +163,7 @@ INNER = {
     "fedadam": lambda: (FedAdam(min_available_nodes=CLIENTS, fraction_evaluate=0.0, eta=0.05), {}),
     "fedmedian": lambda: (FedMedian(min_available_nodes=CLIENTS, fraction_evaluate=0.0), {}),
     "client-dp": lambda: (FedAvg(min_available_nodes=CLIENTS, fraction_evaluate=0.0),
-                          {"client_dp": ClientLevelDP(10.0, 0.1, 1e-5, seed=1)}),
+                          {"privacy": Privacy(client_dp=ClientLevelDP(10.0, 0.1, 1e-5, seed=1))}),
 }
 
 
@@ -210,7 +210,7 @@ def test_a_seeded_start_does_not_hide_the_tie():
     name apart; from round 1 on the aggregate is tied again."""
     grid = InProcessGrid(_third_party_app(TinyGPT), CLIENTS, {})
     s = CompressedStrategy(FedAvg(min_available_nodes=CLIENTS, fraction_evaluate=0.0), compressor="randomk",
-                           density=0.1, downstream_init="seeded")
+                           density=0.1, downstream=Download(init="seeded"))
     result = s.start(grid=grid, initial_arrays=ArrayRecord(_build(TinyGPT).state_dict()), num_rounds=2)
     assert s.tied_groups == [("wte.weight", "lm_head.weight")]
     final = result.arrays

@@ -14,7 +14,7 @@ from flwr.serverapp.strategy import FedAvg
 
 from fedcomp.client import compression_mod
 from fedcomp.run.inprocess_grid import InProcessGrid
-from fedcomp.strategies import CompressedStrategy
+from fedcomp.strategies import CompressedStrategy, Download
 
 torch.manual_seed(0)
 
@@ -118,7 +118,7 @@ def test_evaluation_rides_the_compressed_download():
     """Dense evaluation would send 2 nodes the whole model every round; with the download compressed each
     evaluating node gets a step or a catch-up, and the evaluation still runs on every sampled node."""
     dense_model = recorddict_to_proto(RecordDict({"arrays": ArrayRecord(Net().state_dict())})).ByteSize()
-    strategy, grid, result = _run(compressor="stc", density=0.05, downstream="stc", downstream_density=0.05)
+    strategy, grid, result = _run(compressor="stc", density=0.05, downstream=Download("stc", density=0.05))
     for r in (2, 3):  # round 1's evaluators may be new to the download (a first contact)
         assert strategy.history[r]["wire-bytes-evaluate-down"] < 2 * dense_model / 4
     assert set(result.evaluate_metrics_clientapp) == {1, 2, 3}
