@@ -40,9 +40,11 @@ def checked_max_epsilon(max_epsilon) -> float | None:
     ValueError
         Not None and not a finite number > 0 (bools refused), naming the key.
     """
-    if max_epsilon is not None and (isinstance(max_epsilon, bool) or not isinstance(max_epsilon, (int, float))
+    if max_epsilon is not None and (isinstance(max_epsilon, (bool, np.bool_))
+                                    or not isinstance(max_epsilon, (int, float, np.integer, np.floating))
                                     # also NaN, inf, ints past float range
-                                    or not 0 < max_epsilon <= sys.float_info.max):
+                                    or not 0 < (float(max_epsilon) if isinstance(max_epsilon, np.generic)
+                                                else max_epsilon) <= sys.float_info.max):
         raise ValueError(f"max_epsilon (run config 'max-epsilon') must be a finite number > 0, or None for no "
                          f"budget; got {max_epsilon!r}")
     return None if max_epsilon is None else float(max_epsilon)

@@ -131,13 +131,25 @@ def compose(inner: Strategy, codec: CodecConfig, download: Download, privacy: Pr
     if download.codec == "auto":
         auto, _ = library_downstream(codec.compressor, download.density, privacy.local_dp, inner)
         download = replace(download, codec=auto)
-    ef21 = (EF21Aggregate.for_strategy(inner, privacy.client_dp, aggregation)
-            if codec.error_feedback == "ef21" else None)
+    for concern in (privacy, sampling, privacy.client_dp):
+        if concern is not None and getattr(concern, "in_use", False):
+            raise ValueError(f"this {type(concern).__name__} object already serves another CompressedStrategy (its "
+                             "accounting or draws belong to that run): give each strategy its own")
+    check_sample_rate(privacy, sampling)
+    ef21 = None
+    if codec.error_feedback == "ef21":
+        if sampling is not None:
+            raise ValueError("error_feedback='ef21' needs every client in every round: no PoissonSampling (the "
+                             "server's single estimate h keeps a departed client's last h_i)")
+        ef21 = EF21Aggregate.for_strategy(inner, privacy.client_dp, aggregation)
     why = correction_refusal(download.correction, download.compressed, privacy.client_dp is not None,
                              ef21 is not None, averages_by_weight(inner), aggregation == "dense")
     if why:
         raise ValueError(f"downstream correction = {download.correction!r} cannot apply: {why}")
     downstream = Downstream.for_run(codec, download)
+    for concern in (privacy, sampling, privacy.client_dp):
+        if concern is not None:
+            concern.in_use = True
     hooks: list[RoundHook] = [admission, privacy]
     hooks += [sampling] if sampling is not None else []
     hooks.append(DenseDownload() if downstream is None else DownloadHook(downstream, correct=ef21 is None))
@@ -145,13 +157,33 @@ def compose(inner: Strategy, codec: CodecConfig, download: Download, privacy: Pr
     return Concerns(admission, privacy, sampling, download, downstream, ef21, hooks)
 
 
+def check_sample_rate(privacy: Privacy, sampling: PoissonSampling | None) -> None:
+    """Refuse client-level DP accounted at a sampling rate the run does not sample at: epsilon would be
+    reported too low (amplification by sampling needs the Poisson sample it assumes).
+
+    Raises
+    ------
+    ValueError
+        ``ClientLevelDP(sample_rate=q < 1)`` without ``PoissonSampling(q)`` at the same rate.
+    """
+    dp = privacy.client_dp
+    if dp is None or dp.sample_rate >= 1.0:
+        return  # q = 1: no amplification claimed, whatever the sample
+    rate = None if sampling is None else sampling.rate
+    if rate != dp.sample_rate:
+        got = "no PoissonSampling" if rate is None else f"PoissonSampling({rate:g})"
+        raise ValueError(f"ClientLevelDP(sample_rate={dp.sample_rate:g}) accounts for Poisson sampling at that rate, "
+                         f"but the strategy has {got}: pass sampling=PoissonSampling({dp.sample_rate:g})")
+
+
 def _of(value: Any, kind: type, name: str) -> Any:
     """``value``, or ``kind()`` for None; ``TypeError`` naming ``name`` for anything else."""
     if value is None:
         return kind()
     if not isinstance(value, kind):
-        raise TypeError(f"{name} must be a {kind.__name__} or None, got {type(value).__name__}")
+        hint = f" (wrap it: {name}={kind.__name__}(...))" if name == "privacy" else ""
+        raise TypeError(f"{name} must be a {kind.__name__} or None, got {type(value).__name__}{hint}")
     return value
 
 
-__all__ = ["AGGREGATIONS", "CONCERN_SETTINGS", "Concerns", "check_codec_params", "compose"]
+__all__ = ["AGGREGATIONS", "CONCERN_SETTINGS", "Concerns", "check_codec_params", "check_sample_rate", "compose"]

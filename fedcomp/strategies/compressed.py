@@ -35,14 +35,20 @@ from fedcomp.strategies.wire_bytes import WireCount
 from fedcomp.strategies.wrapping import load_optimizer_state, optimizer_state
 
 def _setting(concern: str, name: str, doc: str) -> property:
-    """A setting of one of the concerns, read and written on the concern's object."""
-    return property(lambda self: getattr(getattr(self, concern), name),
-                    lambda self, value: setattr(getattr(self, concern), name, value), doc=doc)
+    """A read-only view of a setting of one of the concerns (set at construction, checked there)."""
+    return property(lambda self: getattr(getattr(self, concern), name), _read_only(name), doc=doc)
 
 
 def _concern(name: str, doc: str) -> property:
-    """One of the concerns (read-only: the hooks hold it; a new one needs a new strategy)."""
-    return property(lambda self: getattr(self._concerns, name), doc=doc)
+    """One of the concerns (read-only: the hooks hold it)."""
+    return property(lambda self: getattr(self._concerns, name), _read_only(name), doc=doc)
+
+
+def _read_only(name: str):
+    def refuse(self, value) -> None:
+        raise AttributeError(f"CompressedStrategy.{name} is set at construction (checked there against the other "
+                             "concerns): build a new strategy with the setting you want")
+    return refuse
 
 
 class CompressedStrategy(HistoryViews, ForwardsToInner, Strategy):

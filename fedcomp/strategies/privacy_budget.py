@@ -19,6 +19,8 @@ from flwr.common.logger import log
 
 from fedcomp.privacy import ClientLevelDP, LocalDP
 from fedcomp.privacy.accounting import checked_max_epsilon
+from fedcomp.privacy.client_level import check_accountable
+from fedcomp.util.validate import check_number
 from fedcomp.protocol.round_hooks import RoundHook
 
 
@@ -43,10 +45,12 @@ class PoissonSampling(RoundHook):
     """
 
     def __init__(self, rate: float, seed: int | None = None) -> None:
-        if not 0.0 < rate <= 1.0:
-            raise ValueError(f"client_sampling (Poisson rate) must be in (0, 1], got {rate!r}")
-        self.rate = rate
+        check_number(rate, "PoissonSampling rate q", lo=0.0, lo_open=True, hi=1.0)
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0):
+            raise ValueError(f"PoissonSampling seed must be an integer >= 0 or None (OS entropy), got {seed!r}")
+        self.rate = float(rate)
         self._rng = np.random.default_rng(seed)
+        self.in_use = False  # set once a strategy holds it: its draws belong to one run
 
     def sample(self, messages: list[Message]) -> tuple[list[Message], float]:
         """The kept messages and the expected count ``q * N`` (client-level DP's divisor)."""
@@ -91,9 +95,20 @@ class Privacy(RoundHook):
 
     def __init__(self, client_dp: ClientLevelDP | None = None, local_dp: LocalDP | None = None,
                  max_epsilon: float | None = None) -> None:
+        for name, value, kind in (("client_dp", client_dp, ClientLevelDP), ("local_dp", local_dp, LocalDP)):
+            if value is not None and not isinstance(value, kind):
+                raise TypeError(f"Privacy({name}=...) must be a {kind.__name__} or None, got {type(value).__name__}")
+        if client_dp is not None and local_dp is not None:
+            raise ValueError("Privacy: client_dp and local_dp together are one mode too many (the accounting would "
+                             "count one of them): choose client-level DP (the server noises) or local DP (the "
+                             "clients do)")
+        for dp in (client_dp, local_dp):  # the accountant must give a number for a round, before any round runs
+            if dp is not None:
+                check_accountable(dp.noise_multiplier, dp.target_delta, getattr(dp, "sample_rate", 1.0))
         self.client_dp = client_dp
         self.local_dp = local_dp
         self.max_epsilon = checked_max_epsilon(max_epsilon)
+        self.in_use = False  # set once a strategy holds it: its accounting belongs to one run
         #: Why no further rounds are run ("" while rounds go on).
         self.stopped_reason = ""
         #: Rounds in which local-DP updates may have left the clients.

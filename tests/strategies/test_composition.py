@@ -20,8 +20,10 @@ def _kinds(strategy):
 
 
 def test_the_hooks_run_in_the_documented_order():
-    s = CompressedStrategy(FedAvg(), error_feedback="ef21", downstream="stc", sampling=PoissonSampling(0.5, 1))
-    assert _kinds(s) == [Admission, Privacy, PoissonSampling, DownloadHook, EF21Hook]
+    s = CompressedStrategy(FedAvg(), downstream="stc", sampling=PoissonSampling(0.5, 1))
+    assert _kinds(s) == [Admission, Privacy, PoissonSampling, DownloadHook]
+    s = CompressedStrategy(FedAvg(), error_feedback="ef21", downstream="stc")
+    assert _kinds(s) == [Admission, Privacy, DownloadHook, EF21Hook]
     assert all(isinstance(h, RoundHook) for h in s.hooks)
 
 
@@ -80,10 +82,8 @@ def test_the_settings_read_on_the_wrapper_are_its_concerns_settings(name, concer
 
 def test_a_concern_cannot_be_swapped_after_construction():
     s = CompressedStrategy(FedAvg())
-    with pytest.raises(AttributeError):
+    with pytest.raises(AttributeError, match="set at construction"):
         s.admission = Admission(max_num_examples=5)
-    s.max_num_examples = 5  # a setting of a concern is set on its object, which the hooks hold
-    assert s.hooks[0].max_num_examples == 5
 
 
 @pytest.mark.parametrize("download, privacy, error_feedback, why", [
@@ -113,3 +113,61 @@ def test_the_privacy_hook_keeps_its_checkpoint_keys():
     state = s.state_dict()
     assert set(state) == {"privacy", "optimizer", "int-remainders", "half-remainders", "ef21", "ef21-folded"}
     assert state["privacy"]["client-dp-rounds"] == 0 and state["ef21"] == {}
+
+
+def test_client_level_dp_accounted_at_a_rate_the_run_does_not_sample_at_is_refused():
+    dp = ClientLevelDP(1.0, 1.0, sample_rate=0.1)
+    with pytest.raises(ValueError, match=r"sample_rate=0.1.*no PoissonSampling: pass sampling=PoissonSampling\(0.1\)"):
+        CompressedStrategy(FedAvg(), privacy=Privacy(client_dp=dp))
+    with pytest.raises(ValueError, match=r"PoissonSampling\(0.5\)"):
+        CompressedStrategy(FedAvg(), privacy=Privacy(client_dp=dp), sampling=PoissonSampling(0.5))
+    s = CompressedStrategy(FedAvg(), privacy=Privacy(client_dp=dp), sampling=PoissonSampling(0.1))
+    assert s.poisson_rate == 0.1
+
+
+@pytest.mark.parametrize("shared", ["privacy", "sampling", "client_dp"])
+def test_a_concern_object_serves_one_strategy(shared):
+    dp, sampling = ClientLevelDP(1.0, 1.0), PoissonSampling(0.5)
+    CompressedStrategy(FedAvg(), privacy=Privacy(client_dp=dp), sampling=sampling)
+    again = {"privacy": {"privacy": Privacy()}, "sampling": {"sampling": sampling},
+             "client_dp": {"privacy": Privacy(client_dp=dp)}}[shared]
+    if shared == "privacy":
+        used = Privacy(max_epsilon=3.0)
+        CompressedStrategy(FedAvg(), privacy=used)
+        again = {"privacy": used}
+    with pytest.raises(ValueError, match="already serves another CompressedStrategy"):
+        CompressedStrategy(FedAvg(), **again)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"client_dp": 1.0}, r"client_dp=\.\.\.\) must be a ClientLevelDP"),
+    ({"local_dp": ClientLevelDP(1.0, 1.0)}, r"local_dp=\.\.\.\) must be a LocalDP"),
+    ({"client_dp": ClientLevelDP(1.0, 1.0), "local_dp": LocalDP(1.0, 1.0)}, "one mode too many"),
+    ({"client_dp": ClientLevelDP(1.0, 1e-200)}, "too small for the RDP accountant"),
+    ({"max_epsilon": float("nan")}, "max_epsilon"),
+])
+def test_bad_privacy_settings_are_refused_at_construction(kwargs, match):
+    with pytest.raises((TypeError, ValueError), match=match):
+        Privacy(**kwargs)
+
+
+def test_numpy_numbers_are_accepted_as_the_budget():
+    assert Privacy(max_epsilon=np.float32(3.0)).max_epsilon == 3.0 == Privacy(max_epsilon=np.int64(3)).max_epsilon
+
+
+@pytest.mark.parametrize("rate, seed", [(True, None), ("0.5", None), (None, None), (0.5, "x"), (0.5, -1)])
+def test_bad_sampling_settings_are_refused_naming_poisson_sampling(rate, seed):
+    with pytest.raises(ValueError, match="PoissonSampling"):
+        PoissonSampling(rate, seed)
+
+
+def test_ef21_refuses_poisson_sampling():
+    with pytest.raises(ValueError, match="ef21.*every client in every round: no PoissonSampling"):
+        CompressedStrategy(FedAvg(), error_feedback="ef21", sampling=PoissonSampling(0.5))
+
+
+@pytest.mark.parametrize("name", ["max_epsilon", "client_dp", "max_num_examples", "admission", "download"])
+def test_settings_read_on_the_wrapper_cannot_be_written_past_their_checks(name):
+    s = CompressedStrategy(FedAvg())
+    with pytest.raises(AttributeError, match=rf"CompressedStrategy\.{name} is set at construction"):
+        setattr(s, name, None)
