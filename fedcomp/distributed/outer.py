@@ -517,7 +517,8 @@ class DiLoCo:
 
         Raises
         ------
-        As [`step`][fedcomp.distributed.DiLoCo.step], for the exchanges in flight.
+        fedcomp.distributed.CompressionError, fedcomp.compression.PayloadError, RuntimeError
+            As [`step`][fedcomp.distributed.DiLoCo.step], for the exchanges in flight.
         """
         began = time.perf_counter()
         self.synced = [self._land(self._in_flight.popleft()) for _ in range(len(self._in_flight))]
@@ -709,7 +710,8 @@ class DiLoCo:
 
         Raises
         ------
-        As [`step`][fedcomp.distributed.DiLoCo.step], for an exchange in flight that failed.
+        fedcomp.distributed.CompressionError, fedcomp.compression.PayloadError, RuntimeError
+            As [`step`][fedcomp.distributed.DiLoCo.step], for an exchange in flight that failed.
         """
         pending = []
         for ex in self._in_flight:  # first: the exchanges update the residuals
