@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import json
 import os
 import pathlib
@@ -95,35 +96,64 @@ def _tensor_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def wrap_collectives(meter: Meter) -> None:
+    """Count in ``meter`` the bytes and seconds of every ``dist.all_reduce`` / ``dist.all_gather`` of this
+    process (the tensor this rank contributes), hooks' and DDP's Python calls alike."""
+    dist.all_reduce = meter.wrap(dist.all_reduce, lambda t, *a, **k: _tensor_bytes(t))
+    dist.all_gather = meter.wrap(dist.all_gather, lambda outs, t, *a, **k: _tensor_bytes(t))
+
+
 def _rank_main(rank: int, world: int, port: int, sides: list, cfg: dict, out: str) -> None:
     torch.set_num_threads(1)
     meter = Meter()
-    dist.all_reduce = meter.wrap(dist.all_reduce, lambda t, *a, **k: _tensor_bytes(t))
-    dist.all_gather = meter.wrap(dist.all_gather, lambda outs, t, *a, **k: _tensor_bytes(t))
+    wrap_collectives(meter)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
-    results = [_train_side(rank, world, side, cfg, meter) for side in sides]
+    results = [train_side(rank, world, side, DigitsTask(cfg["seed"], rank, world), cfg, meter) for side in sides]
     torch.save(results, pathlib.Path(out) / f"rank{rank}.pt")
     dist.destroy_process_group()
 
 
-def _train_side(rank: int, world: int, side: tuple, cfg: dict, meter: Meter) -> dict:
-    """Train one side in this rank's process group; its measurements, or ``{"error": ...}``."""
+class DigitsTask:
+    """What every side trains here: this rank's shard of the digits, the example's BatchNorm CNN, SGD (lr
+    0.05, momentum 0.9), batch 32; test loss and accuracy on the 360 held-out images.
+
+    A task for `train_side`: ``model()``, ``optimizer(params)``, ``batch(generator)``, ``loss(output,
+    target)`` and ``evaluate(module)`` (``{"loss", "accuracy"}``, accuracy None where it means nothing).
+    """
+
+    batch_size = 32
+
+    def __init__(self, seed: int, rank: int, world: int) -> None:
+        x_train, y_train, self.x_test, self.y_test = digits(seed)
+        shard = torch.arange(rank, len(y_train), world)
+        self.x, self.y = x_train[shard], y_train[shard]
+
+    def model(self) -> torch.nn.Module:
+        return DigitsBNCNN()
+
+    def optimizer(self, params) -> torch.optim.Optimizer:
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+    def batch(self, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = torch.randint(0, len(self.y), (self.batch_size,), generator=gen)
+        return self.x[idx], self.y[idx]
+
+    loss = staticmethod(F.cross_entropy)
+
+    @torch.no_grad()
+    def evaluate(self, module: torch.nn.Module) -> dict:
+        logits = module(self.x_test)
+        return {"loss": float(F.cross_entropy(logits, self.y_test)),
+                "accuracy": float((logits.argmax(1) == self.y_test).float().mean())}
+
+
+def attach_hook(ddp, kind: str, opts: dict, seed: int, hook_seconds: list[float]) -> None:
+    """Register the side's communication hook on ``ddp`` (none for kind ``"ddp"``), each call timed into
+    ``hook_seconds[0]`` up to its future's completion (so a hook's asynchronous collectives count too)."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
     from fedcomp.distributed import CompressionState, compression_hook
-
-    _, kind, opts = side
-    x_train, y_train, x_test, y_test = digits(cfg["seed"])
-    shard = torch.arange(rank, len(y_train), world)
-    x_train, y_train = x_train[shard], y_train[shard]
-    torch.manual_seed(cfg["seed"])
-    model = DigitsBNCNN()
-    numel = sum(p.numel() for p in model.parameters())
-    single = kind == "torch-powersgd"  # torch's PowerSGD fails on gloo with several buckets
-    ddp = DDP(model, bucket_cap_mb=1000.0 if single else 25.0)
-    hook_seconds = [0.0]
 
     def timed(hook):
         def run(state, bucket):
@@ -134,45 +164,77 @@ def _train_side(rank: int, world: int, side: tuple, cfg: dict, meter: Meter) -> 
             return fut
         return run
 
+    if kind == "torch-fp16":
+        ddp.register_comm_hook(None, timed(default_hooks.fp16_compress_hook))
+    elif kind == "torch-bf16":
+        ddp.register_comm_hook(None, timed(default_hooks.bf16_compress_hook))
+    elif kind == "torch-powersgd":
+        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=opts["rank"],
+                                            start_powerSGD_iter=2, min_compression_rate=2, random_seed=seed)
+        ddp.register_comm_hook(state, timed(powerSGD_hook.powerSGD_hook))
+    elif kind == "fedcomp":
+        ddp.register_comm_hook(CompressionState(process_group=None, seed=seed, **opts), timed(compression_hook))
+
+
+def train_side(rank: int, world: int, side: tuple, task, cfg: dict, meter: Meter, probe=None, on_eval=None,
+               stop=None) -> dict:
+    """Train one side of ``task`` (see `DigitsTask`) in this rank's process group for ``cfg["steps"]`` steps;
+    its measurements, or ``{"error": ...}``.
+
+    Per step: its seconds, the hook's, the collectives' and the bytes handed to them; every
+    ``cfg["eval_every"]`` steps and at the end a point of the curve: the step, the seconds since the first
+    step (``wall_s``) and the same without the evaluations (``train_s``), and ``task.evaluate``'s figures.
+    ``probe``, if given, is called right before the first step and after the last (``"probe"``: both
+    answers), e.g. to read an interface's byte counters around the training alone; ``on_eval``, if given,
+    gets each point of the curve as it is made (progress); ``stop``, if given, too, and the side ends
+    before ``cfg["steps"]`` once it returns True (it must answer alike on every rank).
+    """
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    _, kind, opts = side
+    torch.manual_seed(cfg["seed"])
+    model = task.model()
+    numel = sum(p.numel() for p in model.parameters())
+    single = kind == "torch-powersgd"  # torch's PowerSGD fails on gloo with several buckets
+    ddp = DDP(model, bucket_cap_mb=1000.0 if single else 25.0)
+    hook_seconds = [0.0]
     try:
-        if kind == "torch-fp16":
-            ddp.register_comm_hook(None, timed(default_hooks.fp16_compress_hook))
-        elif kind == "torch-bf16":
-            ddp.register_comm_hook(None, timed(default_hooks.bf16_compress_hook))
-        elif kind == "torch-powersgd":
-            state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=opts["rank"],
-                                                start_powerSGD_iter=2, min_compression_rate=2, random_seed=cfg["seed"])
-            ddp.register_comm_hook(state, timed(powerSGD_hook.powerSGD_hook))
-        elif kind == "fedcomp":
-            ddp.register_comm_hook(CompressionState(process_group=None, seed=cfg["seed"], **opts),
-                                   timed(compression_hook))
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+        attach_hook(ddp, kind, opts, cfg["seed"], hook_seconds)
+        opt = task.optimizer(ddp.parameters())
         gen = torch.Generator().manual_seed(cfg["seed"] * 1000 + rank)
         step_times, hook_times, comm_times, step_bytes, curve = [], [], [], [], []
-        start = time.perf_counter()
+        before = probe() if probe else None
+        start, evaluating = time.perf_counter(), 0.0
         for step in range(1, cfg["steps"] + 1):
-            idx = torch.randint(0, len(y_train), (32,), generator=gen)
+            x, y = task.batch(gen)
             ddp.train()
             b0, h0, c0, t0 = meter.bytes, hook_seconds[0], meter.seconds, time.perf_counter()
             opt.zero_grad()
-            F.cross_entropy(ddp(x_train[idx]), y_train[idx]).backward()
+            task.loss(ddp(x), y).backward()
             opt.step()
             step_times.append(time.perf_counter() - t0)
             hook_times.append(hook_seconds[0] - h0)
             comm_times.append(meter.seconds - c0)
             step_bytes.append(meter.bytes - b0 if kind != "ddp" else 4 * numel)
             if step % cfg["eval_every"] == 0 or step == cfg["steps"]:
+                e0 = time.perf_counter()
                 ddp.eval()
-                with torch.no_grad():
-                    logits = ddp.module(x_test)
+                point = task.evaluate(ddp.module)
                 curve.append({"step": step, "wall_s": time.perf_counter() - start,
-                              "loss": float(F.cross_entropy(logits, y_test)),
-                              "accuracy": float((logits.argmax(1) == y_test).float().mean())})
+                              "train_s": e0 - start - evaluating, **point})
+                evaluating += time.perf_counter() - e0
+                if on_eval:
+                    on_eval(curve[-1])
+                if stop and stop(curve[-1]):
+                    break
+        after = probe() if probe else None
         params = torch.cat([p.detach().reshape(-1) for p in ddp.module.parameters()])
-        gathered = [torch.empty_like(params) for _ in range(world)]
-        dist.all_gather(gathered, params)
+        digest = torch.frombuffer(bytearray(hashlib.sha256(params.numpy().tobytes()).digest()), dtype=torch.uint8)
+        gathered = [torch.empty_like(digest) for _ in range(world)]
+        dist.all_gather(gathered, digest)
         return {"numel": numel, "step_s": step_times, "hook_s": hook_times, "comm_s": comm_times,
-                "bytes": step_bytes, "curve": curve, "identical": all(torch.equal(g, params) for g in gathered)}
+                "bytes": step_bytes, "curve": curve, "identical": all(torch.equal(g, digest) for g in gathered),
+                **({"probe": {"before": before, "after": after}} if probe else {})}
     except Exception as err:  # noqa: BLE001 - a side that cannot run here is reported, not fatal
         return {"error": f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"}
 

@@ -29,11 +29,14 @@ import atexit
 import contextlib
 import ipaddress
 import os
+import pathlib
 import secrets
 import shutil
 import subprocess
 import sys
 import time
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -172,6 +175,52 @@ class Topology:
             out[f"up-{i}"] = subprocess.run(["tc", "-n", ns, "-s", "qdisc", "show", "dev", f"{self.tag}c{i}"],
                                             capture_output=True, text=True, check=False).stdout
         return out
+
+    def client_ifname(self, i: int) -> str:
+        """The veth end inside client namespace ``i`` (what ``GLOO_SOCKET_IFNAME`` names there)."""
+        return f"{self.tag}c{i}"
+
+    def run_ranks(self, argvs: list[list[str]], logs: list[pathlib.Path], timeout: float,
+                  env: dict[str, str] | None = None) -> list[int | None]:
+        """Run ``argvs[i]`` in client namespace ``i``, all at once, and wait for them.
+
+        Each process gets ``GLOO_SOCKET_IFNAME`` (its namespace's veth end, so gloo's traffic crosses
+        the shaped link), one thread (``OMP_NUM_THREADS=1``) and the repository on ``PYTHONPATH``,
+        over ``env`` (default: this process's environment); its stdout and stderr go to ``logs[i]``.
+        A process still running ``timeout`` seconds after the start is killed, so that the namespaces
+        can be removed.
+
+        Returns
+        -------
+        list of int or None
+            The exit codes, in namespace order (negative: killed by a signal).
+        """
+        base = dict(os.environ if env is None else env)
+        path = os.pathsep.join(filter(None, [str(REPO), base.get("PYTHONPATH")]))
+        procs = []
+        try:
+            for i, (argv, log) in enumerate(zip(argvs, logs)):
+                child = {**base, "GLOO_SOCKET_IFNAME": self.client_ifname(i), "OMP_NUM_THREADS": "1",
+                         "PYTHONPATH": path}
+                with open(log, "w") as fh:
+                    procs.append(subprocess.Popen([*self.exec_prefix(i), *argv], stdout=fh,
+                                                  stderr=subprocess.STDOUT, env=child))
+            deadline = time.monotonic() + timeout
+            for p in procs:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    p.wait(timeout=max(1.0, deadline - time.monotonic()))
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        return [p.returncode for p in procs]
+
+    @staticmethod
+    def log_tails(codes: list[int | None], logs: list[pathlib.Path], chars: int = 3000) -> str:
+        """The end of each process's log under its exit code: what a failed :meth:`run_ranks` reports."""
+        return "\n".join(f"--- rank {r} (exit {code}):\n" + log.read_text()[-chars:]
+                         for r, (code, log) in enumerate(zip(codes, logs)))
 
     def close(self) -> None:
         """Remove the namespaces (their veth pairs go with them) and the bridge; idempotent.

@@ -927,6 +927,34 @@ PAGE_TABLES["ddp-hook"] = Table("ddp_hook.json", (
 ), tuple(Row(label, f"runs[?side={side}]", cells={"encode+decode / compute": "-"} if side.startswith("ddp") else {})
          for label, side in _DDP_SIDES), command="python benchmarks/ddp_hook.py --seeds 0 1 2")
 
+# --- ddp-hook.md: benchmarks/ddp_links.py's runs over shaped links (one per link, model and side)
+_DDP_LINK_SIDES = tuple((label, side) for label, side in _DDP_SIDES if side != "torch fp16 hook")
+_DDP_LINK_GPT = ("fedcomp int8", "fedcomp qsgd", "fedcomp powersgd r4")  # sides the GPT leaves out
+
+
+def _ddp_links(model: str, mbps: int) -> Table:
+    """The sides of ``model`` over the ``mbps`` link: bytes, the step's time split, the quality and the
+    time to DDP's final quality."""
+    quality = ((("final accuracy", "{final_accuracy|pct}", "---:"), ("points below DDP", "{quality_gap|p}", "---:"))
+               if model == "resnet" else
+               (("final loss", "{final_loss|.3f}", "---:"), ("loss above DDP", "{quality_gap * 100|+.1f} %", "---:")))
+    sides = [(label, side) for label, side in _DDP_LINK_SIDES if model == "resnet" or side not in _DDP_LINK_GPT]
+    return Table("ddp_links.json", (
+        ("side", "{label}"), ("bytes/step/rank", "{bytes_per_step / 1000|.1f} kB", "---:"),
+        ("ratio", "{ratio|x1}", "---:"), ("interface sent/step", "{wire_bytes_per_step / 1000|.1f} kB", "---:"),
+        ("ms/step: compute / enc+dec / comm", "{compute_ms|.0f} / {encode_decode_ms|.0f} / {comm_ms|.0f}", "---:"),
+        ("enc+dec / compute", "{encode_decode_share|pct0}", "---:"), *quality,
+        ("steps to DDP's final", "{steps_to_ddp_final|int}", "---:"),
+        ("s to DDP's final", "{time_to_ddp_final_s|.1f}", "---:"),
+        ("faster than torch PowerSGD", "{speedup_vs_powersgd|x2}", "---:"),
+        ("s for DDP's steps", "{train_s|.0f}", "---:"),
+    ), tuple(Row(label, f"runs[mbps={mbps};model={model};side={side}]") for label, side in sides))
+
+
+PAGE_TABLES["ddp-links/resnet-100"] = _ddp_links("resnet", 100)
+PAGE_TABLES["ddp-links/gpt-100"] = _ddp_links("gpt", 100)
+PAGE_TABLES["ddp-links/resnet-1000"] = _ddp_links("resnet", 1000)
+
 # --- diloco.md: benchmarks/diloco.py's runs (one per side)
 _DILOCO_SIDES = (("ddp", 1, 1, "fp32 allreduce"), ("diloco-fp32", 10, 1, "none"), ("diloco-fp32", 50, 1, "none"),
                  ("diloco-int8", 50, 1, "int8 + EF"), ("diloco-sign", 50, 1, "sign + EF"),

@@ -163,6 +163,7 @@ class CompressionState:
         # along them, as the saved run did after its rebuild
         self.saved_layouts: dict[int, tuple[str, ...]] = {}
         self.numels: dict[str, int] = {}
+        self._bucket_keys: dict[int, tuple[tuple[int, ...], tuple[str, ...]]] = {}  # index -> (ids, keys)
         self.codecs: dict[int | str, Compressor] = {}  # stateful codecs without error feedback
         self.pending: dict[str, dict[str, np.ndarray]] = {}  # parameter key -> restored entries
         logger.info("CompressionState: compressor=%s %s, error_feedback=%s, warmup_steps=%d, "
@@ -172,22 +173,34 @@ class CompressionState:
     # -- pickling, as torch's PowerSGDState: the process group does not travel ------------------------
 
     def __getstate__(self) -> dict[str, Any]:
-        """Everything but the process group (restored as the default group)."""
-        return {k: v for k, v in self.__dict__.items() if k != "process_group"}
+        """Everything but the process group (restored as the default group) and the keys cached per bucket
+        (object ids of this process's parameters)."""
+        return {k: v for k, v in self.__dict__.items() if k not in ("process_group", "_bucket_keys")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self.process_group = None
+        self._bucket_keys = {}
 
     # -- what the hook calls, one small step each ---------------------------------------------------
 
     def parameter_keys(self, index: int, bucket: dist.GradBucket) -> list[str]:
-        """The keys of the bucket's parameters, assigning ``"<index>.<position>"`` to each unseen one."""
+        """The keys of the bucket's parameters, assigning ``"<index>.<position>"`` to each unseen one.
+
+        A bucket that holds the same parameters as at its last call gets the keys found then: once DDP has
+        settled on its buckets, every call skips the loop over the parameters and their gradients (a
+        fixed cost per call that weighs on small and medium buckets)."""
+        params = bucket.parameters()
+        ids = tuple(map(id, params))
+        seen = self._bucket_keys.get(index)
+        if seen is not None and seen[0] == ids:
+            return list(seen[1])
         keys = []
-        for pos, (param, grad) in enumerate(zip(bucket.parameters(), bucket.gradients())):
+        for pos, (param, grad) in enumerate(zip(params, bucket.gradients())):
             key = self.keys.setdefault(id(param), f"{index}.{pos}")
             self.numels[key] = grad.numel()
             keys.append(key)
+        self._bucket_keys[index] = (ids, tuple(keys))
         return keys
 
     def compresses(self, numel: int) -> bool:

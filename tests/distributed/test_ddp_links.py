@@ -1,0 +1,45 @@
+"""The shaped-link DDP hook benchmark (``benchmarks/ddp_links.py``) runs in its quick mode: its sides train
+over the shaped link, and its JSON holds what the docs page reads. Needs root and network namespaces."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "benchmarks" / "ddp_links.py"
+
+
+@pytest.mark.slow
+def test_shaped_link_benchmark_quick_mode_writes_its_json(tmp_path):
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import netshape
+
+    if (reason := netshape.unavailable()) is not None:
+        pytest.skip(f"shaped links: {reason}")
+    out = tmp_path / "ddp_links.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--models", "resnet", "--out", str(out)],
+                          check=False, capture_output=True, text=True, timeout=180, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    text = out.read_text()
+    assert str(tmp_path) not in text and str(REPO) not in text  # no machine paths
+    data = json.loads(text)
+    runs = {r["side"]: r for r in data["runs"]}
+    assert list(runs) == ["ddp (fp32 allreduce)", "torch PowerSGD r1", "fedcomp stc 0.01"]
+    assert all("error" not in r and r["replicas_identical"] and r["model"] == "resnet" and r["mbps"] == 100
+               for r in runs.values()), runs
+    ddp, stc = runs["ddp (fp32 allreduce)"], runs["fedcomp stc 0.01"]
+    assert ddp["bytes_per_step"] == 4 * ddp["numel"] and stc["bytes_per_step"] < ddp["bytes_per_step"]
+    for r in runs.values():
+        # the collectives crossed the shaped link: each rank's interface sent at least half of what it handed
+        # to them (an allreduce of 2 ranks sends each its half of the sum twice; an all-gather its payload)
+        assert r["wire_bytes_per_step"] >= r["bytes_per_step"] / 2
+        assert r["compute_ms"] > 0 and r["step_ms"] > 0 and r["steps_run"] >= data["settings"]["resnet"]["steps"]
+    assert ddp["time_to_ddp_final_s"] is not None  # DDP reaches its own final accuracy
+    assert stc["encode_decode_share"] is not None and ddp["encode_decode_share"] is None
+    assert {t["kind"] for t in data["targets"]} >= {"time", "share"}
+    assert data["command"] == "sudo python benchmarks/ddp_links.py --quick --models resnet"
