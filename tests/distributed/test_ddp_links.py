@@ -4,28 +4,16 @@ over the shaped link, and its JSON holds what the docs page reads. Needs root an
 from __future__ import annotations
 
 import json
-import pathlib
-import subprocess
-import sys
 
 import pytest
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
-SCRIPT = REPO / "benchmarks" / "ddp_links.py"
+from tests.distributed.shaped import REPO, run_quick
 
 
 @pytest.mark.slow
 def test_shaped_link_benchmark_quick_mode_writes_its_json(tmp_path):
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    import netshape
-
-    if (reason := netshape.unavailable()) is not None:
-        pytest.skip(f"shaped links: {reason}")
     out = tmp_path / "ddp_links.json"
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--models", "resnet", "--out", str(out)],
-                          check=False, capture_output=True, text=True, timeout=180, cwd=REPO)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    text = out.read_text()
+    text = run_quick("ddp_links.py", out, "--models", "resnet", timeout=180)
     assert str(tmp_path) not in text and str(REPO) not in text  # no machine paths
     data = json.loads(text)
     runs = {r["side"]: r for r in data["runs"]}

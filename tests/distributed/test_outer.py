@@ -14,6 +14,7 @@ import torch
 
 from fedcomp.distributed import DiLoCo
 from tests.distributed import outer_helpers as h
+from tests.distributed.shaped import run_quick
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -233,17 +234,7 @@ def test_benchmark_quick_mode_writes_its_json(tmp_path):
 
 @pytest.mark.slow
 def test_overlap_benchmark_quick_mode_writes_its_json(tmp_path):
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    import netshape
-
-    if (reason := netshape.unavailable()) is not None:
-        pytest.skip(f"shaped links: {reason}")
-    out = tmp_path / "overlap.json"
-    script = REPO / "benchmarks" / "diloco_overlap.py"
-    proc = subprocess.run([sys.executable, str(script), "--quick", "--out", str(out)],
-                          check=False, capture_output=True, text=True, timeout=600, cwd=REPO)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    data = json.loads(out.read_text())
+    data = json.loads(run_quick("diloco_overlap.py", tmp_path / "overlap.json", timeout=600))
     assert [(r["name"], r["fragments"], r["overlap_steps"]) for r in data["runs"]] == [
         ("streaming", 2, 0), ("streaming-overlap", 2, 2)]
     for r in data["runs"]:
