@@ -7,25 +7,29 @@ each with its fp32 counterpart in the same run:
 
 - ``reference``: the reference app as the README runs it (digits, CNN, 10 SuperNodes, federated
   evaluation on half of them every round, 50 rounds), its default codecs against ``compressor = "none"``;
-- ``existing-app``: ``examples/existing-app`` (an ordinary Flower app, an MLP on digits, 10 clients,
-  every client evaluates every round) with the README's two lines (``compressor="sign"``, and the
-  library's default codec; the library's default download) and with other downloads, against the
-  same app without them (plain FedAvg).
+- ``existing-app``: ``examples/existing-app`` (an ordinary Flower app, a CNN of 53,002 parameters on
+  digits, 10 clients, every client evaluates every round, its own run config) with the README's two
+  lines (``compressor="sign"``, and the library's default codec; the library's default download) and
+  with other downloads, against the same app without them (plain FedAvg); also a few runs at one local
+  epoch (5 steps a round) and with half of the clients a round.
 
-Run: ``python benchmarks/wire.py [--seeds 42 43 44] [--rounds 50] [--quick]``; prints a table
-(medians over seeds) and writes ``benchmarks/results/wire.json`` (``--quick``: 3 rounds, one seed,
-into the temporary folder, see ``outputs.py``).
+Run: ``python benchmarks/wire.py [--seeds 42 43 44] [--rounds 50] [--jobs 2] [--quick]``; prints a
+table (medians over seeds) and writes ``benchmarks/results/wire.json`` (``--quick``: 3 rounds, one
+seed, into the temporary folder, see ``outputs.py``).
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import importlib
+import multiprocessing
 import json
 import pathlib
 import statistics
 import sys
 import tempfile
+import tomllib
 
 from flwr.app import ArrayRecord, ConfigRecord, Context, RecordDict
 from flwr.common.serde import recorddict_to_proto
@@ -68,23 +72,27 @@ def reference(seed: int, rounds: int, compressor: str | None) -> dict:
             "reported-mb": last["cumulative-mb"], "reported-ratio": last["cumulative-ratio-both-ways"]}
 
 
-def existing_app(seed: int, rounds: int, lines: dict | None) -> dict:
-    """``examples/existing-app`` in process; ``lines``: CompressedStrategy's arguments (None: plain FedAvg)."""
+def existing_app(seed: int, rounds: int, lines: dict | None, **settings) -> dict:
+    """``examples/existing-app`` in process with its own run config (10 nodes; ``settings`` override run-config
+    keys, e.g. ``local_epochs=1``); ``lines``: CompressedStrategy's arguments (None: plain FedAvg)."""
     sys.path.insert(0, str(REPO / "examples" / "existing-app"))
     client = importlib.import_module("existingapp.client_app")
     task = importlib.import_module("existingapp.task")
     import torch
 
     torch.manual_seed(seed)
-    rc = {"num-server-rounds": rounds, "fraction-train": 1.0, "fraction-evaluate": 1.0, "min-nodes": 10,
-          "local-epochs": 1, "lr": 0.05, "results-file": ""}
-    fedavg = FedAvg(fraction_train=1.0, fraction_evaluate=1.0, min_train_nodes=10, min_evaluate_nodes=10,
-                    min_available_nodes=10)
+    project = tomllib.loads((REPO / "examples" / "existing-app" / "pyproject.toml").read_text())
+    rc = project["tool"]["flwr"]["app"]["config"]
+    rc.update({"num-server-rounds": rounds, "min-nodes": 10, "results-file": "",
+               **{k.replace("_", "-"): v for k, v in settings.items()}})
+    fedavg = FedAvg(fraction_train=float(rc["fraction-train"]), fraction_evaluate=float(rc["fraction-evaluate"]),
+                    min_available_nodes=10, min_train_nodes=int(10 * rc["fraction-train"]),
+                    min_evaluate_nodes=int(10 * rc["fraction-evaluate"]))
     strategy = fedavg if lines is None else CompressedStrategy(fedavg, **lines)
     app = client.app if lines is not None else _plain_client(client)
     grid = WeighingGrid(app, 10, rc)
     result = strategy.start(grid=grid, initial_arrays=ArrayRecord(task.Net().state_dict()), num_rounds=rounds,
-                            train_config=ConfigRecord({"lr": 0.05}))
+                            train_config=ConfigRecord({"lr": float(rc["lr"])}))
     acc = result.evaluate_metrics_clientapp[rounds]["eval-acc"]
     out = {"accuracy": float(acc), "counted-mb": (grid.down + grid.up) / 1e6}
     if lines is not None:
@@ -103,17 +111,61 @@ def _plain_client(client_module):
     return plain
 
 
+#: case -> (federation, its fp32 case, the strategy's arguments, run-config overrides)
 CASES = {
-    "reference: fp32 both ways": ("reference", "none"),
-    "reference: defaults": ("reference", None),
-    "existing app: plain FedAvg": ("existing", None),
-    "existing app + two lines, sign": ("existing", {"compressor": "sign"}),
-    "existing app + two lines, default codec": ("existing", {}),
-    "existing app, sign, sign download": ("existing", {"compressor": "sign", "downstream": "sign"}),
-    "existing app, sign, STC 0.05 download": ("existing", {"compressor": "sign",
-                                                          "downstream": Download("stc", density=0.05)}),
-    "existing app, sign, dense download": ("existing", {"compressor": "sign", "downstream": "none"}),
+    "reference: fp32 both ways": ("reference", None, "none", {}),
+    "reference: defaults": ("reference", None, None, {}),
+    "existing app: plain FedAvg": ("existing", None, None, {}),
+    "existing app + two lines, sign": ("existing", None, {"compressor": "sign"}, {}),
+    "existing app + two lines, default codec": ("existing", None, {}, {}),
+    "existing app, sign, int8 download": ("existing", None, {"compressor": "sign", "downstream": "int8"}, {}),
+    "existing app, sign, dense download": ("existing", None, {"compressor": "sign", "downstream": "none"}, {}),
+    "existing app, 1 local epoch: plain FedAvg": ("existing", None, None, {"local_epochs": 1}),
+    "existing app, 1 local epoch: sign": ("existing", "existing app, 1 local epoch: plain FedAvg",
+                                          {"compressor": "sign"}, {"local_epochs": 1}),
+    "existing app, 1 local epoch: default codec": ("existing", "existing app, 1 local epoch: plain FedAvg", {},
+                                                   {"local_epochs": 1}),
+    "existing app, half the clients: plain FedAvg": ("existing", None, None,
+                                                     {"fraction_train": 0.5, "fraction_evaluate": 0.5}),
+    "existing app, half the clients: sign": ("existing", "existing app, half the clients: plain FedAvg",
+                                             {"compressor": "sign"}, {"fraction_train": 0.5, "fraction_evaluate": 0.5}),
+    "existing app, half the clients: default codec": ("existing", "existing app, half the clients: plain FedAvg", {},
+                                                      {"fraction_train": 0.5, "fraction_evaluate": 0.5}),
 }
+#: The fp32 case of each federation, for the cases that name none.
+FP32 = {"reference": "reference: fp32 both ways", "existing": "existing app: plain FedAvg"}
+
+
+def summarise(runs: dict[str, list[dict]]) -> list[dict]:
+    """One row per case: medians over its runs, the ratio and accuracy against its fp32 case."""
+    med = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0] if k != "seed"} for name, rs in runs.items()}
+    rows = []
+    for name, m in med.items():
+        kind, fp32, arg, _ = CASES[name]
+        plain = kind == "existing" and arg is None  # a plain FedAvg case is its own fp32
+        base = med[fp32 or (name if plain else FP32[kind])]
+        rows.append({"case": name, "accuracy": m["accuracy"], "mb": m["counted-mb"],
+                     "ratio": base["counted-mb"] / m["counted-mb"],
+                     "accuracy-vs-fp32": m["accuracy"] - base["accuracy"],
+                     "reported-over-counted": m.get("reported-mb", m["counted-mb"]) / m["counted-mb"]})
+    return rows
+
+
+def _threads(jobs: int) -> None:
+    """Each of ``jobs`` worker processes takes its share of the CPU cores for torch."""
+    import os
+
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // jobs))
+
+
+def run_case(name: str, seed: int, rounds: int, existing_rounds: int) -> dict:
+    """One run of ``name`` (a key of `CASES`) at ``seed``."""
+    kind, _, arg, settings = CASES[name]
+    if kind == "reference":
+        return reference(seed, rounds, arg)
+    return existing_app(seed, existing_rounds, arg, **settings)
 
 
 def table(rows: list[dict], seeds: list[int]) -> dict:
@@ -127,8 +179,8 @@ def table(rows: list[dict], seeds: list[int]) -> dict:
                         "fewer bytes than fp32", "fedcomp's count / outside count", "seeds"], "rows": out}
 
 
-#: The cases run on every seed; the other downloads run on the first seed only.
-MAIN_CASES = list(CASES)[:5]
+#: The cases run on every seed (the two lines, and the same at one local epoch); the others on the first seed only.
+MAIN_CASES = list(CASES)[:5] + [c for c in CASES if c.startswith("existing app, 1 local epoch")]
 
 
 def main() -> None:
@@ -136,30 +188,28 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[42, 43, 44])
     ap.add_argument("--rounds", type=int, default=50)
     ap.add_argument("--existing-rounds", type=int, default=30)
+    ap.add_argument("--jobs", type=int, default=2, help="runs at a time (each in its own process)")
     ap.add_argument("--quick", action="store_true", help="3 rounds, one seed, to the temporary folder")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.quick:
         args.seeds, args.rounds, args.existing_rounds = args.seeds[:1], 3, 3
-    runs: dict[str, list[dict]] = {}
-    for name, (kind, arg) in CASES.items():
-        for seed in args.seeds if name in MAIN_CASES else args.seeds[:1]:
-            res = (reference(seed, args.rounds, arg) if kind == "reference"
-                   else existing_app(seed, args.existing_rounds, arg))
-            runs.setdefault(name, []).append({"seed": seed, **res})
-            print(name, seed, res, flush=True)
-    med = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0] if k != "seed"} for name, rs in runs.items()}
-    fp32 = {"reference": med["reference: fp32 both ways"], "existing": med["existing app: plain FedAvg"]}
-    rows = []
-    for name, m in med.items():
-        base = fp32[CASES[name][0]]
-        rows.append({"case": name, "accuracy": m["accuracy"], "mb": m["counted-mb"],
-                     "ratio": base["counted-mb"] / m["counted-mb"],
-                     "accuracy-vs-fp32": m["accuracy"] - base["accuracy"],
-                     "reported-over-counted": m.get("reported-mb", m["counted-mb"]) / m["counted-mb"]})
-    print(f"{'case':42} {'accuracy':>8} {'MB':>9} {'ratio':>7} {'vs fp32':>8} {'reported/counted':>16}")
+    todo = [(name, seed) for name in CASES for seed in (args.seeds if name in MAIN_CASES else args.seeds[:1])]
+    runs: dict[str, list[dict]] = {name: [] for name in CASES}
+    with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn"),
+                                                initializer=_threads, initargs=(args.jobs,)) as pool:
+        futures = {pool.submit(run_case, name, seed, args.rounds, args.existing_rounds): (name, seed)
+                   for name, seed in todo}
+        for future in concurrent.futures.as_completed(futures):
+            name, seed = futures[future]
+            runs[name].append({"seed": seed, **future.result()})
+            print(name, seed, runs[name][-1], flush=True)
+    for rs in runs.values():
+        rs.sort(key=lambda r: r["seed"])
+    rows = summarise(runs)
+    print(f"{'case':46} {'accuracy':>8} {'MB':>9} {'ratio':>7} {'vs fp32':>8} {'reported/counted':>16}")
     for r in rows:
-        print(f"{r['case']:42} {r['accuracy']:8.4f} {r['mb']:9.3f} {r['ratio']:7.1f} {r['accuracy-vs-fp32']:+8.4f} "
+        print(f"{r['case']:46} {r['accuracy']:8.4f} {r['mb']:9.3f} {r['ratio']:7.1f} {r['accuracy-vs-fp32']:+8.4f} "
               f"{r['reported-over-counted']:16.4f}")
     path = output_path("wire", args.out, args.quick)
     path.parent.mkdir(parents=True, exist_ok=True)

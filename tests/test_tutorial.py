@@ -118,7 +118,7 @@ def test_python_blocks_print_what_the_page_shows(run):
 
 
 def test_the_flwr_run_output_shows_the_bytes_of_the_in_process_run(run):
-    table = next(out for out in run if out.startswith("round  up B"))
+    table = next(out for out in run if out.split()[:3] == ["round", "up", "B"])
     rounds = [row.split() for row in table.strip().splitlines()[1:]]
     shown = BLOCKS[[i for i, (lang, _, _) in enumerate(BLOCKS) if lang == "text"][-1]][1]
     metrics = re.findall(r"\[ROUND (\d+)/\d+\].*?'upload-bytes': ([\d.]+), 'download-bytes': ([\d.]+)", shown,

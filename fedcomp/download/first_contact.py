@@ -7,9 +7,11 @@ broadcast model B_1 in one of three ways, by its ``init`` policy:
   (`fedcomp.download.seeded_init`) and builds B_1 itself, bit for bit. For LoRA adapters at
   peft's initialisation (``lora_B`` = 0, ``lora_A`` Kaiming-uniform: Hu et al., ICLR 2022) the
   strategy recognises them (``"auto"``) and redraws ``lora_A`` from the seed, so a third-party app
-  writes no seeding code; for any model trained from scratch (``"seeded"``) every float tensor that
-  looks like a random draw is redrawn with its mean and variance, and the others (buffers such as a
-  sinusoidal table or a mask) travel exactly beside the seed;
+  writes no seeding code; likewise (``"auto"``) a model as PyTorch initialises it (every large float
+  tensor a uniform i.i.d. draw, as ``Linear``/``Conv`` weights and biases are, or a constant:
+  `pytorch_default_init`), its small tensors travelling exactly; for any model trained from scratch
+  (``"seeded"``) every float tensor that looks like a random draw is redrawn with its mean and
+  variance, and the others (buffers such as a sinusoidal table or a mask) travel exactly beside the seed;
 - a **compressed start** (``"auto"`` for any other model, or a codec name): B_1 is the initial model
   coded with ``int8`` (or that codec), one payload for every node; what it leaves out stays in the
   server's error feedback ``G - B`` and reaches the nodes with later broadcasts;
@@ -63,11 +65,11 @@ def starting_model(init: SeededInit | str, arrays: ArrayRecord) -> tuple[ArrayRe
     """The initial global model and the policy that stays in force.
 
     ``"auto"`` replaces nothing but LoRA adapters at peft's initialisation (their ``lora_A`` by the
-    seed's draw from the same distribution; then the policy becomes that `SeededInit`, else
-    `START_CODEC`); ``"seeded"`` replaces every float tensor whose values look like a random
-    draw (`looks_drawn`, `seeded_like`):
-    a state_dict does not tell parameters from buffers, so a fixed buffer (a sinusoidal table, a mask)
-    keeps its values, which the first contact sends exactly (`SeededInit.exact`). Integer/bool
+    seed's draw from the same distribution) and models at PyTorch's default initialisation
+    (`pytorch_default_init`); then the policy becomes that `SeededInit`, else `START_CODEC`.
+    ``"seeded"`` replaces every float tensor whose values look like a random draw (`looks_drawn`,
+    `seeded_like`): a state_dict does not tell parameters from buffers, so a fixed buffer (a sinusoidal
+    table, a mask) keeps its values, which the first contact sends exactly (`SeededInit.exact`). Integer/bool
     tensors are kept. The draw's
     seed is a hash of ``arrays`` (an app that seeds its own initialisation per run gets a different
     start per run). The result equals what a new client builds from the seed, bit for bit (in each
@@ -102,7 +104,8 @@ def starting_model(init: SeededInit | str, arrays: ArrayRecord) -> tuple[ArrayRe
     # Only what looks like a parameter's random draw is redrawn: a state_dict does not say which
     # entries are buffers, and a fixed buffer (a sinusoidal table, a mask) replaced by noise stays noise.
     fixed = [k for k, v in floats.items() if not looks_drawn(v)] if init == "seeded" else []
-    seeded = seeded_like(floats, seed, exact=fixed) if init == "seeded" else peft_adapters(floats, seed)
+    seeded = (seeded_like(floats, seed, exact=fixed) if init == "seeded"
+              else peft_adapters(floats, seed) or pytorch_default_init(floats, seed))
     if seeded is None:
         return arrays, START_CODEC
     log(INFO, "fedcomp downstream: seeded start (%d tensors, %d of them sent exactly): new clients build the "
@@ -127,6 +130,58 @@ def peft_adapters(floats: dict[str, np.ndarray], seed: int) -> SeededInit | None
     return init
 
 
+#: Float tensors with fewer entries, or of one dimension (biases: their bound depends on the weight's
+#: fan-in), travel exactly in `pytorch_default_init`'s start: a few values a layer.
+MIN_SEEDED_NUMEL = 256
+
+
+def pytorch_default_init(floats: dict[str, np.ndarray], seed: int) -> SeededInit | None:
+    """A seeded start for a model as PyTorch initialises it, or None for any other model.
+
+    PyTorch draws ``Linear``/``Conv`` weights uniformly in ``+-1/sqrt(fan_in)``, ``fan_in`` the
+    product of the weight's dimensions after the first (Kaiming-uniform with ``a = sqrt(5)``:
+    ``torch.nn.Linear.reset_parameters``; He et al., ICCV 2015), and sets normalisation layers to
+    constants. A model qualifies when each float tensor is a constant, has one dimension or fewer than
+    `MIN_SEEDED_NUMEL` entries (those travel exactly beside the seed), or is such a weight: an i.i.d.
+    draw (`looks_drawn`) within ``+-1/sqrt(fan_in)`` (to the dtype's rounding) that reaches at least
+    90 % of it, no two of them equal (tied weights keep their values). The start draws each weight uniformly in
+    ``+-1/sqrt(fan_in)``: the same distribution, another draw, so a new client builds the first
+    model from a seed and a few bytes a tensor. A model that trained, even briefly, has weights past the
+    bound and gets the compressed start; so do other initialisations (Xavier, normal embeddings) and
+    BatchNorm statistics that ran forward passes.
+
+    Parameters
+    ----------
+    floats : dict of str to numpy.ndarray
+        The model's float tensors (finite, any float dtype and shape).
+    seed : int
+        The draw's seed (`model_seed`).
+    """
+    drawn, exact = [], []
+    for k, v in floats.items():
+        x = np.asarray(v, dtype=np.float64)
+        if x.size == 0 or np.all(x == x.flat[0]):
+            continue
+        if is_batchnorm_stat(k):
+            return None
+        if x.ndim < 2 or x.size < MIN_SEEDED_NUMEL:
+            exact.append(k)
+            continue
+        bound = 1.0 / math.sqrt(math.prod(x.shape[1:]))
+        top, rounding = float(np.abs(x).max()), 2.0 * float(np.finfo(np.asarray(v).dtype).eps)
+        if not 0.9 * bound <= top <= bound * (1 + max(rounding, 1e-6)) or not looks_drawn(x):
+            return None
+        drawn.append(k)
+    for i, k in enumerate(drawn):  # one tensor under two names: redrawn apart it would come untied
+        if any(floats[j].shape == floats[k].shape and np.array_equal(floats[j], floats[k]) for j in drawn[:i]):
+            return None
+    if not drawn:
+        return None
+    rules = seeded_like(floats, seed, exact=exact)  # constants and exact tensors; the weights drawn as PyTorch does
+    bounds = {**rules.bounds, **{k: 1.0 / math.sqrt(math.prod(floats[k].shape[1:])) for k in drawn}}
+    return SeededInit(seed, bounds, {k: c for k, c in rules.centers.items() if k not in drawn}, rules.exact)
+
+
 def model_seed(floats: dict[str, np.ndarray]) -> int:
     """A 63-bit seed from the initial model's names and values (SHA-256)."""
     h = hashlib.sha256()
@@ -136,4 +191,5 @@ def model_seed(floats: dict[str, np.ndarray]) -> int:
     return int.from_bytes(h.digest()[:8], "little") >> 1
 
 
-__all__ = ["INIT_POLICIES", "START_CODEC", "check_init_policy", "model_seed", "peft_adapters", "starting_model"]
+__all__ = ["INIT_POLICIES", "MIN_SEEDED_NUMEL", "START_CODEC", "check_init_policy", "model_seed", "peft_adapters",
+           "pytorch_default_init", "starting_model"]

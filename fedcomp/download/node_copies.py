@@ -102,7 +102,7 @@ class NodeCopies:
         self.pin_start = pin_start
         #: node -> (version it will hold, None: exactly that B; else the `Diff` it was sent): the copy
         #: is rebuilt when the node replies (`commit`)
-        self.pending: dict[int, tuple[int, Diff | None]] = {}
+        self.pending: dict[int, tuple[int, Diff | None, bool]] = {}
         #: ``batchnorm-stats = "auto"``: node -> its copy of the BatchNorm statistics (committed when it
         #: replied), and what each node sent something this round will hold
         self.stats: dict[int, FlatModel] = {}
@@ -127,10 +127,10 @@ class NodeCopies:
         if first:
             self.versions[1] = start
 
-    def send(self, node: int, version: int, diff: Diff | None = None) -> None:
-        """``node`` was sent a message after which it holds ``version`` exactly (``diff`` None) or its
-        base plus ``diff``; it counts as holding it once it replies (`commit`)."""
-        self.pending[node] = (version, diff)
+    def send(self, node: int, version: int, diff: Diff | None = None, keep: bool = False) -> None:
+        """``node`` was sent a message after which it holds ``version`` exactly (``diff`` None), its base
+        plus ``diff``, or (``keep``) the copy it holds; it counts as holding it once it replies (`commit`)."""
+        self.pending[node] = (version, diff, keep)
 
     def send_stats(self, node: int, stats: FlatModel) -> None:
         """``node`` was sent the BatchNorm statistics it will hold once it replies (`commit`)."""
@@ -183,7 +183,7 @@ class NodeCopies:
         nothing was pending for it)."""
         if node not in self.pending:
             return True
-        label, diff = self.pending.pop(node)
+        label, diff, keep = self.pending.pop(node)
         base = None if diff is None else self.base(node, diff.base)
         if diff is not None and base is None:
             self.stats_pending.pop(node, None)
@@ -192,10 +192,10 @@ class NodeCopies:
         self.node_version[node] = label
         if node in self.stats_pending:
             self.stats[node] = self.stats_pending.pop(node)
-        if diff is None:
-            self.private.pop(node, None)
-        else:
+        if diff is not None:
             self.private[node] = rebuild(base, diff.payload)
+        elif not keep:
+            self.private.pop(node, None)
         if verify is not None and not verify():
             self.forget(node)
             self.drop_unheld()

@@ -29,16 +29,19 @@ class Download:
     ----------
     codec : str
         ``"auto"`` (default): the library's choice (`fedcomp.strategies.presets.library_downstream`:
-        int8 with server-side error feedback, dense where a compressed download cannot apply);
+        the upload codec's counterpart, ``sign``, STC or int8, with server-side error feedback; dense
+        where a compressed download cannot apply);
         ``"none"``: the model dense; or a codec name (`fedcomp.compression.available_compressors`).
         Clients that hold the previous broadcast get ``C(global - broadcast)``; clients that missed
         rounds a catch-up (`catchup`); a client that holds nothing the first contact `init` says.
         Needs ``compression_mod`` on every client.
     density : float or None
-        Density of a sparse codec, in (0, 1] (None: the upload's ``density``).
+        Density of a sparse codec, in (0, 1] (None: the upload's ``density``; with ``codec="auto"``
+        and a sparse upload, five times it).
     init : SeededInit or str
         What a node that holds nothing gets first: ``"auto"`` (a seeded start for LoRA adapters at peft's
-        initialisation, else the initial model compressed with int8), ``"seeded"`` (every float tensor
+        initialisation or a model at PyTorch's default initialisation, else the initial model compressed
+        with int8: `fedcomp.download.first_contact.starting_model`), ``"seeded"`` (every float tensor
         drawn from a seed with its mean and variance: models trained from scratch), a codec name (a start
         compressed with it), ``"dense"``, or a `SeededInit` (`fedcomp.download.seeded_init.lora_init`).
     catchup : {"smallest", "exact"}

@@ -4,6 +4,8 @@ Per destination node (`fedcomp.download.sender.Downstream` gives the round's bro
 node's record in `NodeCopies`, the start payload a new node needs first and the bytes of the model
 dense), in order of preference:
 
+0. `PlanKind.HELD`: the node holds the latest step already (B_v, or its own copy from a diff sent since
+   B_v was made): nothing but the exact tensors; what it lacks reaches it with the next global model.
 1. `PlanKind.PAYLOAD`: the node holds B_{v-1} exactly: the broadcast payload.
 2. `PlanKind.CHAIN`: the node holds an older B_u exactly: the broadcast payloads u+1..v (exact: B_v).
 3. `PlanKind.DIFF`: the node holds some H (an older version or an earlier catch-up): ``C(G - H)`` with
@@ -29,6 +31,7 @@ from fedcomp.download.node_copies import Base, BaseKind, Diff, NodeCopies
 class PlanKind(str, Enum):
     """The form of a node's message (its value is what ``Downstream.sent_kind`` reports)."""
 
+    HELD = "held"
     PAYLOAD = "payload"
     CHAIN = "chain"
     DIFF = "diff"
@@ -97,6 +100,8 @@ def plan_message(nodes: NodeCopies, node: int, payload: bytes | None, start: lis
         label, private = 1, None  # builds B_1 itself from the seed
     else:
         return Plan(PlanKind.DENSE)
+    if known and label == v:
+        return Plan(PlanKind.HELD, [], label)
     start = [] if known else start  # a compressed start's payload comes first
     if not known and v == 1:
         return Plan(PlanKind.INIT, list(start))  # the start is this round's model

@@ -62,24 +62,26 @@ def _version_keys(cfg) -> None:
 
 
 def check_version(cfg, context: Context) -> None:
-    """A downloaded model's version must be newer than the copy this node holds.
+    """A downloaded model's version must be newer than the copy this node holds, or the held version
+    itself in a message that builds on it (``fedcomp-base-version`` the held one: the node already holds
+    the latest broadcast and trains or evaluates its copy; `rebuild` refuses steps in such a message).
 
-    The server advances its broadcast version with every message it prepares (train and evaluate),
-    so a message whose ``fedcomp-model-version`` is not above the held one is a replay or a stale
-    message. A first contact (``fedcomp-init-seed``) is the exception: it replaces the copy whatever
-    it held, and a server that started over (its versions from 1 again) sends one to every node; a
-    replayed old one cannot be folded as current (the server counts only replies to the messages of
-    the round).
+    The server advances its broadcast version once per global model, so any other message whose
+    ``fedcomp-model-version`` is not above the held one is a replay or a stale message. A first
+    contact (``fedcomp-init-seed``) is the exception: it replaces the copy whatever it held, and a
+    server that started over (its versions from 1 again) sends one to every node; a replayed old one
+    cannot be folded as current (the server counts only replies to the messages of the round).
 
     Raises
     ------
     PayloadError
-        ``fedcomp-model-version`` at or below the held copy's version (the message names both).
+        ``fedcomp-model-version`` below the held copy's version, or equal to it in a message that does
+        not build on the held version (the message names both).
     """
     if MODEL_META_KEY not in context.state or INIT_SEED in cfg:
         return
     held, new = int(context.state[MODEL_META_KEY]["version"]), int(cfg[MODEL_VERSION])
-    if new <= held:
+    if new < held or (new == held and cfg.get(BASE_VERSION) != held):
         raise PayloadError(f"train config '{MODEL_VERSION}' = {new} is not newer than the model version this node "
                            f"holds ({held}): a replayed or stale download; refused before training, the held copy is "
                            "kept")
@@ -279,13 +281,19 @@ def rebuild(msg: Message, context: Context, arr_key: str, rec: ArrayRecord, cfg)
     check_version(cfg, context)
     parts = _parts(rec)
     part_keys = {chain_key(i) for i in range(len(parts))}
+    on_held = INIT_SEED not in cfg and (parts or cfg.get(BASE_VERSION, 0) > 0)  # steps on the held copy, or none
+    if on_held and not parts and cfg.get(BASE_VERSION) != cfg[MODEL_VERSION]:
+        raise PayloadError(f"downstream message names base version {cfg.get(BASE_VERSION)} and version "
+                           f"{cfg[MODEL_VERSION]} but carries no step between them")
+    if parts and cfg.get(BASE_VERSION) == cfg[MODEL_VERSION]:
+        raise PayloadError(f"downstream message carries steps but its version ({cfg[MODEL_VERSION]}) is its base's")
     changes = sorted(k for k in rec.keys() if k.startswith(STAT_DELTA_PREFIX))
-    if changes and (INIT_SEED in cfg or not parts):  # a change needs the copy a payload message names
+    if changes and not on_held:  # a change needs the copy the message builds on
         raise PayloadError(f"downstream message carries BatchNorm statistic changes {changes[:5]} but names no "
                            f"held copy to apply them to ({'init' if INIT_SEED in cfg else 'dense'} message)")
     if INIT_SEED in cfg:
         base, lossy = _init_base(rec, int(cfg[INIT_SEED]), part_keys)
-    elif parts:
+    elif on_held:
         base, lossy = _held_base(rec, context, cfg, part_keys)
     else:
         base = None

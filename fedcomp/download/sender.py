@@ -78,6 +78,15 @@ from fedcomp.download.options import Download, check_catchup, check_density, che
 from fedcomp.download.plan import PlanKind, plan_message
 
 
+def _model_digest(model: FlatModel) -> bytes:
+    """A 32-byte digest of every tensor of ``model`` (BLAKE2b of the float vector and the exact tensors):
+    whether the global model changed since the last broadcast step, without keeping a copy of it."""
+    h = hashlib.blake2b(np.ascontiguousarray(model.flat).tobytes(), digest_size=32)
+    for k in model.exact_keys:
+        h.update(np.ascontiguousarray(model.exact[k]).tobytes())
+    return h.digest()
+
+
 def reported_copy(reply: Message) -> bytes | None:
     """The digest of the model copy a reply says its node holds (``fedcomp.copy``'s ``"digest"``,
     `fedcomp.download.receiver.report_copy`); None when the reply carries none (an older
@@ -172,6 +181,8 @@ class Downstream:
         self.sent_kind: dict[int, PlanKind] = {}
         #: this round's diffs from a shared base (`_diff`), emptied by `prepare`
         self._round_diffs: dict[Base, bytes] = {}
+        #: the digest of the global model G that B_v was made for (`_model_digest`; None: none yet)
+        self._target_digest: bytes | None = None
         #: nodes forgotten because the copy they reported differs from the server's record (`received`),
         #: since the caller last emptied it
         self.resynced: list[int] = []
@@ -266,10 +277,12 @@ class Downstream:
         Every message gets its own RecordDict and ArrayRecord (as the real transport gives each
         node its own copy), so a handler that edits its input affects no other client.
 
-        Train and evaluate messages go the same way (``phase``): federated evaluation after a round
-        advances B towards the round's new global model and sends each evaluating node the step
-        (or catch-up) that brings its copy there; the next round's train messages send what that
-        step left out (server-side error feedback). A node evaluates the model it will train from.
+        Train and evaluate messages go the same way (``phase``). B advances once per global model: the
+        first call with a new G (federated evaluation after a round, or the next round's training) sends
+        the step towards it, and a later call with the same G (the next round's train messages after
+        evaluation) sends no new step: a node that holds B_v gets nothing but the config, one that
+        does not the step or catch-up to B_v. A node evaluates the model it will train from, and what
+        the step left out stays in ``G - B`` for the next round (server-side error feedback).
         ``phase = "evaluate"`` only changes the seeds of seeded codecs (`EVALUATE_SEED_OFFSET`).
 
         Returns the messages (modified in place) with a per-message ConfigRecord carrying the version
@@ -290,6 +303,8 @@ class Downstream:
             self.nodes.set_start(self._check_init(target))
             if self.nodes.start is None and self.init != "dense":
                 self._compressed_start(server_round, target)
+        elif self._target_digest == _model_digest(target):  # G unchanged since B_v was made: no new step
+            payload = self.nodes.payloads.get(self.version)
         else:
             b = self.nodes.versions[self.version]
             payload = self._compress(self._lossy(target) - b, server_round)
@@ -299,6 +314,7 @@ class Downstream:
             for k in self.exempt_keys:
                 self.model.float_view(k)[...] = target.float_view(k)
             self.model.exact = target.exact
+        self._target_digest = _model_digest(target)
         g = self._lossy(target)
         extras = {k: payload_array(get_compressor("none").compress(torch.from_numpy(self.model.float_view(k).copy())))
                   for k in self.exempt_keys}
@@ -340,7 +356,7 @@ class Downstream:
                         self._stat_changes(node, rec)
                 for i, p in enumerate(plan.parts):
                     rec[chain_key(i)] = payload_array(p)
-                self.nodes.send(node, self.version, plan.diff)
+                self.nodes.send(node, self.version, plan.diff, keep=plan.kind is PlanKind.HELD)
             if self.stat_deltas and not self.nodes.stats_sent(node):  # sent the statistics exactly
                 self.nodes.send_stats(node, self._exempt_copy())
             msg.content[arr_key] = rec

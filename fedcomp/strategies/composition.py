@@ -5,8 +5,8 @@ Each concern checks its own settings where it is configured (`Admission`, `Priva
 `PoissonSampling`, `fedcomp.download.Download`, the codec); what depends on two of them is decided
 here, in one place:
 
-- the library's download for ``downstream="auto"`` (`presets.library_downstream`: int8, dense where a
-  compressed download cannot apply);
+- the library's download for ``downstream="auto"`` (`presets.library_downstream`: the upload codec's
+  counterpart, dense where a compressed download cannot apply);
 - EF21 needs a weighted-mean inner strategy, no client-level DP, and every client every round;
 - error feedback under Flower's DP wrappers is refused (`codec_round.check_feedback_under_dp`);
 - the downstream correction applies to weighted-mean rounds with a compressed download only.
@@ -129,8 +129,8 @@ def compose(inner: Strategy, codec: CodecConfig, download: Download, privacy: Pr
     except ValueError as err:
         raise ValueError(f"preset {preset!r} keeps error feedback: {err}" if preset else str(err)) from None
     if download.codec == "auto":
-        auto, _ = library_downstream(codec.compressor, download.density, privacy.local_dp, inner)
-        download = replace(download, codec=auto)
+        auto, density = library_downstream(codec.compressor, download.density, codec.density, privacy.local_dp, inner)
+        download = replace(download, codec=auto, density=density)
     for concern in (privacy, sampling, privacy.client_dp):
         if concern is not None and getattr(concern, "in_use", False):
             raise ValueError(f"this {type(concern).__name__} object already serves another CompressedStrategy (its "

@@ -79,9 +79,11 @@ class CompressedStrategy(HistoryViews, ForwardsToInner, Strategy):
         `ef21_aggregate`).
     downstream : Download or str or None
         The download (`fedcomp.download.Download`; a string is its codec, None or "none" dense).
-        Default "auto": int8 with server-side error feedback, dense for ``compressor="none"``, under
-        local DP and for inner strategies that need every client's weights. Evaluate messages travel
-        the same way. Needs ``compression_mod`` on every client.
+        Default "auto": the upload codec's counterpart with server-side error feedback (`sign` for
+        sign uploads, STC at five times the density for sparse ones, int8 for the others:
+        `presets.library_downstream`), dense for ``compressor="none"``, under local DP and for inner
+        strategies that need every client's weights. Evaluate messages travel the same way, and a node
+        that already holds the latest broadcast gets no step. Needs ``compression_mod`` on every client.
     privacy : Privacy, optional
         Client-level DP, local DP and the epsilon budget (`privacy_budget.Privacy`). Default: none.
     sampling : PoissonSampling, optional

@@ -65,35 +65,49 @@ def apply_preset(preset: str | None, given: dict[str, Any], defaults: dict[str, 
     return out
 
 
-#: The download codec of ``CompressedStrategy(downstream="auto")``: block-wise int8 with stochastic rounding
-#: and server-side error feedback (8 bits a parameter, every entry moves every round).
-LIBRARY_DOWNSTREAM = "int8"
+#: The download codec of ``CompressedStrategy(downstream="auto")`` by the upload codec: the download
+#: costs about what the upload does. Sign-like uploads get ``sign`` downward (1 bit an entry, one scale per
+#: tensor), sparse ones ``stc`` at `SPARSE_DOWNLOAD_FACTOR` times the upload's density, the others int8
+#: (8 bits an entry, every entry every round); each with server-side error feedback.
+LIBRARY_DOWNSTREAM = {"sign": "sign", "randsign": "sign", "stc": "stc", "topk": "stc", "randomk": "stc"}
+#: The int8 download of the uploads `LIBRARY_DOWNSTREAM` does not name (quantisers, low rank, half precision).
+OTHER_DOWNSTREAM = "int8"
+#: A sparse download's density over the upload's (capped at 1): the broadcast carries the sum of many
+#: clients' sparse updates, so it keeps more entries (Sattler et al., IEEE TNNLS 2019, use a denser
+#: downstream than upstream; fedcomp's app sends STC 0.05 for STC 0.01 up).
+SPARSE_DOWNLOAD_FACTOR = 5.0
 
 
-def library_downstream(compressor: str, density: float | None, local_dp, inner) -> tuple[str, float | None]:
+def library_downstream(compressor: str, density: float | None, upload_density: float, local_dp,
+                       inner) -> tuple[str, float | None]:
     """``(downstream codec, downstream density)`` for ``CompressedStrategy(downstream="auto")``, the
-    library's default: `LIBRARY_DOWNSTREAM` (int8), every entry moving every round, which kept the
-    accuracy of a dense download in a check on a model and data fedcomp was not tuned on (a BatchNorm
-    ResNet from scratch in a third-party app, 8 rounds) where a sparse STC download fell behind the
-    global model; except where a compressed download cannot apply:
-    ``compressor = "none"`` (fp32 both ways), local DP (each client noises its update against the
-    global model it was sent) and inner strategies that need every client's weights (Krum, FedMedian,
-    Flower's DP wrappers: the global model they see must be the one the clients trained from).
-    Sparser downloads (``downstream="stc"``, what fedcomp's own app uses over 50 rounds) are a choice.
+    library's default: the upload codec's counterpart (`LIBRARY_DOWNSTREAM`, else `OTHER_DOWNSTREAM`),
+    with server-side error feedback, so that both directions cost about the same; except where a
+    compressed download cannot apply: ``compressor = "none"`` (fp32 both ways), local DP (each client
+    noises its update against the global model it was sent) and inner strategies that need every
+    client's weights (Krum, FedMedian, Flower's DP wrappers: the global model they see must be the
+    one the clients trained from). Measured on an ordinary Flower app (`benchmarks/wire.py`, figures in
+    ``docs/benchmarks/wire.md``): both ways at these settings keep plain FedAvg's accuracy where an int8
+    download would cap the saving both ways near 6x.
 
     Parameters
     ----------
     compressor : str
         The upload codec.
     density : float or None
-        ``downstream_density`` as given (kept).
+        ``Download.density`` as given (kept when given).
+    upload_density : float
+        The upload codec's density (a sparse download's is `SPARSE_DOWNLOAD_FACTOR` times it, at most 1).
     local_dp : LocalDP or None
     inner : Strategy
         The wrapped strategy.
     """
     if compressor == "none" or local_dp is not None or not averages_by_weight(inner):
         return "none", density
-    return LIBRARY_DOWNSTREAM, density
+    codec = LIBRARY_DOWNSTREAM.get(compressor, OTHER_DOWNSTREAM)
+    if codec == "stc" and density is None:
+        density = min(1.0, SPARSE_DOWNLOAD_FACTOR * float(upload_density))
+    return codec, density
 
 
 #: The library's codec defaults where they differ from the run-config keys' (which are the reference
@@ -111,5 +125,5 @@ def library_codec_params(params: dict[str, Any]) -> dict[str, Any]:
     return {**{k.replace("-", "_"): v for k, v in LIBRARY_CODEC_DEFAULTS.items() if k not in given}, **params}
 
 
-__all__ = ["LIBRARY_CODEC_DEFAULTS", "LIBRARY_DOWNSTREAM", "PRESETS", "apply_preset", "library_codec_params",
-           "library_downstream"]
+__all__ = ["LIBRARY_CODEC_DEFAULTS", "LIBRARY_DOWNSTREAM", "OTHER_DOWNSTREAM", "PRESETS", "SPARSE_DOWNLOAD_FACTOR",
+           "apply_preset", "library_codec_params", "library_downstream"]

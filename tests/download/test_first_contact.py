@@ -219,3 +219,83 @@ def test_the_seeded_start_differs_with_the_initial_model_and_is_reproducible():
         return to_state_dict(Downstream(CodecConfig(), "stc", init="seeded").start_model(to_record(sd)))["weight"]
 
     assert torch.equal(start(1), start(1)) and not torch.equal(start(1), start(2))
+
+
+class _Cnn(nn.Module):
+    """Conv and Linear layers at PyTorch's default initialisation, a BatchNorm and a small bias."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 32, 3)
+        self.bn = nn.BatchNorm2d(32)
+        self.fc = nn.Linear(1152, 64)
+        self.out = nn.Linear(64, 10)
+
+
+def _floats(sd) -> dict[str, np.ndarray]:
+    return {k: v.detach().numpy() for k, v in sd.items() if v.is_floating_point()}
+
+
+def test_auto_seeds_a_model_at_pytorchs_default_initialisation_and_sends_its_small_tensors_exactly():
+    from fedcomp.download.first_contact import MIN_SEEDED_NUMEL, pytorch_default_init
+
+    torch.manual_seed(0)
+    sd = _Cnn().state_dict()
+    ds = Downstream(CodecConfig(compressor="sign"), "sign")  # init="auto"
+    start = to_state_dict(ds.start_model(to_record(sd)))
+    drawn = [k for k, t in sd.items() if t.is_floating_point() and t.dim() >= 2 and t.numel() >= MIN_SEEDED_NUMEL]
+    assert drawn == ["conv.weight", "fc.weight", "out.weight"]
+    for k, t in sd.items():
+        if k in drawn:  # another draw of the same distribution, within PyTorch's bound 1/sqrt(fan_in)
+            bound = 1 / math.sqrt(math.prod(t.shape[1:]))
+            assert not torch.equal(start[k], t) and float(start[k].abs().max()) <= bound * 1.001
+            assert abs(float(start[k].std()) / float(t.std()) - 1) < 0.1
+        else:  # biases, BatchNorm's constants and its integer counter: unchanged
+            assert torch.equal(start[k], t), k
+    rebuilt, sent, kind, _ = _first_contact(ds, to_record(start))
+    assert kind == "init" and all(torch.equal(rebuilt[k], start[k]) for k in start)
+    dense = sum(t.numel() * t.element_size() for t in sd.values())
+    assert sent < dense / 10  # the biases and the BatchNorm tensors travel, the weights as 8-byte rules
+    assert pytorch_default_init(_floats(sd), 1).exact == {"conv.bias", "fc.bias", "out.bias"}
+
+
+def _trained_one_step(model: nn.Module) -> nn.Module:
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(8, 1, 8, 8)
+    loss = model.fc(torch.relu(model.bn(model.conv(x))).flatten(1)).square().mean()
+    loss.backward()
+    opt.step()
+    return model
+
+
+@pytest.mark.parametrize("change", ["one SGD step", "xavier", "normal", "tied", "batchnorm ran"])
+def test_auto_keeps_a_model_that_is_not_at_pytorchs_default_initialisation(change):
+    """A trained (even for one step), otherwise initialised or tied model, or BatchNorm statistics that moved:
+    the int8 start, the model's own values (redrawing them would throw training or a tie away)."""
+    from fedcomp.download.first_contact import pytorch_default_init
+
+    torch.manual_seed(1)
+    model = _Cnn()
+    if change == "one SGD step":
+        _trained_one_step(model)
+    elif change == "xavier":
+        nn.init.xavier_uniform_(model.fc.weight)
+    elif change == "normal":
+        nn.init.normal_(model.fc.weight, std=0.02)
+    elif change == "tied":
+        model.extra = nn.Linear(1152, 64)
+        model.extra.weight = model.fc.weight
+    else:
+        model.bn(torch.randn(4, 32, 6, 6))
+    assert pytorch_default_init(_floats(model.state_dict()), 1) is None
+    ds = Downstream(CodecConfig(compressor="sign"), "sign")
+    start = to_state_dict(ds.start_model(to_record(model.state_dict())))
+    assert all(torch.equal(start[k], t) for k, t in model.state_dict().items())  # nothing replaced
+    assert ds.init == "int8"
+
+
+def test_auto_seeds_a_half_precision_model_at_its_initialisation():
+    from fedcomp.download.first_contact import pytorch_default_init
+
+    torch.manual_seed(2)
+    assert pytorch_default_init(_floats(_Cnn().half().state_dict()), 1) is not None

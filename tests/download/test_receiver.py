@@ -9,7 +9,7 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
 from fedcomp.client import compression_mod
-from fedcomp.compression import PayloadError, get_compressor
+from fedcomp.compression import PayloadError, encode_exact, get_compressor
 from fedcomp.protocol.messages import BASE_VERSION, MODEL_META_KEY, MODEL_STATE_KEY, MODEL_VERSION, payload_array
 from fedcomp.download.seeded_init import INIT_SEED, INIT_STYPE
 from tests.messages import make_ctx, make_msg
@@ -82,8 +82,10 @@ CASES = {
     "payload whose version goes back (2 -> 1)": (_payload(np.zeros(16, np.float32)), BACK,
                                                  (r"'fedcomp-model-version' = 1 is not newer than the model "
                                                   r"version this node holds \(2\)")),
+    "no step whose version moves (2 -> 3)": ({"1.num_batches_tracked": _dense()["1.num_batches_tracked"]},
+                                            {MODEL_VERSION: 3, BASE_VERSION: 2}, r"carries no step between them"),
     "payload whose version stays (2 -> 2)": (_payload(np.zeros(16, np.float32)), {MODEL_VERSION: 2, BASE_VERSION: 2},
-                                             r"'fedcomp-model-version' = 2 is not newer .* holds \(2\)"),
+                                             r"carries steps but its version \(2\) is its base's"),
     "dense whose version goes back (2 -> 1)": (_dense(), {MODEL_VERSION: 1}, r"= 1 is not newer .* holds \(2\)"),
     "dense whose version stays (2 -> 2)": (_dense(), {MODEL_VERSION: 2}, r"= 2 is not newer .* holds \(2\)"),
 }
@@ -143,3 +145,25 @@ def test_a_good_download_of_each_form_replaces_the_copy(form):
         assert 0.5 <= float(var.min()) and float(var.max()) <= 1.5
     else:
         assert var.tolist() == zero_var.tolist()
+
+
+@pytest.mark.parametrize("message_type", ["train", "evaluate"])
+def test_a_message_without_a_step_on_the_held_version_gives_the_app_the_held_copy(message_type):
+    """The server sends a node that holds the latest broadcast no step (the global model did not change since):
+    the app gets the held copy, with the exact tensors the message carries; a replay of it changes nothing."""
+    ctx = _holding(2)
+    before = _copy(ctx)
+    seen = []
+
+    def app(msg, context):
+        seen.append({k: np.array(a.numpy(), copy=True) for k, a in msg.content["arrays"].items()})
+        return _echo(msg, context)
+
+    held = {"1.num_batches_tracked": payload_array(encode_exact(np.array(9, np.int64)))}  # as the server sends it
+    for _ in range(2):
+        compression_mod(_msg(dict(held), message_type, **{MODEL_VERSION: 2, BASE_VERSION: 2}), ctx, app)
+    assert len(seen) == 2 and all(np.array_equal(s["w"], MODEL["w"]) for s in seen)
+    assert all(int(s["1.num_batches_tracked"]) == 9 for s in seen)
+    assert ctx.state[MODEL_META_KEY]["version"] == 2
+    assert {k: v for k, v in _copy(ctx).items() if k != "1.num_batches_tracked"} == {
+        k: v for k, v in before.items() if k != "1.num_batches_tracked"}

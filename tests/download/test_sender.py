@@ -62,7 +62,7 @@ def test_download_bytes_are_measured_and_training_works():
     start = ArrayRecord(build_model().state_dict())
     s.start(grid=grid, initial_arrays=start, num_rounds=4, train_config=ConfigRecord({"seed": 1}))
     dense = sum(len(a.data) for a in start.values())
-    assert 3 * dense / 4.2 < s.history[1]["download-bytes"] < 3 * dense / 3.5  # the int8 start, not dense
+    assert s.history[1]["download-bytes"] < 3 * dense / 10  # a model at PyTorch's initialisation: a seeded start
     assert s.history[3]["download-bytes"] < 3 * dense / 20
     assert all(s.history[r]["num-replies"] == 3 for r in range(1, 5))
 

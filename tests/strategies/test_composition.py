@@ -30,8 +30,24 @@ def test_the_hooks_run_in_the_documented_order():
 def test_defaults_build_one_object_per_concern():
     s = CompressedStrategy(FedAvg(), compressor="sign")
     assert _kinds(s) == [Admission, Privacy, DownloadHook]
-    assert s.download == Download("int8") and s.downstream.compressor == "int8"  # the library's "auto"
+    assert s.download == Download("sign") and s.downstream.compressor == "sign"  # the library's "auto"
     assert s.admission.max_num_examples == 10**9 and s.privacy.client_dp is None and s.sampling is None
+
+
+@pytest.mark.parametrize(("kwargs", "codec", "density"), [
+    ({}, "stc", 0.05),  # the default codec, STC at 0.01: STC at five times the density
+    ({"compressor": "topk", "density": 0.1}, "stc", 0.5),
+    ({"compressor": "randomk", "density": 0.5}, "stc", 1.0),  # capped at 1
+    ({"compressor": "randsign"}, "sign", None),
+    ({"compressor": "qsgd"}, "int8", None),
+    ({"compressor": "powersgd"}, "int8", None),
+    ({"compressor": "fp16"}, "int8", None),
+    ({"downstream": Download(density=0.2)}, "stc", 0.2),  # a density given is kept
+])
+def test_auto_download_is_the_upload_codecs_counterpart(kwargs, codec, density):
+    s = CompressedStrategy(FedAvg(), **kwargs)
+    assert (s.download.codec, s.download.density) == (codec, density)
+    assert s.downstream.compressor == codec and s.downstream.density == density
 
 
 @pytest.mark.parametrize("kwargs", [{"compressor": "none"}, {"privacy": Privacy(local_dp=LocalDP(1.0, 1.0))}])

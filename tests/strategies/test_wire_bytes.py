@@ -39,18 +39,7 @@ def _data(pid: int):
 def _client_app() -> ClientApp:
     app = ClientApp(mods=[compression_mod])
 
-    @app.train()
-    def train(msg: Message, context: Context) -> Message:
-        model = Net()
-        model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
-        x, y = _data(context.node_config["partition-id"])
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        for _ in range(3):
-            opt.zero_grad()
-            torch.nn.functional.cross_entropy(model(x), y).backward()
-            opt.step()
-        return Message(RecordDict({"arrays": ArrayRecord(model.state_dict()),
-                                   "metrics": MetricRecord({"num-examples": 64})}), reply_to=msg)
+    app.train()(_train_step)
 
     @app.evaluate()
     def evaluate(msg: Message, context: Context) -> Message:
@@ -145,6 +134,60 @@ def test_an_evaluating_node_trains_next_round_from_the_copy_it_evaluated():
         np.testing.assert_array_equal(copy, held)
         compared += 1
     assert compared == 4
+
+
+@pytest.mark.parametrize("downstream", ["stc", "sign", "int8"])
+def test_a_node_that_evaluated_the_global_model_trains_from_that_copy_and_downloads_no_new_step(downstream):
+    """The broadcast moves once per global model: evaluation after round r sends each evaluating node the
+    step to it, and round r + 1's train message (the global model unchanged) sends that node no step (the
+    config and the exact tensors only): the node trains exactly the model it evaluated."""
+    import hashlib
+
+    evaluated: dict[int, tuple[int, str]] = {}
+    trained_from: list[tuple[int, int, str, str]] = []
+    app = ClientApp(mods=[compression_mod])
+
+    def digest(msg: Message) -> str:
+        sd = msg.content["arrays"].to_torch_state_dict()
+        return hashlib.sha256(b"".join(t.numpy().tobytes() for t in sd.values())).hexdigest()
+
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        if context.node_id in evaluated:
+            trained_from.append((str(strategy.downstream.sent_kind[context.node_id]), context.node_id, digest(msg),
+                                 evaluated[context.node_id][1]))
+        return _train_step(msg, context)
+
+    @app.evaluate()
+    def evaluate(msg: Message, context: Context) -> Message:
+        evaluated[context.node_id] = (msg.content["config"]["server-round"], digest(msg))
+        return Message(RecordDict({"metrics": MetricRecord({"eval-acc": 0.5, "num-examples": 1})}), reply_to=msg)
+
+    strategy = CompressedStrategy(FedAvg(fraction_train=1.0, fraction_evaluate=1.0, min_available_nodes=3),
+                                  compressor="stc", density=0.1, downstream=downstream)
+    grid = WeighingGrid(app, 3, {})
+    strategy.start(grid=grid, initial_arrays=ArrayRecord(Net().state_dict()), num_rounds=3,
+                   train_config=ConfigRecord({}))
+    assert len(trained_from) == 6 and all(got == want for _, _, got, want in trained_from)
+    assert {kind for kind, *_ in trained_from} == {"held"}  # no step: the config and the exact tensors
+    for r in (2, 3):
+        h = strategy.history[r]
+        assert h["wire-bytes-train-down"] < h["wire-bytes-evaluate-down"]
+    assert not any(strategy.failure_history[r] or strategy.evaluate_failure_history[r] for r in (1, 2, 3))
+
+
+def _train_step(msg: Message, context: Context) -> Message:
+    """Three SGD steps on the node's data from the received model; the full weights back."""
+    model = Net()
+    model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
+    x, y = _data(context.node_config["partition-id"])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(3):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    return Message(RecordDict({"arrays": ArrayRecord(model.state_dict()),
+                               "metrics": MetricRecord({"num-examples": 64})}), reply_to=msg)
 
 
 @pytest.mark.parametrize("downstream", ["stc", "sign", "int8"])

@@ -9,15 +9,21 @@ from torch import nn
 
 
 class Net(nn.Module):
-    """A small MLP for the 8x8 sklearn digits (64 -> 32 -> 10, 2,410 parameters)."""
+    """A small CNN for the 8x8 sklearn digits, the size of Flower's quickstart models (53,002 parameters):
+    two 3x3 convolutions (32 and 64 channels) with 2x2 max-pooling, then 256 -> 128 -> 10."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.fc1 = nn.Linear(64, 32)
-        self.fc2 = nn.Linear(32, 10)
+        self.conv1 = nn.Conv2d(1, 32, 3, padding=1)
+        self.conv2 = nn.Conv2d(32, 64, 3, padding=1)
+        self.fc1 = nn.Linear(64 * 2 * 2, 128)
+        self.fc2 = nn.Linear(128, 10)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(torch.relu(self.fc1(x)))
+        x = x.view(-1, 1, 8, 8)
+        x = nn.functional.max_pool2d(torch.relu(self.conv1(x)), 2)
+        x = nn.functional.max_pool2d(torch.relu(self.conv2(x)), 2)
+        return self.fc2(torch.relu(self.fc1(x.flatten(1))))
 
 
 def load_data(partition_id: int, num_partitions: int, seed: int = 0):
