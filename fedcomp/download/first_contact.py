@@ -144,7 +144,8 @@ def pytorch_default_init(floats: dict[str, np.ndarray], seed: int) -> SeededInit
     constants. A model qualifies when each float tensor is a constant, has one dimension or fewer than
     `MIN_SEEDED_NUMEL` entries (those travel exactly beside the seed), or is such a weight: an i.i.d.
     draw (`looks_drawn`) within ``+-1/sqrt(fan_in)`` (to the dtype's rounding) that reaches at least
-    90 % of it, no two of them equal (tied weights keep their values). The start draws each weight uniformly in
+    90 % of it, with at most one entry in a thousand exactly zero (a pruned weight keeps its mask), no
+    two of them equal (tied weights keep their values). The start draws each weight uniformly in
     ``+-1/sqrt(fan_in)``: the same distribution, another draw, so a new client builds the first
     model from a seed and a few bytes a tensor. A model that trained, even briefly, has weights past the
     bound and gets the compressed start; so do other initialisations (Xavier, normal embeddings) and
@@ -170,6 +171,8 @@ def pytorch_default_init(floats: dict[str, np.ndarray], seed: int) -> SeededInit
         bound = 1.0 / math.sqrt(math.prod(x.shape[1:]))
         top, rounding = float(np.abs(x).max()), 2.0 * float(np.finfo(np.asarray(v).dtype).eps)
         if not 0.9 * bound <= top <= bound * (1 + max(rounding, 1e-6)) or not looks_drawn(x):
+            return None
+        if np.count_nonzero(x == 0.0) > x.size // 1000:  # a pruned or masked weight: no uniform draw has zeros
             return None
         drawn.append(k)
     for i, k in enumerate(drawn):  # one tensor under two names: redrawn apart it would come untied

@@ -268,10 +268,11 @@ def _trained_one_step(model: nn.Module) -> nn.Module:
     return model
 
 
-@pytest.mark.parametrize("change", ["one SGD step", "xavier", "normal", "tied", "batchnorm ran"])
+@pytest.mark.parametrize("change", ["one SGD step", "xavier", "normal", "tied", "batchnorm ran", "pruned", "halved"])
 def test_auto_keeps_a_model_that_is_not_at_pytorchs_default_initialisation(change):
-    """A trained (even for one step), otherwise initialised or tied model, or BatchNorm statistics that moved:
-    the int8 start, the model's own values (redrawing them would throw training or a tie away)."""
+    """A trained (even for one step), otherwise initialised, pruned, rescaled or tied model, or BatchNorm
+    statistics that moved: the int8 start, the model's own values (redrawing them would throw training, a
+    mask or a tie away)."""
     from fedcomp.download.first_contact import pytorch_default_init
 
     torch.manual_seed(1)
@@ -282,6 +283,12 @@ def test_auto_keeps_a_model_that_is_not_at_pytorchs_default_initialisation(chang
         nn.init.xavier_uniform_(model.fc.weight)
     elif change == "normal":
         nn.init.normal_(model.fc.weight, std=0.02)
+    elif change == "pruned":  # a mask at initialisation (a lottery-ticket start): zeros no uniform draw has
+        with torch.no_grad():
+            model.fc.weight[:, ::10] = 0.0
+    elif change == "halved":
+        with torch.no_grad():
+            model.fc.weight.mul_(0.5)
     elif change == "tied":
         model.extra = nn.Linear(1152, 64)
         model.extra.weight = model.fc.weight
