@@ -130,26 +130,56 @@ def peft_adapters(floats: dict[str, np.ndarray], seed: int) -> SeededInit | None
     return init
 
 
-#: Float tensors with fewer entries, or of one dimension (biases: their bound depends on the weight's
-#: fan-in), travel exactly in `pytorch_default_init`'s start: a few values a layer.
+#: Weights with fewer entries travel exactly in `pytorch_default_init`'s start (too few values to tell a
+#: uniform draw from another), as do biases.
 MIN_SEEDED_NUMEL = 256
+
+
+def _default_bound(key: str, x: np.ndarray, floats: dict[str, np.ndarray]) -> float | None:
+    """PyTorch's default-initialisation bound of tensor ``key``: ``1/sqrt(fan_in)`` of a weight (the product
+    of its dimensions after the first), or of the weight beside a bias (``<layer>.bias`` and
+    ``<layer>.weight``); None for a tensor of neither kind."""
+    if x.ndim >= 2:
+        return 1.0 / math.sqrt(math.prod(x.shape[1:]))
+    weight = floats.get(key[: -len("bias")] + "weight") if key.endswith("bias") else None
+    if weight is not None and np.ndim(weight) >= 2:
+        return 1.0 / math.sqrt(math.prod(np.shape(weight)[1:]))
+    return None
+
+
+def _uniform_draw(x: np.ndarray, bound: float, rounding: float) -> bool:
+    """Whether ``x`` (at least `MIN_SEEDED_NUMEL` entries) reads as i.i.d. uniform in ``+-bound``: every entry
+    within the bound (to the dtype's ``rounding``), the largest within ``10/n`` of it (n draws fall short of
+    that with probability ``e**-10``), mean and standard deviation those of the uniform within about five
+    standard errors, no run of exact zeros (a pruned weight), no structure between neighbours (`looks_drawn`)."""
+    n = x.size
+    top = float(np.abs(x).max())
+    if not bound * (1 - 10 / n) <= top <= bound * (1 + max(rounding, 1e-6)):
+        return False
+    std = bound / math.sqrt(3.0)
+    if abs(float(x.mean())) > 5 * std / math.sqrt(n) or abs(float(x.std()) / std - 1) > 2.5 / math.sqrt(n):
+        return False
+    return np.count_nonzero(x == 0.0) <= n // 1000 and looks_drawn(x)
 
 
 def pytorch_default_init(floats: dict[str, np.ndarray], seed: int) -> SeededInit | None:
     """A seeded start for a model as PyTorch initialises it, or None for any other model.
 
-    PyTorch draws ``Linear``/``Conv`` weights uniformly in ``+-1/sqrt(fan_in)``, ``fan_in`` the
-    product of the weight's dimensions after the first (Kaiming-uniform with ``a = sqrt(5)``:
+    PyTorch draws ``Linear``/``Conv`` weights and biases uniformly in ``+-1/sqrt(fan_in)``, ``fan_in``
+    the product of the weight's dimensions after the first (Kaiming-uniform with ``a = sqrt(5)``:
     ``torch.nn.Linear.reset_parameters``; He et al., ICCV 2015), and sets normalisation layers to
-    constants. A model qualifies when each float tensor is a constant, has one dimension or fewer than
-    `MIN_SEEDED_NUMEL` entries (those travel exactly beside the seed), or is such a weight: an i.i.d.
-    draw (`looks_drawn`) within ``+-1/sqrt(fan_in)`` (to the dtype's rounding) that reaches at least
-    90 % of it, with at most one entry in a thousand exactly zero (a pruned weight keeps its mask), no
-    two of them equal (tied weights keep their values). The start draws each weight uniformly in
-    ``+-1/sqrt(fan_in)``: the same distribution, another draw, so a new client builds the first
-    model from a seed and a few bytes a tensor. A model that trained, even briefly, has weights past the
-    bound and gets the compressed start; so do other initialisations (Xavier, normal embeddings) and
-    BatchNorm statistics that ran forward passes.
+    constants. A model qualifies when every float tensor is a constant (BatchNorm statistics included),
+    or a weight or bias within its layer's bound; and every weight of at least `MIN_SEEDED_NUMEL`
+    entries reads as a uniform draw of that bound (`_uniform_draw`: its spread, largest entry, mean and
+    neighbours), no two of them equal (tied weights keep their values). The start draws each such
+    weight again uniformly in ``+-1/sqrt(fan_in)``: the same distribution, another draw, so a new client
+    builds the first model from a seed and a few bytes a tensor; biases and small weights travel exactly.
+
+    A model that trained, even briefly, has tensors past their bounds and gets the compressed start; so
+    do other initialisations (Xavier, normal, truncated normal, LSTM/GRU's ``1/sqrt(hidden_size)``),
+    pruned or rescaled weights and BatchNorm statistics that ran forward passes. A model that keeps a
+    layer frozen at its random initialisation while the others trained within their bounds cannot be
+    told from a fresh one: pass ``Download(init="int8")`` for it.
 
     Parameters
     ----------
@@ -163,18 +193,18 @@ def pytorch_default_init(floats: dict[str, np.ndarray], seed: int) -> SeededInit
         x = np.asarray(v, dtype=np.float64)
         if x.size == 0 or np.all(x == x.flat[0]):
             continue
-        if is_batchnorm_stat(k):
+        bound = None if is_batchnorm_stat(k) else _default_bound(k, x, floats)
+        if bound is None:
             return None
-        if x.ndim < 2 or x.size < MIN_SEEDED_NUMEL:
+        rounding = 2.0 * float(np.finfo(np.asarray(v).dtype).eps)
+        if x.ndim >= 2 and x.size >= MIN_SEEDED_NUMEL:
+            if not _uniform_draw(x, bound, rounding):
+                return None
+            drawn.append(k)
+        elif float(np.abs(x).max()) <= bound * (1 + max(rounding, 1e-6)):
             exact.append(k)
-            continue
-        bound = 1.0 / math.sqrt(math.prod(x.shape[1:]))
-        top, rounding = float(np.abs(x).max()), 2.0 * float(np.finfo(np.asarray(v).dtype).eps)
-        if not 0.9 * bound <= top <= bound * (1 + max(rounding, 1e-6)) or not looks_drawn(x):
+        else:
             return None
-        if np.count_nonzero(x == 0.0) > x.size // 1000:  # a pruned or masked weight: no uniform draw has zeros
-            return None
-        drawn.append(k)
     for i, k in enumerate(drawn):  # one tensor under two names: redrawn apart it would come untied
         if any(floats[j].shape == floats[k].shape and np.array_equal(floats[j], floats[k]) for j in drawn[:i]):
             return None

@@ -64,7 +64,9 @@ def _version_keys(cfg) -> None:
 def check_version(cfg, context: Context) -> None:
     """A downloaded model's version must be newer than the copy this node holds, or the held version
     itself in a message that builds on it (``fedcomp-base-version`` the held one: the node already holds
-    the latest broadcast and trains or evaluates its copy; `rebuild` refuses steps in such a message).
+    the latest broadcast and trains or evaluates its copy; `rebuild` refuses steps in such a message) or
+    that replaces it (dense weights, no base version: the server forgot the node, e.g. after a lost
+    reply, and sends the current version whole; the copy becomes that model, as after a first contact).
 
     The server advances its broadcast version once per global model, so any other message whose
     ``fedcomp-model-version`` is not above the held one is a replay or a stale message. A first
@@ -81,7 +83,7 @@ def check_version(cfg, context: Context) -> None:
     if MODEL_META_KEY not in context.state or INIT_SEED in cfg:
         return
     held, new = int(context.state[MODEL_META_KEY]["version"]), int(cfg[MODEL_VERSION])
-    if new < held or (new == held and cfg.get(BASE_VERSION) != held):
+    if new < held or (new == held and cfg.get(BASE_VERSION, 0) not in (0, held)):
         raise PayloadError(f"train config '{MODEL_VERSION}' = {new} is not newer than the model version this node "
                            f"holds ({held}): a replayed or stale download; refused before training, the held copy is "
                            "kept")

@@ -81,9 +81,9 @@ from fedcomp.download.plan import PlanKind, plan_message
 def _model_digest(model: FlatModel) -> bytes:
     """A 32-byte digest of every tensor of ``model`` (BLAKE2b of the float vector and the exact tensors):
     whether the global model changed since the last broadcast step, without keeping a copy of it."""
-    h = hashlib.blake2b(np.ascontiguousarray(model.flat).tobytes(), digest_size=32)
+    h = hashlib.blake2b(np.ascontiguousarray(model.flat), digest_size=32)  # the buffer itself: no model-sized copy
     for k in model.exact_keys:
-        h.update(np.ascontiguousarray(model.exact[k]).tobytes())
+        h.update(np.ascontiguousarray(model.exact[k]).reshape(-1).view(np.uint8))
     return h.digest()
 
 
@@ -352,7 +352,9 @@ class Downstream:
                     cfg[BASE_VERSION] = plan.base_version
                     for k, a in extras.items():
                         rec[k] = a
-                    if self.stat_deltas and node in self.nodes.stats:
+                    if self.stat_deltas and node in self.nodes.stats and plan.kind is PlanKind.HELD:
+                        self._keep_stats(node, rec)  # only values that are safe to apply twice (a replay)
+                    elif self.stat_deltas and node in self.nodes.stats:
                         self._stat_changes(node, rec)
                 for i, p in enumerate(plan.parts):
                     rec[chain_key(i)] = payload_array(p)
@@ -386,6 +388,13 @@ class Downstream:
             apply_stat_delta(held, k, decompress(payload, max_numel=max(spec.numel, 1),
                                                  expected_shape=(spec.numel,)).numpy())
         self.nodes.send_stats(node, held)
+
+    def _keep_stats(self, node: int, rec: ArrayRecord) -> None:
+        """A message with no step (`PlanKind.HELD`) leaves ``node``'s BatchNorm statistics as it holds them:
+        a change applied twice (a replayed message) would move them off the server's record."""
+        for k in self.exempt_keys:
+            del rec[k]
+        self.nodes.send_stats(node, self.nodes.stats[node])
 
     def _diff(self, server_round: int, node: int, base: Base, g: np.ndarray, held: np.ndarray) -> bytes:
         """``C(G - held)`` for ``node``. A codec that draws nothing from its seed (sign, STC, top-k,

@@ -80,7 +80,7 @@ class CompressedStrategy(HistoryViews, ForwardsToInner, Strategy):
     downstream : Download or str or None
         The download (`fedcomp.download.Download`; a string is its codec, None or "none" dense).
         Default "auto": the upload codec's counterpart with server-side error feedback (`sign` for
-        sign uploads, STC at five times the density for sparse ones, int8 for the others:
+        sign uploads, STC at five times the density for sparse ones up to 0.25, int8 for the others:
         `presets.library_downstream`), dense for ``compressor="none"``, under local DP and for inner
         strategies that need every client's weights. Evaluate messages travel the same way, and a node
         that already holds the latest broadcast gets no step. Needs ``compression_mod`` on every client.

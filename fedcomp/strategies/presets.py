@@ -69,6 +69,7 @@ def apply_preset(preset: str | None, given: dict[str, Any], defaults: dict[str, 
 #: costs about what the upload does. Sign-like uploads get ``sign`` downward (1 bit an entry, one scale per
 #: tensor), sparse ones ``stc`` at `SPARSE_DOWNLOAD_FACTOR` times the upload's density, the others int8
 #: (8 bits an entry, every entry every round); each with server-side error feedback.
+#: A sparse upload denser than `MAX_SPARSE_DOWNLOAD` / `SPARSE_DOWNLOAD_FACTOR` gets int8 too.
 LIBRARY_DOWNSTREAM = {"sign": "sign", "randsign": "sign", "stc": "stc", "topk": "stc", "randomk": "stc"}
 #: The int8 download of the uploads `LIBRARY_DOWNSTREAM` does not name (quantisers, low rank, half precision).
 OTHER_DOWNSTREAM = "int8"
@@ -76,6 +77,9 @@ OTHER_DOWNSTREAM = "int8"
 #: clients' sparse updates, so it keeps more entries (Sattler et al., IEEE TNNLS 2019, use a denser
 #: downstream than upstream; fedcomp's app sends STC 0.05 for STC 0.01 up).
 SPARSE_DOWNLOAD_FACTOR = 5.0
+#: The densest sparse download ``"auto"`` picks: past it STC's one magnitude for a quarter of the entries
+#: or more is coarser than int8's blocks.
+MAX_SPARSE_DOWNLOAD = 0.25
 
 
 def library_downstream(compressor: str, density: float | None, upload_density: float, local_dp,
@@ -97,7 +101,8 @@ def library_downstream(compressor: str, density: float | None, upload_density: f
     density : float or None
         ``Download.density`` as given (kept when given).
     upload_density : float
-        The upload codec's density (a sparse download's is `SPARSE_DOWNLOAD_FACTOR` times it, at most 1).
+        The upload codec's density (a sparse download's is `SPARSE_DOWNLOAD_FACTOR` times it; past
+        `MAX_SPARSE_DOWNLOAD` the download is int8).
     local_dp : LocalDP or None
     inner : Strategy
         The wrapped strategy.
@@ -106,7 +111,9 @@ def library_downstream(compressor: str, density: float | None, upload_density: f
         return "none", density
     codec = LIBRARY_DOWNSTREAM.get(compressor, OTHER_DOWNSTREAM)
     if codec == "stc" and density is None:
-        density = min(1.0, SPARSE_DOWNLOAD_FACTOR * float(upload_density))
+        density = SPARSE_DOWNLOAD_FACTOR * float(upload_density)
+        if density > MAX_SPARSE_DOWNLOAD:
+            return OTHER_DOWNSTREAM, None
     return codec, density
 
 
@@ -125,5 +132,5 @@ def library_codec_params(params: dict[str, Any]) -> dict[str, Any]:
     return {**{k.replace("-", "_"): v for k, v in LIBRARY_CODEC_DEFAULTS.items() if k not in given}, **params}
 
 
-__all__ = ["LIBRARY_CODEC_DEFAULTS", "LIBRARY_DOWNSTREAM", "OTHER_DOWNSTREAM", "PRESETS", "SPARSE_DOWNLOAD_FACTOR",
-           "apply_preset", "library_codec_params", "library_downstream"]
+__all__ = ["LIBRARY_CODEC_DEFAULTS", "LIBRARY_DOWNSTREAM", "MAX_SPARSE_DOWNLOAD", "OTHER_DOWNSTREAM", "PRESETS",
+           "SPARSE_DOWNLOAD_FACTOR", "apply_preset", "library_codec_params", "library_downstream"]

@@ -268,7 +268,8 @@ def _trained_one_step(model: nn.Module) -> nn.Module:
     return model
 
 
-@pytest.mark.parametrize("change", ["one SGD step", "xavier", "normal", "tied", "batchnorm ran", "pruned", "halved"])
+@pytest.mark.parametrize("change", ["one SGD step", "xavier", "normal", "tied", "batchnorm ran", "pruned", "halved",
+                                    "truncated normal", "narrower uniform", "bias trained", "lstm"])
 def test_auto_keeps_a_model_that_is_not_at_pytorchs_default_initialisation(change):
     """A trained (even for one step), otherwise initialised, pruned, rescaled or tied model, or BatchNorm
     statistics that moved: the int8 start, the model's own values (redrawing them would throw training, a
@@ -289,6 +290,15 @@ def test_auto_keeps_a_model_that_is_not_at_pytorchs_default_initialisation(chang
     elif change == "halved":
         with torch.no_grad():
             model.fc.weight.mul_(0.5)
+    elif change == "truncated normal":  # reaches the bound, but not with a uniform's spread
+        nn.init.trunc_normal_(model.fc.weight, std=0.5 / math.sqrt(1152), a=-1 / math.sqrt(1152), b=1 / math.sqrt(1152))
+    elif change == "narrower uniform":
+        nn.init.uniform_(model.fc.weight, -0.95 / math.sqrt(1152), 0.95 / math.sqrt(1152))
+    elif change == "bias trained":  # only the biases moved: past their layer's bound
+        with torch.no_grad():
+            model.out.bias.add_(0.5)
+    elif change == "lstm":  # uniform in 1/sqrt(hidden_size), not 1/sqrt(input_size): another distribution
+        model.rnn = nn.LSTM(100, 110)
     elif change == "tied":
         model.extra = nn.Linear(1152, 64)
         model.extra.weight = model.fc.weight

@@ -169,3 +169,49 @@ def test_the_default_copy_budget_keeps_every_node_of_a_small_model_and_stays_bou
     mid = run(floor // 4 // 32, 60, 10, 6)  # a copy is 1/32 of the floor: 32 copies, past 8
     assert mid.nodes.copy_budget() == 32
     assert 8 < mid.nodes.copies() <= 32
+
+
+def test_a_replayed_message_without_a_step_leaves_the_copy_as_the_server_records_it():
+    """A node that holds the latest broadcast gets no step, and under ``batchnorm_stats="auto"`` no change of its
+    BatchNorm statistics either (a change applied twice by a replayed message would move them off the server's
+    record); replayed, the message leaves the copy as it is."""
+    import copy
+
+    from fedcomp.config import CodecConfig
+    from fedcomp.download.layout import copy_digest
+    from fedcomp.download.receiver import rebuild
+    from fedcomp.download.sender import Downstream
+    from fedcomp.statedict import FlatModel
+    from tests.messages import make_ctx, make_msg
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.BatchNorm1d(32))
+
+    def model(step: int) -> ArrayRecord:
+        sd = {k: v.clone() for k, v in net.state_dict().items()}
+        g = torch.Generator().manual_seed(step)
+        sd["0.weight"] += 0.01 * step
+        sd["1.running_mean"] += torch.randn(32, generator=g) * step
+        sd["1.running_var"] *= torch.rand(32, generator=g) * 2 * step + 0.5
+        return ArrayRecord(sd)
+
+    ds = Downstream(CodecConfig(compressor="stc", batchnorm_stats="auto"), "stc", density=0.2)
+    ctx = make_ctx(node_id=7)
+
+    def exchange(rnd: int, arrays: ArrayRecord, phase: str):
+        msg = make_msg(RecordDict({"arrays": arrays, "config": ConfigRecord({"server-round": rnd})}), dst=7,
+                       message_type=phase)
+        ds.prepare(rnd, arrays, [msg], phase=phase)
+        sent = copy.deepcopy(msg)
+        rebuild(msg, ctx, "arrays", msg.content["arrays"], dict(msg.content["config"]))
+        assert ds.received(7, copy_digest(FlatModel.from_record(ctx.state[MODEL_STATE_KEY])))
+        return sent
+
+    exchange(1, model(0), "train")
+    exchange(1, model(1), "evaluate")
+    held = exchange(2, model(1), "train")  # the global model did not change since the evaluate message
+    assert ds.sent_kind[7] == "held" and not any("stat-delta" in k for k in held.content["arrays"].keys())
+    before = FlatModel.from_record(ctx.state[MODEL_STATE_KEY]).flat.copy()
+    rebuild(held, ctx, "arrays", held.content["arrays"], dict(held.content["config"]))  # the replay
+    after = FlatModel.from_record(ctx.state[MODEL_STATE_KEY])
+    assert np.array_equal(after.flat, before) and ds.copy_digest(7) == copy_digest(after)

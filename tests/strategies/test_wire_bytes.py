@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common.serde import recorddict_to_proto
 from flwr.serverapp.strategy import FedAvg
@@ -174,6 +174,27 @@ def test_a_node_that_evaluated_the_global_model_trains_from_that_copy_and_downlo
         h = strategy.history[r]
         assert h["wire-bytes-train-down"] < h["wire-bytes-evaluate-down"]
     assert not any(strategy.failure_history[r] or strategy.evaluate_failure_history[r] for r in (1, 2, 3))
+
+
+@pytest.mark.parametrize("init", ["dense", "auto"])
+def test_a_node_whose_evaluate_reply_was_lost_trains_next_round(init):
+    """A node's copy moves to the new version with the evaluate message; its reply is lost, so the server
+    forgets the node and sends it the same version whole (dense, or a first contact) with the next train
+    message: the node takes it and trains (it refused it as a replay when versions moved per message)."""
+    class LossyGrid(WeighingGrid):  # node 1001's round-1 evaluate reply is lost on the way back
+        def send_and_receive(self, messages, *, timeout=None):
+            messages = list(messages)
+            replies = list(super().send_and_receive(messages, timeout=timeout))
+            return [Message(Error(code=2, reason="lost"), reply_to=m)
+                    if m.metadata.message_type.startswith("evaluate") and m.metadata.dst_node_id == 1001
+                    and m.content["config"]["server-round"] == 1 else r for m, r in zip(messages, replies)]
+
+    strategy = CompressedStrategy(FedAvg(fraction_train=1.0, fraction_evaluate=1.0, min_available_nodes=2),
+                                  compressor="sign", downstream=Download("sign", init=init))
+    strategy.start(grid=LossyGrid(_client_app(), 2, {}), initial_arrays=ArrayRecord(Net().state_dict()),
+                   num_rounds=3, train_config=ConfigRecord({}))
+    assert all(not strategy.failure_history[r] for r in (1, 2, 3))
+    assert all(strategy.history[r]["num-replies"] == 2 for r in (1, 2, 3))
 
 
 def _train_step(msg: Message, context: Context) -> Message:
