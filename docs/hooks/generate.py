@@ -1115,9 +1115,7 @@ PAGE_TABLES["both-ways/cnn"] = Table("both_ways.json", (
     Row("STC 2 % down", "summary[case=stc 2 % down]"),
     Row("STC 1 % down", "summary[case=stc 1 % down]"),
     Row("STC 10 % down", "summary[case=stc 10 % down]"),
-    Row("sign down, one scale per tensor (the default for a sign download)",
-        "both_ways_sign_per_tensor.json:summary[case=sign down]"),
-    Row("sign down, one scale for the whole model", "summary[case=sign down]"),
+    Row("sign down, one scale per tensor", "summary[case=sign down]"),
     Row("STC 5 % down, int8 start (a third-party app's default)", "summary[case=int8 start, stc 5 % down]"),
     Row('default with `downstream-correction = "on"`', "summary[case=default, downstream correction on]"),
 ))
