@@ -1140,14 +1140,6 @@ PAGE_TABLES["both-ways/resnet"] = Table("both_ways_resnet.json", _RESNET8, (
     Row("STC 1 % up, server momentum 0.5 (FedAvgM)", "summary[case=stc 1 % up, auto down, avgm]"),
     Row("sign up, server momentum 0.5", "summary[case=sign up, auto down, avgm]"),
 ))
-PAGE_TABLES["both-ways/resnet-bn"] = Table("both_ways_resnet_r8_bn.json", (
-    ("case", "{label}"), ("round 8, median (per seed)", "{final_accuracy|pct} (" + _PER_SEED + ")"),
-    *_RESNET8[2:],
-), (
-    Row("fp32 both ways", "summary[case=fp32 both ways]"),
-    Row("sign up, auto down", "summary[case=sign up, auto down]"),
-    Row("STC 1 % up, auto down", "summary[case=stc 1 % up, auto down]"),
-))
 _TARGET = "median($.runs[?case=fp32 both ways].final_accuracy) - 0.01"
 _RUNS = "$.runs[?case=<<case>>]"
 PAGE_TABLES["both-ways/resnet-30"] = Table("both_ways_resnet_30r.json", (
@@ -1166,24 +1158,6 @@ PAGE_TABLES["both-ways/resnet-30"] = Table("both_ways_resnet_30r.json", (
     Row("STC 1 % up, STC 2 % down", "summary[case=stc 1 % up, stc 2 % down]"),
 ))
 _BYTES_TO = "bytes_to_each(" + _RUNS + ".accuracy_curve, " + _RUNS + ".bytes_both_ways_curve, " + _TARGET + ")"
-PAGE_TABLES["both-ways/resnet-30-bn"] = Table("both_ways_resnet_30r_bn.json", (
-    ("case", "{label}"), ("round 30, median (per seed)", "{final_accuracy|pct} (" + _PER_SEED + ")"),
-    ("last 3", "{last3_accuracy|pct}"),
-    ("bytes both ways, 30 rounds", "{(upload_bytes + download_bytes) / 1e6|.2f} MB"),
-    ("ratio both ways", "{ratio_both_ways|x}"),
-    ("round reaching {" + _TARGET + "|pct} (per seed)",
-     "{reach_each(" + _RUNS + ".accuracy_curve, " + _TARGET + ")|int,}"),
-    ("MB to {" + _TARGET + "|pct}, median (per seed)",
-     "{bytes_to_fp32_minus_1pt / 1e6|.2f} ({" + _BYTES_TO + " / 1e6|.2f/})"),
-    ("ratio to {" + _TARGET + "|pct}, median (per seed)",
-     "{ratio_to_fp32_minus_1pt|x} ({$.summary[case=fp32 both ways].bytes_to_fp32_minus_1pt / " + _BYTES_TO + "|int/})"),
-), (
-    Row("fp32 both ways", "summary[case=fp32 both ways]",
-        cells={"MB to {" + _TARGET + "|pct}, median (per seed)": "{bytes_to_fp32_minus_1pt / 1e6|.2f}",
-               "ratio to {" + _TARGET + "|pct}, median (per seed)": "{ratio_to_fp32_minus_1pt|x}"}),
-    Row("**STC 1 % up, auto down**", "summary[case=stc 1 % up, auto down]", bold=(1, 7)),
-    Row("sign up, auto down", "summary[case=sign up, auto down]"),
-))
 _T20 = (
     ("case", "{label}"), ("round 20 (per seed)", _PER_SEED + " %"), ("median", "{final_accuracy|pct}"),
     ("vs fp32", _VS_FP32), ("upload MB", "{upload_bytes / 1e6|.3f}"), ("download MB (first model)", _DOWN),
