@@ -37,7 +37,8 @@ class Download:
         Needs ``compression_mod`` on every client.
     density : float or None
         Density of a sparse codec, in (0, 1] (None: the upload's ``density``; with ``codec="auto"``
-        and a sparse upload, five times it).
+        and a sparse upload, five times it). Given with ``codec="auto"`` where that picks a codec
+        without a density (sign, int8, dense), ``CompressedStrategy`` refuses it.
     init : SeededInit or str
         What a node that holds nothing gets first: ``"auto"`` (a seeded start for LoRA adapters at peft's
         initialisation or a model at PyTorch's default initialisation, else the initial model compressed

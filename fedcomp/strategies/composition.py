@@ -23,6 +23,7 @@ from typing import Any
 
 from flwr.serverapp.strategy import Strategy
 
+from fedcomp.compression import codecs_with
 from fedcomp.config import CodecConfig
 from fedcomp.download.correction import correction_refusal
 from fedcomp.download.options import Download
@@ -130,6 +131,10 @@ def compose(inner: Strategy, codec: CodecConfig, download: Download, privacy: Pr
         raise ValueError(f"preset {preset!r} keeps error feedback: {err}" if preset else str(err)) from None
     if download.codec == "auto":
         auto, density = library_downstream(codec.compressor, download.density, codec.density, privacy.local_dp, inner)
+        if download.density is not None and auto not in codecs_with(sparse=True):
+            raise ValueError(f"Download(density={download.density!r}) sets a sparse download's density, but "
+                             f"downstream='auto' picks {auto!r} for the {codec.compressor!r} upload: pass "
+                             f"Download('stc', density={download.density!r}), or no density")
         download = replace(download, codec=auto, density=density)
     for concern in (privacy, sampling, privacy.client_dp):
         if concern is not None and getattr(concern, "in_use", False):

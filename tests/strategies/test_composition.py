@@ -188,3 +188,11 @@ def test_settings_read_on_the_wrapper_cannot_be_written_past_their_checks(name):
     s = CompressedStrategy(FedAvg())
     with pytest.raises(AttributeError, match=rf"CompressedStrategy\.{name} is set at construction"):
         setattr(s, name, None)
+
+
+@pytest.mark.parametrize("kwargs", [{"compressor": "sign"}, {"compressor": "qsgd"}, {"compressor": "none"}])
+def test_a_download_density_that_auto_would_ignore_is_refused_naming_the_choice(kwargs):
+    """``Download(density=...)`` with ``codec="auto"`` picking a download without density (sign, int8, dense)."""
+    with pytest.raises(ValueError, match=r"Download\(density=0.02\) sets a sparse download's density, but "
+                                         r"downstream='auto' picks"):
+        CompressedStrategy(FedAvg(), downstream=Download(density=0.02), **kwargs)
