@@ -4,6 +4,7 @@ SuperLink another process left running is never reused), stopped by PID afterwar
 import os
 import pathlib
 import shutil
+import socket
 import subprocess
 import sys
 
@@ -14,9 +15,36 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 PORTS = ("39391", "39393")
 
 
+def _port_free(port: str) -> bool:
+    """Whether nothing listens on 127.0.0.1:``port`` (a bind succeeds)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", int(port)))
+        except OSError:
+            return False
+    return True
+
+
+def _free_ports(ports: tuple[str, str]) -> tuple[str, str]:
+    """``ports`` when both are free, else two ports the system hands out: a SuperLink another process runs
+    on a test's fixed port (a user's, another test run's) is never reused."""
+    if all(_port_free(p) for p in ports):
+        return ports
+    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in ports]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return tuple(str(s.getsockname()[1]) for s in socks)
+    finally:
+        for s in socks:
+            s.close()
+
+
 def flwr_env(tmp_path: pathlib.Path, ports: tuple[str, str] = PORTS) -> dict:
     """The environment of a `flwr run` in ``tmp_path``: FLWR_HOME there, the SuperLink's HTTP and Control
-    API on ``ports``, no runtime dependency installation, this interpreter's scripts first on PATH."""
+    API on ``ports`` (or two free ones where something listens on them), no runtime dependency
+    installation, this interpreter's scripts first on PATH."""
+    ports = _free_ports(ports)
     env = dict(os.environ)
     env["FLWR_HOME"] = str(tmp_path / "flwr-home")
     env["FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION"] = "1"
