@@ -25,12 +25,9 @@ def _port_free(port: str) -> bool:
     return True
 
 
-def _free_ports(ports: tuple[str, str]) -> tuple[str, str]:
-    """``ports`` when both are free, else two ports the system hands out: a SuperLink another process runs
-    on a test's fixed port (a user's, another test run's) is never reused."""
-    if all(_port_free(p) for p in ports):
-        return ports
-    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in ports]
+def free_ports(n: int) -> tuple[str, ...]:
+    """``n`` ports free right now on 127.0.0.1 (the system hands them out)."""
+    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(n)]
     try:
         for s in socks:
             s.bind(("127.0.0.1", 0))
@@ -38,6 +35,12 @@ def _free_ports(ports: tuple[str, str]) -> tuple[str, str]:
     finally:
         for s in socks:
             s.close()
+
+
+def _free_ports(ports: tuple[str, str]) -> tuple[str, str]:
+    """``ports`` when both are free, else two `free_ports`: a SuperLink another process runs on a test's
+    fixed port (a user's, another test run's) is never reused."""
+    return ports if all(_port_free(p) for p in ports) else free_ports(len(ports))
 
 
 def flwr_env(tmp_path: pathlib.Path, ports: tuple[str, str] = PORTS) -> dict:

@@ -2,23 +2,10 @@
 
 import json
 import shutil
-import socket
 
 import pytest
 
-from tests.flwr_run import flwr_run
-
-
-def _free_ports(n: int) -> tuple[str, ...]:
-    """``n`` ports free right now (fixed ones can be held by another user's SuperLink on a shared machine)."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return tuple(str(s.getsockname()[1]) for s in socks)
-    finally:
-        for s in socks:
-            s.close()
+from tests.flwr_run import flwr_run, free_ports
 
 
 @pytest.mark.slow  # a real `flwr run` / SuperLink: 1-3 minutes
@@ -26,7 +13,7 @@ def _free_ports(n: int) -> tuple[str, ...]:
 def test_flwr_run_trains_the_transformer_on_shakespeare_roles(tmp_path, corpus):
     log, metrics_file = flwr_run(
         tmp_path, 2, "num-server-rounds=2 dataset='shakespeare' model='transformer' optimizer='adamw' lr=0.003 "
-                     "batch-size=8 compressor='stc' density=0.05 precision='bf16'", _free_ports(2))
+                     "batch-size=8 compressor='stc' density=0.05 precision='bf16'", free_ports(2))
     assert metrics_file.exists(), log[-3000:]
     rounds = json.loads(metrics_file.read_text())["rounds"]
     assert [r["round"] for r in rounds] == [0, 1, 2]
