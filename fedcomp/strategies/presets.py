@@ -73,7 +73,7 @@ def apply_preset(preset: str | None, given: dict[str, Any], defaults: dict[str, 
 LIBRARY_DOWNSTREAM = {"sign": "sign", "randsign": "sign", "stc": "stc", "topk": "stc", "randomk": "stc"}
 #: The int8 download of the uploads `LIBRARY_DOWNSTREAM` does not name (quantisers, low rank, half precision).
 OTHER_DOWNSTREAM = "int8"
-#: A sparse download's density over the upload's (capped at 1): the broadcast carries the sum of many
+#: A sparse download's density over the upload's (at most `MAX_SPARSE_DOWNLOAD`): the broadcast carries the sum of many
 #: clients' sparse updates, so it keeps more entries (Sattler et al., IEEE TNNLS 2019, use a denser
 #: downstream than upstream; fedcomp's app sends STC 0.05 for STC 0.01 up).
 SPARSE_DOWNLOAD_FACTOR = 5.0
@@ -90,9 +90,9 @@ def library_downstream(compressor: str, density: float | None, upload_density: f
     compressed download cannot apply: ``compressor = "none"`` (fp32 both ways), local DP (each client
     noises its update against the global model it was sent) and inner strategies that need every
     client's weights (Krum, FedMedian, Flower's DP wrappers: the global model they see must be the
-    one the clients trained from). Measured on an ordinary Flower app (`benchmarks/wire.py`, figures in
-    ``docs/benchmarks/wire.md``): both ways at these settings keep plain FedAvg's accuracy where an int8
-    download would cap the saving both ways near 6x.
+    one the clients trained from). Why: an 8-bit download of a 1-bit or sparse upload would be most of
+    what travels; the comparison on an ordinary Flower app is `benchmarks/wire.py`
+    (``docs/benchmarks/wire.md``).
 
     Parameters
     ----------
