@@ -59,10 +59,11 @@ class WeighingGrid(InProcessGrid):
         return replies
 
 
-def reference(seed: int, rounds: int, compressor: str | None) -> dict:
-    """The reference app in process; ``compressor``: None for its defaults, "none" for fp32."""
+def reference(seed: int, rounds: int, compressor: str | None, **settings) -> dict:
+    """The reference app in process; ``compressor``: None for its defaults, "none" for fp32; ``settings``:
+    run-config keys (e.g. ``secagg``)."""
     with tempfile.TemporaryDirectory() as out:
-        rc = {"results-dir": out, "seed": seed, "num-server-rounds": rounds}
+        rc = {"results-dir": out, "seed": seed, "num-server-rounds": rounds, **settings}
         if compressor is not None:
             rc["compressor"] = compressor
         grid = WeighingGrid(reference_client_app, 10, rc)
@@ -112,6 +113,7 @@ def _plain_client(client_module):
 
 
 #: case -> (federation, its fp32 case, the strategy's arguments, run-config overrides)
+SECURE_FP32 = "secure: fp32 both ways, no federated evaluation"
 CASES = {
     "reference: fp32 both ways": ("reference", None, "none", {}),
     "reference: defaults": ("reference", None, None, {}),
@@ -131,6 +133,13 @@ CASES = {
                                              {"compressor": "sign"}, {"fraction_train": 0.5, "fraction_evaluate": 0.5}),
     "existing app, half the clients: default codec": ("existing", "existing app, half the clients: plain FedAvg", {},
                                                       {"fraction_train": 0.5, "fraction_evaluate": 0.5}),
+    # SecAgg+ runs no federated evaluation: its fp32 counterpart is the reference app without it
+    "secure: fp32 both ways, no federated evaluation": ("reference", None, "none", {"fraction-evaluate": 0.0}),
+    "secagg = true (int8 download)": ("reference", SECURE_FP32, None, {"secagg": True}),
+    "secagg = true, dense download": ("reference", SECURE_FP32, None, {"secagg": True, "downstream": "none"}),
+    "secagg = true, sign download": ("reference", SECURE_FP32, None, {"secagg": True, "downstream": "sign"}),
+    "secagg = true, STC 5 % download": ("reference", SECURE_FP32, None,
+                                        {"secagg": True, "downstream": "stc", "downstream-density": 0.05}),
 }
 #: The fp32 case of each federation, for the cases that name none.
 FP32 = {"reference": "reference: fp32 both ways", "existing": "existing app: plain FedAvg"}
@@ -142,7 +151,7 @@ def summarise(runs: dict[str, list[dict]]) -> list[dict]:
     rows = []
     for name, m in med.items():
         kind, fp32, arg, _ = CASES[name]
-        plain = kind == "existing" and arg is None  # a plain FedAvg case is its own fp32
+        plain = (kind == "existing" and arg is None) or arg == "none"  # an fp32 case is its own fp32
         base = med[fp32 or (name if plain else FP32[kind])]
         rows.append({"case": name, "accuracy": m["accuracy"], "mb": m["counted-mb"],
                      "ratio": base["counted-mb"] / m["counted-mb"],
@@ -164,7 +173,7 @@ def run_case(name: str, seed: int, rounds: int, existing_rounds: int) -> dict:
     """One run of ``name`` (a key of `CASES`) at ``seed``."""
     kind, _, arg, settings = CASES[name]
     if kind == "reference":
-        return reference(seed, rounds, arg)
+        return reference(seed, rounds, arg, **settings)
     return existing_app(seed, existing_rounds, arg, **settings)
 
 
@@ -179,8 +188,9 @@ def table(rows: list[dict], seeds: list[int]) -> dict:
                         "fewer bytes than fp32", "fedcomp's count / outside count", "seeds"], "rows": out}
 
 
-#: The cases run on every seed (the two lines, and the same at one local epoch); the others on the first seed only.
-MAIN_CASES = list(CASES)[:5] + [c for c in CASES if c.startswith("existing app, 1 local epoch")]
+#: The cases run on every seed (the two lines, the same at one local epoch, SecAgg+); the others on the first seed.
+MAIN_CASES = list(CASES)[:5] + [c for c in CASES if c.startswith("existing app, 1 local epoch")] + [
+    SECURE_FP32, "secagg = true (int8 download)", "secagg = true, dense download", "secagg = true, sign download"]
 
 
 def main() -> None:
@@ -191,11 +201,23 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=2, help="runs at a time (each in its own process)")
     ap.add_argument("--quick", action="store_true", help="3 rounds, one seed, to the temporary folder")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--only", nargs="+", default=[], help="run only the cases whose name contains one of these; the "
+                    "other cases' runs are kept from the result file written before (same seeds and rounds)")
     args = ap.parse_args()
     if args.quick:
         args.seeds, args.rounds, args.existing_rounds = args.seeds[:1], 3, 3
-    todo = [(name, seed) for name in CASES for seed in (args.seeds if name in MAIN_CASES else args.seeds[:1])]
+    path = output_path("wire", args.out, args.quick)
     runs: dict[str, list[dict]] = {name: [] for name in CASES}
+    chosen = [name for name in CASES if not args.only or any(p in name for p in args.only)]
+    command = " ".join(["python", "benchmarks/wire.py", *sys.argv[1:]])
+    if args.only:
+        before = json.loads(path.read_text())
+        command = f"{before['command']} && {command}"
+        if (before["seeds"], before["rounds"], before["existing-rounds"]) != (args.seeds, args.rounds,
+                                                                             args.existing_rounds):
+            raise SystemExit(f"--only: {shown(path)} was written with other seeds or rounds")
+        runs.update({name: rs for name, rs in before["runs"].items() if name in CASES and name not in chosen})
+    todo = [(name, seed) for name in chosen for seed in (args.seeds if name in MAIN_CASES else args.seeds[:1])]
     with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn"),
                                                 initializer=_threads, initargs=(args.jobs,)) as pool:
         futures = {pool.submit(run_case, name, seed, args.rounds, args.existing_rounds): (name, seed)
@@ -211,9 +233,8 @@ def main() -> None:
     for r in rows:
         print(f"{r['case']:46} {r['accuracy']:8.4f} {r['mb']:9.3f} {r['ratio']:7.1f} {r['accuracy-vs-fp32']:+8.4f} "
               f"{r['reported-over-counted']:16.4f}")
-    path = output_path("wire", args.out, args.quick)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"command": " ".join(["python", "benchmarks/wire.py", *sys.argv[1:]]),
+    path.write_text(json.dumps({"command": command,
                                 "seeds": args.seeds, "rounds": args.rounds, "existing-rounds": args.existing_rounds,
                                 "medians": rows, "table": table(rows, args.seeds), "runs": runs}, indent=1))
     print("written to", shown(path))

@@ -42,8 +42,8 @@ APP = table(
         "density 1/400 with error feedback and no dp, else fedavg", choices=STRATEGIES),
     Key("server-lr", float, 0.1, "FedAdam's eta; FedAvgM's server learning rate", lo=0.0, lo_open=True),
     Key("server-momentum", float, 0.9, "FedAvgM's server momentum", lo=0.0, hi=1.0, hi_open=True),
-    Key("downstream", str, "auto", "server-to-client compression: auto (stc at density 0.05; sign for LoRA; none "
-        "with compressor none or secagg), none (dense) or any codec",
+    Key("downstream", str, "auto", "server-to-client compression: auto (stc at density 0.05; sign for LoRA; int8 "
+        "with secagg; none with compressor none), none (dense) or any codec",
         choices=("auto",) + tuple(available_compressors())),
     Key("downstream-density", float, 0.0, "density of a sparse downstream codec (stc, topk, randomk); 0 = the "
         "upload's density", lo=0.0, hi=1.0),

@@ -21,9 +21,10 @@ The download's defaults come from ``benchmarks/both_ways.py`` and ``benchmarks/l
 (docs/benchmarks/both-ways.md, llm.md): STC (Sattler et al., IEEE TNNLS 2019) at `AUTO_DENSITY` downward
 with server-side error feedback for full-model training (a sparser download lags the global model);
 ``sign`` for LoRA adapters (every entry moves each round, so a client that missed rounds does not
-drift); none with ``compressor = "none"`` (the fp32 baseline stays fp32) or ``secagg`` (the secure path
-sends the model as Flower's SecAgg+ workflow does). The correction counts each update from the global
-model where clients train with AdamW and the download is sparse (`fedcomp.download.correction`).
+drift); int8 under ``secagg`` (`AUTO_SECAGG_CODEC`, ``benchmarks/wire.py``); none with ``compressor =
+"none"`` (the fp32 baseline stays fp32). The correction counts each update from the global model where
+clients train with AdamW and the download is sparse (`fedcomp.download.correction`); never under
+``secagg``, where the server sees only the masked sum.
 """
 
 from __future__ import annotations
@@ -47,6 +48,10 @@ AUTO_CODEC = "stc"
 AUTO_DENSITY = 0.05
 #: Downstream codec "auto" chooses for LoRA adapters.
 AUTO_LORA_CODEC = "sign"
+#: Downstream codec "auto" chooses under SecAgg+: its rotated shared random-k moves every entry of the
+#: model a little each round, which a sparse or one-bit download follows with a lag that cost accuracy
+#: (docs/benchmarks/wire.md).
+AUTO_SECAGG_CODEC = "int8"
 #: Client optimizers with which ``downstream-correction = "auto"`` turns the correction on (with a sparse
 #: downstream codec): AdamW moves every weight by about ``lr`` a step, and its local training re-learns
 #: what a sparse download left out; with SGD (the default CNN) the correction cost accuracy.
@@ -77,7 +82,7 @@ def resolve(cfg: AppConfig, run_config: Mapping[str, Any]) -> AppConfig:
     cfg = replace(cfg, downstream=downstream, downstream_density=density)
     cfg = replace(cfg, downstream_init=resolve_init(cfg.downstream_init, cfg.finetune, cfg.resume))
     correction = resolve_correction(cfg.downstream_correction, cfg.downstream, cfg.optimizer, cfg.dp,
-                                    cfg.codec.error_feedback)
+                                    cfg.codec.error_feedback, KEYS["secagg"].read(run_config))
     cfg = replace(cfg, downstream_correction="on" if correction else "off")
     check_combinations(cfg, run_config)
     return cfg
@@ -86,12 +91,15 @@ def resolve(cfg: AppConfig, run_config: Mapping[str, Any]) -> AppConfig:
 def resolve_downstream(requested: str, density: float, compressor: str, finetune: str,
                        secagg: bool) -> tuple[str, float]:
     """``(downstream codec, downstream density)`` for run config ``downstream`` = ``requested``:
-    "auto" is "none" with ``secagg`` or ``compressor = "none"``, `AUTO_LORA_CODEC` for LoRA, else
-    `AUTO_CODEC` at ``density`` or `AUTO_DENSITY`. ``density`` 0: the upload's (an explicit codec)."""
+    "auto" is "none" with ``compressor = "none"``, `AUTO_SECAGG_CODEC` with ``secagg`` (SecAgg+ hides the
+    updates, not the global model: `fedcomp.secagg.download`), `AUTO_LORA_CODEC` for LoRA, else `AUTO_CODEC`
+    at ``density`` or `AUTO_DENSITY`. ``density`` 0: the upload's (an explicit codec)."""
     if requested != "auto":
         return requested, density
-    if secagg or compressor == "none":
+    if compressor == "none":
         return "none", density
+    if secagg:
+        return AUTO_SECAGG_CODEC, density
     if finetune == "lora":
         return AUTO_LORA_CODEC, density
     return AUTO_CODEC, density or AUTO_DENSITY
@@ -107,10 +115,10 @@ def resolve_init(requested: str, finetune: str, resume: bool) -> str:
 
 
 def resolve_correction(requested: str, downstream: str, optimizer: str, dp: str = "none",
-                       error_feedback: bool | str = True) -> float:
+                       error_feedback: bool | str = True, secagg: bool = False) -> float:
     """The correction ``c`` for run config ``downstream-correction`` = ``requested``: 1.0 (on) or 0.0 (off);
     "auto": on for a sparse downstream codec (``Compressor.sparse``: STC, top-k, rand-k, randsign) with an
-    optimizer of `AUTO_CORRECTION_OPTIMIZERS`, off where it cannot apply (client-level DP, EF21).
+    optimizer of `AUTO_CORRECTION_OPTIMIZERS`, off where it cannot apply (client-level DP, EF21, SecAgg+).
 
     Parameters
     ----------
@@ -122,11 +130,13 @@ def resolve_correction(requested: str, downstream: str, optimizer: str, dp: str 
     dp : str
         Run config ``dp``.
     error_feedback : bool or "ef21"
+    secagg : bool
+        Run config ``secagg``.
     """
     if requested != "auto":
         return 1.0 if requested == "on" else 0.0
     sparse = downstream != "none" and CODECS[downstream].sparse
-    applies = dp != "client-level" and error_feedback != "ef21"
+    applies = dp != "client-level" and error_feedback != "ef21" and not secagg
     return 1.0 if sparse and applies and optimizer in AUTO_CORRECTION_OPTIMIZERS else 0.0
 
 
@@ -167,5 +177,6 @@ def check_combinations(cfg: AppConfig, run_config: Mapping[str, Any]) -> None:
             raise ValueError("run config finetune = 'lora' works without dp = 'dp-sgd' and resume = true (not yet)")
 
 
-__all__ = ["AUTO_CODEC", "AUTO_CORRECTION_OPTIMIZERS", "AUTO_DENSITY", "AUTO_LORA_CODEC", "check_combinations",
+__all__ = ["AUTO_CODEC", "AUTO_CORRECTION_OPTIMIZERS", "AUTO_DENSITY", "AUTO_LORA_CODEC", "AUTO_SECAGG_CODEC",
+           "check_combinations",
            "resolve", "resolve_correction", "resolve_downstream", "resolve_init"]

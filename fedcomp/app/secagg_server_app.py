@@ -1,9 +1,11 @@
 """The ServerApp path of ``secagg = true``: Flower's legacy ``DefaultWorkflow`` with
 ``CompressedSecAggPlusWorkflow`` and ``SharedRandomKStrategy`` around a legacy FedAvg/FedAvgM/FedAdam.
 
-Writes the same per-round table, ``metrics.json`` and ``plot.png`` as the plain path; bytes come
-from the real SecAgg+ replies (``upload-bytes``: masked vectors; ``secagg-protocol-bytes``: keys
-and shares of the four stages).
+Writes the same per-round table, ``metrics.json`` and ``plot.png`` as the plain path. The model
+travels by the run's download (`fedcomp.secagg.download`; ``downstream = "none"``: dense). Bytes are
+counted as Flower serialises every message of the four stages both ways (``wire-bytes-*``, the MB
+columns and the ratio both ways, against a plain app sending the model dense both ways); of them,
+``upload-bytes`` are the masked vectors and ``secagg-protocol-bytes`` the keys and shares.
 """
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ from fedcomp.app.config import AppConfig
 from fedcomp.config.secagg import SecAggConfig, check_codec_under_secagg, resolve_secure_defaults, secure_defaults_note
 from fedcomp.privacy import NO_AMPLIFICATION, ClientLevelDP
 from fedcomp.privacy.distributed import DistributedDP
+from fedcomp.download.options import Download
+from fedcomp.download.sender import Downstream
+from fedcomp.secagg.download import SecAggDownload
 from fedcomp.secagg.strategy import SharedRandomKStrategy
 from fedcomp.statedict import untie
 from fedcomp.secagg.workflow import CompressedSecAggPlusWorkflow
@@ -125,18 +130,21 @@ class SecAggRounds:
             skipped = self.workflow.round_skipped.get(server_round) if self.workflow else None
             return {} if skipped is None else {"skipped": skipped}
         wire = self.workflow.round_bytes
-        up = wire["upload-bytes"]
-        down = h["dense-bytes"]  # the secure path sends each client the model dense (fp32), as Flower's workflow
-        recorder.add_bytes(up, down, h["dense-bytes"])
+        sent = self.workflow.wire.get(server_round)  # every message of the round's four stages, serialised
+        up, down = sent["wire-bytes-up"], sent["wire-bytes-down"]
+        recorder.add_bytes(up, down, h["dense-bytes"], sent["wire-bytes-fp32"])
+        download = self.workflow.download
+        model_down = float(sum(download.sent_bytes.values())) if download else h["dense-bytes"]
         eps = {}
         if isinstance(h.get("epsilon"), float):  # client-level or distributed DP: this round's increase
             eps["epsilon-round"] = math.inf if math.isinf(h["epsilon"]) else h["epsilon"] - recorder.last_eps
             recorder.last_eps = h["epsilon"]
-        return {**h, **wire, **eps, "upload-mb": up / MB, "cumulative-upload-mb": recorder.cum_mb,
-                "download-bytes": down, "download-mb": down / MB, "cumulative-download-mb": recorder.cum_down_mb,
+        masked = wire["upload-bytes"]
+        return {**h, **wire, **sent, **eps, "upload-mb": up / MB, "cumulative-upload-mb": recorder.cum_mb,
+                "download-bytes": model_down, "download-mb": down / MB, "cumulative-download-mb": recorder.cum_down_mb,
                 **recorder.totals(),
-                "compression-ratio": h["dense-bytes"] / up if up else 0.0,
-                "bits-per-parameter": 8 * up / (h["num-replies"] * h["dimension"]),
+                "compression-ratio": h["dense-bytes"] / masked if masked else 0.0,
+                "bits-per-parameter": 8 * masked / (h["num-replies"] * h["dimension"]),
                 "modulus-bits": self.workflow.round_modulus_bits}
 
     def row_tail(self, rec: dict) -> str:
@@ -175,6 +183,12 @@ def run_secagg(grid, context, cfg: AppConfig, out_dir) -> list[dict]:
     recorder = RoundRecorder(cfg, rounds, out_dir, dict(resolve_secure_defaults(context.run_config)))
     initial = ndarrays_to_parameters([v.numpy().copy() for v in untie(recorder.model.state_dict()).values()])
     density = cfg.codec.density if cfg.codec.compressor == "randomk" else 1.0
+    download = None
+    if cfg.downstream != "none":  # SecAgg+ hides the updates; the global model can travel compressed
+        sender = Downstream.for_run(cfg.codec, Download(cfg.downstream, density=cfg.downstream_density or None,
+                                                        init=cfg.downstream_init))
+        download = SecAggDownload(sender, recorder.keys)
+        initial = download.start(initial)  # seeded where the first-contact policy says: what new nodes build
     inner = build_inner(cfg, legacy_evaluate_fn=recorder.legacy_evaluate, initial_parameters=initial)
     strategy = SharedRandomKStrategy(inner, density, rotation=sa.rotation,
                                      error_feedback=cfg.codec.error_feedback, seed=cfg.seed, keys=recorder.keys,
@@ -186,7 +200,8 @@ def run_secagg(grid, context, cfg: AppConfig, out_dir) -> list[dict]:
                                      server_lr_rounds=cfg.num_server_rounds if sa.server_lr_decay else 0)
     workflow = CompressedSecAggPlusWorkflow(sa.shares, sa.threshold, modulus_bits=sa.modulus_bits,
                                             max_weight=sa.max_weight, clipping_range=sa.clipping_range,
-                                            quantization_range=sa.quantization_range, timeout=cfg.round_timeout)
+                                            quantization_range=sa.quantization_range, timeout=cfg.round_timeout,
+                                            download=download, pack_protocol=sa.pack)
     rounds.strategy, rounds.workflow = strategy, workflow
     if strategy.distributed_dp is not None:
         _warn_noise_room(strategy.distributed_dp)
@@ -199,9 +214,10 @@ def run_secagg(grid, context, cfg: AppConfig, out_dir) -> list[dict]:
     if recorder.rounds:
         plot_rounds(recorder.rounds, out_dir / "plot.png", f"fedcomp: {strategy.describe()}")
         last = recorder.rounds[-1]
-        log(INFO, "fedcomp  final accuracy %.4f after %d rounds, %.3f MB of masked vectors uploaded and %.3f MB "
-            "downloaded (the model, dense) in total", last["accuracy"], last["round"], recorder.cum_mb,
-            recorder.cum_down_mb)
+        log(INFO, "fedcomp  final accuracy %.4f after %d rounds, %.3f MB up and %.3f MB down on the wire (every "
+            "SecAgg+ stage; the model %s), %.1fx fewer bytes than fp32 both ways", last["accuracy"], last["round"],
+            recorder.cum_mb, recorder.cum_down_mb, "dense" if download is None else f"by {cfg.downstream}",
+            last.get("cumulative-ratio-both-ways") or 0.0)
     log(INFO, "fedcomp  results written to %s (metrics.json, plot.png)", out_dir)
     if note := recorder.near_chance_note():  # the last line, where a user looks
         log(WARNING, "fedcomp  %s", note)

@@ -279,15 +279,14 @@ def check_codec_under_secagg(run_config: Mapping[str, Any]) -> None:
         raise ValueError(f"run config dp = {dp!r} with secagg = true needs error-feedback = false: with error "
                          "feedback the residual carries the clipped excess into later rounds and voids the clipping "
                          "bound")
-    unsupported = { "downstream": "none", "downstream-correction": "off", "client-sampling": "fraction",
+    unsupported = {"downstream-correction": "off", "client-sampling": "fraction",
                    "layer-codecs": "", "warmup-rounds": 0, "density-schedule": "constant",
                    "momentum-correction": 0.0, "resume": False,
                    # the secure path trains the full model and encodes every float entry with the shared seed:
                    "finetune": "full", "selection": "auto", "min-compress-numel": 0,
                    "small-tensor-compressor": "none", "require-compression": False}
     for key, ok in unsupported.items():
-        if key in run_config and run_config[key] != ok and not (key in ("density-schedule", "downstream",
-                                                                        "downstream-correction")
+        if key in run_config and run_config[key] != ok and not (key in ("density-schedule", "downstream-correction")
                                                                  and run_config[key] == "auto"):
             raise ValueError(f"run config '{key}' = {run_config[key]!r} is not supported with secagg = true "
                              f"(use {ok!r})")

@@ -271,7 +271,7 @@ class Downstream:
 
     # -- one round --------------------------------------------------------------------------
     def prepare(self, server_round: int, arrays: ArrayRecord, messages: list[Message],
-                phase: str = "train") -> list[Message]:
+                phase: str = "train", records: tuple[str, str] | None = None) -> list[Message]:
         """Advance B to this round's global model and rewrite each message's arrays and config.
 
         Every message gets its own RecordDict and ArrayRecord (as the real transport gives each
@@ -284,6 +284,9 @@ class Downstream:
         does not the step or catch-up to B_v. A node evaluates the model it will train from, and what
         the step left out stays in ``G - B`` for the next round (server-side error feedback).
         ``phase = "evaluate"`` only changes the seeds of seeded codecs (`EVALUATE_SEED_OFFSET`).
+        ``records``: the keys of the model's ArrayRecord and of the config in each message (default: the
+        message's first ArrayRecord and first ConfigRecord, ``"config"`` if it has none; Flower's legacy
+        workflows carry them as ``fitins.parameters`` and ``fitins.config`` beside SecAgg+'s own record).
 
         Returns the messages (modified in place) with a per-message ConfigRecord carrying the version
         keys (and the init seed for ``init`` messages).
@@ -326,8 +329,8 @@ class Downstream:
             # Flower's strategies may share one RecordDict between messages: give each its own.
             msg.content = RecordDict(dict(msg.content.items()))
             node = msg.metadata.dst_node_id
-            arr_key = next(iter(msg.content.array_records))
-            cfg_key = next(iter(msg.content.config_records), "config")
+            arr_key, cfg_key = records or (next(iter(msg.content.array_records)),
+                                           next(iter(msg.content.config_records), "config"))
             cfg = dict(msg.content[cfg_key]) if cfg_key in msg.content else {}
             cfg[MODEL_VERSION] = self.version
             plan = plan_message(self.nodes, node, payload, self._start, self.model.dense_bytes - extra_bytes,

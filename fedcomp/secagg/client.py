@@ -26,7 +26,7 @@ from flwr.app.message_type import MessageType
 from flwr.client.mod import secaggplus_mod
 from flwr.common import Code, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays
 from flwr.common.logger import log
-from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, RECORD_KEY_STATE, Key
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, RECORD_KEY_STATE, Key, Stage
 from flwr.compat.common import recorddict_compat as compat
 
 from fedcomp.compression import PayloadError
@@ -41,11 +41,15 @@ from fedcomp.protocol.messages import (
     SECAGG_ROTATION_KEY,
     SECAGG_SEED_KEY,
 )
+from fedcomp.secagg.download import receive_fit_model, report_copy
 from fedcomp.secagg.encoding import SharedProjection, add_noise_share, flower_weight, prequantize, weight_floor
 from fedcomp.secagg.guard import check_request
+from fedcomp.secagg.protocol_packing import PACK_KEY, pack_record, unpack_record
 
 #: First bytes of a packed masked vector (an ``.npy`` starts with b"\x93NUMPY").
 PACK_MAGIC = b"FCSQ\x01"
+#: ``context.state`` record: whether this round's setup request asked for packed keys and tokens.
+PACKING_STATE_KEY = "fedcomp.secagg-packing"
 #: Largest element count a packed masked vector may claim (2**34 values).
 MAX_PACKED_NUMEL = 1 << 34
 
@@ -353,7 +357,9 @@ def packing_secaggplus_mod(msg: Message, ctxt: Context, call_next) -> Message:
     Packs only when the server announced it can unpack (``fedcomp-secagg-pack = true`` in the
     train config, sent by `fedcomp.secagg.SharedRandomKStrategy` with ``pack=True`` and
     unpacked by `fedcomp.secagg.CompressedSecAggPlusWorkflow`). Every protocol step, mask
-    and share is Flower's; this only re-encodes the masked integers of the reply. Adds the
+    and share is Flower's; this only re-encodes the masked integers of the reply and, where the
+    setup request asks for it (`fedcomp.secagg.protocol_packing.PACK_KEY`), the public keys and
+    encrypted shares both ways (`fedcomp.secagg.protocol_packing`). Adds the
     reply's metric ``upload-bytes`` (bytes of the masked vectors as sent).
 
     Before Flower's mod sees a request, `fedcomp.secagg.guard.check_request` refuses a setup
@@ -364,10 +370,19 @@ def packing_secaggplus_mod(msg: Message, ctxt: Context, call_next) -> Message:
         check_request(msg, ctxt)  # a setup or unmask request that would unmask one client is refused
     pack = (_is_train(msg) and "fitins.config" in msg.content.config_records
             and bool(msg.content.config_records["fitins.config"].get(SECAGG_PACK_KEY, False)))
+    request = msg.content.config_records.get(RECORD_KEY_CONFIGS) if _is_train(msg) else None
+    stage = None if request is None else request.get(Key.STAGE)
+    if stage == Stage.SETUP:  # the server unpacks SecAgg+'s keys and tokens this round, or not
+        ctxt.state.config_records[PACKING_STATE_KEY] = ConfigRecord({"on": bool(request.get(PACK_KEY, False))})
+    packing = stage is not None and bool(ctxt.state.config_records.get(PACKING_STATE_KEY, {}).get("on", False))
+    if request is not None:
+        unpack_record(stage, request)  # Flower's mod reads its own forms
     reply = secaggplus_mod(msg, ctxt, call_next)
     if reply.has_error() or not _is_train(msg):
         return reply
     rec = reply.content.config_records.get(RECORD_KEY_CONFIGS)
+    if rec is not None and packing:
+        pack_record(stage, rec)
     if rec is None or Key.MASKED_PARAMETERS not in rec:
         return reply
     blobs = list(rec[Key.MASKED_PARAMETERS])
@@ -385,10 +400,16 @@ def packing_secaggplus_mod(msg: Message, ctxt: Context, call_next) -> Message:
 def secagg_mod(msg: Message, ctxt: Context, call_next) -> Message:
     """fedcomp's ClientApp mod: SecAgg+ messages go through `packing_secaggplus_mod` and
     `shared_randomk_mod` (then straight to the train handler); all others to ``call_next``.
+    A train message whose model rides the compressed download (`fedcomp.secagg.download`) is rebuilt
+    from this node's copy first, and the reply reports the copy's digest.
 
     Register it before ``compression_mod``: ``ClientApp(mods=[secagg_mod, compression_mod])``
     (``compression_mod`` lets the shared-seed train message through untouched).
     """
     if _is_train(msg) and RECORD_KEY_CONFIGS in msg.content.config_records:
-        return packing_secaggplus_mod(msg, ctxt, lambda m, c: shared_randomk_mod(m, c, call_next))
+        downloaded = receive_fit_model(msg, ctxt)
+        reply = packing_secaggplus_mod(msg, ctxt, lambda m, c: shared_randomk_mod(m, c, call_next))
+        if downloaded:
+            report_copy(reply, ctxt)
+        return reply
     return call_next(msg, ctxt)

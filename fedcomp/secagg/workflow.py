@@ -35,7 +35,7 @@ from contextlib import contextmanager
 from logging import ERROR, WARNING
 
 import numpy as np
-from flwr.app import Error, Message
+from flwr.app import ArrayRecord, Error, Message
 from flwr.common import ndarray_to_bytes
 from flwr.common.logger import log
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
@@ -47,7 +47,10 @@ from flwr.server.workflow.secure_aggregation import secaggplus_workflow as _flow
 from fedcomp.compression import PayloadError
 from fedcomp.config.secagg import allows_split, majority_threshold
 from fedcomp.secagg.client import PACK_MAGIC, unpack_masked
+from fedcomp.secagg.download import FIT_ARRAYS, SecAggDownload
 from fedcomp.secagg.encoding import modulus_bits_for
+from fedcomp.secagg.protocol_packing import PACK_KEY, is_packed_key, pack_record, unpack_record
+from fedcomp.strategies.wire_bytes import WireCount
 
 #: What a node that answers SecAgg+ without the secure mod most likely lacks.
 MOD_HINT = ("its ClientApp must run SecAgg+'s client mod: fedcomp's ClientApp(mods=[secagg_mod, compression_mod]), or "
@@ -68,10 +71,13 @@ class _CountingGrid:
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
         sent = {m.metadata.dst_node_id: m for m in messages}
-        self._wf._on_send(list(sent.values()))
-        out = []
-        for reply in self._grid.send_and_receive(list(sent.values()), timeout=timeout):
-            out.append(self._wf._on_reply(reply, sent.get(reply.metadata.src_node_id)))
+        wf, msgs = self._wf, list(sent.values())
+        model = wf._on_send(msgs)
+        wf.wire.sent(wf._round, "train", msgs, model)
+        replies = list(self._grid.send_and_receive(msgs, timeout=timeout))
+        wf.wire.received(wf._round, "train", replies, model)  # as they travelled, before unpacking
+        out = [wf._on_reply(reply, sent.get(reply.metadata.src_node_id)) for reply in replies]
+        wf._on_replies(out)
         return out
 
 
@@ -123,8 +129,17 @@ class CompressedSecAggPlusWorkflow(SecAggPlusWorkflow):
     """
 
     def __init__(self, num_shares: float, reconstruction_threshold: float, *, modulus_bits: int = 0,
-                 **kwargs) -> None:
+                 download: SecAggDownload | None = None, pack_protocol: bool = True, **kwargs) -> None:
         self._fixed_bits = modulus_bits
+        #: Whether the setup request asks nodes to pack SecAgg+'s keys and tokens (`protocol_packing`).
+        self.pack_protocol = pack_protocol
+        self._packed_nodes: set[int] = set()  # nodes whose setup reply of this round came packed
+        #: The compressed download of the train messages' model (None: the model travels dense).
+        self.download = download
+        #: Every message of every stage both ways, serialised, per round (`fedcomp.strategies.wire_bytes`);
+        #: SecAgg+'s own records count on the wire and not in the fp32 equivalent, which a plain app
+        #: without SecAgg+ would send (the model dense both ways).
+        self.wire = WireCount(protocol=(RECORD_KEY_CONFIGS,))
         self._available = 2
         self._ctx = None
         super().__init__(num_shares, reconstruction_threshold,
@@ -156,6 +171,7 @@ class CompressedSecAggPlusWorkflow(SecAggPlusWorkflow):
         self._ctx = context
         self.halted: str | None = None
         self._setup_errors = []
+        self._packed_nodes = set()
         cfg = context.state.config_records.get(MAIN_CONFIGS_RECORD, {})
         self._round = int(cfg.get(WorkflowKey.CURRENT_ROUND, self._round + 1))
         strategy = getattr(context, "strategy", None)
@@ -248,12 +264,18 @@ class CompressedSecAggPlusWorkflow(SecAggPlusWorkflow):
             return self._skip(f"too few unmasking shares for threshold {state.threshold}")
         return True
 
-    def _on_send(self, messages: list[Message]) -> None:
-        """Raise a setup's threshold to more than half its shares (the clients refuse less)."""
+    def _on_send(self, messages: list[Message]) -> ArrayRecord | None:
+        """Raise a setup's threshold to more than half its shares (the clients refuse less); the train
+        messages' model rewritten by the download. Returns the train messages' dense model record as it
+        was (None: no train message in ``messages``)."""
         for m in messages:
             rec = m.content.config_records.get(RECORD_KEY_CONFIGS)
+            if rec is not None and rec.get(Key.STAGE) != Stage.SETUP and m.metadata.dst_node_id in self._packed_nodes:
+                pack_record(rec.get(Key.STAGE), rec)
             if rec is None or rec.get(Key.STAGE) != Stage.SETUP:
                 continue
+            if self.pack_protocol:
+                rec[PACK_KEY] = True
             shares, threshold = int(rec[Key.SHARE_NUMBER]), int(rec[Key.THRESHOLD])
             if allows_split(threshold, shares):
                 need = majority_threshold(shares)
@@ -263,6 +285,20 @@ class CompressedSecAggPlusWorkflow(SecAggPlusWorkflow):
                 rec[Key.THRESHOLD] = need
                 if self._state is not None:
                     self._state.threshold = need
+        if self.download is not None:
+            return self.download.on_send(self._round, messages)
+        fit = next((m for m in messages if FIT_ARRAYS in m.content.array_records), None)
+        return None if fit is None else fit.content[FIT_ARRAYS]
+
+    def _on_replies(self, replies: list[Message]) -> None:
+        """The download notes what each node that answered its train message holds now."""
+        if self.download is None:
+            return
+        self.download.on_replies(replies)
+        if resynced := self.download.resynced():
+            log(WARNING, "fedcomp secagg round %d: node(s) %s answered without the model copy the server recorded "
+                "for them (an error, or another digest); they get a first contact next time", self._round,
+                sorted(resynced))
 
     def _on_reply(self, reply: Message, sent: Message | None) -> Message:
         stage = None if sent is None else sent.content.config_records.get(RECORD_KEY_CONFIGS, {}).get(Key.STAGE)
@@ -284,6 +320,16 @@ class CompressedSecAggPlusWorkflow(SecAggPlusWorkflow):
             blobs = value if isinstance(value, list) else [value]
             n = float(sum(len(b) for b in blobs if isinstance(b, bytes)))
             self.round_bytes["upload-bytes" if key == Key.MASKED_PARAMETERS else "secagg-protocol-bytes"] += n
+        if stage == Stage.SETUP and is_packed_key(rec.get(Key.PUBLIC_KEY_1)):
+            self._packed_nodes.add(reply.metadata.src_node_id)  # its later requests go packed too
+        try:
+            unpack_record(stage, rec)  # Flower's workflow reads its own forms
+        except PayloadError as exc:
+            log(ERROR, "fedcomp secagg: node %s sent a malformed packed record (%s): treated as dropped",
+                reply.metadata.src_node_id, exc)
+            if sent is None:
+                raise
+            return Message(Error(code=_MALFORMED, reason=f"malformed packed SecAgg+ record: {exc}"), reply_to=sent)
         if Key.MASKED_PARAMETERS in rec and self.round_modulus_bits is not None:
             try:
                 rec[Key.MASKED_PARAMETERS] = self._checked_masked(rec[Key.MASKED_PARAMETERS])

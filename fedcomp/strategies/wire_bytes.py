@@ -25,11 +25,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.common.serde import recorddict_to_proto
 
-from fedcomp.protocol.messages import REPORT_KEYS
+from fedcomp.download.seeded_init import INIT_SEED
+from fedcomp.protocol.messages import BASE_VERSION, COPY_RECORD, MODEL_VERSION, REPORT_KEYS
 
+#: The download's config keys (`fedcomp.download`), which a plain app's messages do not carry.
+DOWNLOAD_KEYS = (MODEL_VERSION, BASE_VERSION, INIT_SEED)
 #: The phases of a round, in Flower's order.
 PHASES = ("train", "evaluate")
 
@@ -50,9 +53,10 @@ class WireCount:
     """The serialised bytes of a strategy's messages, per round and phase, and their fp32 equivalent.
 
     The fp32 equivalent of a message replaces each of its ArrayRecords by the global model as a dense
-    ArrayRecord under the same key (for a train reply: the trained model, the same size), keeps its
-    config records, and keeps its metric records without fedcomp's report keys
-    (`fedcomp.protocol.messages.REPORT_KEYS`), which a plain Flower app does not send. Records
+    ArrayRecord under the same key (for a train reply: the trained model, the same size), and keeps its
+    config records without the download's version keys (`DOWNLOAD_KEYS`) and its metric records without
+    fedcomp's report keys (`fedcomp.protocol.messages.REPORT_KEYS`), which a plain Flower app does not
+    send; records under the ``protocol`` keys (fedcomp's copy digest, SecAgg+'s own records) count 0. Records
     are serialised independently (protobuf ``map`` entries), so the sum of their sizes is exact.
 
     Attributes
@@ -61,8 +65,11 @@ class WireCount:
         ``{round: {figure: bytes}}`` with the keys named in this module's docstring.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, protocol: Iterable[str] = ()) -> None:
         self.rounds: dict[int, dict[str, float]] = {}
+        #: Records a plain app does not send (fedcomp's copy digest; SecAgg+'s protocol records): counted on
+        #: the wire, not in the fp32 equivalent.
+        self.protocol = frozenset(protocol) | {COPY_RECORD}
         self._model_bytes: dict[tuple, int] = {}
 
     def model_record_bytes(self, key: str, arrays: ArrayRecord) -> int:
@@ -79,11 +86,16 @@ class WireCount:
             return 0
         total = 0
         for key, record in msg.content.items():
+            if key in self.protocol:
+                continue
             if isinstance(record, ArrayRecord):
                 total += self.model_record_bytes(key, model) if model is not None else content_bytes(
                     RecordDict({key: record}))
             elif isinstance(record, MetricRecord):
                 plain = MetricRecord({k: v for k, v in record.items() if k not in REPORT_KEYS})
+                total += content_bytes(RecordDict({key: plain}))
+            elif isinstance(record, ConfigRecord) and any(k in record for k in DOWNLOAD_KEYS):
+                plain = ConfigRecord({k: v for k, v in record.items() if k not in DOWNLOAD_KEYS})
                 total += content_bytes(RecordDict({key: plain}))
             else:
                 total += content_bytes(RecordDict({key: record}))

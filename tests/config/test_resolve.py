@@ -19,7 +19,8 @@ def test_the_defaults_resolve_every_auto_of_the_app_keys():
     ("auto", "stc", "full", False, ("stc", AUTO_DENSITY)),
     ("auto", "stc", "lora", False, ("sign", 0.0)),
     ("auto", "none", "full", False, ("none", 0.0)),
-    ("auto", "stc", "full", True, ("none", 0.0)),
+    ("auto", "randomk", "full", True, ("int8", 0.0)),  # SecAgg+ hides the updates, not the model
+    ("auto", "none", "full", True, ("none", 0.0)),
     ("int8", "stc", "full", True, ("int8", 0.0)),
 ])
 def test_resolve_downstream(requested, compressor, finetune, secagg, expected):
@@ -34,14 +35,15 @@ def test_resolve_init(requested, finetune, resume, expected):
     assert resolve_init(requested, finetune, resume) == expected
 
 
-@pytest.mark.parametrize("requested, downstream, optimizer, dp, ef, expected", [
-    ("auto", "stc", "adamw", "none", True, 1.0), ("auto", "stc", "sgd", "none", True, 0.0),
-    ("auto", "int8", "adamw", "none", True, 0.0), ("auto", "stc", "adamw", "client-level", True, 0.0),
-    ("auto", "stc", "adamw", "none", "ef21", 0.0), ("auto", "none", "adamw", "none", True, 0.0),
-    ("on", "int8", "sgd", "none", True, 1.0), ("off", "stc", "adamw", "none", True, 0.0),
+@pytest.mark.parametrize("requested, downstream, optimizer, dp, ef, secagg, expected", [
+    ("auto", "stc", "adamw", "none", True, False, 1.0), ("auto", "stc", "sgd", "none", True, False, 0.0),
+    ("auto", "int8", "adamw", "none", True, False, 0.0), ("auto", "stc", "adamw", "client-level", True, False, 0.0),
+    ("auto", "stc", "adamw", "none", "ef21", False, 0.0), ("auto", "none", "adamw", "none", True, False, 0.0),
+    ("auto", "stc", "adamw", "none", True, True, 0.0),  # SecAgg+: the server never sees an update
+    ("on", "int8", "sgd", "none", True, False, 1.0), ("off", "stc", "adamw", "none", True, False, 0.0),
 ])
-def test_resolve_correction(requested, downstream, optimizer, dp, ef, expected):
-    assert resolve_correction(requested, downstream, optimizer, dp, ef) == expected
+def test_resolve_correction(requested, downstream, optimizer, dp, ef, secagg, expected):
+    assert resolve_correction(requested, downstream, optimizer, dp, ef, secagg) == expected
 
 
 def test_auto_strategy_is_fedavgm_below_the_low_density():

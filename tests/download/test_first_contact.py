@@ -199,15 +199,18 @@ def test_downstream_auto_compresses_both_ways_by_default(run_config, expected):
     assert (cfg.downstream, cfg.downstream_density) == expected
 
 
-def test_downstream_under_secagg_auto_is_dense_and_an_explicit_codec_is_refused_naming_it():
+def test_downstream_under_secagg_auto_is_int8_and_an_explicit_codec_is_kept():
+    """SecAgg+ hides each update, not the global model: the model rides the download there too."""
     from fedcomp.app.config import AppConfig
     from fedcomp.config.secagg import check_codec_under_secagg as check_secagg_config
 
     base = {"secagg": True, "compressor": "randomk", "density": 0.05, "error-feedback": False}
-    assert AppConfig.from_run_config(base).downstream == "none"
+    assert AppConfig.from_run_config(base).downstream == "int8"
+    assert AppConfig.from_run_config({**base, "downstream": "sign"}).downstream == "sign"
     check_secagg_config({**base, "downstream": "auto"})
-    with pytest.raises(ValueError, match="'downstream' = 'stc' is not supported with secagg = true"):
-        check_secagg_config({**base, "downstream": "stc"})
+    check_secagg_config({**base, "downstream": "stc"})
+    with pytest.raises(ValueError, match="'downstream-correction' = 'on' is not supported with secagg = true"):
+        check_secagg_config({**base, "downstream": "stc", "downstream-correction": "on"})
 
 
 def test_the_seeded_start_differs_with_the_initial_model_and_is_reproducible():

@@ -120,11 +120,12 @@ def run_round(n: int, density: float, **kw):
 def run_rounds(num_rounds: int, n: int, density: float, *, rotation=False, pack=True, drop=(), corrupt=(), scale=0.01,
                clipping_range=1.0, qbits=16, shares=1.0, threshold=0.6, ef=True, inner_cls=FedAvg, client_dp=None,
                distributed_dp=None, node_configs=None, mods=(secagg_mod,), workflow_cls=None, server_lr=1.0,
-               **inner_kw):
-    """``num_rounds`` SecAgg+ rounds; returns ({round: model dict after it}, strategy, workflow, grid)."""
+               download=None, pack_protocol=True, grid_cls=None, **inner_kw):
+    """``num_rounds`` SecAgg+ rounds; returns ({round: model dict after it}, strategy, workflow, grid).
+    ``download``: a `fedcomp.secagg.download.SecAggDownload` for the model (None: dense)."""
     g = global_model()
     keys = list(g)
-    grid = RecordingGrid(make_client_app(scale, mods), n, {}, node_configs, drop=drop, corrupt=corrupt)
+    grid = (grid_cls or RecordingGrid)(make_client_app(scale, mods), n, {}, node_configs, drop=drop, corrupt=corrupt)
     captured = {}
 
     def evaluate_fn(rnd, arrays, config):
@@ -132,13 +133,19 @@ def run_rounds(num_rounds: int, n: int, density: float, *, rotation=False, pack=
         return 0.0, {}
 
     inner_kw = {"fraction_fit": 1.0, "min_fit_clients": n, "min_available_clients": n, **inner_kw}
+    # fedcomp's workflow options, only where a test sets them (Flower's own workflow takes none)
+    ours = {k: v for k, v in (("download", download), ("pack_protocol", pack_protocol))
+            if v is not None and v is not True}
+    initial = ndarrays_to_parameters([g[k] for k in keys])
+    if download is not None:
+        initial = download.start(initial)
     inner = inner_cls(**inner_kw, fraction_evaluate=0.0, min_evaluate_clients=0, evaluate_fn=evaluate_fn,
-                      initial_parameters=ndarrays_to_parameters([g[k] for k in keys]))
+                      initial_parameters=initial)
     strategy = SharedRandomKStrategy(inner, density, rotation=rotation, error_feedback=ef, seed=3, keys=keys, pack=pack,
                                      client_dp=client_dp, distributed_dp=distributed_dp, server_lr=server_lr)
     workflow = (workflow_cls or CompressedSecAggPlusWorkflow)(shares, threshold, max_weight=1000.0,
                                                               clipping_range=clipping_range,
-                                                              quantization_range=1 << qbits)
+                                                              quantization_range=1 << qbits, **ours)
     ctx = LegacyContext(Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={}),
                         config=ServerConfig(num_rounds=num_rounds), strategy=strategy)
     DefaultWorkflow(fit_workflow=workflow)(grid, ctx)

@@ -1,0 +1,145 @@
+"""SecAgg+'s own records, re-encoded for the wire: public keys as compressed points, encrypted key
+shares as raw bytes.
+
+Flower's SecAgg+ (flwr 1.42, Bell et al., CCS 2020) sends each node's two ECDH public keys (curve
+SECP384R1) as PEM text, 215 bytes where the compressed point is 49, and every encrypted key share as a
+Fernet token in URL-safe base64, 4 characters for every 3 bytes. Every node receives the keys of all its
+neighbours and sends and receives one token per neighbour, so on a small model (10 nodes that all share
+with each other, a CNN of 38k parameters) these records weigh more than the model's download and the
+masked vectors together.
+
+Both ends of fedcomp's SecAgg+ re-encode them without loss around Flower's code, which only ever sees its
+own forms:
+
+- a node's `fedcomp.secagg.client.packing_secaggplus_mod` packs the keys of its setup reply and the tokens
+  of its share-keys reply, and unpacks the keys and tokens of the server's requests before Flower's mod
+  reads them;
+- `fedcomp.secagg.workflow.CompressedSecAggPlusWorkflow` unpacks each reply before Flower's workflow reads
+  it, and packs the requests of the nodes whose setup reply came packed (a node that runs Flower's own mod
+  gets Flower's forms).
+
+The server announces that it unpacks with `PACK_KEY` in its setup request (Flower's client mod reads only
+its own keys); a node packs its replies only then. A packed value is told apart by its first byte (a PEM
+key starts with ``-``, a compressed point with 0x02 or 0x03; a base64 token with ``g``, a raw one with
+0x80, Fernet's version byte). Packing keeps a value as it is unless unpacking gives back the very same
+bytes, so ``unpack(pack(x)) == x`` for every ``x``.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from flwr.app import ConfigRecord
+from flwr.common.secure_aggregation.secaggplus_constants import Key, Stage
+
+from fedcomp.compression import PayloadError
+
+#: The curve of Flower's SecAgg+ key pairs (``flwr.common.secure_aggregation.crypto``).
+CURVE = ec.SECP384R1()
+#: Bytes of a compressed point on `CURVE`: one sign byte and the x coordinate.
+POINT_BYTES = 1 + (CURVE.key_size + 7) // 8
+#: Fernet's version byte, the first byte of every raw token.
+FERNET_VERSION = 0x80
+#: Key of the server's setup request: it unpacks the keys and tokens of the replies.
+PACK_KEY = "fedcomp-packed-protocol"
+
+
+def _pem(key: ec.EllipticCurvePublicKey) -> bytes:
+    return key.public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+
+
+def pack_public_key(pem: bytes) -> bytes:
+    """A PEM public key on `CURVE` as its compressed point (`POINT_BYTES` bytes); anything else as it is."""
+    if not pem.startswith(b"-----BEGIN PUBLIC KEY-----"):
+        return pem
+    try:
+        key = serialization.load_pem_public_key(pem)
+    except (ValueError, TypeError):
+        return pem
+    if not isinstance(key, ec.EllipticCurvePublicKey) or key.curve.name != CURVE.name or _pem(key) != pem:
+        return pem
+    return key.public_bytes(serialization.Encoding.X962, serialization.PublicFormat.CompressedPoint)
+
+
+def unpack_public_key(value: bytes) -> bytes:
+    """Inverse of `pack_public_key`: a compressed point back to Flower's PEM; anything else as it is.
+
+    Raises
+    ------
+    PayloadError
+        A value in the packed form that is not a point on `CURVE`.
+    """
+    if len(value) != POINT_BYTES or value[0] not in (2, 3):
+        return value
+    try:
+        return _pem(ec.EllipticCurvePublicKey.from_encoded_point(CURVE, value))
+    except ValueError as err:
+        raise PayloadError(f"packed SecAgg+ public key is not a point on {CURVE.name}: {err}") from None
+
+
+def pack_token(token: bytes) -> bytes:
+    """A Fernet token in URL-safe base64 as its raw bytes (3/4 of the length); anything else as it is."""
+    if not token.startswith(b"gA"):
+        return token
+    try:
+        raw = base64.urlsafe_b64decode(token)
+    except (ValueError, binascii.Error):
+        return token
+    return raw if raw[:1] == bytes([FERNET_VERSION]) and base64.urlsafe_b64encode(raw) == token else token
+
+
+def unpack_token(value: bytes) -> bytes:
+    """Inverse of `pack_token`: raw token bytes back to URL-safe base64; anything else as it is."""
+    return base64.urlsafe_b64encode(value) if value[:1] == bytes([FERNET_VERSION]) else value
+
+
+def is_packed_key(value: object) -> bool:
+    """Whether ``value`` is a public key in the packed form (a node that packs its setup reply)."""
+    return isinstance(value, bytes) and len(value) == POINT_BYTES and value[0] in (2, 3)
+
+
+def _map_bytes(value, fn):
+    """``fn`` applied to ``value`` if it is bytes, to each bytes entry if it is a list; else ``value``."""
+    if isinstance(value, bytes):
+        return fn(value)
+    if isinstance(value, list):
+        return [fn(v) if isinstance(v, bytes) else v for v in value]
+    return value
+
+
+def _convert(stage: str, rec: ConfigRecord, key_fn, token_fn) -> None:
+    """Apply ``key_fn`` to the public keys and ``token_fn`` to the tokens of a SecAgg+ record of
+    ``stage``, in place: the setup reply's two keys; a share-keys request's neighbour keys (one list of two
+    per node id) and its reply's tokens; a collect request's tokens."""
+    for name in list(rec.keys()):
+        if name == Key.STAGE:
+            continue
+        if stage == Stage.SETUP and name in (Key.PUBLIC_KEY_1, Key.PUBLIC_KEY_2):
+            rec[name] = _map_bytes(rec[name], key_fn)
+        elif stage in (Stage.SHARE_KEYS, Stage.COLLECT_MASKED_VECTORS) and name == Key.CIPHERTEXT_LIST:
+            rec[name] = _map_bytes(rec[name], token_fn)
+        elif stage == Stage.SHARE_KEYS and name.isdigit():  # a neighbour's node id: its [pk1, pk2]
+            rec[name] = _map_bytes(rec[name], key_fn)
+
+
+def pack_record(stage: str, rec: ConfigRecord) -> None:
+    """Pack the keys and tokens of a SecAgg+ record (`_convert`), in place."""
+    _convert(stage, rec, pack_public_key, pack_token)
+
+
+def unpack_record(stage: str, rec: ConfigRecord) -> None:
+    """Unpack the keys and tokens of a SecAgg+ record back to Flower's forms, in place.
+
+    Raises
+    ------
+    PayloadError
+        A packed public key that is not a point on `CURVE`.
+    """
+    _convert(stage, rec, unpack_public_key, unpack_token)
+
+
+__all__ = ["PACK_KEY", "POINT_BYTES", "is_packed_key", "pack_public_key", "pack_record", "pack_token",
+           "unpack_public_key", "unpack_record", "unpack_token"]
