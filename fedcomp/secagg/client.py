@@ -15,8 +15,6 @@ fedcomp's own ClientApp uses `secagg_mod` (both, and only for SecAgg+ messages) 
 
 from __future__ import annotations
 
-import math
-import struct
 import sys
 from logging import ERROR, WARNING
 
@@ -29,8 +27,6 @@ from flwr.common.logger import log
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, RECORD_KEY_STATE, Key, Stage
 from flwr.compat.common import recorddict_compat as compat
 
-from fedcomp.compression import PayloadError
-from fedcomp.compression.bits import nbytes_for_bits, pack_uint, unpack_uint
 from fedcomp.config.secagg import SECAGG_CODECS
 from fedcomp.protocol.messages import (
     SECAGG_APPLIED_KEY,
@@ -44,14 +40,10 @@ from fedcomp.protocol.messages import (
 from fedcomp.secagg.download import receive_fit_model, report_copy
 from fedcomp.secagg.encoding import SharedProjection, add_noise_share, flower_weight, prequantize, weight_floor
 from fedcomp.secagg.guard import check_request
-from fedcomp.secagg.protocol_packing import PACK_KEY, pack_record, unpack_record
+from fedcomp.secagg.protocol_packing import PACK_KEY, pack_masked, pack_record, unpack_record
 
-#: First bytes of a packed masked vector (an ``.npy`` starts with b"\x93NUMPY").
-PACK_MAGIC = b"FCSQ\x01"
 #: ``context.state`` record: whether this round's setup request asked for packed keys and tokens.
 PACKING_STATE_KEY = "fedcomp.secagg-packing"
-#: Largest element count a packed masked vector may claim (2**34 values).
-MAX_PACKED_NUMEL = 1 << 34
 
 _warned_dense = False
 
@@ -301,54 +293,6 @@ def shared_randomk_mod(msg: Message, ctxt: Context, call_next) -> Message:
                     "residual-norm": res_norm if ef else 0.0, "secagg-dp-clipped": dp_clipped})
     fitres = FitRes(Status(Code.OK, ""), ndarrays_to_parameters([sent]), reported, metrics)
     return Message(compat.fitres_to_recorddict(fitres, keep_input=True), reply_to=msg)
-
-
-# -- packing of the masked vectors ---------------------------------------------------------------
-
-
-def pack_masked(npy: np.ndarray, bits: int) -> bytes:
-    """A masked int64 array (entries in ``[0, 2**bits)``) packed at ``bits`` bits per entry.
-
-    Layout: ``PACK_MAGIC``, bits (u8), ndim (u8), shape (ndim x u64 little-endian), then
-    `fedcomp.compression.bits.pack_uint` of the flattened values.
-
-    Raises
-    ------
-    ValueError
-        An entry outside ``[0, 2**bits)``.
-    """
-    flat = npy.reshape(-1)
-    if flat.size and (int(flat.min()) < 0 or int(flat.max()) >> bits):
-        raise ValueError(f"masked values outside [0, 2**{bits})")
-    head = PACK_MAGIC + struct.pack("<BB", bits, npy.ndim) + struct.pack(f"<{npy.ndim}Q", *npy.shape)
-    return head + pack_uint(flat, bits)  # cast chunk by chunk: no 8-byte copy of the vector
-
-
-def unpack_masked(buf: bytes, bits: int, max_numel: int = MAX_PACKED_NUMEL) -> np.ndarray:
-    """Inverse of `pack_masked`: int64 array of the shape in the header.
-
-    Raises
-    ------
-    PayloadError
-        Wrong magic or bit width (the server expects ``bits``), a shape over ``max_numel``
-        entries, or a body of the wrong length.
-    """
-    if not buf.startswith(PACK_MAGIC) or len(buf) < len(PACK_MAGIC) + 2:
-        raise PayloadError("packed masked vector: bad magic")
-    got_bits, ndim = struct.unpack_from("<BB", buf, len(PACK_MAGIC))
-    if got_bits != bits:
-        raise PayloadError(f"packed masked vector: {got_bits} bits per value, this round's modulus needs {bits}")
-    off = len(PACK_MAGIC) + 2
-    if ndim > 8 or len(buf) < off + 8 * ndim:
-        raise PayloadError("packed masked vector: truncated shape")
-    shape = struct.unpack_from(f"<{ndim}Q", buf, off)
-    numel = math.prod(shape)
-    if numel > max_numel:
-        raise PayloadError(f"packed masked vector claims {numel} values (limit {max_numel})")
-    body = memoryview(buf)[off + 8 * ndim :]
-    if len(body) != nbytes_for_bits(numel * bits):
-        raise PayloadError(f"packed masked vector: {len(body)} body bytes for {numel} values of {bits} bits")
-    return unpack_uint(body, numel, bits, "packed masked vector").astype(np.int64).reshape(shape)
 
 
 def packing_secaggplus_mod(msg: Message, ctxt: Context, call_next) -> Message:

@@ -1,5 +1,9 @@
-"""SecAgg+'s own records, re-encoded for the wire: public keys as compressed points, encrypted key
-shares as raw bytes.
+"""SecAgg+'s records, re-encoded for the wire: masked vectors at the modulus's bits, public keys as
+compressed points, encrypted key shares as raw bytes.
+
+Flower's SecAgg+ masks each value in ``[0, modulus_range)`` and sends it as an int64 ``.npy``;
+`pack_masked` packs it at ``log2(modulus_range)`` bits (`check_masked`: the server's checks of a
+masked vector, packed or not, before Flower sums it).
 
 Flower's SecAgg+ (flwr 1.42, Bell et al., CCS 2020) sends each node's two ECDH public keys (curve
 SECP384R1) as PEM text, 215 bytes where the compressed point is 49, and every encrypted key share as a
@@ -29,13 +33,19 @@ from __future__ import annotations
 
 import base64
 import binascii
+import io
+import math
+import struct
 
+import numpy as np
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from flwr.app import ConfigRecord
+from flwr.common import ndarray_to_bytes
 from flwr.common.secure_aggregation.secaggplus_constants import Key, Stage
 
 from fedcomp.compression import PayloadError
+from fedcomp.compression.bits import nbytes_for_bits, pack_uint, unpack_uint
 
 #: The curve of Flower's SecAgg+ key pairs (``flwr.common.secure_aggregation.crypto``).
 CURVE = ec.SECP384R1()
@@ -45,6 +55,10 @@ POINT_BYTES = 1 + (CURVE.key_size + 7) // 8
 FERNET_VERSION = 0x80
 #: Key of the server's setup request: it unpacks the keys and tokens of the replies.
 PACK_KEY = "fedcomp-packed-protocol"
+#: First bytes of a packed masked vector (an ``.npy`` starts with b"\x93NUMPY").
+PACK_MAGIC = b"FCSQ\x01"
+#: Largest element count a packed masked vector may claim (2**34 values).
+MAX_PACKED_NUMEL = 1 << 34
 
 
 def _pem(key: ec.EllipticCurvePublicKey) -> bytes:
@@ -141,5 +155,103 @@ def unpack_record(stage: str, rec: ConfigRecord) -> None:
     _convert(stage, rec, unpack_public_key, unpack_token)
 
 
-__all__ = ["PACK_KEY", "POINT_BYTES", "is_packed_key", "pack_public_key", "pack_record", "pack_token",
-           "unpack_public_key", "unpack_record", "unpack_token"]
+# -- the masked vectors ------------------------------------------------------------------------
+
+
+def pack_masked(npy: np.ndarray, bits: int) -> bytes:
+    """A masked int64 array (entries in ``[0, 2**bits)``) packed at ``bits`` bits per entry.
+
+    Layout: ``PACK_MAGIC``, bits (u8), ndim (u8), shape (ndim x u64 little-endian), then
+    `fedcomp.compression.bits.pack_uint` of the flattened values.
+
+    Raises
+    ------
+    ValueError
+        An entry outside ``[0, 2**bits)``.
+    """
+    flat = npy.reshape(-1)
+    if flat.size and (int(flat.min()) < 0 or int(flat.max()) >> bits):
+        raise ValueError(f"masked values outside [0, 2**{bits})")
+    head = PACK_MAGIC + struct.pack("<BB", bits, npy.ndim) + struct.pack(f"<{npy.ndim}Q", *npy.shape)
+    return head + pack_uint(flat, bits)  # cast chunk by chunk: no 8-byte copy of the vector
+
+
+def unpack_masked(buf: bytes, bits: int, max_numel: int = MAX_PACKED_NUMEL) -> np.ndarray:
+    """Inverse of `pack_masked`: int64 array of the shape in the header.
+
+    Raises
+    ------
+    PayloadError
+        Wrong magic or bit width (the server expects ``bits``), a shape over ``max_numel``
+        entries, or a body of the wrong length.
+    """
+    if not buf.startswith(PACK_MAGIC) or len(buf) < len(PACK_MAGIC) + 2:
+        raise PayloadError("packed masked vector: bad magic")
+    got_bits, ndim = struct.unpack_from("<BB", buf, len(PACK_MAGIC))
+    if got_bits != bits:
+        raise PayloadError(f"packed masked vector: {got_bits} bits per value, this round's modulus needs {bits}")
+    off = len(PACK_MAGIC) + 2
+    if ndim > 8 or len(buf) < off + 8 * ndim:
+        raise PayloadError("packed masked vector: truncated shape")
+    shape = struct.unpack_from(f"<{ndim}Q", buf, off)
+    numel = math.prod(shape)
+    if numel > max_numel:
+        raise PayloadError(f"packed masked vector claims {numel} values (limit {max_numel})")
+    body = memoryview(buf)[off + 8 * ndim :]
+    if len(body) != nbytes_for_bits(numel * bits):
+        raise PayloadError(f"packed masked vector: {len(body)} body bytes for {numel} values of {bits} bits")
+    return unpack_uint(body, numel, bits, "packed masked vector").astype(np.int64).reshape(shape)
+
+
+def check_masked(value, bits: int, k: int | None) -> list[bytes]:
+    """A reply's masked vector as the int64 ``.npy`` blobs Flower sums, after checking it.
+
+    Expected: a list of 2 blobs (packed by `pack_masked` or raw ``.npy``, parsed without pickle), int64
+    arrays of shapes ``(1,)`` (the weight) and ``(k,)`` (the round's k values; shape unchecked when ``k``
+    is None), every value in ``[0, 2**bits)``.
+
+    Raises
+    ------
+    PayloadError
+        Anything else (wrong count, type, dtype, shape or range; not ``.npy``; pickled data).
+    """
+    if not isinstance(value, list) or len(value) != 2 or not all(isinstance(b, bytes) for b in value):
+        raise PayloadError("masked vector: expected 2 byte blobs (weight, k values)")
+    out = []
+    for i, blob in enumerate(value):
+        if blob.startswith(PACK_MAGIC):
+            arr = unpack_masked(blob, bits)
+        else:
+            try:
+                arr = np.load(io.BytesIO(blob), allow_pickle=False)
+            except Exception as exc:  # noqa: BLE001 - any parse failure is a malformed reply
+                raise PayloadError(f"masked vector blob {i}: not packed, not a plain .npy ({exc})") from None
+            if not isinstance(arr, np.ndarray):
+                raise PayloadError(f"masked vector blob {i}: not a single array")
+        if arr.dtype != np.int64:
+            raise PayloadError(f"masked vector blob {i}: dtype {arr.dtype}, expected int64")
+        want = (1,) if i == 0 else ((k,) if k is not None else None)
+        if (want is not None and arr.shape != want) or arr.ndim != 1:
+            raise PayloadError(f"masked vector blob {i}: shape {arr.shape}, expected {want or '(k,)'}")
+        if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= (1 << bits)):
+            raise PayloadError(f"masked vector blob {i}: values outside [0, 2**{bits})")
+        out.append(ndarray_to_bytes(np.ascontiguousarray(arr)))
+    return out
+
+
+__all__ = [
+    "MAX_PACKED_NUMEL",
+    "PACK_KEY",
+    "PACK_MAGIC",
+    "POINT_BYTES",
+    "check_masked",
+    "is_packed_key",
+    "pack_masked",
+    "pack_public_key",
+    "pack_record",
+    "pack_token",
+    "unpack_masked",
+    "unpack_public_key",
+    "unpack_record",
+    "unpack_token",
+]

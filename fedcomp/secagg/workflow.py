@@ -29,14 +29,12 @@ The four protocol stages, the masks, the secret sharing and the dropout recovery
 
 from __future__ import annotations
 
-import io
 from collections.abc import Iterable
 from contextlib import contextmanager
 from logging import ERROR, WARNING
 
 import numpy as np
 from flwr.app import ArrayRecord, Error, Message
-from flwr.common import ndarray_to_bytes
 from flwr.common.logger import log
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
 from flwr.server.workflow import SecAggPlusWorkflow
@@ -46,10 +44,9 @@ from flwr.server.workflow.secure_aggregation import secaggplus_workflow as _flow
 
 from fedcomp.compression import PayloadError
 from fedcomp.config.secagg import allows_split, majority_threshold
-from fedcomp.secagg.client import PACK_MAGIC, unpack_masked
 from fedcomp.secagg.download import FIT_ARRAYS, SecAggDownload
 from fedcomp.secagg.encoding import modulus_bits_for
-from fedcomp.secagg.protocol_packing import PACK_KEY, is_packed_key, pack_record, unpack_record
+from fedcomp.secagg.protocol_packing import PACK_KEY, check_masked, is_packed_key, pack_record, unpack_record
 from fedcomp.strategies.wire_bytes import WireCount
 
 #: What a node that answers SecAgg+ without the secure mod most likely lacks.
@@ -332,7 +329,8 @@ class CompressedSecAggPlusWorkflow(SecAggPlusWorkflow):
             return Message(Error(code=_MALFORMED, reason=f"malformed packed SecAgg+ record: {exc}"), reply_to=sent)
         if Key.MASKED_PARAMETERS in rec and self.round_modulus_bits is not None:
             try:
-                rec[Key.MASKED_PARAMETERS] = self._checked_masked(rec[Key.MASKED_PARAMETERS])
+                rec[Key.MASKED_PARAMETERS] = check_masked(rec[Key.MASKED_PARAMETERS], self.round_modulus_bits,
+                                                          self._expected_k())
             except PayloadError as exc:
                 self.round_bytes["malformed-replies"] += 1
                 log(ERROR, "fedcomp secagg: node %s sent a malformed masked vector (%s): treated as dropped",
@@ -346,43 +344,6 @@ class CompressedSecAggPlusWorkflow(SecAggPlusWorkflow):
         """The round's number of masked values (``strategy._proj.k``), None if the strategy has no projection."""
         proj = getattr(getattr(self._ctx, "strategy", None), "_proj", None)
         return None if proj is None else int(proj.k)
-
-    def _checked_masked(self, value) -> list[bytes]:
-        """A reply's masked vector as the int64 ``.npy`` blobs Flower sums, after checking it.
-
-        Expected: a list of 2 blobs (packed by `pack_masked` or raw
-        ``.npy``, parsed without pickle), int64 arrays of shapes ``(1,)`` (the weight) and ``(k,)``
-        (the round's k values; shape unchecked when the strategy has no ``_proj``), every value in
-        ``[0, modulus_range)``.
-
-        Raises
-        ------
-        PayloadError
-            Anything else (wrong count, type, dtype, shape or range; not ``.npy``; pickled data).
-        """
-        if not isinstance(value, list) or len(value) != 2 or not all(isinstance(b, bytes) for b in value):
-            raise PayloadError("masked vector: expected 2 byte blobs (weight, k values)")
-        k = self._expected_k()
-        out = []
-        for i, blob in enumerate(value):
-            if blob.startswith(PACK_MAGIC):
-                arr = unpack_masked(blob, self.round_modulus_bits)
-            else:
-                try:
-                    arr = np.load(io.BytesIO(blob), allow_pickle=False)
-                except Exception as exc:  # noqa: BLE001 - any parse failure is a malformed reply
-                    raise PayloadError(f"masked vector blob {i}: not packed, not a plain .npy ({exc})") from None
-                if not isinstance(arr, np.ndarray):
-                    raise PayloadError(f"masked vector blob {i}: not a single array")
-            if arr.dtype != np.int64:
-                raise PayloadError(f"masked vector blob {i}: dtype {arr.dtype}, expected int64")
-            want = (1,) if i == 0 else ((k,) if k is not None else None)
-            if (want is not None and arr.shape != want) or arr.ndim != 1:
-                raise PayloadError(f"masked vector blob {i}: shape {arr.shape}, expected {want or '(k,)'}")
-            if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= (1 << self.round_modulus_bits)):
-                raise PayloadError(f"masked vector blob {i}: values outside [0, 2**{self.round_modulus_bits})")
-            out.append(ndarray_to_bytes(np.ascontiguousarray(arr)))
-        return out
 
 
 def _weight_sum(state) -> int:

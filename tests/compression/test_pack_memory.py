@@ -12,7 +12,7 @@ import torch
 
 import fedcomp.compression as fc
 from fedcomp.compression.bits import PACK_CHUNK, pack_uint, unpack_uint
-from fedcomp.secagg.client import pack_masked, unpack_masked
+from fedcomp.secagg.protocol_packing import pack_masked, unpack_masked
 
 #: sha256[:16] of the payloads, as packing the whole vector at once gives them.
 GOLDEN = {

@@ -97,7 +97,7 @@ def test_thresholds_above_half_the_shares_are_accepted():
 def _reweighting_grid(shift_in_q):
     """A client (partition 1) that masks its weight entry shifted by ``shift_in_q`` * Q (mod the modulus)
     while reporting its true num-examples: what a client running its own SecAgg+ code can send."""
-    from fedcomp.secagg.client import pack_masked, unpack_masked
+    from fedcomp.secagg.protocol_packing import pack_masked, unpack_masked
 
     def shift(blobs):
         bits = blobs[0][5]

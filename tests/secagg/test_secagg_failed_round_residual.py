@@ -33,8 +33,8 @@ from flwr.server.strategy import FedAvg
 
 import fedcomp.secagg.client as secagg_client
 from fedcomp.protocol.messages import SECAGG_APPLIED_KEY, SECAGG_ROTATION_KEY, SECAGG_SEED_KEY
-from fedcomp.secagg.client import pack_masked, unpack_masked
 from fedcomp.secagg.encoding import SharedProjection, flower_weight
+from fedcomp.secagg.protocol_packing import pack_masked, unpack_masked
 from fedcomp.secagg.residual import SECAGG_RESIDUAL_KEY
 from tests.secagg import helpers
 

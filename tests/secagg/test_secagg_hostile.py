@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flwr.common import ndarray_to_bytes
 
-from fedcomp.secagg.client import pack_masked
+from fedcomp.secagg.protocol_packing import pack_masked
 from tests.secagg import helpers
 
 _tampering_grid = helpers.tampering_grid
@@ -105,8 +105,8 @@ def test_workflow_gives_the_strategy_its_max_weight():
 
 @pytest.mark.parametrize("value", ["true", 1, "false", 0])
 def test_secagg_flag_must_be_a_boolean(value):
-    from fedcomp.app.secagg_server_app import secagg_requested
     from fedcomp.app.config import AppConfig
+    from fedcomp.app.secagg_server_app import secagg_requested
     with pytest.raises(ValueError, match="'secagg' must be true or false"):
         AppConfig.from_run_config({"secagg": value, "compressor": "randomk"})
     with pytest.raises(ValueError, match="'secagg' must be true or false"):

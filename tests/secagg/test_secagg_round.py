@@ -4,9 +4,9 @@ the unmasked sum against the plain aggregate, dropouts, packing, error feedback.
 import numpy as np
 import pytest
 
-from fedcomp.secagg.client import unpack_masked
-from fedcomp.secagg.residual import latest_residual
 from fedcomp.secagg.encoding import SharedProjection, flower_weight, modulus_bits_for, quantization_bound, round_seed
+from fedcomp.secagg.protocol_packing import unpack_masked
+from fedcomp.secagg.residual import latest_residual
 
 from .helpers import client_delta, global_model, num_examples, run_round
 
@@ -185,8 +185,8 @@ def test_the_decaying_server_step_is_wired_from_the_run_config(tmp_path):
     from flwr.app import Context, RecordDict
 
     from fedcomp.app.client_app import app as client_app
-    from fedcomp.app.secagg_server_app import SecAggRounds, run_secagg
     from fedcomp.app.config import AppConfig
+    from fedcomp.app.secagg_server_app import SecAggRounds, run_secagg
     from fedcomp.run.inprocess_grid import InProcessGrid
 
     seen = {}

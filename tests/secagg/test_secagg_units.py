@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 
 from fedcomp.compression import PayloadError
-from fedcomp.secagg.client import pack_masked, unpack_masked
 from fedcomp.config.secagg import SecAggConfig, check_codec_under_secagg
 from fedcomp.secagg.encoding import SharedProjection, flower_weight, modulus_bits_for, prequantize
+from fedcomp.secagg.protocol_packing import pack_masked, unpack_masked
 
 
 @pytest.mark.parametrize("dim", [1, 7, 1000, 4096])
