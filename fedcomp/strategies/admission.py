@@ -10,10 +10,12 @@ ids) and ``LegacyCompressedStrategy`` (``ClientProxy.cid``).
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterable
+from logging import WARNING
 from typing import Any, TypeVar
 
 import numpy as np
 from flwr.app import Message
+from flwr.common.logger import log
 
 from fedcomp.compression import PayloadError
 from fedcomp.protocol.round_hooks import Refusal, RoundHook
@@ -139,4 +141,28 @@ class Admission(RoundHook):
         return [Refusal(reply, why) for reply, why in refused]
 
 
-__all__ = ["Admission", "admit", "check_max_num_examples", "check_weight"]
+def admit_replies(hooks: Iterable[RoundHook], server_round: int, replies: list[Message],
+                  sent: Any) -> tuple[list[Message], list[Refusal]]:
+    """Each hook's refusals among the replies the hooks before it admitted (logged, unless a named
+    failure), in a fixed order (by node id): float sums, and so runs, do not depend on arrival order.
+    Returns (error replies + admitted replies, refusals).
+
+    Error replies carry no update (no vote) and count as failed clients with their reason: Flower
+    answers a task it lost (e.g. a ClientApp the OOM killer took) from the SuperLink's node id, which
+    the stranger check would misreport as a reply "not sent a message this round".
+    """
+    errors = [r for r in replies if r.has_error()]
+    replies = sorted((r for r in replies if not r.has_error()), key=lambda r: r.metadata.src_node_id)
+    refused: list[Refusal] = []
+    for hook in hooks:
+        out = hook.admit(server_round, replies, sent)
+        refused += out
+        replies = [r for r in replies if not any(r is x.reply for x in out)]
+    for refusal in refused:
+        if refusal.failure is None:
+            log(WARNING, "round %s: rejected reply from node %s: %s", server_round,
+                refusal.reply.metadata.src_node_id, refusal.reason)
+    return errors + replies, refused
+
+
+__all__ = ["Admission", "admit", "admit_replies", "check_max_num_examples", "check_weight"]

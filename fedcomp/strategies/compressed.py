@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Iterable
-from logging import INFO, WARNING
-from typing import Any
+from logging import INFO
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
@@ -17,53 +16,37 @@ from fedcomp.config import CodecConfig
 from fedcomp.config.codec import BATCHNORM_STATS_CODEC
 from fedcomp.download.layout import VAR_FLOOR
 from fedcomp.download.options import Download
-from fedcomp.protocol.round_hooks import Refusal
 from fedcomp.statedict import FlatModel
 from fedcomp.statedict.tied import find_tied
-from fedcomp.strategies.admission import Admission
+from fedcomp.strategies.admission import Admission, admit_replies
 from fedcomp.strategies.codec_round import add_codec, check_model
 from fedcomp.strategies.composition import CONCERN_SETTINGS, check_codec_params, compose
+from fedcomp.strategies.concern_views import ConcernViews
+from fedcomp.strategies.evaluate_phase import EvaluatePhase
 from fedcomp.strategies.fold_policy import FoldPolicy, dense_refusal
 from fedcomp.strategies.forward import ForwardsToInner
 from fedcomp.strategies.handover import hand_over, weight_key
 from fedcomp.strategies.presets import apply_preset, library_codec_params
 from fedcomp.strategies.privacy_budget import PoissonSampling, Privacy
-from fedcomp.strategies.replies import RoundReplies, evaluate_replies, fold_replies, note_failures
+from fedcomp.strategies.replies import RoundReplies, fold_replies, note_failures
 from fedcomp.strategies.round_history import HistoryViews, RoundHistory, SentRound
 from fedcomp.strategies.round_metrics import HEADLINE_KEYS, common_metric_keys, headline, layers_mean, round_metrics
+from fedcomp.strategies.strategy_state import StrategyState
 from fedcomp.strategies.wire_bytes import WireCount
-from fedcomp.strategies.wrapping import load_optimizer_state, optimizer_state
-
-def _setting(concern: str, name: str, doc: str) -> property:
-    """A read-only view of a setting of one of the concerns (set at construction, checked there)."""
-    return property(lambda self: getattr(getattr(self, concern), name), _read_only(name), doc=doc)
 
 
-def _concern(name: str, doc: str) -> property:
-    """One of the concerns (read-only: the hooks hold it)."""
-    return property(lambda self: getattr(self._concerns, name), _read_only(name), doc=doc)
-
-
-def _read_only(name: str):
-    def refuse(self, value) -> None:
-        raise AttributeError(f"CompressedStrategy.{name} is set at construction (checked there against the other "
-                             "concerns): build a new strategy with the setting you want")
-    return refuse
-
-
-class CompressedStrategy(HistoryViews, ForwardsToInner, Strategy):
+class CompressedStrategy(EvaluatePhase, ConcernViews, StrategyState, HistoryViews, ForwardsToInner, Strategy):
     """Wrap any Message-API strategy so that clients send compressed updates, and the model travels
     compressed both ways.
 
     Like Flower's DP wrappers, it adds one concern, the codec, and delegates the rest: it decodes each
-    reply produced by [`fedcomp.client.compression_mod`][] (validated before it touches the aggregate),
-    folds it into one running sum (O(model) memory for any number of clients) where ``inner`` aggregates
-    by a weighted mean, and hands ``inner`` one pre-aggregated reply, which gives it the same result;
-    other inner strategies get every reply as dense weights. The other concerns are objects of their
-    own, called as round hooks (`fedcomp.protocol.round_hooks`) in the order `composition` gives:
-    admission, privacy, Poisson sampling, the download (`fedcomp.download`), EF21. The round's figures
-    are kept in ``history[round]`` and the other histories (`round_history`; the keys are listed in
-    the metrics reference); Flower's MetricRecord holds the inner strategy's average of the app's own
+    reply of [`fedcomp.client.compression_mod`][] (validated first), folds it into one running sum
+    (O(model) memory for any number of clients) where ``inner`` takes a weighted mean, and hands
+    ``inner`` one pre-aggregated reply with the same result (other inner strategies get every reply
+    dense). The other concerns are objects called as round hooks (`fedcomp.protocol.round_hooks`), in
+    `composition`'s order: admission, privacy, Poisson sampling, the download (`fedcomp.download`),
+    EF21; evaluation is `evaluate_phase`. The round's figures are in ``history[round]`` and the other
+    histories (`round_history`); Flower's MetricRecord holds the inner strategy's average of the app's
     client metrics and the headline figures (`round_metrics.HEADLINE_KEYS`).
 
     Parameters
@@ -155,26 +138,6 @@ class CompressedStrategy(HistoryViews, ForwardsToInner, Strategy):
         params = {k.replace("-", "_"): v for k, v in codec.to_mapping().items()}
         return cls(inner, **params, **options)
 
-    # -- the concerns, and their settings where users look for them -------------------------
-    admission = _concern("admission", "Which replies count (`admission.Admission`).")
-    privacy = _concern("privacy", "DP and the epsilon budget (`privacy_budget.Privacy`).")
-    sampling = _concern("sampling", "Poisson client sampling (None: the inner strategy's sample is kept).")
-    download = _concern("download", "The download as resolved (`fedcomp.download.Download`).")
-    downstream = _concern("downstream", "The download's sender (None: the model travels dense).")
-    ef21 = _concern("ef21", "EF21's server estimate (None: no EF21).")
-    hooks = _concern("hooks", "The concerns that see each message and reply of a round, in calling order.")
-    client_dp = _setting("privacy", "client_dp", "Client-level DP-FedAvg (None: the inner strategy aggregates).")
-    local_dp = _setting("privacy", "local_dp", "Local DP settings sent to clients (None: none).")
-    max_epsilon = _setting("privacy", "max_epsilon", "The privacy budget (None: none).")
-    stopped_reason = _setting("privacy", "stopped_reason", 'Why no further rounds are run ("" while rounds go on).')
-    max_num_examples = _setting("admission", "max_num_examples", "Largest ``num-examples`` a reply may claim.")
-    require_compression = _setting("admission", "require_compression", "Whether dense replies are refused.")
-
-    @property
-    def poisson_rate(self) -> float | None:
-        """Poisson client-sampling rate q (None: the inner strategy's sample is kept)."""
-        return None if self.sampling is None else self.sampling.rate
-
     def summary(self) -> None:
         """Log the codec, then the inner strategy's summary."""
         log(INFO, "\t├──> CompressedStrategy: %s", self.codec.describe())
@@ -183,9 +146,8 @@ class CompressedStrategy(HistoryViews, ForwardsToInner, Strategy):
     # -- configure: ask each concern ------------------------------------------------------
     def remember(self, server_round: int, model: FlatModel, sampled: float = 0.0,
                  nodes: set[int] | None = None) -> None:
-        """Record the global model sent in ``server_round`` (what
-        [`configure_train`][fedcomp.strategies.CompressedStrategy.configure_train] does; public for callers that build
-        the round's replies themselves; ``nodes`` None: any node's first reply counts)."""
+        """Record the global model sent in ``server_round`` (as `configure_train` does; for callers that build the
+        round's replies themselves; ``nodes`` None: any node's first reply counts)."""
         self.sent_round = SentRound(server_round, model, sampled, nodes)
         if self.tied_groups is None:  # equal random-looking tensors of the first model: one under several names
             self.tied_groups = find_tied(model)
@@ -223,36 +185,6 @@ class CompressedStrategy(HistoryViews, ForwardsToInner, Strategy):
         self.wire.sent(server_round, "train", msgs, arrays)
         return msgs
 
-    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
-                           grid: Grid) -> Iterable[Message]:
-        """Delegate; the evaluate messages ride the download as train messages do (each node gets the
-        step that brings its copy to the round's model); their bytes are counted."""
-        for hook in self.hooks:
-            hook.configure(server_round, "evaluate", config)
-        msgs = list(self.inner.configure_evaluate(server_round, arrays, config, grid))
-        for hook in self.hooks:
-            msgs = hook.on_messages(server_round, "evaluate", arrays, msgs)
-        self._evaluate_sent = msgs
-        self.wire.sent(server_round, "evaluate", msgs, arrays)
-        return msgs
-
-    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
-        """Delegate, one reply per node sent an evaluate message (`replies.evaluate_replies`); the
-        result is also kept in ``evaluate_history[server_round]``, and clients that failed to evaluate
-        in ``evaluate_failure_history`` (logged with the reason)."""
-        sent_to = {m.metadata.message_id: m.metadata.dst_node_id for m in self._evaluate_sent}
-        replies = list(replies)
-        self.wire.received(server_round, "evaluate", replies, None)
-        self._note_wire(server_round)
-        replies, self.evaluate_failure_history[server_round] = evaluate_replies(server_round, sent_to, replies)
-        for hook in self.hooks:  # the download: a node that answered holds the copy it evaluated
-            hook.on_replies(server_round, "evaluate", replies)
-        metrics = self.inner.aggregate_evaluate(server_round, replies)
-        if metrics is not None:
-            ok = sum(1 for r in replies if not r.has_error())
-            self.evaluate_history[server_round] = {**dict(metrics), "num-replies": float(ok)}
-        return metrics
-
     # -- aggregate: admit -> decode and fold -> the hooks -> hand over -> record ----------------
     def aggregate_train(self, server_round: int,
                         replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
@@ -270,7 +202,7 @@ class CompressedStrategy(HistoryViews, ForwardsToInner, Strategy):
             raise RuntimeError(f"aggregate_train for round {server_round} without configure_train")
         replies = list(replies)
         self.wire.received(server_round, "train", replies, self._round_arrays)
-        replies, refused = self._admit(server_round, sent, replies)
+        replies, refused = admit_replies(self.hooks, server_round, replies, sent)  # in node-id order
         fold = self.folding.new_fold(sent.model, len(replies), self.client_dp, self.int_remainders)
         refuse_dense = dense_refusal(self.require_compression, self.local_dp, self.ef21, self.downstream)
         folded = fold_replies(server_round, replies, fold, sent.model, weight_key(self.inner), self.max_num_examples,
@@ -292,28 +224,6 @@ class CompressedStrategy(HistoryViews, ForwardsToInner, Strategy):
         merged.update(headline(figures))  # the rest of the round's figures: self.history
         return arrays, MetricRecord(merged)
 
-    def _admit(self, server_round: int, sent: SentRound, replies: list[Message]) -> tuple[list, list[Refusal]]:
-        """Each hook's refusals among the replies the previous hooks admitted (logged, unless a named
-        failure), then a fixed order (by node id): float sums, and so runs, do not depend on arrival
-        order. Returns (error replies + admitted replies, refusals).
-
-        Error replies carry no update (no vote) and count as failed clients with their reason: Flower
-        answers a task it lost (e.g. a ClientApp the OOM killer took) from the SuperLink's node id,
-        which the stranger check would misreport as a reply "not sent a message this round".
-        """
-        errors = [r for r in replies if r.has_error()]
-        replies = sorted((r for r in replies if not r.has_error()), key=lambda r: r.metadata.src_node_id)
-        refused: list[Refusal] = []
-        for hook in self.hooks:
-            out = hook.admit(server_round, replies, sent)
-            refused += out
-            replies = [r for r in replies if not any(r is x.reply for x in out)]
-        for refusal in refused:
-            if refusal.failure is None:
-                log(WARNING, "round %s: rejected reply from node %s: %s", server_round,
-                    refusal.reply.metadata.src_node_id, refusal.reason)
-        return errors + replies, refused
-
     def _record(self, server_round: int, sent: SentRound, folded: RoundReplies, dp_info: dict) -> dict[str, float]:
         """The wrapper's round metrics (`round_metrics.round_metrics`), each hook's figures added, kept
         in the history."""
@@ -329,43 +239,6 @@ class CompressedStrategy(HistoryViews, ForwardsToInner, Strategy):
         self.rounds.record_train(server_round, figures, folded.stats, layers)
         self._note_wire(server_round)
         return figures
-
-    def _note_wire(self, server_round: int) -> None:
-        """Put the round's wire figures (`wire_bytes`, evaluation included once it ran) in ``history``."""
-        if server_round in self.history:
-            self.history[server_round].update(self.wire.get(server_round))
-
-    # -- state for checkpoints -----------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """Everything a resumed run needs: ``{"optimizer": {name: np.ndarray} of the inner strategy's server
-        optimizer, "int-remainders": {tensor: float64 np.ndarray} of the integer rule, "half-remainders":
-        {tensor: float32 np.ndarray} of the fp16/bf16 tensors' rounding}`` and each hook's state:
-        ``"privacy"`` (JSON-serialisable accounting), ``"ef21"`` ({tensor: flat float64 np.ndarray}, EF21's
-        server estimate h) and ``"ef21-folded"`` (``{"nodes", "rounds"}``; both empty without EF21)."""
-        state = {"optimizer": optimizer_state(self.inner), "ef21": {}, "ef21-folded": {},
-                 "int-remainders": {k: np.array(v, copy=True) for k, v in self.int_remainders.items()},
-                 "half-remainders": {k: np.array(v, copy=True) for k, v in self.half_remainders.items()}}
-        for hook in self.hooks:
-            state.update(hook.state_dict())
-        return state
-
-    def load_state_dict(self, state: dict[str, Any], shapes: dict[str, tuple]) -> None:
-        """Restore [`state_dict`][fedcomp.strategies.CompressedStrategy.state_dict]; ``shapes``: the model's
-        tensor shapes (model order).
-
-        Raises
-        ------
-        ValueError
-            Optimizer state the inner strategy does not have or that does not fit ``shapes``; an
-            EF21 estimate without EF21, or one that does not fit ``shapes``.
-        """
-        load_optimizer_state(self.inner, state.get("optimizer", {}), shapes)
-        if state.get("ef21") and self.ef21 is None:
-            raise ValueError("the checkpoint holds EF21's server estimate h but error-feedback is not 'ef21'")
-        for hook in self.hooks:
-            hook.load_state_dict(state, shapes)
-        self.int_remainders = dict(state.get("int-remainders", {}))
-        self.half_remainders = dict(state.get("half-remainders", {}))  # none in older checkpoints: zero
 
 
 #: The constructor's defaults (what a preset may fill in), the download as the object it becomes.

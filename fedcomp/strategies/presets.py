@@ -16,9 +16,9 @@
 - lagging clients get the cheaper of the missed sign payloads and one sign-coded difference from
   the copy they hold (per-client error feedback);
 - no downstream correction (``Download(correction=0)``, the default): counting each update from the
-  global model rather than the client's copy kept 81 % of the gain with sign downward (median, seeds
-  42-44), against 90.5 % without; it rescues sparse downloads (STC 5 % both ways: 65 % at 95x instead of
-  diverging), which still keep less than sign.
+  global model rather than the client's copy kept less of the gain with a sign download than without
+  it; it rescues sparse downloads from diverging, which still keep less than sign
+  (``docs/benchmarks/llm.md``).
 """
 
 from __future__ import annotations

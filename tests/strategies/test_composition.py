@@ -90,19 +90,6 @@ def test_a_concern_of_the_wrong_type_is_refused_naming_the_argument(arg, value):
         CompressedStrategy(FedAvg(), **{arg: value})
 
 
-@pytest.mark.parametrize("name, concern", [("client_dp", "privacy"), ("max_epsilon", "privacy"),
-                                           ("max_num_examples", "admission"), ("require_compression", "admission")])
-def test_the_settings_read_on_the_wrapper_are_its_concerns_settings(name, concern):
-    s = CompressedStrategy(FedAvg())
-    assert getattr(s, name) is getattr(getattr(s, concern), name)
-
-
-def test_a_concern_cannot_be_swapped_after_construction():
-    s = CompressedStrategy(FedAvg())
-    with pytest.raises(AttributeError, match="set at construction"):
-        s.admission = Admission(max_num_examples=5)
-
-
 @pytest.mark.parametrize("download, privacy, error_feedback, why", [
     (Download("none", correction=1.0), None, True, "the download is dense"),
     (Download("stc", correction=1.0), Privacy(client_dp=ClientLevelDP(1.0, 1.0)), True, "client-level DP"),
@@ -181,13 +168,6 @@ def test_bad_sampling_settings_are_refused_naming_poisson_sampling(rate, seed):
 def test_ef21_refuses_poisson_sampling():
     with pytest.raises(ValueError, match="ef21.*every client in every round: no PoissonSampling"):
         CompressedStrategy(FedAvg(), error_feedback="ef21", sampling=PoissonSampling(0.5))
-
-
-@pytest.mark.parametrize("name", ["max_epsilon", "client_dp", "max_num_examples", "admission", "download"])
-def test_settings_read_on_the_wrapper_cannot_be_written_past_their_checks(name):
-    s = CompressedStrategy(FedAvg())
-    with pytest.raises(AttributeError, match=rf"CompressedStrategy\.{name} is set at construction"):
-        setattr(s, name, None)
 
 
 @pytest.mark.parametrize("kwargs", [{"compressor": "sign"}, {"compressor": "qsgd"}, {"compressor": "none"}])
