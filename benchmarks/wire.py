@@ -31,6 +31,7 @@ import sys
 import tempfile
 import tomllib
 
+import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Context, RecordDict
 from flwr.common.serde import recorddict_to_proto
 from flwr.serverapp.strategy import FedAvg
@@ -50,6 +51,13 @@ class WeighingGrid(InProcessGrid):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.down = self.up = 0
+
+    @property
+    def run(self):
+        """Flower's legacy compatibility layer reads ``grid.run.run_id``."""
+        from types import SimpleNamespace
+
+        return SimpleNamespace(run_id=1)
 
     def send_and_receive(self, messages, *, timeout=None):
         messages = list(messages)
@@ -82,10 +90,7 @@ def existing_app(seed: int, rounds: int, lines: dict | None, **settings) -> dict
     import torch
 
     torch.manual_seed(seed)
-    project = tomllib.loads((REPO / "examples" / "existing-app" / "pyproject.toml").read_text())
-    rc = project["tool"]["flwr"]["app"]["config"]
-    rc.update({"num-server-rounds": rounds, "min-nodes": 10, "results-file": "",
-               **{k.replace("_", "-"): v for k, v in settings.items()}})
+    rc = _example_config(rounds, settings)
     fedavg = FedAvg(fraction_train=float(rc["fraction-train"]), fraction_evaluate=float(rc["fraction-evaluate"]),
                     min_available_nodes=10, min_train_nodes=int(10 * rc["fraction-train"]),
                     min_evaluate_nodes=int(10 * rc["fraction-evaluate"]))
@@ -100,6 +105,78 @@ def existing_app(seed: int, rounds: int, lines: dict | None, **settings) -> dict
         h = strategy.history
         out["reported-mb"] = sum(h[r]["wire-bytes-down"] + h[r]["wire-bytes-up"] for r in h) / 1e6
     return out
+
+
+def legacy_app(seed: int, rounds: int, lines: dict | None, **settings) -> dict:
+    """The example's model, data and training on Flower's legacy API (a ``NumPyClient``, a legacy FedAvg,
+    ``ServerApp(server_fn=...)``), 10 clients, its run config; ``lines``: ``LegacyCompressedStrategy``'s
+    arguments, with ``CompressedNumPyClient`` on the clients (None: plain FedAvg)."""
+    from flwr.client import NumPyClient
+    from flwr.clientapp import ClientApp
+    from flwr.common import ndarrays_to_parameters
+    from flwr.server import ServerApp, ServerAppComponents, ServerConfig
+    from flwr.server.strategy import FedAvg as LegacyFedAvg
+
+    from fedcomp.client.numpy_client import CompressedNumPyClient
+    from fedcomp.strategies.legacy_strategy import LegacyCompressedStrategy
+
+    sys.path.insert(0, str(REPO / "examples" / "existing-app"))
+    task = importlib.import_module("existingapp.task")
+    import torch
+
+    torch.manual_seed(seed)
+    rc = _example_config(rounds, settings)
+    names = list(task.Net().state_dict())
+
+    class Client(NumPyClient):
+        def __init__(self, pid: int, nparts: int) -> None:
+            self.pid, (self.trainset, self.testset) = pid, task.load_data(pid, nparts)
+
+        def _net(self, parameters):
+            net = task.Net()
+            net.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in zip(names, parameters)})
+            return net
+
+        def fit(self, parameters, config):
+            net = self._net(parameters)
+            loss = task.train(net, self.trainset, int(rc["local-epochs"]), float(config["lr"]), seed=self.pid)
+            return [v.numpy() for v in net.state_dict().values()], len(self.trainset[1]), {"train-loss": loss}
+
+        def evaluate(self, parameters, config):
+            loss, acc = task.test(self._net(parameters), self.testset)
+            return float(loss), len(self.testset[1]), {"eval-acc": float(acc)}
+
+    def client_fn(context: Context):
+        client = Client(int(context.node_config["partition-id"]), int(context.node_config["num-partitions"]))
+        return (client if lines is None else CompressedNumPyClient(client, state=context.state)).to_client()
+
+    accuracy = []
+
+    def mean_accuracy(metrics):
+        accuracy.append(sum(n * m["eval-acc"] for n, m in metrics) / sum(n for n, _ in metrics))
+        return {"eval-acc": accuracy[-1]}
+
+    fedavg = LegacyFedAvg(fraction_fit=float(rc["fraction-train"]), fraction_evaluate=float(rc["fraction-evaluate"]),
+                          min_fit_clients=int(10 * rc["fraction-train"]),
+                          min_evaluate_clients=int(10 * rc["fraction-evaluate"]), min_available_clients=10,
+                          initial_parameters=ndarrays_to_parameters([v.numpy() for v in
+                                                                     task.Net().state_dict().values()]),
+                          on_fit_config_fn=lambda r: {"lr": float(rc["lr"])},
+                          evaluate_metrics_aggregation_fn=mean_accuracy)
+    strategy = fedavg if lines is None else LegacyCompressedStrategy(fedavg, **lines)
+    grid = WeighingGrid(ClientApp(client_fn=client_fn), 10, rc)
+    ServerApp(server_fn=lambda context: ServerAppComponents(strategy=strategy, config=ServerConfig(num_rounds=rounds)))(
+        grid, Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config=rc))
+    return {"accuracy": float(accuracy[-1]), "counted-mb": (grid.down + grid.up) / 1e6}
+
+
+def _example_config(rounds: int, settings: dict) -> dict:
+    """``examples/existing-app``'s run config for a run of ``rounds`` with ``settings`` (Python names)."""
+    project = tomllib.loads((REPO / "examples" / "existing-app" / "pyproject.toml").read_text())
+    rc = project["tool"]["flwr"]["app"]["config"]
+    rc.update({"num-server-rounds": rounds, "min-nodes": 10, "results-file": "",
+               **{k.replace("_", "-"): v for k, v in settings.items()}})
+    return rc
 
 
 def _plain_client(client_module):
@@ -133,6 +210,9 @@ CASES = {
                                              {"compressor": "sign"}, {"fraction_train": 0.5, "fraction_evaluate": 0.5}),
     "existing app, half the clients: default codec": ("existing", "existing app, half the clients: plain FedAvg", {},
                                                       {"fraction_train": 0.5, "fraction_evaluate": 0.5}),
+    "legacy API: plain FedAvg": ("legacy", None, None, {}),
+    "legacy API + two lines, sign": ("legacy", None, {"compressor": "sign"}, {}),
+    "legacy API + two lines, default codec": ("legacy", None, {}, {}),
     # SecAgg+ runs no federated evaluation: its fp32 counterpart is the reference app without it
     "secure: fp32 both ways, no federated evaluation": ("reference", None, "none", {"fraction-evaluate": 0.0}),
     "secagg = true (int8 download)": ("reference", SECURE_FP32, None, {"secagg": True}),
@@ -142,7 +222,15 @@ CASES = {
                                         {"secagg": True, "downstream": "stc", "downstream-density": 0.05}),
 }
 #: The fp32 case of each federation, for the cases that name none.
-FP32 = {"reference": "reference: fp32 both ways", "existing": "existing app: plain FedAvg"}
+FP32 = {"reference": "reference: fp32 both ways", "existing": "existing app: plain FedAvg",
+        "legacy": "legacy API: plain FedAvg"}
+
+
+def _fp32_of(name: str) -> str:
+    """The fp32 case ``name`` is measured against (itself for an fp32 case)."""
+    kind, fp32, arg, _ = CASES[name]
+    plain = (kind in ("existing", "legacy") and arg is None) or arg == "none"
+    return fp32 or (name if plain else FP32[kind])
 
 
 def summarise(runs: dict[str, list[dict]]) -> list[dict]:
@@ -150,13 +238,12 @@ def summarise(runs: dict[str, list[dict]]) -> list[dict]:
     med = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0] if k != "seed"} for name, rs in runs.items()}
     rows = []
     for name, m in med.items():
-        kind, fp32, arg, _ = CASES[name]
-        plain = (kind == "existing" and arg is None) or arg == "none"  # an fp32 case is its own fp32
-        base = med[fp32 or (name if plain else FP32[kind])]
+        base = med[_fp32_of(name)]
         rows.append({"case": name, "accuracy": m["accuracy"], "mb": m["counted-mb"],
                      "ratio": base["counted-mb"] / m["counted-mb"],
                      "accuracy-vs-fp32": m["accuracy"] - base["accuracy"],
-                     "reported-over-counted": m.get("reported-mb", m["counted-mb"]) / m["counted-mb"]})
+                     # None: a run without fedcomp's own count (plain FedAvg, the legacy API)
+                     "reported-over-counted": m["reported-mb"] / m["counted-mb"] if "reported-mb" in m else None})
     return rows
 
 
@@ -174,7 +261,13 @@ def run_case(name: str, seed: int, rounds: int, existing_rounds: int) -> dict:
     kind, _, arg, settings = CASES[name]
     if kind == "reference":
         return reference(seed, rounds, arg, **settings)
+    if kind == "legacy":
+        return legacy_app(seed, existing_rounds, arg, **settings)
     return existing_app(seed, existing_rounds, arg, **settings)
+
+
+def _share(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4f}"
 
 
 def table(rows: list[dict], seeds: list[int]) -> dict:
@@ -183,13 +276,13 @@ def table(rows: list[dict], seeds: list[int]) -> dict:
     for r in rows:
         n = len(seeds) if r["case"] in MAIN_CASES else 1
         out.append([r["case"], f"{100 * r['accuracy']:.1f} %", f"{100 * r['accuracy-vs-fp32']:+.1f}",
-                    f"{r['mb']:.3f}", f"**{r['ratio']:.1f}x**", f"{r['reported-over-counted']:.4f}", str(n)])
+                    f"{r['mb']:.3f}", f"**{r['ratio']:.1f}x**", _share(r["reported-over-counted"]), str(n)])
     return {"columns": ["case", "final accuracy", "points vs its fp32", "MB on the wire, both ways",
                         "fewer bytes than fp32", "fedcomp's count / outside count", "seeds"], "rows": out}
 
 
 #: The cases run on every seed (the two lines, the same at one local epoch, SecAgg+); the others on the first seed.
-MAIN_CASES = list(CASES)[:5] + [c for c in CASES if c.startswith("existing app, 1 local epoch")] + [
+MAIN_CASES = list(CASES)[:5] + [c for c in CASES if c.startswith(("existing app, 1 local epoch", "legacy API"))] + [
     SECURE_FP32, "secagg = true (int8 download)", "secagg = true, dense download", "secagg = true, sign download"]
 
 
@@ -207,10 +300,12 @@ def main() -> None:
     if args.quick:
         args.seeds, args.rounds, args.existing_rounds = args.seeds[:1], 3, 3
     path = output_path("wire", args.out, args.quick)
-    runs: dict[str, list[dict]] = {name: [] for name in CASES}
     chosen = [name for name in CASES if not args.only or any(p in name for p in args.only)]
+    if args.quick:  # nothing is merged into a quick run: the chosen cases' fp32 cases run too
+        chosen += [c for c in CASES if c not in chosen and any(_fp32_of(n) == c for n in chosen)]
+    runs: dict[str, list[dict]] = {name: [] for name in (chosen if args.quick else CASES)}
     command = " ".join(["python", "benchmarks/wire.py", *sys.argv[1:]])
-    if args.only:
+    if args.only and not args.quick:
         before = json.loads(path.read_text())
         command = f"{before['command']} && {command}"
         if (before["seeds"], before["rounds"], before["existing-rounds"]) != (args.seeds, args.rounds,
@@ -232,7 +327,7 @@ def main() -> None:
     print(f"{'case':46} {'accuracy':>8} {'MB':>9} {'ratio':>7} {'vs fp32':>8} {'reported/counted':>16}")
     for r in rows:
         print(f"{r['case']:46} {r['accuracy']:8.4f} {r['mb']:9.3f} {r['ratio']:7.1f} {r['accuracy-vs-fp32']:+8.4f} "
-              f"{r['reported-over-counted']:16.4f}")
+              f"{_share(r['reported-over-counted']):>16}")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"command": command,
                                 "seeds": args.seeds, "rounds": args.rounds, "existing-rounds": args.existing_rounds,

@@ -21,6 +21,7 @@ from flwr.app import ArrayRecord, Context, Message, MetricRecord
 from flwr.common.logger import log
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
 
+from fedcomp.download.legacy import copy_digest_metric, expand_legacy_message
 from fedcomp.download.receiver import rebuild, report_copy
 from fedcomp.client.request import TrainRequest, only_record
 from fedcomp.client.secure_path import encoded_by_secure_mod
@@ -92,13 +93,14 @@ def compression_mod(msg: Message, context: Context, call_next) -> Message:
         shared seed outside this node's secure mod (logged). Flower turns it into an error reply
         that the server counts as a failed client.
     """
+    legacy = expand_legacy_message(msg) is not None  # a legacy API download (`fedcomp.download.legacy`)
     if not is_ours(msg):
         if not is_compressed_evaluate(msg):
             return call_next(msg, context)
         arr_key, rec = only_record(msg.content, "array")  # the model to evaluate rides the compressed download
         rebuild(msg, context, arr_key, rec, _version_config(msg))
         reply = call_next(msg, context)
-        report_copy(reply, context)
+        _report_copy(reply, context, legacy)
         return reply
     request = TrainRequest.parse(msg, context)  # refuses before training if local DP is below this node's floor
     download = sum(len(a.data) for a in request.arrays.values())
@@ -117,8 +119,18 @@ def compression_mod(msg: Message, context: Context, call_next) -> Message:
     stats["clientapp-seconds"] = clientapp_seconds()  # a per-message ClientApp process: its whole life so far
     _write_reply(reply, arr_key, payloads, lean_report(stats, bool(request.config.get(LAYER_REPORT_KEY))))
     if MODEL_VERSION in request.config:
-        report_copy(reply, context)
+        _report_copy(reply, context, legacy)
     return reply
+
+
+def _report_copy(reply: Message, context: Context, legacy: bool) -> None:
+    """The copy's digest in the reply: its own record (`report_copy`) and, for the legacy API, in the
+    legacy result's metrics, the only part of a reply a legacy strategy sees."""
+    report_copy(reply, context)
+    if legacy and not reply.has_error():
+        for key in ("fitres.metrics", "evaluateres.metrics"):
+            if key in reply.content.config_records:
+                reply.content.config_records[key].update(copy_digest_metric(context.state))
 
 
 def is_ours(msg: Message) -> bool:

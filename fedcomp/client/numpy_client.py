@@ -21,6 +21,7 @@ from flwr.client import NumPyClient
 from fedcomp.client.update import CompositionError, compress_update
 from fedcomp.config import CODEC_DEFAULTS, CodecConfig
 from fedcomp.config.codec import check_codec_kwargs
+from fedcomp.download.legacy import LAYOUT_KEY, copy_digest_metric, rebuild_legacy
 from fedcomp.protocol.messages import RESIDUAL_STATE_KEY
 
 #: ``context.state`` key of the residuals kept by `CompressedNumPyClient` (per array index).
@@ -34,8 +35,11 @@ class CompressedNumPyClient(NumPyClient):
     for every array, adds the error-feedback residual of the earlier rounds (Stich et al.
     2018; Karimireddy et al. 2019), compresses with the codec the server asked for and
     returns one payload per array (or one for the whole model with whole-model selection,
-    as the Message-API ``compression_mod`` does) as 1-D ``uint8`` arrays. ``evaluate``,
-    ``get_parameters`` and ``get_properties`` are delegated unchanged.
+    as the Message-API ``compression_mod`` does) as 1-D ``uint8`` arrays. A model that arrives in
+    the download's form (`fedcomp.download.legacy`: the server's ``LegacyCompressedStrategy``
+    compresses it) is rebuilt from this client's copy before ``fit`` and ``evaluate`` see it, and
+    the reply's metrics report the copy's digest. ``get_parameters`` and ``get_properties`` are
+    delegated unchanged.
 
     Parameters
     ----------
@@ -47,10 +51,10 @@ class CompressedNumPyClient(NumPyClient):
     error_feedback : bool, optional
         Force error feedback on or off. Default None: as the server asks.
     state : flwr.app.RecordDict, optional
-        Where to keep the residual between rounds, typically ``context.state`` inside
-        ``client_fn(context)``: Flower calls ``client_fn`` for every message, so a residual
-        kept only on this object would be lost after each round. Default None: on the
-        object (enough when the same object serves every round).
+        Where to keep the residual and the model copy between rounds, typically ``context.state``
+        inside ``client_fn(context)``: Flower calls ``client_fn`` for every message, so what is
+        kept only on this object would be lost after each round. Default None: on the object
+        (enough when the same object serves every round).
     seed : int, optional
         Base seed of stochastic codecs (qsgd, int8, randomk); each ``fit`` call derives
         its own seed from it. Default None: fresh randomness.
@@ -89,6 +93,8 @@ class CompressedNumPyClient(NumPyClient):
         self.client = client
         self.forced = forced
         self.state = state
+        #: Where the model copy of the download lives (``state``, else this object's own record).
+        self.copy_state = state if state is not None else RecordDict()
         self.seed = seed
         self.calls = 0
         #: Error-feedback residual per array index ("0", "1", ... or the whole-model key).
@@ -106,8 +112,20 @@ class CompressedNumPyClient(NumPyClient):
         return self.client.get_parameters(config)
 
     def evaluate(self, parameters, config):
-        """Delegate to the wrapped client (evaluation receives dense global weights)."""
-        return self.client.evaluate(parameters, config)
+        """Delegate to the wrapped client, on the model rebuilt from the download (`_received`)."""
+        parameters, config, digest = self._received(parameters, config)
+        loss, num_examples, metrics = self.client.evaluate(parameters, config)
+        return loss, num_examples, {**dict(metrics or {}), **digest}
+
+    def _received(self, parameters, config) -> tuple[list, dict, dict]:
+        """(the model's arrays, the config without the download's layout, the digest metric): a
+        download rebuilt from this client's copy (`fedcomp.download.legacy.rebuild_legacy`), dense
+        weights as they came (no digest)."""
+        rebuilt = rebuild_legacy(self.copy_state, parameters, config)
+        if rebuilt is None:
+            return parameters, config, {}
+        config = {k: v for k, v in config.items() if k != LAYOUT_KEY}
+        return rebuilt, config, copy_digest_metric(self.copy_state)
 
     # -- the one concern ---------------------------------------------------------------
     def codec(self, config: dict) -> CodecConfig:
@@ -149,6 +167,7 @@ class CompressedNumPyClient(NumPyClient):
             (all of them, lists included, are in `last_stats`).
         """
         codec = self.codec(config)
+        parameters, config, digest = self._received(parameters, config)
         received = {str(i): np.asarray(p) for i, p in enumerate(parameters)}
         trained_list, num_examples, metrics = self.client.fit(parameters, config)
         if len(trained_list) != len(received):
@@ -163,7 +182,7 @@ class CompressedNumPyClient(NumPyClient):
         out = [np.frombuffer(p, dtype=np.uint8).copy() for p in payloads.values()]
         # legacy metrics are scalars only (Flower's compat layer rejects lists, e.g. per-layer stats)
         scalars = {k: v for k, v in stats.items() if isinstance(v, (bool, int, float, str, bytes))}
-        return out, num_examples, {**dict(metrics or {}), **scalars}
+        return out, num_examples, {**dict(metrics or {}), **scalars, **digest}
 
     # -- state ---------------------------------------------------------------------------
     def _next_seed(self) -> int | None:

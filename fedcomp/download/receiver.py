@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 
 from fedcomp.protocol.errors import CompositionError
 from fedcomp.compression import PayloadError, decode_exact, decompress
@@ -80,9 +80,14 @@ def check_version(cfg, context: Context) -> None:
         ``fedcomp-model-version`` below the held copy's version, or equal to it in a message that does
         not build on the held version (the message names both).
     """
-    if MODEL_META_KEY not in context.state or INIT_SEED in cfg:
+    _check_held_version(cfg, context.state)
+
+
+def _check_held_version(cfg, state: RecordDict) -> None:
+    """`check_version` against the copy kept in ``state``."""
+    if MODEL_META_KEY not in state or INIT_SEED in cfg:
         return
-    held, new = int(context.state[MODEL_META_KEY]["version"]), int(cfg[MODEL_VERSION])
+    held, new = int(state[MODEL_META_KEY]["version"]), int(cfg[MODEL_VERSION])
     if new < held or (new == held and cfg.get(BASE_VERSION, 0) not in (0, held)):
         raise PayloadError(f"train config '{MODEL_VERSION}' = {new} is not newer than the model version this node "
                            f"holds ({held}): a replayed or stale download; refused before training, the held copy is "
@@ -199,7 +204,7 @@ def _naming(key: str) -> Iterator[None]:
         raise PayloadError(f"'{key}': {err}") from None
 
 
-def _held_base(rec: ArrayRecord, context: Context, cfg, part_keys: set[str]) -> tuple[FlatModel, list[str]]:
+def _held_base(rec: ArrayRecord, state: RecordDict, cfg, part_keys: set[str]) -> tuple[FlatModel, list[str]]:
     """The kept copy with the exactly sent tensors replaced: (model, names of the compressed part).
 
     Raises
@@ -210,12 +215,12 @@ def _held_base(rec: ArrayRecord, context: Context, cfg, part_keys: set[str]) -> 
         A tensor sent by name that the model does not have, a malformed exact payload or
         statistic change (the message names the array key).
     """
-    if MODEL_STATE_KEY not in context.state:
+    if MODEL_STATE_KEY not in state:
         raise CompositionError("received a compressed model but this node keeps no model copy (new node?)")
-    held = int(context.state[MODEL_META_KEY]["version"])
+    held = int(state[MODEL_META_KEY]["version"])
     if held != cfg.get(BASE_VERSION):
         raise CompositionError(f"this node holds model version {held}, the payload applies to {cfg.get(BASE_VERSION)}")
-    base = FlatModel.from_record(context.state[MODEL_STATE_KEY])
+    base = FlatModel.from_record(state[MODEL_STATE_KEY])
     changes = {k[len(STAT_DELTA_PREFIX):]: k for k in rec.keys() if k.startswith(STAT_DELTA_PREFIX)}
     named = [k for k in rec.keys() if k not in part_keys and k not in changes.values()]
     unknown = sorted(set(named) - set(base.keys)) + sorted(
@@ -242,14 +247,21 @@ def _held_base(rec: ArrayRecord, context: Context, cfg, part_keys: set[str]) -> 
 
 
 def rebuild(msg: Message, context: Context, arr_key: str, rec: ArrayRecord, cfg) -> ArrayRecord:
-    """Rebuild the model of a downstream message and keep it in ``context.state``.
+    """Rebuild the model of a downstream message and keep it in ``context.state`` (`rebuild_model`); the
+    message's ArrayRecord ``arr_key`` becomes the rebuilt dense weights."""
+    out, rebuilt = rebuild_model(context.state, rec, cfg)
+    if rebuilt:
+        msg.content[arr_key] = out
+    return out
+
+
+def rebuild_model(state: RecordDict, rec: ArrayRecord, cfg) -> tuple[ArrayRecord, bool]:
+    """Rebuild the model a download describes and keep it, with its version, in ``state`` as this node's copy.
 
     Parameters
     ----------
-    msg : Message
-        The train message (its ArrayRecord ``arr_key`` is replaced by the rebuilt dense weights).
-    context : Context
-        The node's context (``context.state`` holds the copy and its version).
+    state : RecordDict
+        Where the node keeps its copy (``context.state``).
     rec : ArrayRecord
         The received record.
     cfg : mapping
@@ -257,8 +269,9 @@ def rebuild(msg: Message, context: Context, arr_key: str, rec: ArrayRecord, cfg)
 
     Returns
     -------
-    ArrayRecord
-        Dense weights, every tensor in its dtype and shape.
+    (ArrayRecord, bool)
+        Dense weights, every tensor in its dtype and shape; whether they were rebuilt (False: ``rec``
+        itself, dense weights as sent).
 
     Raises
     ------
@@ -278,9 +291,9 @@ def rebuild(msg: Message, context: Context, arr_key: str, rec: ArrayRecord, cfg)
             raise PayloadError(f"downstream message without train config '{MODEL_VERSION}' carries seeded-init "
                                f"rules or payloads {ours[:5]}")
         check_download(rec)
-        return rec
+        return rec, False
     _version_keys(cfg)
-    check_version(cfg, context)
+    _check_held_version(cfg, state)
     parts = _parts(rec)
     part_keys = {chain_key(i) for i in range(len(parts))}
     on_held = INIT_SEED not in cfg and (parts or cfg.get(BASE_VERSION, 0) > 0)  # steps on the held copy, or none
@@ -296,7 +309,7 @@ def rebuild(msg: Message, context: Context, arr_key: str, rec: ArrayRecord, cfg)
     if INIT_SEED in cfg:
         base, lossy = _init_base(rec, int(cfg[INIT_SEED]), part_keys)
     elif on_held:
-        base, lossy = _held_base(rec, context, cfg, part_keys)
+        base, lossy = _held_base(rec, state, cfg, part_keys)
     else:
         base = None
     if base is not None:
@@ -308,23 +321,27 @@ def rebuild(msg: Message, context: Context, arr_key: str, rec: ArrayRecord, cfg)
         scatter(base, lossy, vec)
         rec = base.record(check=False)  # check_download names a tensor that is not finite in its dtype
     check_download(rec)  # every form: the held copy is replaced only by a model that passes
-    if base is not None:
-        msg.content[arr_key] = rec
-    context.state[MODEL_STATE_KEY] = ArrayRecord({k: Array(dtype=a.dtype, shape=tuple(a.shape), stype=a.stype,
-                                                           data=bytes(a.data)) for k, a in rec.items()})
-    context.state[MODEL_META_KEY] = MetricRecord({"version": int(cfg[MODEL_VERSION])})
-    return rec
+    state[MODEL_STATE_KEY] = ArrayRecord({k: Array(dtype=a.dtype, shape=tuple(a.shape), stype=a.stype,
+                                                   data=bytes(a.data)) for k, a in rec.items()})
+    state[MODEL_META_KEY] = MetricRecord({"version": int(cfg[MODEL_VERSION])})
+    return rec, base is not None
+
+
+def held_copy_digest(state: RecordDict) -> bytes | None:
+    """The digest of the model copy kept in ``state`` (`fedcomp.download.layout.copy_digest`; None: none kept)."""
+    if MODEL_STATE_KEY not in state:
+        return None
+    return copy_digest(FlatModel.from_record(state[MODEL_STATE_KEY]))
 
 
 def report_copy(reply: Message, context: Context) -> None:
-    """Add the digest of the model copy this node holds (`fedcomp.download.layout.copy_digest`) to
-    ``reply`` as the ConfigRecord ``fedcomp.copy``, so that the server can compare it with its record of
-    what this node holds and send a first contact when the two differ. Nothing without a copy (a node that
-    was sent dense weights without a version) or on an error reply."""
-    if reply.has_error() or MODEL_STATE_KEY not in context.state:
-        return
-    reply.content[COPY_RECORD] = ConfigRecord({"digest": copy_digest(FlatModel.from_record(
-        context.state[MODEL_STATE_KEY]))})
+    """Add the digest of the model copy this node holds (`held_copy_digest`) to ``reply`` as the
+    ConfigRecord ``fedcomp.copy``, so that the server can compare it with its record of what this node
+    holds and send a first contact when the two differ. Nothing without a copy (a node that was sent
+    dense weights without a version) or on an error reply."""
+    digest = None if reply.has_error() else held_copy_digest(context.state)
+    if digest is not None:
+        reply.content[COPY_RECORD] = ConfigRecord({"digest": digest})
 
 
-__all__ = ["check_download", "check_version", "rebuild", "report_copy"]
+__all__ = ["check_download", "check_version", "held_copy_digest", "rebuild", "rebuild_model", "report_copy"]

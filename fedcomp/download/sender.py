@@ -272,10 +272,36 @@ class Downstream:
     # -- one round --------------------------------------------------------------------------
     def prepare(self, server_round: int, arrays: ArrayRecord, messages: list[Message],
                 phase: str = "train", records: tuple[str, str] | None = None) -> list[Message]:
-        """Advance B to this round's global model and rewrite each message's arrays and config.
+        """Advance B to this round's global model and rewrite each message's arrays and config
+        (`prepare_nodes`, each message's destination node its node).
 
         Every message gets its own RecordDict and ArrayRecord (as the real transport gives each
         node its own copy), so a handler that edits its input affects no other client.
+        ``records``: the keys of the model's ArrayRecord and of the config in each message (default: the
+        message's first ArrayRecord and first ConfigRecord, ``"config"`` if it has none; Flower's legacy
+        workflows carry them as ``fitins.parameters`` and ``fitins.config`` beside SecAgg+'s own record).
+
+        Returns the messages (modified in place) with a per-message ConfigRecord carrying the version
+        keys (and the init seed for ``init`` messages).
+        """
+        keys = []
+        for msg in messages:
+            # Flower's strategies may share one RecordDict between messages: give each its own.
+            msg.content = RecordDict(dict(msg.content.items()))
+            keys.append(records or (next(iter(msg.content.array_records)),
+                                    next(iter(msg.content.config_records), "config")))
+        configs = [dict(m.content[c]) if c in m.content else {} for m, (_, c) in zip(messages, keys)]
+        forms = self.prepare_nodes(server_round, arrays, [m.metadata.dst_node_id for m in messages], configs, phase)
+        for msg, (arr_key, cfg_key), (rec, cfg) in zip(messages, keys, forms):
+            msg.content[arr_key] = rec
+            msg.content[cfg_key] = ConfigRecord(cfg)
+        return messages
+
+    def prepare_nodes(self, server_round: int, arrays: ArrayRecord, nodes: list, configs: list[dict],
+                      phase: str = "train") -> list[tuple[ArrayRecord, dict]]:
+        """Advance B to this round's global model ``arrays`` and return, for each of ``nodes`` (with its
+        message's config), the model record in the form planned for it and its config with the version keys
+        (and the init seed for first contacts).
 
         Train and evaluate messages go the same way (``phase``). B advances once per global model: the
         first call with a new G (federated evaluation after a round, or the next round's training) sends
@@ -284,12 +310,6 @@ class Downstream:
         does not the step or catch-up to B_v. A node evaluates the model it will train from, and what
         the step left out stays in ``G - B`` for the next round (server-side error feedback).
         ``phase = "evaluate"`` only changes the seeds of seeded codecs (`EVALUATE_SEED_OFFSET`).
-        ``records``: the keys of the model's ArrayRecord and of the config in each message (default: the
-        message's first ArrayRecord and first ConfigRecord, ``"config"`` if it has none; Flower's legacy
-        workflows carry them as ``fitins.parameters`` and ``fitins.config`` beside SecAgg+'s own record).
-
-        Returns the messages (modified in place) with a per-message ConfigRecord carrying the version
-        keys (and the init seed for ``init`` messages).
         """
         if phase not in ("train", "evaluate"):
             raise ValueError(f"phase must be 'train' or 'evaluate', got {phase!r}")
@@ -325,14 +345,9 @@ class Downstream:
         extra_bytes = sum(len(a.data) for a in extras.values())
         dense = None
         self.sent_bytes, self.sent_kind = {}, {}
-        for msg in messages:
-            # Flower's strategies may share one RecordDict between messages: give each its own.
-            msg.content = RecordDict(dict(msg.content.items()))
-            node = msg.metadata.dst_node_id
-            arr_key, cfg_key = records or (next(iter(msg.content.array_records)),
-                                           next(iter(msg.content.config_records), "config"))
-            cfg = dict(msg.content[cfg_key]) if cfg_key in msg.content else {}
-            cfg[MODEL_VERSION] = self.version
+        forms = []
+        for node, cfg in zip(nodes, configs):
+            cfg = {**cfg, MODEL_VERSION: self.version}
             plan = plan_message(self.nodes, node, payload, self._start, self.model.dense_bytes - extra_bytes,
                                 lambda base, held: self._diff(server_round, node, base, g, held), self.exact_catchup)
             if plan.kind is PlanKind.DENSE:
@@ -364,11 +379,10 @@ class Downstream:
                 self.nodes.send(node, self.version, plan.diff, keep=plan.kind is PlanKind.HELD)
             if self.stat_deltas and not self.nodes.stats_sent(node):  # sent the statistics exactly
                 self.nodes.send_stats(node, self._exempt_copy())
-            msg.content[arr_key] = rec
             self.sent_bytes[node] = sum(len(a.data) for a in rec.values())
             self.sent_kind[node] = plan.kind
-            msg.content[cfg_key] = ConfigRecord(cfg)
-        return messages
+            forms.append((rec, cfg))
+        return forms
 
     def _exempt_copy(self, source: FlatModel | None = None) -> FlatModel:
         """A copy of the BatchNorm statistics of ``source`` (default: the global ones, as this round's B

@@ -130,7 +130,8 @@ def compose(inner: Strategy, codec: CodecConfig, download: Download, privacy: Pr
     except ValueError as err:
         raise ValueError(f"preset {preset!r} keeps error feedback: {err}" if preset else str(err)) from None
     if download.codec == "auto":
-        auto, density = library_downstream(codec.compressor, download.density, codec.density, privacy.local_dp, inner)
+        auto, density = library_downstream(codec.compressor, download.density, codec.density, privacy.local_dp,
+                                           averages_by_weight(inner))
         if download.density is not None and auto not in codecs_with(sparse=True):
             raise ValueError(f"Download(density={download.density!r}) sets a sparse download's density, but "
                              f"downstream='auto' picks {auto!r} for the {codec.compressor!r} upload: pass "

@@ -11,7 +11,7 @@ type ``fedcomp.payload.v1``); this wrapper decodes both.
 from __future__ import annotations
 
 import io
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from logging import INFO, WARNING
 
 import numpy as np
@@ -29,11 +29,14 @@ from flwr.common import (
 from flwr.common.logger import log
 from flwr.server.client_manager import ClientManager
 from flwr.server.client_proxy import ClientProxy
-from flwr.server.strategy import Strategy
+from flwr.server.strategy import FedAdagrad, FedAdam, FedAvg, FedAvgM, FedProx, FedYogi, Strategy
 from numpy.lib import format as npy_format
 
 from fedcomp.compression import PayloadError, parse_header
 from fedcomp.config import CodecConfig
+from fedcomp.download.legacy import LegacyDownload
+from fedcomp.download.options import Download
+from fedcomp.download.sender import Downstream
 from fedcomp.protocol.messages import MODEL_KEY, PAYLOAD_STYPE, payload_array
 from fedcomp.statedict import FlatModel
 from fedcomp.statedict.tied import find_tied, tie_list
@@ -42,6 +45,7 @@ from fedcomp.strategies.codec_round import codec_entries
 from fedcomp.strategies.decode import decode_update
 from fedcomp.strategies.failures import MAX_REFUSAL_CHARS, printable
 from fedcomp.strategies.forward import ForwardsToInner
+from fedcomp.strategies.presets import library_downstream
 from fedcomp.strategies.round_metrics import client_stats, upload_metrics
 
 #: ``Parameters.tensor_type`` Flower gives to ``np.save``-serialized ndarrays.
@@ -152,6 +156,19 @@ def _is_flat_model_payload(payload: bytes, g: np.ndarray) -> bool:
     return shape != tuple(g.shape) and shape == (g.size,)
 
 
+#: Flower's legacy strategies that aggregate by a weighted mean of the results' weights.
+_LEGACY_MEANS = (FedAvg, FedAvgM, FedProx, FedAdam, FedAdagrad, FedYogi)
+
+
+def legacy_weighted_mean(strategy: Strategy) -> bool:
+    """Whether a legacy ``strategy`` aggregates by a weighted mean of the clients' weights (one of
+    `_LEGACY_MEANS`, or a subclass that keeps its ``aggregate_fit``): then the global model it returns is
+    built from the clients' updates alone, and the clients may train from compressed copies of it."""
+    cls = type(strategy)
+    base = next((b for b in cls.__mro__ if b in _LEGACY_MEANS), None)
+    return base is not None and cls.aggregate_fit is base.aggregate_fit
+
+
 @dataclass
 class LegacySentRound:
     """What ``configure_fit`` sent in one round: the global arrays each client (by ``cid``) got."""
@@ -183,8 +200,13 @@ class LegacyCompressedStrategy(ForwardsToInner, Strategy):
        reports), ``num-replies``, ``rejected-replies``, ``failed-clients`` and
        ``upload-bytes-<codec>`` (`fedcomp.strategies.round_metrics.upload_metrics`).
 
-    ``initialize_parameters``, ``configure_evaluate``, ``aggregate_evaluate`` and
-    ``evaluate`` are delegated unchanged (evaluation uses dense global weights).
+    4. The model travels compressed both ways (``downstream``, `fedcomp.download.legacy`): each
+       ``FitIns`` and ``EvaluateIns`` carries the step that brings the client's copy to the global
+       model (a first contact to a client without one), as 1-D ``uint8`` arrays and a layout in the
+       config; the client (``CompressedNumPyClient``, or ``compression_mod`` in a legacy ClientApp)
+       rebuilds the model and reports its copy's digest.
+
+    ``initialize_parameters`` and ``evaluate`` are delegated unchanged.
 
     Parameters
     ----------
@@ -200,6 +222,12 @@ class LegacyCompressedStrategy(ForwardsToInner, Strategy):
         Largest ``num_examples`` (FedAvg's weight) a result may claim; a result claiming
         fewer than 1 or more is rejected, so that one client cannot dictate the weighted
         mean. Default 10**9.
+    downstream : Download or str or None
+        The download (`fedcomp.download.Download`; a string is its codec, None or "none" dense).
+        Default "auto": the upload codec's counterpart with server-side error feedback, as
+        ``CompressedStrategy``'s (`fedcomp.strategies.presets.library_downstream`); dense for
+        ``compressor="none"`` and for inner strategies other than a weighted mean (FedMedian,
+        Krum, Flower's DP wrappers: `legacy_weighted_mean`). Needs fedcomp on every client.
     **params
         Codec parameters by their Python or config names: ``density``, ``levels``,
         ``block_size``, ``value_dtype``, ``residual_dtype``, ``selection``.
@@ -224,7 +252,7 @@ class LegacyCompressedStrategy(ForwardsToInner, Strategy):
     """
 
     def __init__(self, strategy: Strategy, compressor: str = "stc", error_feedback: bool = True,
-                 max_num_examples: int = 10**9, **params) -> None:
+                 max_num_examples: int = 10**9, *, downstream: Download | str | None = "auto", **params) -> None:
         if not isinstance(strategy, Strategy):
             hint = " (use fedcomp.strategies.CompressedStrategy for flwr.serverapp strategies)"
             raise TypeError(f"strategy must be a flwr.server.strategy.Strategy, got {type(strategy).__name__}{hint}")
@@ -235,6 +263,14 @@ class LegacyCompressedStrategy(ForwardsToInner, Strategy):
             raise ValueError("error_feedback='ef21' needs the server's estimate: "
                              "use fedcomp.strategies.CompressedStrategy")
         self.max_num_examples = check_max_num_examples(max_num_examples)
+        download = Download.of(downstream)
+        if download.codec == "auto":
+            codec, density = library_downstream(self.codec.compressor, download.density, self.codec.density, None,
+                                                legacy_weighted_mean(strategy))
+            download = replace(download, codec=codec, density=density)
+        sender = Downstream.for_run(self.codec, download)
+        #: The download (None: the model travels dense).
+        self.download: LegacyDownload | None = None if sender is None else LegacyDownload(sender)
         #: The arrays sent in the current round (set by `configure_fit`).
         self.sent_round: LegacySentRound | None = None
         #: Per-round metrics computed by this wrapper (round -> dict).
@@ -262,12 +298,17 @@ class LegacyCompressedStrategy(ForwardsToInner, Strategy):
 
     def configure_evaluate(self, server_round: int, parameters: Parameters,
                            client_manager: ClientManager) -> list[tuple[ClientProxy, EvaluateIns]]:
-        """Delegate unchanged (evaluation sends dense global weights)."""
-        return self.inner.configure_evaluate(server_round, parameters, client_manager)
+        """Delegate; each client's model in its download form (`fedcomp.download.legacy`)."""
+        instructions = self.inner.configure_evaluate(server_round, parameters, client_manager)
+        if self.download is None:
+            return instructions
+        return self.download.instructions(server_round, list(instructions), "evaluate")
 
     def aggregate_evaluate(self, server_round: int, results: list[tuple[ClientProxy, EvaluateRes]],
                            failures: list) -> tuple[float | None, dict[str, Scalar]]:
-        """Delegate unchanged."""
+        """Note what each client holds (the digest leaves its metrics), then delegate."""
+        if self.download is not None:
+            self._note_copies(server_round, results, failures)
         return self.inner.aggregate_evaluate(server_round, results, failures)
 
     def evaluate(self, server_round: int, parameters: Parameters) -> tuple[float, dict[str, Scalar]] | None:
@@ -294,7 +335,7 @@ class LegacyCompressedStrategy(ForwardsToInner, Strategy):
         if self.tied_groups is None:
             arrays = parameters_to_ndarrays(parameters)  # tied parameters sent as two arrays: kept tied
             self.tied_groups = find_tied(FlatModel.from_numpy({str(i): a for i, a in enumerate(arrays)}))
-        return out
+        return out if self.download is None else self.download.instructions(server_round, out, "train")
 
     def aggregate_fit(self, server_round: int, results: list[tuple[ClientProxy, FitRes]],
                       failures: list) -> tuple[Parameters | None, dict[str, Scalar]]:
@@ -304,6 +345,8 @@ class LegacyCompressedStrategy(ForwardsToInner, Strategy):
             raise RuntimeError(f"aggregate_fit for round {server_round} without configure_fit")
         failures = list(failures)
         n_failed = len(failures)
+        if self.download is not None:
+            self._note_copies(server_round, results, failures)
         results, refused = admit(results, lambda r: r[0].cid, set(sent.arrays))
         for (proxy, res), why in refused:
             log(WARNING, "round %s: rejected fit result from client %s: %s", server_round, proxy.cid, why)
@@ -332,8 +375,19 @@ class LegacyCompressedStrategy(ForwardsToInner, Strategy):
         if parameters is not None and self.tied_groups:
             parameters = ndarrays_to_parameters(tie_list(parameters_to_ndarrays(parameters), self.tied_groups))
         ours = upload_metrics(stats, codec_bytes, len(good), len(failures) - n_failed, n_failed)
+        ours["download-bytes"] = float(sum(self.download.sent_bytes.values()) if self.download is not None else
+                                       sum(4 * a.size for arrays in sent.arrays.values() for a in arrays))
         self.history[server_round] = ours
         return parameters, {**dict(metrics or {}), **ours}
 
+    def _note_copies(self, server_round: int, results: list, failures: list) -> None:
+        """The download's record of what each client holds (`LegacyDownload.note`), resyncs logged."""
+        self.download.note(results, failures)
+        resynced = self.download.downstream.resynced
+        if resynced:
+            log(WARNING, "round %s: the model copy of client(s) %s differs from the server's record of it; they get "
+                "a first contact next time", server_round, sorted(resynced))
+            resynced.clear()
 
-__all__ = ["LegacyCompressedStrategy", "decode_legacy_update", "payloads_from_parameters"]
+
+__all__ = ["LegacyCompressedStrategy", "decode_legacy_update", "legacy_weighted_mean", "payloads_from_parameters"]

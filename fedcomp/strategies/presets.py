@@ -26,7 +26,6 @@ from __future__ import annotations
 from typing import Any
 
 from fedcomp.download.options import Download
-from fedcomp.strategies.aggregate import averages_by_weight
 
 #: preset name -> the ``CompressedStrategy`` arguments it sets
 PRESETS: dict[str, dict[str, Any]] = {
@@ -83,7 +82,7 @@ MAX_SPARSE_DOWNLOAD = 0.25
 
 
 def library_downstream(compressor: str, density: float | None, upload_density: float, local_dp,
-                       inner) -> tuple[str, float | None]:
+                       weighted_mean: bool) -> tuple[str, float | None]:
     """``(downstream codec, downstream density)`` for ``CompressedStrategy(downstream="auto")``, the
     library's default: the upload codec's counterpart (`LIBRARY_DOWNSTREAM`, else `OTHER_DOWNSTREAM`),
     with server-side error feedback, so that both directions cost about the same; except where a
@@ -104,10 +103,11 @@ def library_downstream(compressor: str, density: float | None, upload_density: f
         The upload codec's density (a sparse download's is `SPARSE_DOWNLOAD_FACTOR` times it; past
         `MAX_SPARSE_DOWNLOAD` the download is int8).
     local_dp : LocalDP or None
-    inner : Strategy
-        The wrapped strategy.
+    weighted_mean : bool
+        Whether the wrapped strategy aggregates by a weighted mean of the clients' weights
+        (`fedcomp.strategies.aggregate.averages_by_weight`; `fedcomp.strategies.legacy_strategy.legacy_weighted_mean`).
     """
-    if compressor == "none" or local_dp is not None or not averages_by_weight(inner):
+    if compressor == "none" or local_dp is not None or not weighted_mean:
         return "none", density
     codec = LIBRARY_DOWNSTREAM.get(compressor, OTHER_DOWNSTREAM)
     if codec == "stc" and density is None:
