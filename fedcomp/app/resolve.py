@@ -92,7 +92,7 @@ def resolve_downstream(requested: str, density: float, compressor: str, finetune
                        secagg: bool) -> tuple[str, float]:
     """``(downstream codec, downstream density)`` for run config ``downstream`` = ``requested``:
     "auto" is "none" with ``compressor = "none"``, `AUTO_SECAGG_CODEC` with ``secagg`` (SecAgg+ hides the
-    updates, not the global model: `fedcomp.secagg.download`), `AUTO_LORA_CODEC` for LoRA, else `AUTO_CODEC`
+    updates, not the global model: `fedcomp.download.secagg`), `AUTO_LORA_CODEC` for LoRA, else `AUTO_CODEC`
     at ``density`` or `AUTO_DENSITY`. ``density`` 0: the upload's (an explicit codec)."""
     if requested != "auto":
         return requested, density

@@ -2,7 +2,7 @@
 ``CompressedSecAggPlusWorkflow`` and ``SharedRandomKStrategy`` around a legacy FedAvg/FedAvgM/FedAdam.
 
 Writes the same per-round table, ``metrics.json`` and ``plot.png`` as the plain path. The model
-travels by the run's download (`fedcomp.secagg.download`; ``downstream = "none"``: dense). Bytes are
+travels by the run's download (`fedcomp.download.secagg`; ``downstream = "none"``: dense). Bytes are
 counted as Flower serialises every message of the four stages both ways (``wire-bytes-*``, the MB
 columns and the ratio both ways, against a plain app sending the model dense both ways); of them,
 ``upload-bytes`` are the masked vectors and ``secagg-protocol-bytes`` the keys and shares.
@@ -29,7 +29,7 @@ from fedcomp.privacy import NO_AMPLIFICATION, ClientLevelDP
 from fedcomp.privacy.distributed import DistributedDP
 from fedcomp.download.options import Download
 from fedcomp.download.sender import Downstream
-from fedcomp.secagg.download import SecAggDownload
+from fedcomp.download.secagg import SecAggDownload
 from fedcomp.secagg.strategy import SharedRandomKStrategy
 from fedcomp.statedict import untie
 from fedcomp.secagg.workflow import CompressedSecAggPlusWorkflow

@@ -37,7 +37,7 @@ from fedcomp.protocol.messages import (
     SECAGG_ROTATION_KEY,
     SECAGG_SEED_KEY,
 )
-from fedcomp.secagg.download import receive_fit_model, report_copy
+from fedcomp.download.secagg import receive_fit_model, report_copy
 from fedcomp.secagg.encoding import SharedProjection, add_noise_share, flower_weight, prequantize, weight_floor
 from fedcomp.secagg.guard import check_request
 from fedcomp.secagg.protocol_packing import PACK_KEY, pack_masked, pack_record, unpack_record
@@ -344,7 +344,7 @@ def packing_secaggplus_mod(msg: Message, ctxt: Context, call_next) -> Message:
 def secagg_mod(msg: Message, ctxt: Context, call_next) -> Message:
     """fedcomp's ClientApp mod: SecAgg+ messages go through `packing_secaggplus_mod` and
     `shared_randomk_mod` (then straight to the train handler); all others to ``call_next``.
-    A train message whose model rides the compressed download (`fedcomp.secagg.download`) is rebuilt
+    A train message whose model rides the compressed download (`fedcomp.download.secagg`) is rebuilt
     from this node's copy first, and the reply reports the copy's digest.
 
     Register it before ``compression_mod``: ``ClientApp(mods=[secagg_mod, compression_mod])``

@@ -44,7 +44,7 @@ from flwr.server.workflow.secure_aggregation import secaggplus_workflow as _flow
 
 from fedcomp.compression import PayloadError
 from fedcomp.config.secagg import allows_split, majority_threshold
-from fedcomp.secagg.download import FIT_ARRAYS, SecAggDownload
+from fedcomp.download.secagg import FIT_ARRAYS, SecAggDownload
 from fedcomp.secagg.encoding import modulus_bits_for
 from fedcomp.secagg.protocol_packing import PACK_KEY, check_masked, is_packed_key, pack_record, unpack_record
 from fedcomp.strategies.wire_bytes import WireCount

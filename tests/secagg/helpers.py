@@ -122,7 +122,7 @@ def run_rounds(num_rounds: int, n: int, density: float, *, rotation=False, pack=
                distributed_dp=None, node_configs=None, mods=(secagg_mod,), workflow_cls=None, server_lr=1.0,
                download=None, pack_protocol=True, grid_cls=None, **inner_kw):
     """``num_rounds`` SecAgg+ rounds; returns ({round: model dict after it}, strategy, workflow, grid).
-    ``download``: a `fedcomp.secagg.download.SecAggDownload` for the model (None: dense)."""
+    ``download``: a `fedcomp.download.secagg.SecAggDownload` for the model (None: dense)."""
     g = global_model()
     keys = list(g)
     grid = (grid_cls or RecordingGrid)(make_client_app(scale, mods), n, {}, node_configs, drop=drop, corrupt=corrupt)

@@ -13,7 +13,7 @@ from fedcomp.compression import PayloadError
 from fedcomp.config import CodecConfig
 from fedcomp.download.sender import Downstream
 from fedcomp.protocol.messages import MODEL_VERSION, payload_array
-from fedcomp.secagg.download import FIT_ARRAYS, FIT_CONFIG, SecAggDownload, legacy_model, named_model, receive_fit_model
+from fedcomp.download.secagg import FIT_ARRAYS, FIT_CONFIG, SecAggDownload, legacy_model, named_model, receive_fit_model
 from fedcomp.secagg.encoding import flower_weight, quantization_bound
 
 from ..messages import make_msg
