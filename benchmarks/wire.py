@@ -26,9 +26,11 @@ import importlib
 import multiprocessing
 import json
 import pathlib
+import shlex
 import statistics
 import sys
 import tempfile
+import threading
 import tomllib
 
 import numpy as np
@@ -51,6 +53,7 @@ class WeighingGrid(InProcessGrid):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.down = self.up = 0
+        self._lock = threading.Lock()  # Flower's legacy server sends from several threads at once
 
     @property
     def run(self):
@@ -61,9 +64,11 @@ class WeighingGrid(InProcessGrid):
 
     def send_and_receive(self, messages, *, timeout=None):
         messages = list(messages)
-        self.down += sum(recorddict_to_proto(m.content).ByteSize() for m in messages)
+        down = sum(recorddict_to_proto(m.content).ByteSize() for m in messages)
         replies = list(super().send_and_receive(messages, timeout=timeout))
-        self.up += sum(recorddict_to_proto(r.content).ByteSize() for r in replies if not r.has_error())
+        up = sum(recorddict_to_proto(r.content).ByteSize() for r in replies if not r.has_error())
+        with self._lock:
+            self.down, self.up = self.down + down, self.up + up
         return replies
 
 
@@ -167,7 +172,10 @@ def legacy_app(seed: int, rounds: int, lines: dict | None, **settings) -> dict:
     grid = WeighingGrid(ClientApp(client_fn=client_fn), 10, rc)
     ServerApp(server_fn=lambda context: ServerAppComponents(strategy=strategy, config=ServerConfig(num_rounds=rounds)))(
         grid, Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config=rc))
-    return {"accuracy": float(accuracy[-1]), "counted-mb": (grid.down + grid.up) / 1e6}
+    out = {"accuracy": float(accuracy[-1]), "counted-mb": (grid.down + grid.up) / 1e6}
+    if lines is not None:
+        out["reported-mb"] = sum(h["wire-bytes-down"] + h["wire-bytes-up"] for h in strategy.history.values()) / 1e6
+    return out
 
 
 def _example_config(rounds: int, settings: dict) -> dict:
@@ -304,7 +312,7 @@ def main() -> None:
     if args.quick:  # nothing is merged into a quick run: the chosen cases' fp32 cases run too
         chosen += [c for c in CASES if c not in chosen and any(_fp32_of(n) == c for n in chosen)]
     runs: dict[str, list[dict]] = {name: [] for name in (chosen if args.quick else CASES)}
-    command = " ".join(["python", "benchmarks/wire.py", *sys.argv[1:]])
+    command = shlex.join(["python", "benchmarks/wire.py", *sys.argv[1:]])
     if args.only and not args.quick:
         before = json.loads(path.read_text())
         command = f"{before['command']} && {command}"

@@ -17,7 +17,7 @@ import warnings
 from logging import ERROR
 
 import numpy as np
-from flwr.app import ArrayRecord, Context, Message, MetricRecord
+from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord
 from flwr.common.logger import log
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
 
@@ -124,13 +124,18 @@ def compression_mod(msg: Message, context: Context, call_next) -> Message:
 
 
 def _report_copy(reply: Message, context: Context, legacy: bool) -> None:
-    """The copy's digest in the reply: its own record (`report_copy`) and, for the legacy API, in the
-    legacy result's metrics, the only part of a reply a legacy strategy sees."""
-    report_copy(reply, context)
-    if legacy and not reply.has_error():
-        for key in ("fitres.metrics", "evaluateres.metrics"):
+    """The copy's digest in the reply: its own record (`report_copy`), or for the legacy API in the legacy
+    result's metrics, the only part of a reply a legacy strategy sees."""
+    if not legacy:
+        report_copy(reply, context)
+    elif not reply.has_error():
+        for key in (LEGACY_FIT_METRICS, "evaluateres.metrics"):
             if key in reply.content.config_records:
                 reply.content.config_records[key].update(copy_digest_metric(context.state))
+
+
+#: The metrics record of a legacy ``FitRes`` as Flower's compat layer carries it.
+LEGACY_FIT_METRICS = "fitres.metrics"
 
 
 def is_ours(msg: Message) -> bool:
@@ -284,7 +289,14 @@ def _link_speeds(context: Context) -> dict[str, float]:
 
 
 def _write_reply(reply: Message, arr_key: str, payloads: dict[str, bytes], stats: dict) -> None:
-    """Replace the reply's weights by the payloads; add ``stats`` to its (one) MetricRecord."""
+    """Replace the reply's weights by the payloads; add ``stats`` to its (one) MetricRecord, or for a legacy
+    result to its metrics (``fitres.metrics``, scalars only: the only metrics Flower's compat layer keeps)."""
+    if LEGACY_FIT_METRICS in reply.content.config_records:  # as Flower's compat layer carries raw tensors
+        reply.content[arr_key] = ArrayRecord({k: Array(dtype="", shape=(), stype=PAYLOAD_STYPE, data=p)
+                                              for k, p in payloads.items()})
+        reply.content.config_records[LEGACY_FIT_METRICS].update(
+            {k: v for k, v in stats.items() if isinstance(v, (bool, int, float, str, bytes))})
+        return
     reply.content[arr_key] = ArrayRecord({k: payload_array(p) for k, p in payloads.items()})
     metric_recs = reply.content.metric_records
     if len(metric_recs) == 1:

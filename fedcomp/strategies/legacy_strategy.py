@@ -10,12 +10,10 @@ type ``fedcomp.payload.v1``); this wrapper decodes both.
 
 from __future__ import annotations
 
-import io
 from dataclasses import dataclass, replace
 from logging import INFO, WARNING
 
 import numpy as np
-from flwr.app import ArrayRecord
 from flwr.common import (
     EvaluateIns,
     EvaluateRes,
@@ -30,131 +28,22 @@ from flwr.common.logger import log
 from flwr.server.client_manager import ClientManager
 from flwr.server.client_proxy import ClientProxy
 from flwr.server.strategy import FedAdagrad, FedAdam, FedAvg, FedAvgM, FedProx, FedYogi, Strategy
-from numpy.lib import format as npy_format
 
-from fedcomp.compression import PayloadError, parse_header
+from fedcomp.compression import PayloadError
 from fedcomp.config import CodecConfig
 from fedcomp.download.legacy import LegacyDownload
 from fedcomp.download.options import Download
 from fedcomp.download.sender import Downstream
-from fedcomp.protocol.messages import MODEL_KEY, PAYLOAD_STYPE, payload_array
 from fedcomp.statedict import FlatModel
 from fedcomp.statedict.tied import find_tied, tie_list
 from fedcomp.strategies.admission import admit, check_max_num_examples, check_weight
 from fedcomp.strategies.codec_round import codec_entries
-from fedcomp.strategies.decode import decode_update
 from fedcomp.strategies.failures import MAX_REFUSAL_CHARS, printable
 from fedcomp.strategies.forward import ForwardsToInner
+from fedcomp.strategies.legacy_decode import decode_legacy_update, payloads_from_parameters
+from fedcomp.strategies.legacy_wire import LegacyWire
 from fedcomp.strategies.presets import library_downstream
 from fedcomp.strategies.round_metrics import client_stats, upload_metrics
-
-#: ``Parameters.tensor_type`` Flower gives to ``np.save``-serialized ndarrays.
-NUMPY_TENSOR_TYPE = "numpy.ndarray"
-
-
-def payloads_from_parameters(parameters: Parameters) -> list[bytes]:
-    """Extract the fedcomp payloads a client sent in a legacy ``FitRes``.
-
-    Parameters
-    ----------
-    parameters : flwr.common.Parameters
-        Either ``tensor_type == "numpy.ndarray"`` with every tensor a 1-D ``uint8`` array
-        (from ``CompressedNumPyClient``; only the ``.npy`` header is parsed, never pickle), or
-        ``tensor_type == "fedcomp.payload.v1"`` with raw payload bytes (from
-        ``compression_mod`` in a legacy ``ClientApp``).
-
-    Returns
-    -------
-    list of bytes
-        The payloads in the order the client sent them.
-
-    Raises
-    ------
-    PayloadError
-        Another tensor type, or an array that is not 1-D ``uint8`` (a dense reply: the
-        message says to wrap the client in ``CompressedNumPyClient``).
-    """
-    if parameters.tensor_type == PAYLOAD_STYPE:
-        return [bytes(t) for t in parameters.tensors]
-    if parameters.tensor_type != NUMPY_TENSOR_TYPE:
-        raise PayloadError(f"unsupported tensor type {parameters.tensor_type!r} in the fit result")
-    return [_uint8_npy_body(t, i) for i, t in enumerate(parameters.tensors)]
-
-
-def _uint8_npy_body(tensor: bytes, index: int) -> bytes:
-    """The bytes of a ``.npy``-serialized 1-D ``uint8`` array, checked against its header.
-
-    Reads only the ``.npy`` header (``numpy.lib.format``: a literal dict, never pickle) and
-    requires ``dtype == uint8``, one dimension and exactly that many bytes after it, so a
-    header claiming a huge array allocates nothing.
-    """
-    fp = io.BytesIO(tensor)
-    try:
-        version = npy_format.read_magic(fp)
-        if version == (1, 0):
-            shape, _, dtype = npy_format.read_array_header_1_0(fp)
-        elif version == (2, 0):
-            shape, _, dtype = npy_format.read_array_header_2_0(fp)
-        else:
-            raise ValueError(f"unsupported .npy version {version}")
-    except ValueError as exc:
-        raise PayloadError(f"array {index} is not a readable .npy array: {exc}") from None
-    if dtype != np.uint8 or len(shape) != 1:
-        raise PayloadError(
-            f"array {index} is a dense {dtype} array of shape {shape}, not a fedcomp payload: wrap the client "
-            "in fedcomp.client.numpy_client.CompressedNumPyClient"
-        )
-    body = tensor[fp.tell():]
-    if len(body) != shape[0]:
-        raise PayloadError(f"array {index}: .npy header claims {shape[0]} bytes, {len(body)} follow")
-    return bytes(body)
-
-
-def decode_legacy_update(payloads: list[bytes], global_arrays: list[np.ndarray]) -> tuple[list[np.ndarray], dict]:
-    """Rebuild a client's dense weights ``global + decoded delta`` from its payloads.
-
-    One payload per array (selection "tensor") or one for the whole flattened model
-    (selection "model"); told apart by their number and, for a one-array model, by the
-    shape in the payload header. Validation is `fedcomp.strategies.decode_update`'s:
-    each payload may claim at most the elements of its array and must have its shape.
-
-    Parameters
-    ----------
-    payloads : list of bytes
-        From `payloads_from_parameters`.
-    global_arrays : list of np.ndarray
-        The global weights this client was sent.
-
-    Returns
-    -------
-    (weights, info)
-        Dense arrays in the global order, dtypes and shapes; ``info`` as ``decode_update``'s
-        (``upload-bytes``, ``codecs``).
-
-    Raises
-    ------
-    PayloadError
-        Wrong number of payloads, or any payload ``decode_update`` rejects.
-    """
-    keys = [str(i) for i in range(len(global_arrays))]
-    if len(payloads) == len(keys) and not (len(keys) == 1 and _is_flat_model_payload(payloads[0], global_arrays[0])):
-        names = keys
-    elif len(payloads) == 1:
-        names = [MODEL_KEY]
-    else:
-        raise PayloadError(f"expected {len(keys)} payloads (one per array) or 1 (whole model), got {len(payloads)}")
-    record = ArrayRecord(
-        {n: payload_array(p) for n, p in zip(names, payloads)}
-    )
-    weights, info = decode_update(record, dict(zip(keys, global_arrays)))
-    return [weights[k] for k in keys], info
-
-
-def _is_flat_model_payload(payload: bytes, g: np.ndarray) -> bool:
-    """True when a lone payload is the whole-model form ``(g.size,)`` of a multi-dim ``g``."""
-    shape = tuple(parse_header(payload, max_numel=max(g.size, 1)).shape)
-    return shape != tuple(g.shape) and shape == (g.size,)
-
 
 #: Flower's legacy strategies that aggregate by a weighted mean of the results' weights.
 _LEGACY_MEANS = (FedAvg, FedAvgM, FedProx, FedAdam, FedAdagrad, FedYogi)
@@ -273,8 +162,11 @@ class LegacyCompressedStrategy(ForwardsToInner, Strategy):
         self.download: LegacyDownload | None = None if sender is None else LegacyDownload(sender)
         #: The arrays sent in the current round (set by `configure_fit`).
         self.sent_round: LegacySentRound | None = None
-        #: Per-round metrics computed by this wrapper (round -> dict).
+        #: Per-round metrics computed by this wrapper (round -> dict); ``wire-bytes-*`` (`legacy_wire`): every
+        #: instruction and result serialised as Flower's compatibility layer sends it, evaluation included.
         self.history: dict[int, dict[str, float]] = {}
+        self.wire = LegacyWire()
+        self._plain_model: Parameters | None = None
         #: Positions (``"0"``, ``"1"``, ...) holding one tensor, tied in every aggregate (None: found in
         #: the first parameters sent; [] ties none: `fedcomp.statedict.tied.find_tied`).
         self.tied_groups: list[tuple[str, ...]] | None = None
@@ -299,14 +191,18 @@ class LegacyCompressedStrategy(ForwardsToInner, Strategy):
     def configure_evaluate(self, server_round: int, parameters: Parameters,
                            client_manager: ClientManager) -> list[tuple[ClientProxy, EvaluateIns]]:
         """Delegate; each client's model in its download form (`fedcomp.download.legacy`)."""
-        instructions = self.inner.configure_evaluate(server_round, parameters, client_manager)
-        if self.download is None:
-            return instructions
-        return self.download.instructions(server_round, list(instructions), "evaluate")
+        instructions = list(self.inner.configure_evaluate(server_round, parameters, client_manager))
+        out = instructions if self.download is None else self.download.instructions(server_round, instructions,
+                                                                                      "evaluate")
+        self.wire.sent(server_round, "evaluate", out, instructions)
+        return out
 
     def aggregate_evaluate(self, server_round: int, results: list[tuple[ClientProxy, EvaluateRes]],
                            failures: list) -> tuple[float | None, dict[str, Scalar]]:
-        """Note what each client holds (the digest leaves its metrics), then delegate."""
+        """Count the results, note what each client holds (the digest leaves its metrics), then delegate."""
+        self.wire.received(server_round, "evaluate", results, None)
+        if server_round in self.history:
+            self.history[server_round].update(self.wire.count.get(server_round))
         if self.download is not None:
             self._note_copies(server_round, results, failures)
         return self.inner.aggregate_evaluate(server_round, results, failures)
@@ -335,7 +231,11 @@ class LegacyCompressedStrategy(ForwardsToInner, Strategy):
         if self.tied_groups is None:
             arrays = parameters_to_ndarrays(parameters)  # tied parameters sent as two arrays: kept tied
             self.tied_groups = find_tied(FlatModel.from_numpy({str(i): a for i, a in enumerate(arrays)}))
-        return out if self.download is None else self.download.instructions(server_round, out, "train")
+        if self.download is not None:
+            out = self.download.instructions(server_round, out, "train")
+        self.wire.sent(server_round, "train", out, instructions)
+        self._plain_model = instructions[0][1].parameters if instructions else None
+        return out
 
     def aggregate_fit(self, server_round: int, results: list[tuple[ClientProxy, FitRes]],
                       failures: list) -> tuple[Parameters | None, dict[str, Scalar]]:
@@ -345,6 +245,7 @@ class LegacyCompressedStrategy(ForwardsToInner, Strategy):
             raise RuntimeError(f"aggregate_fit for round {server_round} without configure_fit")
         failures = list(failures)
         n_failed = len(failures)
+        self.wire.received(server_round, "train", results, self._plain_model)
         if self.download is not None:
             self._note_copies(server_round, results, failures)
         results, refused = admit(results, lambda r: r[0].cid, set(sent.arrays))
@@ -377,6 +278,7 @@ class LegacyCompressedStrategy(ForwardsToInner, Strategy):
         ours = upload_metrics(stats, codec_bytes, len(good), len(failures) - n_failed, n_failed)
         ours["download-bytes"] = float(sum(self.download.sent_bytes.values()) if self.download is not None else
                                        sum(4 * a.size for arrays in sent.arrays.values() for a in arrays))
+        ours.update(self.wire.count.get(server_round))
         self.history[server_round] = ours
         return parameters, {**dict(metrics or {}), **ours}
 
@@ -390,4 +292,4 @@ class LegacyCompressedStrategy(ForwardsToInner, Strategy):
             resynced.clear()
 
 
-__all__ = ["LegacyCompressedStrategy", "decode_legacy_update", "legacy_weighted_mean", "payloads_from_parameters"]
+__all__ = ["LegacyCompressedStrategy", "legacy_weighted_mean"]

@@ -108,12 +108,17 @@ class WireCount:
 
     def _add(self, server_round: int, phase: str, direction: str, messages: Iterable[Message],
              model: ArrayRecord | None) -> None:
-        r = self._round(server_round)
+        self._round(server_round)
         for msg in messages:
-            n = message_bytes(msg)
-            r[f"wire-bytes-{phase}-{direction}"] += n
-            r[f"wire-bytes-{direction}"] += n
-            r["wire-bytes-fp32"] += self.dense_equivalent(msg, model)
+            self.add(server_round, phase, direction, message_bytes(msg), self.dense_equivalent(msg, model))
+
+    def add(self, server_round: int, phase: str, direction: str, nbytes: int, fp32: int) -> None:
+        """Count one message of ``phase`` (``direction`` "down" or "up"): ``nbytes`` serialised, ``fp32`` its
+        plain-app equivalent (for callers that serialise messages themselves: the legacy API)."""
+        r = self._round(server_round)
+        r[f"wire-bytes-{phase}-{direction}"] += nbytes
+        r[f"wire-bytes-{direction}"] += nbytes
+        r["wire-bytes-fp32"] += fp32
         both = r["wire-bytes-down"] + r["wire-bytes-up"]
         r["wire-ratio"] = r["wire-bytes-fp32"] / both if both else 0.0
 

@@ -20,7 +20,8 @@ from flwr.server.strategy import FedAvg
 import fedcomp.compression as fc
 from fedcomp.client import CompositionError
 from fedcomp.client.numpy_client import LEGACY_RESIDUAL_STATE_KEY, CompressedNumPyClient
-from fedcomp.strategies.legacy_strategy import LegacyCompressedStrategy, decode_legacy_update, payloads_from_parameters
+from fedcomp.strategies.legacy_decode import decode_legacy_update, payloads_from_parameters
+from fedcomp.strategies.legacy_strategy import LegacyCompressedStrategy
 
 from .legacy_helpers import LinRegClient, N, fit_all, init_weights, make_inner, manager
 
