@@ -26,7 +26,7 @@ from fedcomp.download.receiver import rebuild, report_copy
 from fedcomp.client.request import TrainRequest, only_record
 from fedcomp.client.secure_path import encoded_by_secure_mod
 from fedcomp.client.state import keep_residuals, residuals_of, state_files
-from fedcomp.client.update import CompositionError, compress_update
+from fedcomp.client.update import CompositionError, compress_update, in_position_order
 from fedcomp.protocol.device import clientapp_seconds, memory_report
 from fedcomp.protocol.messages import (
     DEFAULT_DOWNLINK_MBPS,
@@ -292,8 +292,8 @@ def _write_reply(reply: Message, arr_key: str, payloads: dict[str, bytes], stats
     """Replace the reply's weights by the payloads; add ``stats`` to its (one) MetricRecord, or for a legacy
     result to its metrics (``fitres.metrics``, scalars only: the only metrics Flower's compat layer keeps)."""
     if LEGACY_FIT_METRICS in reply.content.config_records:  # as Flower's compat layer carries raw tensors
-        reply.content[arr_key] = ArrayRecord({k: Array(dtype="", shape=(), stype=PAYLOAD_STYPE, data=p)
-                                              for k, p in payloads.items()})
+        reply.content[arr_key] = ArrayRecord({k: Array(dtype="", shape=(), stype=PAYLOAD_STYPE, data=payloads[k])
+                                              for k in in_position_order(payloads)})
         reply.content.config_records[LEGACY_FIT_METRICS].update(
             {k: v for k, v in stats.items() if isinstance(v, (bool, int, float, str, bytes))})
         return

@@ -18,7 +18,7 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, RecordDict
 from flwr.client import NumPyClient
 
-from fedcomp.client.update import CompositionError, compress_update
+from fedcomp.client.update import CompositionError, compress_update, in_position_order
 from fedcomp.config import CODEC_DEFAULTS, CodecConfig
 from fedcomp.config.codec import check_codec_kwargs
 from fedcomp.download.legacy import LAYOUT_KEY, copy_digest_metric, rebuild_legacy
@@ -179,7 +179,7 @@ class CompressedNumPyClient(NumPyClient):
         payloads, new_res, stats = compress_update(received, trained, codec, self._load_residuals(), self._next_seed())
         self._store_residuals(new_res if codec.error_feedback else {})
         self.last_stats = stats
-        out = [np.frombuffer(p, dtype=np.uint8).copy() for p in payloads.values()]
+        out = [np.frombuffer(payloads[k], dtype=np.uint8).copy() for k in in_position_order(payloads)]
         # legacy metrics are scalars only (Flower's compat layer rejects lists, e.g. per-layer stats)
         scalars = {k: v for k, v in stats.items() if isinstance(v, (bool, int, float, str, bytes))}
         return out, num_examples, {**dict(metrics or {}), **scalars, **digest}

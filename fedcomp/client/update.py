@@ -139,6 +139,14 @@ def chunked_sq_norm(a: np.ndarray, chunk: int = 1 << 20) -> float:
     return sum(float(torch.linalg.vector_norm(flat[i:i + chunk].to(wide))) ** 2 for i in range(0, flat.numel(), chunk))
 
 
+def in_position_order(keys) -> list[str]:
+    """Payload keys of a legacy result in the order its arrays travel: the whole-model payload first, then
+    each tensor's by its position (``"0"``, ``"1"``, ...), which is how the server reads them back
+    (`fedcomp.strategies.legacy_decode.decode_legacy_update`): `compress_update` returns the float
+    tensors' payloads before the integer and bool tensors'."""
+    return sorted(keys, key=lambda k: (k.isdigit(), int(k) if k.isdigit() else 0))
+
+
 def compress_update(
     received: dict[str, np.ndarray], trained: dict[str, np.ndarray], codec: CodecConfig,
     residuals: dict[str, np.ndarray], seed: int | None = None, local_dp: LocalDP | None = None,

@@ -26,11 +26,13 @@ from collections.abc import Mapping
 import numpy as np
 from flwr.app import Array, ArrayRecord, Message, RecordDict
 from flwr.common import EvaluateIns, FitIns, Parameters, ndarrays_to_parameters, parameters_to_ndarrays
+from numpy.lib import format as npy_format
 
 from fedcomp.compression import PayloadError
 from fedcomp.compression.wire import DEFAULT_MAX_NUMEL
 from fedcomp.download.receiver import held_copy_digest, rebuild_model
 from fedcomp.download.sender import Downstream
+from fedcomp.protocol.messages import MODEL_META_KEY, MODEL_STATE_KEY
 
 #: Config key of the download's layout: a JSON list of ``[key, stype, dtype, shape]``, one per array.
 LAYOUT_KEY = "fedcomp-download-layout"
@@ -69,7 +71,7 @@ def record_from_legacy(arrays: list, layout: object) -> ArrayRecord:
                            "characters")
     try:
         entries = json.loads(layout)
-    except ValueError as err:
+    except (ValueError, RecursionError) as err:  # RecursionError: arrays nested thousands deep
         raise PayloadError(f"download layout is not JSON: {err}") from None
     if not isinstance(entries, list) or len(entries) != len(arrays):
         raise PayloadError(f"download layout must list one entry per array ({len(arrays)} arrays)")
@@ -95,6 +97,34 @@ def _uint8_bytes(arr: object, key: str) -> bytes:
     return arr.tobytes()
 
 
+def uint8_npy_body(tensor: bytes, index: int) -> bytes:
+    """The bytes of a ``.npy``-serialized 1-D ``uint8`` array, checked against its header.
+
+    Reads only the ``.npy`` header (``numpy.lib.format``: a literal dict, never pickle) and
+    requires ``dtype == uint8``, one dimension and exactly that many bytes after it, so a
+    header claiming a huge array allocates nothing.
+    """
+    fp = io.BytesIO(tensor)
+    try:
+        version = npy_format.read_magic(fp)
+        if version == (1, 0):
+            shape, _, dtype = npy_format.read_array_header_1_0(fp)
+        elif version == (2, 0):
+            shape, _, dtype = npy_format.read_array_header_2_0(fp)
+        else:
+            raise ValueError(f"unsupported .npy version {version}")
+    except ValueError as exc:
+        raise PayloadError(f"array {index} is not a readable .npy array: {exc}") from None
+    if dtype != np.uint8 or len(shape) != 1:
+        raise PayloadError(f"array {index} is a dense {dtype} array of shape {shape}, not fedcomp's bytes (1-D "
+                           "uint8): wrap the client in fedcomp.client.numpy_client.CompressedNumPyClient (or run "
+                           "compression_mod on the node)")
+    body = tensor[fp.tell():]
+    if len(body) != shape[0]:
+        raise PayloadError(f"array {index}: .npy header claims {shape[0]} bytes, {len(body)} follow")
+    return bytes(body)
+
+
 def rebuild_legacy(state: RecordDict, arrays: list[np.ndarray], config: Mapping) -> list[np.ndarray] | None:
     """The model a legacy download describes, rebuilt from the copy kept in ``state`` (which it replaces),
     as the arrays in order; None when ``config`` carries no download layout (dense weights: ``arrays``).
@@ -106,8 +136,14 @@ def rebuild_legacy(state: RecordDict, arrays: list[np.ndarray], config: Mapping)
     """
     if LAYOUT_KEY not in config:
         return None
+    held = {k: state[k] for k in (MODEL_STATE_KEY, MODEL_META_KEY) if k in state}
     rec, _ = rebuild_model(state, record_from_legacy(list(arrays), config[LAYOUT_KEY]), config)
     if list(rec.keys()) != [str(i) for i in range(len(rec))]:
+        for k in (MODEL_STATE_KEY, MODEL_META_KEY):  # the held copy stays what it was
+            if k in held:
+                state[k] = held[k]
+            elif k in state:
+                del state[k]
         raise PayloadError("a legacy download must name its tensors by position ('0', '1', ...)")
     return [a.numpy() for a in rec.values()]
 
@@ -120,7 +156,8 @@ def expand_legacy_message(msg: Message) -> str | None:
     Raises
     ------
     PayloadError
-        An array that is not a readable ``.npy`` (pickle never allowed), or as `record_from_legacy`.
+        An array that is not a 1-D ``uint8`` ``.npy`` (`uint8_npy_body`: its header read, never pickle, no
+        allocation from a claimed size), or as `record_from_legacy`.
     """
     content = msg.content
     cfg_key = next((k for k, c in content.config_records.items() if LAYOUT_KEY in c), None)
@@ -128,10 +165,7 @@ def expand_legacy_message(msg: Message) -> str | None:
         return None
     arr_key, rec = next(iter(content.array_records.items()))
     blobs = [bytes(a.data) for k, a in rec.items() if not (k == FLOWER_EMPTY and not a.data)]
-    try:
-        arrays = [np.load(io.BytesIO(blob), allow_pickle=False) for blob in blobs]
-    except (ValueError, OSError, EOFError) as err:
-        raise PayloadError(f"legacy download: an array is not a readable .npy ({err})") from None
+    arrays = [uint8_npy_body(blob, i) for i, blob in enumerate(blobs)]  # the header only: never pickle
     content[arr_key] = record_from_legacy(arrays, content[cfg_key][LAYOUT_KEY])
     del content[cfg_key][LAYOUT_KEY]
     return arr_key
@@ -193,9 +227,11 @@ class LegacyDownload:
             out.append((proxy, kind(params, {**cfg, LAYOUT_KEY: layout})))
         return out
 
-    def note(self, results: list, failures: list) -> None:
+    def note(self, results: list, failures: list) -> set[str]:
         """Each client that answered holds what it was sent if the digest it reports says so; one that
-        failed, or reports none, is forgotten (a first contact next time). The digest leaves the metrics."""
+        failed, or reports none, is forgotten (a first contact next time). The digest leaves the metrics.
+        Returns the clients (``cid``) sent a download whose result reports no digest: a client without
+        fedcomp, which read the download's bytes as its model (their results must not count)."""
         digests = {}
         for proxy, res in results:
             metrics = res.metrics if res.metrics is not None else {}
@@ -207,7 +243,8 @@ class LegacyDownload:
         for node, digest in digests.items():
             if node in self.sent_bytes:
                 self.downstream.received(node, digest)
+        return {proxy.cid for proxy, _ in results if proxy.cid in self.sent_bytes and not digests[proxy.cid]}
 
 
 __all__ = ["DIGEST_KEY", "LAYOUT_KEY", "LegacyDownload", "copy_digest_metric", "expand_legacy_message",
-           "positional_record", "rebuild_legacy", "record_from_legacy", "record_to_legacy"]
+           "positional_record", "rebuild_legacy", "record_from_legacy", "record_to_legacy", "uint8_npy_body"]

@@ -54,11 +54,15 @@ from fedcomp.statedict import FlatModel, is_float_dtype, numpy_dict
 from fedcomp.statedict.arrays import numpy_view
 
 
+#: Largest model version or seed a download may name: Flower's records hold int64.
+MAX_VERSION = 2**63 - 1
+
+
 def _version_keys(cfg) -> None:
     for key in (MODEL_VERSION, BASE_VERSION, INIT_SEED):
         v = cfg.get(key, 0)
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise CompositionError(f"train config '{key}' must be an integer >= 0, got {v!r}")
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_VERSION:
+            raise CompositionError(f"train config '{key}' must be an integer in [0, 2**63 - 1], got {v!r}")
 
 
 def check_version(cfg, context: Context) -> None:

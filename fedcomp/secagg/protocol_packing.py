@@ -26,7 +26,8 @@ The server announces that it unpacks with `PACK_KEY` in its setup request (Flowe
 its own keys); a node packs its replies only then. A packed value is told apart by its first byte (a PEM
 key starts with ``-``, a compressed point with 0x02 or 0x03; a base64 token with ``g``, a raw one with
 0x80, Fernet's version byte). Packing keeps a value as it is unless unpacking gives back the very same
-bytes, so ``unpack(pack(x)) == x`` for every ``x``.
+bytes, so ``unpack(pack(x)) == x`` for every key and token Flower sends (a value of another kind that
+starts with 0x80 is not one a packing node sends).
 """
 
 from __future__ import annotations

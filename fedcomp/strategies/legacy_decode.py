@@ -5,14 +5,12 @@ from them (`decode_legacy_update`: `fedcomp.strategies.decode.decode_update`'s c
 
 from __future__ import annotations
 
-import io
-
 import numpy as np
 from flwr.app import ArrayRecord
 from flwr.common import Parameters
-from numpy.lib import format as npy_format
 
 from fedcomp.compression import PayloadError, parse_header
+from fedcomp.download.legacy import uint8_npy_body
 from fedcomp.protocol.messages import MODEL_KEY, PAYLOAD_STYPE, payload_array
 from fedcomp.strategies.decode import decode_update
 
@@ -46,36 +44,7 @@ def payloads_from_parameters(parameters: Parameters) -> list[bytes]:
         return [bytes(t) for t in parameters.tensors]
     if parameters.tensor_type != NUMPY_TENSOR_TYPE:
         raise PayloadError(f"unsupported tensor type {parameters.tensor_type!r} in the fit result")
-    return [_uint8_npy_body(t, i) for i, t in enumerate(parameters.tensors)]
-
-
-def _uint8_npy_body(tensor: bytes, index: int) -> bytes:
-    """The bytes of a ``.npy``-serialized 1-D ``uint8`` array, checked against its header.
-
-    Reads only the ``.npy`` header (``numpy.lib.format``: a literal dict, never pickle) and
-    requires ``dtype == uint8``, one dimension and exactly that many bytes after it, so a
-    header claiming a huge array allocates nothing.
-    """
-    fp = io.BytesIO(tensor)
-    try:
-        version = npy_format.read_magic(fp)
-        if version == (1, 0):
-            shape, _, dtype = npy_format.read_array_header_1_0(fp)
-        elif version == (2, 0):
-            shape, _, dtype = npy_format.read_array_header_2_0(fp)
-        else:
-            raise ValueError(f"unsupported .npy version {version}")
-    except ValueError as exc:
-        raise PayloadError(f"array {index} is not a readable .npy array: {exc}") from None
-    if dtype != np.uint8 or len(shape) != 1:
-        raise PayloadError(
-            f"array {index} is a dense {dtype} array of shape {shape}, not a fedcomp payload: wrap the client "
-            "in fedcomp.client.numpy_client.CompressedNumPyClient"
-        )
-    body = tensor[fp.tell():]
-    if len(body) != shape[0]:
-        raise PayloadError(f"array {index}: .npy header claims {shape[0]} bytes, {len(body)} follow")
-    return bytes(body)
+    return [uint8_npy_body(t, i) for i, t in enumerate(parameters.tensors)]
 
 
 def decode_legacy_update(payloads: list[bytes], global_arrays: list[np.ndarray]) -> tuple[list[np.ndarray], dict]:

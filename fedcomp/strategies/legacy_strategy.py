@@ -45,6 +45,9 @@ from fedcomp.strategies.legacy_wire import LegacyWire
 from fedcomp.strategies.presets import library_downstream
 from fedcomp.strategies.round_metrics import client_stats, upload_metrics
 
+#: What a client that reports no model copy most likely lacks.
+NO_COPY_HINT = ("wrap it in fedcomp.client.numpy_client.CompressedNumPyClient or run compression_mod on it, or "
+                "pass downstream='none' to send the model dense")
 #: Flower's legacy strategies that aggregate by a weighted mean of the results' weights.
 _LEGACY_MEANS = (FedAvg, FedAvgM, FedProx, FedAdam, FedAdagrad, FedYogi)
 
@@ -204,7 +207,7 @@ class LegacyCompressedStrategy(ForwardsToInner, Strategy):
         if server_round in self.history:
             self.history[server_round].update(self.wire.count.get(server_round))
         if self.download is not None:
-            self._note_copies(server_round, results, failures)
+            results, failures = self._note_copies(server_round, results, failures)
         return self.inner.aggregate_evaluate(server_round, results, failures)
 
     def evaluate(self, server_round: int, parameters: Parameters) -> tuple[float, dict[str, Scalar]] | None:
@@ -247,7 +250,7 @@ class LegacyCompressedStrategy(ForwardsToInner, Strategy):
         n_failed = len(failures)
         self.wire.received(server_round, "train", results, self._plain_model)
         if self.download is not None:
-            self._note_copies(server_round, results, failures)
+            results, failures = self._note_copies(server_round, results, failures)
         results, refused = admit(results, lambda r: r[0].cid, set(sent.arrays))
         for (proxy, res), why in refused:
             log(WARNING, "round %s: rejected fit result from client %s: %s", server_round, proxy.cid, why)
@@ -282,14 +285,21 @@ class LegacyCompressedStrategy(ForwardsToInner, Strategy):
         self.history[server_round] = ours
         return parameters, {**dict(metrics or {}), **ours}
 
-    def _note_copies(self, server_round: int, results: list, failures: list) -> None:
-        """The download's record of what each client holds (`LegacyDownload.note`), resyncs logged."""
-        self.download.note(results, failures)
+    def _note_copies(self, server_round: int, results: list, failures: list) -> tuple[list, list]:
+        """The download's record of what each client holds (`LegacyDownload.note`), resyncs logged; the
+        results of clients that report no copy move to ``failures`` (a client without fedcomp read the
+        download's bytes as its model). Returns (results, failures)."""
+        unread = self.download.note(results, failures)
         resynced = self.download.downstream.resynced
         if resynced:
             log(WARNING, "round %s: the model copy of client(s) %s differs from the server's record of it; they get "
                 "a first contact next time", server_round, sorted(resynced))
             resynced.clear()
+        if unread:
+            log(WARNING, "round %s: client(s) %s were sent the compressed model and report no copy of it (no "
+                "fedcomp on the node? its result is left out): %s", server_round, sorted(unread), NO_COPY_HINT)
+        return ([r for r in results if r[0].cid not in unread],
+                list(failures) + [r for r in results if r[0].cid in unread])
 
 
 __all__ = ["LegacyCompressedStrategy", "legacy_weighted_mean"]

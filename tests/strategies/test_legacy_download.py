@@ -4,17 +4,19 @@ from the client's copy and report its digest; bad layouts are refused."""
 
 from __future__ import annotations
 
+import io
 import logging
 import threading
 
 import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, Context, RecordDict
-from flwr.common import ndarrays_to_parameters, parameters_to_ndarrays
+from flwr.client import NumPyClient
+from flwr.common import FitIns, Parameters, ndarrays_to_parameters, parameters_to_ndarrays
 from flwr.server.strategy import FedAvg, FedMedian
 
-from fedcomp.compression import PayloadError
 from fedcomp.client.numpy_client import CompressedNumPyClient
+from fedcomp.compression import PayloadError
 from fedcomp.download.legacy import (
     DIGEST_KEY,
     LAYOUT_KEY,
@@ -190,3 +192,88 @@ def _weighing(grid):
 
     grid.send_and_receive = weighing
     return grid
+
+
+# -- found by an attack round on the legacy download ------------------------------------------------
+
+class _MixedClient(NumPyClient):
+    """A model with an integer tensor between float tensors and an empty one: fit adds 0.01 / 1."""
+
+    def fit(self, parameters, config):
+        return [p + (1 if p.dtype.kind == "i" else 0.01) for p in parameters], 10, {}
+
+    def evaluate(self, parameters, config):
+        return float(sum(float(np.abs(p).sum()) for p in parameters)), 10, {}
+
+
+def _mixed_model():
+    return [np.ones(3, np.float32), np.arange(5, dtype=np.int32), np.zeros((0, 3), np.float32),
+            np.full(6, 2.0, np.float32)]
+
+
+@pytest.mark.parametrize("downstream", ["none", "auto"])
+def test_integer_and_empty_tensors_between_float_ones_travel_in_position_order(downstream):
+    """The payloads of a result travel in the arrays' order (the float tensors' were first), so every
+    result of an honest client is accepted whatever its tensors' order."""
+    inner = FedAvg(fraction_fit=1.0, fraction_evaluate=0.0, min_fit_clients=N, min_available_clients=N,
+                   initial_parameters=ndarrays_to_parameters(_mixed_model()))
+    s = LegacyCompressedStrategy(inner, compressor="sign", downstream=downstream)
+    cm = manager([CompressedNumPyClient(_MixedClient(), state=RecordDict()) for _ in range(N)])
+    params = s.initialize_parameters(cm)
+    for rnd in (1, 2):
+        results = [(p, p.fit(ins, None, rnd)) for p, ins in s.configure_fit(rnd, params, cm)]
+        params, metrics = s.aggregate_fit(rnd, results, [])
+        assert metrics["num-replies"] == N and metrics["rejected-replies"] == 0
+    out = parameters_to_ndarrays(params)  # (the integer tensor's values are Flower's legacy FedAvg's to average)
+    assert out[1].dtype == np.int32 and out[2].shape == (0, 3) and np.allclose(out[3], 2.02)
+
+
+def test_a_client_without_fedcomp_does_not_count_in_federated_evaluation(caplog):
+    """It reads the compressed download's bytes as its model: its evaluate result is left out, named."""
+    class Plain(NumPyClient):
+        def evaluate(self, parameters, config):
+            return 1e9, 10, {}
+
+    s = LegacyCompressedStrategy(_inner(), compressor="sign")
+    clients = [CompressedNumPyClient(LinRegClient(0)), Plain(), CompressedNumPyClient(LinRegClient(2))]
+    cm = manager(clients)
+    params = s.initialize_parameters(cm)
+    evals = [(p, p.evaluate(ins, None, 1)) for p, ins in s.configure_evaluate(1, params, cm)]
+    with caplog.at_level(logging.WARNING):
+        loss, _ = s.aggregate_evaluate(1, evals, [])
+    assert loss < 1e3 and "report no copy" in caplog.text and "'1'" in caplog.text
+
+
+def test_a_refused_rebuild_keeps_the_held_copy():
+    state = RecordDict()
+    s = LegacyCompressedStrategy(_inner(evaluate=False), compressor="sign")
+    cm = manager([CompressedNumPyClient(LinRegClient(i)) for i in range(N)])
+    (_, ins), *_ = s.configure_fit(1, s.initialize_parameters(cm), cm)
+    rebuild_legacy(state, parameters_to_ndarrays(ins.parameters), ins.config)
+    before = {k: dict(state[k]) for k in state.keys()}
+    named = ArrayRecord({"a": Array(np.ones(2, np.float32)), "b": Array(np.ones(1, np.float32))})
+    arrays, layout = record_to_legacy(named)
+    with pytest.raises(PayloadError, match="by position"):
+        rebuild_legacy(state, arrays, {LAYOUT_KEY: layout, "fedcomp-model-version": 9})
+    assert {k: dict(state[k]) for k in state.keys()} == before  # the copy and its version as they were
+
+
+def test_hostile_legacy_downloads_get_a_clear_error():
+    from flwr.compat.common import recorddict_compat as compat
+
+    from fedcomp.download.legacy import expand_legacy_message
+
+    from ..messages import make_msg
+
+    huge = np.lib.format.header_data_from_array_1_0(np.zeros(1, np.uint8))
+    huge["shape"] = (10**13,)  # a header that claims 10 TB, and no body
+    buf = io.BytesIO()
+    np.lib.format.write_array_header_1_0(buf, huge)
+    fitins = compat.fitins_to_recorddict(FitIns(Parameters([buf.getvalue()], "numpy.ndarray"),
+                                                {LAYOUT_KEY: '[["0","s","uint8",[1]]]'}), keep_input=True)
+    with pytest.raises(PayloadError, match="bytes follow|claims"):
+        expand_legacy_message(make_msg(fitins))
+    with pytest.raises(PayloadError, match="not JSON"):
+        record_from_legacy([], "[" * 100_000 + "]" * 100_000)
+    with pytest.raises(Exception, match=r"2\*\*63 - 1"):
+        rebuild_legacy(RecordDict(), [], {LAYOUT_KEY: "[]", "fedcomp-model-version": 2**80})
