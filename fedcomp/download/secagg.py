@@ -93,8 +93,10 @@ class SecAggDownload:
         rec = self.downstream.start_model(ArrayRecord({n: Array(a) for n, a in zip(names, arrays)}))
         return ndarrays_to_parameters([rec[n].numpy() for n in names])
 
-    def on_send(self, server_round: int, messages: list[Message]) -> ArrayRecord | None:
-        """Rewrite the model of the train messages among ``messages`` (those with ``fitins.parameters``);
+    def on_send(self, server_round: int, messages: list[Message], dense_nodes: set[int] = frozenset()
+                ) -> ArrayRecord | None:
+        """Rewrite the model of the train messages among ``messages`` (those with ``fitins.parameters``),
+        except those to ``dense_nodes`` (nodes that do not run fedcomp, which get the model as it is);
         returns their dense model record as it was (None: no train message).
 
         Raises
@@ -111,6 +113,9 @@ class SecAggDownload:
             raise ValueError("the compressed download sends one global model a round, but the strategy's train "
                              "messages carry different models")
         target = named_model(dense, self._names(len(blobs)))
+        fits = [m for m in fits if m.metadata.dst_node_id not in dense_nodes]
+        if not fits:
+            return dense
         self.downstream.prepare(server_round, target, fits, records=(FIT_ARRAYS, FIT_CONFIG))
         self.sent_bytes = dict(self.downstream.sent_bytes)
         self._pending = {m.metadata.dst_node_id for m in fits}

@@ -120,3 +120,16 @@ def test_the_download_refuses_a_correction():
     with pytest.raises(ValueError, match="masked sum"):
         SecAggDownload(sender)
 
+
+
+def test_nodes_on_flowers_own_mod_get_the_model_dense():
+    """A node that answered the setup without packing runs Flower's secaggplus_mod, not fedcomp: it could not
+    read the compressed download, so it gets the model as it is; the others ride the download."""
+    from flwr.client.mod import secaggplus_mod
+
+    from fedcomp.secagg import shared_randomk_mod
+
+    download = _download("int8")
+    _, strategy, _, _ = run_rounds(2, N, 1.0, download=download, mods=(secaggplus_mod, shared_randomk_mod))
+    assert [strategy.history[r]["num-replies"] for r in (1, 2)] == [N, N]
+    assert download.sent_bytes == {}  # nobody was sent the compressed form

@@ -73,8 +73,11 @@ def test_rounds_with_the_compressed_download_train_as_with_the_dense_one(compres
     dense = _rounds(dense_s, [CompressedNumPyClient(LinRegClient(i), state=RecordDict()) for i in range(N)], 8)
     loss = [np.mean([c.client._loss(*m) for c in clients]) for m in (init_weights(), compressed[-1], dense[-1])]
     assert loss[1] < 0.5 * loss[0] and loss[1] < 1.5 * loss[2]
-    for rnd in range(2, 9):
-        assert s.history[rnd]["download-bytes"] < 0.3 * dense_s.history[rnd]["download-bytes"]
+    # every instruction both phases, as serialised (the step of a round rides its evaluate instruction; the
+    # next train instruction, for the same global model, carries none)
+    down = sum(h["wire-bytes-down"] for h in s.history.values())
+    # (an 18-parameter model: the config, the codec keys and the layout are most of each message)
+    assert down < 0.8 * sum(h["wire-bytes-down"] for h in dense_s.history.values())
     assert all(s.download.downstream.nodes.held(str(i)) is not None for i in range(N))
 
 
