@@ -362,6 +362,11 @@ README_FIGURES: list[tuple[str, tuple[str, ...]]] = [
     ("the same app ends {} points below plain FedAvg with `sign` and {} with the default codec",
      (_wire("existing app, 1 local epoch: sign", "accuracy-vs-fp32", "p", sign="-"),
       _wire("existing app, 1 local epoch: default codec", "accuracy-vs-fp32", "p", sign="-"))),
+    ("the legacy two lines save {} with `sign` and {} with the default codec; under `secagg = true` the run saves {} "
+     "both ways, {} points below fp32",
+     (_wire("legacy API + two lines, sign", "ratio", "x"), _wire("legacy API + two lines, default codec", "ratio", "x"),
+      _wire("secagg = true (int8 download)", "ratio", "x"),
+      _wire("secagg = true (int8 download)", "accuracy-vs-fp32", "p", sign="-"))),
     ("int8 {}, sign + error feedback {},", (_upload("int8"), _upload("sign+EF"))),
     ("STC 0.01 {}, all within about a point of fp32", (_upload("stc 0.01+EF"),)),
 ]
