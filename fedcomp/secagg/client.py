@@ -40,7 +40,7 @@ from fedcomp.protocol.messages import (
 from fedcomp.download.secagg import receive_fit_model, report_copy
 from fedcomp.secagg.encoding import SharedProjection, add_noise_share, flower_weight, prequantize, weight_floor
 from fedcomp.secagg.guard import check_request
-from fedcomp.secagg.protocol_packing import PACK_KEY, pack_masked, pack_record, unpack_record
+from fedcomp.secagg.protocol_packing import PACK_KEY, compact_private_key, pack_masked, pack_record, unpack_record
 
 #: ``context.state`` record: whether this round's setup request asked for packed keys and tokens.
 PACKING_STATE_KEY = "fedcomp.secagg-packing"
@@ -303,8 +303,9 @@ def packing_secaggplus_mod(msg: Message, ctxt: Context, call_next) -> Message:
     unpacked by `fedcomp.secagg.CompressedSecAggPlusWorkflow`). Every protocol step, mask
     and share is Flower's; this only re-encodes the masked integers of the reply and, where the
     setup request asks for it (`fedcomp.secagg.protocol_packing.PACK_KEY`), the public keys and
-    encrypted shares both ways (`fedcomp.secagg.protocol_packing`). Adds the
-    reply's metric ``upload-bytes`` (bytes of the masked vectors as sent).
+    encrypted shares both ways (`fedcomp.secagg.protocol_packing`); after the setup stage the private
+    key this node shares with its neighbours is kept in its shortest PEM form (`compact_private_key`: the
+    same key, shorter shares; any server reads it). Adds the reply's metric ``upload-bytes`` (bytes of the masked vectors as sent).
 
     Before Flower's mod sees a request, `fedcomp.secagg.guard.check_request` refuses a setup
     whose threshold is at most half the shares and an unmask request that asks for both shares of
@@ -324,6 +325,9 @@ def packing_secaggplus_mod(msg: Message, ctxt: Context, call_next) -> Message:
     reply = secaggplus_mod(msg, ctxt, call_next)
     if reply.has_error() or not _is_train(msg):
         return reply
+    if stage == Stage.SETUP:  # the key this node shares with its neighbours, in its shortest form
+        state = ctxt.state.config_records[RECORD_KEY_STATE]
+        state["sk1"] = compact_private_key(state["sk1"])
     rec = reply.content.config_records.get(RECORD_KEY_CONFIGS)
     if rec is not None and packing:
         pack_record(stage, rec)

@@ -13,6 +13,7 @@ from flwr.supercore.primitives.asymmetric import generate_key_pairs, public_key_
 from fedcomp.compression import PayloadError
 from fedcomp.secagg.protocol_packing import (
     POINT_BYTES,
+    compact_private_key,
     pack_public_key,
     pack_record,
     pack_token,
@@ -111,3 +112,56 @@ def test_a_node_whose_packed_key_is_not_a_point_is_dropped_from_the_round():
 
     new, strategy, workflow, _ = run_round(4, 0.25, grid_cls=BadKey)
     assert strategy.history[1]["num-replies"] == 3 and np.isfinite(new["w"]).all()
+
+
+def test_the_shared_private_key_is_kept_in_its_shortest_pem_and_is_the_same_key():
+    """150 bytes for Flower's 306 (PKCS#8 with the public key); Flower's Shamir shares of it combine, and
+    Flower's loader reads it, to the same key and the same pairwise secret."""
+    from flwr.common.secure_aggregation.crypto.shamir import combine_shares, create_shares
+    from flwr.supercore.primitives.asymmetric import bytes_to_private_key, private_key_to_bytes
+
+    for _ in range(20):
+        sk1, _pk1 = generate_key_pairs()
+        _, pk2 = generate_key_pairs()
+        pem = private_key_to_bytes(sk1)
+        short = compact_private_key(pem)
+        assert len(pem) == 306 and len(short) == 150 and short.startswith(b"-----BEGIN EC PRIVATE KEY-----")
+        shares = create_shares(short, 3, 5)
+        assert all(len(s) == 4 + 160 for s in shares)  # 150 bytes padded to 10 blocks of 16: 20 blocks before
+        again = bytes_to_private_key(combine_shares(shares[1:4]))
+        assert again.private_numbers() == sk1.private_numbers()
+        assert generate_shared_key(again, pk2) == generate_shared_key(sk1, pk2)
+    assert compact_private_key(short) == short
+
+
+def test_other_private_keys_and_bytes_are_left_as_they_are():
+    other = ec.generate_private_key(ec.SECP256R1()).private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    for v in (b"", b"not a key", b"-----BEGIN EC PRIVATE KEY-----\nAAAA\n-----END EC PRIVATE KEY-----\n", other):
+        assert compact_private_key(v) == v
+
+
+def test_nodes_share_the_short_key_and_a_dropped_nodes_key_is_rebuilt_from_it():
+    """In a round the nodes hold the short key (each encrypted share about 300 bytes, not 460), and a
+    node that drops after sharing it is unmasked from its shares: the survivors' sum is applied."""
+    from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_STATE
+
+    from .helpers import RecordingGrid
+
+    tokens = []
+
+    class Tokens(RecordingGrid):
+        def send_and_receive(self, messages, *, timeout=None):
+            from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
+
+            out = list(super().send_and_receive(messages, timeout=timeout))
+            for r in out:
+                rec = r.content.config_records.get(RECORD_KEY_CONFIGS, {}) if not r.has_error() else {}
+                tokens.extend(rec.get(Key.CIPHERTEXT_LIST, []))
+            return out
+
+    new, strategy, _, grid = run_round(5, 0.25, drop=[2], grid_cls=Tokens)
+    assert tokens and max(len(t) for t in tokens) <= 310
+    held = [c.state.config_records[RECORD_KEY_STATE]["sk1"] for c in grid.contexts.values()]
+    assert all(len(k) == 150 for k in held)
+    assert strategy.history[1]["num-replies"] == 4 and np.isfinite(new["w"]).all()
