@@ -223,11 +223,8 @@ CASES = {
     "legacy API + two lines, default codec": ("legacy", None, {}, {}),
     # SecAgg+ runs no federated evaluation: its fp32 counterpart is the reference app without it
     "secure: fp32 both ways, no federated evaluation": ("reference", None, "none", {"fraction-evaluate": 0.0}),
-    "secagg = true (int8 download)": ("reference", SECURE_FP32, None, {"secagg": True}),
+    "secagg = true (default download)": ("reference", SECURE_FP32, None, {"secagg": True}),
     "secagg = true, dense download": ("reference", SECURE_FP32, None, {"secagg": True, "downstream": "none"}),
-    "secagg = true, sign download": ("reference", SECURE_FP32, None, {"secagg": True, "downstream": "sign"}),
-    "secagg = true, STC 5 % download": ("reference", SECURE_FP32, None,
-                                        {"secagg": True, "downstream": "stc", "downstream-density": 0.05}),
 }
 #: The fp32 case of each federation, for the cases that name none.
 FP32 = {"reference": "reference: fp32 both ways", "existing": "existing app: plain FedAvg",
@@ -291,7 +288,7 @@ def table(rows: list[dict], seeds: list[int]) -> dict:
 
 #: The cases run on every seed (the two lines, the same at one local epoch, SecAgg+); the others on the first seed.
 MAIN_CASES = list(CASES)[:5] + [c for c in CASES if c.startswith(("existing app, 1 local epoch", "legacy API"))] + [
-    SECURE_FP32, "secagg = true (int8 download)", "secagg = true, dense download", "secagg = true, sign download"]
+    SECURE_FP32, "secagg = true (default download)", "secagg = true, dense download"]
 
 
 def main() -> None:

@@ -261,7 +261,7 @@ def test_clientapp_process_benchmark_quick_runs(tmp_path):
 def test_wire_benchmark_quick_counts_as_an_outside_grid_does(tmp_path):
     res = run_benchmark(tmp_path, "wire.py", "--quick", timeout=900)
     rows = {r["case"]: r for r in res["medians"]}
-    assert len(rows) == 21 and len(res["table"]["rows"]) == 21
+    assert len(rows) == 19 and len(res["table"]["rows"]) == 19
     counted = [r for r in rows.values() if r["reported-over-counted"] is not None]  # runs with fedcomp's own count
-    assert len(counted) == 17 and all(r["reported-over-counted"] == pytest.approx(1.0, abs=1e-9) for r in counted)
+    assert len(counted) == 15 and all(r["reported-over-counted"] == pytest.approx(1.0, abs=1e-9) for r in counted)
     assert rows["reference: defaults"]["ratio"] > 50 and rows["existing app + two lines, sign"]["ratio"] > 25

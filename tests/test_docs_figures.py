@@ -363,10 +363,10 @@ README_FIGURES: list[tuple[str, tuple[str, ...]]] = [
      (_wire("existing app, 1 local epoch: sign", "accuracy-vs-fp32", "p", sign="-"),
       _wire("existing app, 1 local epoch: default codec", "accuracy-vs-fp32", "p", sign="-"))),
     ("the legacy two lines save {} with `sign` and {} with the default codec; under `secagg = true` the run saves {} "
-     "both ways, {} points below fp32",
+     "both ways, {} points against fp32",
      (_wire("legacy API + two lines, sign", "ratio", "x"), _wire("legacy API + two lines, default codec", "ratio", "x"),
-      _wire("secagg = true (int8 download)", "ratio", "x"),
-      _wire("secagg = true (int8 download)", "accuracy-vs-fp32", "p", sign="-"))),
+      _wire("secagg = true (default download)", "ratio", "x"),
+      _wire("secagg = true (default download)", "accuracy-vs-fp32", "pts"))),
     ("int8 {}, sign + error feedback {},", (_upload("int8"), _upload("sign+EF"))),
     ("STC 0.01 {}, all within about a point of fp32", (_upload("stc 0.01+EF"),)),
 ]

@@ -6,6 +6,7 @@ Read in the order the model travels:
 - `options`: `Download`, the download's settings as the strategy takes them.
 - `layout`: what a message holds (the compressed part as one flat vector, the exempt BatchNorm
   statistics and their sign-coded changes, chained payloads, per-tensor steps) and the digest of a copy.
+- `shared_step`: a secure round's k summed values and its seed as a step (the SecAgg+ path).
 - `seeded_init`: initial weights a node rebuilds from a seed and one rule per tensor.
 - `first_contact`: which start a node that holds nothing gets (seeded, compressed, dense).
 - `sender`: `Downstream`, the server side: the broadcast model with server-side error feedback and,

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from fedcomp.compression import PayloadError, decompress
+from fedcomp.download import shared_step
 from fedcomp.protocol.messages import MODEL_KEY
 from fedcomp.statedict import BF16, FlatModel
 
@@ -102,8 +103,9 @@ def encode_per_tensor(compress: Callable[[int, np.ndarray], bytes], vec: np.ndar
 
 def decode_step(payload: bytes | memoryview, sizes: list[int]) -> np.ndarray:
     """The float32 values, shape ``(sum(sizes),)``, of one compressed step: a fedcomp payload of the
-    whole vector, or a per-tensor step (`encode_per_tensor`) whose payloads must be exactly one
-    per non-empty tensor of ``sizes``, each of that tensor's size, with nothing after the last.
+    whole vector, a per-tensor step (`encode_per_tensor`) whose payloads must be exactly one
+    per non-empty tensor of ``sizes``, each of that tensor's size, with nothing after the last, or a
+    shared step (`fedcomp.download.shared_step`: a secure round's k summed values and its seed).
 
     Raises
     ------
@@ -114,6 +116,8 @@ def decode_step(payload: bytes | memoryview, sizes: list[int]) -> np.ndarray:
     """
     n = sum(sizes)
     view = memoryview(payload).cast("B")
+    if shared_step.is_shared_step(view):
+        return shared_step.decode(view, n)
     if bytes(view[:4]) != PER_TENSOR_MAGIC:
         return decompress(view, max_numel=max(n, 1), expected_shape=(n,)).numpy()
     want = [m for m in sizes if m]

@@ -27,6 +27,7 @@ from flwr.compat.common import recorddict_compat as compat
 
 from fedcomp.download.receiver import rebuild, report_copy
 from fedcomp.download.sender import Downstream, reported_copy
+from fedcomp.download.shared_step import SharedStep
 from fedcomp.protocol.messages import MODEL_VERSION
 
 #: The legacy workflow's records of a train message: the model and the train config.
@@ -93,11 +94,14 @@ class SecAggDownload:
         rec = self.downstream.start_model(ArrayRecord({n: Array(a) for n, a in zip(names, arrays)}))
         return ndarrays_to_parameters([rec[n].numpy() for n in names])
 
-    def on_send(self, server_round: int, messages: list[Message], dense_nodes: set[int] = frozenset()
-                ) -> ArrayRecord | None:
+    def on_send(self, server_round: int, messages: list[Message], dense_nodes: set[int] = frozenset(),
+                step: SharedStep | None = None) -> ArrayRecord | None:
         """Rewrite the model of the train messages among ``messages`` (those with ``fitins.parameters``),
         except those to ``dense_nodes`` (nodes that do not run fedcomp, which get the model as it is);
-        returns their dense model record as it was (None: no train message).
+        returns their dense model record as it was (None: no train message). ``step``: the last applied
+        round's update as its shared-projection sum (`fedcomp.secagg.SharedRandomKStrategy.last_step`):
+        nodes that hold the previous version get that sum instead of the codec's step when it describes
+        the new model (`fedcomp.download.shared_step`).
 
         Raises
         ------
@@ -116,7 +120,7 @@ class SecAggDownload:
         fits = [m for m in fits if m.metadata.dst_node_id not in dense_nodes]
         if not fits:
             return dense
-        self.downstream.prepare(server_round, target, fits, records=(FIT_ARRAYS, FIT_CONFIG))
+        self.downstream.prepare(server_round, target, fits, records=(FIT_ARRAYS, FIT_CONFIG), step=step)
         self.sent_bytes = dict(self.downstream.sent_bytes)
         self._pending = {m.metadata.dst_node_id for m in fits}
         return dense

@@ -52,9 +52,11 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.common.logger import log
 
-from fedcomp.compression import CODECS, decompress, encode_exact, get_compressor
+from fedcomp.compression import CODECS, PayloadError, decompress, encode_exact, get_compressor
 from fedcomp.config import CodecConfig
 from fedcomp.config.codec import BATCHNORM_STATS_CODEC
+from fedcomp.download.correction import check_correction, correct_for_copies
+from fedcomp.download.first_contact import INIT_POLICIES, START_CODEC, check_init_policy, starting_model
 from fedcomp.download.layout import (
     COPY_DIGEST_BYTES,
     apply_stat_delta,
@@ -64,18 +66,17 @@ from fedcomp.download.layout import (
     encode_per_tensor,
     gather,
     is_batchnorm_stat,
-    scatter,
     round_to_dtypes,
+    scatter,
     stat_delta_key,
 )
-from fedcomp.protocol.messages import BASE_VERSION, COPY_RECORD, MODEL_VERSION, payload_array
-from fedcomp.download.seeded_init import INIT_SEED, INIT_STYPE, SeededInit
-from fedcomp.statedict import FlatModel
-from fedcomp.download.correction import check_correction, correct_for_copies
-from fedcomp.download.first_contact import INIT_POLICIES, START_CODEC, check_init_policy, starting_model
 from fedcomp.download.node_copies import Base, BaseKind, NodeCopies
 from fedcomp.download.options import Download, check_catchup, check_density, check_max_copies
 from fedcomp.download.plan import PlanKind, plan_message
+from fedcomp.download.seeded_init import INIT_SEED, INIT_STYPE, SeededInit
+from fedcomp.download.shared_step import SHARED_STEP_TOLERANCE, SharedStep
+from fedcomp.protocol.messages import BASE_VERSION, COPY_RECORD, MODEL_VERSION, payload_array
+from fedcomp.statedict import FlatModel
 
 
 def _model_digest(model: FlatModel) -> bytes:
@@ -271,7 +272,8 @@ class Downstream:
 
     # -- one round --------------------------------------------------------------------------
     def prepare(self, server_round: int, arrays: ArrayRecord, messages: list[Message],
-                phase: str = "train", records: tuple[str, str] | None = None) -> list[Message]:
+                phase: str = "train", records: tuple[str, str] | None = None,
+                step: SharedStep | None = None) -> list[Message]:
         """Advance B to this round's global model and rewrite each message's arrays and config
         (`prepare_nodes`, each message's destination node its node).
 
@@ -280,6 +282,8 @@ class Downstream:
         ``records``: the keys of the model's ArrayRecord and of the config in each message (default: the
         message's first ArrayRecord and first ConfigRecord, ``"config"`` if it has none; Flower's legacy
         workflows carry them as ``fitins.parameters`` and ``fitins.config`` beside SecAgg+'s own record).
+
+        ``step``: the last round's update as its shared-projection sum (`prepare_nodes`).
 
         Returns the messages (modified in place) with a per-message ConfigRecord carrying the version
         keys (and the init seed for ``init`` messages).
@@ -291,14 +295,15 @@ class Downstream:
             keys.append(records or (next(iter(msg.content.array_records)),
                                     next(iter(msg.content.config_records), "config")))
         configs = [dict(m.content[c]) if c in m.content else {} for m, (_, c) in zip(messages, keys)]
-        forms = self.prepare_nodes(server_round, arrays, [m.metadata.dst_node_id for m in messages], configs, phase)
+        forms = self.prepare_nodes(server_round, arrays, [m.metadata.dst_node_id for m in messages], configs, phase,
+                                   step)
         for msg, (arr_key, cfg_key), (rec, cfg) in zip(messages, keys, forms):
             msg.content[arr_key] = rec
             msg.content[cfg_key] = ConfigRecord(cfg)
         return messages
 
     def prepare_nodes(self, server_round: int, arrays: ArrayRecord, nodes: list, configs: list[dict],
-                      phase: str = "train") -> list[tuple[ArrayRecord, dict]]:
+                      phase: str = "train", step: SharedStep | None = None) -> list[tuple[ArrayRecord, dict]]:
         """Advance B to this round's global model ``arrays`` and return, for each of ``nodes`` (with its
         message's config), the model record in the form planned for it and its config with the version keys
         (and the init seed for first contacts).
@@ -310,6 +315,10 @@ class Downstream:
         does not the step or catch-up to B_v. A node evaluates the model it will train from, and what
         the step left out stays in ``G - B`` for the next round (server-side error feedback).
         ``phase = "evaluate"`` only changes the seeds of seeded codecs (`EVALUATE_SEED_OFFSET`).
+
+        ``step``: the update that made this global model, as a secure round's shared-projection sum
+        (`fedcomp.download.shared_step`); the broadcast step is that sum instead of the codec's when it
+        lands within `fedcomp.download.shared_step.SHARED_STEP_TOLERANCE` of the global model.
         """
         if phase not in ("train", "evaluate"):
             raise ValueError(f"phase must be 'train' or 'evaluate', got {phase!r}")
@@ -330,8 +339,7 @@ class Downstream:
             payload = self.nodes.payloads.get(self.version)
         else:
             b = self.nodes.versions[self.version]
-            payload = self._compress(self._lossy(target) - b, server_round)
-            b = self._round_to_dtypes(b + self._decode(payload))
+            payload, b = self._broadcast_step(target, b, server_round, step)
             self.nodes.add_version(b, payload)
             scatter(self.model, self.lossy_keys, b)
             for k in self.exempt_keys:
@@ -412,6 +420,40 @@ class Downstream:
         for k in self.exempt_keys:
             del rec[k]
         self.nodes.send_stats(node, self.nodes.stats[node])
+
+    def _broadcast_step(self, target: FlatModel, b: np.ndarray, server_round: int,
+                        step: SharedStep | None) -> tuple[bytes, np.ndarray]:
+        """This round's broadcast payload from B_{v-1} = ``b`` towards ``target`` and B_v: the shared step
+        when there is one and it lands within `SHARED_STEP_TOLERANCE` of the target (L2, over the
+        compressed part), else the codec's step."""
+        change = self._lossy(target) - b
+        shared = None if step is None else step.payload(self._float_segments(target))
+        if shared is not None:
+            try:
+                after = self._round_to_dtypes(b + self._decode(shared))
+            except PayloadError as exc:  # a sum that does not describe this model: the codec's step
+                log(WARNING, "fedcomp downstream: the round's shared step does not fit the model (%s)", exc)
+            else:
+                left = np.linalg.norm((self._lossy(target) - after).astype(np.float64))
+                if left <= SHARED_STEP_TOLERANCE * np.linalg.norm(change.astype(np.float64)):
+                    return shared, after
+        payload = self._compress(change, server_round)
+        return payload, self._round_to_dtypes(b + self._decode(payload))
+
+    def _float_segments(self, model: FlatModel) -> list[tuple[int, int]]:
+        """The compressed part's tensors as ``(offset, length)`` runs of the flat vector of every float
+        tensor in model order (the shared projection's coordinates), adjacent tensors merged."""
+        out: list[tuple[int, int]] = []
+        lossy, off = set(self.lossy_keys), 0
+        for k in model.float_keys:
+            n = model.specs[k].numel
+            if k in lossy and n:
+                if out and out[-1][0] + out[-1][1] == off:
+                    out[-1] = (out[-1][0], out[-1][1] + n)
+                else:
+                    out.append((off, n))
+            off += n
+        return out
 
     def _diff(self, server_round: int, node: int, base: Base, g: np.ndarray, held: np.ndarray) -> bytes:
         """``C(G - held)`` for ``node``. A codec that draws nothing from its seed (sign, STC, top-k,

@@ -305,7 +305,8 @@ def packing_secaggplus_mod(msg: Message, ctxt: Context, call_next) -> Message:
     setup request asks for it (`fedcomp.secagg.protocol_packing.PACK_KEY`), the public keys and
     encrypted shares both ways (`fedcomp.secagg.protocol_packing`); after the setup stage the private
     key this node shares with its neighbours is kept in its shortest PEM form (`compact_private_key`: the
-    same key, shorter shares; any server reads it). Adds the reply's metric ``upload-bytes`` (bytes of the masked vectors as sent).
+    same key, shorter shares; any server reads it). Adds the reply's metric ``upload-bytes`` (bytes of
+    the masked vectors as sent).
 
     Before Flower's mod sees a request, `fedcomp.secagg.guard.check_request` refuses a setup
     whose threshold is at most half the shares and an unmask request that asks for both shares of

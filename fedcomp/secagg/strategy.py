@@ -39,6 +39,7 @@ from flwr.server.client_manager import ClientManager
 from flwr.server.client_proxy import ClientProxy
 from flwr.server.strategy import Strategy
 
+from fedcomp.download.shared_step import SharedStep
 from fedcomp.privacy import ClientLevelDP
 from fedcomp.privacy.accounting import checked_max_epsilon
 from fedcomp.privacy.distributed import DistributedDP
@@ -152,6 +153,9 @@ class SharedRandomKStrategy(Strategy):
         self.included: dict[int, int] = {}
         #: Set by `fedcomp.secagg.CompressedSecAggPlusWorkflow` (it unpacks packed vectors).
         self.unpacking_workflow = False
+        #: The last applied round's update as its shared-projection sum (None: that round applied none):
+        #: the compressed download sends it instead of the model change (`fedcomp.download.shared_step`).
+        self.last_step: SharedStep | None = None
 
     def step(self, server_round: int) -> float:
         """The factor on the decoded mean update in ``server_round``: ``server_lr``, or with
@@ -267,6 +271,7 @@ class SharedRandomKStrategy(Strategy):
         ValueError
             The aggregate is not one vector of the round's k values.
         """
+        self.last_step = None
         if not results or self._proj is None or self._global is None:
             return None, {}
         hi = self.max_weight if self.max_weight is not None else float("inf")
@@ -297,7 +302,8 @@ class SharedRandomKStrategy(Strategy):
             values = values.astype(np.float64) * m / max(self._sampled, m)
             dp_info = self.distributed_dp.record(self._proj.k, m, int(self.round_threshold))
         try:
-            delta = self._proj.decode(values) * self.step(server_round)
+            factor = self.step(server_round)
+            delta = self._proj.decode(values) * factor
         except ValueError as exc:  # non-finite or wrong-size aggregate: drop the round, keep the run
             log(ERROR, "fedcomp secagg round %d refused (model kept): %s", server_round, exc)
             return None, {}
@@ -338,6 +344,7 @@ class SharedRandomKStrategy(Strategy):
                 return None, {}
         if agg is not None:  # these clients commit the residual of this round (fedcomp.secagg.residual)
             self.included.update({p.node_id: server_round for p, _ in results if hasattr(p, "node_id")})
+            self.last_step = SharedStep(self._proj, np.asarray(values, dtype=np.float64).reshape(-1), factor)
         metrics = {**self._round_metrics(results, failures), **dp_info}
         self.history[server_round] = metrics
         return agg, metrics

@@ -285,7 +285,8 @@ class CompressedSecAggPlusWorkflow(SecAggPlusWorkflow):
         if self.download is not None:
             # a node that answered the setup without packing runs Flower's own mod, not fedcomp: the model dense
             plain = set() if not self.pack_protocol else {m.metadata.dst_node_id for m in messages} - self._packed_nodes
-            return self.download.on_send(self._round, messages, plain)
+            step = getattr(getattr(self._ctx, "strategy", None), "last_step", None)  # SharedRandomKStrategy's
+            return self.download.on_send(self._round, messages, plain, step)
         fit = next((m for m in messages if FIT_ARRAYS in m.content.array_records), None)
         return None if fit is None else fit.content[FIT_ARRAYS]
 

@@ -133,3 +133,38 @@ def test_nodes_on_flowers_own_mod_get_the_model_dense():
     _, strategy, _, _ = run_rounds(2, N, 1.0, download=download, mods=(secaggplus_mod, shared_randomk_mod))
     assert [strategy.history[r]["num-replies"] for r in (1, 2)] == [N, N]
     assert download.sent_bytes == {}  # nobody was sent the compressed form
+
+
+def test_nodes_on_the_last_version_get_the_rounds_secure_sum_not_the_model(caplog):
+    """Shared random-k with rotation and SecAgg+'s 3-bit grid: from round 2 on the broadcast step is the
+    last round's k summed values and its seed (`fedcomp.download.shared_step`), a few bits a value; every
+    node rebuilds the server's global model from it to float32 rounding, and its digest agrees."""
+    from fedcomp.download.receiver import MODEL_STATE_KEY
+    from fedcomp.download.shared_step import MAGIC
+    from fedcomp.statedict import FlatModel
+
+    download = _download("int8", init="dense")  # the start exact: G - B is 0 when the sums begin
+    steps, broadcast_step = [], download.downstream._broadcast_step
+
+    def spy(*args):
+        payload, after = broadcast_step(*args)
+        steps.append(payload[:4] == MAGIC)
+        return payload, after
+
+    download.downstream._broadcast_step = spy
+    with caplog.at_level(logging.WARNING):
+        models, strategy, _, grid = run_rounds(4, N, 0.25, rotation=True, qbits=3, clipping_range=0.05,
+                                               download=download, grid_cls=WeighingGrid)
+    assert not [r for r in caplog.records if "first contact next time" in r.getMessage()]
+    assert steps == [True] * 3  # rounds 2, 3, 4
+    k = strategy.history[4]["k"]
+    assert max(download.sent_bytes.values()) < k  # under a byte a value; int8 sends one a model entry
+    def flat(m):
+        return np.concatenate([np.asarray(m[k], np.float64).ravel() for k in ("w", "b")])
+
+    for ctx in grid.contexts.values():  # each node holds the server's broadcast B bit for bit
+        copy = FlatModel.from_record(ctx.state[MODEL_STATE_KEY])
+        assert np.array_equal(flat(copy).astype(np.float32), download.downstream.broadcast)
+        assert copy["steps"] == models[3]["steps"]
+    # and B is the global model to float32 rounding
+    assert np.abs(flat(models[3]) - download.downstream.broadcast).max() <= 1e-6 * np.abs(flat(models[3])).max()
