@@ -190,7 +190,9 @@ class QSGDCompressor(Compressor):
             norms[b0:b1] = torch.linalg.vector_norm(padded_rows(flat, b0, b1, bs).double(), dim=1)
         if not bool(torch.isfinite(norms).all()):
             raise ValueError("qsgd: a bucket's L2 norm overflows float32")
-        safe = torch.where(norms > 0, norms, torch.ones_like(norms))
+        # a norm below float32's smallest normal (a bucket of subnormal entries) has no finite reciprocal:
+        # such a bucket is levelled against 1, i.e. sent as zeros (error feedback keeps it)
+        safe = torch.where(norms >= torch.finfo(torch.float32).tiny, norms, torch.ones_like(norms))
         exponential = self.spacing == "exponential"
         params = struct.pack(self._PARAMS_SPACED, s, self.bucket_size, 1) if exponential else \
             struct.pack(self._PARAMS, s, self.bucket_size)

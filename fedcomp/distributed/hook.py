@@ -9,8 +9,9 @@
 DDP hands the hook one bucket at a time: a flat buffer holding this rank's summed gradients of the
 bucket's parameters (not yet divided by the world size). [`compression_hook`][fedcomp.distributed.compression_hook]
 replaces it with the mean over the ranks, sent compressed by `fedcomp.distributed.exchange.average`: an allreduce where
-the compressed form sums (``none``, ``fp16``), otherwise an all-gather of the payloads (sizes first) that
-every rank decodes and sums in rank order, so the replicas stay bit-identical. Error feedback keeps per
+the compressed form sums (``none``, ``fp16``; PowerSGD's factors, `fedcomp.distributed.lowrank`), otherwise an
+all-gather of the payloads (sizes first) that every rank decodes and sums in rank order, so the replicas stay
+bit-identical. Error feedback keeps per
 bucket what was not sent and adds it to the next step's gradient.
 
 The collectives run synchronously inside the hook and the returned future is already completed: DDP
@@ -37,6 +38,7 @@ import torch.distributed as dist
 from fedcomp.compression import CODECS, Compressor, ErrorFeedback, get_compressor
 from fedcomp.compression.error_feedback import RESIDUAL
 from fedcomp.distributed.exchange import ByteCount, CompressionError, average
+from fedcomp.distributed.lowrank import ALLREDUCE_LOW_RANK, powersgd_allreduce
 from fedcomp.util.validate import check_number
 
 logger = logging.getLogger(__name__)
@@ -64,10 +66,11 @@ class CompressionState:
         A codec of [`fedcomp.compression.get_compressor`][]: "none", "fp16", "bf16", "sign", "stc",
         "topk", "randomk", "qsgd", "int8", "eden", "powersgd", ... Default "stc".
         "none" and "fp16" go through one allreduce (the same as DDP's default hook and torch's
-        ``fp16_compress_hook``); every other codec through an all-gather of payloads. Codecs that
-        work per tensor only (PowerSGD) compress each parameter's gradient, viewed in its own shape,
-        as a payload of its own; every other codec compresses the whole bucket as one vector (top-k
-        and STC select over the bucket).
+        ``fp16_compress_hook``); "powersgd" through two allreduces per bucket, of its P and Q factors
+        (`fedcomp.distributed.lowrank`, as the paper and torch's ``powerSGD_hook`` run it); every other
+        codec through an all-gather of payloads. Other codecs that work per tensor only (ATOMO)
+        compress each parameter's gradient, viewed in its own shape, as a payload of its own; every
+        other codec compresses the whole bucket as one vector (top-k and STC select over the bucket).
     error_feedback : bool, optional
         Keep what was not sent per bucket and add it to the next step's gradient (Seide et al. 2014,
         Karimireddy et al. 2019). Default None: on for every codec except the dense casts ("none",
@@ -409,6 +412,8 @@ def compression_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.
     try:
         if not state.compresses(buffer.numel()):
             mean = average(buffer, state.plain, None, group, count)
+        elif state.compressor in ALLREDUCE_LOW_RANK:
+            mean = powersgd_allreduce(state, bucket.gradients(), keys, group, count)
         elif state.per_tensor:
             mean = _average_per_tensor(state, bucket, keys)
         elif (groups := state.layout_groups(keys)) is not None:
