@@ -142,7 +142,7 @@ class SharedProjection:
             raise ValueError(f"secure aggregate has {values.size} values, the round's projection has k = {self.k}")
         if not np.isfinite(values).all():
             raise ValueError("secure aggregate has non-finite values")
-        out = torch.zeros(self.dim, dtype=torch.float64)
+        out = torch.zeros(self.dim, dtype=torch.float64, device="cpu")  # whatever the default device
         out[torch.from_numpy(self.positions())] = torch.from_numpy(values)
         return self.unrotate_(out).numpy()
 

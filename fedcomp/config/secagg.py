@@ -285,6 +285,9 @@ def check_codec_under_secagg(run_config: Mapping[str, Any]) -> None:
                    # the secure path trains the full model and encodes every float entry with the shared seed:
                    "finetune": "full", "selection": "auto", "min-compress-numel": 0,
                    "small-tensor-compressor": "none", "require-compression": False}
+    if run_config.get("batchnorm-stats") == "codec":  # the aggregate clamps variances at 0: int8 steps go below
+        raise ValueError("run config 'batchnorm-stats' = 'codec' is not supported with secagg = true (use 'auto' or "
+                         "'small')")
     for key, ok in unsupported.items():
         if key in run_config and run_config[key] != ok and not (key in ("density-schedule", "downstream-correction")
                                                                  and run_config[key] == "auto"):

@@ -101,11 +101,12 @@ def encode_per_tensor(compress: Callable[[int, np.ndarray], bytes], vec: np.ndar
     return PER_TENSOR_MAGIC + _COUNT.pack(count) + b"".join(out)
 
 
-def decode_step(payload: bytes | memoryview, sizes: list[int]) -> np.ndarray:
+def decode_step(payload: bytes | memoryview, sizes: list[int], dim: int | None = None) -> np.ndarray:
     """The float32 values, shape ``(sum(sizes),)``, of one compressed step: a fedcomp payload of the
     whole vector, a per-tensor step (`encode_per_tensor`) whose payloads must be exactly one
     per non-empty tensor of ``sizes``, each of that tensor's size, with nothing after the last, or a
-    shared step (`fedcomp.download.shared_step`: a secure round's k summed values and its seed).
+    shared step (`fedcomp.download.shared_step`: a secure round's k summed values and its seed; ``dim``,
+    the model's float entries, which it must name, and at most one segment per non-empty tensor).
 
     Raises
     ------
@@ -117,7 +118,7 @@ def decode_step(payload: bytes | memoryview, sizes: list[int]) -> np.ndarray:
     n = sum(sizes)
     view = memoryview(payload).cast("B")
     if shared_step.is_shared_step(view):
-        return shared_step.decode(view, n)
+        return shared_step.decode(view, n, dim=dim, max_segments=sum(1 for m in sizes if m))
     if bytes(view[:4]) != PER_TENSOR_MAGIC:
         return decompress(view, max_numel=max(n, 1), expected_shape=(n,)).numpy()
     want = [m for m in sizes if m]

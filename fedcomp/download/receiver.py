@@ -318,10 +318,11 @@ def rebuild_model(state: RecordDict, rec: ArrayRecord, cfg) -> tuple[ArrayRecord
         base = None
     if base is not None:
         sizes = [base.specs[k].numel for k in lossy]
+        dim = sum(base.specs[k].numel for k in base.float_keys)
         vec = gather(base, lossy)
         for p in parts:
             with np.errstate(over="ignore"):  # a sum past the dtype's range: check_download names the tensor
-                vec = round_to_dtypes(base, lossy, vec + decode_step(p, sizes))
+                vec = round_to_dtypes(base, lossy, vec + decode_step(p, sizes, dim))
         scatter(base, lossy, vec)
         rec = base.record(check=False)  # check_download names a tensor that is not finite in its dtype
     check_download(rec)  # every form: the held copy is replaced only by a model that passes

@@ -71,13 +71,18 @@ class SecAggDownload:
     Raises
     ------
     ValueError
-        A ``downstream`` with a correction.
+        A ``downstream`` with a correction, or with ``batchnorm_stats = "codec"`` (the secure aggregate
+        clamps running variances at 0; a compressed step of them would go below 0 on the nodes).
     """
 
     def __init__(self, downstream: Downstream, names: list[str] | None = None) -> None:
         if downstream.correction:
             raise ValueError("the downstream correction needs each client's update; under SecAgg+ the server sees "
                              "only the masked sum (use correction 0)")
+        if downstream.codec.batchnorm_stats == "codec":
+            raise ValueError("batchnorm-stats = 'codec' under SecAgg+: the secure aggregate clamps BatchNorm running "
+                             "variances at 0, and a compressed step of them lands below 0, which nodes refuse (use "
+                             "'auto' or 'small')")
         self.downstream, self.names = downstream, names
         self._pending: set[int] = set()  # nodes sent a train message in the current exchange
         #: of the last round: the model's bytes sent to each node (payloads and exact tensors)

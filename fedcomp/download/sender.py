@@ -45,6 +45,7 @@ treated as new (seeded ``init`` + catch-up, or ``dense``), as after a missed rep
 from __future__ import annotations
 
 import hashlib
+import struct
 from logging import WARNING
 
 import numpy as np
@@ -66,6 +67,7 @@ from fedcomp.download.layout import (
     encode_per_tensor,
     gather,
     is_batchnorm_stat,
+    is_running_var,
     round_to_dtypes,
     scatter,
     stat_delta_key,
@@ -230,7 +232,7 @@ class Downstream:
         return round_to_dtypes(self.model, self.lossy_keys, vec)
 
     def _decode(self, payload: bytes) -> np.ndarray:
-        return decode_step(payload, self.sizes)
+        return decode_step(payload, self.sizes, sum(self.model.specs[k].numel for k in self.model.float_keys))
 
     def per_tensor(self) -> bool:
         """Whether a downstream step sends one payload per tensor (`encode_per_tensor`):
@@ -427,18 +429,27 @@ class Downstream:
         when there is one and it lands within `SHARED_STEP_TOLERANCE` of the target (L2, over the
         compressed part), else the codec's step."""
         change = self._lossy(target) - b
-        shared = None if step is None else step.payload(self._float_segments(target))
-        if shared is not None:
-            try:
-                after = self._round_to_dtypes(b + self._decode(shared))
-            except PayloadError as exc:  # a sum that does not describe this model: the codec's step
-                log(WARNING, "fedcomp downstream: the round's shared step does not fit the model (%s)", exc)
-            else:
-                left = np.linalg.norm((self._lossy(target) - after).astype(np.float64))
-                if left <= SHARED_STEP_TOLERANCE * np.linalg.norm(change.astype(np.float64)):
-                    return shared, after
+        try:
+            shared = None if step is None else step.payload(self._float_segments(target))
+            after = None if shared is None else self._round_to_dtypes(b + self._decode(shared))
+        except (ValueError, struct.error) as exc:  # PayloadError too: a sum that does not fit, the codec's step
+            log(WARNING, "fedcomp downstream: the round's shared step does not fit the model (%s)", exc)
+            after = None
+        if after is not None and not self._negative_variance(after):
+            left = np.linalg.norm((self._lossy(target) - after).astype(np.float64))
+            if left <= SHARED_STEP_TOLERANCE * np.linalg.norm(change.astype(np.float64)):
+                return shared, after
         payload = self._compress(change, server_round)
         return payload, self._round_to_dtypes(b + self._decode(payload))
+
+    def _negative_variance(self, vec: np.ndarray) -> bool:
+        """Whether a compressed-part vector holds a negative BatchNorm running variance (nodes refuse it)."""
+        off = 0
+        for k, n in zip(self.lossy_keys, self.sizes):
+            if is_running_var(k) and n and float(vec[off: off + n].min()) < 0:
+                return True
+            off += n
+        return False
 
     def _float_segments(self, model: FlatModel) -> list[tuple[int, int]]:
         """The compressed part's tensors as ``(offset, length)`` runs of the flat vector of every float

@@ -95,11 +95,13 @@ def is_shared_step(view: memoryview) -> bool:
     return bytes(view[:4]) == MAGIC
 
 
-def decode(view: memoryview, n: int) -> np.ndarray:
+def decode(view: memoryview, n: int, dim: int | None = None, max_segments: int | None = None) -> np.ndarray:
     """The float32 step, shape ``(n,)``, that a shared step's bytes describe.
 
-    ``n``: the entries the download compresses; the step's segments must add up to it, and its ``dim``
-    (the model's float entries) may not pass ``4 * n + 4096`` (the memory a hostile step could ask for).
+    ``n``: the entries the download compresses; the step's segments must add up to it, none empty.
+    ``dim``: the model's float entries, which the step's projection must cover exactly (None: at most
+    ``4 * n + 4096``, the memory a hostile step could ask for). ``max_segments``: at most this many
+    segments (the download's non-empty tensors; None: ``n``).
 
     Raises
     ------
@@ -112,23 +114,26 @@ def decode(view: memoryview, n: int) -> np.ndarray:
     pos = len(MAGIC)
     if len(view) < pos + _HEAD.size:
         raise PayloadError("shared download step: truncated header")
+    want_dim = dim
     dim, k, seed, density, factor, rotate, nseg = _HEAD.unpack_from(view, pos)
     pos += _HEAD.size
-    if not 1 <= dim <= 4 * n + 4096:
-        raise PayloadError(f"shared download step: dim {dim} for a download of {n} entries")
+    if dim != want_dim if want_dim is not None else not 1 <= dim <= 4 * n + 4096:
+        raise PayloadError(f"shared download step: dim {dim} for a model of {want_dim} float entries, {n} sent")
     if not (0 < density <= 1) or k != k_for(density, dim) or rotate > 1:
         raise PayloadError(f"shared download step: k = {k}, density {density}, rotate {rotate} do not agree with "
                            f"dim {dim}")
     if not (math.isfinite(factor) and factor > 0):
         raise PayloadError(f"shared download step: factor {factor} is not finite and > 0")
-    if nseg > n + 1 or len(view) < pos + nseg * _SEGMENT.size + _TABLE.size:
+    most = n if max_segments is None else max_segments
+    if nseg > most or len(view) < pos + nseg * _SEGMENT.size + _TABLE.size:
         raise PayloadError(f"shared download step: {nseg} segments, truncated")
     segments, end = [], 0
     for _ in range(nseg):
         off, length = _SEGMENT.unpack_from(view, pos)
         pos += _SEGMENT.size
-        if off < end or off + length > dim:
-            raise PayloadError(f"shared download step: segment ({off}, {length}) out of order or past dim {dim}")
+        if off < end or off + length > dim or length == 0:
+            raise PayloadError(f"shared download step: segment ({off}, {length}) empty, out of order or past dim "
+                               f"{dim}")
         segments.append((off, length))
         end = off + length
     if sum(length for _, length in segments) != n:
@@ -150,7 +155,8 @@ def decode(view: memoryview, n: int) -> np.ndarray:
     proj = SharedProjection(int(dim), float(density), int(seed), bool(rotate))
     full = proj.decode(table[index]) * factor
     out = np.concatenate([full[o: o + length] for o, length in segments]) if segments else np.zeros(0)
-    step = out.astype(np.float32)
+    with np.errstate(over="ignore"):  # past float32's range: refused just below
+        step = out.astype(np.float32)
     if not np.isfinite(step).all():
         raise PayloadError("shared download step: the step is not finite in float32")
     return step

@@ -326,9 +326,9 @@ def packing_secaggplus_mod(msg: Message, ctxt: Context, call_next) -> Message:
     reply = secaggplus_mod(msg, ctxt, call_next)
     if reply.has_error() or not _is_train(msg):
         return reply
-    if stage == Stage.SETUP:  # the key this node shares with its neighbours, in its shortest form
-        state = ctxt.state.config_records[RECORD_KEY_STATE]
-        state["sk1"] = compact_private_key(state["sk1"])
+    state = ctxt.state.config_records.get(RECORD_KEY_STATE)
+    if stage == Stage.SETUP and state is not None and isinstance(state.get("sk1"), bytes):
+        state["sk1"] = compact_private_key(state["sk1"])  # the key this node shares, in its shortest form
     rec = reply.content.config_records.get(RECORD_KEY_CONFIGS)
     if rec is not None and packing:
         pack_record(stage, rec)

@@ -39,6 +39,7 @@ import math
 import struct
 
 import numpy as np
+from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from flwr.app import ConfigRecord
@@ -124,7 +125,7 @@ def compact_private_key(pem: bytes) -> bytes:
     """
     try:
         key = serialization.load_pem_private_key(pem, password=None)
-    except (ValueError, TypeError):
+    except (ValueError, TypeError, UnsupportedAlgorithm):
         return pem
     if not isinstance(key, ec.EllipticCurvePrivateKey) or key.curve.name != CURVE.name:
         return pem

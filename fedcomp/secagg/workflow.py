@@ -45,6 +45,7 @@ from flwr.server.workflow.secure_aggregation import secaggplus_workflow as _flow
 from fedcomp.compression import PayloadError
 from fedcomp.config.secagg import allows_split, majority_threshold
 from fedcomp.download.secagg import FIT_ARRAYS, SecAggDownload
+from fedcomp.download.shared_step import SharedStep
 from fedcomp.secagg.encoding import modulus_bits_for
 from fedcomp.secagg.protocol_packing import PACK_KEY, check_masked, is_packed_key, pack_record, unpack_record
 from fedcomp.strategies.wire_bytes import WireCount
@@ -286,7 +287,7 @@ class CompressedSecAggPlusWorkflow(SecAggPlusWorkflow):
             # a node that answered the setup without packing runs Flower's own mod, not fedcomp: the model dense
             plain = set() if not self.pack_protocol else {m.metadata.dst_node_id for m in messages} - self._packed_nodes
             step = getattr(getattr(self._ctx, "strategy", None), "last_step", None)  # SharedRandomKStrategy's
-            return self.download.on_send(self._round, messages, plain, step)
+            return self.download.on_send(self._round, messages, plain, step if isinstance(step, SharedStep) else None)
         fit = next((m for m in messages if FIT_ARRAYS in m.content.array_records), None)
         return None if fit is None else fit.content[FIT_ARRAYS]
 

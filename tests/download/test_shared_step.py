@@ -5,6 +5,7 @@ import math
 
 import numpy as np
 import pytest
+import torch
 from flwr.app import Array, ArrayRecord
 
 from fedcomp.compression import PayloadError
@@ -122,3 +123,62 @@ def test_a_model_moved_otherwise_gets_the_codecs_step():
         step, lambda g, d: (g.astype(np.float64) + 2 * d).astype(np.float32))
     assert sender.nodes.payloads[sender.version][:4] != MAGIC
     assert np.abs(sender.broadcast - target).max() <= 0.02 * np.abs(target - sender.nodes.versions[1]).max()
+
+
+def test_a_step_must_name_the_models_float_entries_and_one_segment_a_tensor():
+    """Found by an attack round: without the node's layout a 1 MiB step could name a projection four times
+    the model, or a segment per entry (a 7.6 MiB model part took 517 MiB to decode)."""
+    step = _step()
+    payload = step.payload([(0, 1000), (1200, 1800)])
+    assert decode_step(payload, [1000, 1800], dim=DIM).shape == (2800,)
+    with pytest.raises(PayloadError, match="dim 3000 for a model of 3001"):
+        decode_step(payload, [1000, 1800], dim=DIM + 1)
+    with pytest.raises(PayloadError, match="2 segments"):
+        decode_step(payload, [2800], dim=DIM)  # one tensor: one segment at most
+    empty = SharedStep(step.projection, step.values, step.factor).payload([(0, 0), (0, 2800)])
+    with pytest.raises(PayloadError, match="empty"):
+        decode_step(empty, [1000, 1800], dim=DIM)
+
+
+def test_the_step_decodes_on_the_cpu_whatever_the_default_device():
+    """Found by an attack round: an app that sets torch's default device (here "meta") made the projection's
+    scatter land there."""
+    step = _step()
+    payload = step.payload([(0, DIM)])
+    want = decode(memoryview(payload), DIM)
+    torch.set_default_device("meta")
+    try:
+        got = decode(memoryview(payload), DIM)
+    finally:
+        torch.set_default_device("cpu")
+    assert np.array_equal(got, want)
+
+
+def test_a_step_that_is_not_a_shared_step_or_leaves_a_negative_variance_gets_the_codec():
+    """The sender takes the codec's step for a hint of the wrong kind or one that does not fit (a struct
+    error, a negative seed), and for a sum that would leave a BatchNorm running variance below 0 (nodes
+    refuse it); the secure download refuses batchnorm-stats = 'codec' outright."""
+    from fedcomp.download.secagg import SecAggDownload
+
+    step = _step()
+    bad = SharedStep(SharedProjection(DIM, 0.07, 11, True), step.values, step.factor)
+    object.__setattr__(bad.projection, "seed", -1)  # what a buggy strategy could hand over
+    sender, target, _ = _sender_after_round_one(bad, lambda g, d: (g.astype(np.float64) + d).astype(np.float32))
+    assert sender.nodes.payloads[sender.version][:4] != MAGIC
+    with pytest.raises(ValueError, match="batchnorm-stats = 'codec'"):
+        SecAggDownload(Downstream(CodecConfig.from_kwargs("int8", True, batchnorm_stats="codec"), "int8"))
+
+
+def test_a_sum_that_would_leave_a_negative_running_variance_gets_the_codecs_step():
+    step = _step()
+    sender = Downstream(CodecConfig.from_kwargs("int8", True, batchnorm_stats="codec"), "int8", init="dense")
+    start = np.full(DIM, 1e-3, np.float32)
+
+    def record(flat):
+        return ArrayRecord({"a": Array(flat[:1000].copy()), "bn.running_var": Array(flat[1000:].copy())})
+
+    sender.prepare_nodes(1, record(start), [1], [{}])
+    sender.note_replies([{"node": 1}])
+    target = np.maximum(start + step.projection.decode(step.values) * step.factor, 0).astype(np.float32)  # clamped
+    sender.prepare_nodes(2, record(target), [1], [{}], step=step)
+    assert sender.nodes.payloads[sender.version][:4] != MAGIC

@@ -78,6 +78,9 @@ def test_run_config_defaults_and_refusals():
     with pytest.raises(ValueError, match="'error-feedback' = 'ef21' is not supported with secagg"):
         check_codec_under_secagg({"compressor": "randomk", "error-feedback": "ef21"})
     check_codec_under_secagg({"compressor": "randomk", "density": 0.015625, "error-feedback": False})
+    with pytest.raises(ValueError, match="'batchnorm-stats' = 'codec' is not supported with secagg"):
+        check_codec_under_secagg({"compressor": "randomk", "batchnorm-stats": "codec"})
+    check_codec_under_secagg({"compressor": "randomk", "batchnorm-stats": "small"})
 
 
 def test_secagg_server_lr_is_read_and_a_bad_one_is_refused_naming_the_key():
