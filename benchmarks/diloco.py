@@ -81,7 +81,11 @@ def sides(quick: bool) -> list[dict]:
             {"name": "diloco-sign", "compressor": "sign", "sync_every": 50},
             {"name": "diloco-stc", "compressor": "stc", "sync_every": 50, "options": {"density": 0.01}},
             {"name": "diloco-topk", "compressor": "topk", "sync_every": 50, "options": {"density": 0.01}},
-            {"name": "streaming-fp32", "compressor": "none", "sync_every": 50, "fragments": 5}]
+            {"name": "streaming-fp32", "compressor": "none", "sync_every": 50, "fragments": 5},
+            {"name": "diloco-fp32", "compressor": "none", "sync_every": 200},
+            {"name": "diloco-int8", "compressor": "int8", "sync_every": 200, "options": {"seed": 0}},
+            {"name": "diloco-sign", "compressor": "sign", "sync_every": 200},
+            {"name": "diloco-stc", "compressor": "stc", "sync_every": 200, "options": {"density": 0.01}}]
 
 
 def _task(ex, cfg: dict, rank: int, world: int):
@@ -124,7 +128,7 @@ def run_side(ex, cfg: dict, side: dict, task, rank: int) -> dict:
         inner.zero_grad(set_to_none=True)
         if outer is not None:
             outer.step()
-        if step % cfg["eval_every"] == 0:
+        if step % cfg["eval_every"] == 0 or step == cfg["steps"]:  # the final loss: after the last step
             pause = time.perf_counter()
             curve.append([step, ex.evaluate(model, task, torch.device("cpu"))])
             began += time.perf_counter() - pause  # evaluation is not training time
@@ -241,7 +245,7 @@ def main(argv=None) -> None:
         if unknown:
             p.error(f"--only: no side {sorted(unknown)} (sides: {[label(s) for s in chosen]})")
         chosen = [s for s in chosen if label(s) == "ddp" or label(s) in args.only]
-    cfg = {"task": task, "steps": steps, "eval_every": 10 if args.quick else 50,
+    cfg = {"task": task, "steps": steps, "eval_every": 10 if args.quick else 64 if args.long else 50,
            "batch_size": 16, "seq_len": 64, "dim": 32 if args.quick else 128, "layers": 1 if args.quick else 2,
            "eval_batches": 2 if args.quick else 16, "inner_lr": 3e-3 if task == "gpt" else 1e-2,
            "outer_lr": args.outer_lr, "outer_momentum": args.outer_momentum, "sides": chosen}
