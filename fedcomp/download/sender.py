@@ -426,9 +426,10 @@ class Downstream:
     def _broadcast_step(self, target: FlatModel, b: np.ndarray, server_round: int,
                         step: SharedStep | None) -> tuple[bytes, np.ndarray]:
         """This round's broadcast payload from B_{v-1} = ``b`` towards ``target`` and B_v: the shared step
-        when there is one and it lands within `SHARED_STEP_TOLERANCE` of the target (L2, over the
-        compressed part), else the codec's step."""
-        change = self._lossy(target) - b
+        when there is one, lands within `SHARED_STEP_TOLERANCE` of the target (L2, over the compressed
+        part) and leaves no running variance below 0; else the codec's step."""
+        g = self._lossy(target)
+        change = g - b
         try:
             shared = None if step is None else step.payload(self._float_segments(target))
             after = None if shared is None else self._round_to_dtypes(b + self._decode(shared))
@@ -436,7 +437,7 @@ class Downstream:
             log(WARNING, "fedcomp downstream: the round's shared step does not fit the model (%s)", exc)
             after = None
         if after is not None and not self._negative_variance(after):
-            left = np.linalg.norm((self._lossy(target) - after).astype(np.float64))
+            left = np.linalg.norm((g - after).astype(np.float64))
             if left <= SHARED_STEP_TOLERANCE * np.linalg.norm(change.astype(np.float64)):
                 return shared, after
         payload = self._compress(change, server_round)
