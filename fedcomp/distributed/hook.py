@@ -93,7 +93,7 @@ class CompressionState:
         bucket, as torch's hooks do). 0 compresses every bucket.
     nonfinite : {"raise", "propagate"}
         A NaN/Inf gradient on any rank: "raise" (default) raises on every rank, naming the codec, the
-        bucket and the rank; "propagate" fills the bucket's mean with NaN on every rank (what
+        bucket and (codecs exchanged by all-gather) the rank; "propagate" fills the bucket's mean with NaN on every rank (what
         ``torch.amp.GradScaler`` needs to skip the step, as it does with DDP's own allreduce).
     seed : int
         Base seed of the stochastic codecs (randomk, qsgd, int8, eden, powersgd's first Q): each call
@@ -338,7 +338,10 @@ class CompressionState:
         run's was (same parameters, same ``bucket_cap_mb``). The memory is matched to the parameters by
         their keys; the resumed DDP's provisional first bucket is compressed along the saved run's
         buckets ([`layout_groups`][fedcomp.distributed.CompressionState.layout_groups]), so the resumed run continues
-        bit for bit. Should the resumed DDP settle on other buckets, the residuals still carry over per parameter.
+        bit for bit. Not quite for PowerSGD with more than two ranks: its allreduces sum the provisional bucket in
+        an order gloo's ring picks by the buffer's layout, and the first resumed step can differ in its last bits
+        (replicas stay identical to each other). Should the resumed DDP settle on other buckets, the residuals still
+        carry over per parameter.
 
         Raises
         ------

@@ -8,7 +8,8 @@ orthonormalises the mean P alike, forms ``Q_i = M_i^T P``, and a second allreduc
 bucket's mean gradient is ``P Q^T`` for each matrix, bit-identical on every rank (the same P and Q);
 each rank keeps ``M_i - P Q^T`` as its residual and the mean Q as the next step's warm start. Per rank
 and step the bucket costs ``4 * r * (rows + columns)`` bytes for each matrix (2 with the codec's
-``value_dtype="fp16"``, which both allreduces then use, the small tensors included), whatever the world
+``value_dtype="fp16"``, which both allreduces then use, the small tensors included, without error
+feedback), whatever the world
 size, in two collectives (an all-gather of payloads: two per parameter, and each rank decodes every rank's).
 
 The memory is the codec's own: per parameter an `fedcomp.compression.ErrorFeedback` holding the residual
@@ -22,6 +23,8 @@ feedback).
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 import torch
@@ -100,6 +103,9 @@ def powersgd_allreduce(state, grads: list[torch.Tensor], keys: list[str], group:
             q = ef.compressor.q if ef is not None else None
             if q is None or tuple(q.shape) != (n, r):
                 q = _first_q(state.seed, key, n, r)
+            else:  # the last mean Q is as large as M: P = M Q would grow as M squared (past fp16 on the wire)
+                top = float(q.abs().max())
+                q = q / 2.0 ** math.ceil(math.log2(top)) if top > 0 else q  # the same on every rank, exact
             q = q.to(device)
             low.append((i, key, mat, q))
         else:

@@ -89,3 +89,19 @@ def _nan(rank, world):
 def test_a_nan_gradient_raises_on_every_rank():
     for msg in values(run_ranks(_nan, 2)):
         assert msg.startswith("powersgd:") and "NaN/Inf" in msg, msg
+
+
+def _large(rank, world):
+    state = CompressionState(compressor="powersgd", rank=2, value_dtype="fp16", min_compression_numel=0)
+    gen = torch.Generator().manual_seed(rank)
+    out = []
+    for _ in range(4):
+        g = 300 * torch.randn(64, 64, generator=gen)  # every entry fits fp16; M Q with Q ~ M would not
+        out.append(bool(torch.isfinite(powersgd_allreduce(state, [g], ["0.0"], None, state.bytes)).all()))
+    return out
+
+
+def test_fp16_factors_of_large_gradients_stay_finite_step_after_step():
+    """Found by an attack round: the warm-start Q is as large as M, so P = M Q grew as M squared and passed
+    fp16's range from the second step on, every step."""
+    assert values(run_ranks(_large, 2)) == [[True] * 4] * 2
