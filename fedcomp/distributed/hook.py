@@ -93,8 +93,8 @@ class CompressionState:
         bucket, as torch's hooks do). 0 compresses every bucket.
     nonfinite : {"raise", "propagate"}
         A NaN/Inf gradient on any rank: "raise" (default) raises on every rank, naming the codec, the
-        bucket and (codecs exchanged by all-gather) the rank; "propagate" fills the bucket's mean with NaN on every rank (what
-        ``torch.amp.GradScaler`` needs to skip the step, as it does with DDP's own allreduce).
+        bucket and (codecs exchanged by all-gather) the rank; "propagate" fills the bucket's mean with NaN on
+        every rank (what ``torch.amp.GradScaler`` needs to skip the step, as it does with DDP's own allreduce).
     seed : int
         Base seed of the stochastic codecs (randomk, qsgd, int8, eden, powersgd's first Q): each call
         draws from a seed derived from ``(seed, rank, step, bucket)``, so a restored state redraws the
