@@ -115,7 +115,7 @@ def orthogonalize(p: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     return p
 
 
-def _pow2_scale(t: torch.Tensor) -> float:
+def pow2_scale(t: torch.Tensor) -> float:
     """A power of two >= max |t| (1.0 for a zero tensor): dividing by it is exact."""
     top = float(t.abs().max()) if t.numel() else 0.0
     return 2.0 ** math.ceil(math.log2(top)) if top > 0 else 1.0
@@ -228,7 +228,7 @@ class PowerSGDCompressor(Compressor):
     def _start_q(self, n: int, r: int, device: torch.device) -> torch.Tensor:
         if self.q is not None and tuple(self.q.shape) == (n, r):
             q = self.q.to(device=device, dtype=torch.float32)
-            return q / _pow2_scale(q)  # exact; P's direction does not change
+            return q / pow2_scale(q)  # exact; P's direction does not change
         gen = torch.Generator()
         if self.seed is None:
             gen.seed()
@@ -240,7 +240,7 @@ class PowerSGDCompressor(Compressor):
         m, n = self._mn
         r = min(self.rank, m, n)
         code, np_dt, _ = VALUE_DTYPES[self.value_dtype]
-        scale = _pow2_scale(flat)
+        scale = pow2_scale(flat)
         mat = flat.view(m, n) / scale
         p = orthogonalize(mat @ self._start_q(n, r, flat.device))
         q = (mat.T @ p) * scale

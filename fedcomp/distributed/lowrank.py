@@ -24,13 +24,11 @@ feedback).
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from fedcomp.compression.powersgd import matrix_shape, orthogonalize
+from fedcomp.compression.powersgd import matrix_shape, orthogonalize, pow2_scale
 from fedcomp.distributed.exchange import ByteCount, CompressionError
 
 #: Codecs the hook runs through `powersgd_allreduce` instead of an all-gather of payloads.
@@ -104,8 +102,7 @@ def powersgd_allreduce(state, grads: list[torch.Tensor], keys: list[str], group:
             if q is None or tuple(q.shape) != (n, r):
                 q = _first_q(state.seed, key, n, r)
             else:  # the last mean Q is as large as M: P = M Q would grow as M squared (past fp16 on the wire)
-                top = float(q.abs().max())
-                q = q / 2.0 ** math.ceil(math.log2(top)) if top > 0 else q  # the same on every rank, exact
+                q = q / pow2_scale(q)  # the same on every rank, exact
             q = q.to(device)
             low.append((i, key, mat, q))
         else:

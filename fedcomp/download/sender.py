@@ -53,7 +53,7 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.common.logger import log
 
-from fedcomp.compression import CODECS, PayloadError, decompress, encode_exact, get_compressor
+from fedcomp.compression import CODECS, decompress, encode_exact, get_compressor
 from fedcomp.config import CodecConfig
 from fedcomp.config.codec import BATCHNORM_STATS_CODEC
 from fedcomp.download.correction import check_correction, correct_for_copies
@@ -70,6 +70,7 @@ from fedcomp.download.layout import (
     is_running_var,
     round_to_dtypes,
     scatter,
+    segments,
     stat_delta_key,
 )
 from fedcomp.download.node_copies import Base, BaseKind, NodeCopies
@@ -453,18 +454,14 @@ class Downstream:
         return False
 
     def _float_segments(self, model: FlatModel) -> list[tuple[int, int]]:
-        """The compressed part's tensors as ``(offset, length)`` runs of the flat vector of every float
-        tensor in model order (the shared projection's coordinates), adjacent tensors merged."""
+        """The compressed part's tensors as ``(offset, length)`` runs of ``model.flat`` (every float tensor in
+        model order: the shared projection's coordinates), empty ones left out, adjacent ones merged."""
         out: list[tuple[int, int]] = []
-        lossy, off = set(self.lossy_keys), 0
-        for k in model.float_keys:
-            n = model.specs[k].numel
-            if k in lossy and n:
-                if out and out[-1][0] + out[-1][1] == off:
-                    out[-1] = (out[-1][0], out[-1][1] + n)
-                else:
-                    out.append((off, n))
-            off += n
+        for off, n in segments(model, self.lossy_keys):
+            if n and out and out[-1][0] + out[-1][1] == off:
+                out[-1] = (out[-1][0], out[-1][1] + n)
+            elif n:
+                out.append((off, n))
         return out
 
     def _diff(self, server_round: int, node: int, base: Base, g: np.ndarray, held: np.ndarray) -> bytes:
