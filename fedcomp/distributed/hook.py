@@ -254,6 +254,17 @@ class CompressionState:
             return None
         return groups
 
+    def record_layout(self, index: int, layout: tuple[str, ...]) -> None:
+        """Note that bucket ``index`` holds the parameters ``layout`` now, for
+        [`state_dict`][fedcomp.distributed.CompressionState.state_dict]'s ``"layouts"``: codecs whose memory is kept per
+        parameter (PowerSGD) have no bucket residual to note it by. A bucket that held any of them before is
+        forgotten."""
+        if self.layouts.get(index) != layout:
+            have = set(layout)
+            for other in [i for i, lay in self.layouts.items() if i != index and have & set(lay)]:
+                del self.layouts[other]
+            self.layouts[index] = layout
+
     def unpack_residual(self, index: int) -> None:
         """Cut bucket ``index``'s residual into its parameters' pieces, kept until a bucket claims them."""
         layout = self.layouts.pop(index)
@@ -338,10 +349,8 @@ class CompressionState:
         run's was (same parameters, same ``bucket_cap_mb``). The memory is matched to the parameters by
         their keys; the resumed DDP's provisional first bucket is compressed along the saved run's
         buckets ([`layout_groups`][fedcomp.distributed.CompressionState.layout_groups]), so the resumed run continues
-        bit for bit. Not quite for PowerSGD with more than two ranks: its allreduces sum the provisional bucket in
-        an order gloo's ring picks by the buffer's layout, and the first resumed step can differ in its last bits
-        (replicas stay identical to each other). Should the resumed DDP settle on other buckets, the residuals still
-        carry over per parameter.
+        bit for bit (PowerSGD's allreduces too: they sum each saved bucket's factors as the saved run did).
+        Should the resumed DDP settle on other buckets, the residuals still carry over per parameter.
 
         Raises
         ------
@@ -416,7 +425,7 @@ def compression_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.
         if not state.compresses(buffer.numel()):
             mean = average(buffer, state.plain, None, group, count)
         elif state.compressor in ALLREDUCE_LOW_RANK:
-            mean = powersgd_allreduce(state, bucket.gradients(), keys, group, count)
+            mean = _average_low_rank(state, bucket, keys)
         elif state.per_tensor:
             mean = _average_per_tensor(state, bucket, keys)
         elif (groups := state.layout_groups(keys)) is not None:
@@ -447,6 +456,20 @@ def _average_per_tensor(state: CompressionState, bucket: dist.GradBucket, keys: 
         pieces.append(average(grad, state.codec_for(key, feedback), feedback, state.process_group,
                               state.bytes).reshape(-1))
     return torch.cat(pieces) if pieces else torch.zeros(0)
+
+
+def _average_low_rank(state: CompressionState, bucket: dist.GradBucket, keys: list[str]) -> torch.Tensor:
+    """The bucket's mean by `powersgd_allreduce`, along the saved run's buckets where a resumed DDP's provisional
+    bucket spans several (their allreduces then sum what the saved run's did, in the same order)."""
+    groups = state.layout_groups(keys) or [(bucket.index(), tuple(keys))]
+    by_key = dict(zip(keys, bucket.gradients()))
+    parts = {}
+    for index, layout in groups:
+        state.record_layout(index, layout)
+        part = powersgd_allreduce(state, [by_key[k] for k in layout], list(layout), state.process_group,
+                                  state.bytes)
+        parts.update(zip(layout, part.split([by_key[k].numel() for k in layout])))
+    return torch.cat([parts[k] for k in keys] + [torch.zeros(0, device=bucket.buffer().device)])
 
 
 def _average_by_layout(state: CompressionState, bucket: dist.GradBucket, keys: list[str],
