@@ -94,6 +94,17 @@ class Compressor:
     #: Non-empty if the codec only trains with error feedback: the reason, for the error message.
     requires_error_feedback: ClassVar[str] = ""
 
+    def error_feedback_refusal(self) -> str:
+        """Why error feedback would diverge with this codec and its options, or "" (it would not).
+
+        Error feedback adds what a codec left out to the next input; that stays bounded only if the codec
+        is a contraction, ``E||C(x) - x||^2 <= (1 - delta) ||x||^2`` for some ``delta > 0`` (Stich &
+        Karimireddy, "The Error-Feedback Framework", 2020). Every biased codec here is one (it keeps part of
+        ``x`` and drops the rest); an unbiased stochastic codec is one only where its worst-case variance
+        ``E||C(x) - x||^2 / ||x||^2`` is below 1. `ErrorFeedback` raises ValueError with this reason.
+        """
+        return ""
+
     @classmethod
     def kept_energy(cls, mag: torch.Tensor) -> torch.Tensor:
         """Squared L2 norm the codec keeps of a vector when it keeps its k largest entries, for every k.

@@ -129,6 +129,13 @@ class ErrorFeedback:
     momentum : float
         DGC's momentum-correction factor beta in [0, 1); 0 (default) turns it off.
 
+    Raises
+    ------
+    ValueError
+        A bad ``residual_dtype`` or ``momentum``, or a codec with which error feedback diverges
+        ([`Compressor.error_feedback_refusal`][fedcomp.compression.Compressor.error_feedback_refusal]: QSGD with
+        too few levels for its bucket size).
+
     Attributes
     ----------
     residual : torch.Tensor or None
@@ -152,6 +159,8 @@ class ErrorFeedback:
         check_range("momentum", momentum, 0.0, 1.0)
         if momentum >= 1.0:
             raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
+        if refusal := compressor.error_feedback_refusal():
+            raise ValueError(refusal)
         self.compressor = compressor
         self.residual_dtype = residual_dtype
         self.momentum = float(momentum)

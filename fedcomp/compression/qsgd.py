@@ -8,6 +8,7 @@ Quantization", JMLR 2021 (exponentially spaced levels).
 
 from __future__ import annotations
 
+import math
 import struct
 
 import numpy as np
@@ -166,6 +167,36 @@ class QSGDCompressor(Compressor):
         if values["spacing"] == "exponential" and values["levels"] > MAX_EXPONENTIAL_LEVELS:
             raise ValueError(f"'levels' must be in [1, {MAX_EXPONENTIAL_LEVELS}] with spacing = 'exponential', "
                              f"got {values['levels']}")
+
+    def variance_bound(self, levels: int | None = None) -> float:
+        """Worst-case ``E||x_hat - x||^2 / ||x||^2`` over a bucket of ``bucket_size`` entries (at ``levels``, default
+        this codec's).
+
+        Each entry rounds between its two adjacent levels ``lo <= r <= hi`` (r = |x_i| / ||x_B||), with variance
+        ``(hi - r)(r - lo)``. Uniform spacing (gap 1/s): at most ``min(1/(4 s^2), r/s)`` an entry, so
+        ``min(d/(4 s^2), sqrt(d)/s)`` a bucket (Lemma 3.1's bound with the 1/4 of the rounding's variance).
+        Exponential spacing: above the smallest level the gap is at most r, ``r^2/4`` an entry; below it
+        (``l0 = 2**(1-s)``) at most ``min(l0^2/4, l0 r)``: ``1/4 + min(d l0^2/4, sqrt(d) l0)`` a bucket.
+        """
+        s, d = self.levels if levels is None else levels, self.bucket_size
+        if self.spacing == "exponential":
+            lowest = 2.0 ** (1 - s)
+            return 0.25 + min(d * lowest * lowest / 4, math.sqrt(d) * lowest)
+        return min(d / (4 * s * s), math.sqrt(d) / s)
+
+    def error_feedback_refusal(self) -> str:
+        """Non-empty where `variance_bound` is >= 1: error feedback's residual would grow without bound (few
+        levels for the bucket size); names the fewest levels that keep it below 1."""
+        bound = self.variance_bound()
+        if bound < 1.0:
+            return ""
+        top = MAX_EXPONENTIAL_LEVELS if self.spacing == "exponential" else MAX_LEVELS
+        fewest = next((s for s in range(self.levels + 1, top + 1) if self.variance_bound(s) < 1.0), None)
+        raise_to = (f"raise 'levels' to {fewest} or more, " if fewest else "") + "lower the bucket size, "
+        return (f"qsgd with levels={self.levels}, bucket_size={self.bucket_size}, spacing={self.spacing!r} has a "
+                f"worst-case variance E||C(x) - x||^2 of {bound:.2f} ||x||^2, and error feedback diverges unless it is "
+                f"below 1: {raise_to}"
+                f"or turn error feedback off (qsgd is unbiased without it)")
 
     def config(self) -> dict:
         """``{"levels": s, "bucket_size": d}``, plus ``"spacing"`` when it is exponential."""

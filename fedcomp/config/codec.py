@@ -270,6 +270,8 @@ class CodecConfig:
             reason = CODECS[name].requires_error_feedback
             if reason and not self.error_feedback:
                 raise ValueError(f"{source} 'error-feedback' must be true with compressor '{name}' ({reason})")
+            if self.error_feedback and (refusal := self.build(seed=0, compressor=name).error_feedback_refusal()):
+                raise ValueError(f"{source} 'error-feedback': {refusal}")
             if CODECS[name].per_tensor_only and self.selection == "model" and name in (self.compressor,
                                                                                        self.warmup_compressor):
                 raise ValueError(f"{source} 'selection' must be 'tensor' or 'auto' with compressor '{name}' "

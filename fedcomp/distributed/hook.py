@@ -138,6 +138,8 @@ class CompressionState:
             raise ValueError(f"error_feedback must be True, False or None, got {error_feedback!r}")  # noqa: TRY004
         if not error_feedback and codec.requires_error_feedback:
             raise ValueError(f"error_feedback=False is refused for {compressor!r}: {codec.requires_error_feedback}")
+        if error_feedback and (refusal := self.template.error_feedback_refusal()):
+            raise ValueError(f"error_feedback: {refusal}")
         if nonfinite not in NONFINITE:
             raise ValueError(f"nonfinite must be one of {list(NONFINITE)}, got {nonfinite!r}")
         self.process_group = process_group

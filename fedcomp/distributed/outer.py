@@ -401,14 +401,17 @@ class DiLoCo:
 
     def _check_error_feedback(self, error_feedback: Any) -> bool:
         """Resolve ``error_feedback`` (None: on for every lossy codec)."""
-        cls = type(get_compressor(self.codec_name, **self.codec_options))
+        codec = get_compressor(self.codec_name, **self.codec_options)
+        cls = type(codec)
         if error_feedback is None:
-            return not cls.small_tensor
+            error_feedback = not cls.small_tensor
         if not isinstance(error_feedback, bool):
             raise TypeError(f"error_feedback must be True, False or None, got {error_feedback!r}")
         if not error_feedback and cls.requires_error_feedback:
             raise ValueError(f"error_feedback=False with compressor {self.codec_name!r}: "
                              f"{cls.requires_error_feedback}")
+        if error_feedback and (refusal := codec.error_feedback_refusal()):
+            raise ValueError(f"error_feedback: {refusal}")
         return error_feedback
 
     def _check_outer_optimizer(self, outer_optimizer: Any) -> None:

@@ -190,3 +190,39 @@ def test_encode_and_subtract_writes_the_error_into_a_strided_tensor(name):
     payload, _, errors, _ = encode_and_subtract(c, v)
     assert torch.equal(v, x - fc.decompress(payload))
     assert errors[0] == pytest.approx(float(torch.linalg.vector_norm(v)) ** 2, rel=1e-6)
+
+
+# -- codecs with which error feedback diverges are refused ---------------------------------------------
+
+
+@pytest.mark.parametrize("opts, bound", [({"levels": 15}, 512 / 900), ({"levels": 12}, 512 / 576),
+                                         ({"levels": 3, "bucket_size": 8}, 8 / 36),
+                                         ({"levels": 7, "spacing": "exponential"}, 0.25 + 512 * 4.0**-6 / 4)])
+def test_qsgd_with_enough_levels_keeps_a_bounded_residual(opts, bound):
+    codec = fc.get_compressor("qsgd", seed=1, **opts)
+    assert codec.variance_bound() == pytest.approx(bound) and codec.error_feedback_refusal() == ""
+    ef = fc.ErrorFeedback(codec)
+    gen = torch.Generator().manual_seed(0)
+    ratios = []
+    for _ in range(40):
+        x = torch.randn(8192, generator=gen)
+        ef.compress(x)
+        ratios.append(float(ef.residual.norm() / x.norm()))
+    assert max(ratios[20:]) < 2.0  # steady, not growing
+
+
+@pytest.mark.parametrize("opts, fewest", [({"levels": 11}, "12"), ({"levels": 1}, "12"),
+                                          ({"levels": 4, "spacing": "exponential"}, "5")])
+def test_qsgd_with_too_few_levels_is_refused_under_error_feedback(opts, fewest):
+    # unrefused, the residual grew without bound: levels=1 over 512-entry buckets multiplied it by ~4 a step
+    codec = fc.get_compressor("qsgd", seed=1, **opts)
+    assert codec.variance_bound() >= 1.0
+    with pytest.raises(ValueError, match=f"levels' to {fewest} or more.*turn error feedback off"):
+        fc.ErrorFeedback(codec)
+    codec.compress(torch.randn(1000))  # without error feedback the codec works as before
+
+
+def test_every_biased_codec_is_accepted_under_error_feedback():
+    for name in fc.CODECS:
+        if name != "qsgd":
+            assert fc.get_compressor(name).error_feedback_refusal() == "", name

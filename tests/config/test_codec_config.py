@@ -24,6 +24,8 @@ def test_defaults():
     ({"layer-codecs": "fc*=powersgd", "error-feedback": False}, "'error-feedback' must be true"),
     ({"compressor": "powersgd", "selection": "model"}, "'selection' must be 'tensor' or 'auto'"),
     ({"compressor": "qsgd", "spacing": "exponential", "levels": 200}, "'levels' must be in \\[1, 126\\]"),
+    ({"compressor": "qsgd", "levels": 4}, "'error-feedback': qsgd with levels=4.*'levels' to 12 or more"),
+    ({"layer-codecs": "fc*=qsgd", "levels": 4}, "'error-feedback': qsgd with levels=4"),
 ])
 def test_bad_combinations_name_the_key(cfg, msg):
     with pytest.raises(ValueError, match=msg):

@@ -47,6 +47,7 @@ def _n_buckets(ddp: DDP) -> int:
     ({"seed": -1}, "seed"),
     ({"error_feedback": "yes"}, "error_feedback"),
     ({"compressor": "powersgd", "error_feedback": False}, "error_feedback"),
+    ({"compressor": "qsgd", "levels": 3}, "error_feedback: qsgd with levels=3"),
 ])
 def test_bad_settings_are_refused_naming_the_argument(kwargs, named):
     with pytest.raises(ValueError, match=named):
