@@ -117,6 +117,14 @@ class AtomoCompressor(Compressor):
         """``{"atoms": s, "fallback": ...}``."""
         return {"atoms": self.atoms, "fallback": self.fallback}
 
+    def error_feedback_refusal(self) -> str:
+        """Always non-empty: a matrix of rank r with a flat spectrum keeps each of its atoms with probability
+        ``atoms / r``, for a variance of ``(r / atoms - 1) ||M||^2``; at or above ``||M||^2`` (r >= 2 atoms, every
+        matrix that ATOMO compresses in practice) error feedback's residual grows without bound, and the residual
+        itself is sampling noise with a flat spectrum. ATOMO is unbiased: the paper runs it without."""
+        return (f"atomo (atoms={self.atoms}) is unbiased but its variance reaches (rank / atoms - 1) x ||x||^2 on a "
+                f"matrix with a flat spectrum, and error feedback diverges from 1 x ||x||^2 on: turn error feedback off")
+
     def uses_atoms(self, shape: tuple[int, ...]) -> bool:
         """Whether a tensor of ``shape`` is sent as SVD atoms (else through ``fallback``)."""
         mn = matrix_shape(tuple(shape))

@@ -74,8 +74,9 @@ class CompressionState:
     error_feedback : bool, optional
         Keep what was not sent per bucket and add it to the next step's gradient (Seide et al. 2014,
         Karimireddy et al. 2019). Default None: on for every codec except the dense casts ("none",
-        "fp16", "bf16"), which then match torch's own hooks. Refused off for codecs that need it
-        (PowerSGD).
+        "fp16", "bf16"), which then match torch's own hooks, and the unbiased codecs with which it would
+        diverge (`fedcomp.compression.Compressor.error_feedback_refusal`: ATOMO, QSGD with few levels). Refused
+        off for codecs that need it (PowerSGD), and on for those.
     warmup_steps : int, optional
         Optimizer steps (synchronising backward passes) whose buckets go as a plain fp32 allreduce
         before compression starts; >= 0. Default None: 1 with error feedback, 0 without (the dense
@@ -133,7 +134,7 @@ class CompressionState:
         self.seeded = codec.seeded
         self.per_tensor = codec.per_tensor_only
         if error_feedback is None:
-            error_feedback = not codec.small_tensor
+            error_feedback = not codec.small_tensor and not self.template.error_feedback_refusal()
         if not isinstance(error_feedback, bool):
             raise ValueError(f"error_feedback must be True, False or None, got {error_feedback!r}")  # noqa: TRY004
         if not error_feedback and codec.requires_error_feedback:

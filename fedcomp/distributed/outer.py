@@ -237,7 +237,9 @@ class DiLoCo:
         Keep a residual per fragment (Karimireddy et al. 2019). Default None: on for every lossy
         codec (all but the dense casts ``none``, ``fp16``, ``bf16``); biased codecs (sign, STC,
         top-k, PowerSGD) do not train without it, and for the unbiased int8/QSGD it costs one
-        model-sized fp32 buffer. False with a codec that requires it is refused.
+        model-sized fp32 buffer; off for QSGD with too few levels for its buckets, with which it diverges
+        (`fedcomp.compression.Compressor.error_feedback_refusal`). False with a codec that requires it is
+        refused, and so is True with one with which it diverges.
     outer_optimizer : callable or torch.optim.Optimizer, optional
         A factory ``params -> Optimizer`` called with the outer copies (e.g.
         ``functools.partial(torch.optim.SGD, lr=1.0)``), or an optimizer built over ``model``'s
@@ -404,7 +406,7 @@ class DiLoCo:
         codec = get_compressor(self.codec_name, **self.codec_options)
         cls = type(codec)
         if error_feedback is None:
-            error_feedback = not cls.small_tensor
+            error_feedback = not cls.small_tensor and not codec.error_feedback_refusal()
         if not isinstance(error_feedback, bool):
             raise TypeError(f"error_feedback must be True, False or None, got {error_feedback!r}")
         if not error_feedback and cls.requires_error_feedback:

@@ -116,7 +116,9 @@ def test_options_come_from_the_codec_declaration():
     with pytest.raises(ValueError, match="'atomo-atoms' must be in"):
         CodecConfig.from_mapping({"compressor": "atomo", "atomo-atoms": 0})
     with pytest.raises(ValueError, match="'selection' must be 'tensor' or 'auto' with compressor 'atomo'"):
-        CodecConfig.from_mapping({"compressor": "atomo", "selection": "model"})
+        CodecConfig.from_mapping({"compressor": "atomo", "selection": "model", "error-feedback": False})
+    with pytest.raises(ValueError, match="'error-feedback': atomo .* turn error feedback off"):
+        CodecConfig.from_mapping({"compressor": "atomo"})
 
 
 def test_a_federation_runs_with_atomo(tmp_path):
@@ -126,8 +128,8 @@ def test_a_federation_runs_with_atomo(tmp_path):
     from fedcomp.app.server_app import main
     from fedcomp.run.inprocess_grid import InProcessGrid
 
-    rc = {"results-dir": str(tmp_path), "compressor": "atomo", "atomo-atoms": 2, "num-server-rounds": 2,
-          "batch-size": 64, "fraction-evaluate": 0.0}
+    rc = {"results-dir": str(tmp_path), "compressor": "atomo", "atomo-atoms": 2, "error-feedback": False,
+          "num-server-rounds": 2, "batch-size": 64, "fraction-evaluate": 0.0}
     main(InProcessGrid(client_app, 2, rc), Context(run_id=1, node_id=1, node_config={}, state=RecordDict(),
                                                    run_config=rc))
     rounds = json.loads((tmp_path / "metrics.json").read_text())["rounds"]

@@ -47,7 +47,7 @@ def _n_buckets(ddp: DDP) -> int:
     ({"seed": -1}, "seed"),
     ({"error_feedback": "yes"}, "error_feedback"),
     ({"compressor": "powersgd", "error_feedback": False}, "error_feedback"),
-    ({"compressor": "qsgd", "levels": 3}, "error_feedback: qsgd with levels=3"),
+    ({"compressor": "qsgd", "levels": 3, "error_feedback": True}, "error_feedback: qsgd with levels=3"),
 ])
 def test_bad_settings_are_refused_naming_the_argument(kwargs, named):
     with pytest.raises(ValueError, match=named):
@@ -59,6 +59,10 @@ def test_error_feedback_defaults_off_for_dense_casts_only():
     assert not CompressionState(compressor="fp16").error_feedback
     assert CompressionState(compressor="stc", density=0.01).error_feedback
     assert CompressionState(compressor="int8").error_feedback
+    assert CompressionState(compressor="qsgd").error_feedback  # 15 levels over 512 entries: it converges
+    # unbiased codecs with which it would diverge: off by default (explicitly on is refused)
+    assert not CompressionState(compressor="qsgd", levels=3).error_feedback
+    assert not CompressionState(compressor="atomo").error_feedback
 
 
 # -- equivalence with DDP's allreduce and torch's fp16 hook -----------------------------------------------

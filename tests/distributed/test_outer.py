@@ -144,7 +144,7 @@ def _model_and_inner():
     ({"compressor": "stc", "densty": 0.1}, ValueError, "densty"),
     ({"error_feedback": "yes"}, TypeError, "error_feedback"),
     ({"compressor": "powersgd"}, ValueError, "compressor 'powersgd'"),
-    ({"compressor": "qsgd", "levels": 2}, ValueError, "error_feedback: qsgd with levels=2"),
+    ({"compressor": "qsgd", "levels": 2, "error_feedback": True}, ValueError, "error_feedback: qsgd with levels=2"),
     ({"residual_dtype": "int8"}, ValueError, "residual_dtype"),
     ({"buffers": "average"}, ValueError, "buffers"),
     ({"outer_optimizer": 5}, TypeError, "outer_optimizer"),
