@@ -8,9 +8,10 @@ orthonormalises the mean P alike, forms ``Q_i = M_i^T P``, and a second allreduc
 bucket's mean gradient is ``P Q^T`` for each matrix, bit-identical on every rank (the same P and Q);
 each rank keeps ``M_i - P Q^T`` as its residual and the mean Q as the next step's warm start. Per rank
 and step the bucket costs ``4 * r * (rows + columns)`` bytes for each matrix (2 with the codec's
-``value_dtype="fp16"``, which both allreduces then use, the small tensors included, without error
-feedback), whatever the world
-size, in two collectives (an all-gather of payloads: two per parameter, and each rank decodes every rank's).
+``value_dtype="fp16"``, which both allreduces then use), whatever the world size, in two collectives (an
+all-gather of payloads would take two per parameter, and each rank would decode every rank's). With fp16 factors
+the small tensors go exact, in fp32, by a third allreduce, as torch's hook sends them: they have no error
+feedback to carry an fp16 rounding.
 
 The memory is the codec's own: per parameter an `fedcomp.compression.ErrorFeedback` holding the residual
 and the warm-start Q (``"powersgd/q"``), saved and restored by `CompressionState.state_dict` as
@@ -107,11 +108,16 @@ def powersgd_allreduce(state, grads: list[torch.Tensor], keys: list[str], group:
             low.append((i, key, mat, q))
         else:
             dense.append(i)
-    # 1: the Ps and the uncompressed tensors, averaged by one allreduce
-    first = torch.cat([(mat @ q).reshape(-1) for _, _, mat, q in low]
-                      + [grads[i].detach().reshape(-1).to(torch.float32) for i in dense]
-                      + [torch.zeros(0, device=device)])
-    first = _allreduce_mean(first, world, wire, group, count, "the averaged P and small tensors")
+    # 1: the Ps and the uncompressed tensors, averaged by one allreduce (with fp16 factors the uncompressed
+    # tensors go exact, in fp32, by an allreduce of their own: they have no error feedback to carry a rounding)
+    smalls = [grads[i].detach().reshape(-1).to(torch.float32) for i in dense]
+    exact = None
+    if wire != torch.float32 and smalls:
+        exact = _allreduce_mean(torch.cat(smalls), world, torch.float32, group, count, "the averaged small tensors")
+        smalls = []
+    first = torch.cat([(mat @ q).reshape(-1) for _, _, mat, q in low] + smalls + [torch.zeros(0, device=device)])
+    if first.numel() or exact is None:  # the same on every rank: the bucket's structure decides
+        first = _allreduce_mean(first, world, wire, group, count, "the averaged P and small tensors")
     ps, off = [], 0
     for _, _, mat, q in low:
         p = first[off: off + mat.shape[0] * q.shape[1]].reshape(mat.shape[0], q.shape[1]).clone()
@@ -133,6 +139,8 @@ def powersgd_allreduce(state, grads: list[torch.Tensor], keys: list[str], group:
             ef.residual = (mat - approx).reshape(grads[i].shape)
             ef.compressor.q = q_mean
         out[i] = approx.reshape(-1)
+    if exact is not None:
+        first, off = exact, 0
     for i in dense:
         out[i] = first[off: off + grads[i].numel()]
         off += grads[i].numel()
