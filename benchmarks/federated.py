@@ -70,7 +70,7 @@ CASES = {
     "eden+EF": {"compressor": "eden"},
     "powersgd r4+EF": {"compressor": "powersgd", "rank": 4},
     "powersgd r1+EF": {"compressor": "powersgd", "rank": 1},
-    "qsgd s7": {"compressor": "qsgd", "levels": 7},
+    "qsgd s7": {"compressor": "qsgd", "levels": 7, "error-feedback": False},
     "qsgd s7 exp": {"compressor": "qsgd", "levels": 7, "spacing": "exponential"},
     "stc 0.0025+EF mc": {"compressor": "stc", "density": 0.0025, "momentum-correction": 0.5},
     "stc 0.0025+EF mc0.9": {"compressor": "stc", "density": 0.0025, "momentum-correction": 0.9},

@@ -929,7 +929,7 @@ PAGE_TABLES["ddp-hook"] = Table("ddp_hook.json", (
 
 # --- ddp-hook.md: benchmarks/ddp_links.py's runs over shaped links (one per link, model and side)
 _DDP_LINK_SIDES = tuple((label, side) for label, side in _DDP_SIDES if side != "torch fp16 hook")
-_DDP_LINK_GPT = ("fedcomp int8", "fedcomp qsgd", "fedcomp powersgd r4")  # sides the GPT leaves out
+_DDP_LINK_GPT = ("fedcomp int8", "fedcomp qsgd")  # sides the GPT leaves out
 
 
 def _ddp_links(model: str, mbps: int) -> Table:
