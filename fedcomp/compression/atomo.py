@@ -123,8 +123,7 @@ class AtomoCompressor(Compressor):
         matrix that ATOMO compresses in practice) error feedback's residual grows without bound, and the residual
         itself is sampling noise with a flat spectrum. ATOMO is unbiased: the paper runs it without."""
         return (f"atomo (atoms={self.atoms}) is unbiased but its variance reaches (rank / atoms - 1) x ||x||^2 on a "
-                f"matrix with a flat spectrum, and error feedback diverges from 1 x ||x||^2 on: "
-                f"turn error feedback off")
+                f"matrix with a flat spectrum, and error feedback diverges from 1 x ||x||^2 on")
 
     def uses_atoms(self, shape: tuple[int, ...]) -> bool:
         """Whether a tensor of ``shape`` is sent as SVD atoms (else through ``fallback``)."""

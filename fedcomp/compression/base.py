@@ -101,7 +101,8 @@ class Compressor:
         is a contraction, ``E||C(x) - x||^2 <= (1 - delta) ||x||^2`` for some ``delta > 0`` (Stich &
         Karimireddy, "The Error-Feedback Framework", 2020). Every biased codec here is one (it keeps part of
         ``x`` and drops the rest); an unbiased stochastic codec is one only where its worst-case variance
-        ``E||C(x) - x||^2 / ||x||^2`` is below 1. `ErrorFeedback` raises ValueError with this reason.
+        ``E||C(x) - x||^2 / ||x||^2`` is below 1. `ErrorFeedback` raises ValueError with this reason followed by
+        `WITHOUT_FEEDBACK`.
         """
         return ""
 

@@ -23,6 +23,8 @@ _RESIDUAL_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 
 #: Keys of `ErrorFeedback.get_state` besides the codec's own ("<codec name>/<key>").
 RESIDUAL, MOMENTUM = "residual", "momentum"
+#: What a refusal of error feedback (`Compressor.error_feedback_refusal`) adds where error feedback is a setting.
+WITHOUT_FEEDBACK = "or turn error feedback off (the codec is unbiased: it trains without it)"
 #: Separator between a payload key and a state entry name in `flatten_states`.
 STATE_SEP = "#"
 
@@ -160,7 +162,7 @@ class ErrorFeedback:
         if momentum >= 1.0:
             raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
         if refusal := compressor.error_feedback_refusal():
-            raise ValueError(refusal)
+            raise ValueError(f"{refusal}; {WITHOUT_FEEDBACK}")
         self.compressor = compressor
         self.residual_dtype = residual_dtype
         self.momentum = float(momentum)

@@ -192,11 +192,10 @@ class QSGDCompressor(Compressor):
             return ""
         top = MAX_EXPONENTIAL_LEVELS if self.spacing == "exponential" else MAX_LEVELS
         fewest = next((s for s in range(self.levels + 1, top + 1) if self.variance_bound(s) < 1.0), None)
-        raise_to = (f"raise 'levels' to {fewest} or more, " if fewest else "") + "lower the bucket size, "
+        raise_to = (f"raise 'levels' to {fewest} or more or " if fewest else "") + "lower the bucket size"
         return (f"qsgd with levels={self.levels}, bucket_size={self.bucket_size}, spacing={self.spacing!r} has a "
                 f"worst-case variance E||C(x) - x||^2 of {bound:.2f} ||x||^2, and error feedback diverges unless it is "
-                f"below 1: {raise_to}"
-                f"or turn error feedback off (qsgd is unbiased without it)")
+                f"below 1: {raise_to}")
 
     def config(self) -> dict:
         """``{"levels": s, "bucket_size": d}``, plus ``"spacing"`` when it is exponential."""

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from fedcomp.compression import CODECS, Compressor, ErrorFeedback, get_compressor
-from fedcomp.compression.error_feedback import RESIDUAL
+from fedcomp.compression.error_feedback import RESIDUAL, WITHOUT_FEEDBACK
 from fedcomp.distributed.exchange import ByteCount, CompressionError, average
 from fedcomp.distributed.lowrank import ALLREDUCE_LOW_RANK, powersgd_allreduce
 from fedcomp.util.validate import check_number
@@ -140,7 +140,7 @@ class CompressionState:
         if not error_feedback and codec.requires_error_feedback:
             raise ValueError(f"error_feedback=False is refused for {compressor!r}: {codec.requires_error_feedback}")
         if error_feedback and (refusal := self.template.error_feedback_refusal()):
-            raise ValueError(f"error_feedback: {refusal}")
+            raise ValueError(f"error_feedback: {refusal}; {WITHOUT_FEEDBACK}")
         if nonfinite not in NONFINITE:
             raise ValueError(f"nonfinite must be one of {list(NONFINITE)}, got {nonfinite!r}")
         self.process_group = process_group

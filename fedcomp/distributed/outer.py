@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from fedcomp.compression import Compressor, ErrorFeedback, get_compressor
+from fedcomp.compression.error_feedback import WITHOUT_FEEDBACK
 from fedcomp.distributed.exchange import ByteCount, CompressionError, average
 from fedcomp.util.validate import check_number
 
@@ -413,7 +414,7 @@ class DiLoCo:
             raise ValueError(f"error_feedback=False with compressor {self.codec_name!r}: "
                              f"{cls.requires_error_feedback}")
         if error_feedback and (refusal := codec.error_feedback_refusal()):
-            raise ValueError(f"error_feedback: {refusal}")
+            raise ValueError(f"error_feedback: {refusal}; {WITHOUT_FEEDBACK}")
         return error_feedback
 
     def _check_outer_optimizer(self, outer_optimizer: Any) -> None:

@@ -157,7 +157,9 @@ class Downstream:
     ------
     ValueError
         ``catchup`` not one of the two, ``max_copies`` < 2 (or not a finite number or None), ``init`` not a
-        policy or codec name, ``density`` outside (0, 1], or ``correction`` not in [0, 1].
+        policy or codec name, ``density`` outside (0, 1], ``correction`` not in [0, 1], or a ``compressor``
+        with which the download's error feedback would diverge
+        (`fedcomp.compression.Compressor.error_feedback_refusal`: ATOMO, QSGD with few levels).
     """
 
     def __init__(self, codec: CodecConfig, compressor: str, seed: int = 0, init: SeededInit | str | None = "auto",
@@ -169,6 +171,9 @@ class Downstream:
         self.density = check_density(density)
         check_catchup(catchup)
         check_max_copies(max_copies)
+        if compressor in CODECS and (refusal := codec.build(seed=0, compressor=compressor).error_feedback_refusal()):
+            raise ValueError(f"downstream codec {compressor!r}: {refusal}. The download keeps what it did not send "
+                             f"for the next round, as error feedback does: choose another downstream codec")
         self.codec, self.compressor, self.seed, self.init = codec, compressor, seed, init
         self.model: FlatModel | None = None  # B_v: every tensor
         #: "exact": lagging clients get the chain of missed payloads whenever it exists, never a per-client

@@ -86,6 +86,13 @@ def test_unknown_downstream_codec_is_rejected():
         CompressedStrategy(FedAvg(), downstream="zip")
 
 
+def test_a_downstream_codec_with_which_its_error_feedback_diverges_is_rejected():
+    # the download keeps G - B for the next round: with QSGD at 3 levels over 512 entries it grew without bound
+    with pytest.raises(ValueError, match="downstream codec 'qsgd': qsgd with levels=3.*choose another downstream"):
+        CompressedStrategy(FedAvg(), compressor="sign", downstream="qsgd", levels=3)
+    CompressedStrategy(FedAvg(), compressor="sign", downstream="qsgd", levels=12)  # 12 levels: bounded
+
+
 def test_dense_reply_under_downstream_is_rejected():
     from fedcomp.statedict import FlatModel
     grid = InProcessGrid(client_app, 3, {"lr": 0.1})
