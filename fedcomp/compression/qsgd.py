@@ -175,13 +175,14 @@ class QSGDCompressor(Compressor):
         Each entry rounds between its two adjacent levels ``lo <= r <= hi`` (r = |x_i| / ||x_B||), with variance
         ``(hi - r)(r - lo)``. Uniform spacing (gap 1/s): at most ``min(1/(4 s^2), r/s)`` an entry, so
         ``min(d/(4 s^2), sqrt(d)/s)`` a bucket (Lemma 3.1's bound with the 1/4 of the rounding's variance).
-        Exponential spacing: above the smallest level the gap is at most r, ``r^2/4`` an entry; below it
-        (``l0 = 2**(1-s)``) at most ``min(l0^2/4, l0 r)``: ``1/4 + min(d l0^2/4, sqrt(d) l0)`` a bucket.
+        Exponential spacing: between two levels above the smallest (``hi = 2 lo``) the variance is at most
+        ``r^2/8`` (its largest share of r^2, at ``r = 4/3 lo``); below it (``l0 = 2**(1-s)``) ``(l0 - r) r``, which
+        is at most ``r^2/8 + 2 l0^2/9`` and at most ``l0 r``: ``1/8 + min(2 d l0^2/9, sqrt(d) l0)`` a bucket.
         """
         s, d = self.levels if levels is None else levels, self.bucket_size
         if self.spacing == "exponential":
             lowest = 2.0 ** (1 - s)
-            return 0.25 + min(d * lowest * lowest / 4, math.sqrt(d) * lowest)
+            return 0.125 + min(2 * d * lowest * lowest / 9, math.sqrt(d) * lowest)
         return min(d / (4 * s * s), math.sqrt(d) / s)
 
     def error_feedback_refusal(self) -> str:
@@ -192,7 +193,7 @@ class QSGDCompressor(Compressor):
             return ""
         top = MAX_EXPONENTIAL_LEVELS if self.spacing == "exponential" else MAX_LEVELS
         fewest = next((s for s in range(self.levels + 1, top + 1) if self.variance_bound(s) < 1.0), None)
-        raise_to = (f"raise 'levels' to {fewest} or more or " if fewest else "") + "lower the bucket size"
+        raise_to = (f"raise 'levels' to {fewest} or more" if fewest else "use fewer entries per bucket")
         return (f"qsgd with levels={self.levels}, bucket_size={self.bucket_size}, spacing={self.spacing!r} has a "
                 f"worst-case variance E||C(x) - x||^2 of {bound:.2f} ||x||^2, and error feedback diverges unless it is "
                 f"below 1: {raise_to}")

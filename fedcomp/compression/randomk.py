@@ -216,6 +216,16 @@ class RandomKCompressor(SeededPositions, ChunkedSparseDecoding, Compressor):
         super().__init__(density, seed)
         self.rescale = bool(rescale)
 
+    def error_feedback_refusal(self) -> str:
+        """Non-empty with ``rescale=True`` at density <= 1/2: the rescaled estimate is unbiased with a variance of
+        ``(1/density - 1) ||x||^2`` (k of n entries kept, each times n/k), at or above ``||x||^2`` there, and error
+        feedback's residual grows without bound. Unscaled (the default) it keeps part of x and drops the rest."""
+        if not self.rescale or self.density > 0.5:
+            return ""
+        return (f"randomk with rescale=True at density={self.density} is unbiased with a variance of "
+                f"{1 / self.density - 1:.3g} x ||x||^2, and error feedback diverges from 1 x ||x||^2 on: keep rescale "
+                f"off (the default) with error feedback")
+
     def config(self) -> dict:
         """``{"density": ..., "rescale": ...}``."""
         return {"density": self.density, "rescale": self.rescale}

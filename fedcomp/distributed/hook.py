@@ -168,6 +168,7 @@ class CompressionState:
         # the buckets of a restored run (index -> keys): DDP's provisional first bucket is compressed
         # along them, as the saved run did after its rebuild
         self.saved_layouts: dict[int, tuple[str, ...]] = {}
+        self.sent_layouts: dict[int, tuple[str, ...]] = {}  # bucket index -> keys, every bucket of the last step
         self.numels: dict[str, int] = {}
         self._bucket_keys: dict[int, tuple[tuple[int, ...], tuple[str, ...]]] = {}  # index -> (ids, keys)
         self.codecs: dict[int | str, Compressor] = {}  # stateful codecs without error feedback
@@ -258,15 +259,15 @@ class CompressionState:
         return groups
 
     def record_layout(self, index: int, layout: tuple[str, ...]) -> None:
-        """Note that bucket ``index`` holds the parameters ``layout`` now, for
-        [`state_dict`][fedcomp.distributed.CompressionState.state_dict]'s ``"layouts"``: codecs whose memory is kept per
-        parameter (PowerSGD) have no bucket residual to note it by. A bucket that held any of them before is
-        forgotten."""
-        if self.layouts.get(index) != layout:
+        """Note that bucket ``index`` holds the parameters ``layout`` now, whatever went (compressed, plain below
+        ``min_compression_numel`` or in warm-up, per tensor, PowerSGD), for
+        [`state_dict`][fedcomp.distributed.CompressionState.state_dict]'s ``"layouts"``. A bucket that held any of
+        them before is forgotten."""
+        if self.sent_layouts.get(index) != layout:
             have = set(layout)
-            for other in [i for i, lay in self.layouts.items() if i != index and have & set(lay)]:
-                del self.layouts[other]
-            self.layouts[index] = layout
+            for other in [i for i, lay in self.sent_layouts.items() if i != index and have & set(lay)]:
+                del self.sent_layouts[other]
+            self.sent_layouts[index] = layout
 
     def unpack_residual(self, index: int) -> None:
         """Cut bucket ``index``'s residual into its parameters' pieces, kept until a bucket claims them."""
@@ -343,7 +344,7 @@ class CompressionState:
                 "error_feedback": self.error_feedback, "warmup_steps": self.warmup_steps,
                 "min_compression_numel": self.min_compression_numel, "seed": self.seed, "step": self.step,
                 "bytes_sent": self.bytes.sent, "bytes_dense": self.bytes.dense, "memory": memory,
-                "layouts": {i: list(lay) for i, lay in (self.layouts or self.saved_layouts).items()}}
+                "layouts": {i: list(lay) for i, lay in (self.sent_layouts or self.saved_layouts).items()}}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore what [`state_dict`][fedcomp.distributed.CompressionState.state_dict] returned (this rank's own).
@@ -375,7 +376,7 @@ class CompressionState:
                     raise ValueError(f"the saved state's {name} of parameter {key} holds NaN/Inf")
         self.step = int(state["step"])
         self.bytes = ByteCount(int(state.get("bytes_sent", 0)), int(state.get("bytes_dense", 0)))
-        self.feedback, self.layouts, self.owner, self.codecs = {}, {}, {}, {}
+        self.feedback, self.layouts, self.owner, self.codecs, self.sent_layouts = {}, {}, {}, {}, {}
         self.saved_layouts = {int(i): tuple(str(k) for k in lay) for i, lay in state.get("layouts", {}).items()}
         self.pending = memory
 
@@ -423,19 +424,12 @@ def compression_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.
     buffer = bucket.buffer()
     index = bucket.index()
     keys = state.parameter_keys(index, bucket)
-    group, count = state.process_group, state.bytes
     try:
-        if not state.compresses(buffer.numel()):
-            mean = average(buffer, state.plain, None, group, count)
-        elif state.compressor in ALLREDUCE_LOW_RANK:
-            mean = _average_low_rank(state, bucket, keys)
-        elif state.per_tensor:
-            mean = _average_per_tensor(state, bucket, keys)
-        elif (groups := state.layout_groups(keys)) is not None:
+        if (groups := state.layout_groups(keys)) is not None:
             mean = _average_by_layout(state, bucket, keys, groups)
         else:
-            feedback = state.bucket_feedback(index, keys)
-            mean = average(buffer, state.codec_for(index, feedback), feedback, group, count)
+            state.record_layout(index, tuple(keys))
+            mean = _average_bucket(state, index, buffer, bucket.gradients(), keys)
     except CompressionError as err:
         if state.nonfinite == "raise":
             raise ValueError(f"compression_hook: codec {state.compressor!r}, bucket {index}, step {state.step}: "
@@ -451,43 +445,40 @@ def compression_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.
     return fut
 
 
-def _average_per_tensor(state: CompressionState, bucket: dist.GradBucket, keys: list[str]) -> torch.Tensor:
-    """The bucket's mean, each parameter's gradient (in its own shape) a payload of its own."""
-    pieces = []
-    for key, grad in zip(keys, bucket.gradients()):
-        feedback = state.tensor_feedback(key)
-        pieces.append(average(grad, state.codec_for(key, feedback), feedback, state.process_group,
-                              state.bytes).reshape(-1))
-    return torch.cat(pieces) if pieces else torch.zeros(0)
-
-
-def _average_low_rank(state: CompressionState, bucket: dist.GradBucket, keys: list[str]) -> torch.Tensor:
-    """The bucket's mean by `powersgd_allreduce`, along the saved run's buckets where a resumed DDP's provisional
-    bucket spans several (their allreduces then sum what the saved run's did, in the same order)."""
-    groups = state.layout_groups(keys) or [(bucket.index(), tuple(keys))]
-    by_key = dict(zip(keys, bucket.gradients()))
-    parts = {}
-    for index, layout in groups:
-        state.record_layout(index, layout)
-        part = powersgd_allreduce(state, [by_key[k] for k in layout], list(layout), state.process_group,
-                                  state.bytes)
-        parts.update(zip(layout, part.split([by_key[k].numel() for k in layout])))
-    return torch.cat([parts[k] for k in keys] + [torch.zeros(0, device=bucket.buffer().device)])
+def _average_bucket(state: CompressionState, index: int, flat: torch.Tensor, grads: list[torch.Tensor],
+                    keys: list[str]) -> torch.Tensor:
+    """The mean of one bucket (or one saved bucket's part of a resumed provisional one): ``flat`` its entries,
+    ``grads`` its gradients in their shapes, ``keys`` their parameter keys; plain fp32 in warm-up or below
+    ``min_compression_numel``, else compressed the codec's way."""
+    group, count = state.process_group, state.bytes
+    if not state.compresses(flat.numel()):
+        return average(flat, state.plain, None, group, count)
+    if state.compressor in ALLREDUCE_LOW_RANK:
+        return powersgd_allreduce(state, grads, keys, group, count)
+    if state.per_tensor:  # each parameter's gradient, in its own shape, a payload of its own
+        pieces = [torch.zeros(0, device=flat.device)]
+        for key, grad in zip(keys, grads):
+            feedback = state.tensor_feedback(key)
+            pieces.append(average(grad, state.codec_for(key, feedback), feedback, group, count).reshape(-1))
+        return torch.cat(pieces)
+    feedback = state.bucket_feedback(index, keys)
+    return average(flat, state.codec_for(index, feedback), feedback, group, count)
 
 
 def _average_by_layout(state: CompressionState, bucket: dist.GradBucket, keys: list[str],
                        groups: list[tuple[int, tuple[str, ...]]]) -> torch.Tensor:
-    """The bucket's mean, compressed along the saved run's buckets ``groups`` (each its own payload)."""
+    """The mean of a resumed DDP's provisional bucket, along the saved run's buckets ``groups``: each as the saved
+    run sent it (`_average_bucket`), in index order, so that every collective sums what it summed then."""
     buffer = bucket.buffer()
-    offsets, off = {}, 0
+    offsets, grads, off = {}, {}, 0
     for key, grad in zip(keys, bucket.gradients()):
-        offsets[key] = (off, grad.numel())
+        offsets[key], grads[key] = (off, grad.numel()), grad
         off += grad.numel()
     mean = torch.empty(buffer.numel(), dtype=torch.float32, device=buffer.device)
     for index, layout in groups:
+        state.record_layout(index, layout)
         segment = torch.cat([buffer.narrow(0, *offsets[k]) for k in layout])
-        feedback = state.bucket_feedback(index, list(layout))
-        part = average(segment, state.codec_for(index, feedback), feedback, state.process_group, state.bytes)
+        part = _average_bucket(state, index, segment, [grads[k] for k in layout], list(layout)).reshape(-1)
         start = 0
         for k in layout:
             o, n = offsets[k]

@@ -63,6 +63,7 @@ def test_error_feedback_defaults_off_for_dense_casts_only():
     # unbiased codecs with which it would diverge: off by default (explicitly on is refused)
     assert not CompressionState(compressor="qsgd", levels=3).error_feedback
     assert not CompressionState(compressor="atomo").error_feedback
+    assert not CompressionState(compressor="randomk", density=0.01, rescale=True).error_feedback
 
 
 # -- equivalence with DDP's allreduce and torch's fp16 hook -----------------------------------------------
@@ -264,9 +265,9 @@ def _resume(rank, world):
     return {name: _resume_one(rank, name, opts) for name, opts in RESUMED.items()}
 
 
-def _resume_one(rank, name, opts):
+def _resume_one(rank, name, opts, min_numel=0):
     def fresh():
-        state = CompressionState(compressor=name, min_compression_numel=0, **opts)
+        state = CompressionState(compressor=name, min_compression_numel=min_numel, **opts)
         return _ddp(make_model(), state, bucket_mb=SMALL_BUCKET_MB), state
 
     ddp, state = fresh()
@@ -293,6 +294,18 @@ def test_a_checkpoint_resumes_to_the_same_next_steps():
 
 def _resume_powersgd(rank, world):
     return _resume_one(rank, "powersgd", RESUMED["powersgd"])
+
+
+def _resume_with_plain_buckets(rank, world):
+    # the default min_compression_numel (1024): the small buckets go plain, and the resumed provisional bucket must
+    # send them plain too
+    return {name: _resume_one(rank, name, RESUMED[name], min_numel=None) for name in ("stc", "powersgd")}
+
+
+def test_a_checkpoint_resumes_bit_for_bit_where_small_buckets_go_plain():
+    for by_codec in values(run_ranks(_resume_with_plain_buckets, 3)):
+        for name, res in by_codec.items():
+            assert res["equal"] and res["step"] == 7, (name, res)
 
 
 def test_a_powersgd_checkpoint_resumes_bit_for_bit_on_three_ranks():
