@@ -366,8 +366,11 @@ class CompressionState:
             raise ValueError(f"state version {state.get('version')!r} is not {STATE_VERSION}")
         for name in ("compressor", "codec_options", "error_feedback"):
             if state.get(name) != getattr(self, name):
+                why = (f" (error feedback diverges with this codec and is off by default: {refusal}; that state's "
+                       f"residual is of no use: start the hook's state afresh, the model and optimizer still load)"
+                       if name == "error_feedback" and (refusal := self.template.error_feedback_refusal()) else "")
                 raise ValueError(f"the saved state's {name} is {state.get(name)!r}, "
-                                 f"this state's {getattr(self, name)!r}")
+                                 f"this state's {getattr(self, name)!r}{why}")
         memory = {str(k): {str(n): torch.as_tensor(t).detach().cpu().numpy() for n, t in e.items()}
                   for k, e in state.get("memory", {}).items()}
         for key, entries in memory.items():

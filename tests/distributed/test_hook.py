@@ -315,6 +315,13 @@ def test_a_powersgd_checkpoint_resumes_bit_for_bit_on_three_ranks():
         assert res["equal"] and res["step"] == 7 and res["memory"] > 0, res
 
 
+def test_a_state_saved_with_error_feedback_that_diverges_says_why_it_does_not_load():
+    saved = CompressionState(compressor="qsgd", levels=3, error_feedback=False).state_dict()
+    saved["error_feedback"] = True  # as saved where error feedback was on by default for every lossy codec
+    with pytest.raises(ValueError, match="error_feedback is True, this state's False .error feedback diverges"):
+        CompressionState(compressor="qsgd", levels=3).load_state_dict(saved)
+
+
 def test_state_dict_refuses_another_codec():
     saved = CompressionState(compressor="stc", density=0.05).state_dict()
     with pytest.raises(ValueError, match="codec_options"):
