@@ -25,6 +25,24 @@ _RESIDUAL_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 RESIDUAL, MOMENTUM = "residual", "momentum"
 #: What a refusal of error feedback (`Compressor.error_feedback_refusal`) adds where error feedback is a setting.
 WITHOUT_FEEDBACK = "or turn error feedback off (the codec is unbiased: it trains without it)"
+
+
+def check_error_feedback(compressor: Compressor, setting: str) -> None:
+    """Refuse error feedback with a codec with which it diverges (`Compressor.error_feedback_refusal`).
+
+    Raises
+    ------
+    ValueError
+        ``"<setting>: <the codec's reason>; or turn error feedback off (...)"``.
+    """
+    if refusal := compressor.error_feedback_refusal():
+        raise ValueError(f"{setting}: {refusal}; {WITHOUT_FEEDBACK}")
+
+
+def error_feedback_default(compressor: Compressor) -> bool:
+    """Whether error feedback is on when the caller leaves it unset: for every lossy codec (not the dense casts
+    ``none``/``fp16``/``bf16``, which then match a plain exchange) with which it converges."""
+    return not compressor.small_tensor and not compressor.error_feedback_refusal()
 #: Separator between a payload key and a state entry name in `flatten_states`.
 STATE_SEP = "#"
 
@@ -161,8 +179,7 @@ class ErrorFeedback:
         check_range("momentum", momentum, 0.0, 1.0)
         if momentum >= 1.0:
             raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
-        if refusal := compressor.error_feedback_refusal():
-            raise ValueError(f"{refusal}; {WITHOUT_FEEDBACK}")
+        check_error_feedback(compressor, "error feedback")
         self.compressor = compressor
         self.residual_dtype = residual_dtype
         self.momentum = float(momentum)

@@ -16,7 +16,7 @@ from typing import Any
 
 from fedcomp.compression import CODECS, Compressor, available_compressors, codec_options, codecs_with
 from fedcomp.compression.dense import SMALL_TENSOR
-from fedcomp.compression.error_feedback import WITHOUT_FEEDBACK
+from fedcomp.compression.error_feedback import check_error_feedback
 from fedcomp.config.low_density import resolve_schedule
 from fedcomp.util.declared_key import Key, defaults, table
 from fedcomp.util.validate import closest_hint, read_string
@@ -271,8 +271,8 @@ class CodecConfig:
             reason = CODECS[name].requires_error_feedback
             if reason and not self.error_feedback:
                 raise ValueError(f"{source} 'error-feedback' must be true with compressor '{name}' ({reason})")
-            if self.error_feedback and (refusal := self.build(seed=0, compressor=name).error_feedback_refusal()):
-                raise ValueError(f"{source} 'error-feedback': {refusal}; {WITHOUT_FEEDBACK}")
+            if self.error_feedback:
+                check_error_feedback(self.build(seed=0, compressor=name), f"{source} 'error-feedback'")
             if CODECS[name].per_tensor_only and self.selection == "model" and name in (self.compressor,
                                                                                        self.warmup_compressor):
                 raise ValueError(f"{source} 'selection' must be 'tensor' or 'auto' with compressor '{name}' "

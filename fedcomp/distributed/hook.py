@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from fedcomp.compression import CODECS, Compressor, ErrorFeedback, get_compressor
-from fedcomp.compression.error_feedback import RESIDUAL, WITHOUT_FEEDBACK
+from fedcomp.compression.error_feedback import RESIDUAL, check_error_feedback, error_feedback_default
 from fedcomp.distributed.exchange import ByteCount, CompressionError, average
 from fedcomp.distributed.lowrank import ALLREDUCE_LOW_RANK, powersgd_allreduce
 from fedcomp.util.validate import check_number
@@ -134,13 +134,13 @@ class CompressionState:
         self.seeded = codec.seeded
         self.per_tensor = codec.per_tensor_only
         if error_feedback is None:
-            error_feedback = not codec.small_tensor and not self.template.error_feedback_refusal()
+            error_feedback = error_feedback_default(self.template)
         if not isinstance(error_feedback, bool):
             raise ValueError(f"error_feedback must be True, False or None, got {error_feedback!r}")  # noqa: TRY004
         if not error_feedback and codec.requires_error_feedback:
             raise ValueError(f"error_feedback=False is refused for {compressor!r}: {codec.requires_error_feedback}")
-        if error_feedback and (refusal := self.template.error_feedback_refusal()):
-            raise ValueError(f"error_feedback: {refusal}; {WITHOUT_FEEDBACK}")
+        if error_feedback:
+            check_error_feedback(self.template, "error_feedback")
         if nonfinite not in NONFINITE:
             raise ValueError(f"nonfinite must be one of {list(NONFINITE)}, got {nonfinite!r}")
         self.process_group = process_group

@@ -139,10 +139,9 @@ def powersgd_allreduce(state, grads: list[torch.Tensor], keys: list[str], group:
             ef.residual = (mat - approx).reshape(grads[i].shape)
             ef.compressor.q = q_mean
         out[i] = approx.reshape(-1)
-    if exact is not None:
-        first, off = exact, 0
+    source, off = (first, off) if exact is None else (exact, 0)  # where the small tensors' means are
     for i in dense:
-        out[i] = first[off: off + grads[i].numel()]
+        out[i] = source[off: off + grads[i].numel()]
         off += grads[i].numel()
     count.dense += 4 * sum(g.numel() for g in grads)
     return torch.cat([o for o in out] + [torch.zeros(0, device=device)])

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from fedcomp.compression import Compressor, ErrorFeedback, get_compressor
-from fedcomp.compression.error_feedback import WITHOUT_FEEDBACK
+from fedcomp.compression.error_feedback import check_error_feedback, error_feedback_default
 from fedcomp.distributed.exchange import ByteCount, CompressionError, average
 from fedcomp.util.validate import check_number
 
@@ -405,16 +405,15 @@ class DiLoCo:
     def _check_error_feedback(self, error_feedback: Any) -> bool:
         """Resolve ``error_feedback`` (None: on for every lossy codec)."""
         codec = get_compressor(self.codec_name, **self.codec_options)
-        cls = type(codec)
         if error_feedback is None:
-            error_feedback = not cls.small_tensor and not codec.error_feedback_refusal()
+            error_feedback = error_feedback_default(codec)
         if not isinstance(error_feedback, bool):
             raise TypeError(f"error_feedback must be True, False or None, got {error_feedback!r}")
-        if not error_feedback and cls.requires_error_feedback:
+        if not error_feedback and codec.requires_error_feedback:
             raise ValueError(f"error_feedback=False with compressor {self.codec_name!r}: "
-                             f"{cls.requires_error_feedback}")
-        if error_feedback and (refusal := codec.error_feedback_refusal()):
-            raise ValueError(f"error_feedback: {refusal}; {WITHOUT_FEEDBACK}")
+                             f"{codec.requires_error_feedback}")
+        if error_feedback:
+            check_error_feedback(codec, "error_feedback")
         return error_feedback
 
     def _check_outer_optimizer(self, outer_optimizer: Any) -> None:
