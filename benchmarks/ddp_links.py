@@ -387,13 +387,7 @@ def over_seeds(targets: list[dict]) -> list[dict]:
             row[f"median_{key}"] = statistics.median(values) if None not in values else None
         row["sides"] = [t["side"] for t in per_seed]
         measured, common = row["median_speedup"], row["median_speedup_at_common_compute"]
-        if measured is None or common is None:
-            row["met"] = "not measurable"
-        elif (measured >= 1.5) == (common >= 1.5):
-            row["met"] = "met" if measured >= 1.5 else "not met"
-        else:  # as `time_verdict`: met only where the measured times and those at a common compute agree
-            row["met"] = "not met: met as measured, not at a common compute" if measured >= 1.5 else \
-                "not met: met at a common compute, not as measured"
+        row["met"] = "not measurable" if measured is None or common is None else agreed_verdict(measured, common)
         out.append(row)
     return out
 
@@ -406,7 +400,12 @@ def time_verdict(fastest: dict | None, speedup: float | None, bound: float | Non
         return "not measurable: no fedcomp side reached DDP's final quality"
     if speedup is None:
         return ("met" if bound >= 1.5 else "not measurable") + ": neither PowerSGD rank reached it"
-    common = fastest["speedup_vs_powersgd_at_common_compute"]
+    return agreed_verdict(speedup, fastest["speedup_vs_powersgd_at_common_compute"])
+
+
+def agreed_verdict(speedup: float, common: float) -> str:
+    """"met" where the speed-up is at least 1.5 both as measured and at a common compute, else which one falls
+    short."""
     if (speedup >= 1.5) == (common >= 1.5):
         return "met" if speedup >= 1.5 else "not met"
     return ("not met: " if common < 1.5 else "met at a common compute, ") + (
