@@ -123,7 +123,8 @@ class AtomoCompressor(Compressor):
         matrix that ATOMO compresses in practice) error feedback's residual grows without bound, and the residual
         itself is sampling noise with a flat spectrum. ATOMO is unbiased: the paper runs it without."""
         return (f"atomo (atoms={self.atoms}) is unbiased but its variance reaches (rank / atoms - 1) x ||x||^2 on a "
-                f"matrix with a flat spectrum, and error feedback diverges from 1 x ||x||^2 on")
+                f"matrix with a flat spectrum, and error feedback diverges from 1 x ||x||^2 on: only atoms at or above "
+                f"every matrix's rank (where ATOMO sends it exactly) would bound it")
 
     def uses_atoms(self, shape: tuple[int, ...]) -> bool:
         """Whether a tensor of ``shape`` is sent as SVD atoms (else through ``fallback``)."""
